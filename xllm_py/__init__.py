@@ -1,0 +1,3 @@
+"""xllm-py: the engine side of a prefill/decode disaggregated LLM serving cluster."""
+
+__version__ = "0.1.0"

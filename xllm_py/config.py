@@ -1,0 +1,118 @@
+"""Configuration dataclasses. The CLI builds these; components take the sub-config they use.
+
+Environment variables are read here only (see `transfer_config_from_env`).
+Nothing in this module touches disk, torch or gRPC.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+
+
+class InstanceRole(str, enum.Enum):
+    DEFAULT = "DEFAULT"
+    MIX = "MIX"
+    PREFILL = "PREFILL"
+    DECODE = "DECODE"
+
+    @classmethod
+    def parse(cls, value: str) -> "InstanceRole":
+        try:
+            return cls(value.upper())
+        except ValueError:
+            raise ValueError(
+                f"unknown instance role {value!r}; expected one of {[r.value for r in cls]}"
+            ) from None
+
+
+class KVTransferMode(str, enum.Enum):
+    PULL = "PULL"
+    PUSH = "PUSH"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # None: sized from --kv-cache-memory at start-up by the model runner.
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2, got {self.num_blocks}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    # Per-step token budget shared by prefill chunks and decode tokens.
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be positive")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if self.max_model_len <= 0:
+            raise ValueError("max_model_len must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferConfig:
+    mode: KVTransferMode = KVTransferMode.PULL
+    backend: str = "ucx"  # "ucx" | "tcp" | "fake"
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    timeout_s: float = 30.0
+    max_retries: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"
+    dtype: str = "float32"
+    device: str = "cpu"
+    role: InstanceRole = InstanceRole.MIX
+    host: str = "127.0.0.1"
+    port: int = 9000
+    served_model_name: str | None = None
+    seed: int = 0
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
+    # Cluster
+    etcd_addr: str | None = None
+    etcd_namespace: str = ""
+    etcd_ttl_s: float = 3.0
+    heartbeat_interval_s: float = 0.5
+    instance_name: str | None = None
+    disagg_pd_port: int = 0
+    worker_port: int = 0
+    rpc_timeout_s: float = 10.0
+
+
+def transfer_config_from_env(base: TransferConfig) -> TransferConfig:
+    """Overrides from XLLM_KV_TRANSFER_* variables (tests use them to inject settings)."""
+    backend = os.environ.get("XLLM_KV_TRANSFER_BACKEND")
+    timeout = os.environ.get("XLLM_KV_TRANSFER_TIMEOUT_S")
+    changes: dict = {}
+    if backend:
+        changes["backend"] = backend
+    if timeout:
+        changes["timeout_s"] = float(timeout)
+    return dataclasses.replace(base, **changes) if changes else base
+
+
+def etcd_credentials_from_env() -> tuple[str, str] | None:
+    """ETCD_USERNAME / ETCD_PASSWORD: both or neither."""
+    user = os.environ.get("ETCD_USERNAME")
+    password = os.environ.get("ETCD_PASSWORD")
+    if bool(user) != bool(password):
+        raise ValueError("set both ETCD_USERNAME and ETCD_PASSWORD, or neither")
+    return (user, password) if user else None

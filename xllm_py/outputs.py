@@ -1,0 +1,44 @@
+"""Domain output of a request: what the engine produces per step, transport-free.
+
+Mirrors xLLM's `DisaggStreamGeneration`/`SequenceOutput`; xllm_py/rpc/convert.py maps it
+to and from protobuf, xllm_py/api turns a stream of it into OpenAI responses.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # (token_id, logprob) of the most likely tokens at this position, best first.
+    top: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class CompletionDelta:
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionDelta] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_token_ids: list[int] | None = None
+    # Set when the request failed: (HTTP-like status code, message for the client).
+    error_code: int = 0
+    error_message: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.error_code != 0
