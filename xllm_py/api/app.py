@@ -1,0 +1,94 @@
+"""FastAPI app serving the OpenAI API over a GenerateBackend (engine MIX instance or service).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /readiness, GET /metrics.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from xllm_py.api.backend import GenerateBackend
+from xllm_py.api.errors import APIError, error_body
+from xllm_py.api.metrics import APIMetrics
+from xllm_py.api.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def build_app(backend: GenerateBackend, *, served_model_name: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app; `app.state.serving` / `app.state.metrics` for introspection."""
+    metrics = APIMetrics()
+    serving = OpenAIServing(backend, metrics, served_model_name)
+    created = int(time.time())
+    app = FastAPI(title="xllm-py", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.state.backend = backend
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> Response:
+        return JSONResponse(e.to_dict(), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> Response:
+        return JSONResponse(error_body(str(e)), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
+        error_type = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(
+            error_body(str(e.detail), error_type, code=e.status_code), status_code=e.status_code
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.create_completion(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.create_chat_completion(request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({
+            "object": "list",
+            "data": [{
+                "id": serving.model_name,
+                "object": "model",
+                "created": created,
+                "owned_by": "xllm-py",
+                "root": backend.model_name,
+                "max_model_len": backend.max_model_len,
+            }],
+        })
+
+    async def health() -> Response:
+        ok, reason = backend.check_ready()
+        if ok:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/readiness", health, methods=["GET"])
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        text = metrics.render()
+        try:
+            extra = backend.metrics_text()
+        except Exception:
+            logger.warning("backend.metrics_text() failed", exc_info=True)
+            extra = ""
+        if extra:
+            text = text + (extra if extra.endswith("\n") else extra + "\n")
+        return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
+
+    return app

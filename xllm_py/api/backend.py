@@ -1,0 +1,86 @@
+"""The contract between the OpenAI HTTP layer and whatever produces tokens.
+
+The engine (MIX instance, `AsyncEngine`) and the master service both implement
+`GenerateBackend`; `xllm_py.api.app.build_app(backend)` serves the same OpenAI API over
+either. The HTTP layer tokenizes, validates and mints ids; it hands the backend one
+`GenerateRequest` per prompt and renders the `RequestOutput` deltas it yields.
+
+Cancellation: when the HTTP client goes away the layer closes the iterator returned by
+`generate` (`aclose()`) or cancels the task awaiting it; the backend must then abort the
+request and free its resources.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
+
+from xllm_py.outputs import RequestOutput
+
+
+@runtime_checkable
+class TokenizerLike(Protocol):
+    eos_token_ids: Sequence[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    """One prompt to generate `n` choices for; sampling params are plain fields."""
+
+    request_id: str  # unique, minted by the HTTP layer ("cmpl-<hex>", "chatcmpl-<hex>-<i>")
+    prompt_token_ids: list[int]
+    prompt_text: str | None = None  # for echo only; never log it
+    x_request_id: str | None = None  # the client's X-Request-Id header (tracing)
+    n: int = 1
+    best_of: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16  # always resolved (never None)
+    min_tokens: int = 0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per token; None = off
+    echo: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    arrival_time: float = dataclasses.field(default_factory=time.time)
+
+    def anon_repr(self) -> str:
+        """A log-safe description: ids and sizes, no prompt content."""
+        return (
+            f"GenerateRequest(request_id={self.request_id}, x_request_id={self.x_request_id}, "
+            f"num_prompt_tokens={len(self.prompt_token_ids)}, n={self.n}, best_of={self.best_of}, "
+            f"max_tokens={self.max_tokens}, stream={self.stream})"
+        )
+
+
+@runtime_checkable
+class GenerateBackend(Protocol):
+    model_name: str
+    max_model_len: int
+
+    def tokenizer(self) -> TokenizerLike: ...
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Yield RequestOutput deltas (CompletionDelta.index in [0, n)); may raise BackendBusyError."""
+        ...
+
+    def check_ready(self) -> tuple[bool, str]: ...
+
+    def metrics_text(self) -> str: ...

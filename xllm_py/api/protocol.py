@@ -1,0 +1,303 @@
+"""OpenAI request models (pydantic v2) for /v1/completions and /v1/chat/completions.
+
+Parsing is two steps: `parse_request(cls, body)` checks JSON and types (strict: a string
+where a number belongs is a 400), then `req.check_values()` checks value ranges. Both raise
+`InvalidRequestError` with the offending `param`. Unknown fields are ignored. vLLM's
+extensions (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, ...) are accepted.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar, Union
+
+import pydantic
+from pydantic import BaseModel, ConfigDict
+
+from xllm_py.api.backend import GenerateRequest
+from xllm_py.api.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+# Re-exported for callers that import everything request-shaped from here.
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "GenerateRequest",
+    "StreamOptions",
+    "parse_request",
+]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _CommonRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    # -- value checks -------------------------------------------------------------------
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def check_values(self) -> None:
+        """Raise InvalidRequestError for out-of-range values (types are already checked)."""
+        _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
+        _check(self.n <= MAX_N, "n", f"n must be at most {MAX_N}, got {self.n}")
+        if self.best_of is not None:
+            _check(
+                self.best_of >= self.n, "best_of",
+                f"best_of must be greater than or equal to n, got best_of={self.best_of} n={self.n}",
+            )
+            _check(
+                not (self.stream and self.best_of > self.n), "best_of",
+                "best_of must equal n when streaming",
+            )
+        if self.temperature is not None:
+            _check(self.temperature >= 0, "temperature",
+                   f"temperature must be non-negative, got {self.temperature}")
+        if self.top_p is not None:
+            _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None:
+            _check(self.top_k >= -1, "top_k",
+                   f"top_k must be -1 (disabled) or positive, got {self.top_k}")
+        if self.min_p is not None:
+            _check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(-2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value}")
+        if self.repetition_penalty is not None:
+            _check(self.repetition_penalty > 0, "repetition_penalty",
+                   f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        max_tokens = self.requested_max_tokens()
+        if max_tokens is not None:
+            _check(max_tokens >= 1, self._max_tokens_param(),
+                   f"max_tokens must be at least 1, got {max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens",
+               f"min_tokens must be non-negative, got {self.min_tokens}")
+        if max_tokens is not None:
+            _check(self.min_tokens <= max_tokens, "min_tokens",
+                   f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})")
+        for token_id in self.stop_token_ids or []:
+            _check(token_id >= 0, "stop_token_ids", "stop_token_ids must be non-negative")
+        _check(self.stream or self.stream_options is None, "stream_options",
+               "stream_options is only allowed when stream is true")
+
+    def _max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    # -- conversion -------------------------------------------------------------------
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [s for s in stops if s]
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def to_generate_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        prompt_text: str | None,
+        max_tokens: int,
+        x_request_id: str | None,
+        arrival_time: float,
+        echo: bool = False,
+    ) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            prompt_text=prompt_text,
+            x_request_id=x_request_id,
+            n=self.n,
+            best_of=self.best_of if self.best_of is not None else self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if not self.top_k else self.top_k,
+            min_p=self.min_p or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop_list(),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.num_logprobs(),
+            echo=echo,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            stream=self.stream,
+            arrival_time=arrival_time,
+        )
+
+
+PromptType = Union[str, list[int], list[str], list[list[int]]]
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: PromptType
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def check_values(self) -> None:
+        super().check_values()
+        if self.logprobs is not None:
+            _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+                   f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check(self.suffix is None, "suffix", "suffix is not supported")
+        prompts = self.prompt_list()
+        _check(len(prompts) > 0, "prompt", "prompt must not be empty")
+        for p in prompts:
+            _check(len(p) > 0, "prompt", "prompt must not be empty")
+            if isinstance(p, list):
+                _check(all(t >= 0 for t in p), "prompt", "prompt token ids must be non-negative")
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """Each element is its own prompt."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequestError(
+                        f"unsupported content part type {part.type!r}; only text parts are served",
+                        param="messages",
+                    )
+                texts.append(part.text)
+            content: str = "\n".join(texts)
+        else:
+            content = self.content or ""
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def _max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    def check_values(self) -> None:
+        super().check_values()
+        _check(len(self.messages) > 0, "messages", "messages must not be empty")
+        if self.top_logprobs is not None:
+            _check(0 <= self.top_logprobs <= MAX_LOGPROBS, "top_logprobs",
+                   f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+            _check(self.logprobs or self.top_logprobs == 0, "top_logprobs",
+                   "top_logprobs requires logprobs to be true")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template_dict() for m in self.messages]
+
+
+_R = TypeVar("_R", bound=_CommonRequest)
+
+
+def parse_request(cls: type[_R], body: bytes) -> _R:
+    """JSON body -> request model; malformed JSON and wrong types -> InvalidRequestError."""
+    try:
+        req = cls.model_validate_json(body or b"", strict=True)
+    except pydantic.ValidationError as e:
+        raise _validation_error(e) from None
+    req.check_values()
+    return req
+
+
+def _validation_error(e: pydantic.ValidationError) -> InvalidRequestError:
+    errors = e.errors(include_url=False)
+    if not errors:
+        return InvalidRequestError("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return InvalidRequestError(f"malformed JSON body: {first.get('msg', '')}")
+    if first.get("type") == "model_type" or not first.get("loc"):
+        return InvalidRequestError("request body must be a JSON object")
+    # Union members add their type names to loc; keep the field path only.
+    loc = [str(x) for x in first["loc"] if isinstance(x, int) or not _is_type_tag(str(x))]
+    param = ".".join(loc) if loc else None
+    return InvalidRequestError(f"{param}: {first.get('msg', 'invalid value')}", param=param)
+
+
+def _is_type_tag(s: str) -> bool:
+    return any(c in s for c in "[]") or s in {"str", "int", "float", "bool", "list", "dict"}
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)

@@ -1,0 +1,77 @@
+"""Running an app under uvicorn: `serve` for the processes, `serve_in_thread` for tests and
+embedding (own event loop in a daemon thread). Access logs are off by default."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+logger = logging.getLogger(__name__)
+
+
+def _config(app: FastAPI, host: str, port: int, access_log: bool) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, host=host, port=port, access_log=access_log, log_config=None,
+        lifespan="off", timeout_graceful_shutdown=5,
+    )
+
+
+async def serve(app: FastAPI, host: str, port: int, *, access_log: bool = False) -> None:
+    """Serve until cancelled or the process gets SIGINT/SIGTERM."""
+    server = uvicorn.Server(_config(app, host, port, access_log))
+    logger.info("HTTP server listening on %s:%d", host, port)
+    await server.serve()
+
+
+class ServerHandle:
+    """A uvicorn server running in a daemon thread with its own event loop."""
+
+    def __init__(self, server: uvicorn.Server, thread: threading.Thread, host: str, port: int):
+        self._server = server
+        self._thread = thread
+        self.host = host
+        self.port = port
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("HTTP server thread did not stop within %.1f s", timeout)
+
+
+def serve_in_thread(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, access_log: bool = False,
+    startup_timeout: float = 10.0,
+) -> ServerHandle:
+    """Start serving in a daemon thread; port 0 picks a free port (see `handle.port`)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound_port = sock.getsockname()[1]
+    server = uvicorn.Server(_config(app, host, bound_port, access_log))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # not main thread
+
+    def run() -> None:
+        try:
+            asyncio.run(server.serve(sockets=[sock]))
+        finally:
+            sock.close()
+
+    thread = threading.Thread(target=run, name=f"http-{host}:{bound_port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"HTTP server on {host}:{bound_port} failed to start")
+        time.sleep(0.01)
+    return ServerHandle(server, thread, host, bound_port)
