@@ -1,0 +1,126 @@
+import json
+
+import pytest
+
+from xllm_py.cluster.instance_meta import SCHEMA_VERSION, InstanceMeta, InstanceMetaError
+from xllm_py.config import InstanceRole
+from xllm_py.proto import xllm_pb2
+
+
+def make_meta(**overrides) -> InstanceMeta:
+    fields = dict(
+        name="127.0.0.1:9001",
+        type=InstanceRole.DECODE,
+        rpc_address="127.0.0.1:9101",
+        cluster_ids=[11, 12],
+        addrs=["127.0.0.1:7001", "127.0.0.1:7002"],
+        ports=[7001, 7002],
+        dp_size=1,
+        incarnation_id="inc-1",
+        register_ts_ms=1_700_000_000_000,
+        kv_split_size=1,
+        model="tiny-llama",
+        block_size=16,
+        kv_layout="2LNBHD",
+        kv_dtype="float32",
+        tp_size=2,
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=64,
+        num_blocks=512,
+        http_address="127.0.0.1:9001",
+        worker_rpc_addrs=["127.0.0.1:7101", "127.0.0.1:7102"],
+    )
+    fields.update(overrides)
+    return InstanceMeta(**fields)
+
+
+def test_json_roundtrip_keeps_every_field():
+    meta = make_meta()
+    back = InstanceMeta.from_json(meta.to_json())
+    assert back == meta
+    data = json.loads(meta.to_json())
+    assert data["type"] == "DECODE"
+    assert data["schema_version"] == SCHEMA_VERSION
+
+
+def test_proto_roundtrip_keeps_every_field():
+    meta = make_meta()
+    msg = meta.to_proto()
+    assert msg.type == xllm_pb2.DECODE
+    assert list(msg.cluster_ids) == [11, 12]
+    assert InstanceMeta.from_proto(msg) == meta
+    # Through the wire bytes too.
+    assert InstanceMeta.from_proto(xllm_pb2.InstanceMetaInfo.FromString(msg.SerializeToString())) == meta
+
+
+def test_json_unknown_keys_ignored_and_missing_optional_defaulted():
+    data = {"name": "a:1", "type": "prefill", "from_the_future": {"x": 1}, "schema_version": 7}
+    meta = InstanceMeta.from_json(json.dumps(data))
+    assert meta.type is InstanceRole.PREFILL
+    assert meta.schema_version == 7
+    assert meta.dp_size == 1 and meta.tp_size == 1
+    assert meta.cluster_ids == [] and meta.model == ""
+
+
+def test_json_null_values_take_defaults_and_enum_number_accepted():
+    meta = InstanceMeta.from_json(json.dumps({"name": "a:1", "type": 2, "dp_size": None, "ports": None}))
+    assert meta.type is InstanceRole.DECODE
+    assert meta.dp_size == 1 and meta.ports == []
+
+
+@pytest.mark.parametrize("missing", ["name", "type"])
+def test_json_missing_required_key_is_a_clear_error(missing):
+    data = json.loads(make_meta().to_json())
+    del data[missing]
+    with pytest.raises(InstanceMetaError, match=missing):
+        InstanceMeta.from_json(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"name": "a:1", "type": "GPU"}', "unknown instance role"),
+        ('{"name": "a:1", "type": "MIX", "block_size": "big"}', "block_size"),
+    ],
+)
+def test_json_bad_values_raise_instance_meta_error(text, match):
+    with pytest.raises(InstanceMetaError, match=match):
+        InstanceMeta.from_json(text)
+
+
+def test_from_proto_defaults_for_old_writers():
+    meta = InstanceMeta.from_proto(xllm_pb2.InstanceMetaInfo(name="a:1", type=xllm_pb2.MIX))
+    assert meta.type is InstanceRole.MIX
+    assert meta.schema_version == SCHEMA_VERSION and meta.dp_size == 1 and meta.tp_size == 1
+    with pytest.raises(InstanceMetaError):
+        InstanceMeta.from_proto(xllm_pb2.InstanceMetaInfo())
+
+
+def test_compatible_peers_have_no_problems():
+    assert make_meta().compatibility_problems(make_meta(name="b:2", type=InstanceRole.PREFILL, tp_size=1)) == []
+
+
+def test_compatibility_problems_name_each_difference():
+    a = make_meta()
+    b = make_meta(name="b:2", model="other", block_size=32, kv_dtype="bfloat16", num_kv_heads=8)
+    problems = a.compatibility_problems(b)
+    assert len(problems) == 4
+    joined = "\n".join(problems)
+    for field in ("model", "block_size", "kv_dtype", "num_kv_heads"):
+        assert field in joined
+    assert "'tiny-llama'" in joined and "'other'" in joined
+
+
+def test_compatibility_skips_fields_unknown_to_either_side():
+    assert make_meta().compatibility_problems(make_meta(name="b:2", model="", head_dim=0)) == []
+
+
+def test_with_new_incarnation_changes_id_and_time():
+    meta = make_meta()
+    fresh = meta.with_new_incarnation()
+    assert fresh.incarnation_id != meta.incarnation_id and len(fresh.incarnation_id) == 32
+    assert fresh.register_ts_ms > meta.register_ts_ms
+    assert fresh.name == meta.name

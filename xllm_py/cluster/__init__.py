@@ -1,0 +1,1 @@
+"""Cluster membership: etcd registry client, embedded etcd server, instance meta, agent."""

