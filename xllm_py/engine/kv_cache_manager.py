@@ -1,0 +1,133 @@
+"""KVCacheManager: allocate and free a request's KV blocks, with prefix-cache hits.
+
+Per request:
+    get_computed_blocks (prefix hits, at admission) -> allocate_slots (each step;
+    None = cannot now) -> cache_full_blocks (as blocks fill with computed KV) -> free.
+
+The block table lives on `Request.block_ids`; the hash chain of its full blocks on
+`Request.block_hashes`. Pure Python: no torch, no grpc.
+"""
+from __future__ import annotations
+
+import logging
+
+from xllm_py.engine.block_pool import BlockPool, hash_block_tokens
+from xllm_py.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, block_pool: BlockPool) -> None:
+        self.block_pool = block_pool
+        self.block_size = block_pool.block_size
+        self._requests: dict[str, Request] = {}  # requests that hold blocks
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks already hashed
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        request = self._requests.get(request_id)
+        return list(request.block_ids) if request is not None else []
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of the request, in full blocks: (block ids, num tokens).
+
+        Never covers the whole sequence: at least one token is left to compute so the
+        step has logits to sample from.
+        """
+        if not self.block_pool.enable_prefix_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._update_block_hashes(request, max_hit_blocks)
+        blocks: list[int] = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block_id = self.block_pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[int] | None = None,
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `new_computed_blocks` (prefix hits from get_computed_blocks, first allocation
+        only) are shared, not copied. Returns the newly allocated block ids, or None
+        when there is not enough free space (nothing changes then).
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        computed = list(new_computed_blocks or [])
+        if computed and request.block_ids:
+            raise ValueError(
+                f"request {request.request_id}: prefix hits only at the first allocation"
+            )
+        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_required = cdiv(num_tokens, self.block_size)
+        num_new_blocks = max(0, num_required - len(request.block_ids) - len(computed))
+        # Hit blocks with ref 0 sit in the free queue: reviving them uses free space.
+        num_revived = sum(1 for b in computed if self.block_pool.ref_count(b) == 0)
+        if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
+            return None
+        pool = self.block_pool
+        first = request.request_id not in self._requests
+        pool.touch(computed)
+        new_blocks = pool.get_new_blocks(num_new_blocks)
+        request.block_ids.extend(computed)
+        request.block_ids.extend(new_blocks)
+        if first:
+            self._requests[request.request_id] = request
+            self._num_cached_blocks[request.request_id] = len(computed)
+            if pool.enable_prefix_caching:
+                pool.record_prefix_lookup(request.num_tokens, len(computed) * self.block_size)
+        return new_blocks
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Hash and register the request's blocks that are full of computed KV."""
+        if not self.block_pool.enable_prefix_caching:
+            return
+        rid = request.request_id
+        if rid not in self._requests:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        start = self._num_cached_blocks[rid]
+        if num_full <= start:
+            return
+        hashes = self._update_block_hashes(request, num_full)
+        for i in range(start, num_full):
+            self.block_pool.cache_block(request.block_ids[i], hashes[i])
+        self._num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (tail first, so its prefix is evicted last)."""
+        self._requests.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if request.block_ids:
+            self.block_pool.free_blocks(reversed(request.block_ids))
+            request.block_ids.clear()
+
+    def _update_block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """Extend the request's hash chain to cover its first `num_blocks` full blocks."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        num_blocks = min(num_blocks, request.num_tokens // bs)
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[i - 1] if i > 0 else None
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+        return hashes

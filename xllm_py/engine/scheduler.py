@@ -1,0 +1,419 @@
+"""ContinuousScheduler: continuous batching with chunked prefill and preemption.
+
+One engine step:
+    schedule() -> SchedulerOutput (which tokens of which requests to compute, with
+    block tables) -> model runner -> update_from_output(out, sampled) -> RequestUpdate
+    per request that produced a token or finished.
+
+Request stages (see xllm_py/request.py for the state machine):
+    add_request -> waiting queue -> admitted when its KV fits (prefix hits skip compute)
+    -> running: decode tokens first, then prefill chunks, under a per-step token budget
+    -> preempted (blocks freed, recomputed later from prompt + outputs) or finished
+    (blocks freed at once). PD hooks: allocate_for_remote / finish_remote_kvs /
+    fail_remote_kvs (decode side), remote_decode requests and finish_sending (prefill).
+
+Pure Python: no torch, no grpc.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+from xllm_py.config import CacheConfig, SchedulerConfig
+from xllm_py.engine.block_pool import BlockPool
+from xllm_py.engine.kv_cache_manager import KVCacheManager, cdiv
+from xllm_py.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+S = RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step
+    start_pos: int  # = num_computed_tokens before the step
+    block_table: list[int]  # the full table after allocation
+    sample: bool  # this step reaches the last known token: sample one
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = dataclasses.field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted_ids: list[str] = dataclasses.field(default_factory=list)
+    # Requests that finished (any reason) since the previous schedule(): the runner may
+    # drop per-request state (seeded generators, penalties) for them.
+    finished_ids: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclasses.dataclass
+class RequestUpdate:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    # Prefill side of PD: done here, blocks held for the decode peer (finish_sending).
+    kv_held: bool = False
+
+
+@dataclasses.dataclass
+class RemoteAllocation:
+    request_id: str
+    block_ids: list[int]  # the full block table
+    # Blocks the peer must fill: those covering prompt positions [num_cached_tokens,
+    # num_prompt_tokens). Blocks shared via the prefix cache are not in it.
+    new_block_ids: list[int]
+    num_cached_tokens: int
+
+
+class ContinuousScheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int | None = None,
+        kv_cache_manager: KVCacheManager | None = None,
+    ) -> None:
+        if kv_cache_manager is None:
+            num_blocks = num_blocks if num_blocks is not None else cache_config.num_blocks
+            if num_blocks is None:
+                raise ValueError("num_blocks is required (or pass a kv_cache_manager)")
+            pool = BlockPool(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+            kv_cache_manager = KVCacheManager(pool)
+        self.config = scheduler_config
+        self.kv = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        pool = kv_cache_manager.block_pool
+        # A lone request must always fit in the cache, or preemption could loop forever;
+        # without chunked prefill, its whole recompute must fit in one step's budget.
+        self.max_model_len = min(
+            scheduler_config.max_model_len, pool.num_usable_blocks * self.block_size
+        )
+        if not scheduler_config.enable_chunked_prefill:
+            self.max_model_len = min(self.max_model_len, scheduler_config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}  # every live request
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # admission order
+        self._finished_ids: list[str] = []
+
+    # -- queries -------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_waiting_for_remote_kvs(self) -> int:
+        return sum(1 for r in self.requests.values() if r.status == S.WAITING_FOR_REMOTE_KVS)
+
+    @property
+    def num_sending_kv(self) -> int:
+        return sum(1 for r in self.requests.values() if r.status == S.SENDING_KV)
+
+    def has_unfinished_requests(self) -> bool:
+        """Any live request, including those waiting for or holding KV for a peer."""
+        return bool(self.requests)
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether schedule() may have work: waiting or running requests."""
+        return bool(self.waiting or self.running)
+
+    def kv_usage(self) -> float:
+        return self.kv.usage
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # -- admission and termination -----------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (FCFS; a lower `priority` value goes ahead)."""
+        self._check_new(request)
+        self.requests[request.request_id] = request
+        index = len(self.waiting)
+        while index > 0 and self.waiting[index - 1].priority > request.priority and (
+            self.waiting[index - 1].status == S.WAITING
+        ):
+            index -= 1
+        self.waiting.insert(index, request)
+
+    def abort_request(
+        self, request_id: str, status: RequestStatus = S.FINISHED_ABORTED
+    ) -> bool:
+        """End a live request in any state and free its blocks. False if unknown."""
+        return self.finish_request(request_id, status)
+
+    def finish_request(
+        self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> bool:
+        """End a request from outside the step (stop string, abort, error). False if unknown."""
+        if not status.is_finished():
+            raise ValueError(f"finish status must be a FINISHED_* status, got {status.name}")
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        request.transition(status)
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        self._remove(request)
+        return True
+
+    # -- the step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSeq] = {}
+
+        # 1. Running requests: decode steps first, then unfinished prefill chunks.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if request.status != S.RUNNING:  # preempted earlier in this loop
+                continue
+            if budget == 0 or len(scheduled) >= self.config.max_num_seqs:
+                break
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if num_new == 0:
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running[-1]
+                budget += self._preempt(victim, scheduled, out)
+                if victim is request:
+                    break
+            if request.status != S.RUNNING:
+                continue
+            scheduled[request.request_id] = self._make_seq(request, num_new)
+            budget -= num_new
+
+        # 2. Admit waiting requests while KV, budget and seats allow (none if we just
+        #    preempted: the freed space belongs to the preempted requests).
+        while (
+            self.waiting
+            and not out.preempted_ids
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(scheduled) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, num_cached, budget)
+            if num_new == 0:
+                break
+            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break  # FCFS: the head waits for space
+            self.waiting.popleft()
+            if request.status == S.WAITING:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.transition(S.RUNNING)
+            self.running.append(request)
+            scheduled[request.request_id] = self._make_seq(request, num_new)
+            budget -= num_new
+
+        out.seqs = list(scheduled.values())
+        out.num_batched_tokens = sum(len(s.token_ids) for s in out.seqs)
+        return out
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[RequestUpdate]:
+        """Advance computed tokens, append sampled tokens and apply token-level stops."""
+        updates: list[RequestUpdate] = []
+        for seq in scheduler_output.seqs:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status != S.RUNNING:
+                continue  # finished or preempted since schedule()
+            request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            self.kv.cache_full_blocks(request)
+            if not seq.sample:
+                continue
+            token_id = sampled.get(seq.request_id)
+            if token_id is None:
+                logger.warning("no sampled token for request %s; failing it", seq.request_id)
+                request.error_message = "no token was sampled"
+                self._end(request, S.FINISHED_ERROR)
+                updates.append(RequestUpdate(request.request_id, [], True, "error"))
+                continue
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self._end(request, status)
+                updates.append(
+                    RequestUpdate(
+                        request.request_id, [token_id], True, request.finish_reason,
+                        request.stop_reason,
+                    )
+                )
+            elif request.remote_decode:
+                # Prefill of a PD pair: its part ends here; KV stays until sent.
+                request.transition(S.SENDING_KV)
+                self.running.remove(request)
+                updates.append(
+                    RequestUpdate(request.request_id, [token_id], True, "length", kv_held=True)
+                )
+            else:
+                updates.append(RequestUpdate(request.request_id, [token_id]))
+        return updates
+
+    # -- PD hooks: decode side -------------------------------------------------------------
+    def allocate_for_remote(self, request: Request) -> RemoteAllocation | None:
+        """Allocate blocks for a prompt whose KV comes from a peer; None if no KV space.
+
+        Covers the prompt plus one slot for the first token; prefix hits are shared.
+        The request waits (WAITING_FOR_REMOTE_KVS) and is not scheduled until
+        finish_remote_kvs.
+        """
+        self._check_new(request)
+        computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+        num_new = request.num_prompt_tokens + 1 - num_cached
+        if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            return None
+        request.num_cached_tokens = num_cached
+        request.transition(S.WAITING_FOR_REMOTE_KVS)
+        self.requests[request.request_id] = request
+        first_new = num_cached // self.block_size
+        last = cdiv(request.num_prompt_tokens, self.block_size)
+        return RemoteAllocation(
+            request_id=request.request_id,
+            block_ids=list(request.block_ids),
+            new_block_ids=request.block_ids[first_new:last],
+            num_cached_tokens=num_cached,
+        )
+
+    def finish_remote_kvs(
+        self, request_id: str, first_token_ids: list[int]
+    ) -> RequestUpdate | None:
+        """The prompt KV has arrived: the request joins decode batches.
+
+        Returns None normally; a finished RequestUpdate (no new tokens) when the given
+        tokens already end the request (max_tokens, EOS, stop token, length).
+        """
+        request = self._get(request_id)
+        if request.status != S.WAITING_FOR_REMOTE_KVS:
+            raise ValueError(
+                f"request {request_id} is {request.status.name}, not WAITING_FOR_REMOTE_KVS"
+            )
+        if not first_token_ids:
+            raise ValueError("first_token_ids must not be empty")
+        request.transition(S.RUNNING)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_full_blocks(request)
+        status = None
+        for token_id in first_token_ids:
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                break
+        if status is not None:
+            self._end(request, status)
+            return RequestUpdate(request_id, [], True, request.finish_reason, request.stop_reason)
+        self.running.append(request)
+        return None
+
+    def fail_remote_kvs(self, request_id: str, reason: str) -> bool:
+        """The KV transfer failed: end the request with FINISHED_ERROR, free its blocks."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        logger.warning("KV transfer for request %s failed: %s", request_id, reason)
+        request.error_message = reason
+        return self.finish_request(request_id, S.FINISHED_ERROR)
+
+    # -- PD hooks: prefill side -----------------------------------------------------------
+    def finish_sending(self, request_id: str) -> bool:
+        """The decode peer has the KV: free the held blocks. False if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status != S.SENDING_KV:
+            raise ValueError(f"request {request_id} is {request.status.name}, not SENDING_KV")
+        return self.finish_request(request_id, S.FINISHED_LENGTH_CAPPED)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _check_new(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id} is already live")
+        if request.status != S.WAITING or request.block_ids:
+            raise ValueError(f"request {request.request_id} is not a fresh request")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_tokens} tokens; the limit is "
+                f"{self.max_model_len - 1} (max_model_len {self.max_model_len} "
+                "leaves room for one generated token)"
+            )
+
+    def _get(self, request_id: str) -> Request:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"unknown request id {request_id}")
+        return request
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = request.num_tokens - num_computed
+        if num_new > budget:
+            return budget if self.config.enable_chunked_prefill else 0
+        return num_new
+
+    def _make_seq(self, request: Request, num_new: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        return ScheduledSeq(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_pos=start,
+            block_table=list(request.block_ids),
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def _preempt(
+        self, request: Request, scheduled: dict[str, ScheduledSeq], out: SchedulerOutput
+    ) -> int:
+        """Free a running request for recompute; returns the budget it gives back."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.transition(S.PREEMPTED)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted_ids.append(request.request_id)
+        logger.info("preempted %s", request.anon_repr())
+        seq = scheduled.pop(request.request_id, None)
+        return len(seq.token_ids) if seq is not None else 0
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in params.eos_token_ids:
+                return S.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return S.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return S.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.max_model_len:
+            return S.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _end(self, request: Request, status: RequestStatus) -> None:
+        request.transition(status)
+        self._remove(request)
+
+    def _remove(self, request: Request) -> None:
+        """Drop a finished request from every queue and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)

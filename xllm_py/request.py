@@ -1,0 +1,183 @@
+"""Request and its state machine (pure Python).
+
+Lifecycles (every status change goes through `Request.transition`, checked against
+`_ALLOWED`):
+
+    MIX:      WAITING -> RUNNING (<-> PREEMPTED) -> FINISHED_*
+    prefill:  WAITING -> RUNNING (<-> PREEMPTED) -> SENDING_KV -> FINISHED_LENGTH_CAPPED
+              (SENDING_KV holds the blocks until the KV transfer is confirmed)
+    decode:   WAITING -> WAITING_FOR_REMOTE_KVS -> RUNNING (<-> PREEMPTED) -> FINISHED_*
+
+Any live state may end in FINISHED_ABORTED or FINISHED_ERROR.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+from xllm_py.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 1
+    # Decode side: blocks allocated, prompt KV not yet arrived from the prefill instance.
+    WAITING_FOR_REMOTE_KVS = 2
+    RUNNING = 3
+    # Blocks taken away; waits to be recomputed from prompt + outputs so far.
+    PREEMPTED = 4
+    # Prefill side: compute done, blocks held until the transfer to decode is confirmed.
+    SENDING_KV = 5
+    FINISHED_STOPPED = 6
+    FINISHED_LENGTH_CAPPED = 7
+    FINISHED_ABORTED = 8
+    FINISHED_ERROR = 9
+
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
+
+_FAILED = {RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+
+_ALLOWED: dict[RequestStatus, set[RequestStatus]] = {
+    RequestStatus.WAITING: {
+        RequestStatus.RUNNING,
+        RequestStatus.WAITING_FOR_REMOTE_KVS,
+        *_FAILED,
+    },
+    RequestStatus.WAITING_FOR_REMOTE_KVS: {RequestStatus.RUNNING, *_FAILED},
+    RequestStatus.RUNNING: {
+        RequestStatus.PREEMPTED,
+        RequestStatus.SENDING_KV,
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        *_FAILED,
+    },
+    # A preempted request has outputs, so a stop string found late may still end it.
+    RequestStatus.PREEMPTED: {
+        RequestStatus.RUNNING,
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        *_FAILED,
+    },
+    RequestStatus.SENDING_KV: {RequestStatus.FINISHED_LENGTH_CAPPED, *_FAILED},
+    RequestStatus.FINISHED_STOPPED: set(),
+    RequestStatus.FINISHED_LENGTH_CAPPED: set(),
+    RequestStatus.FINISHED_ABORTED: set(),
+    RequestStatus.FINISHED_ERROR: set(),
+}
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+def finish_reason(status: RequestStatus) -> str | None:
+    """"stop" | "length" | "abort" | "error" for a finished status, else None."""
+    return FINISH_REASONS.get(status)
+
+
+def is_transition_allowed(old: RequestStatus, new: RequestStatus) -> bool:
+    return new in _ALLOWED[old]
+
+
+class Request:
+    """One sequence being generated. Token contents never appear in logs (`anon_repr`)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        remote_decode: bool = False,
+    ) -> None:
+        if not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        # Lower value is served first (FCFS within one priority).
+        self.priority = priority
+        # Prefill side of a PD pair: sample one token, then hold the KV for the decode peer.
+        self.remote_decode = remote_decode
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        # Tokens whose KV is in the cache (prefix hits included).
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache at first admission (usage report).
+        self.num_cached_tokens = 0
+        # Owned by KVCacheManager: the block table and the hash chain of full blocks.
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        # Stop token id or stop string that ended the request; None for EOS / length.
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.error_message: str = ""
+
+    # -- token views -------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs; do not mutate (use `append_output_token`)."""
+        return self._all_token_ids
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    # -- state ---------------------------------------------------------------------
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    @property
+    def finish_reason(self) -> str | None:
+        return finish_reason(self.status)
+
+    def transition(self, new_status: RequestStatus) -> None:
+        """Move to `new_status`; raise ValueError on an edge not in `_ALLOWED`."""
+        if new_status not in _ALLOWED[self.status]:
+            raise ValueError(
+                f"request {self.request_id}: transition {self.status.name} -> "
+                f"{new_status.name} is not allowed"
+            )
+        self.status = new_status
+
+    def anon_repr(self) -> str:
+        return (
+            f"Request(id={self.request_id}, status={self.status.name}, "
+            f"num_prompt_tokens={self.num_prompt_tokens}, "
+            f"num_output_tokens={self.num_output_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens}, "
+            f"num_cached_tokens={self.num_cached_tokens}, num_blocks={len(self.block_ids)}, "
+            f"priority={self.priority}, remote_decode={self.remote_decode})"
+        )
+
+    __repr__ = anon_repr

@@ -1,0 +1,132 @@
+"""SamplingParams: how one request samples and when it stops (pure Python, validated).
+
+Invalid input raises `SamplingParamsError` (a `ValueError`) that names the offending
+parameter, so the HTTP layer can answer 400 with `param` set.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# Below this temperature sampling is greedy (argmax).
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; `param` names it (OpenAI error `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = None  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    # None: no logprobs; k in 0..20: the chosen token's logprob plus the top k.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Filled by the engine from the model's generation config, not by clients.
+    eos_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.eos_token_ids = list(self.eos_token_ids)
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def validate(self) -> None:
+        """Raise SamplingParamsError naming the first invalid parameter."""
+        if not _is_int(self.n) or self.n < 1:
+            raise SamplingParamsError("n", f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise SamplingParamsError(
+                "best_of", f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}"
+            )
+        self._check_float("temperature", self.temperature, low=0.0)
+        self._check_float("top_p", self.top_p, low=0.0, high=1.0)
+        if self.top_p <= 0.0:
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise SamplingParamsError(
+                "top_k", f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}"
+            )
+        self._check_float("min_p", self.min_p, low=0.0, high=1.0)
+        self._check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        self._check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        self._check_float("repetition_penalty", self.repetition_penalty, low=0.0)
+        if self.repetition_penalty <= 0.0:
+            raise SamplingParamsError(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
+            )
+        if self.seed is not None and not _is_int(self.seed):
+            raise SamplingParamsError("seed", f"seed must be an integer or null, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise SamplingParamsError(
+                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+            )
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise SamplingParamsError(
+                "min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise SamplingParamsError("stop", "stop must be a list of non-empty strings")
+        for name in ("stop_token_ids", "eos_token_ids"):
+            ids = getattr(self, name)
+            if not all(_is_int(t) and t >= 0 for t in ids):
+                raise SamplingParamsError(name, f"{name} must be a list of token ids >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise SamplingParamsError(
+                    name, f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
+
+    @staticmethod
+    def _check_float(
+        name: str, value: object, low: float | None = None, high: float | None = None
+    ) -> None:
+        if not _is_number(value) or math.isnan(value) or math.isinf(value):
+            raise SamplingParamsError(name, f"{name} must be a finite number, got {value!r}")
+        if (low is not None and value < low) or (high is not None and value > high):
+            bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+            raise SamplingParamsError(name, f"{name} must be in {bounds}, got {value!r}")
