@@ -1,0 +1,273 @@
+"""Paged attention over per-layer KV caches.
+
+Cache layout (docs/DESIGN.md): per layer K and V, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot is
+``block_id * block_size + offset``.
+
+One step runs in three stages:
+1. ``AttentionMetadata`` describes the ragged batch (built by the caller, e.g. with
+   ``AttentionMetadata.build``).
+2. ``plan_attention`` turns it into index/mask tensors once per step (shared by all layers).
+3. ``paged_attention`` (per layer) writes the new K/V at ``slot_mapping``, gathers each
+   sequence's context by block table and runs ``scaled_dot_product_attention``. Decode
+   sequences (one new token) and prefill chunks (several tokens, possibly after a cached
+   prefix) take separate batched paths.
+
+Unused cache slots are read (and masked out); allocate caches with ``torch.zeros`` so they
+never hold NaN/Inf, which a mask cannot cancel.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
+    query_start_loc: torch.Tensor  # [B+1] int64, token offsets of each sequence
+    seq_lens: torch.Tensor  # [B] int64, context incl. the new tokens
+    context_lens: torch.Tensor  # [B] int64, tokens already cached before this step
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    max_query_len: int
+    max_seq_len: int
+
+    @classmethod
+    def build(cls, seqs: Sequence[tuple[int, int, Sequence[int]]], block_size: int,
+              device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Build from ``(start_pos, num_new_tokens, block_table)`` per sequence.
+
+        Token ``i`` of a sequence sits at position ``start_pos + i``; its slot is taken from
+        ``block_table[pos // block_size]``.
+        """
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not seqs:
+            raise ValueError("AttentionMetadata.build needs at least one sequence")
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        for i, (start, n, table) in enumerate(seqs):
+            if start < 0 or n <= 0:
+                raise ValueError(
+                    f"sequence {i}: start_pos must be >= 0 and num_new_tokens > 0, "
+                    f"got ({start}, {n})")
+            end = start + n
+            if len(table) * block_size < end:
+                raise ValueError(
+                    f"sequence {i}: block table of {len(table)} blocks holds "
+                    f"{len(table) * block_size} tokens, needs {end}")
+            for pos in range(start, end):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            ctx_lens.append(start)
+            tables.append(list(table))
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(
+            slot_mapping=as_t(slots),
+            query_start_loc=as_t(qsl),
+            seq_lens=as_t(seq_lens),
+            context_lens=as_t(ctx_lens),
+            block_tables=as_t(padded),
+            max_query_len=max(n for _, n, _ in seqs),
+            max_seq_len=max(seq_lens),
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+def build_positions(seqs: Sequence[tuple[int, int, Sequence[int]]],
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """Positions [T] for the same ``(start_pos, num_new_tokens, block_table)`` list."""
+    pos: list[int] = []
+    for start, n, _ in seqs:
+        pos.extend(range(start, start + n))
+    return torch.tensor(pos, dtype=torch.int64, device=device)
+
+
+@dataclass
+class _DecodeGroup:
+    token_idx: torch.Tensor | None  # [Bd] rows of q that belong here; None = all rows
+    block_tables: torch.Tensor  # [Bd, nblk]
+    key_mask: torch.Tensor  # [Bd, 1, 1, nblk*bs] bool, True = attend
+
+
+@dataclass
+class _PrefillGroup:
+    token_idx: torch.Tensor | None  # [Tp] rows of q that belong here; None = all rows
+    dest: torch.Tensor  # [Tp] row in the padded [Bp * max_q] query layout
+    num_seqs: int
+    max_q: int
+    block_tables: torch.Tensor  # [Bp, nblk]
+    mask: torch.Tensor  # [Bp, 1, max_q, nblk*bs] bool, True = attend
+
+
+@dataclass
+class AttentionPlan:
+    """Per-step tensors shared by every layer (built by ``plan_attention``)."""
+
+    slot_mapping: torch.Tensor
+    num_tokens: int
+    decode: _DecodeGroup | None
+    prefill: _PrefillGroup | None
+
+
+def plan_attention(md: AttentionMetadata, block_size: int) -> AttentionPlan:
+    """Split the batch into its decode and prefill parts and build their masks."""
+    num_tokens = int(md.slot_mapping.shape[0])
+    if md.max_query_len == 1:
+        decode = _decode_group(None, md.block_tables, md.seq_lens, md.max_seq_len, block_size)
+        return AttentionPlan(md.slot_mapping, num_tokens, decode, None)
+    q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
+    is_decode = (q_lens == 1).cpu()
+    num_decode = int(is_decode.sum())
+    if num_decode == 0:
+        prefill = _prefill_group(None, md.query_start_loc, md.seq_lens, md.context_lens,
+                                 md.block_tables, md.max_query_len, md.max_seq_len,
+                                 block_size, num_tokens)
+        return AttentionPlan(md.slot_mapping, num_tokens, None, prefill)
+    # Mixed batch: one host sync per step (not per layer) to split the two groups.
+    dev = md.seq_lens.device
+    d_seq = torch.nonzero(is_decode).flatten().to(dev)
+    p_seq = torch.nonzero(~is_decode).flatten().to(dev)
+    seq_lens_host = md.seq_lens.cpu()
+    d_tok = md.query_start_loc[d_seq]
+    d_max = int(seq_lens_host[is_decode].max())
+    decode = _decode_group(d_tok, md.block_tables[d_seq], md.seq_lens[d_seq], d_max, block_size)
+    p_qsl_start = md.query_start_loc[p_seq]
+    p_qlens = q_lens[p_seq]
+    p_qsl = torch.zeros(p_seq.shape[0] + 1, dtype=torch.int64, device=dev)
+    p_qsl[1:] = torch.cumsum(p_qlens, 0)
+    num_p_tokens = num_tokens - num_decode
+    seq_of_tok = torch.repeat_interleave(
+        torch.arange(p_seq.shape[0], device=dev), p_qlens, output_size=num_p_tokens)
+    offset_in_seq = torch.arange(num_p_tokens, device=dev) - p_qsl[:-1][seq_of_tok]
+    p_tok = p_qsl_start[seq_of_tok] + offset_in_seq
+    p_max_seq = int(seq_lens_host[~is_decode].max())
+    prefill = _prefill_group(p_tok, p_qsl, md.seq_lens[p_seq], md.context_lens[p_seq],
+                             md.block_tables[p_seq], md.max_query_len, p_max_seq,
+                             block_size, num_p_tokens)
+    return AttentionPlan(md.slot_mapping, num_tokens, decode, prefill)
+
+
+def _num_blocks(max_seq_len: int, block_size: int) -> int:
+    return (max_seq_len + block_size - 1) // block_size
+
+
+def _decode_group(token_idx: torch.Tensor | None, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, max_seq_len: int, block_size: int) -> _DecodeGroup:
+    nblk = _num_blocks(max_seq_len, block_size)
+    tables = block_tables[:, :nblk]
+    key_pos = torch.arange(nblk * block_size, device=seq_lens.device)
+    key_mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
+    return _DecodeGroup(token_idx, tables, key_mask)
+
+
+def _prefill_group(token_idx: torch.Tensor | None, query_start_loc: torch.Tensor,
+                   seq_lens: torch.Tensor, context_lens: torch.Tensor,
+                   block_tables: torch.Tensor, max_q: int, max_seq_len: int,
+                   block_size: int, num_tokens: int) -> _PrefillGroup:
+    dev = seq_lens.device
+    num_seqs = int(seq_lens.shape[0])
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    seq_of_tok = torch.repeat_interleave(torch.arange(num_seqs, device=dev), q_lens,
+                                         output_size=num_tokens)
+    offset = torch.arange(num_tokens, device=dev) - query_start_loc[:-1][seq_of_tok]
+    dest = seq_of_tok * max_q + offset
+    nblk = _num_blocks(max_seq_len, block_size)
+    key_pos = torch.arange(nblk * block_size, device=dev)
+    q_pos = context_lens[:, None] + torch.arange(max_q, device=dev)[None, :]  # [B, max_q]
+    # causal and within the sequence; padded query rows still see key 0 (no all -inf row)
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
+        key_pos[None, None, :] < seq_lens[:, None, None])
+    return _PrefillGroup(token_idx, dest, num_seqs, max_q, block_tables[:, :nblk],
+                         mask[:, None])
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new K/V rows ``[T, kvh, hd]`` at their slots."""
+    kvh, hd = k_cache.shape[-2], k_cache.shape[-1]
+    k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, kvh, hd] by [B, nblk] -> [B, kvh, nblk*bs, hd]."""
+    b, nblk = block_tables.shape
+    bs, kvh, hd = cache.shape[1:]
+    x = cache[block_tables.reshape(-1)].view(b, nblk * bs, kvh, hd)
+    return x.transpose(1, 2)
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      g: _DecodeGroup) -> torch.Tensor:
+    # q [Bd, h, hd]; fold the GQA group into the query-length axis: [Bd, kvh, group, hd]
+    bd, h, hd = q.shape
+    kvh = k_cache.shape[2]
+    qg = q.view(bd, kvh, h // kvh, hd)
+    k = _gather(k_cache, g.block_tables)
+    v = _gather(v_cache, g.block_tables)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.key_mask)
+    return out.reshape(bd, h, hd)
+
+
+def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       g: _PrefillGroup) -> torch.Tensor:
+    # q [Tp, h, hd] -> padded [Bp, h, max_q, hd]
+    tp, h, hd = q.shape
+    kvh = k_cache.shape[2]
+    qp = q.new_zeros(g.num_seqs * g.max_q, h, hd).index_copy_(0, g.dest, q)
+    qp = qp.view(g.num_seqs, g.max_q, h, hd).transpose(1, 2)
+    k = _gather(k_cache, g.block_tables)
+    v = _gather(v_cache, g.block_tables)
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=g.mask, enable_gqa=(h != kvh))
+    out = out.transpose(1, 2).reshape(g.num_seqs * g.max_q, h, hd)
+    return out.index_select(0, g.dest)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    plan: AttentionPlan) -> torch.Tensor:
+    """q [T, h, hd], k/v [T, kvh, hd] (RoPE applied) -> [T, h, hd].
+
+    Writes k/v into the caches first, then every query attends to its sequence's cached
+    context up to and including its own position.
+    """
+    write_kv(k_cache, v_cache, k, v, plan.slot_mapping)
+    if q.dtype != k_cache.dtype:
+        q = q.to(k_cache.dtype)
+    d, p = plan.decode, plan.prefill
+    if p is None and d is not None and d.token_idx is None:
+        return _decode_attention(q, k_cache, v_cache, d)
+    if d is None and p is not None and p.token_idx is None:
+        return _prefill_attention(q, k_cache, v_cache, p)
+    out = torch.empty_like(q)
+    if d is not None:
+        out.index_copy_(0, d.token_idx, _decode_attention(q[d.token_idx], k_cache, v_cache, d))
+    if p is not None:
+        out.index_copy_(0, p.token_idx, _prefill_attention(q[p.token_idx], k_cache, v_cache, p))
+    return out
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed caches as one ``[2, L, N, bs, kvh, hd]`` tensor, returned as per-layer views."""
+    kv = torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                     dtype=dtype, device=device)
+    return [(kv[0, i], kv[1, i]) for i in range(num_layers)]

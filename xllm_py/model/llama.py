@@ -1,0 +1,117 @@
+"""Decoder-only transformer for the Llama, Qwen2 and Qwen3 families.
+
+One implementation with per-family flags from ``ModelConfig``: Qwen2 adds q/k/v biases,
+Qwen3 adds per-head q/k RMSNorm, Llama may use llama3 RoPE scaling. q/k/v and gate/up are
+fused into one matmul each; the loader maps the HF tensor names onto the fused weights.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from xllm_py.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
+from xllm_py.model.config import ModelConfig
+from xllm_py.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        qkv_bias = config.qkv_bias or config.attention_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        if config.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                max_position: int, kv_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = rope(positions, q, k, max_position)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], plan)
+        return self.o_proj(out.reshape(t, self.q_size).to(hidden.dtype))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                max_position: int, kv_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rope,
+                                         max_position, kv_cache, plan)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T], attn_metadata, kv_caches) -> [T, hidden]``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta,
+                                          config.max_position_embeddings, config.rope_scaling)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        if len(kv_caches) != self.config.num_layers:
+            raise ValueError(
+                f"expected {self.config.num_layers} (K, V) caches, got {len(kv_caches)}")
+        block_size = int(kv_caches[0][0].shape[1])
+        plan = plan_attention(attn_metadata, block_size)
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, kv_caches):
+            hidden = layer(hidden, positions, self.rotary_emb, attn_metadata.max_seq_len,
+                           cache, plan)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+
+# Qwen2/Qwen3 differ only by flags in ModelConfig.
+Qwen2ForCausalLM = LlamaForCausalLM
+Qwen3ForCausalLM = LlamaForCausalLM
