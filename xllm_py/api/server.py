@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 def _config(app: FastAPI, host: str, port: int, access_log: bool) -> uvicorn.Config:
     return uvicorn.Config(
         app, host=host, port=port, access_log=access_log, log_config=None,
-        lifespan="off", timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5,
     )
 
 

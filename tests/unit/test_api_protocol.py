@@ -1,0 +1,82 @@
+"""Request parsing and validation of the OpenAI protocol models (no server)."""
+import json
+
+import pytest
+
+from xllm_py.api.errors import InvalidRequestError
+from xllm_py.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+
+
+def _parse(cls, **body):
+    return parse_request(cls, json.dumps(body).encode())
+
+
+def test_prompt_forms_each_element_is_a_prompt():
+    assert _parse(CompletionRequest, prompt="hi").prompt_list() == ["hi"]
+    assert _parse(CompletionRequest, prompt=[5, 6]).prompt_list() == [[5, 6]]
+    assert _parse(CompletionRequest, prompt=["a", "b"]).prompt_list() == ["a", "b"]
+    assert _parse(CompletionRequest, prompt=[[1], [2, 3]]).prompt_list() == [[1], [2, 3]]
+
+
+def test_unknown_fields_ignored_and_defaults_converted():
+    req = _parse(CompletionRequest, prompt="SECRET", foo=1, top_k=0, stop="s", logprobs=2)
+    gen = req.to_generate_request(
+        "cmpl-1", [1, 2], prompt_text="SECRET", max_tokens=5, x_request_id="t", arrival_time=0.0
+    )
+    assert (gen.top_k, gen.stop, gen.logprobs, gen.best_of, gen.temperature) == (-1, ["s"], 2, 1, 1.0)
+    assert "SECRET" not in gen.anon_repr()
+
+
+def test_chat_max_completion_tokens_and_logprobs():
+    req = _parse(
+        ChatCompletionRequest,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        max_tokens=9, max_completion_tokens=3, logprobs=True, top_logprobs=4,
+    )
+    assert req.requested_max_tokens() == 3
+    assert req.num_logprobs() == 4
+    assert req.template_messages() == [{"role": "user", "content": "a\nb"}]
+    assert _parse(ChatCompletionRequest, messages=[{"role": "user", "content": "a"}]).num_logprobs() is None
+
+
+@pytest.mark.parametrize(
+    "cls, body, param",
+    [
+        (CompletionRequest, {"prompt": "x", "temperature": -0.5}, "temperature"),
+        (CompletionRequest, {"prompt": "x", "n": 0}, "n"),
+        (CompletionRequest, {"prompt": "x", "top_p": 0}, "top_p"),
+        (CompletionRequest, {"prompt": "x", "top_p": 1.5}, "top_p"),
+        (CompletionRequest, {"prompt": "x", "logprobs": 21}, "logprobs"),
+        (CompletionRequest, {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+        (CompletionRequest, {"prompt": "x", "n": 1, "best_of": 2, "stream": True}, "best_of"),
+        (CompletionRequest, {"prompt": "x", "temperature": "hot"}, "temperature"),
+        (CompletionRequest, {"prompt": "", "max_tokens": 2}, "prompt"),
+        (CompletionRequest, {"prompt": []}, "prompt"),
+        (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        (ChatCompletionRequest, {"messages": []}, "messages"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 30,
+                                 "logprobs": True}, "top_logprobs"),
+        (ChatCompletionRequest, {"messages": "hello"}, "messages"),
+    ],
+)
+def test_invalid_values_name_the_param(cls, body, param):
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(cls, json.dumps(body).encode())
+    assert info.value.status_code == 400
+    assert info.value.param == param
+    assert info.value.to_dict()["error"]["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_non_object():
+    for raw in (b"{bad", b"", b"[1, 2]"):
+        with pytest.raises(InvalidRequestError) as info:
+            parse_request(CompletionRequest, raw)
+        assert info.value.status_code == 400
+
+
+def test_image_parts_rejected():
+    req = _parse(ChatCompletionRequest, messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(InvalidRequestError) as info:
+        req.template_messages()
+    assert info.value.param == "messages"
