@@ -138,6 +138,23 @@ def test_seeded_draw_independent_of_batch():
             for s in range(20)] == alone
 
 
+def test_seeded_top_k_top_p_independent_of_batch_width():
+    # Alone, the row is filtered with topk(10); batched, with topk(20) or a full sort.
+    logits = random_logits(3, seed=5, vocab=64)
+
+    def row(step: int) -> SamplingRow:
+        return SamplingRow(temperature=0.9, top_k=10, top_p=0.8, seed=42,
+                           num_output_tokens_so_far=step)
+
+    sampler = Sampler()
+    alone = [sampler(logits[:1], [row(step)]).token_ids[0] for step in range(30)]
+    assert len(set(alone)) > 1
+    for other in (SamplingRow(temperature=1.0, top_k=20), SamplingRow(temperature=1.0)):
+        batch = torch.stack([logits[1], logits[0], logits[2]])
+        batched = [sampler(batch, [other, row(step), other]).token_ids[1] for step in range(30)]
+        assert batched == alone
+
+
 def test_different_seeds_differ_on_flat_distribution():
     logits = torch.zeros((1, 1000))
     sampler = Sampler()
@@ -193,3 +210,9 @@ def test_logprobs_equal_log_softmax_of_raw_logits():
     third = out.logprobs[2]
     assert third.top == [] and third.token_id == out.token_ids[2]
     assert math.isclose(third.logprob, expected[2, out.token_ids[2]].item(), abs_tol=1e-6)
+
+
+def test_sampling_stays_inside_top_k():
+    logits = random_logits(1, seed=6).expand(500, VOCAB).contiguous()
+    tokens = Sampler(seed=1)(logits, [SamplingRow(temperature=2.0, top_k=3)] * 500).token_ids
+    assert set(tokens) == set(logits[0].topk(3).indices.tolist())

@@ -3,8 +3,8 @@
 Stages, each skipped when no row of the batch needs it:
   1. penalties     repetition (HF: prompt + output), frequency and presence (OpenAI: output)
   2. greedy rows   temperature 0 or top_k 1: argmax of the penalised logits
-  3. random rows   temperature, top_k, top_p, min_p -> probs; draw = argmax(probs / Exp(1) noise)
-                   seeded rows draw their own noise from (seed, step) only, so a request's
+  3. random rows   temperature, top_k, top_p, min_p -> probs; inverse-CDF draw of one uniform
+                   seeded rows draw their uniform from (seed, step) only, so a request's
                    tokens do not depend on which other requests share the batch
   4. logprobs      log_softmax of the raw model logits (before penalties and temperature)
 
@@ -82,8 +82,9 @@ class Sampler:
 
     def __init__(self, seed: int | None = None) -> None:
         self._seed = seed
-        self._shared_generators: dict[torch.device, torch.Generator] = {}
-        self._seeded_generators: dict[torch.device, torch.Generator] = {}
+        self._shared_gen: torch.Generator | None = None
+        # One CPU generator for seeded rows, re-seeded per row (manual_seed resets its state).
+        self._seeded_generator = torch.Generator()
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -122,45 +123,39 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), logprobs)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Draw from the filtered distribution of each row: argmax(probs / Exp(1))."""
+        """Inverse-CDF draw, in vocabulary order, from the filtered distribution of each row.
+
+        One uniform per row, drawn on the CPU: from the shared generator for unseeded rows,
+        from a generator seeded with (seed, step) for seeded rows.
+        """
         probs = compute_probs(logits, rows)
-        noise = torch.empty_like(probs)
         unseeded = [i for i, row in enumerate(rows) if row.seed is None]
-        if len(unseeded) == len(rows):
-            noise.exponential_(generator=self._shared_generator(probs.device))
-        else:
-            if unseeded:
-                idx = torch.tensor(unseeded, device=probs.device)
-                noise[idx] = torch.empty(
-                    (len(unseeded), probs.shape[1]), device=probs.device
-                ).exponential_(generator=self._shared_generator(probs.device))
-            gen = self._seeded_generator(probs.device)
+        uniforms = [0.0] * len(rows)
+        if unseeded:
+            for i, u in zip(unseeded, torch.rand(len(unseeded), dtype=torch.float64,
+                                                 generator=self._shared_generator).tolist()):
+                uniforms[i] = u
+        if len(unseeded) < len(rows):
+            gen = self._seeded_generator
             for i, row in enumerate(rows):
                 if row.seed is not None:
                     gen.manual_seed(_mix_seed(row.seed, row.num_output_tokens_so_far))
-                    noise[i].exponential_(generator=gen)
-        # exponential_ may return exactly 0; keep the ratio finite.
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+                    uniforms[i] = torch.rand(1, dtype=torch.float64, generator=gen).item()
+        cdf = probs.cumsum(dim=-1)
+        target = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device).unsqueeze(1) * cdf[:, -1:]
+        # First index whose cdf exceeds the target: zero-probability tokens are never chosen.
+        token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        return token_ids.clamp_max_(probs.shape[1] - 1)
 
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
-        gen = self._shared_generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
+    @property
+    def _shared_generator(self) -> torch.Generator:
+        if self._shared_gen is None:
+            self._shared_gen = torch.Generator()
             if self._seed is None:
-                gen.seed()
+                self._shared_gen.seed()
             else:
-                gen.manual_seed(self._seed & _MASK64)
-            self._shared_generators[device] = gen
-        return gen
-
-    def _seeded_generator(self, device: torch.device) -> torch.Generator:
-        # One generator, re-seeded per row: manual_seed resets its whole state.
-        gen = self._seeded_generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            self._seeded_generators[device] = gen
-        return gen
+                self._shared_gen.manual_seed(self._seed & _MASK64)
+        return self._shared_gen
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -219,25 +214,29 @@ def compute_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     if any(t != 1.0 for t in temps):
         logits = logits / torch.tensor(temps, dtype=logits.dtype, device=device).unsqueeze(1)
 
-    need_top_k = any(0 < row.top_k < vocab_size for row in rows)
+    top_k = [row.top_k if 0 < row.top_k < vocab_size else vocab_size for row in rows]
+    need_top_k = any(k < vocab_size for k in top_k)
     need_top_p = any(row.top_p < 1.0 for row in rows)
     if need_top_k or need_top_p:
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
+        max_k = max(top_k)
+        if max_k < vocab_size:  # every row has a top_k: no full sort
+            values, indices = logits.topk(max_k, dim=-1)  # best first
+        else:
+            values, indices = logits.sort(dim=-1, descending=True)
         if need_top_k:
-            top_k = torch.tensor([row.top_k if 0 < row.top_k < vocab_size else vocab_size
-                                  for row in rows], device=device)
-            positions = torch.arange(vocab_size, device=device)
-            # Ascending order: the k best are the last k positions.
-            sorted_logits = sorted_logits.masked_fill(
-                positions.unsqueeze(0) < (vocab_size - top_k).unsqueeze(1), float("-inf"))
+            positions = torch.arange(values.shape[1], device=device)
+            k = torch.tensor(top_k, device=device)
+            values = values.masked_fill(positions.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
         if need_top_p:
-            top_p = torch.tensor([row.top_p for row in rows], dtype=logits.dtype, device=device)
-            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-            # Drop the least likely tokens whose total mass stays within 1 - top_p.
-            drop = cumulative <= (1.0 - top_p).unsqueeze(1)
-            drop[:, -1] = False  # always keep the most likely token
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+            top_p = torch.tensor([row.top_p for row in rows], dtype=values.dtype, device=device)
+            # Keep a token while the mass of the better tokens is below top_p * total: a
+            # sequential prefix sum, so a row's result does not depend on the batch's width.
+            weights = (values - values[:, :1]).exp()
+            cumulative = weights.cumsum(dim=-1)
+            before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=1)
+            drop = (before >= (top_p.unsqueeze(1) * cumulative[:, -1:])) & (top_p < 1.0).unsqueeze(1)
+            values = values.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter_(-1, indices, values)
 
     probs = logits.softmax(dim=-1)
     if any(row.min_p > 0.0 for row in rows):
@@ -259,6 +258,8 @@ def _compute_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     chosen_ids = token_ids[index]
     chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
     max_k = min(max(rows[i].num_logprobs or 0 for i in idx), logprobs.shape[1])
+    top_values_list: list[list[float]] = []
+    top_ids_list: list[list[int]] = []
     if max_k > 0:
         top_values, top_ids = logprobs.topk(max_k, dim=-1)  # sorted, best first
         top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
