@@ -142,10 +142,12 @@ class Sampler:
                     gen.manual_seed(_mix_seed(row.seed, row.num_output_tokens_so_far))
                     uniforms[i] = torch.rand(1, dtype=torch.float64, generator=gen).item()
         cdf = probs.cumsum(dim=-1)
-        target = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device).unsqueeze(1) * cdf[:, -1:]
+        total = cdf[:, -1:]
+        target = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device).unsqueeze(1) * total
+        # Rounding may lift u * total to total: keep it strictly below.
+        target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
         # First index whose cdf exceeds the target: zero-probability tokens are never chosen.
-        token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
-        return token_ids.clamp_max_(probs.shape[1] - 1)
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
     @property
     def _shared_generator(self) -> torch.Generator:
