@@ -70,7 +70,8 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._token_ids[self._prefix_offset:])
-        if len(new_text) <= len(prefix_text) or (not final and new_text.endswith(_REPLACEMENT_CHAR)):
+        incomplete = not final and new_text.endswith(_REPLACEMENT_CHAR)
+        if len(new_text) <= len(prefix_text) or incomplete:
             return ""
         delta = new_text[len(prefix_text):]
         self._prefix_offset = self._read_offset

@@ -118,7 +118,8 @@ class Sampler:
         logprobs: list[TokenLogprob | None] = [None] * num_rows
         logprob_idx = [i for i, row in enumerate(rows) if row.num_logprobs is not None]
         if logprob_idx:
-            for i, entry in zip(logprob_idx, _compute_logprobs(raw_logits, token_ids, rows, logprob_idx)):
+            entries = _compute_logprobs(raw_logits, token_ids, rows, logprob_idx)
+            for i, entry in zip(logprob_idx, entries):
                 logprobs[i] = entry
         return SamplerOutput(token_ids.tolist(), logprobs)
 
@@ -236,7 +237,8 @@ def compute_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
             weights = (values - values[:, :1]).exp()
             cumulative = weights.cumsum(dim=-1)
             before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=1)
-            drop = (before >= (top_p.unsqueeze(1) * cumulative[:, -1:])) & (top_p < 1.0).unsqueeze(1)
+            drop = before >= top_p.unsqueeze(1) * cumulative[:, -1:]
+            drop &= (top_p < 1.0).unsqueeze(1)
             values = values.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter_(-1, indices, values)
 
