@@ -429,3 +429,57 @@ def test_finish_remote_kvs_wrong_state():
         s.finish_sending("req-0")
     s.abort_request("req-0")
     assert_scheduler_empty(s)
+
+
+def test_core_modules_import_neither_torch_nor_grpc():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import xllm_py.engine.scheduler, xllm_py.request, xllm_py.sampling_params; "
+        "print(sorted(m for m in ('torch', 'grpc', 'numpy') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_workload_under_pressure_matches_reference(seed):
+    import random
+
+    rng = random.Random(seed)
+    s = create_scheduler(num_blocks=13, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=48)
+    runner = FakeRunner(4)
+    shared = [rng.randrange(2000, 3000) for _ in range(8)]
+    prompts, max_tokens, aborted = {}, {}, set()
+    for i in range(10):
+        head = shared[: rng.choice([0, 4, 8])]
+        prompts[f"r{i}"] = head + [rng.randrange(3000, 4000) for _ in range(rng.randrange(1, 20))]
+        max_tokens[f"r{i}"] = rng.randrange(1, 12)
+    pending = list(prompts)
+    got: dict[str, list[int]] = {}
+    num_preempted = 0
+    for _ in range(500):
+        if pending and rng.random() < 0.5:
+            rid = pending.pop(0)
+            s.add_request(Request(rid, prompts[rid], SamplingParams(max_tokens=max_tokens[rid])))
+        if s.requests and rng.random() < 0.05:
+            rid = rng.choice(sorted(s.requests))
+            s.abort_request(rid)
+            aborted.add(rid)
+        if not pending and not s.has_schedulable_requests():
+            break
+        out = s.schedule()
+        num_preempted += len(out.preempted_ids)
+        pool = s.kv.block_pool
+        assert pool.num_free_blocks + pool.num_used_blocks == pool.num_usable_blocks
+        for u in s.update_from_output(out, runner.step(out)):
+            got.setdefault(u.request_id, []).extend(u.new_token_ids)
+    assert not pending
+    assert num_preempted > 0 and s.kv.block_pool.num_prefix_hit_tokens > 0
+    for rid, prompt in prompts.items():
+        if rid in aborted:
+            continue
+        ref = reference_outputs({rid: prompt}, max_tokens[rid])[rid]
+        assert got[rid] == ref, rid
+    assert_scheduler_empty(s)
