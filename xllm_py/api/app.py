@@ -48,6 +48,14 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None)
             error_body(str(e.detail), error_type, code=e.status_code), status_code=e.status_code
         )
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> Response:
+        logger.error("unhandled error in the HTTP layer: %s", type(e).__name__, exc_info=e)
+        return JSONResponse(
+            error_body(f"internal error ({type(e).__name__})", "server_error", code=500),
+            status_code=500,
+        )
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serving.create_completion(request)

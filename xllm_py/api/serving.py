@@ -386,6 +386,11 @@ class OpenAIServing:
         except APIError as e:
             self._count_error(e)
             return _error_response(e)
+        except Exception as e:  # tokenizer / template failures: a 500 with an OpenAI body
+            logger.exception("preparing a %s request failed", kind)
+            err = APIError(f"internal error ({type(e).__name__})", status_code=500)
+            self._count_error(err)
+            return _error_response(err)
 
         logger.debug("request %s: %d prompt(s), n=%d", ctx.request_id, len(gen_reqs), req.n)
         try:
@@ -420,9 +425,13 @@ class OpenAIServing:
         max_model_len = self.backend.max_model_len
         prompts: list[_Prompt] = []
         if isinstance(req, ChatCompletionRequest):
-            rendered = tokenizer.apply_chat_template(
-                req.template_messages(), add_generation_prompt=True
-            )
+            messages = req.template_messages()
+            try:
+                rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except Exception as e:  # e.g. jinja: "roles must alternate user/assistant"
+                raise InvalidRequestError(
+                    f"chat template could not be applied: {str(e)[:200]}", param="messages"
+                ) from e
             if isinstance(rendered, str):
                 ids = list(tokenizer.encode(rendered, add_special_tokens=False))
             else:  # a tokenizer that returns ids directly
