@@ -1,0 +1,109 @@
+"""AsyncEngine: the asyncio facade of LLMEngine. Implements the API layer's GenerateBackend.
+
+A request's outputs travel from the engine thread to the caller's event loop through an
+asyncio.Queue; closing the caller's iterator (client gone) aborts the request, which
+frees its blocks on the engine thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import AsyncIterator
+
+from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
+from xllm_py.outputs import RequestOutput
+from xllm_py.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_PARAM_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                 "presence_penalty", "repetition_penalty", "seed", "max_tokens", "min_tokens",
+                 "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens",
+                 "include_stop_str_in_output")
+
+
+def sampling_params_from(req) -> SamplingParams:
+    """SamplingParams from any object with the GenerateRequest field names."""
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    kwargs = {}
+    for name in _PARAM_FIELDS:
+        if name in fields and hasattr(req, name):
+            value = getattr(req, name)
+            if value is not None:
+                kwargs[name] = list(value) if isinstance(value, (list, tuple)) else value
+    if kwargs.get("best_of") is not None and kwargs["best_of"] <= kwargs.get("n", 1):
+        kwargs["best_of"] = None
+    return SamplingParams(**kwargs)
+
+
+class QueueSink:
+    """Delivers RequestOutputs from the engine thread into an asyncio.Queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def emit(self, output: RequestOutput) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, served_model_name: str | None = None,
+                 max_waiting: int = 4096) -> None:
+        self.engine = engine
+        self.model_name = served_model_name or _default_name(engine.config.model)
+        self.max_model_len = engine.max_model_len
+        self.max_waiting = max_waiting
+
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def check_ready(self) -> tuple[bool, str]:
+        thread = self.engine._thread
+        if thread is None or not thread.is_alive():
+            return False, "engine loop is not running"
+        return True, "ok"
+
+    async def generate(self, req) -> AsyncIterator[RequestOutput]:
+        from xllm_py.api.errors import BackendBusyError
+
+        if self.engine.scheduler.num_waiting >= self.max_waiting:
+            raise BackendBusyError(
+                f"engine has {self.engine.scheduler.num_waiting} waiting requests; try again later")
+        params = sampling_params_from(req)
+        sink = QueueSink(asyncio.get_running_loop())
+        self.engine.submit(EngineRequest(req.request_id, list(req.prompt_token_ids), params, sink))
+        finished = False
+        try:
+            while not finished:
+                out = await sink.queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.engine.abort(req.request_id)
+
+    def metrics_text(self) -> str:
+        return render_engine_metrics(self.engine)
+
+
+def render_engine_metrics(engine: LLMEngine) -> str:
+    s = engine.stats()
+    lines = []
+    for name, kind, value, help_ in (
+        ("xllm_requests_running", "gauge", s["running"], "Requests in the running batch"),
+        ("xllm_requests_waiting", "gauge", s["waiting"], "Requests waiting to be scheduled"),
+        ("xllm_kv_cache_blocks_used", "gauge", s["kv_blocks_used"],
+         "KV blocks referenced by live requests"),
+        ("xllm_kv_cache_blocks_total", "gauge", s["kv_blocks_total"], "KV blocks in the pool"),
+        ("xllm_prefix_cache_hit_tokens_total", "counter", s["prefix_hit_tokens"],
+         "Prompt tokens served from the prefix cache"),
+        ("xllm_generation_tokens_total", "counter", s["generated_tokens"], "Tokens generated"),
+    ):
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+def _default_name(model: str) -> str:
+    return model.rstrip("/").rsplit("/", 1)[-1] or model

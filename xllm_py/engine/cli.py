@@ -1,0 +1,78 @@
+"""Command line of the engine process: `python -m xllm_py.engine --help`."""
+from __future__ import annotations
+
+import argparse
+
+from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode,
+                            SchedulerConfig, TransferConfig, transfer_config_from_env)
+from xllm_py.utils.cli import add_flag, parse_bool
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m xllm_py.engine",
+        description="xllm-py engine: a MIX, PREFILL or DECODE instance. Flags also accept "
+                    "xLLM's underscore spellings (--instance_role, --block_size, ...).")
+    g = p.add_argument_group("model")
+    add_flag(g, "--model", default="tiny",
+             help="Hugging Face model directory, or 'tiny' (built-in, default) / 'tiny-25m'")
+    add_flag(g, "--served-model-name", default=None, help="model id in the API (default: dir name)")
+    add_flag(g, "--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_flag(g, "--device", default="cpu", help="cpu or cuda[:N]")
+    add_flag(g, "--seed", type=int, default=0, help="global seed of the unseeded sampler")
+    g = p.add_argument_group("serving")
+    add_flag(g, "--instance-role", default="MIX", type=InstanceRole.parse,
+             help="MIX (whole requests), PREFILL or DECODE (PD disaggregation)")
+    add_flag(g, "--host", default="127.0.0.1", help="address to bind the HTTP API and RPC servers")
+    add_flag(g, "--port", type=int, default=9000, help="HTTP port of the OpenAI API")
+    add_flag(g, "--max-num-seqs", type=int, default=64, help="max sequences in a batch")
+    add_flag(g, "--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    add_flag(g, "--max-model-len", type=int, default=2048, help="context length limit")
+    add_flag(g, "--enable-chunked-prefill", type=parse_bool, default=True)
+    g = p.add_argument_group("KV cache")
+    add_flag(g, "--block-size", type=int, default=16, help="tokens per KV block")
+    add_flag(g, "--num-blocks", type=int, default=None,
+             help="KV blocks in the pool (default: from --kv-cache-memory-mb)")
+    add_flag(g, "--kv-cache-memory-mb", type=int, default=256, help="memory for the KV pool")
+    add_flag(g, "--enable-prefix-cache", "--enable-prefix-caching", type=parse_bool, default=True)
+    g = p.add_argument_group("cluster")
+    add_flag(g, "--etcd", "--etcd-addr", default=None,
+             help="etcd HOST:PORT; registers the instance and serves requests from xllm_service")
+    add_flag(g, "--etcd-namespace", default="", help="prefix for every etcd key")
+    add_flag(g, "--etcd-ttl", type=float, default=3.0, help="lease TTL in seconds")
+    add_flag(g, "--heart-beat-interval", type=float, default=0.5, help="seconds between heartbeats")
+    add_flag(g, "--instance-name", default=None, help="registry name (default host:port)")
+    add_flag(g, "--disagg-pd-port", type=int, default=0, help="DisaggPDService gRPC port (0: free)")
+    add_flag(g, "--rpc-timeout", type=float, default=10.0, help="deadline of engine RPCs (s)")
+    g = p.add_argument_group("KV transfer (PD)")
+    add_flag(g, "--kv-cache-transfer-mode", default="PULL", type=str.upper,
+             choices=["PULL", "PUSH"])
+    add_flag(g, "--transfer-listen-port", type=int, default=0, help="UCX listener port (0: free)")
+    add_flag(g, "--kv-transfer-backend", default="ucx", choices=["ucx", "tcp"],
+             help="transfer backend between workers")
+    add_flag(g, "--worker-port", type=int, default=0, help="worker gRPC port (0: free)")
+    add_flag(g, "--transfer-timeout", type=float, default=30.0)
+    add_flag(g, "--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                        kv_cache_memory_bytes=args.kv_cache_memory_mb * 1024 * 1024,
+                        enable_prefix_caching=args.enable_prefix_cache)
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_model_len=args.max_model_len,
+                            enable_chunked_prefill=args.enable_chunked_prefill)
+    transfer = transfer_config_from_env(TransferConfig(
+        mode=KVTransferMode(args.kv_cache_transfer_mode), backend=args.kv_transfer_backend,
+        listen_host=args.host, listen_port=args.transfer_listen_port,
+        timeout_s=args.transfer_timeout))
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, role=args.instance_role,
+        host=args.host, port=args.port, served_model_name=args.served_model_name,
+        seed=args.seed, cache=cache, scheduler=sched, transfer=transfer,
+        etcd_addr=args.etcd, etcd_namespace=args.etcd_namespace, etcd_ttl_s=args.etcd_ttl,
+        heartbeat_interval_s=args.heart_beat_interval, instance_name=args.instance_name,
+        disagg_pd_port=args.disagg_pd_port, worker_port=args.worker_port,
+        rpc_timeout_s=args.rpc_timeout)

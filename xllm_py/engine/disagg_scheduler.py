@@ -1,0 +1,528 @@
+"""DisaggPDScheduler: the prefill and decode roles of a PD pair, on top of LLMEngine.
+
+Prefill stages (per request):
+  add_request -> online/offline queue -> dispatch loop -> AddNewRequests to the decode
+  (bounded retry with backoff on 404, then another decode, then a clean failure) ->
+  engine prefill (remote_decode: samples the first token, holds the KV) -> first token
+  to the service (finished_on_prefill_instance) -> PUSH: our worker writes the KV into
+  decode's blocks -> FirstGeneration to decode (PULL: where our KV is) -> decode
+  confirms (or fails) -> finish_sending frees our blocks.
+Decode stages:
+  AddNewRequests -> link the prefill on first contact -> allocate_for_remote (prefix
+  aware) -> 200 + the block ids decode needs filled (404: no KV space) ->
+  FirstGeneration -> PULL: PullKVCache on our worker -> finish_remote_kvs (or
+  fail_remote_kvs: never decode on KV that did not arrive) -> decode steps, every token
+  to the service through Generations. A request whose FirstGeneration never comes is
+  dropped after `orphan_timeout_s` so its blocks cannot leak.
+Everything that touches the scheduler runs on the engine thread through engine.call.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Awaitable, Callable
+
+import grpc
+
+from xllm_py.cluster.instance_meta import InstanceMeta
+from xllm_py.config import EngineConfig, InstanceRole, KVTransferMode
+from xllm_py.engine.generations_reporter import GenerationsReporter
+from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
+from xllm_py.engine.output_processor import child_id
+from xllm_py.outputs import RequestOutput, TokenLogprob
+from xllm_py.proto import xllm_pb2 as pb
+from xllm_py.proto import xllm_pb2_grpc as pb_grpc
+from xllm_py.request import Request
+from xllm_py.rpc.convert import EngineRequestSpec, spec_to_proto
+
+logger = logging.getLogger(__name__)
+
+# Resolves an instance name to its published meta (etcd), or None.
+MetaResolver = Callable[[str], Awaitable[InstanceMeta | None]]
+# Names of the schedulable decode instances (from the master).
+DecodeLister = Callable[[], Awaitable[list[str]]]
+
+
+class PDError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass
+class _PrefillState:
+    spec: EngineRequestSpec
+    decode: InstanceMeta
+    decode_blocks: list[int]  # blocks decode needs filled
+    num_cached_on_decode: int
+    sink: object = None
+
+
+@dataclasses.dataclass
+class _DecodeState:
+    spec: EngineRequestSpec
+    prefill_name: str
+    new_block_ids: list[int]
+    num_cached_tokens: int
+    created: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    attempts_per_decode: int = 5
+    backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+
+
+class DisaggPDScheduler:
+    def __init__(self, engine: LLMEngine, config: EngineConfig, meta: InstanceMeta,
+                 reporter: GenerationsReporter, resolve_meta: MetaResolver,
+                 list_decodes: DecodeLister, worker_rpc_addr: str,
+                 retry: RetryPolicy = RetryPolicy(), orphan_timeout_s: float = 60.0) -> None:
+        self.engine = engine
+        self.config = config
+        self.meta = meta
+        self.reporter = reporter
+        self.resolve_meta = resolve_meta
+        self.list_decodes = list_decodes
+        self.worker_rpc_addr = worker_rpc_addr
+        self.retry = retry
+        self.orphan_timeout_s = orphan_timeout_s
+        self.timeout_s = config.rpc_timeout_s
+        self.role = config.role
+        self.loop = asyncio.get_running_loop()
+        self._online: asyncio.Queue[EngineRequestSpec] = asyncio.Queue()
+        self._offline: asyncio.Queue[EngineRequestSpec] = asyncio.Queue()
+        self._prefill: dict[str, _PrefillState] = {}
+        self._decode: dict[str, _DecodeState] = {}
+        self._linked: dict[str, InstanceMeta] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._rr = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+        self._dispatch_sem = asyncio.Semaphore(64)
+        self._dispatcher: asyncio.Task | None = None
+        self._reaper: asyncio.Task | None = None
+        self.num_transfer_failures = 0
+        if self.role == InstanceRole.PREFILL:
+            engine.on_remote_decode_update = self._on_prefill_update
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self.role == InstanceRole.PREFILL:
+            self._dispatcher = asyncio.create_task(self._dispatch_loop())
+        if self.role == InstanceRole.DECODE:
+            self._reaper = asyncio.create_task(self._reap_orphans())
+
+    async def stop(self) -> None:
+        for task in [self._dispatcher, self._reaper, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _channel(self, addr: str) -> grpc.aio.Channel:
+        ch = self._channels.get(addr)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(addr)
+            self._channels[addr] = ch
+        return ch
+
+    def _pd_stub(self, addr: str) -> pb_grpc.DisaggPDServiceStub:
+        return pb_grpc.DisaggPDServiceStub(self._channel(addr))
+
+    def _worker_stub(self) -> pb_grpc.WorkerServiceStub:
+        return pb_grpc.WorkerServiceStub(self._channel(self.worker_rpc_addr))
+
+    def _cluster_info(self) -> pb.ClusterInfo:
+        return pb.ClusterInfo(cluster_ids=self.meta.cluster_ids, addrs=self.meta.addrs,
+                              ports=self.meta.ports, dp_size=self.meta.dp_size,
+                              worker_rpc_addrs=self.meta.worker_rpc_addrs)
+
+    # ================================================================== prefill side
+    async def add_request(self, spec: EngineRequestSpec) -> None:
+        (self._offline if spec.offline else self._online).put_nowait(spec)
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            try:
+                spec = await asyncio.wait_for(self._online.get(), 0.1)
+            except asyncio.TimeoutError:
+                if self._offline.empty():
+                    continue
+                spec = self._offline.get_nowait()
+            await self._dispatch_sem.acquire()
+            self._spawn(self._dispatch_guarded(spec))
+
+    async def _dispatch_guarded(self, spec: EngineRequestSpec) -> None:
+        try:
+            await self._dispatch(spec)
+        except PDError as exc:
+            logger.warning("request %s failed before prefill: %s", spec.request_id, exc.message)
+            self._report_error(spec, exc.code, exc.message)
+        except Exception as exc:
+            logger.exception("dispatch of request %s failed", spec.request_id)
+            self._report_error(spec, 500, f"dispatch failed: {exc}")
+        finally:
+            self._dispatch_sem.release()
+
+    async def _decode_candidates(self, spec: EngineRequestSpec) -> list[str]:
+        names = []
+        if spec.decode_name:
+            names.append(spec.decode_name)
+        try:
+            others = await self.list_decodes()
+        except Exception as exc:  # the master may be switching over
+            logger.warning("could not list decode instances: %s", exc)
+            others = []
+        start = next(self._rr)
+        rotated = others[start % len(others):] + others[: start % len(others)] if others else []
+        names += [n for n in rotated if n not in names]
+        return names
+
+    async def _dispatch(self, spec: EngineRequestSpec) -> None:
+        candidates = await self._decode_candidates(spec)
+        if not candidates:
+            raise PDError(503, "no decode instance is available")
+        last_error = "no decode instance accepted the request"
+        for name in candidates[:3]:
+            decode = await self.resolve_meta(name)
+            if decode is None:
+                last_error = f"decode instance {name} is not registered"
+                continue
+            try:
+                await self._link(decode)
+            except PDError as exc:
+                last_error = exc.message
+                if exc.code == 412:  # incompatible: no point retrying this pair
+                    raise
+                continue
+            resp = await self._add_on_decode(spec, decode)
+            if resp is None:
+                last_error = f"decode instance {name} has no KV space"
+                continue
+            if resp.status_code == 500:
+                raise PDError(400, resp.status_msg or "decode refused the request")
+            state = _PrefillState(spec, decode, list(resp.blocks_ids), resp.num_cached_tokens)
+            self._prefill[spec.request_id] = state
+            self._submit_prefill(spec, state)
+            return
+        raise PDError(503, last_error)
+
+    async def _link(self, decode: InstanceMeta) -> None:
+        if decode.name in self._linked:
+            return
+        problems = self.meta.compatibility_problems(decode)
+        if problems:
+            raise PDError(412, f"decode {decode.name} is incompatible: " + "; ".join(problems))
+        info = pb.InstanceClusterInfo(instance_name=self.meta.name,
+                                      cluster_ids=self.meta.cluster_ids, addrs=self.meta.addrs,
+                                      ports=self.meta.ports, dp_size=self.meta.dp_size,
+                                      worker_rpc_addrs=self.meta.worker_rpc_addrs,
+                                      meta=self.meta.to_proto())
+        try:
+            status = await self._pd_stub(decode.rpc_address).LinkInstance(
+                info, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise PDError(412, exc.details()) from None
+            raise PDError(503, f"cannot link decode {decode.name}: {exc.code().name}") from None
+        if not status.ok:
+            raise PDError(503, f"decode {decode.name} refused the link: {status.message}")
+        self._linked[decode.name] = decode
+
+    async def _add_on_decode(self, spec: EngineRequestSpec,
+                             decode: InstanceMeta) -> pb.DisaggResponse | None:
+        """AddNewRequests with bounded retries on 404; None when decode stays full."""
+        msg = pb.DisaggRequests(prefill_name=self.meta.name, cluster_infos=self._cluster_info())
+        msg.reqs.append(spec_to_proto(spec))
+        backoff = self.retry.backoff_s
+        for attempt in range(self.retry.attempts_per_decode):
+            try:
+                reply = await self._pd_stub(decode.rpc_address).AddNewRequests(
+                    msg, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("AddNewRequests to %s failed: %s", decode.name, exc.code().name)
+                self._linked.pop(decode.name, None)
+                return None
+            resp = reply.reqs[0] if reply.reqs else pb.DisaggResponse(status_code=500)
+            if resp.status_code != 404:
+                return resp
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.retry.max_backoff_s)
+        return None
+
+    def _submit_prefill(self, spec: EngineRequestSpec, state: _PrefillState) -> None:
+        sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
+                                  spec.request_id)
+        sink.finished_on_prefill = True
+        state.sink = sink
+        self.engine.submit(EngineRequest(spec.request_id, spec.prompt_token_ids, spec.params,
+                                         sink, remote_decode=True))
+
+    def _on_prefill_update(self, upd, delta, block_ids: list[int]) -> None:
+        """Engine thread: a remote-decode request sampled its first token."""
+        parent_id = upd.request_id.rpartition("#")[0]
+        state = self._prefill.pop(parent_id, None)
+        if state is None:
+            return
+        finished_here = delta is not None and delta.finish_reason is not None
+        first = (delta.token_ids[0] if delta and delta.token_ids else None)
+        lp = delta.logprobs[0] if delta and delta.logprobs else None
+        self.loop.call_soon_threadsafe(
+            self._spawn, self._hand_over(state, request.request_id, block_ids, first, lp,
+                                         finished_here, upd.kv_held))
+
+    async def _hand_over(self, state: _PrefillState, child: str, block_ids: list[int],
+                         first_token: int | None, lp: TokenLogprob | None,
+                         finished_here: bool, kv_held: bool) -> None:
+        spec = state.spec
+        decode = state.decode
+        gen = pb.DisaggGenerationsRequest(
+            req_id=spec.request_id, kv_cache_transfer_mode=self.config.transfer.mode.value,
+            dp_size=self.meta.dp_size, prefill_name=self.meta.name,
+            num_computed_tokens=len(spec.prompt_token_ids))
+        ok = False
+        try:
+            if finished_here or first_token is None:
+                gen.failed = True
+                gen.status_msg = "finished on prefill"
+            else:
+                tok = gen.tokens.add(token_id=first_token)
+                if lp is not None:
+                    tok.has_logprob = True
+                    tok.logprob = lp.logprob
+                    tok.top_tokens.extend(t for t, _ in lp.top)
+                    tok.top_logprobs.extend(v for _, v in lp.top)
+                bs = self.config.cache.block_size
+                first_block = state.num_cached_on_decode // bs
+                num_prompt_blocks = -(-len(spec.prompt_token_ids) // bs)
+                src = block_ids[first_block:num_prompt_blocks]
+                if len(src) != len(state.decode_blocks):
+                    raise PDError(500, f"block count mismatch: prefill {len(src)}, "
+                                       f"decode {len(state.decode_blocks)}")
+                if self.config.transfer.mode == KVTransferMode.PUSH:
+                    await self._push(spec.request_id, decode, src, state.decode_blocks)
+                gen.cluster_ids.extend(self.meta.cluster_ids)
+                gen.addrs.extend(self.meta.addrs)
+                gen.worker_rpc_addrs.extend(self.meta.worker_rpc_addrs)
+                gen.block_ids.extend(src)
+            reply = await self._pd_stub(decode.rpc_address).FirstGeneration(
+                pb.DisaggGenerationsRequests(gens=[gen]), timeout=self.timeout_s
+                + self.config.transfer.timeout_s)
+            ok = reply.ok or gen.failed
+            if not reply.ok and not gen.failed:
+                self._report_error(spec, 502, f"decode could not take over: {reply.message}")
+        except PDError as exc:
+            self._report_error(spec, exc.code, exc.message)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("FirstGeneration for %s to %s failed: %s", spec.request_id,
+                           decode.name, exc.code().name)
+            if not gen.failed:
+                self._report_error(spec, 502, f"decode instance {decode.name} failed: "
+                                              f"{exc.code().name}")
+        finally:
+            if kv_held:
+                self.engine.call(lambda: self.engine.scheduler.finish_sending(child))
+            if not ok:
+                self.num_transfer_failures += 1
+
+    async def _push(self, req_id: str, decode: InstanceMeta, src: list[int],
+                    dst: list[int]) -> None:
+        if not decode.addrs:
+            raise PDError(502, f"decode {decode.name} publishes no transfer address")
+        req = pb.PushKVCacheRequest(cluster_id=decode.cluster_ids[0] if decode.cluster_ids else 0,
+                                    addr=decode.addrs[0], src_blocks=src, dst_blocks=dst,
+                                    req_id=req_id)
+        try:
+            status = await self._worker_stub().PushKVCache(
+                req, timeout=self.config.transfer.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise PDError(502, f"KV push failed: {exc.details() or exc.code().name}") from None
+        if not status.ok:
+            raise PDError(502, f"KV push failed: {status.message}")
+
+    def _report_error(self, spec: EngineRequestSpec, code: int, message: str) -> None:
+        if not spec.source_xservice_addr:
+            return
+        out = RequestOutput(request_id=spec.request_id, finished=True,
+                            num_prompt_tokens=len(spec.prompt_token_ids),
+                            error_code=code, error_message=message)
+        sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
+                                  spec.request_id)
+        sink.emit(out)
+        self.reporter.flush()
+
+    # ================================================================== decode side
+    async def link_instance(self, info: pb.InstanceClusterInfo) -> None:
+        """Decode: a prefill links on first contact; its workers link to ours."""
+        peer = InstanceMeta.from_proto(info.meta) if info.HasField("meta") else None
+        if peer is not None:
+            problems = self.meta.compatibility_problems(peer)
+            if problems:
+                raise PDError(412, f"prefill {peer.name} is incompatible: " + "; ".join(problems))
+        link = pb.ClusterLink(cluster_ids=info.cluster_ids, addrs=info.addrs,
+                              meta=info.meta if info.HasField("meta") else None)
+        try:
+            status = await self._worker_stub().LinkCluster(link, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise PDError(412, exc.details()) from None
+            raise PDError(503, f"worker link failed: {exc.code().name}") from None
+        if not status.ok:
+            raise PDError(503, f"worker link failed: {status.message}")
+        if peer is not None:
+            self._linked[peer.name] = peer
+
+    async def add_new_requests(self, msg: pb.DisaggRequests) -> pb.DisaggResponses:
+        from xllm_py.rpc.convert import spec_from_proto
+
+        replies = pb.DisaggResponses()
+        for req in msg.reqs:
+            try:
+                spec = spec_from_proto(req)
+            except ValueError as exc:
+                replies.reqs.add(req_id=req.req_id, status_code=500, status_msg=str(exc))
+                continue
+            if spec.request_id in self._decode:
+                replies.reqs.add(req_id=req.req_id, status_code=500,
+                                 status_msg="duplicate request id")
+                continue
+            alloc = await asyncio.wrap_future(self.engine.call(
+                lambda spec=spec: self._allocate_remote(spec)))
+            if isinstance(alloc, str):
+                replies.reqs.add(req_id=req.req_id, status_code=500, status_msg=alloc)
+            elif alloc is None:
+                replies.reqs.add(req_id=req.req_id, status_code=404,
+                                 status_msg="no KV space on decode")
+            else:
+                self._decode[spec.request_id] = _DecodeState(
+                    spec, msg.prefill_name, alloc.new_block_ids, alloc.num_cached_tokens)
+                replies.reqs.add(req_id=req.req_id, status_code=200,
+                                 blocks_ids=alloc.new_block_ids, dp_rank=0,
+                                 num_cached_tokens=alloc.num_cached_tokens)
+        return replies
+
+    def _allocate_remote(self, spec: EngineRequestSpec):
+        """Engine thread. RemoteAllocation, None (no space) or an error message."""
+        engine = self.engine
+        if len(spec.prompt_token_ids) + 1 > engine.max_model_len:
+            return (f"prompt has {len(spec.prompt_token_ids)} tokens; the context is "
+                    f"{engine.max_model_len}")
+        params = spec.params
+        if not params.eos_token_ids:
+            params = dataclasses.replace(params, eos_token_ids=list(engine.eos_token_ids))
+        params = dataclasses.replace(params, n=1, best_of=None)
+        request = Request(child_id(spec.request_id, 0), spec.prompt_token_ids, params)
+        alloc = engine.scheduler.allocate_for_remote(request)
+        if alloc is None:
+            return None
+        sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
+                                  spec.request_id)
+        engine.outputs.add_parent(
+            spec.request_id, spec.prompt_token_ids, sink, n=1, best_of=1,
+            stop=list(params.stop or []), include_stop_str=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            want_logprobs=params.logprobs is not None)
+        engine.outputs.set_cached_tokens(spec.request_id, alloc.num_cached_tokens)
+        return alloc
+
+    async def first_generation(self, msg: pb.DisaggGenerationsRequests) -> pb.Status:
+        results = await asyncio.gather(*(self._take_over(g) for g in msg.gens))
+        bad = [m for m in results if m]
+        return pb.Status(ok=not bad, message="; ".join(bad))
+
+    async def _take_over(self, gen: pb.DisaggGenerationsRequest) -> str:
+        state = self._decode.pop(gen.req_id, None)
+        if state is None:
+            return f"unknown request {gen.req_id}"
+        child = child_id(gen.req_id, 0)
+        if gen.failed:
+            await asyncio.wrap_future(self.engine.call(lambda: self._drop(gen.req_id, child)))
+            return ""
+        t0 = time.monotonic()
+        try:
+            if gen.kv_cache_transfer_mode != KVTransferMode.PUSH.value:
+                await self._pull(gen, state)
+        except PDError as exc:
+            self.num_transfer_failures += 1
+            await asyncio.wrap_future(self.engine.call(
+                lambda: self._fail(gen.req_id, child, exc.message)))
+            return exc.message
+        tokens = [t.token_id for t in gen.tokens]
+        lps = [TokenLogprob(t.token_id, t.logprob, list(zip(t.top_tokens, t.top_logprobs)))
+               if t.has_logprob else None for t in gen.tokens]
+        await asyncio.wrap_future(self.engine.call(
+            lambda: self._start_decoding(gen.req_id, child, tokens, lps)))
+        logger.info("PD decode took over request %s from %s: %d blocks (%d cached tokens) "
+                    "in %.1f ms (%s)", gen.req_id, state.prefill_name,
+                    len(state.new_block_ids), state.num_cached_tokens,
+                    (time.monotonic() - t0) * 1000, gen.kv_cache_transfer_mode or "PULL")
+        return ""
+
+    async def _pull(self, gen: pb.DisaggGenerationsRequest, state: _DecodeState) -> None:
+        if len(gen.block_ids) != len(state.new_block_ids):
+            raise PDError(500, f"prefill sent {len(gen.block_ids)} blocks, decode expects "
+                               f"{len(state.new_block_ids)}")
+        if not state.new_block_ids:
+            return
+        if not gen.addrs:
+            raise PDError(500, "FirstGeneration carries no transfer address")
+        req = pb.PullKVCacheRequest(cluster_id=gen.cluster_ids[0] if gen.cluster_ids else 0,
+                                    addr=gen.addrs[0], src_blocks=gen.block_ids,
+                                    dst_blocks=state.new_block_ids, req_id=gen.req_id)
+        try:
+            status = await self._worker_stub().PullKVCache(
+                req, timeout=self.config.transfer.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise PDError(502, f"KV pull failed: {exc.details() or exc.code().name}") from None
+        if not status.ok:
+            raise PDError(502, f"KV pull failed: {status.message}")
+
+    # engine-thread helpers
+    def _drop(self, parent_id: str, child: str) -> None:
+        self.engine.scheduler.abort_request(child)
+        self.engine.outputs.drop_parent(parent_id)
+
+    def _fail(self, parent_id: str, child: str, message: str) -> None:
+        self.engine.scheduler.fail_remote_kvs(child, message)
+        self.engine.outputs.fail_parent(parent_id, 502, message)
+
+    def _start_decoding(self, parent_id: str, child: str, tokens: list[int], lps) -> None:
+        engine = self.engine
+        if engine.scheduler.get_request(child) is None:
+            engine.outputs.drop_parent(parent_id)
+            return
+        upd = engine.scheduler.finish_remote_kvs(child, tokens)
+        # The first token was reported by prefill: feed it to the detokenizer silently.
+        delta = engine.outputs.process(child, tokens, lps, None, None,
+                                       lambda rid, s: None)
+        if upd is not None:  # the first token already ends the request
+            engine.outputs.process(child, [], None, upd.finish_reason, upd.stop_reason,
+                                   lambda rid, s: None)
+            engine.outputs.drop_parent(parent_id)
+        del delta
+
+    async def _reap_orphans(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            stale = [rid for rid, st in self._decode.items()
+                     if now - st.created > self.orphan_timeout_s]
+            for rid in stale:
+                self._decode.pop(rid, None)
+                logger.warning("request %s: no FirstGeneration within %.0fs; freeing its blocks",
+                               rid, self.orphan_timeout_s)
+                self.engine.call(lambda rid=rid: self._fail(
+                    rid, child_id(rid, 0), "prefill instance never handed the request over"))
+
+    def num_pending(self) -> int:
+        return self._online.qsize() + self._offline.qsize() + len(self._prefill)

@@ -1,0 +1,131 @@
+"""GenerationsReporter: streams each engine step's outputs to the services that own them.
+
+Stages: engine thread emits RequestOutput into a per-service pending batch ->
+end of step (step listener) -> hand the batch to the event loop -> one sender task per
+service sends `Generations` calls in order, merging batches that piled up while a call was
+in flight -> a reply with ok=false (client gone) or a dead service aborts the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Callable
+
+import grpc
+
+from xllm_py.outputs import RequestOutput
+from xllm_py.proto import xllm_pb2 as pb
+from xllm_py.proto import xllm_pb2_grpc as pb_grpc
+from xllm_py.rpc.convert import output_to_proto
+
+logger = logging.getLogger(__name__)
+
+
+class ReporterSink:
+    """OutputSink of one request: its outputs go to the service at `service_addr`."""
+
+    def __init__(self, reporter: "GenerationsReporter", service_addr: str,
+                 service_request_id: str, engine_request_id: str,
+                 on_output: Callable[[RequestOutput], bool] | None = None) -> None:
+        self.reporter = reporter
+        self.service_addr = service_addr
+        self.service_request_id = service_request_id
+        self.engine_request_id = engine_request_id
+        # PD hook: may rewrite/suppress the output (returns False to suppress).
+        self.on_output = on_output
+        self.finished_on_prefill = False
+
+    def emit(self, output: RequestOutput) -> None:
+        if self.on_output is not None and not self.on_output(output):
+            return
+        gen = output_to_proto(output, self.service_request_id,
+                              finished_on_prefill=self.finished_on_prefill)
+        gen.req_id = self.engine_request_id
+        self.reporter.add(self.service_addr, gen)
+
+
+class GenerationsReporter:
+    def __init__(self, loop: asyncio.AbstractEventLoop, instance_name: str,
+                 abort: Callable[[str], None], timeout_s: float = 5.0) -> None:
+        self.loop = loop
+        self.instance_name = instance_name
+        self.abort = abort  # abort(engine_request_id), thread-safe
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[pb.DisaggStreamGeneration]] = {}
+        self._queues: dict[str, list[pb.DisaggStreamGeneration]] = {}
+        self._senders: dict[str, asyncio.Task] = {}
+        self._wakeups: dict[str, asyncio.Event] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.num_calls = 0
+
+    def sink(self, service_addr: str, service_request_id: str, engine_request_id: str,
+             on_output=None) -> ReporterSink:
+        return ReporterSink(self, service_addr, service_request_id, engine_request_id, on_output)
+
+    def add(self, service_addr: str, gen: pb.DisaggStreamGeneration) -> None:
+        """Any thread. Buffered until flush()."""
+        with self._lock:
+            self._pending.setdefault(service_addr, []).append(gen)
+
+    def flush(self) -> None:
+        """Engine thread, end of step: hand the step's outputs to the event loop."""
+        with self._lock:
+            if not self._pending:
+                return
+            pending, self._pending = self._pending, {}
+        self.loop.call_soon_threadsafe(self._enqueue, pending)
+
+    def _enqueue(self, pending: dict[str, list[pb.DisaggStreamGeneration]]) -> None:
+        for addr, gens in pending.items():
+            self._queues.setdefault(addr, []).extend(gens)
+            if addr not in self._senders or self._senders[addr].done():
+                self._wakeups[addr] = asyncio.Event()
+                self._senders[addr] = asyncio.create_task(self._send_loop(addr))
+            self._wakeups[addr].set()
+
+    def _stub(self, addr: str) -> pb_grpc.XllmRpcServiceStub:
+        channel = self._channels.get(addr)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(addr)
+            self._channels[addr] = channel
+        return pb_grpc.XllmRpcServiceStub(channel)
+
+    async def _send_loop(self, addr: str) -> None:
+        wake = self._wakeups[addr]
+        while True:
+            await wake.wait()
+            wake.clear()
+            gens = self._queues.pop(addr, [])
+            if not gens:
+                continue
+            await self._send(addr, gens)
+
+    async def _send(self, addr: str, gens: list[pb.DisaggStreamGeneration]) -> None:
+        request = pb.DisaggStreamGenerations(gens=gens, instance_name=self.instance_name)
+        for attempt in range(2):
+            try:
+                reply = await self._stub(addr).Generations(request, timeout=self.timeout_s)
+                self.num_calls += 1
+                break
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("Generations to %s failed (attempt %d): %s", addr, attempt + 1,
+                               exc.code().name)
+                await asyncio.sleep(0.05)
+        else:
+            for gen in gens:
+                if not gen.finished:
+                    self.abort(gen.req_id)
+            return
+        for gen, status in zip(gens, reply.all_status):
+            if not status.ok and not gen.finished:
+                logger.info("service %s dropped request %s: %s", addr, gen.req_id,
+                            status.message)
+                self.abort(gen.req_id)
+
+    async def close(self) -> None:
+        for task in self._senders.values():
+            task.cancel()
+        for channel in self._channels.values():
+            await channel.close()

@@ -1,0 +1,301 @@
+"""LLMEngine: the engine loop. Owns the scheduler, the model runner and the sampler.
+
+Lifecycle of a request on a MIX instance:
+  submit (any thread) -> command queue -> add: n/best_of sequences into the scheduler ->
+  step: schedule -> forward -> sample -> update_from_output -> output processor ->
+  RequestOutput to the request's sink -> finished sequences free their blocks.
+Everything that touches the scheduler runs on the engine thread; other threads reach it
+through `submit`, `abort` and `call` (which runs a function on the engine thread).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from xllm_py.config import EngineConfig
+from xllm_py.engine.model_runner import ModelRunner
+from xllm_py.engine.output_processor import OutputProcessor, OutputSink, child_id, parent_of
+from xllm_py.engine.sampler import Sampler, SamplingRow
+from xllm_py.engine.scheduler import ContinuousScheduler
+from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+from xllm_py.model.loader import load_model
+from xllm_py.model.tiny import ensure_tiny_model
+from xllm_py.model.tokenizer import Tokenizer
+from xllm_py.request import Request, RequestStatus
+from xllm_py.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineBusyError(RuntimeError):
+    """The engine cannot take more work now (queue full)."""
+
+
+@dataclasses.dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: OutputSink
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    # PD: the prefill side holds the KV after the first token (see DisaggPDScheduler).
+    remote_decode: bool = False
+    first_index: int = 0
+
+
+def resolve_model_dir(model: str) -> str:
+    if model.startswith("tiny"):
+        return str(ensure_tiny_model(model))
+    return model
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sequence `index` of a request: n=1, seed+index (reproducible per sequence)."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, best_of=None, seed=seed)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        model_dir = resolve_model_dir(config.model)
+        self.model_dir = model_dir
+        t0 = time.monotonic()
+        self.model, self.model_config = load_model(model_dir, dtype=config.dtype,
+                                                   device=config.device)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        mc = self.model_config
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks
+        dtype = _DTYPES[config.dtype]
+        if num_blocks is None:
+            block_bytes = (2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim
+                           * torch.finfo(dtype).bits // 8)
+            num_blocks = max(2, config.cache.kv_cache_memory_bytes // block_bytes)
+        self.storage = KVCacheStorage(mc.num_layers, num_blocks, block_size, mc.num_kv_heads,
+                                      mc.head_dim, dtype, device=config.device)
+        self.runner = ModelRunner(self.model, self.storage.layer_caches(), block_size,
+                                  config.device)
+        max_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
+        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
+        self.scheduler = ContinuousScheduler(sched_cfg, config.cache, num_blocks)
+        self.max_model_len = max_len
+        self.sampler = Sampler()
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = list(dict.fromkeys(
+            list(mc.eos_token_ids or []) + list(self.tokenizer.eos_token_ids or [])))
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Hooks run on the engine thread at the end of every step (e.g. flush Generations).
+        self.step_listeners: list[Callable[[], None]] = []
+        # PD prefill: called on the engine thread with (update, delta, block_ids) when a
+        # remote-decode request has sampled its first token (KV held or request ended).
+        self.on_remote_decode_update: Callable[[Any, Any, list[int]], None] | None = None
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.recent_max_ttft_ms = 0.0
+        self.recent_max_tbt_ms = 0.0
+        logger.info("engine ready: model %s, %d layers, %d KV blocks of %d tokens, loaded in %.2fs",
+                    model_dir, mc.num_layers, num_blocks, block_size, time.monotonic() - t0)
+
+    # ------------------------------------------------------------------ threading
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="xllm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._commands.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def submit(self, req: EngineRequest) -> None:
+        self._commands.put(("add", req))
+
+    def abort(self, parent_id: str) -> None:
+        self._commands.put(("abort", parent_id))
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn on the engine thread; returns a future with its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (fn, fut)))
+        return fut
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            idle = not self.scheduler.has_schedulable_requests()
+            self._drain_commands(block=idle)
+            if self._stopped.is_set():
+                break
+            if self.scheduler.has_schedulable_requests():
+                try:
+                    self.step()
+                except Exception:
+                    logger.exception("engine step failed; failing the requests of this step")
+                    self._fail_all_running("engine step failed")
+            for listener in self.step_listeners:
+                try:
+                    listener()
+                except Exception:
+                    logger.exception("step listener failed")
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg = cmd
+            try:
+                if kind == "add":
+                    self._add(arg)
+                elif kind == "abort":
+                    self._abort(arg)
+                elif kind == "call":
+                    fn, fut = arg
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn())
+                        except BaseException as exc:  # delivered to the caller
+                            fut.set_exception(exc)
+            except Exception:
+                logger.exception("engine command %s failed", kind)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    # ------------------------------------------------------------------ requests
+    def _add(self, req: EngineRequest) -> None:
+        params = req.params
+        if not params.eos_token_ids:
+            params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))
+        best_of = params.best_of or params.n
+        if len(req.prompt_token_ids) + 1 > self.max_model_len:
+            req.sink.emit(_error_output(req, 400, (
+                f"prompt has {len(req.prompt_token_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens")))
+            return
+        want_logprobs = params.logprobs is not None
+        self.outputs.add_parent(
+            req.request_id, req.prompt_token_ids, req.sink, n=params.n, best_of=best_of,
+            stop=list(params.stop or []), include_stop_str=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens, want_logprobs=want_logprobs,
+            first_index=req.first_index)
+        for i in range(req.first_index, req.first_index + best_of):
+            cp = child_params(params, i)
+            if best_of > params.n and cp.logprobs is None:
+                cp = dataclasses.replace(cp, logprobs=0)  # cumulative logprob ranks best_of
+            request = Request(child_id(req.request_id, i), list(req.prompt_token_ids), cp,
+                              remote_decode=req.remote_decode)
+            self.scheduler.add_request(request)
+
+    def _abort(self, parent_id: str) -> None:
+        for cid in self.outputs.child_ids(parent_id):
+            self.scheduler.abort_request(cid)
+        self.outputs.drop_parent(parent_id)
+
+    def _fail_all_running(self, message: str) -> None:
+        for rid in list(self.scheduler.requests):
+            parent_id, _ = parent_of(rid)
+            self.scheduler.abort_request(rid, RequestStatus.FINISHED_ERROR)
+            self.outputs.fail_parent(parent_id, 500, message)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> None:
+        sched_out = self.scheduler.schedule()
+        seqs = sched_out.seqs
+        if not seqs:
+            return
+        t0 = time.monotonic()
+        logits = self.runner.execute(seqs)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, Any] = {}
+        if logits is not None:
+            sample_seqs = [s for s in seqs if s.sample]
+            rows = [self._sampling_row(self.scheduler.requests[s.request_id])
+                    for s in sample_seqs]
+            out = self.sampler(logits, rows)
+            for s, tok, lp in zip(sample_seqs, out.token_ids, out.logprobs):
+                sampled[s.request_id] = tok
+                if lp is not None:
+                    logprobs[s.request_id] = lp
+        updates = self.scheduler.update_from_output(sched_out, sampled)
+        self.num_steps += 1
+        step_ms = (time.monotonic() - t0) * 1000
+        self._process_updates(updates, logprobs)
+        self.recent_max_tbt_ms = max(self.recent_max_tbt_ms * 0.98, step_ms)
+
+    def _process_updates(self, updates, logprobs: dict[str, Any]) -> None:
+        by_parent: dict[str, list] = {}
+        handovers = []
+        for upd in updates:
+            self.num_generated_tokens += len(upd.new_token_ids)
+            lp = logprobs.get(upd.request_id)
+            parent_id, _ = parent_of(upd.request_id)
+            request = self.scheduler.requests.get(upd.request_id)
+            if request is not None and request.num_cached_tokens:
+                self.outputs.set_cached_tokens(parent_id, request.num_cached_tokens)
+            # PD prefill: the request goes on on the decode peer, not finished for the client.
+            finish_reason = None if upd.kv_held else upd.finish_reason
+            delta = self.outputs.process(
+                upd.request_id, upd.new_token_ids, [lp] if lp is not None else None,
+                finish_reason, upd.stop_reason, self._finish_by_stop_string)
+            if delta is not None:
+                by_parent.setdefault(parent_id, []).append(delta)
+            if self.on_remote_decode_update is not None:  # PREFILL role: every request
+                block_ids = list(request.block_ids) if request is not None else []
+                handovers.append((upd, delta, block_ids, parent_id))
+        for parent_id, deltas in by_parent.items():
+            self.outputs.emit_step(deltas, parent_id)
+        for upd, delta, block_ids, parent_id in handovers:
+            self.outputs.drop_parent(parent_id)
+            if self.on_remote_decode_update is not None:
+                self.on_remote_decode_update(upd, delta, block_ids)
+
+    def _finish_by_stop_string(self, request_id: str, stop_str: str) -> None:
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        p = request.sampling_params
+        needs_history = (p.frequency_penalty != 0 or p.presence_penalty != 0
+                         or p.repetition_penalty != 1.0)
+        return SamplingRow(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+            frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+            repetition_penalty=p.repetition_penalty, seed=p.seed,
+            num_output_tokens_so_far=len(request.output_token_ids),
+            output_token_ids=request.output_token_ids if needs_history else (),
+            prompt_token_ids=request.prompt_token_ids if needs_history else (),
+            num_logprobs=p.logprobs)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, float]:
+        pool = self.scheduler.kv.block_pool
+        return {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "kv_blocks_used": pool.num_used_blocks,
+            "kv_blocks_total": pool.num_usable_blocks,
+            "prefix_hit_tokens": pool.num_prefix_hit_tokens,
+            "generated_tokens": self.num_generated_tokens,
+        }
+
+
+def _error_output(req: EngineRequest, code: int, message: str):
+    from xllm_py.outputs import RequestOutput
+
+    return RequestOutput(request_id=req.request_id, finished=True,
+                         num_prompt_tokens=len(req.prompt_token_ids),
+                         error_code=code, error_message=message)

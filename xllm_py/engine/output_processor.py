@@ -1,0 +1,195 @@
+"""Per-request output state on the engine thread: text deltas, stop strings, n/best_of.
+
+Stages of a parent request (one client request, n or best_of sequences):
+  add_parent -> per step: process(update) per sequence -> deltas grouped per parent ->
+  RequestOutput to the parent's sink -> finished when every sequence finished.
+Sequences are scheduled as independent requests `<parent>#<index>`; their prompt blocks
+are shared through the prefix cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Protocol
+
+from xllm_py.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from xllm_py.outputs import CompletionDelta, RequestOutput, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+class OutputSink(Protocol):
+    def emit(self, output: RequestOutput) -> None: ...
+
+
+def child_id(parent_id: str, index: int) -> str:
+    return f"{parent_id}#{index}"
+
+
+def parent_of(request_id: str) -> tuple[str, int]:
+    parent, _, index = request_id.rpartition("#")
+    return parent, int(index)
+
+
+@dataclasses.dataclass
+class _SeqState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
+    want_logprobs: bool
+    num_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    finished: bool = False
+    # best_of buffers the whole sequence until the end.
+    text: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclasses.dataclass
+class _ParentState:
+    request_id: str
+    sink: OutputSink
+    prompt_token_ids: list[int]
+    n: int
+    seqs: dict[int, _SeqState]
+    buffered: bool  # best_of > n: emit only the n best at the end
+    num_cached_tokens: int = 0
+    sent_first: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs.values())
+
+    @property
+    def num_generated(self) -> int:
+        return sum(s.num_tokens for s in self.seqs.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _ParentState] = {}
+
+    def __contains__(self, parent_id: str) -> bool:
+        return parent_id in self._parents
+
+    def add_parent(self, request_id: str, prompt_token_ids: list[int], sink: OutputSink, *,
+                   n: int, best_of: int, stop: list[str], include_stop_str: bool,
+                   skip_special_tokens: bool, want_logprobs: bool,
+                   first_index: int = 0) -> None:
+        seqs = {}
+        for i in range(first_index, first_index + best_of):
+            seqs[i] = _SeqState(
+                index=i,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                                   skip_special_tokens=skip_special_tokens),
+                stop_checker=StopChecker(stop, include_stop_str),
+                want_logprobs=want_logprobs,
+            )
+        self._parents[request_id] = _ParentState(
+            request_id=request_id, sink=sink, prompt_token_ids=list(prompt_token_ids), n=n,
+            seqs=seqs, buffered=best_of > n)
+
+    def set_cached_tokens(self, parent_id: str, num_cached: int) -> None:
+        state = self._parents.get(parent_id)
+        if state is not None:
+            state.num_cached_tokens = max(state.num_cached_tokens, num_cached)
+
+    def process(self, request_id: str, new_token_ids: list[int],
+                logprobs: list[TokenLogprob | None] | None, finish_reason: str | None,
+                stop_reason: str | int | None,
+                finish: Callable[[str, str], None]) -> CompletionDelta | None:
+        """Turn one sequence's new tokens into a delta. Calls finish(request_id, stop_str)
+        when a stop string ends the sequence (the scheduler must then stop it)."""
+        parent_id, index = parent_of(request_id)
+        parent = self._parents.get(parent_id)
+        if parent is None or index not in parent.seqs:
+            return None
+        seq = parent.seqs[index]
+        if seq.finished:
+            return None
+        seq.num_tokens += len(new_token_ids)
+        text = seq.detokenizer.add_tokens(new_token_ids) if new_token_ids else ""
+        emit, stop_str = seq.stop_checker.add(text)
+        if stop_str is not None:
+            finish(request_id, stop_str)
+            finish_reason, stop_reason = "stop", stop_str
+        elif finish_reason is not None:
+            tail, stop_str = seq.stop_checker.add(seq.detokenizer.flush())
+            emit += tail
+            if stop_str is not None:
+                finish_reason, stop_reason = "stop", stop_str
+            else:
+                emit += seq.stop_checker.flush()
+        lps = None
+        if logprobs is not None:
+            for lp in logprobs:
+                if lp is not None:
+                    seq.cumulative_logprob += lp.logprob
+            if seq.want_logprobs:
+                lps = [lp for lp in logprobs if lp is not None]
+        delta = CompletionDelta(index=index, text=emit, token_ids=list(new_token_ids),
+                                logprobs=lps, finish_reason=finish_reason,
+                                stop_reason=stop_reason)
+        if finish_reason is not None:
+            seq.finished = True
+            seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
+        return delta
+
+    def emit_step(self, deltas: list[CompletionDelta], parent_id: str) -> None:
+        parent = self._parents.get(parent_id)
+        if parent is None:
+            return
+        if parent.buffered:
+            for d in deltas:
+                seq = parent.seqs[d.index]
+                seq.text.append(d.text)
+                seq.token_ids.extend(d.token_ids)
+                if d.logprobs:
+                    seq.logprobs.extend(d.logprobs)
+            if not parent.finished:
+                return
+            best = sorted(parent.seqs.values(), key=lambda s: s.cumulative_logprob,
+                          reverse=True)[: parent.n]
+            deltas = [CompletionDelta(index=i, text="".join(s.text), token_ids=s.token_ids,
+                                      logprobs=s.logprobs if s.want_logprobs else None,
+                                      finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                      for i, s in enumerate(best)]
+        out = RequestOutput(
+            request_id=parent_id, outputs=deltas, finished=parent.finished,
+            num_prompt_tokens=len(parent.prompt_token_ids),
+            num_generated_tokens=parent.num_generated,
+            num_cached_tokens=parent.num_cached_tokens,
+            prompt_token_ids=None if parent.sent_first else parent.prompt_token_ids)
+        parent.sent_first = True
+        if parent.finished:
+            del self._parents[parent_id]
+        try:
+            parent.sink.emit(out)
+        except Exception:  # a broken sink must not take the engine loop down
+            logger.exception("output sink of request %s failed", parent_id)
+
+    def fail_parent(self, parent_id: str, code: int, message: str) -> None:
+        parent = self._parents.pop(parent_id, None)
+        if parent is None:
+            return
+        out = RequestOutput(request_id=parent_id, finished=True,
+                            num_prompt_tokens=len(parent.prompt_token_ids),
+                            num_generated_tokens=parent.num_generated,
+                            error_code=code, error_message=message)
+        try:
+            parent.sink.emit(out)
+        except Exception:
+            logger.exception("output sink of request %s failed", parent_id)
+
+    def drop_parent(self, parent_id: str) -> _ParentState | None:
+        return self._parents.pop(parent_id, None)
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        parent = self._parents.get(parent_id)
+        if parent is None:
+            return []
+        return [child_id(parent_id, i) for i in parent.seqs]

@@ -1,0 +1,104 @@
+"""DisaggPDService servicer on every engine (thin: proto -> domain -> proto).
+
+MIX instances serve `Generate` (a whole request from the service); PREFILL instances
+serve `Generate` through the DisaggPDScheduler; DECODE instances serve AddNewRequests,
+FirstGeneration, LinkInstance/UnlinkInstance and MultiGenerations.
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from xllm_py.config import InstanceRole
+from xllm_py.engine.disagg_scheduler import DisaggPDScheduler, PDError
+from xllm_py.engine.generations_reporter import GenerationsReporter
+from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
+from xllm_py.proto import xllm_pb2 as pb
+from xllm_py.proto import xllm_pb2_grpc as pb_grpc
+from xllm_py.rpc.convert import spec_from_proto
+
+logger = logging.getLogger(__name__)
+
+_PD_CODES = {412: grpc.StatusCode.FAILED_PRECONDITION, 400: grpc.StatusCode.INVALID_ARGUMENT,
+             500: grpc.StatusCode.INVALID_ARGUMENT}
+
+
+class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
+    def __init__(self, engine: LLMEngine, role: InstanceRole, reporter: GenerationsReporter,
+                 pd: DisaggPDScheduler | None) -> None:
+        self.engine = engine
+        self.role = role
+        self.reporter = reporter
+        self.pd = pd
+
+    def _require(self, role: InstanceRole, rpc: str, context) -> None:
+        if self.role != role or self.pd is None:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"{rpc} is served by {role.value} instances; this one is {self.role.value}")
+
+    async def Generate(self, request: pb.DisaggRequest, context) -> pb.Status:
+        try:
+            spec = spec_from_proto(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {exc}")
+        if not spec.source_xservice_addr:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "source_xservice_addr is required: tokens go back there")
+        if self.role == InstanceRole.PREFILL and self.pd is not None:
+            await self.pd.add_request(spec)
+            return pb.Status(ok=True, code=200)
+        if self.role == InstanceRole.DECODE:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "a DECODE instance takes requests from a prefill instance only")
+        sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
+                                  spec.request_id)
+        self.engine.submit(EngineRequest(spec.request_id, spec.prompt_token_ids, spec.params, sink))
+        return pb.Status(ok=True, code=200)
+
+    async def Cancel(self, request: pb.PullSignal, context) -> pb.Status:
+        self.engine.abort(request.req_id)
+        return pb.Status(ok=True, code=200)
+
+    async def AddNewRequests(self, request: pb.DisaggRequests, context) -> pb.DisaggResponses:
+        try:
+            self._require(InstanceRole.DECODE, "AddNewRequests", context)
+        except _Abort as a:
+            await context.abort(a.code, a.message)
+        return await self.pd.add_new_requests(request)
+
+    async def FirstGeneration(self, request: pb.DisaggGenerationsRequests, context) -> pb.Status:
+        try:
+            self._require(InstanceRole.DECODE, "FirstGeneration", context)
+        except _Abort as a:
+            await context.abort(a.code, a.message)
+        return await self.pd.first_generation(request)
+
+    async def MultiGenerations(self, request: pb.MultiGenerationsRequests, context) -> pb.Status:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "MultiGenerations (request migration) is not implemented yet")
+
+    async def SendPullSignal(self, request: pb.PullSignal, context) -> pb.Status:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "SendPullSignal needs online/offline co-location, not implemented")
+
+    async def LinkInstance(self, request: pb.InstanceClusterInfo, context) -> pb.Status:
+        try:
+            self._require(InstanceRole.DECODE, "LinkInstance", context)
+            await self.pd.link_instance(request)
+        except _Abort as a:
+            await context.abort(a.code, a.message)
+        except PDError as exc:
+            await context.abort(_PD_CODES.get(exc.code, grpc.StatusCode.UNAVAILABLE), exc.message)
+        return pb.Status(ok=True, code=200)
+
+    async def UnlinkInstance(self, request: pb.InstanceClusterInfo, context) -> pb.Status:
+        if self.pd is not None:
+            self.pd._linked.pop(request.instance_name, None)
+        return pb.Status(ok=True, code=200)
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code = code
+        self.message = message

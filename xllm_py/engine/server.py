@@ -1,0 +1,52 @@
+"""The engine process: engine thread + OpenAI HTTP API (+ cluster RPCs with --etcd).
+
+Stages: load model -> start engine thread -> start HTTP API -> (cluster mode: start the
+DisaggPDService and worker gRPC servers, register in etcd, heartbeat) -> serve until
+SIGTERM/SIGINT -> deregister -> stop servers -> stop the engine thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from xllm_py.config import EngineConfig
+from xllm_py.engine.async_engine import AsyncEngine
+from xllm_py.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+async def run_engine_server(config: EngineConfig) -> None:
+    from xllm_py.api.app import build_app
+    from xllm_py.api.server import serve
+
+    engine = LLMEngine(config)
+    engine.start()
+    backend = AsyncEngine(engine, config.served_model_name)
+    app = build_app(backend)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    cluster = None
+    if config.etcd_addr:
+        from xllm_py.engine.cluster_node import ClusterNode
+
+        cluster = ClusterNode(config, engine, backend)
+        await cluster.start()
+    http_task = asyncio.create_task(serve(app, config.host, config.port))
+    logger.info("engine %s serving on http://%s:%d", config.role.value, config.host, config.port)
+    stop_task = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if http_task in done and http_task.exception():
+        logger.error("HTTP server failed: %s", http_task.exception())
+    logger.info("shutting down")
+    if cluster is not None:
+        await cluster.stop()
+    http_task.cancel()
+    try:
+        await http_task
+    except (asyncio.CancelledError, Exception):
+        pass
+    engine.stop()

@@ -1,0 +1,1 @@
+"""Conversions between domain objects and the protobuf messages of protos/xllm.proto."""

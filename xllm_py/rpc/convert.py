@@ -1,0 +1,153 @@
+"""proto <-> domain conversions at the gRPC boundary (no pb2 objects beyond this module).
+
+Proto3 scalars have no "unset": zero means "default" for top_p, repetition_penalty and
+max_tokens; temperature and seed carry explicit has_* flags.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from xllm_py.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from xllm_py.proto import xllm_pb2 as pb
+from xllm_py.sampling_params import SamplingParams
+
+SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass
+class EngineRequestSpec:
+    """What an engine needs to run a request that arrived over gRPC."""
+    request_id: str
+    service_request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool = True
+    x_request_id: str = ""
+    source_xservice_addr: str = ""
+    prefill_name: str = ""
+    decode_name: str = ""
+    offline: bool = False
+    priority: int = 0
+
+
+def params_to_proto(params: SamplingParams, msg: pb.DisaggRequest) -> None:
+    msg.n = params.n
+    msg.best_of = params.best_of or 0
+    msg.has_temperature = True
+    msg.temperature = params.temperature
+    msg.top_p = params.top_p
+    msg.top_k = params.top_k if params.top_k and params.top_k > 0 else 0
+    msg.min_p = params.min_p
+    msg.frequency_penalty = params.frequency_penalty
+    msg.presence_penalty = params.presence_penalty
+    msg.repetition_penalty = params.repetition_penalty
+    if params.seed is not None:
+        msg.has_seed = True
+        msg.seed = params.seed
+    msg.max_tokens = params.max_tokens or 0
+    msg.ignore_eos = params.ignore_eos
+    msg.stop_token_ids.extend(params.stop_token_ids or [])
+    for s in params.stop or []:
+        msg.stop_sequences.add(text=s)
+    msg.logprobs = params.logprobs is not None
+    msg.top_logprobs = params.logprobs or 0
+    msg.skip_special_tokens = params.skip_special_tokens
+    msg.include_stop_str_in_output = params.include_stop_str_in_output
+    msg.eos_token_ids.extend(params.eos_token_ids or [])
+
+
+def params_from_proto(msg: pb.DisaggRequest) -> SamplingParams:
+    """Raises ValueError (SamplingParamsError) on invalid values."""
+    kwargs = dict(
+        n=msg.n or 1,
+        best_of=msg.best_of or None,
+        temperature=msg.temperature if msg.has_temperature else 1.0,
+        top_p=msg.top_p if msg.top_p > 0 else 1.0,
+        top_k=msg.top_k if msg.top_k > 0 else -1,
+        min_p=msg.min_p,
+        frequency_penalty=msg.frequency_penalty,
+        presence_penalty=msg.presence_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.repetition_penalty > 0 else 1.0,
+        seed=msg.seed if msg.has_seed else None,
+        max_tokens=msg.max_tokens or None,
+        stop=[s.text for s in msg.stop_sequences if s.text],
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.top_logprobs if msg.logprobs else None,
+        skip_special_tokens=msg.skip_special_tokens,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+    )
+    if msg.eos_token_ids:
+        kwargs["eos_token_ids"] = list(msg.eos_token_ids)
+    return SamplingParams(**kwargs)
+
+
+def spec_to_proto(spec: EngineRequestSpec) -> pb.DisaggRequest:
+    msg = pb.DisaggRequest(
+        req_id=spec.request_id, service_req_id=spec.service_request_id,
+        tokens_num=len(spec.prompt_token_ids), stream=spec.stream,
+        x_request_id=spec.x_request_id, source_xservice_addr=spec.source_xservice_addr,
+        offline=spec.offline, priority=spec.priority, schema_version=SCHEMA_VERSION,
+        routing=pb.RoutingInfo(prefill_name=spec.prefill_name, decode_name=spec.decode_name))
+    msg.prompt_tokens.extend(spec.prompt_token_ids)
+    params_to_proto(spec.params, msg)
+    return msg
+
+
+def spec_from_proto(msg: pb.DisaggRequest) -> EngineRequestSpec:
+    if not msg.req_id:
+        raise ValueError("req_id is empty")
+    if not msg.prompt_tokens:
+        raise ValueError("prompt_tokens is empty")
+    return EngineRequestSpec(
+        request_id=msg.req_id, service_request_id=msg.service_req_id or msg.req_id,
+        prompt_token_ids=list(msg.prompt_tokens), params=params_from_proto(msg),
+        stream=msg.stream, x_request_id=msg.x_request_id,
+        source_xservice_addr=msg.source_xservice_addr,
+        prefill_name=msg.routing.prefill_name, decode_name=msg.routing.decode_name,
+        offline=msg.offline, priority=msg.priority)
+
+
+def output_to_proto(out: RequestOutput, service_request_id: str = "",
+                    finished_on_prefill: bool = False) -> pb.DisaggStreamGeneration:
+    gen = pb.DisaggStreamGeneration(
+        req_id=out.request_id, service_req_id=service_request_id or out.request_id,
+        finished=out.finished, finished_on_prefill_instance=finished_on_prefill,
+        gen_status=pb.GenStatus(status_code=out.error_code or 200,
+                                status_msg=out.error_message),
+        usage=pb.Usage(num_prompt_tokens=out.num_prompt_tokens,
+                       num_generated_tokens=out.num_generated_tokens,
+                       num_total_tokens=out.num_prompt_tokens + out.num_generated_tokens,
+                       num_cached_tokens=out.num_cached_tokens))
+    if out.prompt_token_ids is not None:
+        gen.prompt_token_ids.extend(out.prompt_token_ids)
+    for d in out.outputs:
+        so = gen.outputs.add(index=d.index, text=d.text, finish_reason=d.finish_reason or "")
+        so.token_ids.extend(d.token_ids)
+        for lp in d.logprobs or []:
+            entry = so.logprobs.add(data=pb.LogProbData(token_id=lp.token_id,
+                                                        logprob=lp.logprob))
+            for tid, tlp in lp.top:
+                entry.top_logprobs.add(token_id=tid, logprob=tlp)
+    return gen
+
+
+def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
+    code = gen.gen_status.status_code
+    outputs = []
+    for so in gen.outputs:
+        lps = None
+        if len(so.logprobs):
+            lps = [TokenLogprob(token_id=e.data.token_id, logprob=e.data.logprob,
+                                top=[(t.token_id, t.logprob) for t in e.top_logprobs])
+                   for e in so.logprobs]
+        outputs.append(CompletionDelta(index=so.index, text=so.text,
+                                       token_ids=list(so.token_ids), logprobs=lps,
+                                       finish_reason=so.finish_reason or None))
+    return RequestOutput(
+        request_id=gen.service_req_id or gen.req_id, outputs=outputs, finished=gen.finished,
+        num_prompt_tokens=gen.usage.num_prompt_tokens,
+        num_generated_tokens=gen.usage.num_generated_tokens,
+        num_cached_tokens=gen.usage.num_cached_tokens,
+        prompt_token_ids=list(gen.prompt_token_ids) if len(gen.prompt_token_ids) else None,
+        error_code=0 if code in (0, 200) else code, error_message=gen.gen_status.status_msg)

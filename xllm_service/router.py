@@ -1,0 +1,101 @@
+"""Routing: which instance (MIX) or which (prefill, decode) pair serves a request.
+
+Policies plug in behind `LoadBalancePolicy.select`; RR and LEAST_LOAD exist now, the
+prefix-cache-aware and SLO-aware policies take the same interface (they get the request
+to look at its prompt and SLOs).
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import itertools
+from typing import Callable, Sequence
+
+from xllm_py.config import InstanceRole
+from xllm_service.instance_table import InstanceInfo
+
+
+class LoadBalancePolicy(abc.ABC):
+    name = ""
+
+    @abc.abstractmethod
+    def select(self, candidates: Sequence[InstanceInfo], request: object = None) -> InstanceInfo:
+        """Pick one of `candidates` (never empty)."""
+
+
+class RoundRobinPolicy(LoadBalancePolicy):
+    name = "RR"
+
+    def __init__(self) -> None:
+        self._counters: dict[str, itertools.count] = {}
+
+    def select(self, candidates: Sequence[InstanceInfo], request: object = None) -> InstanceInfo:
+        ordered = sorted(candidates, key=lambda i: i.name)
+        key = ",".join(i.name for i in ordered)
+        counter = self._counters.setdefault(key, itertools.count())
+        return ordered[next(counter) % len(ordered)]
+
+
+class LeastLoadPolicy(LoadBalancePolicy):
+    """Fewest requests in flight: the service's own count (exact, immediate) plus the
+    instance's last heartbeat (waiting queue, KV usage) for load that other services sent."""
+    name = "LEAST_LOAD"
+
+    def __init__(self, inflight: Callable[[str], int]) -> None:
+        self.inflight = inflight
+
+    def select(self, candidates: Sequence[InstanceInfo], request: object = None) -> InstanceInfo:
+        def score(info: InstanceInfo) -> tuple[float, str]:
+            load = info.load
+            return (self.inflight(info.name) + load.waiting + 4.0 * load.kv_usage, info.name)
+        return min(candidates, key=score)
+
+
+def make_policy(name: str, inflight: Callable[[str], int]) -> LoadBalancePolicy:
+    name = name.upper()
+    if name in ("RR", "ROUND_ROBIN"):
+        return RoundRobinPolicy()
+    if name in ("LEAST_LOAD", "LL"):
+        return LeastLoadPolicy(inflight)
+    raise ValueError(f"unknown load balance policy {name!r}; expected RR or LEAST_LOAD")
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    target: InstanceInfo              # where the request is sent (MIX or PREFILL)
+    decode: InstanceInfo | None = None  # PD: the decode instance
+
+    @property
+    def is_pd(self) -> bool:
+        return self.decode is not None
+
+    @property
+    def instance_names(self) -> tuple[str, ...]:
+        return (self.target.name,) + ((self.decode.name,) if self.decode else ())
+
+
+class NoInstanceError(Exception):
+    """No schedulable instance: the message says why (for a 503)."""
+
+
+class Router:
+    def __init__(self, schedulable: Callable[[InstanceRole], list[InstanceInfo]],
+                 policy: LoadBalancePolicy) -> None:
+        self.schedulable = schedulable
+        self.policy = policy
+
+    def route(self, request: object = None, exclude: Sequence[str] = ()) -> Route:
+        prefills = [i for i in self.schedulable(InstanceRole.PREFILL) if i.name not in exclude]
+        decodes = [i for i in self.schedulable(InstanceRole.DECODE) if i.name not in exclude]
+        if prefills and decodes:
+            return Route(self.policy.select(prefills, request),
+                         self.policy.select(decodes, request))
+        mixes = [i for i in self.schedulable(InstanceRole.MIX) + self.schedulable(InstanceRole.DEFAULT)
+                 if i.name not in exclude]
+        if mixes:
+            return Route(self.policy.select(mixes, request))
+        if prefills:
+            raise NoInstanceError("a prefill instance is registered but no decode instance is")
+        if decodes:
+            raise NoInstanceError("a decode instance is registered but no prefill instance is")
+        raise NoInstanceError("no engine instance is registered with this service")
