@@ -81,3 +81,26 @@ async def test_chat_template_failure_is_400():
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "messages"
     assert "alternate" in r.json()["error"]["message"]
+
+
+async def test_serve_stops_on_event():
+    import asyncio
+    import socket
+
+    from xllm_py.api.server import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(build_app(ScriptedBackend()), "127.0.0.1", port, stop_event=stop))
+    async with httpx.AsyncClient() as c:
+        for _ in range(100):
+            try:
+                r = await c.get(f"http://127.0.0.1:{port}/health")
+                break
+            except httpx.ConnectError:
+                await asyncio.sleep(0.05)
+    assert r.status_code == 200
+    stop.set()
+    await asyncio.wait_for(task, 5)

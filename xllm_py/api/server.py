@@ -21,11 +21,31 @@ def _config(app: FastAPI, host: str, port: int, access_log: bool) -> uvicorn.Con
     )
 
 
-async def serve(app: FastAPI, host: str, port: int, *, access_log: bool = False) -> None:
-    """Serve until cancelled or the process gets SIGINT/SIGTERM."""
+async def serve(
+    app: FastAPI, host: str, port: int, *, access_log: bool = False,
+    stop_event: asyncio.Event | None = None,
+) -> None:
+    """Serve until `stop_event` is set (graceful shutdown) or SIGINT/SIGTERM.
+
+    In the main thread uvicorn captures SIGINT/SIGTERM while serving, shuts down gracefully
+    and then re-raises the signal to the handlers that were installed before (e.g. the
+    caller's `loop.add_signal_handler`).
+    """
     server = uvicorn.Server(_config(app, host, port, access_log))
+    watcher: asyncio.Task | None = None
+    if stop_event is not None:
+
+        async def _watch() -> None:
+            await stop_event.wait()
+            server.should_exit = True
+
+        watcher = asyncio.ensure_future(_watch())
     logger.info("HTTP server listening on %s:%d", host, port)
-    await server.serve()
+    try:
+        await server.serve()
+    finally:
+        if watcher is not None:
+            watcher.cancel()
 
 
 class ServerHandle:
@@ -58,7 +78,6 @@ def serve_in_thread(
     sock.bind((host, port))
     bound_port = sock.getsockname()[1]
     server = uvicorn.Server(_config(app, host, bound_port, access_log))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # not main thread
 
     def run() -> None:
         try:
