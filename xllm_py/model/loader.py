@@ -119,6 +119,22 @@ def _targets(model: LlamaForCausalLM, config: ModelConfig) -> dict[str, _Target]
     return targets
 
 
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every meta parameter uninitialised storage (``to_empty`` without its slow
+    first-call path); a parameter shared by two modules stays shared."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            new = made.get(id(param))
+            if new is None:
+                new = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
+                                         requires_grad=False)
+                made[id(param)] = new
+            module._parameters[name] = new
+
+
 def load_model(model_dir: str | pathlib.Path, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu",
                require_tokenizer: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
@@ -167,7 +183,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: str | torch.dtype = "float3
             f"missing tensor(s) in checkpoint: {', '.join(missing[:10])}"
             + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
 
-    model = model.to(dtype=torch_dtype).to_empty(device=device)
+    _materialize(model, torch_dtype, device)
     model.tie_weights()
     params = dict(model.named_parameters(remove_duplicate=True))
     show_progress = sys.stderr.isatty()
