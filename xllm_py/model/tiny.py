@@ -1,7 +1,7 @@
 """Deterministic tiny HF-format models for tests and benchmarks (no downloads).
 
 ``ensure_tiny_model(name)`` builds, once per cache folder, a real model directory:
-config.json, generation_config.json, model.safetensors (random normal(0, 0.02) weights
+config.json, generation_config.json, model.safetensors (random normal(0, 0.05) weights
 from a fixed seed), and a byte-level BPE tokenizer (tokenizer.json, tokenizer_config.json
 with a ChatML chat template) trained on a built-in English corpus. It is written to a temp
 folder and renamed into place, so concurrent processes are safe. Load it with
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_VOCAB_SIZE = 1024
-_FORMAT_VERSION = 1  # bump when the files written here change
+_FORMAT_VERSION = 2  # bump when the files written here change
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -176,11 +176,12 @@ def build_model_dir(path: str | pathlib.Path, *, family: str = "qwen3", hidden_s
                     intermediate_size: int = 704, head_dim: int | None = None,
                     max_position_embeddings: int = 2048, tie_word_embeddings: bool = True,
                     rope_theta: float = 10000.0, seed: int = 0,
-                    init_std: float = 0.02) -> pathlib.Path:
+                    init_std: float = 0.05) -> pathlib.Path:
     """Write a complete HF-format model directory with random weights; returns the path.
 
     The vocabulary comes from the tiny tokenizer (written alongside). Only torch,
-    safetensors and tokenizers are needed.
+    safetensors and tokenizers are needed. ``init_std`` 0.05: at 0.02 greedy decoding
+    of these random models repeats a single token.
     """
     from safetensors.torch import save_file
 

@@ -102,7 +102,10 @@ class Tokenizer:
         self._tok = backend
         self._config = config
         self.chat_template = chat_template
-        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        # transformers skips the (WordPiece-era) clean-up for BPE models unless forced
+        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
+            type(backend.model).__name__ != "BPE" or bool(config.get(
+                "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)))
         self.special_tokens: dict[str, str] = {}
         for attr in _SPECIAL_ATTRS:
             content = _token_content(config.get(attr))
