@@ -159,11 +159,18 @@ class EtcdClient:
             return None
         return KeyValue(key, resp.value, resp.mod_revision, resp.lease)
 
-    async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        """All keys under `prefix` and the store revision they were read at."""
-        resp = await self._call(self._client.get_prefix(self._k(prefix)))
+    async def get_prefix(self, prefix: str, keys_only: bool = False) -> tuple[list[KeyValue], int]:
+        """All keys under `prefix` and the store revision they were read at
+        (`keys_only`: values left empty)."""
+        resp = await self._call(self._client.get_prefix(self._k(prefix), keys_only=keys_only))
         kvs = [KeyValue(self._strip(kv.key), kv.value, kv.mod_revision, kv.lease) for kv in resp.kvs]
         return kvs, resp.header.revision
+
+    async def store_identity(self) -> tuple[int, int]:
+        """(cluster_id, current revision): a wiped or replaced etcd shows a new cluster id
+        or a revision that went backwards, which an open watch never reports."""
+        resp = await self._call(self._client.get_prefix(self._k("\x00xllm-identity"), keys_only=True))
+        return resp.header.cluster_id, resp.header.revision
 
     async def delete(self, key: str) -> bool:
         resp = await self._call(self._client.delete(self._k(key)))

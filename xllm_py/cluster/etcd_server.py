@@ -135,6 +135,8 @@ class EmbeddedEtcd:
             "--listen-peer-urls", peer_url,
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"xllm={peer_url}",
+            # A fresh token per data dir: a wiped store gets a new cluster id.
+            "--initial-cluster-token", f"xllm-{os.path.basename(str(self._data_dir))}",
             "--log-level", "error",
         ]
         if self._unsafe_no_fsync:

@@ -1,0 +1,200 @@
+"""InstanceAgent: an engine's membership in the cluster (runs in the engine's event loop).
+
+Stages:
+  1. stamp    - a fresh incarnation_id (uuid) and register_ts_ms for this process start;
+  2. register - put `XLLM:<ROLE>:<name>` = JSON InstanceMeta on a lease (LeasedKey): the
+                lease is refreshed every `heartbeat_interval_s`; a key that disappears
+                (lease expired, etcd restarted, deleted by hand) is put back on a new lease;
+  3. heartbeat- every `heartbeat_interval_s`, `Heartbeat` (deadline 1 s) to the master's
+                XllmRpcService, found under `XLLM:SERVICE:MASTER` (re-read on failure and
+                every few seconds); failures are logged and retried, never fatal;
+  4. stop     - delete the key, revoke the lease (`stop(deregister=False)` just stops,
+                leaving the key to expire: what a crash looks like to the cluster).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError, LeasedKey, instance_key
+from xllm_py.cluster.instance_meta import InstanceMeta, new_incarnation_id, now_ms
+from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_DEADLINE_S = 1.0
+_MASTER_REREAD_S = 3.0
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What `load_fn` returns each heartbeat."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    recent_max_ttft_ms: int = 0
+    recent_max_tbt_ms: int = 0
+    stored_cache: list[bytes] = dataclasses.field(default_factory=list)
+    removed_cache: list[bytes] = dataclasses.field(default_factory=list)
+
+
+# load_fn may return a LoadReport or the tuple
+# (waiting, running, kv_usage, recent_max_ttft_ms, recent_max_tbt_ms, (stored, removed)).
+LoadFn = Callable[[], "LoadReport | tuple"]
+
+
+def _as_report(value: "LoadReport | tuple") -> LoadReport:
+    if isinstance(value, LoadReport):
+        return value
+    waiting, running, kv_usage, ttft, tbt, *rest = value
+    stored, removed = (rest[0] if rest and rest[0] else ([], []))
+    return LoadReport(int(waiting), int(running), float(kv_usage), int(ttft), int(tbt), list(stored), list(removed))
+
+
+def heartbeat_request(name: str, incarnation_id: str, report: LoadReport) -> xllm_pb2.HeartbeatRequest:
+    return xllm_pb2.HeartbeatRequest(
+        name=name,
+        incarnation_id=incarnation_id,
+        load_metrics=xllm_pb2.LoadMetrics(
+            waiting_requests_num=report.waiting,
+            gpu_cache_usage_perc=report.kv_usage,
+            running_requests_num=report.running,
+        ),
+        latency_metrics=xllm_pb2.LatencyMetrics(
+            recent_max_ttft=report.recent_max_ttft_ms, recent_max_tbt=report.recent_max_tbt_ms
+        ),
+        cache_event=xllm_pb2.KvCacheEvent(stored_cache=report.stored_cache, removed_cache=report.removed_cache),
+    )
+
+
+class InstanceAgent:
+    def __init__(
+        self,
+        etcd_endpoint: str,
+        meta: InstanceMeta,
+        ttl_s: float = 3.0,
+        namespace: str = "",
+        heartbeat_interval_s: float = 0.5,
+        load_fn: LoadFn | None = None,
+        credentials: tuple[str, str] | None = None,
+        etcd_timeout_s: float = 2.0,
+    ) -> None:
+        # A new incarnation per process start: the service tells restarts apart by it.
+        self.meta = dataclasses.replace(meta, incarnation_id=new_incarnation_id(), register_ts_ms=now_ms())
+        self.ttl_s = ttl_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.load_fn = load_fn
+        self.etcd = EtcdClient(etcd_endpoint, namespace=namespace, credentials=credentials, timeout_s=etcd_timeout_s)
+        self.key = instance_key(self.meta.type, self.meta.name)
+        self._leased = LeasedKey(self.etcd, self.key, self.meta.to_json(), ttl_s, interval_s=heartbeat_interval_s)
+        self._task: asyncio.Task[None] | None = None
+        self._master_addr: str | None = None
+        self._master_read_s = 0.0
+        self._channel: grpc.aio.Channel | None = None
+        self._channel_addr: str | None = None
+        self.num_heartbeats_ok = 0
+        self.last_heartbeat_error: str = ""
+
+    @property
+    def incarnation_id(self) -> str:
+        return self.meta.incarnation_id
+
+    @property
+    def master_addr(self) -> str | None:
+        return self._master_addr
+
+    async def start(self) -> None:
+        """Register (retrying in the background if etcd is down now) and start heartbeats."""
+        try:
+            await self._leased.ensure()
+            logger.info("registered %s (incarnation %s)", self.key, self.incarnation_id)
+        except EtcdError as e:
+            logger.warning("registering %s failed, will retry: %s", self.key, e)
+        self._leased.start_background()
+        self._task = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat {self.meta.name}")
+
+    async def stop(self, deregister: bool = True) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        await self._leased.stop(delete=deregister)
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+        await self.etcd.close()
+
+    def update_meta(self, **changes: object) -> None:
+        """Change published fields (e.g. num_blocks known after start-up); same incarnation."""
+        self.meta = dataclasses.replace(self.meta, **changes)  # type: ignore[arg-type]
+        self._leased.set_value(self.meta.to_json())
+
+    # ------------------------------------------------------------------ heartbeats
+
+    async def _resolve_master(self, force: bool = False) -> str | None:
+        if not force and self._master_addr and time.monotonic() - self._master_read_s < _MASTER_REREAD_S:
+            return self._master_addr
+        try:
+            kv = await self.etcd.get(MASTER_KEY)
+        except EtcdError as e:
+            logger.warning("reading %s failed: %s", MASTER_KEY, e)
+            return self._master_addr
+        self._master_read_s = time.monotonic()
+        addr = kv.value.decode() if kv else None
+        if addr != self._master_addr:
+            logger.info("master is now %s", addr)
+        self._master_addr = addr
+        return addr
+
+    def _stub(self, addr: str) -> xllm_pb2_grpc.XllmRpcServiceStub:
+        if self._channel is None or self._channel_addr != addr:
+            if self._channel is not None:
+                asyncio.ensure_future(self._channel.close())
+            self._channel = grpc.aio.insecure_channel(addr)
+            self._channel_addr = addr
+        return xllm_pb2_grpc.XllmRpcServiceStub(self._channel)
+
+    async def heartbeat_once(self) -> bool:
+        """One heartbeat to the current master; True if it was accepted."""
+        addr = await self._resolve_master()
+        if not addr:
+            self.last_heartbeat_error = "no master registered"
+            return False
+        report = _as_report(self.load_fn()) if self.load_fn else LoadReport()
+        req = heartbeat_request(self.meta.name, self.incarnation_id, report)
+        try:
+            reply = await self._stub(addr).Heartbeat(req, timeout=HEARTBEAT_DEADLINE_S)
+        except grpc.aio.AioRpcError as e:
+            self.last_heartbeat_error = f"{e.code().name}: {e.details()}"
+            logger.warning("heartbeat to master %s failed: %s", addr, self.last_heartbeat_error)
+            await self._resolve_master(force=True)
+            return False
+        if not reply.ok:
+            # Usually the master has not seen our key yet (watch lag) or a new master is
+            # still syncing; the key keeps us registered, so just try again next time.
+            self.last_heartbeat_error = reply.message
+            logger.info("heartbeat refused by %s: %s", addr, reply.message)
+            await self._resolve_master(force=True)
+            return False
+        self.num_heartbeats_ok += 1
+        self.last_heartbeat_error = ""
+        return True
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self.heartbeat_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("heartbeat failed unexpectedly (will retry)")
+            await asyncio.sleep(self.heartbeat_interval_s)

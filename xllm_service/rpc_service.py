@@ -1,0 +1,203 @@
+"""XllmRpcService on the service: registration, instance info, heartbeats, generations.
+
+Each handler is thin: proto -> domain, call the registry (or the injected router
+callable), domain -> proto; bad input ends with a gRPC status and a message.
+
+RegisterInstance (xLLM declared it but never implemented it): for instances that cannot
+reach etcd themselves. The service writes `XLLM:<ROLE>:<name>` on a lease it keeps alive
+on the instance's behalf *while heartbeats arrive*: once no accepted heartbeat has come
+for one TTL, the service stops refreshing and the key expires with its lease, so a dead
+instance leaves the cluster exactly as if it had registered itself. The registration is
+also applied to the table at once, so the instance's first heartbeat is accepted without
+waiting for the etcd watch to echo the key.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, LeasedKey, instance_key
+from xllm_py.cluster.instance_meta import InstanceMeta, InstanceMetaError, new_incarnation_id, now_ms
+from xllm_py.config import InstanceRole
+from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+from xllm_service.instance_table import LoadInfo
+from xllm_service.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+OnGenerations = Callable[[xllm_pb2.DisaggStreamGenerations], Awaitable[xllm_pb2.StatusSet]]
+
+
+async def unknown_generations(msg: xllm_pb2.DisaggStreamGenerations) -> xllm_pb2.StatusSet:
+    """Default before a router is attached: no request is known, every engine should cancel."""
+    return xllm_pb2.StatusSet(
+        all_status=[xllm_pb2.Status(ok=False, code=404, message="unknown request") for _ in msg.gens]
+    )
+
+
+def load_from_heartbeat(req: xllm_pb2.HeartbeatRequest) -> LoadInfo:
+    return LoadInfo(
+        waiting=req.load_metrics.waiting_requests_num,
+        running=req.load_metrics.running_requests_num,
+        kv_usage=req.load_metrics.gpu_cache_usage_perc,
+        recent_max_ttft_ms=req.latency_metrics.recent_max_ttft,
+        recent_max_tbt_ms=req.latency_metrics.recent_max_tbt,
+    )
+
+
+class ProxyRegistrations:
+    """Instance keys the service keeps alive for instances registered over RPC."""
+
+    def __init__(self, etcd: EtcdClient, registry: Registry, ttl_s: float = 3.0) -> None:
+        self.etcd = etcd
+        self.registry = registry
+        self.ttl_s = ttl_s
+        self._keys: dict[str, tuple[LeasedKey, str]] = {}  # name -> (key, incarnation)
+        self._registered_s: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def names(self) -> list[str]:
+        return sorted(self._keys)
+
+    async def register(self, meta: InstanceMeta) -> None:
+        old = self._keys.pop(meta.name, None)
+        if old is not None:
+            await old[0].stop(delete=old[0].key != instance_key(meta.type, meta.name))
+        leased = LeasedKey(self.etcd, instance_key(meta.type, meta.name), meta.to_json(), self.ttl_s)
+        await leased.ensure()  # raises EtcdError: the caller turns it into UNAVAILABLE
+        self._keys[meta.name] = (leased, meta.incarnation_id)
+        self._registered_s[meta.name] = time.monotonic()
+        self.registry.register(meta)
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="proxy-registrations")
+
+    async def refresh_once(self) -> None:
+        now = time.monotonic()
+        for name, (leased, incarnation) in list(self._keys.items()):
+            info = self.registry.get(name)
+            last = info.load.last_heartbeat_s if info and info.incarnation_id == incarnation else None
+            last = max(last or 0.0, self._registered_s.get(name, 0.0))
+            if now - last > self.ttl_s:
+                logger.warning("no heartbeat from %s for %.1fs: letting its key expire", name, now - last)
+                del self._keys[name]
+                self._registered_s.pop(name, None)
+                await leased.stop(delete=False)
+                continue
+            try:
+                await leased.ensure()
+            except EtcdError as e:
+                logger.warning("keeping %s alive on behalf of %s failed: %s", leased.key, name, e)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.1, self.ttl_s / 3))
+            try:
+                await self.refresh_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("proxy registration round failed")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        for leased, _ in self._keys.values():
+            await leased.stop(delete=False)
+        self._keys.clear()
+
+
+class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
+    def __init__(
+        self,
+        registry: Registry,
+        proxy: ProxyRegistrations | None = None,
+        on_generations: OnGenerations | None = None,
+    ) -> None:
+        self.registry = registry
+        self.proxy = proxy
+        self.on_generations = on_generations or unknown_generations
+
+    async def RegisterInstance(
+        self, request: xllm_pb2.InstanceMetaInfo, context: grpc.aio.ServicerContext
+    ) -> xllm_pb2.StatusCode:
+        try:
+            meta = InstanceMeta.from_proto(request)
+        except (InstanceMetaError, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad InstanceMetaInfo: {e}")
+        if self.proxy is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this service does not register instances over RPC")
+        if not meta.incarnation_id:
+            meta.incarnation_id = new_incarnation_id()
+        if not meta.register_ts_ms:
+            meta.register_ts_ms = now_ms()
+        try:
+            await self.proxy.register(meta)
+        except EtcdError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"registering {meta.name} in etcd failed: {e}")
+        return xllm_pb2.StatusCode(status_code=200, message=f"incarnation_id={meta.incarnation_id}")
+
+    async def GetInstanceInfo(
+        self, request: xllm_pb2.InstanceID, context: grpc.aio.ServicerContext
+    ) -> xllm_pb2.InstanceMetaInfo:
+        info = self.registry.get(request.name)
+        if info is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown instance {request.name!r}")
+        return info.meta.to_proto()
+
+    async def Heartbeat(self, request: xllm_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
+        if not request.name or not request.incarnation_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "heartbeat needs name and incarnation_id")
+        result = self.registry.heartbeat(
+            request.name,
+            request.incarnation_id,
+            load_from_heartbeat(request),
+            stored_cache=list(request.cache_event.stored_cache),
+            removed_cache=list(request.cache_event.removed_cache),
+        )
+        return xllm_pb2.Status(ok=result.ok, message=result.message, code=200 if result.ok else 409)
+
+    async def GetStaticDecodeList(
+        self, request: xllm_pb2.InstanceID, context: grpc.aio.ServicerContext
+    ) -> xllm_pb2.InstanceIDs:
+        return xllm_pb2.InstanceIDs(names=[i.name for i in self.registry.schedulable(InstanceRole.DECODE)])
+
+    async def GetStaticPrefillList(
+        self, request: xllm_pb2.InstanceID, context: grpc.aio.ServicerContext
+    ) -> xllm_pb2.InstanceIDs:
+        return xllm_pb2.InstanceIDs(names=[i.name for i in self.registry.schedulable(InstanceRole.PREFILL)])
+
+    async def Generations(
+        self, request: xllm_pb2.DisaggStreamGenerations, context: grpc.aio.ServicerContext
+    ) -> xllm_pb2.StatusSet:
+        result = await self.on_generations(request)
+        if len(result.all_status) != len(request.gens):
+            logger.error(
+                "generations handler answered %d statuses for %d generations", len(result.all_status), len(request.gens)
+            )
+            await context.abort(grpc.StatusCode.INTERNAL, "generations handler returned a wrong number of statuses")
+        return result
+
+
+async def create_server(
+    servicer: xllm_pb2_grpc.XllmRpcServiceServicer, host: str = "127.0.0.1", port: int = 0
+) -> tuple[grpc.aio.Server, int]:
+    """Build and start a grpc.aio server for `servicer`; returns (server, bound port).
+
+    Stop it with `await server.stop(grace)`.
+    """
+    server = grpc.aio.server()
+    xllm_pb2_grpc.add_XllmRpcServiceServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind XllmRpcService to {host}:{port}")
+    await server.start()
+    return server, bound
