@@ -1,0 +1,151 @@
+"""ClusterNode: what an engine runs when it joins a cluster (`--etcd`).
+
+Stages: KV worker (PD roles: transfer listener + WorkerService gRPC) -> DisaggPDService
+gRPC -> Generations reporter hooked to the engine loop -> registration in etcd with a
+kept-alive lease + heartbeats to the master -> (PD) DisaggPDScheduler.
+Stop: deregister, stop the PD scheduler, the gRPC servers, the worker, the reporter.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import grpc
+
+from xllm_py.cluster.etcd_client import instance_key
+from xllm_py.cluster.instance_agent import InstanceAgent, LoadReport
+from xllm_py.cluster.instance_meta import InstanceMeta
+from xllm_py.config import EngineConfig, InstanceRole, etcd_credentials_from_env
+from xllm_py.engine.disagg_scheduler import DisaggPDScheduler
+from xllm_py.engine.generations_reporter import GenerationsReporter
+from xllm_py.engine.llm_engine import LLMEngine
+from xllm_py.engine.pd_service import DisaggPDServicer
+from xllm_py.proto import xllm_pb2 as pb
+from xllm_py.proto import xllm_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+KV_LAYOUT = "kv,layer,block,slot,head,dim"
+
+
+class ClusterNode:
+    def __init__(self, config: EngineConfig, engine: LLMEngine, backend) -> None:
+        self.config = config
+        self.engine = engine
+        self.backend = backend
+        self.role = config.role
+        self.name = config.instance_name or f"{config.host}:{config.port}"
+        self.agent: InstanceAgent | None = None
+        self.pd: DisaggPDScheduler | None = None
+        self.reporter: GenerationsReporter | None = None
+        self.worker = None
+        self._server: grpc.aio.Server | None = None
+        self._master_channel: grpc.aio.Channel | None = None
+        self._master_channel_addr: str | None = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        cluster_id = random.getrandbits(63)
+        transfer_addr, worker_addr = "", ""
+        if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
+            from xllm_py.engine.kv_worker_node import start_kv_worker
+
+            self.worker = await start_kv_worker(self.engine.storage, cfg.transfer, cfg.host,
+                                                cfg.worker_port, cluster_id,
+                                                self._kv_meta_proto(cluster_id))
+            transfer_addr, worker_addr = self.worker.transfer_addr, self.worker.rpc_addr
+        self.reporter = GenerationsReporter(loop, self.name, self.engine.abort,
+                                            timeout_s=cfg.rpc_timeout_s)
+        self.engine.step_listeners.append(self.reporter.flush)
+        server = grpc.aio.server()
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.disagg_pd_port}")
+        if port == 0:
+            raise RuntimeError(f"cannot bind DisaggPDService on {cfg.host}:{cfg.disagg_pd_port}")
+        mc = self.engine.model_config
+        self.meta = InstanceMeta(
+            name=self.name, type=self.role, rpc_address=f"{cfg.host}:{port}",
+            cluster_ids=[cluster_id] if transfer_addr else [],
+            addrs=[transfer_addr] if transfer_addr else [],
+            ports=[int(transfer_addr.rsplit(":", 1)[1])] if transfer_addr else [],
+            dp_size=1, model=self.backend.model_name, block_size=cfg.cache.block_size,
+            kv_layout=KV_LAYOUT, kv_dtype=cfg.dtype, tp_size=1, num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            num_blocks=self.engine.storage.num_blocks if hasattr(self.engine.storage, "num_blocks")
+            else 0,
+            http_address=f"{cfg.host}:{cfg.port}",
+            worker_rpc_addrs=[worker_addr] if worker_addr else [])
+        self.agent = InstanceAgent(cfg.etcd_addr, self.meta, ttl_s=cfg.etcd_ttl_s,
+                                   namespace=cfg.etcd_namespace,
+                                   heartbeat_interval_s=cfg.heartbeat_interval_s,
+                                   load_fn=self._load, credentials=etcd_credentials_from_env())
+        self.meta = self.agent.meta  # with its incarnation id
+        if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
+            self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter,
+                                        self._resolve_meta, self._list_decodes, worker_addr)
+            self.pd.start()
+        pb_grpc.add_DisaggPDServiceServicer_to_server(
+            DisaggPDServicer(self.engine, self.role, self.reporter, self.pd), server)
+        await server.start()
+        self._server = server
+        await self.agent.start()
+        logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
+                    self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")
+
+    def _kv_meta_proto(self, cluster_id: int) -> pb.InstanceMetaInfo:
+        mc = self.engine.model_config
+        return pb.InstanceMetaInfo(name=self.name, model=self.backend.model_name,
+                                   block_size=self.config.cache.block_size, kv_layout=KV_LAYOUT,
+                                   kv_dtype=self.config.dtype, num_layers=mc.num_layers,
+                                   num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+
+    def _load(self) -> LoadReport:
+        s = self.engine.stats()
+        pool = self.engine.scheduler.kv.block_pool
+        waiting = s["waiting"] + (self.pd.num_pending() if self.pd else 0)
+        return LoadReport(waiting=int(waiting), running=int(s["running"]),
+                          kv_usage=float(pool.usage),
+                          recent_max_ttft_ms=int(self.engine.recent_max_ttft_ms),
+                          recent_max_tbt_ms=int(self.engine.recent_max_tbt_ms))
+
+    async def _resolve_meta(self, name: str) -> InstanceMeta | None:
+        for role in (InstanceRole.DECODE, InstanceRole.PREFILL, InstanceRole.MIX):
+            kv = await self.agent.etcd.get(instance_key(role, name))
+            if kv is not None:
+                return InstanceMeta.from_json(kv.value)
+        return None
+
+    async def _list_decodes(self) -> list[str]:
+        addr = self.agent.master_addr
+        if not addr:
+            return []
+        if self._master_channel_addr != addr:
+            if self._master_channel is not None:
+                await self._master_channel.close()
+            self._master_channel = grpc.aio.insecure_channel(addr)
+            self._master_channel_addr = addr
+        stub = pb_grpc.XllmRpcServiceStub(self._master_channel)
+        reply = await stub.GetStaticDecodeList(pb.InstanceID(name=self.name),
+                                               timeout=self.config.rpc_timeout_s)
+        return list(reply.names)
+
+    async def stop(self) -> None:
+        steps = []
+        if self.agent is not None:
+            steps.append(self.agent.stop())
+        if self.pd is not None:
+            steps.append(self.pd.stop())
+        if self._server is not None:
+            steps.append(self._server.stop(1.0))
+        if self.reporter is not None:
+            steps.append(self.reporter.close())
+        if self.worker is not None:
+            steps.append(self.worker.stop())
+        for step in steps:
+            try:
+                await asyncio.wait_for(step, 5.0)
+            except Exception as exc:
+                logger.warning("cluster shutdown step failed: %s", exc)
+        if self._master_channel is not None:
+            await self._master_channel.close()

@@ -1,0 +1,142 @@
+"""python -m xllm_py.launch: a whole PD cluster on this machine with one command.
+
+Stages: etcd (embedded binary, or --etcd) -> xllm_service -> N prefill + M decode engines
+(or K MIX with --mix K) -> wait until the service is ready -> print the endpoint and a
+curl -> run until Ctrl-C / SIGTERM -> stop engines, service, etcd; no process left.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+from xllm_py.utils.cli import add_flag, setup_logging
+from xllm_py.utils.procs import ChildProcess, engine_args, free_port, spawn
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m xllm_py.launch",
+        description="Bring up etcd + xllm_service + prefill/decode (or MIX) engines locally.")
+    add_flag(p, "--model", default="tiny", help="model directory or 'tiny' (default)")
+    add_flag(p, "--prefill", type=int, default=1, help="number of PREFILL engines")
+    add_flag(p, "--decode", type=int, default=1, help="number of DECODE engines")
+    add_flag(p, "--mix", type=int, default=0, help="run K MIX engines instead of prefill/decode")
+    add_flag(p, "--etcd", default=None, help="use this etcd HOST:PORT instead of starting one")
+    add_flag(p, "--host", default="127.0.0.1")
+    add_flag(p, "--http-port", type=int, default=8888, help="the service's OpenAI API port")
+    add_flag(p, "--rpc-port", type=int, default=0, help="the service's gRPC port (0: free)")
+    add_flag(p, "--log-dir", default=None, help="folder for one log per process")
+    add_flag(p, "--kv-cache-transfer-mode", default="PULL", type=str.upper, choices=["PULL", "PUSH"])
+    add_flag(p, "--kv-transfer-backend", default="ucx", choices=["ucx", "tcp"])
+    add_flag(p, "--pin-cores", action="store_true",
+             help="pin each engine to its own core (round robin over the available cores)")
+    add_flag(p, "--ready-timeout", type=float, default=300.0)
+    add_flag(p, "--engine-arg", action="append", default=[],
+             help="extra flag for every engine, e.g. --engine-arg=--block-size=32")
+    add_flag(p, "--log-level", default="INFO")
+    return p
+
+
+class Cluster:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="xllm-logs-"))
+        self.etcd = None
+        self.etcd_addr = args.etcd
+        self.children: list[ChildProcess] = []
+        self.service: ChildProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.args.host}:{self.args.http_port}"
+
+    def start(self) -> None:
+        a = self.args
+        if self.etcd_addr is None:
+            from xllm_py.cluster.etcd_server import EmbeddedEtcd
+
+            self.etcd = EmbeddedEtcd(host="127.0.0.1").start()
+            self.etcd_addr = self.etcd.endpoint
+            logger.info("etcd at %s", self.etcd_addr)
+        rpc_port = a.rpc_port or free_port(a.host)
+        self.service = spawn("service", "xllm_service",
+                             ["--etcd", self.etcd_addr, "--host", a.host, "--http-port",
+                              str(a.http_port), "--rpc-port", str(rpc_port), "--model", a.model],
+                             self.log_dir, http_url=self.url)
+        self.children.append(self.service)
+        roles = [("MIX", i) for i in range(a.mix)] if a.mix else (
+            [("PREFILL", i) for i in range(a.prefill)] + [("DECODE", i) for i in range(a.decode)])
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        engines = []
+        for n, (role, i) in enumerate(roles):
+            port = free_port(a.host)
+            extra = ["--kv-cache-transfer-mode", a.kv_cache_transfer_mode,
+                     "--kv-transfer-backend", a.kv_transfer_backend, *a.engine_arg]
+            cpu = cores[n % len(cores)] if a.pin_cores and cores else None
+            proc = spawn(f"{role.lower()}-{i}", "xllm_py.engine",
+                         engine_args(role, port, etcd=self.etcd_addr, model=a.model,
+                                     host=a.host, extra=extra),
+                         self.log_dir, http_url=f"http://{a.host}:{port}", cpu=cpu)
+            self.children.append(proc)
+            engines.append(proc)
+        for proc in engines:
+            proc.wait_ready(a.ready_timeout)
+        self.service.wait_ready(a.ready_timeout, path="/readiness")
+
+    def stop(self) -> None:
+        for proc in reversed(self.children):
+            if proc.alive():
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in reversed(self.children):
+            proc.terminate(timeout_s=10)
+        if self.etcd is not None:
+            self.etcd.stop()
+
+    def failed_child(self) -> ChildProcess | None:
+        return next((p for p in self.children if not p.alive()), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    cluster = Cluster(args)
+    try:
+        cluster.start()
+        model = args.model.rstrip("/").rsplit("/", 1)[-1] or args.model
+        shape = f"{args.mix} MIX" if args.mix else f"{args.prefill} prefill + {args.decode} decode"
+        print(f"\nxllm-py cluster is up ({shape}, model {model})\n"
+              f"  OpenAI endpoint: {cluster.url}/v1\n"
+              f"  logs:            {cluster.log_dir}\n"
+              f"  etcd:            {cluster.etcd_addr}\n\n"
+              f"Try:\n  curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+              f"\"Hello!\"}}], \"max_tokens\": 32}}'\n\nCtrl-C stops everything.", flush=True)
+        while not stop.wait(0.5):
+            dead = cluster.failed_child()
+            if dead is not None:
+                logger.error("%s exited (%s); stopping the cluster. Last log lines:\n%s",
+                             dead.name, dead.popen.returncode, dead.log_tail())
+                return 1
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        logger.error("cluster failed to start: %s", exc)
+        return 1
+    finally:
+        cluster.stop()
+        logger.info("stopped; logs in %s", cluster.log_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""python -m xllm_service --etcd HOST:PORT ...: run the master."""
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from xllm_py.utils.cli import setup_logging
+from xllm_service.cli import build_parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    from xllm_service.server import run_service
+
+    try:
+        asyncio.run(run_service(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

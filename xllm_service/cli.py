@@ -1,0 +1,33 @@
+"""Command line of the master: `python -m xllm_service --help`."""
+from __future__ import annotations
+
+import argparse
+
+from xllm_py.utils.cli import add_flag
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m xllm_service",
+        description="xllm_service: registry (etcd), master election, routing and the "
+                    "OpenAI-compatible front door of an xllm-py cluster. Flags also accept "
+                    "underscore spellings (--http_port, ...).")
+    add_flag(p, "--etcd", "--etcd-addr", required=True, help="etcd HOST:PORT")
+    add_flag(p, "--etcd-namespace", default="", help="prefix for every etcd key")
+    add_flag(p, "--etcd-ttl", type=float, default=3.0, help="lease TTL (s) of service keys")
+    add_flag(p, "--host", default="127.0.0.1", help="address to bind and to advertise")
+    add_flag(p, "--http-port", type=int, default=8888, help="OpenAI HTTP API port")
+    add_flag(p, "--rpc-port", type=int, default=8889, help="XllmRpcService gRPC port")
+    add_flag(p, "--model", default="tiny", help="model directory (tokenizer, chat template) or 'tiny'")
+    add_flag(p, "--served-model-name", default=None, help="model id in the API")
+    add_flag(p, "--max-model-len", type=int, default=None,
+             help="context limit for validation (default: the model's max_position_embeddings)")
+    add_flag(p, "--load-balance-policy", default="LEAST_LOAD", type=str.upper,
+             choices=["RR", "LEAST_LOAD"])
+    add_flag(p, "--evict-grace-s", type=float, default=3.0,
+             help="seconds a dead instance stays SUSPECT before it is evicted")
+    add_flag(p, "--rpc-timeout", type=float, default=5.0, help="deadline of service RPCs (s)")
+    add_flag(p, "--request-idle-timeout", type=float, default=120.0,
+             help="fail a request when its engine sends nothing for this long (s)")
+    add_flag(p, "--log-level", default="INFO")
+    return p
