@@ -1,0 +1,325 @@
+"""Transfer backend contract: the ABC every KV transfer backend implements.
+
+Lifecycle of a backend (xLLM: link_cluster / pull_kv_blocks):
+
+1. ``start()``   init the transport and listen; returns this worker's transfer address.
+2. ``link(peer)`` connect to a peer's address (optional: pull/push link on demand).
+3. ``pull(peer, src, dst)`` fetch the peer's ``src`` blocks into our ``dst`` blocks;
+   ``push(peer, src, dst)`` send our ``src`` blocks into the peer's ``dst`` blocks.
+4. ``unlink(peer)`` drop the connection; ``close()`` stop listening, free everything.
+
+Every backend runs its transport on its own event-loop thread. The async methods can be
+awaited from any event loop (they wrap a concurrent future); ``submit_pull`` /
+``submit_push`` return a ``concurrent.futures.Future`` for callers on plain threads
+(the model thread). Both sides check block ids against their own pool: an out-of-range id
+is refused and reported to the requester, never read or written. Any failure or timeout
+raises ``TransferError`` so the caller fails or retries the request.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+Run = tuple[int, int, int]  # (src_start, dst_start, length)
+
+
+class KVPoll(enum.IntEnum):
+    """Ordered transfer status: min() over TP ranks gives the least advanced state."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class TransferError(RuntimeError):
+    """A KV transfer failed. ``invalid_argument``: the request itself was wrong (bad ids)."""
+
+    def __init__(self, message: str, *, invalid_argument: bool = False, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.invalid_argument = invalid_argument
+        self.timeout = timeout
+        self.status = KVPoll.Failed
+
+
+class TransferTimeout(TransferError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, timeout=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferResult:
+    num_blocks: int
+    num_runs: int
+    num_bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def group_contiguous(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> list[Run]:
+    """Split paired block lists into runs where both sides advance by one.
+
+    Returns ``[(src_start, dst_start, length), ...]`` in input order; each run moves as one
+    message per (kv, layer). Example: src [0,1,2,10,11,20], dst [5,6,7,15,16,25] ->
+    [(0,5,3), (10,15,2), (20,25,1)].
+    """
+    s = np.asarray(src, dtype=np.int64).reshape(-1)
+    d = np.asarray(dst, dtype=np.int64).reshape(-1)
+    if s.size != d.size:
+        raise ValueError(f"src_blocks ({s.size}) and dst_blocks ({d.size}) differ in length")
+    if s.size == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [s.size])))
+    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist()))
+
+
+def runs_to_ids(runs: Sequence[Run]) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of group_contiguous: (src_ids, dst_ids)."""
+    if not runs:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    lengths = r[:, 2]
+    if (lengths <= 0).any():
+        raise ValueError("run lengths must be positive")
+    offs = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(r[:, 0], lengths) + offs, np.repeat(r[:, 1], lengths) + offs
+
+
+class LoopThread:
+    """A daemon thread running one asyncio loop; coroutines are submitted thread-safely."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run on the loop thread and wait (from a thread that is not the loop thread)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("LoopThread.call from its own thread would deadlock")
+        return self.submit(coro).result(timeout)
+
+    def in_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+async def _await_future(fut: concurrent.futures.Future[T]) -> T:
+    return await asyncio.wrap_future(fut)
+
+
+class KVTransferBackend(abc.ABC):
+    """Moves whole KV blocks between this worker's storage and a peer's.
+
+    Subclasses implement the ``_*_impl`` coroutines, which run on ``self._lt`` (the
+    backend's own loop thread) and receive validated runs.
+    """
+
+    name: str = "base"
+
+    def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0) -> None:
+        self.storage = storage
+        self.default_timeout_s = default_timeout_s
+        self._lt, self._owns_loop = self._make_loop_thread()
+        self._address: str | None = None
+        self._closed = False
+        self._stats = {"pulls": 0, "pushes": 0, "failures": 0, "bytes": 0, "served": 0}
+
+    def _make_loop_thread(self) -> tuple[LoopThread, bool]:
+        """(loop thread, owned). Backends whose library needs one loop per process override this."""
+        return LoopThread(f"kv-{self.name}"), True
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def address(self) -> str:
+        if self._address is None:
+            raise RuntimeError(f"{self.name} backend not started")
+        return self._address
+
+    def start(self) -> str:
+        """Init the transport and listen. Returns this worker's address ``host:port``."""
+        if self._address is None:
+            self._address = self._lt.call(self._start_impl())
+        return self._address
+
+    async def link(self, peer_addr: str, timeout: float | None = None) -> None:
+        await _await_future(self._lt.submit(self._timed(self._link_impl(peer_addr), timeout, f"link {peer_addr}")))
+
+    async def unlink(self, peer_addr: str) -> None:
+        await _await_future(self._lt.submit(self._unlink_impl(peer_addr)))
+
+    async def pull(self, peer_addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                   timeout: float | None = None) -> TransferResult:
+        """Fetch the peer's ``src_blocks`` into our ``dst_blocks``."""
+        return await _await_future(self.submit_pull(peer_addr, src_blocks, dst_blocks, timeout))
+
+    async def push(self, peer_addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                   timeout: float | None = None) -> TransferResult:
+        """Send our ``src_blocks`` into the peer's ``dst_blocks``."""
+        return await _await_future(self.submit_push(peer_addr, src_blocks, dst_blocks, timeout))
+
+    def submit_pull(self, peer_addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                    timeout: float | None = None) -> concurrent.futures.Future[TransferResult]:
+        runs = self._prepare(src_blocks, dst_blocks, local_is_dst=True)
+        return self._lt.submit(self._run_op("pull", peer_addr, runs, timeout))
+
+    def submit_push(self, peer_addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                    timeout: float | None = None) -> concurrent.futures.Future[TransferResult]:
+        runs = self._prepare(src_blocks, dst_blocks, local_is_dst=False)
+        return self._lt.submit(self._run_op("push", peer_addr, runs, timeout))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await _await_future(self._lt.submit(self._close_impl()))
+        finally:
+            if self._owns_loop:
+                self._lt.stop()
+
+    def close_sync(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._lt.call(self._close_impl(), timeout=10)
+        except Exception as e:  # noqa: BLE001 - closing must not raise
+            logger.warning("%s backend close failed: %s", self.name, e)
+        finally:
+            if self._owns_loop:
+                self._lt.stop()
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _prepare(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], local_is_dst: bool) -> list[Run]:
+        if self._closed:
+            raise TransferError(f"{self.name} backend is closed")
+        src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
+        dst = np.asarray(dst_blocks, dtype=np.int64).reshape(-1)
+        if src.size != dst.size:
+            raise ValueError(f"src_blocks ({src.size}) and dst_blocks ({dst.size}) differ in length")
+        if local_is_dst:
+            self.storage.check_block_ids(dst, unique=True)
+        else:
+            self.storage.check_block_ids(src)
+        return group_contiguous(src, dst)
+
+    async def _timed(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
+        t = self.default_timeout_s if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(coro, t)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"{self.name}: {what} timed out after {t:.3g}s") from None
+
+    async def _run_op(self, op: str, peer_addr: str, runs: list[Run], timeout: float | None) -> TransferResult:
+        t0 = time.perf_counter()
+        num_blocks = sum(r[2] for r in runs)
+        impl = self._pull_impl if op == "pull" else self._push_impl
+        t = self.default_timeout_s if timeout is None else timeout
+        try:
+            if num_blocks:
+                await asyncio.wait_for(impl(peer_addr, runs, t), t)
+        except asyncio.TimeoutError:
+            self._stats["failures"] += 1
+            await self._on_failure(peer_addr)
+            raise TransferTimeout(f"{self.name}: {op} of {num_blocks} blocks from {peer_addr} timed out after {t:.3g}s") from None
+        except TransferError:
+            self._stats["failures"] += 1
+            await self._on_failure(peer_addr)
+            raise
+        except Exception as e:  # transport errors of any kind become TransferError
+            self._stats["failures"] += 1
+            await self._on_failure(peer_addr)
+            raise TransferError(f"{self.name}: {op} with {peer_addr} failed: {type(e).__name__}: {e}") from e
+        nbytes = num_blocks * self.storage.block_bytes
+        self._stats["pulls" if op == "pull" else "pushes"] += 1
+        self._stats["bytes"] += nbytes
+        return TransferResult(num_blocks=num_blocks, num_runs=len(runs), num_bytes=nbytes,
+                              seconds=time.perf_counter() - t0)
+
+    async def _on_failure(self, peer_addr: str) -> None:
+        """After a failed op the connection state is unknown: drop it (cancels pending I/O)."""
+        try:
+            await self._unlink_impl(peer_addr)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("%s: dropping link to %s after failure: %s", self.name, peer_addr, e)
+
+    def _check_remote_runs(self, runs: list[Run], side: str) -> tuple[np.ndarray, np.ndarray] | str:
+        """Server-side validation; returns (src_ids, dst_ids) or an error message."""
+        try:
+            src, dst = runs_to_ids(runs)
+            if side == "src":
+                self.storage.check_block_ids(src)
+            else:
+                self.storage.check_block_ids(dst, unique=True)
+            return src, dst
+        except ValueError as e:
+            return f"peer refused: {e}"
+
+    # ------------------------------------------------------------------ to implement
+
+    @abc.abstractmethod
+    async def _start_impl(self) -> str: ...
+
+    @abc.abstractmethod
+    async def _link_impl(self, peer_addr: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _unlink_impl(self, peer_addr: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _pull_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None: ...
+
+    @abc.abstractmethod
+    async def _push_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None: ...
+
+    @abc.abstractmethod
+    async def _close_impl(self) -> None: ...
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise TransferError(f"bad transfer address {addr!r}; expected host:port", invalid_argument=True)
+    return host.strip("[]"), int(port)

@@ -1,0 +1,238 @@
+"""TcpKVTransferBackend: plain asyncio sockets; the fallback when ucxx is missing, and a baseline.
+
+Wire format per request on one connection (requests on a connection are serialised):
+``[u32 header_len][JSON header]`` then raw bytes. Blocks travel gathered: the sender
+``index_select``s all requested blocks into one buffer ``[2, L, n, block...]``, the receiver
+reads it into a staging buffer and scatters it with ``index_copy_``.
+
+Stages of a pull: request {op: pull, runs} -> owner validates its src ids -> reply
+{ok, error, nbytes} -> data. Push: request {op: push, runs, nbytes} -> owner validates its
+dst ids -> reply {ok, error} -> data -> reply {ok} once written.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import struct
+
+import torch
+
+from xllm_py.kv_transfer.base import KVTransferBackend, Run, TransferError, runs_to_ids, split_addr
+from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+
+logger = logging.getLogger(__name__)
+
+_HDR = struct.Struct("!I")
+_MAX_HEADER = 64 << 20
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A flat uint8 memoryview of a contiguous CPU tensor (any dtype, bf16 included)."""
+    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+async def recv_exact_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, mv: memoryview) -> None:
+    while len(mv):
+        n = await loop.sock_recv_into(sock, mv)
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        mv = mv[n:]
+
+
+async def send_msg(loop: asyncio.AbstractEventLoop, sock: socket.socket, obj: dict) -> None:
+    data = json.dumps(obj).encode()
+    await loop.sock_sendall(sock, _HDR.pack(len(data)) + data)
+
+
+async def recv_msg(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict:
+    head = bytearray(_HDR.size)
+    await recv_exact_into(loop, sock, memoryview(head))
+    (n,) = _HDR.unpack(head)
+    if n > _MAX_HEADER:
+        raise ConnectionError(f"header too large ({n} bytes)")
+    body = bytearray(n)
+    await recv_exact_into(loop, sock, memoryview(body))
+    return json.loads(body)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+        except OSError:
+            pass
+    sock.setblocking(False)
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = asyncio.Lock()
+
+
+class TcpKVTransferBackend(KVTransferBackend):
+    name = "tcp"
+
+    def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
+                 listen_host: str = "127.0.0.1", listen_port: int = 0) -> None:
+        super().__init__(storage, default_timeout_s)
+        self._listen_host = listen_host
+        self._listen_port = listen_port
+        self._lsock: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._conns: dict[str, _Conn] = {}
+        self._served: set[asyncio.Task] = set()
+        self._server_socks: set[socket.socket] = set()
+
+    # ------------------------------------------------------------------ server side
+
+    async def _start_impl(self) -> str:
+        family = socket.AF_INET6 if ":" in self._listen_host else socket.AF_INET
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((self._listen_host, self._listen_port))
+        s.listen(64)
+        s.setblocking(False)
+        self._lsock = s
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        port = s.getsockname()[1]
+        logger.info("tcp KV transfer listening on %s:%d", self._listen_host, port)
+        return f"{self._listen_host}:{port}"
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._lsock is not None
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._lsock)
+            except (OSError, asyncio.CancelledError):
+                return
+            _tune(conn)
+            task = loop.create_task(self._serve(conn))
+            self._served.add(task)
+            task.add_done_callback(self._served.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        self._server_socks.add(sock)
+        try:
+            while True:
+                try:
+                    req = await recv_msg(loop, sock)
+                except (ConnectionError, OSError):
+                    return
+                op, runs = req.get("op"), [tuple(r) for r in req.get("runs", [])]
+                if op == "pull":
+                    checked = self._check_remote_runs(runs, side="src")
+                    if isinstance(checked, str):
+                        await send_msg(loop, sock, {"ok": False, "error": checked})
+                        continue
+                    buf = self.storage.read_blocks(checked[0]).cpu()
+                    mv = tensor_bytes(buf)
+                    await send_msg(loop, sock, {"ok": True, "nbytes": len(mv)})
+                    await loop.sock_sendall(sock, mv)
+                elif op == "push":
+                    checked = self._check_remote_runs(runs, side="dst")
+                    if isinstance(checked, str):
+                        await send_msg(loop, sock, {"ok": False, "error": checked})
+                        continue
+                    n = len(checked[1])
+                    staging = self._staging(n)
+                    mv = tensor_bytes(staging)
+                    if req.get("nbytes") != len(mv):
+                        await send_msg(loop, sock, {"ok": False, "error": f"peer refused: expected {len(mv)} bytes, got {req.get('nbytes')}"})
+                        continue
+                    await send_msg(loop, sock, {"ok": True})
+                    await recv_exact_into(loop, sock, mv)
+                    self.storage.write_blocks(checked[1], staging)
+                    await send_msg(loop, sock, {"ok": True})
+                else:
+                    await send_msg(loop, sock, {"ok": False, "error": f"unknown op {op!r}"})
+                self._stats["served"] += 1
+        except (ConnectionError, OSError) as e:
+            logger.warning("tcp KV transfer: serving connection failed: %s", e)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._server_socks.discard(sock)
+            sock.close()
+
+    def _staging(self, n: int) -> torch.Tensor:
+        st = self.storage
+        return torch.empty((2, st.num_layers, n, st.block_size, st.num_kv_heads, st.head_dim), dtype=st.dtype)
+
+    # ------------------------------------------------------------------ client side
+
+    async def _conn(self, peer_addr: str) -> _Conn:
+        c = self._conns.get(peer_addr)
+        if c is not None:
+            return c
+        host, port = split_addr(peer_addr)
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, sockaddr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        _tune(sock)
+        try:
+            await loop.sock_connect(sock, sockaddr)
+        except BaseException:
+            sock.close()
+            raise
+        c = self._conns.setdefault(peer_addr, _Conn(sock))
+        if c.sock is not sock:
+            sock.close()
+        return c
+
+    async def _link_impl(self, peer_addr: str) -> None:
+        await self._conn(peer_addr)
+
+    async def _unlink_impl(self, peer_addr: str) -> None:
+        c = self._conns.pop(peer_addr, None)
+        if c is not None:
+            c.sock.close()
+
+    async def _pull_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        c = await self._conn(peer_addr)
+        async with c.lock:
+            await send_msg(loop, c.sock, {"op": "pull", "runs": runs})
+            rep = await recv_msg(loop, c.sock)
+            if not rep.get("ok"):
+                raise TransferError(rep.get("error", "peer refused"), invalid_argument=True)
+            n = sum(r[2] for r in runs)
+            staging = self._staging(n)
+            mv = tensor_bytes(staging)
+            if rep.get("nbytes") != len(mv):
+                raise TransferError(f"tcp: peer sends {rep.get('nbytes')} bytes, expected {len(mv)}: incompatible KV layout")
+            await recv_exact_into(loop, c.sock, mv)
+        self.storage.write_blocks(runs_to_ids(runs)[1], staging)
+
+    async def _push_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        c = await self._conn(peer_addr)
+        buf = self.storage.read_blocks(runs_to_ids(runs)[0]).cpu()
+        mv = tensor_bytes(buf)
+        async with c.lock:
+            await send_msg(loop, c.sock, {"op": "push", "runs": runs, "nbytes": len(mv)})
+            rep = await recv_msg(loop, c.sock)
+            if not rep.get("ok"):
+                raise TransferError(rep.get("error", "peer refused"), invalid_argument=True)
+            await loop.sock_sendall(c.sock, mv)
+            rep = await recv_msg(loop, c.sock)
+            if not rep.get("ok"):
+                raise TransferError(rep.get("error", "peer failed to write"))
+
+    async def _close_impl(self) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+        if self._lsock is not None:
+            self._lsock.close()
+        for task in list(self._served):
+            task.cancel()
+        for s in list(self._server_socks):
+            s.close()
+        for addr in list(self._conns):
+            await self._unlink_impl(addr)

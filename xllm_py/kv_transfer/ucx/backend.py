@@ -1,0 +1,322 @@
+"""UcxKVTransferBackend: KV blocks over UCXX (tag messages), host or CUDA memory.
+
+UCXX's Python API has no one-sided get/put, so a pull is a request from the puller
+answered by the owner sending the blocks. Per peer two endpoints:
+
+- control: sockaddr endpoint to the peer's listener, with error handling (tcp). Carries
+  JSON headers and status replies; every receive of *data* is also posted through it, so
+  a dead peer or ``abort()`` cancels them (no late write into blocks that were freed).
+- data: endpoint created from the peer's UCX worker address without error handling, which
+  lets UCX pick shared memory (cma zero-copy get) instead of tcp (see env.py for numbers).
+
+Stages of a pull (requester R, owner O):
+1. R -> O  control: {op: pull, req, runs, mode}  (R validated its dst ids already)
+2. O validates its src ids; O -> R status {ok, error} on tag ``req``
+3. R posts receives into its storage; O sends the data on the data endpoint with tags
+   ``req | i``: ``direct`` = one message per (run, kv, layer) slice, received in place;
+   ``gather`` = one message with all blocks ``index_select``ed, received into a staging
+   buffer and scattered (fewer messages for fragmented lists).
+Push: R -> O {op: push}; O validates dst ids, posts receives, replies ok; R sends data;
+O replies done once all bytes are in place.
+
+UCXX needs one asyncio loop per process for all its calls (its notifier thread completes
+futures there): every backend instance of a process shares ``_shared_loop()``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import threading
+from typing import Any
+
+import torch
+
+from xllm_py.kv_transfer.base import KVTransferBackend, LoopThread, Run, TransferError, runs_to_ids, split_addr
+from xllm_py.kv_transfer.kv_storage import KVCacheStorage, KVCacheMeta
+from xllm_py.kv_transfer.ucx.env import import_ucxx
+
+logger = logging.getLogger(__name__)
+
+_IDX_BITS = 24
+_MAX_MSGS = 1 << _IDX_BITS
+
+_shared_lock = threading.Lock()
+_shared: LoopThread | None = None
+
+
+def _shared_loop() -> LoopThread:
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = LoopThread("kv-ucx")
+        return _shared
+
+
+def _new_req() -> int:
+    return secrets.randbits(63 - _IDX_BITS) << _IDX_BITS
+
+
+def _buf(t: torch.Tensor) -> Any:
+    """Buffer object UCXX accepts: numpy view for host memory, the tensor (CUDA array interface) on GPU."""
+    return t if t.is_cuda else t.numpy()
+
+
+class _Peer:
+    def __init__(self, ctrl: Any, data: Any) -> None:
+        self.ctrl = ctrl
+        self.data = data
+        self.send_lock = asyncio.Lock()
+
+    def abort(self) -> None:
+        for ep in (self.ctrl, self.data):
+            try:
+                if ep is not None and not ep.closed:
+                    ep.abort()
+            except Exception as e:  # noqa: BLE001
+                logger.warning("ucx: aborting endpoint failed: %s", e)
+
+
+class UcxKVTransferBackend(KVTransferBackend):
+    name = "ucx"
+
+    def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
+                 listen_host: str = "127.0.0.1", listen_port: int = 0, mode: str = "auto",
+                 direct_max_msgs: int = 256, direct_min_slice_bytes: int = 256 << 10) -> None:
+        if mode not in ("auto", "direct", "gather"):
+            raise ValueError(f"mode must be auto|direct|gather, got {mode!r}")
+        self._ucxx = import_ucxx(gpu=storage.is_cuda)
+        super().__init__(storage, default_timeout_s)
+        self._listen_host = listen_host
+        self._listen_port = listen_port
+        self.mode = mode
+        self.direct_max_msgs = direct_max_msgs
+        self.direct_min_slice_bytes = direct_min_slice_bytes
+        self._listener: Any = None
+        self._peers: dict[str, _Peer] = {}
+        self._connecting: dict[str, asyncio.Future] = {}
+        self._server_eps: set[_Peer] = set()
+        self._bytes = storage.byte_view()  # uint8 [2, L, B, bs, H, D*itemsize]
+
+    def _make_loop_thread(self) -> tuple[LoopThread, bool]:
+        return _shared_loop(), False
+
+    # ------------------------------------------------------------------ setup
+
+    def _ensure_init(self) -> None:
+        ucxx = self._ucxx
+        if ucxx.core._ctx is None:
+            ucxx.init(progress_mode=os.environ.get("UCXPY_PROGRESS_MODE", "thread"),
+                      enable_python_future=os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE", "1") != "0")
+
+    def _worker_address(self) -> bytes:
+        return bytes(self._ucxx.get_worker_address())
+
+    def _hello(self) -> bytes:
+        return json.dumps({"worker_addr": self._worker_address().hex(),
+                           "meta": self.storage.meta.to_dict()}).encode()
+
+    def _check_meta(self, d: dict, peer: str) -> None:
+        theirs = KVCacheMeta.from_dict(d)
+        if theirs.block_shape_key() != self.storage.meta.block_shape_key():
+            raise TransferError(f"ucx: peer {peer} has an incompatible KV block layout: "
+                                f"theirs {theirs.block_shape_key()} vs ours {self.storage.meta.block_shape_key()}")
+
+    async def _start_impl(self) -> str:
+        self._ensure_init()
+        self._listener = self._ucxx.create_listener(self._on_connect, port=self._listen_port)
+        port = self._listener.port
+        logger.info("ucx KV transfer listening on %s:%d", self._listen_host, port)
+        return f"{self._listen_host}:{port}"
+
+    async def _create_data_ep(self, hex_addr: str) -> Any:
+        ucxx = self._ucxx
+        addr = ucxx.get_ucx_address_from_buffer(bytes.fromhex(hex_addr))
+        return await ucxx.create_endpoint_from_worker_address(addr, endpoint_error_handling=False)
+
+    # ------------------------------------------------------------------ server side
+
+    async def _on_connect(self, ep: Any) -> None:
+        peer: _Peer | None = None
+        try:
+            hello = json.loads(bytes(await ep.recv_obj()))
+            try:
+                self._check_meta(hello["meta"], "client")
+                err = None
+            except TransferError as e:
+                err = str(e)
+            data = await self._create_data_ep(hello["worker_addr"])
+            peer = _Peer(ep, data)
+            self._server_eps.add(peer)
+            await ep.send_obj(json.dumps({"worker_addr": self._worker_address().hex(),
+                                          "meta": self.storage.meta.to_dict(), "error": err}).encode())
+            if err:
+                return
+            tasks: set[asyncio.Task] = set()
+            while True:
+                req = json.loads(bytes(await ep.recv_obj()))
+                t = asyncio.get_running_loop().create_task(self._serve(peer, req))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # noqa: BLE001 - peer went away: normal end of a connection
+            logger.debug("ucx: control connection ended: %s: %s", type(e).__name__, e)
+        finally:
+            if peer is not None:
+                self._server_eps.discard(peer)
+                peer.abort()
+
+    async def _serve(self, peer: _Peer, req: dict) -> None:
+        op, tag, runs = req.get("op"), int(req["req"]), [tuple(r) for r in req.get("runs", [])]
+        timeout = float(req.get("timeout", self.default_timeout_s))
+        try:
+            checked = self._check_remote_runs(runs, side="src" if op == "pull" else "dst")
+            if op not in ("pull", "push"):
+                checked = f"unknown op {op!r}"
+            if isinstance(checked, str):
+                await peer.ctrl.send_obj(json.dumps({"ok": False, "error": checked}).encode(), tag=tag)
+                return
+            if op == "pull":
+                await peer.ctrl.send_obj(b'{"ok": true}', tag=tag)
+                await asyncio.wait_for(self._send_blocks(peer.data, tag, runs, req["mode"], checked[0]), timeout)
+            else:
+                recv = self._recv_blocks(peer.ctrl, tag, runs, req["mode"], checked[1])
+                task = asyncio.ensure_future(recv)
+                await peer.ctrl.send_obj(b'{"ok": true}', tag=tag)
+                await asyncio.wait_for(task, timeout)
+                await peer.ctrl.send_obj(b'{"ok": true}', tag=tag)
+            self._stats["served"] += 1
+        except Exception as e:  # noqa: BLE001
+            logger.warning("ucx: serving %s (req %x, %d runs) failed: %s: %s; dropping the connection",
+                           op, tag, len(runs), type(e).__name__, e)
+            peer.abort()
+
+    # ------------------------------------------------------------------ data movement
+
+    def _choose_mode(self, runs: list[Run]) -> str:
+        if self.mode != "auto":
+            return self.mode
+        n_msgs = 2 * self.storage.num_layers * len(runs)
+        avg_slice = sum(r[2] for r in runs) * self.storage.slice_bytes / max(len(runs), 1)
+        if n_msgs <= self.direct_max_msgs or avg_slice >= self.direct_min_slice_bytes:
+            return "direct" if n_msgs < _MAX_MSGS else "gather"
+        return "gather"
+
+    def _slices(self, runs: list[Run], side: int) -> list[torch.Tensor]:
+        """Contiguous uint8 slices in wire order: run-major, then kv, then layer."""
+        b, L = self._bytes, self.storage.num_layers
+        out = []
+        for r in runs:
+            start, n = r[side], r[2]
+            for k in range(2):
+                for layer in range(L):
+                    out.append(b[k, layer, start:start + n])
+        return out
+
+    def _staging(self, n: int) -> torch.Tensor:
+        st = self.storage
+        return torch.empty((2, st.num_layers, n, st.block_size, st.num_kv_heads, st.head_dim),
+                           dtype=st.dtype, device=st.device)
+
+    async def _send_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, src_ids: Any) -> None:
+        if mode == "direct":
+            slices = self._slices(runs, side=0)
+            await asyncio.gather(*(ep.send(_buf(s), tag=tag | i, force_tag=True) for i, s in enumerate(slices)))
+        else:
+            buf = self.storage.read_blocks(src_ids)
+            await ep.send(_buf(buf.view(torch.uint8).reshape(-1)), tag=tag, force_tag=True)
+
+    async def _recv_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, dst_ids: Any) -> None:
+        if mode == "direct":
+            slices = self._slices(runs, side=1)
+            await asyncio.gather(*(ep.recv(_buf(s), tag=tag | i, force_tag=True) for i, s in enumerate(slices)))
+        else:
+            staging = self._staging(len(dst_ids))
+            await ep.recv(_buf(staging.view(torch.uint8).reshape(-1)), tag=tag, force_tag=True)
+            self.storage.write_blocks(dst_ids, staging)
+
+    # ------------------------------------------------------------------ client side
+
+    async def _peer(self, peer_addr: str) -> _Peer:
+        p = self._peers.get(peer_addr)
+        if p is not None and not p.ctrl.closed:
+            return p
+        pending = self._connecting.get(peer_addr)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._connecting[peer_addr] = fut
+        try:
+            p = await self._connect(peer_addr)
+            self._peers[peer_addr] = p
+            fut.set_result(p)
+            return p
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # mark retrieved
+            raise
+        finally:
+            self._connecting.pop(peer_addr, None)
+
+    async def _connect(self, peer_addr: str) -> _Peer:
+        host, port = split_addr(peer_addr)
+        self._ensure_init()
+        ctrl = await self._ucxx.create_endpoint(host, port)
+        data = None
+        try:
+            await ctrl.send_obj(self._hello())
+            rep = json.loads(bytes(await ctrl.recv_obj()))
+            if rep.get("error"):
+                raise TransferError(f"ucx: peer {peer_addr} refused the link: {rep['error']}")
+            self._check_meta(rep["meta"], peer_addr)
+            data = await self._create_data_ep(rep["worker_addr"])
+            return _Peer(ctrl, data)
+        except BaseException:
+            _Peer(ctrl, data).abort()
+            raise
+
+    async def _link_impl(self, peer_addr: str) -> None:
+        await self._peer(peer_addr)
+
+    async def _unlink_impl(self, peer_addr: str) -> None:
+        p = self._peers.pop(peer_addr, None)
+        if p is not None:
+            p.abort()
+
+    async def _request(self, p: _Peer, op: str, tag: int, runs: list[Run], mode: str, timeout: float) -> None:
+        hdr = json.dumps({"op": op, "req": tag, "runs": runs, "mode": mode, "timeout": timeout}).encode()
+        status = asyncio.ensure_future(p.ctrl.recv_obj(tag=tag))
+        async with p.send_lock:
+            await p.ctrl.send_obj(hdr)
+        rep = json.loads(bytes(await status))
+        if not rep.get("ok"):
+            raise TransferError(rep.get("error", "peer refused"), invalid_argument=True)
+
+    async def _pull_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
+        p = await self._peer(peer_addr)
+        tag, mode = _new_req(), self._choose_mode(runs)
+        await self._request(p, "pull", tag, runs, mode, timeout)
+        await self._recv_blocks(p.ctrl, tag, runs, mode, runs_to_ids(runs)[1] if mode == "gather" else None)
+
+    async def _push_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
+        p = await self._peer(peer_addr)
+        tag, mode = _new_req(), self._choose_mode(runs)
+        await self._request(p, "push", tag, runs, mode, timeout)
+        done = asyncio.ensure_future(p.ctrl.recv_obj(tag=tag))
+        await self._send_blocks(p.data, tag, runs, mode, runs_to_ids(runs)[0] if mode == "gather" else None)
+        rep = json.loads(bytes(await done))
+        if not rep.get("ok"):
+            raise TransferError(rep.get("error", "peer failed to write"))
+
+    async def _close_impl(self) -> None:
+        for addr in list(self._peers):
+            await self._unlink_impl(addr)
+        for p in list(self._server_eps):
+            p.abort()
+        self._server_eps.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
