@@ -51,7 +51,7 @@ class _Sub:
 class ServiceBackend:
     def __init__(self, tokenizer, model_name: str, max_model_len: int, router: Router,
                  my_rpc_addr: str, rpc_timeout_s: float = 5.0, idle_timeout_s: float = 120.0,
-                 ready_fn=None) -> None:
+                 ready_fn=None, instance_counts=None) -> None:
         self._tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -60,6 +60,7 @@ class ServiceBackend:
         self.rpc_timeout_s = rpc_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.ready_fn = ready_fn
+        self.instance_counts = instance_counts  # () -> {state: count}
         self._subs: dict[str, _Sub] = {}
         self._by_instance: dict[str, set[str]] = collections.defaultdict(set)
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -177,6 +178,8 @@ class ServiceBackend:
             generated[sub.engine_request_id] = out.num_generated_tokens
             if out.finished:
                 remaining -= 1
+                if remaining == 0:
+                    self.outcomes["ok"] += 1
             merged = RequestOutput(
                 request_id=request_id,
                 outputs=[dataclasses.replace(d, index=d.index + sub.index_offset)
@@ -188,7 +191,6 @@ class ServiceBackend:
             if out.prompt_token_ids is not None:
                 prompt_sent = True
             yield merged
-        self.outcomes["ok"] += 1
 
     # ------------------------------------------------------------------ Generations
     async def on_generations(self, msg: pb.DisaggStreamGenerations) -> pb.StatusSet:
@@ -271,6 +273,11 @@ class ServiceBackend:
                   "# TYPE xllm_service_inflight_requests gauge"]
         for name, ids in sorted(self._by_instance.items()):
             lines.append(f'xllm_service_inflight_requests{{instance="{name}"}} {len(ids)}')
+        if self.instance_counts is not None:
+            lines += ["# HELP xllm_service_instances Registered instances by state",
+                      "# TYPE xllm_service_instances gauge"]
+            for state, n in sorted(self.instance_counts().items()):
+                lines.append(f'xllm_service_instances{{state="{state}"}} {n}')
         return "\n".join(lines) + "\n"
 
     async def close(self) -> None:

@@ -44,7 +44,8 @@ async def run_service(args: argparse.Namespace) -> None:
                     make_policy(args.load_balance_policy, lambda n: backend_ref[0].inflight(n)))
     backend = ServiceBackend(tokenizer, name, max_len, router, rpc_addr,
                              rpc_timeout_s=args.rpc_timeout,
-                             idle_timeout_s=args.request_idle_timeout)
+                             idle_timeout_s=args.request_idle_timeout,
+                             instance_counts=registry.counts)
     backend_ref.append(backend)
     registry.on_evict(lambda info, reason: backend.on_evict(info))
     proxy = ProxyRegistrations(etcd, registry, ttl_s=args.etcd_ttl)

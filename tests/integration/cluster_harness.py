@@ -1,0 +1,55 @@
+"""Processes of a test cluster (service + engines) on one etcd, torn down after the test."""
+from __future__ import annotations
+
+import pathlib
+
+import openai
+
+from xllm_py.utils.procs import ChildProcess, engine_args, free_port, spawn
+
+
+class Harness:
+    def __init__(self, etcd_endpoint: str, namespace: str, log_dir: pathlib.Path,
+                 ttl_s: float = 2.0) -> None:
+        self.etcd = etcd_endpoint
+        self.namespace = namespace
+        self.log_dir = log_dir
+        self.ttl_s = ttl_s
+        self.procs: list[ChildProcess] = []
+
+    def service(self, name: str = "service", evict_grace_s: float = 2.0,
+                extra: list[str] | None = None) -> ChildProcess:
+        http, rpc = free_port(), free_port()
+        proc = spawn(name, "xllm_service",
+                     ["--etcd", self.etcd, "--etcd-namespace", self.namespace,
+                      "--etcd-ttl", str(self.ttl_s), "--http-port", str(http),
+                      "--rpc-port", str(rpc), "--evict-grace-s", str(evict_grace_s),
+                      *(extra or [])],
+                     self.log_dir, http_url=f"http://127.0.0.1:{http}")
+        self.procs.append(proc)
+        return proc
+
+    def engine(self, role: str, name: str, port: int | None = None,
+               extra: list[str] | None = None) -> ChildProcess:
+        port = port or free_port()
+        args = engine_args(role, port, etcd=self.etcd, extra=[
+            "--etcd-namespace", self.namespace, "--etcd-ttl", str(self.ttl_s),
+            "--heart-beat-interval", "0.3", *(extra or [])])
+        proc = spawn(name, "xllm_py.engine", args, self.log_dir,
+                     http_url=f"http://127.0.0.1:{port}")
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+
+
+def client(proc: ChildProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proc.http_url + "/v1", api_key="x", max_retries=0,
+                         timeout=60)
+
+
+def aclient(proc: ChildProcess) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=proc.http_url + "/v1", api_key="x", max_retries=0,
+                              timeout=60)
