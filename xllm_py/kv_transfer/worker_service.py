@@ -1,0 +1,242 @@
+"""KVWorker (domain) and WorkerServicer (thin gRPC layer) of one worker process.
+
+RPCs (xLLM WorkerService):
+- PullKVCache(cluster_id, addr, src_blocks, dst_blocks, req_id): this worker pulls the
+  peer's ``src_blocks`` (peer at ``addr``) into its own ``dst_blocks``.
+- PushKVCache: this worker sends its ``src_blocks`` into the peer's ``dst_blocks``.
+- LinkCluster(cluster_ids, addrs, meta): refuse an incompatible peer (FAILED_PRECONDITION,
+  the message names every difference), then connect to each address.
+- UnlinkCluster, GetCacheInfo.
+
+Status mapping: bad arguments (length mismatch, out-of-range ids on either side) ->
+INVALID_ARGUMENT; timeout -> DEADLINE_EXCEEDED; any other transfer failure -> UNAVAILABLE.
+Success -> Status(ok=True, code=200). Each transfer logs one INFO line (req id, blocks,
+bytes, ms) and updates ``KVTransferMetrics``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from xllm_py.kv_transfer.base import KVTransferBackend, TransferError, TransferResult
+from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+from xllm_py.kv_transfer.metrics import KVTransferMetrics
+from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class IncompatiblePeerError(ValueError):
+    """A peer's KV cache cannot exchange blocks with ours; the message names each difference."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerMeta:
+    """The compatibility-relevant part of a peer's InstanceMetaInfo (0 / "" = not stated)."""
+
+    model: str = ""
+    block_size: int = 0
+    kv_dtype: str = ""
+    kv_layout: str = ""
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+
+    @classmethod
+    def from_proto(cls, m: xllm_pb2.InstanceMetaInfo) -> "PeerMeta":
+        return cls(model=m.model, block_size=m.block_size, kv_dtype=m.kv_dtype, kv_layout=m.kv_layout,
+                   num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+
+
+def compatibility_errors(ours: PeerMeta, theirs: PeerMeta) -> list[str]:
+    """Differences between two pools; fields the peer leaves unset are not compared (lenient parse)."""
+    errors = []
+    for f in dataclasses.fields(PeerMeta):
+        a, b = getattr(ours, f.name), getattr(theirs, f.name)
+        if b in ("", 0) or a in ("", 0):
+            continue
+        if a != b:
+            errors.append(f"{f.name}: ours {a!r}, peer {b!r}")
+    return errors
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheInfoData:
+    cluster_id: int
+    addr: str
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    kv_layout: str
+    block_bytes: int
+
+
+class KVWorker:
+    """One worker's KV cache plus its transfer backend (xLLM: link_cluster, pull_kv_blocks)."""
+
+    def __init__(self, storage: KVCacheStorage, backend: KVTransferBackend, cluster_id: int,
+                 model: str = "", metrics: KVTransferMetrics | None = None) -> None:
+        self.storage = storage
+        self.backend = backend
+        self.cluster_id = cluster_id
+        self.model = model
+        self.metrics = metrics or KVTransferMetrics()
+        self.linked: dict[int, str] = {}
+
+    @property
+    def address(self) -> str:
+        return self.backend.address
+
+    def local_meta(self) -> PeerMeta:
+        m = self.storage.meta
+        return PeerMeta(model=self.model, block_size=m.block_size, kv_dtype=m.dtype, kv_layout=m.layout,
+                        num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+
+    def cache_info(self) -> CacheInfoData:
+        m = self.storage.meta
+        return CacheInfoData(cluster_id=self.cluster_id, addr=self.backend.address, num_blocks=m.num_blocks,
+                             block_size=m.block_size, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
+                             head_dim=m.head_dim, kv_dtype=m.dtype, kv_layout=m.layout, block_bytes=m.block_bytes)
+
+    async def link_cluster(self, cluster_ids: Sequence[int], addrs: Sequence[str],
+                           peer_meta: PeerMeta | None = None, timeout: float | None = None) -> None:
+        if len(cluster_ids) != len(addrs):
+            raise ValueError(f"cluster_ids ({len(cluster_ids)}) and addrs ({len(addrs)}) differ in length")
+        if peer_meta is not None:
+            errors = compatibility_errors(self.local_meta(), peer_meta)
+            if errors:
+                msg = "incompatible peer KV cache: " + "; ".join(errors)
+                logger.warning("link_cluster %s refused: %s", list(addrs), msg)
+                raise IncompatiblePeerError(msg)
+        for cid, addr in zip(cluster_ids, addrs):
+            await self.backend.link(addr, timeout)
+            self.linked[int(cid)] = addr
+        logger.info("linked cluster ids %s at %s", list(cluster_ids), list(addrs))
+
+    async def unlink_cluster(self, cluster_ids: Sequence[int], addrs: Sequence[str]) -> None:
+        targets = set(addrs) | {self.linked[c] for c in cluster_ids if c in self.linked}
+        for c in cluster_ids:
+            self.linked.pop(int(c), None)
+        for addr in targets:
+            await self.backend.unlink(addr)
+
+    async def pull_kv_blocks(self, addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                             req_id: str = "", timeout: float | None = None) -> TransferResult:
+        return await self._transfer("pull", addr, src_blocks, dst_blocks, req_id, timeout)
+
+    async def push_kv_blocks(self, addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                             req_id: str = "", timeout: float | None = None) -> TransferResult:
+        return await self._transfer("push", addr, src_blocks, dst_blocks, req_id, timeout)
+
+    async def _transfer(self, op: str, addr: str, src: Sequence[int], dst: Sequence[int],
+                        req_id: str, timeout: float | None) -> TransferResult:
+        t0 = time.perf_counter()
+        fn = self.backend.pull if op == "pull" else self.backend.push
+        try:
+            result = await fn(addr, src, dst, timeout)
+        except ValueError as e:
+            self.metrics.observe_failure(op, "invalid_argument")
+            logger.warning("kv %s req=%s peer=%s refused: %s", op, req_id, addr, e)
+            raise
+        except TransferError as e:
+            reason = "invalid_argument" if e.invalid_argument else "timeout" if e.timeout else "error"
+            self.metrics.observe_failure(op, reason)
+            logger.warning("kv %s req=%s peer=%s blocks=%d failed after %.1f ms: %s",
+                           op, req_id, addr, len(src), (time.perf_counter() - t0) * 1e3, e)
+            raise
+        self.metrics.observe_success(op, result.num_bytes, result.num_blocks, result.seconds)
+        logger.info("kv %s req=%s peer=%s blocks=%d runs=%d bytes=%d ms=%.2f (%.2f GB/s)",
+                    op, req_id, addr, result.num_blocks, result.num_runs, result.num_bytes,
+                    result.seconds * 1e3, result.gbps)
+        return result
+
+
+def _ok() -> xllm_pb2.Status:
+    return xllm_pb2.Status(ok=True, code=200)
+
+
+async def _abort_for(context: grpc.aio.ServicerContext, e: Exception) -> None:
+    if isinstance(e, IncompatiblePeerError):
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+    if isinstance(e, ValueError):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    if isinstance(e, TransferError):
+        if e.invalid_argument:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if e.timeout:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+    raise e
+
+
+class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
+    """Thin: proto -> KVWorker call -> Status / gRPC status code."""
+
+    def __init__(self, worker: KVWorker, timeout_s: float | None = None) -> None:
+        self.worker = worker
+        self.timeout_s = timeout_s
+
+    def _timeout(self, context: grpc.aio.ServicerContext) -> float | None:
+        remaining = context.time_remaining()
+        if remaining is None:
+            return self.timeout_s
+        return min(remaining, self.timeout_s) if self.timeout_s else remaining
+
+    async def PullKVCache(self, request: xllm_pb2.PullKVCacheRequest,
+                          context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
+        try:
+            await self.worker.pull_kv_blocks(request.addr, list(request.src_blocks), list(request.dst_blocks),
+                                             request.req_id, self._timeout(context))
+        except (ValueError, TransferError) as e:
+            await _abort_for(context, e)
+        return _ok()
+
+    async def PushKVCache(self, request: xllm_pb2.PushKVCacheRequest,
+                          context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
+        try:
+            await self.worker.push_kv_blocks(request.addr, list(request.src_blocks), list(request.dst_blocks),
+                                             request.req_id, self._timeout(context))
+        except (ValueError, TransferError) as e:
+            await _abort_for(context, e)
+        return _ok()
+
+    async def LinkCluster(self, request: xllm_pb2.ClusterLink,
+                          context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
+        meta = PeerMeta.from_proto(request.meta) if request.HasField("meta") else None
+        try:
+            await self.worker.link_cluster(list(request.cluster_ids), list(request.addrs), meta,
+                                           self._timeout(context))
+        except (ValueError, TransferError) as e:
+            await _abort_for(context, e)
+        return _ok()
+
+    async def UnlinkCluster(self, request: xllm_pb2.ClusterLink,
+                            context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
+        await self.worker.unlink_cluster(list(request.cluster_ids), list(request.addrs))
+        return _ok()
+
+    async def GetCacheInfo(self, request: xllm_pb2.Empty,
+                           context: grpc.aio.ServicerContext) -> xllm_pb2.CacheInfo:
+        return xllm_pb2.CacheInfo(**dataclasses.asdict(self.worker.cache_info()))
+
+
+async def create_worker_server(servicer: WorkerServicer, host: str = "127.0.0.1",
+                               port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server with the WorkerService; returns (server, bound port).
+
+    Stop it with ``await server.stop(grace)``.
+    """
+    server = grpc.aio.server()
+    xllm_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the worker service on {host}:{port}")
+    await server.start()
+    return server, bound
