@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError, LeasedKey, service_key
+from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, LeasedKey, MASTER_KEY, cancel_and_wait, service_key
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +74,7 @@ class MasterElection:
     async def stop(self, resign: bool = True) -> None:
         tasks, self._tasks = self._tasks, []
         for t in tasks:
-            t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(t)
         if resign:
             try:
                 if self._is_master:

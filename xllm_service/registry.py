@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from xllm_py.cluster.etcd_client import INSTANCE_PREFIX, EtcdClient, EtcdError, EventKind, parse_instance_key
+from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, EventKind, INSTANCE_PREFIX, cancel_and_wait, parse_instance_key
 from xllm_py.cluster.instance_meta import InstanceMeta, InstanceMetaError
 from xllm_py.config import InstanceRole
 from xllm_service.instance_table import (
@@ -141,12 +141,7 @@ class Registry:
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
         for t in tasks:
-            t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(t)
         for t in list(self._callback_tasks):
             t.cancel()
         if self._http is not None:
@@ -244,12 +239,7 @@ class Registry:
                 logger.exception("registry: watch loop failed; resync in 1s")
                 await asyncio.sleep(1.0)
             finally:
-                if watch is not None:
-                    watch.cancel()
-                    try:
-                        await watch
-                    except (asyncio.CancelledError, Exception):  # retrieved: already handled above
-                        pass
+                await cancel_and_wait(watch)  # its error, if any, was handled above
 
     def _on_event(self, kind: EventKind, key: str, value: bytes) -> None:
         now = self._clock()

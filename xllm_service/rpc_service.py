@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, LeasedKey, instance_key
+from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, LeasedKey, cancel_and_wait, instance_key
 from xllm_py.cluster.instance_meta import InstanceMeta, InstanceMetaError, new_incarnation_id, now_ms
 from xllm_py.config import InstanceRole
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
@@ -104,12 +104,7 @@ class ProxyRegistrations:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
         for leased, _ in self._keys.values():
             await leased.stop(delete=False)
         self._keys.clear()

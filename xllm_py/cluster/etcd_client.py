@@ -50,6 +50,18 @@ def parse_instance_key(key: str) -> tuple[InstanceRole, str] | None:
         return None
 
 
+async def cancel_and_wait(task: "asyncio.Task[object] | None") -> None:
+    """Cancel `task` and wait for it to end. Python 3.11's `asyncio.wait_for` can swallow
+    a cancellation that races with its inner call finishing, so cancel until it is done."""
+    if task is None:
+        return
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.5)
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("task %s ended with %r", task.get_name(), task.exception())
+
+
 class EtcdError(RuntimeError):
     """An etcd call failed (unreachable, deadline exceeded, auth, compacted revision...)."""
 
@@ -339,12 +351,7 @@ class LeasedKey:
 
     async def stop(self, delete: bool = True) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
         if not delete:
             return
         lease_id, self.lease_id = self.lease_id, None

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import grpc
 
-from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError, LeasedKey, instance_key
+from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, LeasedKey, MASTER_KEY, cancel_and_wait, instance_key
 from xllm_py.cluster.instance_meta import InstanceMeta, new_incarnation_id, now_ms
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
 
@@ -121,12 +121,7 @@ class InstanceAgent:
 
     async def stop(self, deregister: bool = True) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
         await self._leased.stop(delete=deregister)
         if self._channel is not None:
             await self._channel.close()
