@@ -64,7 +64,7 @@ async def run_service(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    http_task = asyncio.create_task(serve(app, args.host, args.http_port))
+    http_task = asyncio.create_task(serve(app, args.host, args.http_port, stop_event=stop))
     logger.info("xllm_service on http://%s:%d (rpc %s), etcd %s", args.host, args.http_port,
                 rpc_addr, args.etcd)
     stop_task = asyncio.create_task(stop.wait())
@@ -72,7 +72,11 @@ async def run_service(args: argparse.Namespace) -> None:
     if http_task in done and http_task.exception():
         logger.error("HTTP server failed: %s", http_task.exception())
     logger.info("shutting down")
-    http_task.cancel()
+    stop.set()
+    try:
+        await asyncio.wait_for(http_task, 10)
+    except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+        pass
     for coro in (election.stop(), proxy.stop(), registry.stop(), server.stop(1.0),
                  backend.close()):
         try:

@@ -21,12 +21,12 @@ from xllm_py.engine.disagg_scheduler import DisaggPDScheduler
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import LLMEngine
 from xllm_py.engine.pd_service import DisaggPDServicer
+from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-KV_LAYOUT = "kv,layer,block,slot,head,dim"
 
 
 class ClusterNode:

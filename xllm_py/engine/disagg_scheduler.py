@@ -278,7 +278,7 @@ class DisaggPDScheduler:
         first = (delta.token_ids[0] if delta and delta.token_ids else None)
         lp = delta.logprobs[0] if delta and delta.logprobs else None
         self.loop.call_soon_threadsafe(
-            self._spawn, self._hand_over(state, request.request_id, block_ids, first, lp,
+            self._spawn, self._hand_over(state, upd.request_id, block_ids, first, lp,
                                          finished_here, upd.kv_held))
 
     async def _hand_over(self, state: _PrefillState, child: str, block_ids: list[int],

@@ -35,18 +35,18 @@ async def run_engine_server(config: EngineConfig) -> None:
 
         cluster = ClusterNode(config, engine, backend)
         await cluster.start()
-    http_task = asyncio.create_task(serve(app, config.host, config.port))
+    http_task = asyncio.create_task(serve(app, config.host, config.port, stop_event=stop))
     logger.info("engine %s serving on http://%s:%d", config.role.value, config.host, config.port)
     stop_task = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     if http_task in done and http_task.exception():
         logger.error("HTTP server failed: %s", http_task.exception())
     logger.info("shutting down")
+    stop.set()
     if cluster is not None:
         await cluster.stop()
-    http_task.cancel()
     try:
-        await http_task
-    except (asyncio.CancelledError, Exception):
+        await asyncio.wait_for(http_task, 10)
+    except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
         pass
     engine.stop()
