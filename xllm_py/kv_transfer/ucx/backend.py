@@ -69,6 +69,33 @@ class _Peer:
         self.ctrl = ctrl
         self.data = data
         self.send_lock = asyncio.Lock()
+        # Set when the control endpoint reports an error (peer died / closed). UCX calls the
+        # callback from its progress thread: hop onto the loop.
+        self.lost = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_close() -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self.lost.set)
+
+        if ctrl is not None:
+            ctrl.set_close_callback(on_close)
+
+    async def guard(self, aw: Any, what: str) -> Any:
+        """Await ``aw`` unless the connection is lost first (then raise TransferError)."""
+        task = asyncio.ensure_future(aw)
+        lost = asyncio.ensure_future(self.lost.wait())
+        try:
+            done, _ = await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            lost.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise TransferError(f"ucx: connection to the peer lost during {what}")
 
     def abort(self) -> None:
         for ep in (self.ctrl, self.data):
@@ -77,6 +104,16 @@ class _Peer:
                     ep.abort()
             except Exception as e:  # noqa: BLE001
                 logger.warning("ucx: aborting endpoint failed: %s", e)
+
+    async def close(self, timeout: float = 1.0) -> None:
+        """Graceful close: the peer learns that the connection is gone (abort tells it nothing)."""
+        for ep in (self.ctrl, self.data):
+            try:
+                if ep is not None and not ep.closed:
+                    await asyncio.wait_for(ep.close(), timeout)
+            except Exception as e:  # noqa: BLE001
+                logger.debug("ucx: graceful close failed (%s), aborting", e)
+        self.abort()
 
 
 class UcxKVTransferBackend(KVTransferBackend):
@@ -290,8 +327,8 @@ class UcxKVTransferBackend(KVTransferBackend):
         hdr = json.dumps({"op": op, "req": tag, "runs": runs, "mode": mode, "timeout": timeout}).encode()
         status = asyncio.ensure_future(p.ctrl.recv_obj(tag=tag))
         async with p.send_lock:
-            await p.ctrl.send_obj(hdr)
-        rep = json.loads(bytes(await status))
+            await p.guard(p.ctrl.send_obj(hdr), f"{op} request")
+        rep = json.loads(bytes(await p.guard(status, f"{op} reply")))
         if not rep.get("ok"):
             raise TransferError(rep.get("error", "peer refused"), invalid_argument=True)
 
@@ -299,24 +336,25 @@ class UcxKVTransferBackend(KVTransferBackend):
         p = await self._peer(peer_addr)
         tag, mode = _new_req(), self._choose_mode(runs)
         await self._request(p, "pull", tag, runs, mode, timeout)
-        await self._recv_blocks(p.ctrl, tag, runs, mode, runs_to_ids(runs)[1] if mode == "gather" else None)
+        await p.guard(self._recv_blocks(p.ctrl, tag, runs, mode, runs_to_ids(runs)[1] if mode == "gather" else None),
+                      "pull data")
 
     async def _push_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
         p = await self._peer(peer_addr)
         tag, mode = _new_req(), self._choose_mode(runs)
         await self._request(p, "push", tag, runs, mode, timeout)
         done = asyncio.ensure_future(p.ctrl.recv_obj(tag=tag))
-        await self._send_blocks(p.data, tag, runs, mode, runs_to_ids(runs)[0] if mode == "gather" else None)
-        rep = json.loads(bytes(await done))
+        await p.guard(self._send_blocks(p.data, tag, runs, mode, runs_to_ids(runs)[0] if mode == "gather" else None),
+                      "push data")
+        rep = json.loads(bytes(await p.guard(done, "push completion")))
         if not rep.get("ok"):
             raise TransferError(rep.get("error", "peer failed to write"))
 
     async def _close_impl(self) -> None:
-        for addr in list(self._peers):
-            await self._unlink_impl(addr)
-        for p in list(self._server_eps):
-            p.abort()
+        peers = list(self._peers.values()) + list(self._server_eps)
+        self._peers.clear()
         self._server_eps.clear()
+        await asyncio.gather(*(p.close() for p in peers))
         if self._listener is not None:
             self._listener.close()
             self._listener = None

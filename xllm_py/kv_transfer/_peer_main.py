@@ -1,0 +1,75 @@
+"""A stand-alone KV worker process for tests and benchmarks.
+
+``python -m xllm_py.kv_transfer._peer_main --backend ucx --num-blocks 64 --seed 7``
+allocates a storage filled with ``fill_pattern(seed)``, serves the WorkerService (gRPC)
+and the transfer listener, prints one JSON line ``{"grpc_port", "transfer_addr",
+"cluster_id"}`` on stdout, and runs until stdin closes or it is killed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+import torch
+
+from xllm_py.config import TransferConfig
+from xllm_py.kv_transfer.factory import create_backend
+from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+from xllm_py.kv_transfer.worker_service import KVWorker, WorkerServicer, create_worker_server
+
+logger = logging.getLogger(__name__)
+
+
+def fill_pattern(storage: KVCacheStorage, seed: int) -> None:
+    """Deterministic content, reproducible in another process."""
+    g = torch.Generator().manual_seed(seed)
+    storage.kv.copy_(torch.randn(storage.kv.shape, generator=g).to(storage.kv))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--backend", default="ucx")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--transfer-listen-port", type=int, default=0)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-blocks", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=8)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cluster-id", type=int, default=1)
+    p.add_argument("--no-fill", action="store_true", help="leave the cache zeroed (faster start for big pools)")
+    return p
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    storage = KVCacheStorage(args.num_layers, args.num_blocks, args.block_size, args.num_kv_heads,
+                             args.head_dim, args.dtype)
+    if not args.no_fill:
+        fill_pattern(storage, args.seed)
+    else:
+        storage.kv.view(torch.uint8).reshape(-1)[::4096] = 7  # touch the pages
+    cfg = TransferConfig(backend=args.backend, listen_host=args.host, listen_port=args.transfer_listen_port)
+    backend = create_backend(args.backend, storage, cfg)
+    addr = backend.start()
+    worker = KVWorker(storage, backend, args.cluster_id, model=args.model)
+    server, port = await create_worker_server(WorkerServicer(worker), args.host, 0)
+    print(json.dumps({"grpc_port": port, "transfer_addr": addr, "cluster_id": args.cluster_id}), flush=True)
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sys.stdin.read)  # until the parent closes our stdin
+    await server.stop(0.5)
+    await backend.close()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    asyncio.run(main_async(build_parser().parse_args()))
+
+
+if __name__ == "__main__":
+    main()
