@@ -210,7 +210,7 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[num_blocks, bs, kvh, hd] by [B, nblk] -> [B, kvh, nblk*bs, hd]."""
     b, nblk = block_tables.shape
     bs, kvh, hd = cache.shape[1:]
-    x = cache[block_tables.reshape(-1)].view(b, nblk * bs, kvh, hd)
+    x = cache.index_select(0, block_tables.reshape(-1)).view(b, nblk * bs, kvh, hd)
     return x.transpose(1, 2)
 
 

@@ -71,12 +71,19 @@ class RotaryEmbedding(nn.Module):
             self._sin = emb.sin().to(dtype)
         return self._cos, self._sin  # type: ignore[return-value]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, h, hd], k [T, kvh, hd]; ``max_position`` bounds positions (host int)."""
-        cos_t, sin_t = self._table(max_position, q.device, q.dtype)
-        cos = cos_t[positions][:, None, :]
-        sin = sin_t[positions][:, None, :]
+    def cos_sin(self, positions: torch.Tensor, max_position: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, 1, head_dim] for ``positions``; computed once per step, used by
+        every layer. ``max_position`` (host int) bounds the positions."""
+        cos_t, sin_t = self._table(max_position, positions.device, dtype)
+        return (cos_t.index_select(0, positions)[:, None, :],
+                sin_t.index_select(0, positions)[:, None, :])
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor,
+              cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, h, hd], k [T, kvh, hd] -> rotated (q, k)."""
+        cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

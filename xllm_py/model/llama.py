@@ -39,8 +39,8 @@ class Attention(nn.Module):
             self.q_norm = None
             self.k_norm = None
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                max_position: int, kv_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
         t = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -49,7 +49,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = rope(positions, q, k, max_position)
+        q, k = RotaryEmbedding.apply(q, k, cos_sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], plan)
         return self.o_proj(out.reshape(t, self.q_size).to(hidden.dtype))
 
@@ -62,10 +62,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                max_position: int, kv_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rope,
-                                         max_position, kv_cache, plan)
+    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, plan)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -104,9 +103,9 @@ class LlamaForCausalLM(nn.Module):
         block_size = int(kv_caches[0][0].shape[1])
         plan = plan_attention(attn_metadata, block_size)
         hidden = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions, attn_metadata.max_seq_len, hidden.dtype)
         for layer, cache in zip(self.model.layers, kv_caches):
-            hidden = layer(hidden, positions, self.rotary_emb, attn_metadata.max_seq_len,
-                           cache, plan)
+            hidden = layer(hidden, cos_sin, cache, plan)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
