@@ -84,6 +84,20 @@ def test_concurrent_builders_agree(tmp_path):
     load_model(tmp_path / "tiny")
 
 
+def test_stale_or_old_format_is_rebuilt(tmp_path):
+    target = tmp_path / "tiny"
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # interrupted build: no marker
+    assert ensure_tiny_model("tiny", cache_dir=tmp_path) == target
+    assert (target / ".complete").read_text() != "0"
+    load_model(target)
+    (target / ".complete").write_text("0")  # an older format version
+    (target / "model.safetensors").unlink()
+    assert ensure_tiny_model("tiny", cache_dir=tmp_path) == target
+    load_model(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+
+
 def test_cache_dir_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("XLLM_CACHE_DIR", str(tmp_path))
     assert ensure_tiny_model() == tmp_path / "tiny"

@@ -269,27 +269,37 @@ def ensure_tiny_model(name: str = "tiny",
         raise ValueError(f"unknown tiny model {name!r}; choose from {', '.join(PRESETS)}")
     root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / name
-    marker = target / ".complete"
-    if marker.is_file() and marker.read_text().strip() == str(_FORMAT_VERSION):
+    if _is_current(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
         build_model_dir(tmp, **PRESETS[name])
         (tmp / ".complete").write_text(str(_FORMAT_VERSION))
-        if target.exists() and not (target / ".complete").is_file():
-            # leftover of an interrupted build (pre-marker); move it aside first
+        if target.exists() and not _is_current(target):
+            # interrupted build or older format: move it aside, then replace it
             stale = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.stale.", dir=root))
-            os.replace(target, stale / "old")
+            try:
+                os.replace(target, stale / "old")
+            except OSError:
+                pass  # another process moved it first
             shutil.rmtree(stale, ignore_errors=True)
         try:
             os.rename(tmp, target)
             logger.info("built tiny model %r in %s", name, target)
         except OSError:
-            if not (target / ".complete").is_file():
+            if not _is_current(target):
                 raise
             # another process finished first; its files are identical
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _is_current(target: pathlib.Path) -> bool:
+    marker = target / ".complete"
+    try:
+        return marker.read_text().strip() == str(_FORMAT_VERSION)
+    except OSError:
+        return False
