@@ -55,6 +55,8 @@ class AsyncEngine:
         self.model_name = served_model_name or _default_name(engine.config.model)
         self.max_model_len = engine.max_model_len
         self.max_waiting = max_waiting
+        # More Prometheus text to append to /metrics (e.g. the KV worker's transfer metrics).
+        self.extra_metrics: list = []
 
     def tokenizer(self):
         return self.engine.tokenizer
@@ -85,7 +87,7 @@ class AsyncEngine:
                 self.engine.abort(req.request_id)
 
     def metrics_text(self) -> str:
-        return render_engine_metrics(self.engine)
+        return render_engine_metrics(self.engine) + "".join(m() for m in self.extra_metrics)
 
 
 def render_engine_metrics(engine: LLMEngine) -> str:

@@ -56,6 +56,7 @@ class ClusterNode:
                                                 cfg.worker_port, cluster_id,
                                                 self._kv_meta_proto(cluster_id))
             transfer_addr, worker_addr = self.worker.transfer_addr, self.worker.rpc_addr
+            self.backend.extra_metrics.append(self.worker.worker.metrics.render)
         self.reporter = GenerationsReporter(loop, self.name, self.engine.abort,
                                             timeout_s=cfg.rpc_timeout_s)
         self.engine.step_listeners.append(self.reporter.flush)

@@ -241,31 +241,45 @@ class LLMEngine:
         by_parent: dict[str, list] = {}
         handovers = []
         for upd in updates:
-            self.num_generated_tokens += len(upd.new_token_ids)
-            lp = logprobs.get(upd.request_id)
-            parent_id, _ = parent_of(upd.request_id)
-            request = self.scheduler.requests.get(upd.request_id)
-            if request is not None and request.num_cached_tokens:
-                self.outputs.set_cached_tokens(parent_id, request.num_cached_tokens)
-            # PD prefill: the request goes on on the decode peer, not finished for the client.
-            finish_reason = None if upd.kv_held else upd.finish_reason
-            delta = self.outputs.process(
-                upd.request_id, upd.new_token_ids, [lp] if lp is not None else None,
-                finish_reason, upd.stop_reason, self._finish_by_stop_string)
-            if delta is not None:
-                by_parent.setdefault(parent_id, []).append(delta)
-            if self.on_remote_decode_update is not None:  # PREFILL role: every request
-                block_ids = list(request.block_ids) if request is not None else []
-                handovers.append((upd, delta, block_ids, parent_id))
+            try:
+                self._process_update(upd, logprobs, by_parent, handovers)
+            except Exception:
+                logger.exception("output processing of request %s failed", upd.request_id)
+                parent_id, _ = parent_of(upd.request_id)
+                self.scheduler.abort_request(upd.request_id, RequestStatus.FINISHED_ERROR)
+                self.outputs.fail_parent(parent_id, 500, "output processing failed")
         for parent_id, deltas in by_parent.items():
-            self.outputs.emit_step(deltas, parent_id)
+            if parent_id in self.outputs:
+                self.outputs.emit_step(deltas, parent_id)
         for upd, delta, block_ids, parent_id in handovers:
             self.outputs.drop_parent(parent_id)
             if self.on_remote_decode_update is not None:
                 self.on_remote_decode_update(upd, delta, block_ids)
 
+    def _process_update(self, upd, logprobs: dict[str, Any], by_parent: dict[str, list],
+                        handovers: list) -> None:
+        self.num_generated_tokens += len(upd.new_token_ids)
+        lp = logprobs.get(upd.request_id)
+        parent_id, _ = parent_of(upd.request_id)
+        request = self.scheduler.requests.get(upd.request_id)
+        if request is not None and request.num_cached_tokens:
+            self.outputs.set_cached_tokens(parent_id, request.num_cached_tokens)
+        # PD prefill: the request goes on on the decode peer, not finished for the client.
+        finish_reason = None if upd.kv_held else upd.finish_reason
+        delta = self.outputs.process(
+            upd.request_id, upd.new_token_ids, [lp] if lp is not None else None,
+            finish_reason, upd.stop_reason, self._finish_by_stop_string)
+        if delta is not None:
+            by_parent.setdefault(parent_id, []).append(delta)
+        if self.on_remote_decode_update is not None:  # PREFILL role: every request
+            block_ids = list(request.block_ids) if request is not None else []
+            handovers.append((upd, delta, block_ids, parent_id))
+
     def _finish_by_stop_string(self, request_id: str, stop_str: str) -> None:
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        request = self.scheduler.get_request(request_id)
+        if request is None or request.status == RequestStatus.SENDING_KV:
+            return  # PD prefill: the hand-over sees the stop and releases the KV itself
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_str)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         p = request.sampling_params
