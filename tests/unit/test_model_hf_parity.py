@@ -167,8 +167,10 @@ def test_bf16_load_runs(pair):
         build_tokenizer_files(pathlib.Path(d))
         model16, _ = load_model(d, dtype="bfloat16")
     assert next(model16.parameters()).dtype == torch.bfloat16
-    prompt = _prompts([20], seed=5)[0]
-    logits = _Runner(model16, cfg).step([(0, 0, prompt)])
+    prompt = _prompts([21], seed=5)[0]
+    runner = _Runner(model16, cfg)
+    logits = torch.cat([runner.step([(0, 0, prompt[:20])]),  # prefill, then one decode step
+                        runner.step([(0, 20, prompt[20:])])])
     assert logits.dtype == torch.float32
     err = (logits - _hf_logits(hf, prompt)).abs().max().item()
     print(f"[{name}] bf16 max |logit err| vs fp32 reference {err:.2e}")
