@@ -73,7 +73,7 @@ class _DecodeState:
 
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
-    attempts_per_decode: int = 5
+    attempts_per_decode: int = 8  # ~4.5 s of backoff before trying another decode
     backoff_s: float = 0.05
     max_backoff_s: float = 1.0
 
@@ -414,15 +414,19 @@ class DisaggPDScheduler:
     def _allocate_remote(self, spec: EngineRequestSpec):
         """Engine thread. RemoteAllocation, None (no space) or an error message."""
         engine = self.engine
-        if len(spec.prompt_token_ids) + 1 > engine.max_model_len:
-            return (f"prompt has {len(spec.prompt_token_ids)} tokens; the context is "
-                    f"{engine.max_model_len}")
+        limit = min(engine.max_model_len, engine.scheduler.max_model_len)
+        if len(spec.prompt_token_ids) + 1 > limit:
+            return (f"prompt has {len(spec.prompt_token_ids)} tokens; decode can hold at most "
+                    f"{limit} tokens per request")
         params = spec.params
         if not params.eos_token_ids:
             params = dataclasses.replace(params, eos_token_ids=list(engine.eos_token_ids))
         params = dataclasses.replace(params, n=1, best_of=None)
         request = Request(child_id(spec.request_id, 0), spec.prompt_token_ids, params)
-        alloc = engine.scheduler.allocate_for_remote(request)
+        try:
+            alloc = engine.scheduler.allocate_for_remote(request)
+        except ValueError as exc:
+            return str(exc)
         if alloc is None:
             return None
         sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,

@@ -89,7 +89,8 @@ class LLMEngine:
         max_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
         self.scheduler = ContinuousScheduler(sched_cfg, config.cache, num_blocks)
-        self.max_model_len = max_len
+        # The scheduler caps the context at what the KV pool can hold for one request.
+        self.max_model_len = self.scheduler.max_model_len
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = list(dict.fromkeys(

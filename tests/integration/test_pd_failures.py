@@ -1,0 +1,101 @@
+"""PD under failure: decode out of KV blocks, decode killed mid-stream."""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.cluster_harness import Harness, aclient
+
+pytestmark = pytest.mark.integration
+
+
+def blocks_used(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5, trust_env=False).text
+    return float(re.search(r"^xllm_kv_cache_blocks_used ([0-9.]+)$", text, re.M).group(1))
+
+
+def start(h: Harness, decode_blocks: int):
+    svc = h.service()
+    prefill = h.engine("PREFILL", "prefill", extra=["--block-size", "8"])
+    decode = h.engine("DECODE", "decode", extra=["--block-size", "8",
+                                                 "--num-blocks", str(decode_blocks)])
+    for p in (prefill, decode):
+        p.wait_ready(180)
+    svc.wait_ready(60, path="/readiness")
+    return svc, prefill, decode
+
+
+async def test_decode_out_of_blocks_waits_retries_or_fails_cleanly(etcd_server, tmp_path):
+    h = Harness(etcd_server.endpoint, "pd-oob/", tmp_path)
+    try:
+        # 11 usable blocks of 8 tokens: one 30+20-token request (7 blocks) at a time.
+        svc, prefill, decode = start(h, decode_blocks=12)
+        c = aclient(svc)
+
+        async def one(i: int) -> str:
+            try:
+                r = await c.completions.create(
+                    model="tiny", prompt=[5 + i] * 30, max_tokens=20, temperature=0,
+                    extra_body={"ignore_eos": True})
+                assert r.usage.completion_tokens == 20
+                return "ok"
+            except openai.APIStatusError as exc:
+                return f"{exc.status_code}: {exc.message}"
+
+        t0 = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), 90)
+        elapsed = time.monotonic() - t0
+        print(f"\nout-of-blocks: {results.count('ok')}/8 completed in {elapsed:.1f}s; {results}")
+        assert results.count("ok") >= 2  # retries let queued requests through
+        for r in results:
+            assert r == "ok" or ("503" in r and "KV space" in r), r
+        # A request that can never fit on decode fails at once with a clear message.
+        with pytest.raises(openai.APIStatusError) as e:
+            await c.completions.create(model="tiny", prompt=[7] * 100, max_tokens=10)
+        assert e.value.status_code == 400 and "decode can hold" in e.value.message
+        await asyncio.sleep(0.5)
+        assert blocks_used(prefill.http_url) == 0
+        assert blocks_used(decode.http_url) == 0
+    finally:
+        h.stop()
+
+
+async def test_decode_killed_mid_stream(etcd_server, tmp_path):
+    h = Harness(etcd_server.endpoint, "pd-kill/", tmp_path)
+    try:
+        svc, prefill, decode = start(h, decode_blocks=512)
+        c = aclient(svc)
+
+        async def long_stream(i: int) -> tuple[str, float]:
+            try:
+                stream = await c.completions.create(
+                    model="tiny", prompt=f"story {i}", max_tokens=1500, temperature=0,
+                    stream=True, extra_body={"ignore_eos": True})
+                async for _ in stream:
+                    pass
+                return "completed", time.monotonic()
+            except openai.APIError as exc:
+                return f"error: {exc}", time.monotonic()
+
+        tasks = [asyncio.create_task(long_stream(i)) for i in range(3)]
+        await asyncio.sleep(2.0)
+        decode.kill()
+        killed = time.monotonic()
+        bound_s = h.ttl_s + 2.0 + 2.0  # lease TTL + eviction grace + probe slack
+        results = await asyncio.wait_for(asyncio.gather(*tasks), bound_s + 5)
+        worst = max(t for _, t in results) - killed
+        print(f"\ndecode killed: clients got errors within {worst:.1f}s: {[r for r, _ in results]}")
+        assert all(r.startswith("error") for r, _ in results)
+        assert worst < bound_s
+        assert blocks_used(prefill.http_url) == 0
+        # With no decode left the service says why.
+        with pytest.raises(openai.APIStatusError) as e:
+            await c.completions.create(model="tiny", prompt="hello", max_tokens=4)
+        assert e.value.status_code == 503
+    finally:
+        h.stop()
