@@ -23,11 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--max-model-len", type=int, default=None,
              help="context limit for validation (default: the model's max_position_embeddings)")
     add_flag(p, "--load-balance-policy", default="LEAST_LOAD", type=str.upper,
-             choices=["RR", "LEAST_LOAD"])
+             choices=["RR", "LEAST_LOAD"],
+             help="RR: round robin; LEAST_LOAD: fewest in-flight + waiting requests")
     add_flag(p, "--evict-grace-s", type=float, default=3.0,
              help="seconds a dead instance stays SUSPECT before it is evicted")
     add_flag(p, "--rpc-timeout", type=float, default=5.0, help="deadline of service RPCs (s)")
     add_flag(p, "--request-idle-timeout", type=float, default=120.0,
              help="fail a request when its engine sends nothing for this long (s)")
-    add_flag(p, "--log-level", default="INFO")
+    add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p

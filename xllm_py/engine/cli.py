@@ -17,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--model", default="tiny",
              help="Hugging Face model directory, or 'tiny' (built-in, default) / 'tiny-25m'")
     add_flag(g, "--served-model-name", default=None, help="model id in the API (default: dir name)")
-    add_flag(g, "--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_flag(g, "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+             help="weights, activations and KV cache dtype")
     add_flag(g, "--device", default="cpu", help="cpu or cuda[:N]")
     add_flag(g, "--seed", type=int, default=0, help="global seed of the unseeded sampler")
     g = p.add_argument_group("serving")
@@ -28,13 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--max-num-seqs", type=int, default=64, help="max sequences in a batch")
     add_flag(g, "--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     add_flag(g, "--max-model-len", type=int, default=2048, help="context length limit")
-    add_flag(g, "--enable-chunked-prefill", type=parse_bool, default=True)
+    add_flag(g, "--enable-chunked-prefill", type=parse_bool, default=True,
+             help="split long prompts over steps under the token budget (true/false)")
     g = p.add_argument_group("KV cache")
     add_flag(g, "--block-size", type=int, default=16, help="tokens per KV block")
     add_flag(g, "--num-blocks", type=int, default=None,
              help="KV blocks in the pool (default: from --kv-cache-memory-mb)")
     add_flag(g, "--kv-cache-memory-mb", type=int, default=256, help="memory for the KV pool")
-    add_flag(g, "--enable-prefix-cache", "--enable-prefix-caching", type=parse_bool, default=True)
+    add_flag(g, "--enable-prefix-cache", "--enable-prefix-caching", type=parse_bool, default=True,
+             help="reuse KV blocks of shared prompt prefixes (true/false)")
     g = p.add_argument_group("cluster")
     add_flag(g, "--etcd", "--etcd-addr", default=None,
              help="etcd HOST:PORT; registers the instance and serves requests from xllm_service")
@@ -46,13 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--rpc-timeout", type=float, default=10.0, help="deadline of engine RPCs (s)")
     g = p.add_argument_group("KV transfer (PD)")
     add_flag(g, "--kv-cache-transfer-mode", default="PULL", type=str.upper,
-             choices=["PULL", "PUSH"])
+             choices=["PULL", "PUSH"],
+             help="PULL: decode fetches the KV from prefill; PUSH: prefill writes into "
+                  "decode's pre-allocated blocks")
     add_flag(g, "--transfer-listen-port", type=int, default=0, help="UCX listener port (0: free)")
     add_flag(g, "--kv-transfer-backend", default="ucx", choices=["ucx", "tcp"],
              help="transfer backend between workers")
     add_flag(g, "--worker-port", type=int, default=0, help="worker gRPC port (0: free)")
-    add_flag(g, "--transfer-timeout", type=float, default=30.0)
-    add_flag(g, "--log-level", default="INFO")
+    add_flag(g, "--transfer-timeout", type=float, default=30.0,
+             help="deadline of one KV transfer (s); past it the request fails")
+    add_flag(g, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
 
