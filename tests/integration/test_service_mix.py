@@ -105,6 +105,26 @@ def test_bad_input(cluster):
     assert r.status_code == 400 and r.json()["error"]["message"]
 
 
+async def test_dropped_stream_through_service_frees_engine_blocks(cluster):
+    h, svc, engines = cluster
+    async with httpx.AsyncClient(base_url=svc.http_url, timeout=30, trust_env=False) as http:
+        async with http.stream("POST", "/v1/completions", json={
+                "model": "tiny", "prompt": "Hello", "max_tokens": 1800, "stream": True,
+                "ignore_eos": True}) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data:"):
+                    break
+    # The next Generations reply says ok=false; the engine cancels and frees the blocks.
+    deadline = time.monotonic() + 5
+    while True:
+        used = [httpx.get(e.http_url + "/metrics", trust_env=False).text for e in engines]
+        if all("xllm_kv_cache_blocks_used 0" in m and "xllm_requests_running 0" in m
+               for m in used):
+            break
+        assert time.monotonic() < deadline, "engine kept generating for a gone client"
+        await asyncio.sleep(0.1)
+
+
 async def test_kill_engine_fails_inflight_and_keeps_serving(cluster, etcd_server):
     h, svc, engines = cluster
     victim, survivor = engines
@@ -147,3 +167,4 @@ async def test_kill_engine_fails_inflight_and_keeps_serving(cluster, etcd_server
     for i in range(6):
         r = sync.completions.create(model="tiny", prompt=f"after {i}", max_tokens=4)
         assert r.choices[0].finish_reason in ("length", "stop")
+
