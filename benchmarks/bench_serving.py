@@ -1,0 +1,536 @@
+"""Serving benchmark for an OpenAI-compatible endpoint (xllm_service or an engine).
+
+Stages: build the workload (prompts of random token ids, exact output lengths via
+`ignore_eos`) -> warm up -> send requests (Poisson arrivals at --request-rate and/or at
+most --concurrency in flight) over streaming /v1/completions -> per-request TTFT, ITL,
+TPOT, end-to-end latency -> percentiles, throughput, goodput under SLOs -> table,
+--json, --plot.
+
+    # against a running endpoint
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:8888/v1 \\
+        --request-rate 2 --num-requests 100 --input-len 512 --output-len 64
+    # 1 prefill + 1 decode vs 2 MIX on this machine, same workload, side by side
+    python benchmarks/bench_serving.py --compare --input-len 1024 --output-len 64 \\
+        --request-rate 1 --num-requests 60 --json bench_out/pd_vs_mix.json --plot bench_out/pd_vs_mix.png
+
+Definitions (as vLLM's benchmark_serving): TTFT = first token received - request sent;
+ITL = gaps between successive token chunks; TPOT = (e2e - TTFT) / (output tokens - 1) per
+request; goodput = completed requests per second that meet every given SLO.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import random
+import signal
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httpx
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+logger = logging.getLogger(__name__)
+
+PERCENTILES = (50, 90, 99)
+_WORDS = ("time person year way day thing man world life hand part child eye woman place "
+          "work week case point number group problem fact river mountain engine token "
+          "cache block prefill decode server cluster model layer batch stream").split()
+
+
+# ----------------------------------------------------------------------------- workload
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+    num_requests: int
+    input_len: int
+    output_len: int
+    len_jitter: float = 0.0  # uniform +- fraction around both lengths
+    prompt_kind: str = "tokens"  # "tokens": random token ids; "words": random words (text)
+    vocab_size: int = 1024
+    min_token_id: int = 16  # keep clear of special tokens at the bottom of small vocabularies
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class BenchRequest:
+    index: int
+    prompt: list[int] | str
+    input_len: int  # intended (exact for token prompts)
+    output_len: int
+
+
+def _jittered(n: int, jitter: float, rng: random.Random) -> int:
+    if jitter <= 0:
+        return n
+    return max(1, round(n * rng.uniform(1 - jitter, 1 + jitter)))
+
+
+def build_requests(spec: WorkloadSpec, num: int | None = None, seed_offset: int = 0) -> list[BenchRequest]:
+    """The same spec and seed always give the same prompts and lengths."""
+    rng = random.Random(spec.seed + seed_offset)
+    out = []
+    for i in range(spec.num_requests if num is None else num):
+        n_in = _jittered(spec.input_len, spec.len_jitter, rng)
+        n_out = _jittered(spec.output_len, spec.len_jitter, rng)
+        if spec.prompt_kind == "tokens":
+            prompt: list[int] | str = [rng.randrange(spec.min_token_id, spec.vocab_size)
+                                       for _ in range(n_in)]
+        else:
+            prompt = " ".join(rng.choice(_WORDS) for _ in range(n_in))
+        out.append(BenchRequest(i, prompt, n_in, n_out))
+    return out
+
+
+def arrival_offsets(num: int, request_rate: float, seed: int = 0) -> list[float]:
+    """Send times (s from the start) of a Poisson process; rate inf: all at 0."""
+    if math.isinf(request_rate):
+        return [0.0] * num
+    rng = random.Random(seed + 7919)
+    t, out = 0.0, []
+    for _ in range(num):
+        out.append(t)
+        t += rng.expovariate(request_rate)
+    return out
+
+
+# ----------------------------------------------------------------------------- client
+
+@dataclasses.dataclass
+class RequestResult:
+    index: int
+    ok: bool = False
+    error: str = ""
+    input_len: int = 0
+    output_len: int = 0
+    start: float = 0.0  # perf_counter at send
+    ttft: float = 0.0  # seconds
+    e2e: float = 0.0
+    itl: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_len < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_len - 1)
+
+
+async def send_request(http: httpx.AsyncClient, base_url: str, model: str,
+                       req: BenchRequest) -> RequestResult:
+    """One streaming /v1/completions request; timings from the SSE chunks."""
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len,
+            "min_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
+    res = RequestResult(req.index, input_len=req.input_len)
+    res.start = t0 = time.perf_counter()
+    last = t0
+    n_tokens = 0
+    usage: dict[str, Any] | None = None
+    try:
+        async with http.stream("POST", base_url + "/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = str(chunk["error"])[:300]
+                    return res
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                now = time.perf_counter()
+                got = 0
+                for c in chunk.get("choices") or []:
+                    ids = c.get("token_ids")
+                    got += len(ids) if ids is not None else (1 if c.get("text") else 0)
+                if not got:
+                    continue
+                if n_tokens == 0:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last)
+                last = now
+                n_tokens += got
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
+        return res
+    res.e2e = time.perf_counter() - t0
+    if usage:
+        res.input_len = usage.get("prompt_tokens", res.input_len)
+        n_tokens = usage.get("completion_tokens", n_tokens)
+    res.output_len = n_tokens
+    res.ok = n_tokens > 0
+    if not res.ok:
+        res.error = "no tokens"
+    return res
+
+
+class Progress:
+    """A one-line progress bar on stderr, only when stderr is a terminal."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.enabled = sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        width = 30
+        filled = int(width * self.done / max(1, self.total))
+        elapsed = time.perf_counter() - self.t0
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
+                         f"{self.done}/{self.total} {elapsed:6.1f}s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+async def run_load(base_url: str, model: str, requests: list[BenchRequest],
+                   request_rate: float, concurrency: int | None, seed: int = 0,
+                   label: str = "bench") -> tuple[list[RequestResult], float]:
+    """Send `requests` on the arrival schedule, at most `concurrency` in flight.
+    Returns the results and the wall time from the first send to the last completion."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(600.0, connect=30.0)
+    sem = asyncio.Semaphore(concurrency) if concurrency else None
+    progress = Progress(len(requests), label)
+    offsets = arrival_offsets(len(requests), request_rate, seed)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as http:
+        t0 = time.perf_counter()
+
+        async def one(req: BenchRequest, at: float) -> RequestResult:
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is None:
+                res = await send_request(http, base_url, model, req)
+            else:
+                async with sem:
+                    res = await send_request(http, base_url, model, req)
+            progress.update()
+            return res
+
+        results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, offsets)))
+        duration = time.perf_counter() - t0
+    progress.close()
+    return list(results), duration
+
+
+async def resolve_model(base_url: str) -> str:
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as http:
+        r = await http.get(base_url + "/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+
+# ----------------------------------------------------------------------------- metrics
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]; nan if empty."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _dist_ms(xs: list[float]) -> dict[str, float]:
+    ms = [x * 1000.0 for x in xs]
+    d = {"mean": sum(ms) / len(ms) if ms else float("nan")}
+    for q in PERCENTILES:
+        d[f"p{q}"] = percentile(ms, q)
+    return d
+
+
+def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float | None = None,
+              slo_tpot_ms: float | None = None) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    itls = [x for r in ok for x in r.itl]
+    n_in = sum(r.input_len for r in ok)
+    n_out = sum(r.output_len for r in ok)
+
+    def meets(r: RequestResult) -> bool:
+        if slo_ttft_ms is not None and r.ttft * 1000 > slo_ttft_ms:
+            return False
+        tp = r.tpot
+        if slo_tpot_ms is not None and tp is not None and tp * 1000 > slo_tpot_ms:
+            return False
+        return True
+
+    good = [r for r in ok if meets(r)]
+    errors = [r.error for r in results if not r.ok]
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted(set(errors))[:5],
+        "duration_s": duration,
+        "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": n_out / duration if duration else 0.0,
+        "total_token_throughput": (n_in + n_out) / duration if duration else 0.0,
+        "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
+        "goodput": len(good) / duration if duration else 0.0,
+        "slo_attainment": len(good) / len(results) if results else 0.0,
+        "ttft_ms": _dist_ms([r.ttft for r in ok]),
+        "tpot_ms": _dist_ms(tpots),
+        "itl_ms": _dist_ms(itls),
+        "e2e_ms": _dist_ms([r.e2e for r in ok]),
+    }
+
+
+_ROWS: list[tuple[str, str, str]] = [  # (label, key path, format)
+    ("completed / failed", "completed/failed", "{}"),
+    ("duration (s)", "duration_s", "{:.1f}"),
+    ("request throughput (req/s)", "request_throughput", "{:.3f}"),
+    ("output throughput (tok/s)", "output_throughput", "{:.1f}"),
+    ("total token throughput (tok/s)", "total_token_throughput", "{:.1f}"),
+    ("goodput (req/s)", "goodput", "{:.3f}"),
+    ("SLO attainment", "slo_attainment", "{:.1%}"),
+] + [(f"{m.upper()} {s} (ms)", f"{m}_ms.{s}", "{:.1f}")
+     for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "p50", "p90", "p99")]
+
+
+def _cell(summary: dict[str, Any], key: str, fmt: str) -> str:
+    if key == "completed/failed":
+        return f"{summary['completed']} / {summary['failed']}"
+    v: Any = summary
+    for part in key.split("."):
+        v = v[part]
+    return fmt.format(v)
+
+
+def format_table(summaries: dict[str, dict[str, Any]]) -> str:
+    """Rows = metrics, one column per run."""
+    names = list(summaries)
+    width = max(len(r[0]) for r in _ROWS) + 2
+    cols = [max(12, len(n) + 2) for n in names]
+    lines = ["".ljust(width) + "".join(n.rjust(c) for n, c in zip(names, cols))]
+    lines.append("-" * (width + sum(cols)))
+    for label, key, fmt in _ROWS:
+        lines.append(label.ljust(width) + "".join(
+            _cell(summaries[n], key, fmt).rjust(c) for n, c in zip(names, cols)))
+    return "\n".join(lines)
+
+
+def plot_cdfs(runs: dict[str, list[RequestResult]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name, results in runs.items():
+        ok = [r for r in results if r.ok]
+        series = {
+            "TTFT (ms)": [r.ttft * 1000 for r in ok],
+            "TPOT (ms)": [r.tpot * 1000 for r in ok if r.tpot is not None],
+            "ITL (ms)": [x * 1000 for r in ok for x in r.itl],
+        }
+        for ax, (title, xs) in zip(axes, series.items()):
+            xs = sorted(xs)
+            if xs:
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+            ax.set_xlabel(title)
+            ax.set_ylabel("fraction of requests" if title != "ITL (ms)" else "fraction of gaps")
+            ax.grid(True, alpha=0.3)
+    axes[2].set_xscale("log")
+    for ax in axes:
+        ax.legend(loc="lower right")
+    fig.suptitle("latency CDFs")
+    fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- runs
+
+def _warmup_requests(spec: WorkloadSpec, n: int) -> list[BenchRequest]:
+    # other prompts than the measured ones, so the prefix cache gives the run nothing
+    return build_requests(spec, num=n, seed_offset=1_000_003)
+
+
+async def bench_endpoint(base_url: str, args: argparse.Namespace, spec: WorkloadSpec,
+                         label: str) -> tuple[dict[str, Any], list[RequestResult]]:
+    base_url = base_url.rstrip("/")
+    model = args.model_name or await resolve_model(base_url)
+    if args.warmup:
+        warm, _ = await run_load(base_url, model, _warmup_requests(spec, args.warmup),
+                                 math.inf, args.concurrency or 4, label=f"{label} warmup")
+        bad = [r.error for r in warm if not r.ok]
+        if bad:
+            raise RuntimeError(f"{label}: warmup requests failed: {bad[:3]}")
+    results, duration = await run_load(base_url, model, build_requests(spec), args.request_rate,
+                                       args.concurrency, seed=spec.seed, label=label)
+    return summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms), results
+
+
+def _launch_args(args: argparse.Namespace, shape: list[str], log_dir: pathlib.Path) -> list[str]:
+    from xllm_py.utils.procs import free_port
+
+    argv = [*shape, "--model", args.launch_model, "--http-port", str(free_port()),
+            "--log-dir", str(log_dir), "--log-level", "WARNING"]
+    if not args.no_pin_cores:
+        argv.append("--pin-cores")
+    argv += [f"--engine-arg={a}" for a in args.engine_arg]
+    return argv
+
+
+def run_compare(args: argparse.Namespace, spec: WorkloadSpec) -> dict[str, Any]:
+    """Same workload against 1 prefill + 1 decode and against 2 MIX, one after the other."""
+    from xllm_py.launch import Cluster, build_parser as launch_parser
+
+    shapes = {"PD 1P+1D": ["--prefill", "1", "--decode", "1"], "MIX x2": ["--mix", "2"]}
+    root = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="xllm-bench-"))
+    summaries: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[RequestResult]] = {}
+    for label, shape in shapes.items():
+        log_dir = root / label.split()[0].lower()
+        cluster = Cluster(launch_parser().parse_args(_launch_args(args, shape, log_dir)))
+        try:
+            t0 = time.perf_counter()
+            cluster.start()
+            logger.info("%s up in %.1fs at %s (logs %s)", label, time.perf_counter() - t0,
+                        cluster.url, log_dir)
+            summaries[label], runs[label] = asyncio.run(
+                bench_endpoint(cluster.url + "/v1", args, spec, label))
+        finally:
+            cluster.stop()
+    return {"summaries": summaries, "runs": runs}
+
+
+def _result_rows(results: list[RequestResult]) -> list[dict[str, Any]]:
+    return [{"index": r.index, "ok": r.ok, "error": r.error, "input_len": r.input_len,
+             "output_len": r.output_len, "ttft_s": r.ttft, "tpot_s": r.tpot, "e2e_s": r.e2e,
+             "itl_s": r.itl} for r in results]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/bench_serving.py",
+        description="Load generator for an OpenAI endpoint: TTFT/TPOT/ITL/E2E percentiles, "
+                    "throughput, goodput; --compare runs PD (1P+1D) vs 2 MIX locally.")
+    p.add_argument("--base-url", default="http://127.0.0.1:8888/v1",
+                   help="OpenAI base URL (ends in /v1)")
+    p.add_argument("--model-name", default=None, help="model id (default: first of /v1/models)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrival rate in req/s (default inf: all at once)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="at most this many requests in flight (alone: a closed loop)")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=4, help="requests sent first, not measured")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--len-jitter", type=float, default=0.0,
+                   help="lengths uniform in [len*(1-j), len*(1+j)]")
+    p.add_argument("--prompt-kind", choices=["tokens", "words"], default="tokens",
+                   help="random token ids (exact input length) or random words (text)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="token ids are drawn below this (default: the tiny model's vocabulary)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--json", default=None, help="write the summary (and per-request rows) here")
+    p.add_argument("--plot", default=None, help="write CDFs of TTFT, TPOT and ITL here (.png)")
+    g = p.add_argument_group("--compare (local clusters via xllm_py.launch)")
+    g.add_argument("--compare", action="store_true",
+                   help="run the workload on 1 prefill + 1 decode, then on 2 MIX, side by side")
+    g.add_argument("--launch-model", default="tiny", help="model for the local clusters")
+    g.add_argument("--engine-arg", action="append", default=[],
+                   help="extra engine flag, e.g. --engine-arg=--max-model-len=4096")
+    g.add_argument("--no-pin-cores", action="store_true", help="do not pin engines to cores")
+    g.add_argument("--log-dir", default=None, help="cluster logs (default: a temp dir)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _default_vocab(args: argparse.Namespace) -> int:
+    if args.vocab_size:
+        return args.vocab_size
+    from xllm_py.model.tiny import TINY_VOCAB_SIZE
+
+    return TINY_VOCAB_SIZE
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore", "matplotlib"):  # one line per request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.request_rate <= 0:
+        raise SystemExit("--request-rate must be positive")
+    if not 0 <= args.len_jitter < 1:
+        raise SystemExit("--len-jitter must be in [0, 1)")
+    spec = WorkloadSpec(num_requests=args.num_requests, input_len=args.input_len,
+                        output_len=args.output_len, len_jitter=args.len_jitter,
+                        prompt_kind=args.prompt_kind, vocab_size=_default_vocab(args),
+                        seed=args.seed)
+    # SIGTERM unwinds like Ctrl-C, so clusters started by --compare are stopped
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    if args.compare:
+        out = run_compare(args, spec)
+        summaries, runs = out["summaries"], out["runs"]
+    else:
+        summary, results = asyncio.run(bench_endpoint(args.base_url, args, spec, "run"))
+        summaries, runs = {"run": summary}, {"run": results}
+    load = (f"rate {args.request_rate:g} req/s" if not math.isinf(args.request_rate)
+            else "all at once") + (f", concurrency {args.concurrency}" if args.concurrency else "")
+    print(f"\nworkload: {spec.num_requests} requests, input {spec.input_len}, output "
+          f"{spec.output_len} (jitter {spec.len_jitter:g}, {spec.prompt_kind}), {load}")
+    print(format_table(summaries))
+    for name, s in summaries.items():
+        if s["errors"]:
+            print(f"{name} errors: {s['errors']}")
+    if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json).write_text(json.dumps(_finite({
+            "args": vars(args),
+            "workload": dataclasses.asdict(spec),
+            "summaries": summaries,
+            "requests": {n: _result_rows(r) for n, r in runs.items()},
+        }), indent=1, allow_nan=False))
+    if args.plot:
+        plot_cdfs(runs, args.plot)
+    return 0 if all(s["failed"] == 0 for s in summaries.values()) else 1
+
+
+def _finite(o: Any) -> Any:
+    """nan/inf -> None, recursively, so the JSON is strict."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())
