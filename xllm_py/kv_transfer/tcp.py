@@ -20,7 +20,7 @@ import struct
 import torch
 
 from xllm_py.kv_transfer.base import KVTransferBackend, Run, TransferError, runs_to_ids, split_addr
-from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+from xllm_py.kv_transfer.kv_storage import KVCacheStorage, StagingPool
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class TcpKVTransferBackend(KVTransferBackend):
         self._conns: dict[str, _Conn] = {}
         self._served: set[asyncio.Task] = set()
         self._server_socks: set[socket.socket] = set()
+        self._pool = StagingPool("cpu")
 
     # ------------------------------------------------------------------ server side
 
@@ -130,24 +131,29 @@ class TcpKVTransferBackend(KVTransferBackend):
                     if isinstance(checked, str):
                         await send_msg(loop, sock, {"ok": False, "error": checked})
                         continue
-                    buf = self.storage.read_blocks(checked[0]).cpu()
-                    mv = tensor_bytes(buf)
-                    await send_msg(loop, sock, {"ok": True, "nbytes": len(mv)})
-                    await loop.sock_sendall(sock, mv)
+                    buf = self._gather(checked[0])
+                    try:
+                        mv = tensor_bytes(buf)
+                        await send_msg(loop, sock, {"ok": True, "nbytes": len(mv)})
+                        await loop.sock_sendall(sock, mv)
+                    finally:
+                        self._pool.release(buf)
                 elif op == "push":
                     checked = self._check_remote_runs(runs, side="dst")
                     if isinstance(checked, str):
                         await send_msg(loop, sock, {"ok": False, "error": checked})
                         continue
                     n = len(checked[1])
-                    staging = self._staging(n)
-                    mv = tensor_bytes(staging)
-                    if req.get("nbytes") != len(mv):
-                        await send_msg(loop, sock, {"ok": False, "error": f"peer refused: expected {len(mv)} bytes, got {req.get('nbytes')}"})
+                    if req.get("nbytes") != n * self.storage.block_bytes:
+                        await send_msg(loop, sock, {"ok": False, "error": f"peer refused: expected {n * self.storage.block_bytes} bytes, got {req.get('nbytes')}"})
                         continue
-                    await send_msg(loop, sock, {"ok": True})
-                    await recv_exact_into(loop, sock, mv)
-                    self.storage.write_blocks(checked[1], staging)
+                    staging = self._staging(n)
+                    try:
+                        await send_msg(loop, sock, {"ok": True})
+                        await recv_exact_into(loop, sock, tensor_bytes(staging))
+                        self.storage.write_blocks(checked[1], staging)
+                    finally:
+                        self._pool.release(staging)
                     await send_msg(loop, sock, {"ok": True})
                 else:
                     await send_msg(loop, sock, {"ok": False, "error": f"unknown op {op!r}"})
@@ -161,8 +167,15 @@ class TcpKVTransferBackend(KVTransferBackend):
             sock.close()
 
     def _staging(self, n: int) -> torch.Tensor:
-        st = self.storage
-        return torch.empty((2, st.num_layers, n, st.block_size, st.num_kv_heads, st.head_dim), dtype=st.dtype)
+        """A pooled CPU byte buffer for n blocks; give it back with ``self._pool.release``."""
+        return self._pool.acquire(n * self.storage.block_bytes)
+
+    def _gather(self, ids) -> torch.Tensor:
+        if self.storage.is_cuda:
+            return self.storage.read_blocks(ids).cpu().view(torch.uint8).reshape(-1)
+        buf = self._staging(len(ids))
+        self.storage.read_blocks(ids, out=buf)
+        return buf
 
     # ------------------------------------------------------------------ client side
 
@@ -203,18 +216,27 @@ class TcpKVTransferBackend(KVTransferBackend):
             if not rep.get("ok"):
                 raise TransferError(rep.get("error", "peer refused"), invalid_argument=True)
             n = sum(r[2] for r in runs)
+            if rep.get("nbytes") != n * self.storage.block_bytes:
+                raise TransferError(f"tcp: peer sends {rep.get('nbytes')} bytes, expected "
+                                    f"{n * self.storage.block_bytes}: incompatible KV layout")
             staging = self._staging(n)
-            mv = tensor_bytes(staging)
-            if rep.get("nbytes") != len(mv):
-                raise TransferError(f"tcp: peer sends {rep.get('nbytes')} bytes, expected {len(mv)}: incompatible KV layout")
-            await recv_exact_into(loop, c.sock, mv)
-        self.storage.write_blocks(runs_to_ids(runs)[1], staging)
+            try:
+                await recv_exact_into(loop, c.sock, tensor_bytes(staging))
+                self.storage.write_blocks(runs_to_ids(runs)[1], staging)
+            finally:
+                self._pool.release(staging)
 
     async def _push_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
         loop = asyncio.get_running_loop()
         c = await self._conn(peer_addr)
-        buf = self.storage.read_blocks(runs_to_ids(runs)[0]).cpu()
+        buf = self._gather(runs_to_ids(runs)[0])
         mv = tensor_bytes(buf)
+        try:
+            await self._push_locked(c, loop, runs, mv)
+        finally:
+            self._pool.release(buf)
+
+    async def _push_locked(self, c: _Conn, loop: asyncio.AbstractEventLoop, runs: list[Run], mv: memoryview) -> None:
         async with c.lock:
             await send_msg(loop, c.sock, {"op": "push", "runs": runs, "nbytes": len(mv)})
             rep = await recv_msg(loop, c.sock)

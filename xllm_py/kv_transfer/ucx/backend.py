@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from xllm_py.kv_transfer.base import KVTransferBackend, LoopThread, Run, TransferError, runs_to_ids, split_addr
-from xllm_py.kv_transfer.kv_storage import KVCacheStorage, KVCacheMeta
+from xllm_py.kv_transfer.kv_storage import KVCacheMeta, KVCacheStorage, StagingPool
 from xllm_py.kv_transfer.ucx.env import import_ucxx
 
 logger = logging.getLogger(__name__)
@@ -136,6 +136,7 @@ class UcxKVTransferBackend(KVTransferBackend):
         self._connecting: dict[str, asyncio.Future] = {}
         self._server_eps: set[_Peer] = set()
         self._bytes = storage.byte_view()  # uint8 [2, L, B, bs, H, D*itemsize]
+        self._pool = StagingPool(storage.device)
 
     def _make_loop_thread(self) -> tuple[LoopThread, bool]:
         return _shared_loop(), False
@@ -253,27 +254,29 @@ class UcxKVTransferBackend(KVTransferBackend):
                     out.append(b[k, layer, start:start + n])
         return out
 
-    def _staging(self, n: int) -> torch.Tensor:
-        st = self.storage
-        return torch.empty((2, st.num_layers, n, st.block_size, st.num_kv_heads, st.head_dim),
-                           dtype=st.dtype, device=st.device)
-
     async def _send_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, src_ids: Any) -> None:
         if mode == "direct":
             slices = self._slices(runs, side=0)
             await asyncio.gather(*(ep.send(_buf(s), tag=tag | i, force_tag=True) for i, s in enumerate(slices)))
         else:
-            buf = self.storage.read_blocks(src_ids)
-            await ep.send(_buf(buf.view(torch.uint8).reshape(-1)), tag=tag, force_tag=True)
+            buf = self._pool.acquire(len(src_ids) * self.storage.block_bytes)
+            try:
+                self.storage.read_blocks(src_ids, out=buf)
+                await ep.send(_buf(buf), tag=tag, force_tag=True)
+            finally:
+                self._pool.release(buf)
 
     async def _recv_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, dst_ids: Any) -> None:
         if mode == "direct":
             slices = self._slices(runs, side=1)
             await asyncio.gather(*(ep.recv(_buf(s), tag=tag | i, force_tag=True) for i, s in enumerate(slices)))
         else:
-            staging = self._staging(len(dst_ids))
-            await ep.recv(_buf(staging.view(torch.uint8).reshape(-1)), tag=tag, force_tag=True)
-            self.storage.write_blocks(dst_ids, staging)
+            staging = self._pool.acquire(len(dst_ids) * self.storage.block_bytes)
+            try:
+                await ep.recv(_buf(staging), tag=tag, force_tag=True)
+                self.storage.write_blocks(dst_ids, staging)
+            finally:
+                self._pool.release(staging)
 
     # ------------------------------------------------------------------ client side
 

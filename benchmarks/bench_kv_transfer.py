@@ -1,0 +1,182 @@
+"""KV pull bandwidth between two processes, next to memcpy and a plain TCP socket.
+
+    python benchmarks/bench_kv_transfer.py [--backend ucx|tcp] [--sizes-mb 1 4 16 64 256]
+                                           [--repeat 5] [--mode auto|direct|gather] [--json]
+
+A peer process (``xllm_py.kv_transfer._peer_main``) owns the source pool; this process
+pulls ``size`` bytes of blocks into its own pool through the backend, for a contiguous
+block list (one run) and a fragmented one (every other source block, shuffled, into
+shuffled destinations: no two blocks adjacent). Baselines measured in the same run with
+the same bytes: ``numpy.copyto`` in-process (memcpy) and a plain Python TCP socket between
+two processes (``sendall`` / ``recv_into`` a preallocated buffer). Bandwidths are GB/s
+(1e9 bytes per second), best of ``--repeat`` after one warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+# Geometry: float16, 4 layers, 16 slots, 8 heads x 64 dims -> 16 KiB per (kv, layer) slice, 128 KiB per block.
+GEOM = dict(num_layers=4, block_size=16, num_kv_heads=8, head_dim=64, dtype="float16")
+
+
+def _socket_server(port_q: "mp.Queue", max_bytes: int) -> None:
+    buf = np.full(max_bytes, 7, dtype=np.uint8)
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(1)
+    port_q.put(ls.getsockname()[1])
+    conn, _ = ls.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    mv = memoryview(buf)
+    while True:
+        head = conn.recv(8, socket.MSG_WAITALL)
+        if len(head) < 8:
+            return
+        (n,) = struct.unpack("!Q", head)
+        conn.sendall(mv[:n])
+
+
+def bench_socket(sizes: list[int], repeat: int) -> dict[int, float]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_socket_server, args=(q, max(sizes)), daemon=True)
+    p.start()
+    out: dict[int, float] = {}
+    try:
+        s = socket.create_connection(("127.0.0.1", q.get(timeout=60)))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        dst = np.empty(max(sizes), dtype=np.uint8)
+        for n in sizes:
+            mv = memoryview(dst)[:n]
+            best = float("inf")
+            for i in range(repeat + 1):
+                t = time.perf_counter()
+                s.sendall(struct.pack("!Q", n))
+                got = 0
+                while got < n:
+                    k = s.recv_into(mv[got:], n - got)
+                    if k == 0:
+                        raise ConnectionError("socket baseline server closed")
+                    got += k
+                if i:
+                    best = min(best, time.perf_counter() - t)
+            out[n] = n / best / 1e9
+        s.close()
+    finally:
+        p.join(5)
+        if p.is_alive():
+            p.terminate()
+    return out
+
+
+def bench_memcpy(n: int, repeat: int) -> float:
+    a = np.full(n, 3, dtype=np.uint8)
+    b = np.empty_like(a)
+    best = float("inf")
+    for i in range(repeat + 1):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        if i:
+            best = min(best, time.perf_counter() - t)
+    return n / best / 1e9
+
+
+async def bench_backend(args: argparse.Namespace, sizes: list[int]) -> tuple[list[dict], dict]:
+    import torch
+
+    from xllm_py.config import TransferConfig
+    from xllm_py.kv_transfer import KVCacheStorage, create_backend
+    from xllm_py.kv_transfer.ucx.env import ucx_env
+
+    probe = KVCacheStorage(num_blocks=2, **GEOM)
+    block_bytes = probe.block_bytes
+    max_blocks = max(sizes) // block_bytes
+    peer_blocks = 2 * max_blocks  # room for "every other block"
+    cmd = [sys.executable, "-m", "xllm_py.kv_transfer._peer_main", "--backend", args.backend, "--no-fill",
+           "--num-blocks", str(peer_blocks)] + [f"--{k.replace('_', '-')}={v}" for k, v in GEOM.items()]
+    peer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(peer.stdout.readline())
+        store = KVCacheStorage(num_blocks=max_blocks, **GEOM)
+        store.kv.view(torch.uint8).reshape(-1)[::4096] = 1  # fault the pages in
+        kwargs = {"mode": args.mode} if args.backend == "ucx" else {}
+        backend = create_backend(args.backend, store, TransferConfig(timeout_s=120), **kwargs)
+        backend.start()
+        rng = np.random.default_rng(0)
+        rows = []
+        try:
+            await backend.link(info["transfer_addr"])
+            for size in sizes:
+                n = size // block_bytes
+                for fragmented in (False, True):
+                    if fragmented:
+                        src = rng.permutation(np.arange(0, 2 * n, 2))
+                        dst = rng.permutation(n)
+                    else:
+                        src, dst = np.arange(n), np.arange(n)
+                    best, nbytes = float("inf"), 0
+                    for i in range(args.repeat + 1):
+                        r = await backend.pull(info["transfer_addr"], src, dst)
+                        nbytes = r.num_bytes
+                        if i:
+                            best = min(best, r.seconds)
+                    rows.append({"bytes": nbytes, "blocks": n, "fragmented": fragmented,
+                                 "gbps": nbytes / best / 1e9, "ms": best * 1e3})
+        finally:
+            await backend.close()
+        env = ucx_env() if args.backend == "ucx" else {}
+        return rows, env
+    finally:
+        peer.stdin.close()
+        try:
+            peer.wait(10)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=["ucx", "tcp"], default="ucx")
+    p.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--mode", choices=["auto", "direct", "gather"], default="auto", help="ucx data path")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    if args.backend == "ucx":
+        from xllm_py.kv_transfer.ucx.env import apply_ucx_env_defaults
+        apply_ucx_env_defaults()  # so that the peer process inherits the same settings
+
+    sizes = [mb << 20 for mb in args.sizes_mb]
+    rows, env = asyncio.run(bench_backend(args, sizes))
+    sock = bench_socket(sorted({r["bytes"] for r in rows}), args.repeat)
+    for r in rows:
+        r["socket_gbps"] = sock[r["bytes"]]
+        r["memcpy_gbps"] = bench_memcpy(r["bytes"], args.repeat)
+        r["pct_of_memcpy"] = 100.0 * r["gbps"] / r["memcpy_gbps"]
+    result = {"backend": args.backend, "mode": args.mode, "geometry": GEOM, "rows": rows, "ucx_env": env,
+              "cpus": os.cpu_count()}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"backend={args.backend} mode={args.mode} geometry={GEOM}")
+    print(f"{'MB':>6} {'frag':>5} {'blocks':>6} {'ms':>8} {'GB/s':>6} {'socket':>7} {'memcpy':>7} {'%memcpy':>8}")
+    for r in rows:
+        print(f"{r['bytes'] / 2**20:>6.0f} {str(r['fragmented']):>5} {r['blocks']:>6} {r['ms']:>8.2f} "
+              f"{r['gbps']:>6.2f} {r['socket_gbps']:>7.2f} {r['memcpy_gbps']:>7.2f} {r['pct_of_memcpy']:>7.0f}%")
+    if env:
+        print("UCX settings: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))
+
+
+if __name__ == "__main__":
+    main()
