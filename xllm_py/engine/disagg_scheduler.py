@@ -411,7 +411,8 @@ class DisaggPDScheduler:
                                  num_cached_tokens=alloc.num_cached_tokens)
         return replies
 
-    def _allocate_remote(self, spec: EngineRequestSpec):
+    def _allocate_remote(self, spec: EngineRequestSpec, usage_prompt_tokens: int | None = None,
+                         generated_offset: int = 0):
         """Engine thread. RemoteAllocation, None (no space) or an error message."""
         engine = self.engine
         limit = min(engine.max_model_len, engine.scheduler.max_model_len)
@@ -435,9 +436,70 @@ class DisaggPDScheduler:
             spec.request_id, spec.prompt_token_ids, sink, n=1, best_of=1,
             stop=list(params.stop or []), include_stop_str=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
-            want_logprobs=params.logprobs is not None)
+            want_logprobs=params.logprobs is not None,
+            num_prompt_tokens=usage_prompt_tokens, generated_offset=generated_offset)
         engine.outputs.set_cached_tokens(spec.request_id, alloc.num_cached_tokens)
         return alloc
+
+    async def multi_generations(self, msg: pb.MultiGenerationsRequests) -> pb.Status:
+        """Take over requests that already generated tokens elsewhere (migration).
+
+        With `kv` (where the KV of prompt + generated[:-1] lives) the blocks are pulled
+        like a FirstGeneration; without it the KV is recomputed here. Either way decoding
+        resumes after the last generated token, and usage counts the generated tokens.
+        """
+        from xllm_py.rpc.convert import spec_from_proto
+
+        problems = []
+        for item in msg.reqs:
+            try:
+                spec = spec_from_proto(item.request)
+            except ValueError as exc:
+                problems.append(f"{item.request.req_id}: {exc}")
+                continue
+            generated = list(item.generated_token_ids)
+            if not generated:
+                problems.append(f"{spec.request_id}: generated_token_ids is empty")
+                continue
+            k = len(generated)
+            params = spec.params
+            if params.max_tokens is not None:
+                if params.max_tokens <= k:
+                    problems.append(f"{spec.request_id}: already generated max_tokens")
+                    continue
+                params = dataclasses.replace(params, max_tokens=params.max_tokens - (k - 1),
+                                             min_tokens=max(0, params.min_tokens - (k - 1)))
+            prompt_len = len(spec.prompt_token_ids)
+            if item.HasField("kv") and len(item.kv.block_ids):
+                ext = dataclasses.replace(spec, prompt_token_ids=spec.prompt_token_ids
+                                          + generated[:-1], params=params)
+                alloc = await asyncio.wrap_future(self.engine.call(
+                    lambda ext=ext: self._allocate_remote(ext, prompt_len, k - 1)))
+                if alloc is None or isinstance(alloc, str):
+                    problems.append(f"{spec.request_id}: {alloc or 'no KV space on decode'}")
+                    continue
+                self._decode[spec.request_id] = _DecodeState(
+                    ext, item.kv.prefill_name or "migration source", alloc.new_block_ids,
+                    alloc.num_cached_tokens)
+                gen = pb.DisaggGenerationsRequest()
+                gen.CopyFrom(item.kv)
+                gen.req_id = spec.request_id
+                del gen.tokens[:]
+                gen.tokens.add(token_id=generated[-1])
+                message = await self._take_over(gen)
+                if message:
+                    problems.append(message)
+            else:
+                sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
+                                          spec.request_id)
+                params = dataclasses.replace(params, max_tokens=None if params.max_tokens is None
+                                             else params.max_tokens - 1,
+                                             min_tokens=max(0, params.min_tokens - 1))
+                self.engine.submit(EngineRequest(
+                    spec.request_id, spec.prompt_token_ids + generated, params, sink,
+                    usage_prompt_tokens=prompt_len, generated_offset=k))
+        return pb.Status(ok=not problems, code=200 if not problems else 400,
+                         message="; ".join(problems))
 
     async def first_generation(self, msg: pb.DisaggGenerationsRequests) -> pb.Status:
         results = await asyncio.gather(*(self._take_over(g) for g in msg.gens))

@@ -50,6 +50,10 @@ class EngineRequest:
     # PD: the prefill side holds the KV after the first token (see DisaggPDScheduler).
     remote_decode: bool = False
     first_index: int = 0
+    # Migration (MultiGenerations): the client's prompt length, and how many of the
+    # prompt tokens here were generated elsewhere.
+    usage_prompt_tokens: int | None = None
+    generated_offset: int = 0
 
 
 def resolve_model_dir(model: str) -> str:
@@ -193,7 +197,8 @@ class LLMEngine:
             req.request_id, req.prompt_token_ids, req.sink, n=params.n, best_of=best_of,
             stop=list(params.stop or []), include_stop_str=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, want_logprobs=want_logprobs,
-            first_index=req.first_index)
+            first_index=req.first_index, num_prompt_tokens=req.usage_prompt_tokens,
+            generated_offset=req.generated_offset)
         for i in range(req.first_index, req.first_index + best_of):
             cp = child_params(params, i)
             if best_of > params.n and cp.logprobs is None:

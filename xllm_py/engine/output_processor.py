@@ -58,6 +58,10 @@ class _ParentState:
     buffered: bool  # best_of > n: emit only the n best at the end
     num_cached_tokens: int = 0
     sent_first: bool = False
+    # A migrated request (MultiGenerations): its prompt here includes tokens generated
+    # elsewhere; usage reports the client's prompt and counts those tokens as generated.
+    num_prompt_tokens: int | None = None
+    generated_offset: int = 0
 
     @property
     def finished(self) -> bool:
@@ -65,7 +69,12 @@ class _ParentState:
 
     @property
     def num_generated(self) -> int:
-        return sum(s.num_tokens for s in self.seqs.values())
+        return self.generated_offset + sum(s.num_tokens for s in self.seqs.values())
+
+    @property
+    def usage_prompt_tokens(self) -> int:
+        return (self.num_prompt_tokens if self.num_prompt_tokens is not None
+                else len(self.prompt_token_ids))
 
 
 class OutputProcessor:
@@ -79,7 +88,8 @@ class OutputProcessor:
     def add_parent(self, request_id: str, prompt_token_ids: list[int], sink: OutputSink, *,
                    n: int, best_of: int, stop: list[str], include_stop_str: bool,
                    skip_special_tokens: bool, want_logprobs: bool,
-                   first_index: int = 0) -> None:
+                   first_index: int = 0, num_prompt_tokens: int | None = None,
+                   generated_offset: int = 0) -> None:
         seqs = {}
         for i in range(first_index, first_index + best_of):
             seqs[i] = _SeqState(
@@ -91,7 +101,8 @@ class OutputProcessor:
             )
         self._parents[request_id] = _ParentState(
             request_id=request_id, sink=sink, prompt_token_ids=list(prompt_token_ids), n=n,
-            seqs=seqs, buffered=best_of > n)
+            seqs=seqs, buffered=best_of > n, num_prompt_tokens=num_prompt_tokens,
+            generated_offset=generated_offset, sent_first=num_prompt_tokens is not None)
 
     def set_cached_tokens(self, parent_id: str, num_cached: int) -> None:
         state = self._parents.get(parent_id)
@@ -160,7 +171,7 @@ class OutputProcessor:
                       for i, s in enumerate(best)]
         out = RequestOutput(
             request_id=parent_id, outputs=deltas, finished=parent.finished,
-            num_prompt_tokens=len(parent.prompt_token_ids),
+            num_prompt_tokens=parent.usage_prompt_tokens,
             num_generated_tokens=parent.num_generated,
             num_cached_tokens=parent.num_cached_tokens,
             prompt_token_ids=None if parent.sent_first else parent.prompt_token_ids)
@@ -177,7 +188,7 @@ class OutputProcessor:
         if parent is None:
             return
         out = RequestOutput(request_id=parent_id, finished=True,
-                            num_prompt_tokens=len(parent.prompt_token_ids),
+                            num_prompt_tokens=parent.usage_prompt_tokens,
                             num_generated_tokens=parent.num_generated,
                             error_code=code, error_message=message)
         try:

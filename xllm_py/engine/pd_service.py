@@ -75,8 +75,14 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         return await self.pd.first_generation(request)
 
     async def MultiGenerations(self, request: pb.MultiGenerationsRequests, context) -> pb.Status:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "MultiGenerations (request migration) is not implemented yet")
+        try:
+            self._require(InstanceRole.DECODE, "MultiGenerations", context)
+        except _Abort as a:
+            await context.abort(a.code, a.message)
+        status = await self.pd.multi_generations(request)
+        if not status.ok:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status.message)
+        return status
 
     async def SendPullSignal(self, request: pb.PullSignal, context) -> pb.Status:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,

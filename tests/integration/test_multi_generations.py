@@ -1,0 +1,94 @@
+"""MultiGenerations: a DECODE instance takes over a request that already generated tokens
+(the basis of migration) and continues exactly where a single engine would."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import openai
+import pytest
+
+from tests.integration.cluster_harness import Harness
+from xllm_py.proto import xllm_pb2 as pb
+from xllm_py.proto import xllm_pb2_grpc as pb_grpc
+from xllm_py.utils.procs import engine_args, free_port, spawn
+
+pytestmark = pytest.mark.integration
+
+
+class CollectingService(pb_grpc.XllmRpcServiceServicer):
+    """Stands in for xllm_service: records the Generations an engine streams back."""
+
+    def __init__(self) -> None:
+        self.gens: dict[str, list[pb.DisaggStreamGeneration]] = {}
+        self.done: dict[str, asyncio.Event] = {}
+
+    async def Generations(self, request, context):
+        for gen in request.gens:
+            self.gens.setdefault(gen.service_req_id, []).append(gen)
+            if gen.finished:
+                self.done.setdefault(gen.service_req_id, asyncio.Event()).set()
+        return pb.StatusSet(all_status=[pb.Status(ok=True) for _ in request.gens])
+
+
+async def test_multi_generations_continues_like_mix(etcd_server, tmp_path):
+    h = Harness(etcd_server.endpoint, "multigen/", tmp_path)
+    mix_port = free_port()
+    mix = spawn("mix", "xllm_py.engine", engine_args("MIX", mix_port), tmp_path,
+                http_url=f"http://127.0.0.1:{mix_port}")
+    h.procs.append(mix)
+    collector = CollectingService()
+    server = grpc.aio.server()
+    pb_grpc.add_XllmRpcServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        decode = h.engine("DECODE", "decode")
+        decode.wait_ready(180)
+        mix.wait_ready(180)
+        ref = openai.OpenAI(base_url=mix.http_url + "/v1", api_key="x").completions.create(
+            model="tiny", prompt="Once upon a time there was", max_tokens=24, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+        prompt_ids = ref.model_extra["prompt_token_ids"]
+        ref_ids = ref.model_extra["token_ids"]
+        meta = (await _decode_meta(etcd_server.endpoint, h.namespace))
+        async with grpc.aio.insecure_channel(meta["rpc_address"]) as ch:
+            stub = pb_grpc.DisaggPDServiceStub(ch)
+            req = pb.DisaggRequest(req_id="mig-1", service_req_id="mig-1", max_tokens=24,
+                                   ignore_eos=True, has_temperature=True, temperature=0.0,
+                                   source_xservice_addr=f"127.0.0.1:{port}", n=1)
+            req.prompt_tokens.extend(prompt_ids)
+            item = pb.MultiGenerationsRequest(request=req, generated_token_ids=ref_ids[:8])
+            status = await stub.MultiGenerations(pb.MultiGenerationsRequests(reqs=[item]),
+                                                 timeout=10)
+            assert status.ok
+            await asyncio.wait_for(
+                collector.done.setdefault("mig-1", asyncio.Event()).wait(), 30)
+            gens = collector.gens["mig-1"]
+            continued = [t for g in gens for o in g.outputs for t in o.token_ids]
+            assert continued == ref_ids[8:]
+            assert gens[-1].usage.num_prompt_tokens == len(prompt_ids)
+            assert gens[-1].usage.num_generated_tokens == 24
+            # Bad input: a clear INVALID_ARGUMENT.
+            bad = pb.MultiGenerationsRequest(request=req)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.MultiGenerations(pb.MultiGenerationsRequests(reqs=[bad]), timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "generated_token_ids is empty" in e.value.details()
+    finally:
+        await server.stop(0)
+        h.stop()
+
+
+async def _decode_meta(endpoint: str, namespace: str) -> dict:
+    import json
+
+    from xllm_py.cluster.etcd_client import EtcdClient
+
+    async with EtcdClient(endpoint, namespace=namespace) as etcd:
+        for _ in range(50):
+            kvs, _ = await etcd.get_prefix("XLLM:DECODE:")
+            if kvs:
+                return json.loads(kvs[0].value)
+            await asyncio.sleep(0.1)
+    raise AssertionError("decode not registered")
