@@ -1,0 +1,244 @@
+"""Helpers shared by the benchmarks: percentiles, a small OpenAI-endpoint load client,
+an engine-process launcher and torch thread settings.
+
+The load client talks to any OpenAI-compatible ``/v1/completions`` endpoint (the engine or
+the service) with ``httpx`` directly: it is cheaper on the CPU than the ``openai`` client,
+which matters when client and server share a small machine. Streaming requests record the
+time of every chunk (TTFT, inter-token gaps); non-streaming ones only the end-to-end time.
+
+    results = asyncio.run(run_load(base_url, model, prompts, max_tokens=64,
+                                   concurrency=32, stream=False))
+    summary = summarize_load(results, wall_s)
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import pathlib
+import random
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------- statistics
+def percentile(values: Sequence[float], q: float) -> float:
+    """q-th percentile (0..100) with linear interpolation between closest ranks (numpy's
+    default). NaN for an empty sequence."""
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
+    """mean, min, max and the given percentiles (keys ``p50`` ...) of ``values``."""
+    if not values:
+        return {"n": 0}
+    out: dict[str, float] = {"n": len(values), "mean": sum(values) / len(values),
+                             "min": min(values), "max": max(values)}
+    for q in qs:
+        out[f"p{q:g}"] = percentile(values, q)
+    return out
+
+
+def median(values: Sequence[float]) -> float:
+    return percentile(values, 50)
+
+
+# ---------------------------------------------------------------------------- prompts
+def random_token_prompts(num_prompts: int, num_tokens: int, vocab_size: int, seed: int = 0,
+                         low: int = 3) -> list[list[int]]:
+    """Prompts of exactly ``num_tokens`` ids drawn from ``[low, vocab_size)`` (``low``
+    skips special tokens at the start of the vocabulary). Same seed, same prompts."""
+    rng = random.Random(seed)
+    return [[rng.randrange(low, vocab_size) for _ in range(num_tokens)]
+            for _ in range(num_prompts)]
+
+
+# ---------------------------------------------------------------------------- load client
+@dataclasses.dataclass
+class RequestResult:
+    ok: bool
+    latency_s: float = 0.0  # send -> last byte
+    ttft_s: float | None = None  # streaming only: send -> first token chunk
+    chunk_times_s: list[float] = dataclasses.field(default_factory=list)  # streaming only
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    token_ids: list[int] | None = None  # with return_token_ids
+    error: str | None = None
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Gaps between consecutive token chunks (streaming only)."""
+        t = self.chunk_times_s
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+def completion_body(model: str, prompt: str | list[int], max_tokens: int, *,
+                    stream: bool = False, ignore_eos: bool = True,
+                    return_token_ids: bool = False, **extra: Any) -> dict[str, Any]:
+    """A greedy ``/v1/completions`` body; ``extra`` adds or overrides fields."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0.0, "stream": stream, "ignore_eos": ignore_eos}
+    if return_token_ids:
+        body["return_token_ids"] = True
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    body.update(extra)
+    return body
+
+
+async def send_completion(client: httpx.AsyncClient, base_url: str,
+                          body: dict[str, Any]) -> RequestResult:
+    """POST one completion; never raises for HTTP or protocol errors (ok=False instead)."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    t0 = time.perf_counter()
+    try:
+        if not body.get("stream"):
+            r = await client.post(url, json=body)
+            latency = time.perf_counter() - t0
+            if r.status_code != 200:
+                return RequestResult(False, latency, error=f"HTTP {r.status_code}: {r.text[:200]}")
+            data = r.json()
+            usage = data.get("usage") or {}
+            choice = data["choices"][0]
+            return RequestResult(True, latency,
+                                 num_prompt_tokens=usage.get("prompt_tokens", 0),
+                                 num_completion_tokens=usage.get("completion_tokens", 0),
+                                 token_ids=choice.get("token_ids"))
+        res = RequestResult(True)
+        token_ids: list[int] = []
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                return RequestResult(False, time.perf_counter() - t0,
+                                     error=f"HTTP {r.status_code}: {text[:200]}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                event = json.loads(payload)
+                now = time.perf_counter() - t0
+                if event.get("usage"):
+                    res.num_prompt_tokens = event["usage"].get("prompt_tokens", 0)
+                    res.num_completion_tokens = event["usage"].get("completion_tokens", 0)
+                for choice in event.get("choices") or []:
+                    if choice.get("text") or choice.get("token_ids"):
+                        if res.ttft_s is None:
+                            res.ttft_s = now
+                        res.chunk_times_s.append(now)
+                        token_ids.extend(choice.get("token_ids") or [])
+        res.latency_s = time.perf_counter() - t0
+        res.token_ids = token_ids or None
+        return res
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        return RequestResult(False, time.perf_counter() - t0, error=repr(exc))
+
+
+async def run_load(base_url: str, model: str, prompts: Sequence[str | list[int]],
+                   max_tokens: int, concurrency: int, *, stream: bool = False,
+                   timeout_s: float = 600.0, **body_extra: Any) -> tuple[list[RequestResult], float]:
+    """Send every prompt with at most ``concurrency`` requests in flight (a closed loop:
+    a worker sends its next prompt when the previous one ends). Returns the results in
+    prompt order and the wall time from the first send to the last answer."""
+    if concurrency <= 0:
+        raise ValueError(f"concurrency must be positive, got {concurrency}")
+    results: list[RequestResult | None] = [None] * len(prompts)
+    next_idx = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=False) as client:
+
+        async def worker() -> None:
+            nonlocal next_idx
+            while next_idx < len(prompts):
+                i = next_idx
+                next_idx += 1
+                body = completion_body(model, prompts[i], max_tokens, stream=stream, **body_extra)
+                results[i] = await send_completion(client, base_url, body)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+        wall = time.perf_counter() - t0
+    return [r for r in results if r is not None], wall
+
+
+def summarize_load(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]:
+    """Throughput (generated tokens / wall time) and latency percentiles of one load run."""
+    ok = [r for r in results if r.ok]
+    gen = sum(r.num_completion_tokens for r in ok)
+    out: dict[str, Any] = {
+        "num_requests": len(results), "num_failed": len(results) - len(ok),
+        "wall_s": wall_s, "generated_tokens": gen,
+        "output_tokens_per_s": gen / wall_s if wall_s > 0 else math.nan,
+        "latency_s": summarize([r.latency_s for r in ok]),
+    }
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    if ttfts:
+        out["ttft_s"] = summarize(ttfts)
+        out["itl_s"] = summarize([g for r in ok for g in r.itl_s])
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        out["first_error"] = errors[0]
+    return out
+
+
+async def get_model_id(base_url: str) -> str:
+    """The first model id that ``/v1/models`` lists."""
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+        r = await client.get(base_url.rstrip("/") + "/v1/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+
+# ---------------------------------------------------------------------------- processes
+def thread_env(num_threads: int) -> dict[str, str]:
+    """Environment that makes a child's torch/OpenMP/MKL use ``num_threads`` threads."""
+    n = str(num_threads)
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}
+
+
+@contextlib.contextmanager
+def engine_process(model: str, *, role: str = "MIX", num_threads: int | None = None,
+                   extra_args: Sequence[str] = (), log_dir: str | os.PathLike | None = None,
+                   ready_timeout_s: float = 300.0) -> Iterator[str]:
+    """Start ``python -m xllm_py.engine`` on a free loopback port, wait for /health, yield
+    its base URL; SIGTERM (then SIGKILL) on exit. ``num_threads`` sets its torch threads
+    through the OpenMP/MKL environment variables."""
+    import tempfile
+
+    from xllm_py.utils.procs import engine_args, free_port, spawn
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = thread_env(num_threads) if num_threads else None
+    tmp = None
+    if log_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="xllm-bench-")
+        log_dir = tmp.name
+    proc = spawn(f"engine-{role.lower()}-{port}", "xllm_py.engine",
+                 engine_args(role, port, model=model, extra=list(extra_args)),
+                 pathlib.Path(log_dir), http_url=url, env=env)
+    try:
+        proc.wait_ready(ready_timeout_s)
+        yield url
+    finally:
+        proc.terminate()
+        if tmp is not None:
+            tmp.cleanup()
