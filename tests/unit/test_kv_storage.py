@@ -127,3 +127,21 @@ def test_metrics_render() -> None:
     assert 'xllm_kv_transfer_seconds_bucket{op="pull",le="+Inf"} 2' in text
     assert 'xllm_kv_transfer_seconds_count{op="pull"} 2' in text
     assert "# TYPE xllm_kv_transfer_seconds histogram" in text
+
+
+def test_read_blocks_into_pooled_buffer_and_raw_bytes_write() -> None:
+    from xllm_py.kv_transfer.kv_storage import StagingPool
+
+    a, b = make_storage(), make_storage()
+    a.kv.copy_(torch.randn_like(a.kv))
+    pool = StagingPool()
+    buf = pool.acquire(3 * a.block_bytes)
+    out = a.read_blocks([9, 1, 4], out=buf)
+    assert out.shape == (2, 3, 3, 4, 2, 8) and out.data_ptr() == buf.data_ptr()
+    b.write_blocks([0, 2, 15], buf)  # raw bytes
+    assert torch.equal(b.kv[:, :, [0, 2, 15]], a.kv[:, :, [9, 1, 4]])
+    pool.release(buf)
+    again = pool.acquire(2 * a.block_bytes)  # reuses the pooled buffer
+    assert again.data_ptr() == buf.data_ptr() and again.numel() == 2 * a.block_bytes
+    with pytest.raises(ValueError, match="contiguous"):
+        a.read_blocks([1], out=torch.empty(7, dtype=torch.uint8))

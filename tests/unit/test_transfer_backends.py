@@ -21,7 +21,10 @@ from xllm_py.kv_transfer.fake import FakeFaults
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 
 HAS_UCXX = importlib.util.find_spec("ucxx") is not None
-BACKENDS = ["fake", "tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAS_UCXX, reason="ucxx not installed"))]
+_needs_ucxx = pytest.mark.skipif(not HAS_UCXX, reason="ucxx not installed")
+# "ucx-direct" / "ucx-gather" force the UCX data path (auto picks gather for these small slices).
+BACKENDS = ["fake", "tcp", pytest.param("ucx", marks=_needs_ucxx), pytest.param("ucx-direct", marks=_needs_ucxx),
+            pytest.param("ucx-gather", marks=_needs_ucxx)]
 NUM_BLOCKS = 64
 
 
@@ -38,7 +41,9 @@ def make_storage(seed: int | None = None, dtype: str = "float32", device: str = 
 def pair(request):
     a, b = make_storage(seed=1), make_storage(seed=2)
     cfg = TransferConfig(timeout_s=5.0)
-    ba, bb = create_backend(request.param, a, cfg), create_backend(request.param, b, cfg)
+    name, _, mode = request.param.partition("-")
+    kw = {"mode": mode} if mode else {}
+    ba, bb = create_backend(name, a, cfg, **kw), create_backend(name, b, cfg, **kw)
     ba.start()
     bb.start()
     yield a, ba, b, bb

@@ -25,6 +25,7 @@ futures there): every backend instance of a process shares ``_shared_loop()``.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import logging
 import os
@@ -53,6 +54,19 @@ def _shared_loop() -> LoopThread:
         if _shared is None:
             _shared = LoopThread("kv-ucx")
         return _shared
+
+
+def _shutdown_ucx(ucxx: Any) -> None:
+    """Stop UCXX's notifier and progress threads before the interpreter exits (else: std::terminate)."""
+    ctx = ucxx.core._ctx
+    if ctx is None:
+        return
+    try:
+        ctx.stop_notifier_thread()
+        if ctx.progress_mode.startswith("thread"):
+            ctx.worker.stop_progress_thread()
+    except Exception as e:  # noqa: BLE001
+        logger.warning("ucx: stopping UCXX threads at exit failed: %s", e)
 
 
 def _new_req() -> int:
@@ -121,7 +135,7 @@ class UcxKVTransferBackend(KVTransferBackend):
 
     def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
                  listen_host: str = "127.0.0.1", listen_port: int = 0, mode: str = "auto",
-                 direct_max_msgs: int = 256, direct_min_slice_bytes: int = 256 << 10) -> None:
+                 direct_max_msgs: int = 1024, direct_min_slice_bytes: int = 256 << 10) -> None:
         if mode not in ("auto", "direct", "gather"):
             raise ValueError(f"mode must be auto|direct|gather, got {mode!r}")
         self._ucxx = import_ucxx(gpu=storage.is_cuda)
@@ -148,6 +162,7 @@ class UcxKVTransferBackend(KVTransferBackend):
         if ucxx.core._ctx is None:
             ucxx.init(progress_mode=os.environ.get("UCXPY_PROGRESS_MODE", "thread"),
                       enable_python_future=os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE", "1") != "0")
+            atexit.register(_shutdown_ucx, ucxx)
 
     def _worker_address(self) -> bytes:
         return bytes(self._ucxx.get_worker_address())
@@ -235,12 +250,18 @@ class UcxKVTransferBackend(KVTransferBackend):
     # ------------------------------------------------------------------ data movement
 
     def _choose_mode(self, runs: list[Run]) -> str:
+        """direct (zero-copy, one message per slice) only for few, large slices.
+
+        Measured (2-core VM, 16 KiB slices, 4 layers): per-message overhead dominates small
+        slices: fragmented 64 MB direct 743 ms vs gather 68 ms; contiguous 64 MB (8 MB
+        slices) direct 33 ms vs gather 60 ms; contiguous 1 MB: equal within noise.
+        """
         if self.mode != "auto":
-            return self.mode
+            return self.mode if len(runs) * 2 * self.storage.num_layers < _MAX_MSGS else "gather"
         n_msgs = 2 * self.storage.num_layers * len(runs)
         avg_slice = sum(r[2] for r in runs) * self.storage.slice_bytes / max(len(runs), 1)
-        if n_msgs <= self.direct_max_msgs or avg_slice >= self.direct_min_slice_bytes:
-            return "direct" if n_msgs < _MAX_MSGS else "gather"
+        if n_msgs <= self.direct_max_msgs and avg_slice >= self.direct_min_slice_bytes:
+            return "direct"
         return "gather"
 
     def _slices(self, runs: list[Run], side: int) -> list[torch.Tensor]:
