@@ -71,6 +71,8 @@ class TransferConfig:
     listen_port: int = 0
     timeout_s: float = 30.0
     max_retries: int = 2
+    # Tests only: probability that a KV transfer is failed on purpose (fault injection).
+    fault_rate: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +103,10 @@ def transfer_config_from_env(base: TransferConfig) -> TransferConfig:
     """Overrides from XLLM_KV_TRANSFER_* variables (tests use them to inject settings)."""
     backend = os.environ.get("XLLM_KV_TRANSFER_BACKEND")
     timeout = os.environ.get("XLLM_KV_TRANSFER_TIMEOUT_S")
+    fault_rate = os.environ.get("XLLM_KV_TRANSFER_FAULT_RATE")
     changes: dict = {}
+    if fault_rate:
+        changes["fault_rate"] = float(fault_rate)
     if backend:
         changes["backend"] = backend
     if timeout:

@@ -16,7 +16,6 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import time
 import uuid
 from typing import AsyncIterator
 
@@ -24,10 +23,11 @@ import grpc
 
 from xllm_py.api.errors import ServiceUnavailableError
 from xllm_py.engine.async_engine import sampling_params_from
-from xllm_py.outputs import CompletionDelta, RequestOutput
+from xllm_py.outputs import RequestOutput
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc.convert import EngineRequestSpec, output_from_proto, spec_to_proto
+from xllm_py.utils.grpc_channels import ChannelPool
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.router import NoInstanceError, Route, Router
 
@@ -63,7 +63,7 @@ class ServiceBackend:
         self.instance_counts = instance_counts  # () -> {state: count}
         self._subs: dict[str, _Sub] = {}
         self._by_instance: dict[str, set[str]] = collections.defaultdict(set)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
         self.outcomes: collections.Counter = collections.Counter()
 
     # ------------------------------------------------------------------ GenerateBackend
@@ -258,11 +258,7 @@ class ServiceBackend:
             pass
 
     def _stub(self, addr: str) -> pb_grpc.DisaggPDServiceStub:
-        ch = self._channels.get(addr)
-        if ch is None:
-            ch = grpc.aio.insecure_channel(addr)
-            self._channels[addr] = ch
-        return pb_grpc.DisaggPDServiceStub(ch)
+        return pb_grpc.DisaggPDServiceStub(self._channels.get(addr))
 
     def metrics_text(self) -> str:
         lines = ["# HELP xllm_service_requests_total Requests by outcome",
@@ -281,5 +277,4 @@ class ServiceBackend:
         return "\n".join(lines) + "\n"
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
+        await self._channels.close()

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 
 import httpx
-import openai
 import pytest
 
 from tests.integration.cluster_harness import Harness, aclient, client

@@ -99,3 +99,34 @@ async def test_decode_killed_mid_stream(etcd_server, tmp_path):
         assert e.value.status_code == 503
     finally:
         h.stop()
+
+
+@pytest.mark.parametrize("mode", ["PULL", "PUSH"])
+async def test_failed_transfer_fails_the_request_never_decodes(etcd_server, tmp_path, mode,
+                                                              monkeypatch):
+    """A KV transfer that fails (fault injected on the side that moves the KV) fails the
+    request with a clear error; decode never runs on KV that did not arrive; pools drain."""
+    h = Harness(etcd_server.endpoint, f"pd-xfer-fail-{mode}/", tmp_path)
+    try:
+        svc = h.service()
+        common = ["--block-size", "8", "--kv-cache-transfer-mode", mode]
+        monkeypatch.setenv("XLLM_KV_TRANSFER_FAULT_RATE", "1.0")
+        mover = h.engine("DECODE" if mode == "PULL" else "PREFILL", "mover", extra=common)
+        monkeypatch.delenv("XLLM_KV_TRANSFER_FAULT_RATE")
+        other = h.engine("PREFILL" if mode == "PULL" else "DECODE", "other", extra=common)
+        prefill, decode = (other, mover) if mode == "PULL" else (mover, other)
+        for p in (prefill, decode):
+            p.wait_ready(180)
+        svc.wait_ready(60, path="/readiness")
+        c = aclient(svc)
+        for i in range(3):
+            with pytest.raises(openai.APIStatusError) as e:
+                await c.completions.create(model="tiny", prompt=f"transfer {i} " * 6,
+                                           max_tokens=8)
+            assert e.value.status_code == 502
+            assert f"KV {mode.lower()} failed" in e.value.message
+        await asyncio.sleep(0.5)
+        assert blocks_used(prefill.http_url) == 0
+        assert blocks_used(decode.http_url) == 0
+    finally:
+        h.stop()

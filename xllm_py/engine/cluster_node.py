@@ -24,6 +24,7 @@ from xllm_py.engine.pd_service import DisaggPDServicer
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
+from xllm_py.utils.grpc_channels import ChannelPool
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,7 @@ class ClusterNode:
         self.reporter: GenerationsReporter | None = None
         self.worker = None
         self._server: grpc.aio.Server | None = None
-        self._master_channel: grpc.aio.Channel | None = None
-        self._master_channel_addr: str | None = None
+        self._channels = ChannelPool()
 
     async def start(self) -> None:
         cfg = self.config
@@ -121,12 +121,7 @@ class ClusterNode:
         addr = self.agent.master_addr
         if not addr:
             return []
-        if self._master_channel_addr != addr:
-            if self._master_channel is not None:
-                await self._master_channel.close()
-            self._master_channel = grpc.aio.insecure_channel(addr)
-            self._master_channel_addr = addr
-        stub = pb_grpc.XllmRpcServiceStub(self._master_channel)
+        stub = pb_grpc.XllmRpcServiceStub(self._channels.get(addr))
         reply = await stub.GetStaticDecodeList(pb.InstanceID(name=self.name),
                                                timeout=self.config.rpc_timeout_s)
         return list(reply.names)
@@ -148,5 +143,4 @@ class ClusterNode:
                 await asyncio.wait_for(step, 5.0)
             except Exception as exc:
                 logger.warning("cluster shutdown step failed: %s", exc)
-        if self._master_channel is not None:
-            await self._master_channel.close()
+        await self._channels.close()

@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import random
 import time
 from typing import Awaitable, Callable
 
@@ -37,6 +38,7 @@ from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.request import Request
 from xllm_py.rpc.convert import EngineRequestSpec, spec_to_proto
+from xllm_py.utils.grpc_channels import ChannelPool
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +102,7 @@ class DisaggPDScheduler:
         self._prefill: dict[str, _PrefillState] = {}
         self._decode: dict[str, _DecodeState] = {}
         self._linked: dict[str, InstanceMeta] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
         self._rr = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         self._dispatch_sem = asyncio.Semaphore(64)
@@ -121,26 +123,18 @@ class DisaggPDScheduler:
         for task in [self._dispatcher, self._reaper, *self._tasks]:
             if task is not None:
                 task.cancel()
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _channel(self, addr: str) -> grpc.aio.Channel:
-        ch = self._channels.get(addr)
-        if ch is None:
-            ch = grpc.aio.insecure_channel(addr)
-            self._channels[addr] = ch
-        return ch
-
     def _pd_stub(self, addr: str) -> pb_grpc.DisaggPDServiceStub:
-        return pb_grpc.DisaggPDServiceStub(self._channel(addr))
+        return pb_grpc.DisaggPDServiceStub(self._channels.get(addr))
 
     def _worker_stub(self) -> pb_grpc.WorkerServiceStub:
-        return pb_grpc.WorkerServiceStub(self._channel(self.worker_rpc_addr))
+        return pb_grpc.WorkerServiceStub(self._channels.get(self.worker_rpc_addr))
 
     def _cluster_info(self) -> pb.ClusterInfo:
         return pb.ClusterInfo(cluster_ids=self.meta.cluster_ids, addrs=self.meta.addrs,
@@ -284,59 +278,72 @@ class DisaggPDScheduler:
     async def _hand_over(self, state: _PrefillState, child: str, block_ids: list[int],
                          first_token: int | None, lp: TokenLogprob | None,
                          finished_here: bool, kv_held: bool) -> None:
+        """Move the KV (PUSH) and tell decode to take over (or to drop its blocks)."""
         spec = state.spec
         decode = state.decode
         gen = pb.DisaggGenerationsRequest(
             req_id=spec.request_id, kv_cache_transfer_mode=self.config.transfer.mode.value,
             dp_size=self.meta.dp_size, prefill_name=self.meta.name,
             num_computed_tokens=len(spec.prompt_token_ids))
-        ok = False
-        try:
-            if finished_here or first_token is None:
-                gen.failed = True
-                gen.status_msg = "finished on prefill"
-            else:
-                tok = gen.tokens.add(token_id=first_token)
-                if lp is not None:
-                    tok.has_logprob = True
-                    tok.logprob = lp.logprob
-                    tok.top_tokens.extend(t for t, _ in lp.top)
-                    tok.top_logprobs.extend(v for _, v in lp.top)
-                bs = self.config.cache.block_size
-                first_block = state.num_cached_on_decode // bs
-                num_prompt_blocks = -(-len(spec.prompt_token_ids) // bs)
-                src = block_ids[first_block:num_prompt_blocks]
-                if len(src) != len(state.decode_blocks):
-                    raise PDError(500, f"block count mismatch: prefill {len(src)}, "
-                                       f"decode {len(state.decode_blocks)}")
+        error: PDError | None = None
+        if finished_here or first_token is None:
+            gen.failed, gen.status_msg = True, "finished on prefill"
+        else:
+            try:
+                self._fill_handover(gen, state, block_ids, first_token, lp)
                 if self.config.transfer.mode == KVTransferMode.PUSH:
-                    await self._push(spec.request_id, decode, src, state.decode_blocks)
-                gen.cluster_ids.extend(self.meta.cluster_ids)
-                gen.addrs.extend(self.meta.addrs)
-                gen.worker_rpc_addrs.extend(self.meta.worker_rpc_addrs)
-                gen.block_ids.extend(src)
+                    await self._push(spec.request_id, decode, list(gen.block_ids),
+                                     state.decode_blocks)
+            except PDError as exc:  # decode must still hear of it to free its blocks
+                error = exc
+                gen.failed, gen.status_msg = True, exc.message
+        try:
             reply = await self._pd_stub(decode.rpc_address).FirstGeneration(
-                pb.DisaggGenerationsRequests(gens=[gen]), timeout=self.timeout_s
-                + self.config.transfer.timeout_s)
-            ok = reply.ok or gen.failed
-            if not reply.ok and not gen.failed:
-                self._report_error(spec, 502, f"decode could not take over: {reply.message}")
-        except PDError as exc:
-            self._report_error(spec, exc.code, exc.message)
+                pb.DisaggGenerationsRequests(gens=[gen]),
+                timeout=self.timeout_s + self.config.transfer.timeout_s)
+            if error is None and not reply.ok and not gen.failed:
+                error = PDError(502, f"decode could not take over: {reply.message}")
         except grpc.aio.AioRpcError as exc:
             logger.warning("FirstGeneration for %s to %s failed: %s", spec.request_id,
                            decode.name, exc.code().name)
-            if not gen.failed:
-                self._report_error(spec, 502, f"decode instance {decode.name} failed: "
-                                              f"{exc.code().name}")
+            if error is None and not gen.failed:
+                error = PDError(502, f"decode instance {decode.name} failed: {exc.code().name}")
         finally:
             if kv_held:
                 self.engine.call(lambda: self.engine.scheduler.finish_sending(child))
-            if not ok:
-                self.num_transfer_failures += 1
+        if error is not None:
+            self.num_transfer_failures += 1
+            self._report_error(spec, error.code, error.message)
+
+    def _fill_handover(self, gen: pb.DisaggGenerationsRequest, state: _PrefillState,
+                       block_ids: list[int], first_token: int, lp: TokenLogprob | None) -> None:
+        """First token (with logprobs) and where our KV is: the blocks decode lacks."""
+        tok = gen.tokens.add(token_id=first_token)
+        if lp is not None:
+            tok.has_logprob = True
+            tok.logprob = lp.logprob
+            tok.top_tokens.extend(t for t, _ in lp.top)
+            tok.top_logprobs.extend(v for _, v in lp.top)
+        bs = self.config.cache.block_size
+        first_block = state.num_cached_on_decode // bs
+        num_prompt_blocks = -(-len(state.spec.prompt_token_ids) // bs)
+        src = block_ids[first_block:num_prompt_blocks]
+        if len(src) != len(state.decode_blocks):
+            raise PDError(500, f"block count mismatch: prefill {len(src)}, "
+                               f"decode {len(state.decode_blocks)}")
+        gen.cluster_ids.extend(self.meta.cluster_ids)
+        gen.addrs.extend(self.meta.addrs)
+        gen.worker_rpc_addrs.extend(self.meta.worker_rpc_addrs)
+        gen.block_ids.extend(src)
+
+    def _maybe_inject_fault(self, op: str) -> None:
+        rate = self.config.transfer.fault_rate
+        if rate and random.random() < rate:
+            raise PDError(502, f"KV {op} failed: injected fault (XLLM_KV_TRANSFER_FAULT_RATE)")
 
     async def _push(self, req_id: str, decode: InstanceMeta, src: list[int],
                     dst: list[int]) -> None:
+        self._maybe_inject_fault("push")
         if not decode.addrs:
             raise PDError(502, f"decode {decode.name} publishes no transfer address")
         req = pb.PushKVCacheRequest(cluster_id=decode.cluster_ids[0] if decode.cluster_ids else 0,
@@ -520,9 +527,10 @@ class DisaggPDScheduler:
                 await self._pull(gen, state)
         except PDError as exc:
             self.num_transfer_failures += 1
+            message = exc.message
             await asyncio.wrap_future(self.engine.call(
-                lambda: self._fail(gen.req_id, child, exc.message)))
-            return exc.message
+                lambda: self._fail(gen.req_id, child, message)))
+            return message
         tokens = [t.token_id for t in gen.tokens]
         lps = [TokenLogprob(t.token_id, t.logprob, list(zip(t.top_tokens, t.top_logprobs)))
                if t.has_logprob else None for t in gen.tokens]
@@ -540,6 +548,7 @@ class DisaggPDScheduler:
                                f"{len(state.new_block_ids)}")
         if not state.new_block_ids:
             return
+        self._maybe_inject_fault("pull")
         if not gen.addrs:
             raise PDError(500, "FirstGeneration carries no transfer address")
         req = pb.PullKVCacheRequest(cluster_id=gen.cluster_ids[0] if gen.cluster_ids else 0,

@@ -18,6 +18,7 @@ from xllm_py.outputs import RequestOutput
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc.convert import output_to_proto
+from xllm_py.utils.grpc_channels import ChannelPool
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class GenerationsReporter:
         self._queues: dict[str, list[pb.DisaggStreamGeneration]] = {}
         self._senders: dict[str, asyncio.Task] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
         self.num_calls = 0
 
     def sink(self, service_addr: str, service_request_id: str, engine_request_id: str,
@@ -86,11 +87,7 @@ class GenerationsReporter:
             self._wakeups[addr].set()
 
     def _stub(self, addr: str) -> pb_grpc.XllmRpcServiceStub:
-        channel = self._channels.get(addr)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(addr)
-            self._channels[addr] = channel
-        return pb_grpc.XllmRpcServiceStub(channel)
+        return pb_grpc.XllmRpcServiceStub(self._channels.get(addr))
 
     async def _send_loop(self, addr: str) -> None:
         wake = self._wakeups[addr]
@@ -127,5 +124,4 @@ class GenerationsReporter:
     async def close(self) -> None:
         for task in self._senders.values():
             task.cancel()
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
