@@ -14,7 +14,6 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 
 from xllm_py.utils.cli import add_flag, setup_logging
 from xllm_py.utils.procs import ChildProcess, engine_args, free_port, spawn
