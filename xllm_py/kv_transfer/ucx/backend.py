@@ -293,11 +293,11 @@ class UcxKVTransferBackend(KVTransferBackend):
             await asyncio.gather(*(ep.recv(_buf(s), tag=tag | i, force_tag=True) for i, s in enumerate(slices)))
         else:
             staging = self._pool.acquire(len(dst_ids) * self.storage.block_bytes)
-            try:
-                await ep.recv(_buf(staging), tag=tag, force_tag=True)
-                self.storage.write_blocks(dst_ids, staging)
-            finally:
-                self._pool.release(staging)
+            await ep.recv(_buf(staging), tag=tag, force_tag=True)
+            # Back to the pool only after a completed receive: after a failure UCX may still
+            # hold the buffer (the pending request keeps it alive), so it must not be reused.
+            self.storage.write_blocks(dst_ids, staging)
+            self._pool.release(staging)
 
     # ------------------------------------------------------------------ client side
 
