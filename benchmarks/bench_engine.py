@@ -54,7 +54,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch  # noqa: E402
 
 from benchmarks.common import (engine_process, get_model_id, median,  # noqa: E402
-                               random_token_prompts, run_load)
+                               process_cpu_seconds, random_token_prompts, run_load)
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ def load_hf(model_dir: str) -> torch.nn.Module:
 
 
 def hf_generate(model: torch.nn.Module, prompts: list[list[int]], gen_len: int,
-                pad_id: int) -> tuple[float, list[list[int]]]:
-    """Static batch, greedy, left padded. Returns (wall seconds, generated ids per row)."""
+                pad_id: int) -> tuple[float, float, list[list[int]]]:
+    """Static batch, greedy, left padded. Returns (wall s, CPU s, generated ids per row)."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -77,15 +77,15 @@ def hf_generate(model: torch.nn.Module, prompts: list[list[int]], gen_len: int,
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     with torch.inference_mode():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=gen_len,
                              min_new_tokens=gen_len, pad_token_id=pad_id, eos_token_id=None,
                              temperature=None, top_p=None, top_k=None)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     gen = out[:, width:]
     if gen.shape[1] != gen_len:
         raise RuntimeError(f"HF generated {gen.shape[1]} tokens, expected {gen_len}")
-    return wall, gen.tolist()
+    return wall, cpu, gen.tolist()
 
 
 def _time_best(fn, iters: int) -> float:
@@ -122,13 +122,13 @@ def hf_forward_floor_s(model: torch.nn.Module, batch: int, prompt_len: int,
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g)
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True)
         step_ids = ids[:, -1:]
         pos = torch.full((batch, 1), prompt_len, dtype=torch.long)
         mask = torch.ones(batch, prompt_len + 1, dtype=torch.long)
 
         def one_step() -> None:
-            model(input_ids=step_ids, past_key_values=cache, use_cache=True,
+            model(input_ids=step_ids, cache=cache, use_cache=True,
                   position_ids=pos, attention_mask=mask, logits_to_keep=1)
             cache.crop(-1)
 
@@ -136,15 +136,18 @@ def hf_forward_floor_s(model: torch.nn.Module, batch: int, prompt_len: int,
 
 
 # ---------------------------------------------------------------------------- engine side
-def engine_generate(url: str, model_id: str, prompts: list[list[int]],
-                    gen_len: int) -> tuple[float, list[list[int]]]:
-    results, wall = asyncio.run(run_load(url, model_id, prompts, gen_len,
+def engine_generate(proc: Any, model_id: str, prompts: list[list[int]],
+                    gen_len: int) -> tuple[float, float, list[list[int]]]:
+    """All prompts at once over HTTP. Returns (wall s, engine process CPU s, ids per row)."""
+    c0 = process_cpu_seconds(proc.pid)
+    results, wall = asyncio.run(run_load(proc.http_url, model_id, prompts, gen_len,
                                          concurrency=len(prompts), return_token_ids=True))
+    cpu = process_cpu_seconds(proc.pid) - c0
     bad = [r for r in results if not r.ok or r.num_completion_tokens != gen_len]
     if bad:
         raise RuntimeError(f"{len(bad)} engine requests failed or were short: "
                            f"{bad[0].error or bad[0].num_completion_tokens}")
-    return wall, [r.token_ids or [] for r in results]
+    return wall, cpu, [r.token_ids or [] for r in results]
 
 
 def profile_engine(model: str, prompts: list[list[int]], gen_len: int,
@@ -223,31 +226,38 @@ def main(argv: list[str] | None = None) -> int:
     }
     engine_flags = ["--enable-prefix-cache", "false", "--log-level", "WARNING",
                     "--max-num-seqs", str(max(64, max(args.concurrency)))]
-    with engine_process(args.model, num_threads=args.threads, extra_args=engine_flags) as url:
-        model_id = asyncio.run(get_model_id(url))
+    with engine_process(args.model, num_threads=args.threads, extra_args=engine_flags) as proc:
+        model_id = asyncio.run(get_model_id(proc.http_url))
         warm = random_token_prompts(2, args.prompt_len, vocab, seed=999)
-        engine_generate(url, model_id, warm, 4)
+        engine_generate(proc, model_id, warm, 4)
         hf_generate(hf, warm, 4, pad_id)
         for c in args.concurrency:
             prompts = random_token_prompts(c, args.prompt_len, vocab, seed=c)
-            eng_t, hf_t, eng_t1 = [], [], []
+            eng_t, hf_t, eng_t1, eng_cpu, hf_cpu = [], [], [], [], []
             eng_ids = hf_ids = None
             for r in range(repeat):
-                wall, eng_ids = engine_generate(url, model_id, prompts, args.gen_len)
+                wall, cpu, eng_ids = engine_generate(proc, model_id, prompts, args.gen_len)
                 eng_t.append(wall)
-                wall, hf_ids = hf_generate(hf, prompts, args.gen_len, pad_id)
+                eng_cpu.append(cpu)
+                wall, cpu, hf_ids = hf_generate(hf, prompts, args.gen_len, pad_id)
                 hf_t.append(wall)
+                hf_cpu.append(cpu)
                 if c == max(args.concurrency):
-                    eng_t1.append(engine_generate(url, model_id, prompts, 1)[0])
+                    eng_t1.append(engine_generate(proc, model_id, prompts, 1)[0])
                 say(f"c={c} run {r}: engine {c * args.gen_len / eng_t[-1]:.1f} tok/s, "
                     f"HF {c * args.gen_len / hf_t[-1]:.1f} tok/s")
             gen = c * args.gen_len
             entry: dict[str, Any] = {
                 "engine_tok_s": gen / median(eng_t), "hf_tok_s": gen / median(hf_t),
                 "engine_wall_s": eng_t, "hf_wall_s": hf_t,
+                "engine_cpu_s": eng_cpu, "hf_cpu_s": hf_cpu,
+                # generated tokens per CPU second: steadier than wall time when shared
+                "engine_tok_per_cpu_s": gen / median(eng_cpu),
+                "hf_tok_per_cpu_s": gen / median(hf_cpu),
                 "greedy_equal_seqs": sum(a == b for a, b in zip(eng_ids or [], hf_ids or [])),
             }
             entry["ratio"] = entry["engine_tok_s"] / entry["hf_tok_s"]
+            entry["cpu_ratio"] = entry["engine_tok_per_cpu_s"] / entry["hf_tok_per_cpu_s"]
             if eng_t1:
                 entry["engine_decode_step_ms"] = (
                     (median(eng_t) - median(eng_t1)) / (args.gen_len - 1) * 1e3)
@@ -270,10 +280,11 @@ def main(argv: list[str] | None = None) -> int:
           f"greedy, ignore_eos, {args.threads} torch thread(s) per process, "
           f"median of {repeat}")
     print(f"{'conc':>5} {'engine tok/s':>13} {'HF tok/s':>10} {'engine/HF':>10} "
-          f"{'greedy==HF':>11}")
+          f"{'eng tok/cpu-s':>14} {'HF tok/cpu-s':>13} {'cpu ratio':>10} {'greedy==HF':>11}")
     for conc, e in result["concurrency"].items():
         print(f"{conc:>5} {e['engine_tok_s']:>13.1f} {e['hf_tok_s']:>10.1f} {e['ratio']:>9.2f}x "
-              f"{e['greedy_equal_seqs']:>6}/{conc}")
+              f"{e['engine_tok_per_cpu_s']:>14.1f} {e['hf_tok_per_cpu_s']:>13.1f} "
+              f"{e['cpu_ratio']:>9.2f}x {e['greedy_equal_seqs']:>6}/{conc}")
     e = result["concurrency"][str(c)]
     if "engine_decode_step_ms" in e:
         step = e["engine_decode_step_ms"]

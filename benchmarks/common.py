@@ -23,9 +23,12 @@ import pathlib
 import random
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from xllm_py.utils.procs import ChildProcess
 
 logger = logging.getLogger(__name__)
 
@@ -214,13 +217,26 @@ def thread_env(num_threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all threads (Linux /proc); NaN elsewhere.
+
+    On a shared machine, CPU time is a steadier cost measure than wall time: it does not
+    count the time the process waited for a core."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
 def engine_process(model: str, *, role: str = "MIX", num_threads: int | None = None,
                    extra_args: Sequence[str] = (), log_dir: str | os.PathLike | None = None,
-                   ready_timeout_s: float = 300.0) -> Iterator[str]:
+                   ready_timeout_s: float = 300.0) -> Iterator["ChildProcess"]:
     """Start ``python -m xllm_py.engine`` on a free loopback port, wait for /health, yield
-    its base URL; SIGTERM (then SIGKILL) on exit. ``num_threads`` sets its torch threads
-    through the OpenMP/MKL environment variables."""
+    the process (``.http_url``, ``.pid``); SIGTERM (then SIGKILL) on exit. ``num_threads``
+    sets its torch threads through the OpenMP/MKL environment variables."""
     import tempfile
 
     from xllm_py.utils.procs import engine_args, free_port, spawn
@@ -237,7 +253,7 @@ def engine_process(model: str, *, role: str = "MIX", num_threads: int | None = N
                  pathlib.Path(log_dir), http_url=url, env=env)
     try:
         proc.wait_ready(ready_timeout_s)
-        yield url
+        yield proc
     finally:
         proc.terminate()
         if tmp is not None:
