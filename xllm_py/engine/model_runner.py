@@ -29,6 +29,56 @@ class ModelRunner:
         seqs, or None when nothing is sampled this step."""
         if not seqs:
             return None
+        if all(len(s.token_ids) == 1 for s in seqs):
+            ids_t, pos_t, meta, sample_idx = self._prepare_decode(seqs)
+        else:
+            ids_t, pos_t, meta, sample_idx = self._prepare_mixed(seqs)
+        hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
+        if not sample_idx:
+            return None
+        if len(sample_idx) == hidden.shape[0]:
+            last = hidden
+        else:
+            last = hidden[torch.tensor(sample_idx, dtype=torch.long, device=self.device)]
+        return self.model.compute_logits(last).float()
+
+    def _prepare_decode(self, seqs: Sequence) -> tuple[torch.Tensor, torch.Tensor,
+                                                       AttentionMetadata, list[int]]:
+        """All seqs decode one token: the metadata without per-token loops."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        tables: list[Sequence[int]] = []
+        sample_idx: list[int] = []
+        for i, s in enumerate(seqs):
+            p = s.start_pos
+            table = s.block_table
+            if p < 0 or len(table) * bs <= p:
+                raise ValueError(f"sequence {i}: position {p} outside its block table of "
+                                 f"{len(table)} blocks")
+            ids.append(s.token_ids[0])
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            tables.append(table)
+            if s.sample:
+                sample_idx.append(i)
+        width = max(len(t) for t in tables)
+        padded = [list(t) + [0] * (width - len(t)) if len(t) < width else list(t)
+                  for t in tables]
+        dev = self.device
+        as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+        pos_t = as_t(pos)
+        seq_lens = pos_t + 1
+        meta = AttentionMetadata(
+            slot_mapping=as_t(slots),
+            query_start_loc=torch.arange(len(seqs) + 1, dtype=torch.int64, device=dev),
+            seq_lens=seq_lens, context_lens=pos_t, block_tables=as_t(padded),
+            max_query_len=1, max_seq_len=max(pos) + 1)
+        return as_t(ids), pos_t, meta, sample_idx
+
+    def _prepare_mixed(self, seqs: Sequence) -> tuple[torch.Tensor, torch.Tensor,
+                                                      AttentionMetadata, list[int]]:
         input_ids: list[int] = []
         positions: list[int] = []
         sample_idx: list[int] = []
@@ -43,11 +93,4 @@ class ModelRunner:
             self.block_size, self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
-        if not sample_idx:
-            return None
-        if len(sample_idx) == hidden.shape[0]:
-            last = hidden
-        else:
-            last = hidden[torch.tensor(sample_idx, dtype=torch.long, device=self.device)]
-        return self.model.compute_logits(last).float()
+        return ids_t, pos_t, meta, sample_idx
