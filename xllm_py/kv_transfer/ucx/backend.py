@@ -73,6 +73,35 @@ def _new_req() -> int:
     return secrets.randbits(63 - _IDX_BITS) << _IDX_BITS
 
 
+_CTRL_SIZE = 4096  # control messages are one fixed-size message (JSON padded with spaces)
+
+
+async def send_ctrl(ep: Any, obj: dict, tag: int | None = None) -> None:
+    """One message when the JSON fits in _CTRL_SIZE, else a {"more": n} message then the payload.
+
+    A fixed size lets the receiver post its buffer without a size message first (ucxx's
+    send_obj/recv_obj take two messages, i.e. an extra wake-up per hop). Callers sending
+    on a shared tag must serialise (the two-message form must not interleave).
+    """
+    data = json.dumps(obj).encode()
+    if len(data) <= _CTRL_SIZE:
+        await ep.send(bytearray(data.ljust(_CTRL_SIZE)), tag=tag)
+        return
+    await ep.send(bytearray(json.dumps({"more": len(data)}).encode().ljust(_CTRL_SIZE)), tag=tag)
+    await ep.send(bytearray(data), tag=tag)
+
+
+async def recv_ctrl(ep: Any, tag: int | None = None) -> dict:
+    buf = bytearray(_CTRL_SIZE)
+    await ep.recv(buf, tag=tag)
+    obj = json.loads(buf)
+    if "more" in obj:
+        buf = bytearray(int(obj["more"]))
+        await ep.recv(buf, tag=tag)
+        obj = json.loads(buf)
+    return obj
+
+
 def _buf(t: torch.Tensor) -> Any:
     """Buffer object UCXX accepts: numpy view for host memory, the tensor (CUDA array interface) on GPU."""
     return t if t.is_cuda else t.numpy()
@@ -167,9 +196,8 @@ class UcxKVTransferBackend(KVTransferBackend):
     def _worker_address(self) -> bytes:
         return bytes(self._ucxx.get_worker_address())
 
-    def _hello(self) -> bytes:
-        return json.dumps({"worker_addr": self._worker_address().hex(),
-                           "meta": self.storage.meta.to_dict()}).encode()
+    def _hello(self) -> dict:
+        return {"worker_addr": self._worker_address().hex(), "meta": self.storage.meta.to_dict()}
 
     def _check_meta(self, d: dict, peer: str) -> None:
         theirs = KVCacheMeta.from_dict(d)
@@ -194,7 +222,7 @@ class UcxKVTransferBackend(KVTransferBackend):
     async def _on_connect(self, ep: Any) -> None:
         peer: _Peer | None = None
         try:
-            hello = json.loads(bytes(await ep.recv_obj()))
+            hello = await recv_ctrl(ep)
             try:
                 self._check_meta(hello["meta"], "client")
                 err = None
@@ -203,13 +231,13 @@ class UcxKVTransferBackend(KVTransferBackend):
             data = await self._create_data_ep(hello["worker_addr"])
             peer = _Peer(ep, data)
             self._server_eps.add(peer)
-            await ep.send_obj(json.dumps({"worker_addr": self._worker_address().hex(),
-                                          "meta": self.storage.meta.to_dict(), "error": err}).encode())
+            await send_ctrl(ep, {"worker_addr": self._worker_address().hex(),
+                                 "meta": self.storage.meta.to_dict(), "error": err})
             if err:
                 return
             tasks: set[asyncio.Task] = set()
             while True:
-                req = json.loads(bytes(await ep.recv_obj()))
+                req = await recv_ctrl(ep)
                 t = asyncio.get_running_loop().create_task(self._serve(peer, req))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
@@ -230,17 +258,21 @@ class UcxKVTransferBackend(KVTransferBackend):
             if op not in ("pull", "push"):
                 checked = f"unknown op {op!r}"
             if isinstance(checked, str):
-                await peer.ctrl.send_obj(json.dumps({"ok": False, "error": checked}).encode(), tag=tag)
+                await send_ctrl(peer.ctrl, {"ok": False, "error": checked}, tag=tag)
+                if op == "pull":
+                    await asyncio.wait_for(self._release_recvs(peer.data, tag, runs, req["mode"]), timeout)
                 return
             if op == "pull":
-                await peer.ctrl.send_obj(b'{"ok": true}', tag=tag)
-                await asyncio.wait_for(self._send_blocks(peer.data, tag, runs, req["mode"], checked[0]), timeout)
+                # status and data go out together: the requester pre-posted its receives
+                await asyncio.wait_for(asyncio.gather(send_ctrl(peer.ctrl, {"ok": True}, tag=tag),
+                                                      self._send_blocks(peer.data, tag, runs, req["mode"], checked[0])),
+                                       timeout)
             else:
                 recv = self._recv_blocks(peer.ctrl, tag, runs, req["mode"], checked[1])
                 task = asyncio.ensure_future(recv)
-                await peer.ctrl.send_obj(b'{"ok": true}', tag=tag)
+                await send_ctrl(peer.ctrl, {"ok": True}, tag=tag)
                 await asyncio.wait_for(task, timeout)
-                await peer.ctrl.send_obj(b'{"ok": true}', tag=tag)
+                await send_ctrl(peer.ctrl, {"ok": True}, tag=tag)
             self._stats["served"] += 1
         except Exception as e:  # noqa: BLE001
             logger.warning("ucx: serving %s (req %x, %d runs) failed: %s: %s; dropping the connection",
@@ -287,17 +319,38 @@ class UcxKVTransferBackend(KVTransferBackend):
             finally:
                 self._pool.release(buf)
 
-    async def _recv_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, dst_ids: Any) -> None:
+    def _post_recv_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str,
+                          dst_ids: Any) -> tuple[asyncio.Future, Any]:
+        """Post the data receives now; returns (completion, commit). ``commit()`` scatters the
+        gather staging buffer into the cache: call it only after the peer said ok (a refusal
+        completes the receives with empty messages, see ``_release_recvs``)."""
         if mode == "direct":
             slices = self._slices(runs, side=1)
-            await asyncio.gather(*(ep.recv(_buf(s), tag=tag | i, force_tag=True) for i, s in enumerate(slices)))
-        else:
-            staging = self._pool.acquire(len(dst_ids) * self.storage.block_bytes)
-            await ep.recv(_buf(staging), tag=tag, force_tag=True)
+            fut = asyncio.gather(*(ep.recv(_buf(s), tag=tag | i, force_tag=True) for i, s in enumerate(slices)))
+            return fut, lambda: None
+        staging = self._pool.acquire(len(dst_ids) * self.storage.block_bytes)
+        fut = asyncio.ensure_future(ep.recv(_buf(staging), tag=tag, force_tag=True))
+
+        def commit() -> None:
+            self.storage.write_blocks(dst_ids, staging)
             # Back to the pool only after a completed receive: after a failure UCX may still
             # hold the buffer (the pending request keeps it alive), so it must not be reused.
-            self.storage.write_blocks(dst_ids, staging)
             self._pool.release(staging)
+
+        return fut, commit
+
+    async def _recv_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, dst_ids: Any) -> None:
+        fut, commit = self._post_recv_blocks(ep, tag, runs, mode, dst_ids)
+        await fut
+        commit()
+
+    def _num_msgs(self, runs: list[Run], mode: str) -> int:
+        return 2 * self.storage.num_layers * len(runs) if mode == "direct" else 1
+
+    async def _release_recvs(self, ep: Any, tag: int, runs: list[Run], mode: str) -> None:
+        """After refusing a pull: complete the requester's pre-posted receives with empty messages."""
+        empty = bytearray(0)
+        await asyncio.gather(*(ep.send(empty, tag=tag | i, force_tag=True) for i in range(self._num_msgs(runs, mode))))
 
     # ------------------------------------------------------------------ client side
 
@@ -328,8 +381,8 @@ class UcxKVTransferBackend(KVTransferBackend):
         ctrl = await self._ucxx.create_endpoint(host, port)
         data = None
         try:
-            await ctrl.send_obj(self._hello())
-            rep = json.loads(bytes(await ctrl.recv_obj()))
+            await send_ctrl(ctrl, self._hello())
+            rep = await recv_ctrl(ctrl)
             if rep.get("error"):
                 raise TransferError(f"ucx: peer {peer_addr} refused the link: {rep['error']}")
             self._check_meta(rep["meta"], peer_addr)
@@ -348,29 +401,38 @@ class UcxKVTransferBackend(KVTransferBackend):
             p.abort()
 
     async def _request(self, p: _Peer, op: str, tag: int, runs: list[Run], mode: str, timeout: float) -> None:
-        hdr = json.dumps({"op": op, "req": tag, "runs": runs, "mode": mode, "timeout": timeout}).encode()
-        status = asyncio.ensure_future(p.ctrl.recv_obj(tag=tag))
+        hdr = {"op": op, "req": tag, "runs": runs, "mode": mode, "timeout": timeout}
+        status = asyncio.ensure_future(recv_ctrl(p.ctrl, tag=tag))
         async with p.send_lock:
-            await p.guard(p.ctrl.send_obj(hdr), f"{op} request")
-        rep = json.loads(bytes(await p.guard(status, f"{op} reply")))
+            await p.guard(send_ctrl(p.ctrl, hdr), f"{op} request")
+        rep = await p.guard(status, f"{op} reply")
         if not rep.get("ok"):
             raise TransferError(rep.get("error", "peer refused"), invalid_argument=True)
 
     async def _pull_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
+        """Receives are posted before the request goes out: one round trip, status and data
+        in flight together. A refusal completes them with empty messages (nothing written)."""
         p = await self._peer(peer_addr)
         tag, mode = _new_req(), self._choose_mode(runs)
-        await self._request(p, "pull", tag, runs, mode, timeout)
-        await p.guard(self._recv_blocks(p.ctrl, tag, runs, mode, runs_to_ids(runs)[1] if mode == "gather" else None),
-                      "pull data")
+        data, commit = self._post_recv_blocks(p.ctrl, tag, runs, mode,
+                                              runs_to_ids(runs)[1] if mode == "gather" else None)
+        try:
+            await self._request(p, "pull", tag, runs, mode, timeout)
+        except TransferError as e:
+            if e.invalid_argument:  # refused: the peer releases our receives
+                await p.guard(data, "pull refusal")
+            raise
+        await p.guard(data, "pull data")
+        commit()
 
     async def _push_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
         p = await self._peer(peer_addr)
         tag, mode = _new_req(), self._choose_mode(runs)
         await self._request(p, "push", tag, runs, mode, timeout)
-        done = asyncio.ensure_future(p.ctrl.recv_obj(tag=tag))
+        done = asyncio.ensure_future(recv_ctrl(p.ctrl, tag=tag))
         await p.guard(self._send_blocks(p.data, tag, runs, mode, runs_to_ids(runs)[0] if mode == "gather" else None),
                       "push data")
-        rep = json.loads(bytes(await p.guard(done, "push completion")))
+        rep = await p.guard(done, "push completion")
         if not rep.get("ok"):
             raise TransferError(rep.get("error", "peer failed to write"))
 
