@@ -198,7 +198,7 @@ class LLMEngine:
             stop=list(params.stop or []), include_stop_str=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, want_logprobs=want_logprobs,
             first_index=req.first_index, num_prompt_tokens=req.usage_prompt_tokens,
-            generated_offset=req.generated_offset)
+            generated_offset=req.generated_offset, arrival_time=req.arrival_time)
         for i in range(req.first_index, req.first_index + best_of):
             cp = child_params(params, i)
             if best_of > params.n and cp.logprobs is None:
@@ -256,7 +256,9 @@ class LLMEngine:
                 self.outputs.fail_parent(parent_id, 500, "output processing failed")
         for parent_id, deltas in by_parent.items():
             if parent_id in self.outputs:
-                self.outputs.emit_step(deltas, parent_id)
+                ttft = self.outputs.emit_step(deltas, parent_id)
+                if ttft is not None:
+                    self.recent_max_ttft_ms = max(self.recent_max_ttft_ms * 0.98, ttft * 1000)
         for upd, delta, block_ids, parent_id in handovers:
             self.outputs.drop_parent(parent_id)
             if self.on_remote_decode_update is not None:

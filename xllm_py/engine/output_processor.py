@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Callable, Protocol
 
 from xllm_py.engine.detokenizer import IncrementalDetokenizer, StopChecker
@@ -62,6 +63,7 @@ class _ParentState:
     # elsewhere; usage reports the client's prompt and counts those tokens as generated.
     num_prompt_tokens: int | None = None
     generated_offset: int = 0
+    arrival_time: float = 0.0  # time.monotonic() at arrival, for TTFT
 
     @property
     def finished(self) -> bool:
@@ -89,7 +91,7 @@ class OutputProcessor:
                    n: int, best_of: int, stop: list[str], include_stop_str: bool,
                    skip_special_tokens: bool, want_logprobs: bool,
                    first_index: int = 0, num_prompt_tokens: int | None = None,
-                   generated_offset: int = 0) -> None:
+                   generated_offset: int = 0, arrival_time: float = 0.0) -> None:
         seqs = {}
         for i in range(first_index, first_index + best_of):
             seqs[i] = _SeqState(
@@ -102,7 +104,8 @@ class OutputProcessor:
         self._parents[request_id] = _ParentState(
             request_id=request_id, sink=sink, prompt_token_ids=list(prompt_token_ids), n=n,
             seqs=seqs, buffered=best_of > n, num_prompt_tokens=num_prompt_tokens,
-            generated_offset=generated_offset, sent_first=num_prompt_tokens is not None)
+            generated_offset=generated_offset, sent_first=num_prompt_tokens is not None,
+            arrival_time=arrival_time)
 
     def set_cached_tokens(self, parent_id: str, num_cached: int) -> None:
         state = self._parents.get(parent_id)
@@ -150,10 +153,11 @@ class OutputProcessor:
             seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
         return delta
 
-    def emit_step(self, deltas: list[CompletionDelta], parent_id: str) -> None:
+    def emit_step(self, deltas: list[CompletionDelta], parent_id: str) -> float | None:
+        """Send one step's deltas of a parent. Returns its TTFT (s) on its first output."""
         parent = self._parents.get(parent_id)
         if parent is None:
-            return
+            return None
         if parent.buffered:
             for d in deltas:
                 seq = parent.seqs[d.index]
@@ -162,7 +166,7 @@ class OutputProcessor:
                 if d.logprobs:
                     seq.logprobs.extend(d.logprobs)
             if not parent.finished:
-                return
+                return None
             best = sorted(parent.seqs.values(), key=lambda s: s.cumulative_logprob,
                           reverse=True)[: parent.n]
             deltas = [CompletionDelta(index=i, text="".join(s.text), token_ids=s.token_ids,
@@ -175,6 +179,8 @@ class OutputProcessor:
             num_generated_tokens=parent.num_generated,
             num_cached_tokens=parent.num_cached_tokens,
             prompt_token_ids=None if parent.sent_first else parent.prompt_token_ids)
+        ttft = None if parent.sent_first or not parent.arrival_time else (
+            time.monotonic() - parent.arrival_time)
         parent.sent_first = True
         if parent.finished:
             del self._parents[parent_id]
@@ -182,6 +188,7 @@ class OutputProcessor:
             parent.sink.emit(out)
         except Exception:  # a broken sink must not take the engine loop down
             logger.exception("output sink of request %s failed", parent_id)
+        return ttft
 
     def fail_parent(self, parent_id: str, code: int, message: str) -> None:
         parent = self._parents.pop(parent_id, None)

@@ -1,0 +1,98 @@
+"""OutputProcessor: n / best_of grouping, stop strings across tokens, usage, migration."""
+from __future__ import annotations
+
+import pytest
+
+from xllm_py.engine.output_processor import OutputProcessor, child_id
+from xllm_py.model.tiny import ensure_tiny_model
+from xllm_py.model.tokenizer import Tokenizer
+from xllm_py.outputs import TokenLogprob
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.outputs = []
+
+    def emit(self, out) -> None:
+        self.outputs.append(out)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_dir(ensure_tiny_model("tiny"))
+
+
+def add(proc, sink, prompt, **kw):
+    args = dict(n=1, best_of=1, stop=[], include_stop_str=False, skip_special_tokens=True,
+                want_logprobs=False)
+    args.update(kw)
+    proc.add_parent("r", prompt, sink, **args)
+
+
+def test_n_choices_grouped_with_usage(tok):
+    proc, sink = OutputProcessor(tok), Sink()
+    prompt = tok.encode("Hello", add_special_tokens=False)
+    words = tok.encode(" the cat sat", add_special_tokens=False)
+    add(proc, sink, prompt, n=2, best_of=2)
+    deltas = [proc.process(child_id("r", i), words[:1], None, None, None, None) for i in (0, 1)]
+    proc.emit_step(deltas, "r")
+    deltas = [proc.process(child_id("r", i), words[1:], None, "length", None, None)
+              for i in (0, 1)]
+    proc.emit_step(deltas, "r")
+    first, last = sink.outputs
+    assert first.prompt_token_ids == prompt and last.prompt_token_ids is None
+    assert [d.index for d in first.outputs] == [0, 1]
+    assert last.finished and last.num_generated_tokens == 2 * len(words)
+    assert last.num_prompt_tokens == len(prompt)
+    text = "".join(o.outputs[0].text for o in sink.outputs)
+    assert text == tok.decode(words)
+    assert "r" not in proc  # finished parents are dropped
+
+
+def test_stop_string_spanning_tokens(tok):
+    proc, sink = OutputProcessor(tok), Sink()
+    ids = tok.encode(" once upon a time there", add_special_tokens=False)
+    full = tok.decode(ids)
+    stop = full[3:9]  # crosses token boundaries
+    add(proc, sink, [1, 2], stop=[stop])
+    stopped = []
+    for t in ids:
+        d = proc.process(child_id("r", 0), [t], None, None, None,
+                         lambda rid, s: stopped.append((rid, s)))
+        proc.emit_step([d], "r")
+        if d.finish_reason:
+            break
+    assert stopped == [(child_id("r", 0), stop)]
+    assert "".join(o.outputs[0].text for o in sink.outputs) == full[: full.index(stop)]
+    assert sink.outputs[-1].outputs[0].finish_reason == "stop"
+    assert sink.outputs[-1].outputs[0].stop_reason == stop
+
+
+def test_best_of_emits_the_most_likely_sequences(tok):
+    proc, sink = OutputProcessor(tok), Sink()
+    add(proc, sink, [1, 2], n=1, best_of=3)
+    for i, lp in enumerate((-3.0, -0.5, -2.0)):
+        d = proc.process(child_id("r", i), [10 + i], [TokenLogprob(10 + i, lp)], "length",
+                         None, None)
+        proc.emit_step([d], "r")
+    (out,) = sink.outputs  # buffered until every sequence finished
+    assert out.finished and [d.token_ids for d in out.outputs] == [[11]]
+    assert out.outputs[0].index == 0 and out.outputs[0].logprobs is None
+
+
+def test_migrated_request_reports_client_usage(tok):
+    proc, sink = OutputProcessor(tok), Sink()
+    add(proc, sink, [1, 2, 3, 4, 5], num_prompt_tokens=3, generated_offset=2)
+    d = proc.process(child_id("r", 0), [7], None, "length", None, None)
+    proc.emit_step([d], "r")
+    (out,) = sink.outputs
+    assert out.num_prompt_tokens == 3 and out.num_generated_tokens == 3
+    assert out.prompt_token_ids is None  # the service already has the prompt
+
+
+def test_failure_reaches_the_sink(tok):
+    proc, sink = OutputProcessor(tok), Sink()
+    add(proc, sink, [1, 2])
+    proc.fail_parent("r", 502, "KV pull failed")
+    (out,) = sink.outputs
+    assert out.failed and out.error_code == 502 and out.finished
