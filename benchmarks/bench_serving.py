@@ -395,6 +395,7 @@ def _launch_args(args: argparse.Namespace, shape: list[str], log_dir: pathlib.Pa
     if not args.no_pin_cores:
         argv.append("--pin-cores")
     argv += [f"--engine-arg={a}" for a in args.engine_arg]
+    argv += [f"--kv-transfer-backend={args.kv_transfer_backend}"] if args.kv_transfer_backend else []
     return argv
 
 
@@ -460,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--launch-model", default="tiny", help="model for the local clusters")
     g.add_argument("--engine-arg", action="append", default=[],
                    help="extra engine flag, e.g. --engine-arg=--max-model-len=4096")
+    g.add_argument("--kv-transfer-backend", choices=["ucx", "tcp"], default=None,
+                   help="KV transfer backend of the PD cluster (default: the launcher's)")
     g.add_argument("--no-pin-cores", action="store_true", help="do not pin engines to cores")
     g.add_argument("--log-dir", default=None, help="cluster logs (default: a temp dir)")
     p.add_argument("--log-level", default="INFO")
