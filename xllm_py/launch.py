@@ -108,11 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    starting = [True]
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+        if starting[0]:  # interrupt a start-up that may wait minutes for readiness
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     cluster = Cluster(args)
     try:
         cluster.start()
+        starting[0] = False
         model = args.model.rstrip("/").rsplit("/", 1)[-1] or args.model
         shape = f"{args.mix} MIX" if args.mix else f"{args.prefill} prefill + {args.decode} decode"
         print(f"\nxllm-py cluster is up ({shape}, model {model})\n"
@@ -129,10 +137,16 @@ def main(argv: list[str] | None = None) -> int:
                              dead.name, dead.popen.returncode, dead.log_tail())
                 return 1
         return 0
-    except (RuntimeError, TimeoutError) as exc:
+    except KeyboardInterrupt:
+        logger.info("interrupted during start-up")
+        return 130
+    except (RuntimeError, TimeoutError, OSError) as exc:
         logger.error("cluster failed to start: %s", exc)
         return 1
     finally:
+        starting[0] = False
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the shutdown finish
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         cluster.stop()
         logger.info("stopped; logs in %s", cluster.log_dir)
 

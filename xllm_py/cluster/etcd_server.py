@@ -22,6 +22,8 @@ import urllib.error
 import urllib.request
 from types import TracebackType
 
+from xllm_py.utils.procs import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 _START_ATTEMPTS = 3
@@ -110,6 +112,7 @@ class EmbeddedEtcd:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
             if self._wait_healthy():
                 logger.info("etcd %s started (pid %d, data %s)", self.endpoint, self._proc.pid, self._data_dir)

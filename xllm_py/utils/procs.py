@@ -20,6 +20,20 @@ import httpx
 logger = logging.getLogger(__name__)
 
 
+def die_with_parent() -> None:
+    """In a child before exec (Linux): SIGTERM it when its parent dies, so a killed
+    launcher or test never leaves engines behind."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -93,9 +107,9 @@ def spawn(name: str, module: str, args: list[str], log_dir: pathlib.Path,
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:
         full_env.update(env)
-    preexec = None
-    if cpu is not None and hasattr(os, "sched_setaffinity"):
-        def preexec() -> None:  # runs in the child
+    def preexec() -> None:  # runs in the child
+        die_with_parent()
+        if cpu is not None and hasattr(os, "sched_setaffinity"):
             try:
                 os.sched_setaffinity(0, {cpu})
             except OSError:
