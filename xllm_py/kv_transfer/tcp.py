@@ -41,6 +41,46 @@ async def recv_exact_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, 
         mv = mv[n:]
 
 
+_BULK = 256 << 10  # payloads above this move in a worker thread with a blocking socket
+
+
+def _blocking_recv_into(sock: socket.socket, mv: memoryview, timeout: float) -> None:
+    sock.settimeout(timeout)
+    try:
+        while len(mv):
+            n = sock.recv_into(mv)
+            if n == 0:
+                raise ConnectionError("peer closed the connection")
+            mv = mv[n:]
+    finally:
+        sock.setblocking(False)
+
+
+def _blocking_sendall(sock: socket.socket, mv: memoryview, timeout: float) -> None:
+    sock.settimeout(timeout)
+    try:
+        sock.sendall(mv)
+    finally:
+        sock.setblocking(False)
+
+
+async def bulk_recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, mv: memoryview,
+                         timeout: float) -> None:
+    """Large payloads: one blocking recv loop in a thread (asyncio's sock_recv_into costs a loop
+    iteration per chunk: ~0.6 GB/s here vs ~2 GB/s blocking). The caller owns the socket exclusively."""
+    if len(mv) < _BULK:
+        await recv_exact_into(loop, sock, mv)
+    else:
+        await loop.run_in_executor(None, _blocking_recv_into, sock, mv, timeout)
+
+
+async def bulk_sendall(loop: asyncio.AbstractEventLoop, sock: socket.socket, mv: memoryview, timeout: float) -> None:
+    if len(mv) < _BULK:
+        await loop.sock_sendall(sock, mv)
+    else:
+        await loop.run_in_executor(None, _blocking_sendall, sock, mv, timeout)
+
+
 async def send_msg(loop: asyncio.AbstractEventLoop, sock: socket.socket, obj: dict) -> None:
     data = json.dumps(obj).encode()
     await loop.sock_sendall(sock, _HDR.pack(len(data)) + data)
@@ -135,7 +175,7 @@ class TcpKVTransferBackend(KVTransferBackend):
                     try:
                         mv = tensor_bytes(buf)
                         await send_msg(loop, sock, {"ok": True, "nbytes": len(mv)})
-                        await loop.sock_sendall(sock, mv)
+                        await bulk_sendall(loop, sock, mv, float(req.get("timeout", self.default_timeout_s)))
                     finally:
                         self._pool.release(buf)
                 elif op == "push":
@@ -150,7 +190,8 @@ class TcpKVTransferBackend(KVTransferBackend):
                     staging = self._staging(n)
                     try:
                         await send_msg(loop, sock, {"ok": True})
-                        await recv_exact_into(loop, sock, tensor_bytes(staging))
+                        await bulk_recv_into(loop, sock, tensor_bytes(staging),
+                                             float(req.get("timeout", self.default_timeout_s)))
                         self.storage.write_blocks(checked[1], staging)
                     finally:
                         self._pool.release(staging)
@@ -205,13 +246,17 @@ class TcpKVTransferBackend(KVTransferBackend):
     async def _unlink_impl(self, peer_addr: str) -> None:
         c = self._conns.pop(peer_addr, None)
         if c is not None:
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)  # wakes a worker thread blocked in recv/send
+            except OSError:
+                pass
             c.sock.close()
 
     async def _pull_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
         loop = asyncio.get_running_loop()
         c = await self._conn(peer_addr)
         async with c.lock:
-            await send_msg(loop, c.sock, {"op": "pull", "runs": runs})
+            await send_msg(loop, c.sock, {"op": "pull", "runs": runs, "timeout": timeout})
             rep = await recv_msg(loop, c.sock)
             if not rep.get("ok"):
                 raise TransferError(rep.get("error", "peer refused"), invalid_argument=True)
@@ -221,7 +266,7 @@ class TcpKVTransferBackend(KVTransferBackend):
                                     f"{n * self.storage.block_bytes}: incompatible KV layout")
             staging = self._staging(n)
             try:
-                await recv_exact_into(loop, c.sock, tensor_bytes(staging))
+                await bulk_recv_into(loop, c.sock, tensor_bytes(staging), timeout)
                 self.storage.write_blocks(runs_to_ids(runs)[1], staging)
             finally:
                 self._pool.release(staging)
@@ -232,17 +277,18 @@ class TcpKVTransferBackend(KVTransferBackend):
         buf = self._gather(runs_to_ids(runs)[0])
         mv = tensor_bytes(buf)
         try:
-            await self._push_locked(c, loop, runs, mv)
+            await self._push_locked(c, loop, runs, mv, timeout)
         finally:
             self._pool.release(buf)
 
-    async def _push_locked(self, c: _Conn, loop: asyncio.AbstractEventLoop, runs: list[Run], mv: memoryview) -> None:
+    async def _push_locked(self, c: _Conn, loop: asyncio.AbstractEventLoop, runs: list[Run], mv: memoryview,
+                           timeout: float) -> None:
         async with c.lock:
-            await send_msg(loop, c.sock, {"op": "push", "runs": runs, "nbytes": len(mv)})
+            await send_msg(loop, c.sock, {"op": "push", "runs": runs, "nbytes": len(mv), "timeout": timeout})
             rep = await recv_msg(loop, c.sock)
             if not rep.get("ok"):
                 raise TransferError(rep.get("error", "peer refused"), invalid_argument=True)
-            await loop.sock_sendall(c.sock, mv)
+            await bulk_sendall(loop, c.sock, mv, timeout)
             rep = await recv_msg(loop, c.sock)
             if not rep.get("ok"):
                 raise TransferError(rep.get("error", "peer failed to write"))
