@@ -1,10 +1,9 @@
 """python -m xllm_service --etcd HOST:PORT ...: run the master."""
 from __future__ import annotations
 
-import asyncio
 import sys
 
-from xllm_py.utils.cli import setup_logging
+from xllm_py.utils.cli import run_async, setup_logging
 from xllm_service.cli import build_parser
 
 
@@ -14,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     from xllm_service.server import run_service
 
     try:
-        asyncio.run(run_service(args))
+        run_async(run_service(args))
     except KeyboardInterrupt:
         pass
     return 0

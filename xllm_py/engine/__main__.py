@@ -1,11 +1,10 @@
 """python -m xllm_py.engine: run one engine instance (MIX, PREFILL or DECODE)."""
 from __future__ import annotations
 
-import asyncio
 import sys
 
 from xllm_py.engine.cli import build_parser, config_from_args
-from xllm_py.utils.cli import setup_logging
+from xllm_py.utils.cli import run_async, setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     from xllm_py.engine.server import run_engine_server
 
     try:
-        asyncio.run(run_engine_server(config))
+        run_async(run_engine_server(config))
     except KeyboardInterrupt:
         pass
     return 0
