@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pathlib
+import time
 
 import openai
 
@@ -53,3 +54,17 @@ def client(proc: ChildProcess) -> openai.OpenAI:
 def aclient(proc: ChildProcess) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=proc.http_url + "/v1", api_key="x", max_retries=0,
                               timeout=60)
+
+
+async def long_stream(c: openai.AsyncOpenAI, prompt: str,
+                      max_tokens: int = 1500) -> tuple[str, float]:
+    """Stream a long greedy completion; returns ("completed" | "error: ...", end time)."""
+    try:
+        stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                            temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+        async for _ in stream:
+            pass
+        return "completed", time.monotonic()
+    except openai.APIError as exc:
+        return f"error: {exc}", time.monotonic()

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.cluster_harness import Harness, aclient
+from tests.integration.cluster_harness import Harness, aclient, long_stream
 
 pytestmark = pytest.mark.integration
 
@@ -71,18 +71,7 @@ async def test_decode_killed_mid_stream(etcd_server, tmp_path):
         svc, prefill, decode = start(h, decode_blocks=512)
         c = aclient(svc)
 
-        async def long_stream(i: int) -> tuple[str, float]:
-            try:
-                stream = await c.completions.create(
-                    model="tiny", prompt=f"story {i}", max_tokens=1500, temperature=0,
-                    stream=True, extra_body={"ignore_eos": True})
-                async for _ in stream:
-                    pass
-                return "completed", time.monotonic()
-            except openai.APIError as exc:
-                return f"error: {exc}", time.monotonic()
-
-        tasks = [asyncio.create_task(long_stream(i)) for i in range(3)]
+        tasks = [asyncio.create_task(long_stream(c, f"story {i}")) for i in range(3)]
         await asyncio.sleep(2.0)
         decode.kill()
         killed = time.monotonic()

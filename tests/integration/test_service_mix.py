@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from xllm_py.cluster.etcd_client import EtcdClient
-from tests.integration.cluster_harness import Harness, aclient, client
+from tests.integration.cluster_harness import Harness, aclient, client, long_stream
 
 pytestmark = pytest.mark.integration
 
@@ -130,18 +130,7 @@ async def test_kill_engine_fails_inflight_and_keeps_serving(cluster, etcd_server
     victim, survivor = engines
     c = aclient(svc)
 
-    async def long_stream(i: int) -> tuple[str, float]:
-        try:
-            stream = await c.completions.create(
-                model="tiny", prompt=f"long {i}", max_tokens=1500, temperature=0,
-                stream=True, extra_body={"ignore_eos": True})
-            async for _ in stream:
-                pass
-            return "completed", time.monotonic()
-        except openai.APIError as exc:
-            return f"error: {exc}", time.monotonic()
-
-    tasks = [asyncio.create_task(long_stream(i)) for i in range(4)]
+    tasks = [asyncio.create_task(long_stream(c, f"long {i}")) for i in range(4)]
     await asyncio.sleep(1.5)
     victim.kill()  # SIGKILL: no deregistration
     killed_at = time.monotonic()
