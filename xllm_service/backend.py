@@ -21,13 +21,13 @@ from typing import AsyncIterator
 
 import grpc
 
-from xllm_py.api.errors import ServiceUnavailableError
+from xllm_py.api.errors import InvalidRequestError, ServiceUnavailableError
 from xllm_py.engine.async_engine import sampling_params_from
 from xllm_py.outputs import RequestOutput
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc.convert import EngineRequestSpec, output_from_proto, spec_to_proto
-from xllm_py.utils.grpc_channels import ChannelPool
+from xllm_py.utils.grpc_channels import ChannelPool, PipelinedStream, StreamBroken
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.router import NoInstanceError, Route, Router
 
@@ -64,6 +64,7 @@ class ServiceBackend:
         self._subs: dict[str, _Sub] = {}
         self._by_instance: dict[str, set[str]] = collections.defaultdict(set)
         self._channels = ChannelPool()
+        self._gen_streams: dict[str, PipelinedStream] = {}
         self.outcomes: collections.Counter = collections.Counter()
 
     # ------------------------------------------------------------------ GenerateBackend
@@ -92,7 +93,6 @@ class ServiceBackend:
         params = sampling_params_from(req)
         if route.is_pd and params.n > 1 or route.is_pd and (params.best_of or 0) > params.n:
             if (params.best_of or 0) > params.n:
-                from xllm_py.api.errors import InvalidRequestError
                 raise InvalidRequestError("best_of > n is not supported on prefill/decode pairs",
                                           param="best_of")
             parts = [(i, dataclasses.replace(
@@ -120,9 +120,11 @@ class ServiceBackend:
             return fallback
 
     async def _start(self, req, params, offset: int, route: Route, queue) -> _Sub:
-        engine_id = f"{req.request_id}-{offset}-{uuid.uuid4().hex[:8]}"
         tried: list[str] = []
         while True:
+            # A fresh id per attempt: a late copy of a failed attempt is unknown here, so
+            # its first Generations gets ok=false and the engine drops it.
+            engine_id = f"{req.request_id}-{offset}-{uuid.uuid4().hex[:8]}"
             sub = _Sub(engine_id, offset, route, queue)
             self._subs[engine_id] = sub
             for name in route.instance_names:
@@ -135,25 +137,46 @@ class ServiceBackend:
                 prefill_name=route.target.name if route.is_pd else "",
                 decode_name=route.decode.name if route.is_pd else "")
             try:
-                status = await self._stub(route.target.meta.rpc_address).Generate(
-                    spec_to_proto(spec), timeout=self.rpc_timeout_s)
-                if status.ok:
-                    return sub
-                raise ServiceUnavailableError(f"instance {route.target.name} refused: "
-                                              f"{status.message}")
-            except grpc.aio.AioRpcError as exc:
-                self._forget(sub, cancelled=False)
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    from xllm_py.api.errors import InvalidRequestError
-                    raise InvalidRequestError(exc.details() or "invalid request") from None
+                status = await self._send_generate(route.target.meta.rpc_address,
+                                                   spec_to_proto(spec))
+            except (grpc.aio.AioRpcError, StreamBroken, asyncio.TimeoutError) as exc:
+                self._forget(sub, cancelled=True)
                 logger.warning("Generate on %s failed (%s); trying another instance",
-                               route.target.name, exc.code().name)
+                               route.target.name, type(exc).__name__)
                 tried.append(route.target.name)
                 try:
                     route = self.router.route(req, exclude=tried)
                 except NoInstanceError:
                     raise ServiceUnavailableError(
                         f"no instance could take the request (tried {', '.join(tried)})") from None
+                continue
+            if status.ok:
+                return sub
+            self._forget(sub, cancelled=False)
+            if status.code == 400:
+                raise InvalidRequestError(status.message or "invalid request")
+            raise ServiceUnavailableError(f"instance {route.target.name} refused the request: "
+                                          f"{status.message}")
+
+    async def _send_generate(self, addr: str, msg: pb.DisaggRequest) -> pb.Status:
+        """Generate over the engine's long-lived GenerateStream (unary if it broke before
+        the message went out)."""
+        stream = self._gen_streams.get(addr)
+        if stream is None:
+            stub = pb_grpc.DisaggPDServiceStub(self._channels.get(addr))
+            stream = PipelinedStream(lambda: stub.GenerateStream())
+            self._gen_streams[addr] = stream
+        try:
+            return await stream.request(msg, self.rpc_timeout_s)
+        except StreamBroken as exc:
+            if exc.maybe_delivered:
+                raise
+        try:
+            return await self._stub(addr).Generate(msg, timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                return pb.Status(ok=False, code=400, message=exc.details() or "invalid request")
+            raise
 
     async def _merge(self, request_id: str, subs: list[_Sub],
                      queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -277,4 +300,6 @@ class ServiceBackend:
         return "\n".join(lines) + "\n"
 
     async def close(self) -> None:
+        for stream in self._gen_streams.values():
+            await stream.close()
         await self._channels.close()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -180,6 +180,16 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
             )
             await context.abort(grpc.StatusCode.INTERNAL, "generations handler returned a wrong number of statuses")
         return result
+
+    async def GenerationsStream(
+        self, request_iterator: AsyncIterator[xllm_pb2.DisaggStreamGenerations], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[xllm_pb2.StatusSet]:
+        """Generations over one long-lived stream: one StatusSet per message, in order."""
+        async for request in request_iterator:
+            result = await self.on_generations(request)
+            if len(result.all_status) != len(request.gens):
+                await context.abort(grpc.StatusCode.INTERNAL, "generations handler returned a wrong number of statuses")
+            yield result
 
 
 async def create_server(

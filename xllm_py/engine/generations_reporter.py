@@ -2,8 +2,9 @@
 
 Stages: engine thread emits RequestOutput into a per-service pending batch ->
 end of step (step listener) -> hand the batch to the event loop -> one sender task per
-service sends `Generations` calls in order, merging batches that piled up while a call was
-in flight -> a reply with ok=false (client gone) or a dead service aborts the request.
+service sends the batches in order on a long-lived `GenerationsStream` (unary
+`Generations` if the stream breaks), merging batches that piled up while one was in
+flight -> a reply with ok=false (client gone) or a dead service aborts the request.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from xllm_py.outputs import RequestOutput
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc.convert import output_to_proto
-from xllm_py.utils.grpc_channels import ChannelPool
+from xllm_py.utils.grpc_channels import ChannelPool, PipelinedStream, StreamBroken
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class GenerationsReporter:
         self._senders: dict[str, asyncio.Task] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
         self._channels = ChannelPool()
+        self._streams: dict[str, PipelinedStream] = {}
         self.num_calls = 0
 
     def sink(self, service_addr: str, service_request_id: str, engine_request_id: str,
@@ -99,18 +101,29 @@ class GenerationsReporter:
                 continue
             await self._send(addr, gens)
 
+    def _stream(self, addr: str) -> PipelinedStream:
+        stream = self._streams.get(addr)
+        if stream is None:
+            stub = pb_grpc.XllmRpcServiceStub(self._channels.get(addr))
+            stream = PipelinedStream(lambda: stub.GenerationsStream())
+            self._streams[addr] = stream
+        return stream
+
     async def _send(self, addr: str, gens: list[pb.DisaggStreamGeneration]) -> None:
         request = pb.DisaggStreamGenerations(gens=gens, instance_name=self.instance_name)
-        for attempt in range(2):
-            try:
-                reply = await self._stub(addr).Generations(request, timeout=self.timeout_s)
-                self.num_calls += 1
-                break
-            except grpc.aio.AioRpcError as exc:
-                logger.warning("Generations to %s failed (attempt %d): %s", addr, attempt + 1,
-                               exc.code().name)
-                await asyncio.sleep(0.05)
-        else:
+        reply: pb.StatusSet | None = None
+        try:
+            reply = await self._stream(addr).request(request, self.timeout_s)
+            self.num_calls += 1
+        except StreamBroken as exc:
+            if exc.maybe_delivered:  # a resend could deliver tokens twice
+                logger.warning("Generations stream to %s broke: %s", addr, exc)
+            else:
+                reply = await self._send_unary(addr, request)
+        except asyncio.TimeoutError:
+            logger.warning("Generations to %s timed out after %.1fs", addr, self.timeout_s)
+        if reply is None:
+            logger.warning("aborting %d requests of service %s", len(gens), addr)
             for gen in gens:
                 if not gen.finished:
                     self.abort(gen.req_id)
@@ -121,7 +134,19 @@ class GenerationsReporter:
                             status.message)
                 self.abort(gen.req_id)
 
+    async def _send_unary(self, addr: str,
+                          request: pb.DisaggStreamGenerations) -> pb.StatusSet | None:
+        try:
+            reply = await self._stub(addr).Generations(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("Generations to %s failed: %s", addr, exc.code().name)
+            return None
+        self.num_calls += 1
+        return reply
+
     async def close(self) -> None:
         for task in self._senders.values():
             task.cancel()
+        for stream in self._streams.values():
+            await stream.close()
         await self._channels.close()

@@ -38,19 +38,33 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
                          f"{rpc} is served by {role.value} instances; this one is {self.role.value}")
 
     async def Generate(self, request: pb.DisaggRequest, context) -> pb.Status:
+        status = await self._generate_one(request)
+        if not status.ok:
+            code = (grpc.StatusCode.INVALID_ARGUMENT if status.code == 400
+                    else grpc.StatusCode.FAILED_PRECONDITION)
+            await context.abort(code, status.message)
+        return status
+
+    async def GenerateStream(self, request_iterator, context):
+        """Generate over one long-lived stream: one Status per request, in order."""
+        async for request in request_iterator:
+            yield await self._generate_one(request)
+
+    async def _generate_one(self, request: pb.DisaggRequest) -> pb.Status:
+        """Accept a request from the service; Status code 400/412 on refusal."""
         try:
             spec = spec_from_proto(request)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {exc}")
+            return pb.Status(ok=False, code=400, message=f"bad request: {exc}")
         if not spec.source_xservice_addr:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "source_xservice_addr is required: tokens go back there")
+            return pb.Status(ok=False, code=400,
+                             message="source_xservice_addr is required: tokens go back there")
         if self.role == InstanceRole.PREFILL and self.pd is not None:
             await self.pd.add_request(spec)
             return pb.Status(ok=True, code=200)
         if self.role == InstanceRole.DECODE:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "a DECODE instance takes requests from a prefill instance only")
+            return pb.Status(ok=False, code=412, message=(
+                "a DECODE instance takes requests from a prefill instance only"))
         sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
                                   spec.request_id)
         self.engine.submit(EngineRequest(spec.request_id, spec.prompt_token_ids, spec.params, sink))

@@ -1,5 +1,11 @@
-"""ChannelPool: one grpc.aio channel per peer address, reused for every call."""
+"""ChannelPool (one grpc.aio channel per peer address) and PipelinedStream (request/reply
+over one long-lived bidi stream: a hop costs ~0.65 ms here against ~1.5 ms for a unary call
+on an idle connection)."""
 from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Callable
 
 import grpc
 
@@ -24,3 +30,91 @@ class ChannelPool:
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()
+
+
+class StreamBroken(ConnectionError):
+    """The long-lived stream failed. `maybe_delivered` is False only when the message
+    certainly did not go out (the write itself failed): only then is a resend safe."""
+
+    def __init__(self, message: str, maybe_delivered: bool = True,
+                 unsupported: bool = False) -> None:
+        super().__init__(message)
+        self.maybe_delivered = maybe_delivered
+        self.unsupported = unsupported  # the peer has no such streaming RPC (older peer)
+
+
+class PipelinedStream:
+    """Request/reply over one long-lived bidi stream whose server answers every message
+    once, in order. Requests are pipelined (no wait for the previous reply); replies are
+    matched first-in first-out. A broken stream fails every pending request with
+    StreamBroken and is reopened on the next request."""
+
+    def __init__(self, open_call: Callable[[], "grpc.aio.StreamStreamCall"]) -> None:
+        self._open = open_call
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._reader: asyncio.Task | None = None
+        self._pending: collections.deque[asyncio.Future] = collections.deque()
+        self._write_lock = asyncio.Lock()
+        self.unsupported = False  # set once the peer answered UNIMPLEMENTED: use unary
+
+    def _ensure_open(self) -> grpc.aio.StreamStreamCall:
+        if self._call is None:
+            self._call = self._open()
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop(self._call))
+        return self._call
+
+    async def _read_loop(self, call: "grpc.aio.StreamStreamCall") -> None:
+        error: BaseException = StreamBroken("stream closed by the peer")
+        try:
+            async for reply in call:
+                if self._pending:
+                    fut = self._pending.popleft()
+                    if not fut.done():
+                        fut.set_result(reply)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                error = StreamBroken("peer does not implement the stream", maybe_delivered=False,
+                                     unsupported=True)
+            else:
+                error = StreamBroken(f"stream failed: {exc.code().name}")
+        except asyncio.CancelledError:
+            error = StreamBroken("stream cancelled")
+        finally:
+            if self._call is call:
+                self._call = None
+            while self._pending:
+                fut = self._pending.popleft()
+                if not fut.done():
+                    fut.set_exception(error)
+
+    async def request(self, message, timeout: float):
+        """Send `message`, wait for its reply. Raises StreamBroken or asyncio.TimeoutError."""
+        if self.unsupported:
+            raise StreamBroken("peer does not implement the stream", maybe_delivered=False,
+                               unsupported=True)
+        fut = asyncio.get_running_loop().create_future()
+        async with self._write_lock:
+            call = self._ensure_open()
+            self._pending.append(fut)
+            try:
+                await call.write(message)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+                if not fut.done():
+                    fut.set_exception(StreamBroken(f"stream write failed: {exc}",
+                                                   maybe_delivered=False))
+                if self._call is call:
+                    self._call = None
+                    call.cancel()
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except StreamBroken as exc:
+            if exc.unsupported:
+                self.unsupported = True
+            raise
+
+    async def close(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+        if self._reader is not None:
+            self._reader.cancel()

@@ -1,0 +1,84 @@
+"""PipelinedStream over a real in-process gRPC server: ordered replies for pipelined
+requests, UNIMPLEMENTED detected (fallback to unary), a dead stream fails pending calls."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from xllm_py.proto import xllm_pb2 as pb
+from xllm_py.proto import xllm_pb2_grpc as pb_grpc
+from xllm_py.utils.grpc_channels import PipelinedStream, StreamBroken
+
+
+class Echo(pb_grpc.XllmRpcServiceServicer):
+    async def GenerationsStream(self, request_iterator, context):
+        async for msg in request_iterator:
+            await asyncio.sleep(0.001 * (len(msg.instance_name) % 3))  # uneven work
+            yield pb.StatusSet(all_status=[pb.Status(ok=True, message=msg.instance_name)])
+
+
+async def start(servicer) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    pb_grpc.add_XllmRpcServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def test_pipelined_requests_get_their_own_replies():
+    server, addr = await start(Echo())
+    async with grpc.aio.insecure_channel(addr) as ch:
+        stub = pb_grpc.XllmRpcServiceStub(ch)
+        stream = PipelinedStream(lambda: stub.GenerationsStream())
+        replies = await asyncio.gather(*(
+            stream.request(pb.DisaggStreamGenerations(instance_name=f"m{i}"), timeout=5)
+            for i in range(40)))
+        assert [r.all_status[0].message for r in replies] == [f"m{i}" for i in range(40)]
+        await stream.close()
+    await server.stop(0)
+
+
+async def test_unimplemented_stream_is_reported_for_fallback():
+    server, addr = await start(pb_grpc.XllmRpcServiceServicer())
+    async with grpc.aio.insecure_channel(addr) as ch:
+        stub = pb_grpc.XllmRpcServiceStub(ch)
+        stream = PipelinedStream(lambda: stub.GenerationsStream())
+        with pytest.raises(StreamBroken) as e:
+            await stream.request(pb.DisaggStreamGenerations(), timeout=5)
+        assert e.value.unsupported and not e.value.maybe_delivered
+        with pytest.raises(StreamBroken):  # remembered: no second stream attempt
+            await stream.request(pb.DisaggStreamGenerations(), timeout=5)
+        assert stream.unsupported
+    await server.stop(0)
+
+
+async def test_dead_peer_fails_pending_requests():
+    class Stuck(pb_grpc.XllmRpcServiceServicer):
+        async def GenerationsStream(self, request_iterator, context):
+            async for _ in request_iterator:
+                await asyncio.sleep(30)
+                yield pb.StatusSet()
+
+    server, addr = await start(Stuck())
+    async with grpc.aio.insecure_channel(addr) as ch:
+        stub = pb_grpc.XllmRpcServiceStub(ch)
+        stream = PipelinedStream(lambda: stub.GenerationsStream())
+        pending = asyncio.ensure_future(
+            stream.request(pb.DisaggStreamGenerations(), timeout=10))
+        await asyncio.sleep(0.2)
+        await server.stop(0)
+        with pytest.raises(StreamBroken) as e:
+            await asyncio.wait_for(pending, 5)
+        assert e.value.maybe_delivered
+    with pytest.raises(asyncio.TimeoutError):
+        server2, addr2 = await start(Stuck())
+        async with grpc.aio.insecure_channel(addr2) as ch:
+            stub = pb_grpc.XllmRpcServiceStub(ch)
+            stream = PipelinedStream(lambda: stub.GenerationsStream())
+            try:
+                await stream.request(pb.DisaggStreamGenerations(), timeout=0.2)
+            finally:
+                await stream.close()
+                await server2.stop(0)
