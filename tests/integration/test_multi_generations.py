@@ -75,6 +75,21 @@ async def test_multi_generations_continues_like_mix(etcd_server, tmp_path):
                 await stub.MultiGenerations(pb.MultiGenerationsRequests(reqs=[bad]), timeout=10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "generated_token_ids is empty" in e.value.details()
+            # Bad RPCs get a status with a message, and the instance keeps serving.
+            replies = await stub.AddNewRequests(pb.DisaggRequests(
+                prefill_name="p", reqs=[pb.DisaggRequest(req_id="bad")]), timeout=10)
+            assert replies.reqs[0].status_code == 500
+            assert "prompt_tokens is empty" in replies.reqs[0].status_msg
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(req, timeout=10)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "prefill instance only" in e.value.details()
+            status = await stub.FirstGeneration(pb.DisaggGenerationsRequests(
+                gens=[pb.DisaggGenerationsRequest(req_id="nope")]), timeout=10)
+            assert not status.ok and "unknown request nope" in status.message
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.SendPullSignal(pb.PullSignal(req_id="x"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         await server.stop(0)
         h.stop()

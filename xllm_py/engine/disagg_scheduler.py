@@ -349,13 +349,18 @@ class DisaggPDScheduler:
         req = pb.PushKVCacheRequest(cluster_id=decode.cluster_ids[0] if decode.cluster_ids else 0,
                                     addr=decode.addrs[0], src_blocks=src, dst_blocks=dst,
                                     req_id=req_id)
+        await self._worker_transfer("push", req)
+
+    async def _worker_transfer(self, op: str, req) -> None:
+        """PullKVCache / PushKVCache on our worker; any failure becomes PDError(502)."""
+        stub = self._worker_stub()
+        rpc = stub.PullKVCache if op == "pull" else stub.PushKVCache
         try:
-            status = await self._worker_stub().PushKVCache(
-                req, timeout=self.config.transfer.timeout_s)
+            status = await rpc(req, timeout=self.config.transfer.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise PDError(502, f"KV push failed: {exc.details() or exc.code().name}") from None
+            raise PDError(502, f"KV {op} failed: {exc.details() or exc.code().name}") from None
         if not status.ok:
-            raise PDError(502, f"KV push failed: {status.message}")
+            raise PDError(502, f"KV {op} failed: {status.message}")
 
     def _report_error(self, spec: EngineRequestSpec, code: int, message: str) -> None:
         if not spec.source_xservice_addr:
@@ -554,13 +559,7 @@ class DisaggPDScheduler:
         req = pb.PullKVCacheRequest(cluster_id=gen.cluster_ids[0] if gen.cluster_ids else 0,
                                     addr=gen.addrs[0], src_blocks=gen.block_ids,
                                     dst_blocks=state.new_block_ids, req_id=gen.req_id)
-        try:
-            status = await self._worker_stub().PullKVCache(
-                req, timeout=self.config.transfer.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise PDError(502, f"KV pull failed: {exc.details() or exc.code().name}") from None
-        if not status.ok:
-            raise PDError(502, f"KV pull failed: {status.message}")
+        await self._worker_transfer("pull", req)
 
     # engine-thread helpers
     def _drop(self, parent_id: str, child: str) -> None:

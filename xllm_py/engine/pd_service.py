@@ -32,10 +32,11 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         self.reporter = reporter
         self.pd = pd
 
-    def _require(self, role: InstanceRole, rpc: str, context) -> None:
-        if self.role != role or self.pd is None:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"{rpc} is served by {role.value} instances; this one is {self.role.value}")
+    async def _require_decode(self, rpc: str, context) -> None:
+        """Abort with FAILED_PRECONDITION unless this is a DECODE instance."""
+        if self.role != InstanceRole.DECODE or self.pd is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{rpc} is served by DECODE instances; this one is {self.role.value}")
 
     async def Generate(self, request: pb.DisaggRequest, context) -> pb.Status:
         status = await self._generate_one(request)
@@ -75,24 +76,15 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         return pb.Status(ok=True, code=200)
 
     async def AddNewRequests(self, request: pb.DisaggRequests, context) -> pb.DisaggResponses:
-        try:
-            self._require(InstanceRole.DECODE, "AddNewRequests", context)
-        except _Abort as a:
-            await context.abort(a.code, a.message)
+        await self._require_decode("AddNewRequests", context)
         return await self.pd.add_new_requests(request)
 
     async def FirstGeneration(self, request: pb.DisaggGenerationsRequests, context) -> pb.Status:
-        try:
-            self._require(InstanceRole.DECODE, "FirstGeneration", context)
-        except _Abort as a:
-            await context.abort(a.code, a.message)
+        await self._require_decode("FirstGeneration", context)
         return await self.pd.first_generation(request)
 
     async def MultiGenerations(self, request: pb.MultiGenerationsRequests, context) -> pb.Status:
-        try:
-            self._require(InstanceRole.DECODE, "MultiGenerations", context)
-        except _Abort as a:
-            await context.abort(a.code, a.message)
+        await self._require_decode("MultiGenerations", context)
         status = await self.pd.multi_generations(request)
         if not status.ok:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status.message)
@@ -103,11 +95,9 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
                             "SendPullSignal needs online/offline co-location, not implemented")
 
     async def LinkInstance(self, request: pb.InstanceClusterInfo, context) -> pb.Status:
+        await self._require_decode("LinkInstance", context)
         try:
-            self._require(InstanceRole.DECODE, "LinkInstance", context)
             await self.pd.link_instance(request)
-        except _Abort as a:
-            await context.abort(a.code, a.message)
         except PDError as exc:
             await context.abort(_PD_CODES.get(exc.code, grpc.StatusCode.UNAVAILABLE), exc.message)
         return pb.Status(ok=True, code=200)
@@ -117,8 +107,3 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
             self.pd._linked.pop(request.instance_name, None)
         return pb.Status(ok=True, code=200)
 
-
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        self.code = code
-        self.message = message
