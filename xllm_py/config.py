@@ -82,6 +82,9 @@ class EngineConfig:
     device: str = "cpu"
     role: InstanceRole = InstanceRole.MIX
     host: str = "127.0.0.1"
+    # Address peers use to reach this instance (default: host). Needed when binding
+    # 0.0.0.0 / :: (containers, pods): a wildcard is never advertised.
+    advertise_host: str | None = None
     port: int = 9000
     served_model_name: str | None = None
     seed: int = 0
@@ -97,6 +100,17 @@ class EngineConfig:
     disagg_pd_port: int = 0
     worker_port: int = 0
     rpc_timeout_s: float = 10.0
+
+
+def advertised_host(host: str, advertise_host: str | None) -> str:
+    """The address to publish: advertise_host, else host unless it is a wildcard."""
+    if advertise_host:
+        return advertise_host
+    if host in ("0.0.0.0", "::", ""):
+        import socket
+
+        return socket.gethostname()
+    return host
 
 
 def transfer_config_from_env(base: TransferConfig) -> TransferConfig:

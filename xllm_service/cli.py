@@ -15,7 +15,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--etcd", "--etcd-addr", required=True, help="etcd HOST:PORT")
     add_flag(p, "--etcd-namespace", default="", help="prefix for every etcd key")
     add_flag(p, "--etcd-ttl", type=float, default=3.0, help="lease TTL (s) of service keys")
-    add_flag(p, "--host", default="127.0.0.1", help="address to bind and to advertise")
+    add_flag(p, "--host", default="127.0.0.1", help="address to bind")
+    add_flag(p, "--advertise-host", default=None,
+             help="address engines use to reach this service (default: --host; with a "
+                  "wildcard --host, the machine's hostname)")
     add_flag(p, "--http-port", type=int, default=8888, help="OpenAI HTTP API port")
     add_flag(p, "--rpc-port", type=int, default=8889, help="XllmRpcService gRPC port")
     add_flag(p, "--model", default="tiny", help="model directory (tokenizer, chat template) or 'tiny'")

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 
-from xllm_py.config import etcd_credentials_from_env
+from xllm_py.config import advertised_host, etcd_credentials_from_env
 from xllm_py.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ async def run_service(args: argparse.Namespace) -> None:
                       credentials=etcd_credentials_from_env())
     await etcd.connect()
     registry = Registry(etcd, evict_grace_s=args.evict_grace_s)
-    rpc_addr = f"{args.host}:{args.rpc_port}"
+    addr_host = advertised_host(args.host, args.advertise_host)
+    rpc_addr = f"{addr_host}:{args.rpc_port}"
     backend_ref: list[ServiceBackend] = []
     router = Router(registry.schedulable,
                     make_policy(args.load_balance_policy, lambda n: backend_ref[0].inflight(n)))
@@ -51,7 +52,7 @@ async def run_service(args: argparse.Namespace) -> None:
     proxy = ProxyRegistrations(etcd, registry, ttl_s=args.etcd_ttl)
     servicer = XllmRpcServicer(registry, proxy=proxy, on_generations=backend.on_generations)
     server, port = await create_server(servicer, args.host, args.rpc_port)
-    rpc_addr = f"{args.host}:{port}"
+    rpc_addr = f"{addr_host}:{port}"
     backend.my_rpc_addr = rpc_addr
     await registry.start()
     election = MasterElection(etcd, rpc_addr, ttl_s=args.etcd_ttl)

@@ -357,7 +357,7 @@ async def test_rpc_register_instance_kept_alive_while_heartbeats_arrive(rpc, etc
         assert (await stub.Heartbeat(hb, timeout=1.0)).ok
         await asyncio.sleep(0.3)
     assert (await etcd_client.get(key)) is not None
-    t0 = time.monotonic()  # heartbeats stop: the key expires
+    # heartbeats stop: the key expires
     gone = await wait_key(etcd_client, key, present=False, timeout_s=2 * TTL_S + 2.0)
     print(f"\nproxy registration: key gone {gone:.2f}s after the last heartbeat")
     await wait_until(lambda: registry.get("r:1") is None or not registry.get("r:1").schedulable, 1.0)

@@ -1,6 +1,5 @@
 """Error paths of the HTTP layer driven in-process through httpx.ASGITransport."""
 import httpx
-import pytest
 
 from xllm_py.api.app import build_app
 from xllm_py.api.errors import BackendBusyError

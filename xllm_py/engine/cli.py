@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--instance-role", default="MIX", type=InstanceRole.parse,
              help="MIX (whole requests), PREFILL or DECODE (PD disaggregation)")
     add_flag(g, "--host", default="127.0.0.1", help="address to bind the HTTP API and RPC servers")
+    add_flag(g, "--advertise-host", default=None,
+             help="address other processes use to reach this one (default: --host; with a "
+                  "wildcard --host, the machine's hostname)")
     add_flag(g, "--port", type=int, default=9000, help="HTTP port of the OpenAI API")
     add_flag(g, "--max-num-seqs", type=int, default=64, help="max sequences in a batch")
     add_flag(g, "--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
@@ -76,7 +79,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         timeout_s=args.transfer_timeout))
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, role=args.instance_role,
-        host=args.host, port=args.port, served_model_name=args.served_model_name,
+        host=args.host, advertise_host=args.advertise_host, port=args.port,
+        served_model_name=args.served_model_name,
         seed=args.seed, cache=cache, scheduler=sched, transfer=transfer,
         etcd_addr=args.etcd, etcd_namespace=args.etcd_namespace, etcd_ttl_s=args.etcd_ttl,
         heartbeat_interval_s=args.heart_beat_interval, instance_name=args.instance_name,

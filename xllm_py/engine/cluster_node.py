@@ -16,7 +16,8 @@ import grpc
 from xllm_py.cluster.etcd_client import instance_key
 from xllm_py.cluster.instance_agent import InstanceAgent, LoadReport
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.config import EngineConfig, InstanceRole, etcd_credentials_from_env
+from xllm_py.config import (EngineConfig, InstanceRole, advertised_host,
+                            etcd_credentials_from_env)
 from xllm_py.engine.disagg_scheduler import DisaggPDScheduler
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import LLMEngine
@@ -36,7 +37,8 @@ class ClusterNode:
         self.engine = engine
         self.backend = backend
         self.role = config.role
-        self.name = config.instance_name or f"{config.host}:{config.port}"
+        self.addr_host = advertised_host(config.host, config.advertise_host)
+        self.name = config.instance_name or f"{self.addr_host}:{config.port}"
         self.agent: InstanceAgent | None = None
         self.pd: DisaggPDScheduler | None = None
         self.reporter: GenerationsReporter | None = None
@@ -55,7 +57,9 @@ class ClusterNode:
             self.worker = await start_kv_worker(self.engine.storage, cfg.transfer, cfg.host,
                                                 cfg.worker_port, cluster_id,
                                                 self._kv_meta_proto(cluster_id))
-            transfer_addr, worker_addr = self.worker.transfer_addr, self.worker.rpc_addr
+            # Publish reachable addresses (the backends report their bind host).
+            transfer_addr = f"{self.addr_host}:{self.worker.transfer_addr.rsplit(':', 1)[1]}"
+            worker_addr = f"{self.addr_host}:{self.worker.rpc_addr.rsplit(':', 1)[1]}"
             self.backend.extra_metrics.append(self.worker.worker.metrics.render)
         self.reporter = GenerationsReporter(loop, self.name, self.engine.abort,
                                             timeout_s=cfg.rpc_timeout_s)
@@ -66,7 +70,7 @@ class ClusterNode:
             raise RuntimeError(f"cannot bind DisaggPDService on {cfg.host}:{cfg.disagg_pd_port}")
         mc = self.engine.model_config
         self.meta = InstanceMeta(
-            name=self.name, type=self.role, rpc_address=f"{cfg.host}:{port}",
+            name=self.name, type=self.role, rpc_address=f"{self.addr_host}:{port}",
             cluster_ids=[cluster_id] if transfer_addr else [],
             addrs=[transfer_addr] if transfer_addr else [],
             ports=[int(transfer_addr.rsplit(":", 1)[1])] if transfer_addr else [],
@@ -75,7 +79,7 @@ class ClusterNode:
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             num_blocks=self.engine.storage.num_blocks if hasattr(self.engine.storage, "num_blocks")
             else 0,
-            http_address=f"{cfg.host}:{cfg.port}",
+            http_address=f"{self.addr_host}:{cfg.port}",
             worker_rpc_addrs=[worker_addr] if worker_addr else [])
         self.agent = InstanceAgent(cfg.etcd_addr, self.meta, ttl_s=cfg.etcd_ttl_s,
                                    namespace=cfg.etcd_namespace,

@@ -14,7 +14,7 @@ import logging
 import random
 import threading
 
-from xllm_py.kv_transfer.base import KVTransferBackend, Run, TransferError, runs_to_ids
+from xllm_py.kv_transfer.base import KVTransferBackend, Run, TransferError
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,49 @@
+"""Config dataclasses: validation, env overrides, advertised addresses."""
+import socket
+
+import pytest
+
+from xllm_py.config import (CacheConfig, InstanceRole, SchedulerConfig, TransferConfig,
+                            advertised_host, etcd_credentials_from_env, transfer_config_from_env)
+from xllm_py.engine.cli import build_parser, config_from_args
+
+
+def test_validation_messages():
+    with pytest.raises(ValueError, match="power of two"):
+        CacheConfig(block_size=12)
+    with pytest.raises(ValueError, match="num_blocks"):
+        CacheConfig(num_blocks=1)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="unknown instance role 'both'"):
+        InstanceRole.parse("both")
+    assert InstanceRole.parse("decode") is InstanceRole.DECODE
+
+
+def test_advertised_host_never_a_wildcard():
+    assert advertised_host("127.0.0.1", None) == "127.0.0.1"
+    assert advertised_host("0.0.0.0", "pod-7.svc") == "pod-7.svc"
+    assert advertised_host("0.0.0.0", None) == socket.gethostname()
+    assert advertised_host("::", None) == socket.gethostname()
+
+
+def test_env_overrides(monkeypatch):
+    monkeypatch.setenv("XLLM_KV_TRANSFER_BACKEND", "tcp")
+    monkeypatch.setenv("XLLM_KV_TRANSFER_FAULT_RATE", "0.5")
+    cfg = transfer_config_from_env(TransferConfig())
+    assert (cfg.backend, cfg.fault_rate) == ("tcp", 0.5)
+    monkeypatch.setenv("ETCD_USERNAME", "u")
+    with pytest.raises(ValueError, match="both ETCD_USERNAME and ETCD_PASSWORD"):
+        etcd_credentials_from_env()
+    monkeypatch.setenv("ETCD_PASSWORD", "p")
+    assert etcd_credentials_from_env() == ("u", "p")
+
+
+def test_cli_accepts_xllm_spellings():
+    args = build_parser().parse_args([
+        "--instance_role", "PREFILL", "--block_size", "32", "--etcd_addr", "127.0.0.1:2379",
+        "--kv_cache_transfer_mode", "push", "--advertise-host", "node-1", "--host", "0.0.0.0"])
+    cfg = config_from_args(args)
+    assert cfg.role is InstanceRole.PREFILL and cfg.cache.block_size == 32
+    assert cfg.etcd_addr == "127.0.0.1:2379" and cfg.transfer.mode.value == "PUSH"
+    assert cfg.advertise_host == "node-1"
