@@ -66,6 +66,8 @@ class ServiceBackend:
         self._channels = ChannelPool()
         self._gen_streams: dict[str, PipelinedStream] = {}
         self.outcomes: collections.Counter = collections.Counter()
+        # (instance, outcome) -> requests; an instance counts every request it served
+        self.instance_outcomes: collections.Counter = collections.Counter()
 
     # ------------------------------------------------------------------ GenerateBackend
     def tokenizer(self):
@@ -188,12 +190,13 @@ class ServiceBackend:
             try:
                 sub, out = await asyncio.wait_for(queue.get(), self.idle_timeout_s)
             except asyncio.TimeoutError:
+                self._count_outcome(subs, "timeout")
                 yield RequestOutput(request_id=request_id, finished=True, error_code=504,
                                     error_message=f"no output from the engine for "
                                                   f"{self.idle_timeout_s:.0f}s")
                 return
             if out.failed:
-                self.outcomes["error"] += 1
+                self._count_outcome(subs, "error")
                 yield RequestOutput(request_id=request_id, finished=True,
                                     num_prompt_tokens=out.num_prompt_tokens,
                                     error_code=out.error_code, error_message=out.error_message)
@@ -202,7 +205,7 @@ class ServiceBackend:
             if out.finished:
                 remaining -= 1
                 if remaining == 0:
-                    self.outcomes["ok"] += 1
+                    self._count_outcome(subs, "ok")
             merged = RequestOutput(
                 request_id=request_id,
                 outputs=[dataclasses.replace(d, index=d.index + sub.index_offset)
@@ -214,6 +217,11 @@ class ServiceBackend:
             if out.prompt_token_ids is not None:
                 prompt_sent = True
             yield merged
+
+    def _count_outcome(self, subs: list[_Sub], outcome: str) -> None:
+        self.outcomes[outcome] += 1
+        for name in {n for sub in subs for n in sub.route.instance_names}:
+            self.instance_outcomes[(name, outcome)] += 1
 
     # ------------------------------------------------------------------ Generations
     async def on_generations(self, msg: pb.DisaggStreamGenerations) -> pb.StatusSet:
@@ -288,6 +296,11 @@ class ServiceBackend:
                  "# TYPE xllm_service_requests_total counter"]
         for outcome, n in sorted(self.outcomes.items()):
             lines.append(f'xllm_service_requests_total{{outcome="{outcome}"}} {n}')
+        lines += ["# HELP xllm_service_instance_requests_total Finished requests by instance and outcome",
+                  "# TYPE xllm_service_instance_requests_total counter"]
+        for (name, outcome), n in sorted(self.instance_outcomes.items()):
+            lines.append(f'xllm_service_instance_requests_total{{instance="{name}",'
+                         f'outcome="{outcome}"}} {n}')
         lines += ["# HELP xllm_service_inflight_requests In-flight requests by instance",
                   "# TYPE xllm_service_inflight_requests gauge"]
         for name, ids in sorted(self._by_instance.items()):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -85,6 +86,12 @@ async def test_fifty_concurrent_streams(cluster):
 
     results = await asyncio.gather(*(one(i) for i in range(50)))
     assert all(text and usage == 12 for text, usage in results)
+    served = httpx.get(svc.http_url + "/metrics", trust_env=False).text
+    for e in engines:  # both engines served some, as the service counts them
+        name = e.http_url.removeprefix("http://")
+        m = re.search(rf'xllm_service_instance_requests_total{{instance="{name}",outcome="ok"}} (\d+)',
+                      served)
+        assert m and int(m.group(1)) > 0
     # Both engines served some of them.
     for e in engines:
         m = httpx.get(e.http_url + "/metrics", trust_env=False).text

@@ -286,6 +286,7 @@ class DisaggPDScheduler:
             dp_size=self.meta.dp_size, prefill_name=self.meta.name,
             num_computed_tokens=len(spec.prompt_token_ids))
         error: PDError | None = None
+        t0 = time.monotonic()
         if finished_here or first_token is None:
             gen.failed, gen.status_msg = True, "finished on prefill"
         else:
@@ -314,6 +315,12 @@ class DisaggPDScheduler:
         if error is not None:
             self.num_transfer_failures += 1
             self._report_error(spec, error.code, error.message)
+            return
+        if not gen.failed:
+            logger.info("PD prefill handed request %s to %s: %d blocks, %d bytes in %.1f ms (%s)",
+                        spec.request_id, decode.name, len(gen.block_ids),
+                        len(gen.block_ids) * self.engine.storage.block_bytes,
+                        (time.monotonic() - t0) * 1000, gen.kv_cache_transfer_mode)
 
     def _fill_handover(self, gen: pb.DisaggGenerationsRequest, state: _PrefillState,
                        block_ids: list[int], first_token: int, lp: TokenLogprob | None) -> None:
@@ -541,10 +548,12 @@ class DisaggPDScheduler:
                if t.has_logprob else None for t in gen.tokens]
         await asyncio.wrap_future(self.engine.call(
             lambda: self._start_decoding(gen.req_id, child, tokens, lps)))
-        logger.info("PD decode took over request %s from %s: %d blocks (%d cached tokens) "
-                    "in %.1f ms (%s)", gen.req_id, state.prefill_name,
-                    len(state.new_block_ids), state.num_cached_tokens,
-                    (time.monotonic() - t0) * 1000, gen.kv_cache_transfer_mode or "PULL")
+        logger.info("PD decode took over request %s from %s: %d blocks, %d bytes (%d cached "
+                    "tokens) in %.1f ms (%s)", gen.req_id, state.prefill_name,
+                    len(state.new_block_ids),
+                    len(state.new_block_ids) * self.engine.storage.block_bytes,
+                    state.num_cached_tokens, (time.monotonic() - t0) * 1000,
+                    gen.kv_cache_transfer_mode or "PULL")
         return ""
 
     async def _pull(self, gen: pb.DisaggGenerationsRequest, state: _DecodeState) -> None:
