@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import httpx
 import pytest
@@ -140,3 +141,20 @@ async def test_64_concurrent_streams_and_pools_drain(pd):
     text = httpx.get(mover.http_url + "/metrics", trust_env=False).text
     moved = sum(float(v) for v in re.findall(r"^xllm_kv_transfer_bytes_total(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.M))
     assert moved > 0
+
+
+async def test_dropped_stream_frees_both_pools(pd):
+    h, svc, prefill, decode, mix, mode = pd
+    async with httpx.AsyncClient(base_url=svc.http_url, timeout=30, trust_env=False) as http:
+        async with http.stream("POST", "/v1/completions", json={
+                "model": "tiny", "prompt": "alpha beta " * 20, "max_tokens": 1500,
+                "stream": True, "ignore_eos": True}) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data:"):
+                    break
+    deadline = time.monotonic() + 5
+    while metric(prefill.http_url, "xllm_kv_cache_blocks_used") or \
+            metric(decode.http_url, "xllm_kv_cache_blocks_used"):
+        assert time.monotonic() < deadline, "a dropped PD stream kept its KV blocks"
+        await asyncio.sleep(0.1)
+    assert metric(decode.http_url, "xllm_requests_running") == 0

@@ -607,5 +607,10 @@ class DisaggPDScheduler:
                 self.engine.call(lambda rid=rid: self._fail(
                     rid, child_id(rid, 0), "prefill instance never handed the request over"))
 
+    def forget(self, request_id: str) -> None:
+        """The request was cancelled: drop its PD bookkeeping (the engine frees its blocks)."""
+        self._prefill.pop(request_id, None)
+        self._decode.pop(request_id, None)
+
     def num_pending(self) -> int:
         return self._online.qsize() + self._offline.qsize() + len(self._prefill)
