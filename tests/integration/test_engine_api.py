@@ -88,6 +88,19 @@ def test_n_and_seed(client):
         [c.text for c in sorted(again.choices, key=lambda c: c.index)]
 
 
+def test_best_of_returns_n_of_best_of(client):
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, n=1, best_of=3,
+                                  temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    assert len(r.choices) == 1 and r.choices[0].index == 0
+    assert r.usage.completion_tokens == 8  # the returned choice (as vLLM counts)
+    # The chosen one is one of the seeded candidates: seed + i for i in 0..2.
+    candidates = {client.completions.create(model="tiny", prompt="Hello", max_tokens=8,
+                                            temperature=1.0, seed=3 + i,
+                                            extra_body={"ignore_eos": True}).choices[0].text
+                  for i in range(3)}
+    assert r.choices[0].text in candidates
+
+
 def test_stop_string_and_logprobs(client):
     base = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=16,
                                      temperature=0, extra_body={"ignore_eos": True})
