@@ -1,6 +1,7 @@
 """Processes of a test cluster (service + engines) on one etcd, torn down after the test."""
 from __future__ import annotations
 
+import asyncio
 import pathlib
 import time
 
@@ -68,3 +69,13 @@ async def long_stream(c: openai.AsyncOpenAI, prompt: str,
         return "completed", time.monotonic()
     except openai.APIError as exc:
         return f"error: {exc}", time.monotonic()
+
+
+async def wait_until(pred, timeout_s: float, step_s: float = 0.02) -> float:
+    """Seconds until pred() is true; fails the test on timeout."""
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(step_s)
+    return time.monotonic() - t0

@@ -9,18 +9,13 @@ import pytest
 from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, service_key
 from xllm_service.election import MasterElection
 
+from tests.integration.cluster_harness import wait_until
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 TTL_S = 2.0
 
 
-async def wait_until(pred, timeout_s: float, step_s: float = 0.02) -> float:
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        await asyncio.sleep(step_s)
-    return time.monotonic() - t0
 
 
 @pytest.fixture

@@ -27,20 +27,14 @@ from xllm_service.instance_table import InstanceState
 from xllm_service.registry import Registry
 from xllm_service.rpc_service import ProxyRegistrations, XllmRpcServicer, create_server
 
+from tests.integration.cluster_harness import wait_until
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 TTL_S = 2.0
 HB_S = 0.25
 
 
-async def wait_until(pred, timeout_s: float, step_s: float = 0.02) -> float:
-    """Seconds until pred() is true; fails the test on timeout."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        await asyncio.sleep(step_s)
-    return time.monotonic() - t0
 
 
 async def wait_key(client: EtcdClient, key: str, present: bool, timeout_s: float) -> float:
