@@ -51,7 +51,7 @@ class _Sub:
 class ServiceBackend:
     def __init__(self, tokenizer, model_name: str, max_model_len: int, router: Router,
                  my_rpc_addr: str, rpc_timeout_s: float = 5.0, idle_timeout_s: float = 120.0,
-                 ready_fn=None, instance_counts=None) -> None:
+                 instance_counts=None) -> None:
         self._tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -59,7 +59,6 @@ class ServiceBackend:
         self.my_rpc_addr = my_rpc_addr
         self.rpc_timeout_s = rpc_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self.ready_fn = ready_fn
         self.instance_counts = instance_counts  # () -> {state: count}
         self._subs: dict[str, _Sub] = {}
         self._by_instance: dict[str, set[str]] = collections.defaultdict(set)
@@ -74,15 +73,8 @@ class ServiceBackend:
         return self._tokenizer
 
     def check_ready(self) -> tuple[bool, str]:
-        if self.ready_fn is not None:
-            ok, why = self.ready_fn()
-            if not ok:
-                return ok, why
-        try:
-            self.router.route()
-        except NoInstanceError as exc:
-            return False, str(exc)
-        return True, "ok"
+        reason = self.router.unavailable_reason()
+        return (False, reason) if reason else (True, "ok")
 
     def inflight(self, name: str) -> int:
         return len(self._by_instance.get(name, ()))

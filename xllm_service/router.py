@@ -84,18 +84,29 @@ class Router:
         self.schedulable = schedulable
         self.policy = policy
 
+    def _candidates(self, exclude: Sequence[str]) -> tuple[list[InstanceInfo], ...]:
+        def of(*roles: InstanceRole) -> list[InstanceInfo]:
+            return [i for r in roles for i in self.schedulable(r) if i.name not in exclude]
+        return (of(InstanceRole.PREFILL), of(InstanceRole.DECODE),
+                of(InstanceRole.MIX, InstanceRole.DEFAULT))
+
+    def unavailable_reason(self, exclude: Sequence[str] = ()) -> str | None:
+        """Why no request could be routed now, or None. Selects nothing (a readiness probe
+        must not advance round robin)."""
+        prefills, decodes, mixes = self._candidates(exclude)
+        if (prefills and decodes) or mixes:
+            return None
+        if prefills:
+            return "a prefill instance is registered but no decode instance is"
+        if decodes:
+            return "a decode instance is registered but no prefill instance is"
+        return "no engine instance is registered with this service"
+
     def route(self, request: object = None, exclude: Sequence[str] = ()) -> Route:
-        prefills = [i for i in self.schedulable(InstanceRole.PREFILL) if i.name not in exclude]
-        decodes = [i for i in self.schedulable(InstanceRole.DECODE) if i.name not in exclude]
+        prefills, decodes, mixes = self._candidates(exclude)
         if prefills and decodes:
             return Route(self.policy.select(prefills, request),
                          self.policy.select(decodes, request))
-        mixes = [i for i in self.schedulable(InstanceRole.MIX) + self.schedulable(InstanceRole.DEFAULT)
-                 if i.name not in exclude]
         if mixes:
             return Route(self.policy.select(mixes, request))
-        if prefills:
-            raise NoInstanceError("a prefill instance is registered but no decode instance is")
-        if decodes:
-            raise NoInstanceError("a decode instance is registered but no prefill instance is")
-        raise NoInstanceError("no engine instance is registered with this service")
+        raise NoInstanceError(self.unavailable_reason(exclude))

@@ -53,6 +53,15 @@ def test_no_instance_messages(roles, message):
     r = Router(table(*(info(f"i{k}", role) for k, role in enumerate(roles))), RoundRobinPolicy())
     with pytest.raises(NoInstanceError, match=message):
         r.route()
+    assert message in r.unavailable_reason()
+
+
+def test_readiness_probe_does_not_advance_round_robin():
+    r = Router(table(info("a", InstanceRole.MIX), info("b", InstanceRole.MIX)), RoundRobinPolicy())
+    assert r.route().target.name == "a"
+    for _ in range(3):
+        assert r.unavailable_reason() is None
+    assert r.route().target.name == "b"
 
 
 def test_make_policy_rejects_unknown():

@@ -76,3 +76,16 @@ async def test_engine_error_passes_through_and_eviction_fails_inflight():
     b.on_evict(info("m", InstanceRole.MIX))
     (out,) = drain(q2)
     assert out.failed and out.error_code == 503 and "left the cluster" in out.error_message
+
+
+def test_readiness_checks_do_not_shift_round_robin():
+    mixes = [info("a", InstanceRole.MIX), info("b", InstanceRole.MIX)]
+    router = Router(lambda role: [i for i in mixes if i.role == role], RoundRobinPolicy())
+    b = ServiceBackend(None, "tiny", 2048, router, "127.0.0.1:0")
+    assert router.route().target.name == "a"
+    for _ in range(3):
+        assert b.check_ready() == (True, "ok")
+    assert router.route().target.name == "b"
+    mixes.clear()
+    ok, why = b.check_ready()
+    assert not ok and "no engine instance" in why
