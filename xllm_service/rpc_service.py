@@ -24,6 +24,7 @@ from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, LeasedKey, cancel
 from xllm_py.cluster.instance_meta import InstanceMeta, InstanceMetaError, new_incarnation_id, now_ms
 from xllm_py.config import InstanceRole
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+from xllm_py.utils.grpc_server import start_grpc_server
 from xllm_service.instance_table import LoadInfo
 from xllm_service.registry import Registry
 
@@ -195,14 +196,6 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
 async def create_server(
     servicer: xllm_pb2_grpc.XllmRpcServiceServicer, host: str = "127.0.0.1", port: int = 0
 ) -> tuple[grpc.aio.Server, int]:
-    """Build and start a grpc.aio server for `servicer`; returns (server, bound port).
-
-    Stop it with `await server.stop(grace)`.
-    """
-    server = grpc.aio.server()
-    xllm_pb2_grpc.add_XllmRpcServiceServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind XllmRpcService to {host}:{port}")
-    await server.start()
-    return server, bound
+    """Start a grpc.aio server for `servicer`; returns (server, bound port)."""
+    return await start_grpc_server(xllm_pb2_grpc.add_XllmRpcServiceServicer_to_server, servicer,
+                                   host, port, "XllmRpcService")

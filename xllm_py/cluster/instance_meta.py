@@ -17,14 +17,13 @@ import uuid
 from typing import Any
 
 from xllm_py.config import InstanceRole
+from xllm_py.kv_compat import kv_compat_differences
 from xllm_py.proto import xllm_pb2
 
 SCHEMA_VERSION = 1
 
 _REQUIRED_KEYS = ("name", "type")
 
-# Fields that must agree for two instances to exchange KV blocks.
-_KV_COMPAT_FIELDS = ("model", "block_size", "kv_dtype", "kv_layout", "num_layers", "num_kv_heads", "head_dim")
 
 
 class InstanceMetaError(ValueError):
@@ -170,19 +169,10 @@ class InstanceMeta:
     # ------------------------------------------------------------------ peers
 
     def compatibility_problems(self, other: "InstanceMeta") -> list[str]:
-        """Each difference that stops `self` and `other` from exchanging KV blocks.
-
-        An empty list means compatible. A field left unset (0 / "") on either side is
-        not compared: the writer did not know it.
-        """
-        problems = []
-        for field in _KV_COMPAT_FIELDS:
-            mine, theirs = getattr(self, field), getattr(other, field)
-            if mine in (0, "") or theirs in (0, ""):
-                continue
-            if mine != theirs:
-                problems.append(f"{field} differs: {self.name} has {mine!r}, {other.name} has {theirs!r}")
-        return problems
+        """Each difference that stops `self` and `other` from exchanging KV blocks
+        (empty: compatible; unset fields are not compared)."""
+        return [f"{field} differs: {self.name} has {mine!r}, {other.name} has {theirs!r}"
+                for field, mine, theirs in kv_compat_differences(self, other)]
 
     def with_new_incarnation(self) -> "InstanceMeta":
         """A copy stamped for a fresh process start (new uuid, register time now)."""

@@ -26,6 +26,7 @@ from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.utils.grpc_channels import ChannelPool
+from xllm_py.utils.grpc_server import start_grpc_server
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,12 @@ class ClusterNode:
         self.reporter = GenerationsReporter(loop, self.name, self.engine.abort,
                                             timeout_s=cfg.rpc_timeout_s)
         self.engine.step_listeners.append(self.reporter.flush)
-        server = grpc.aio.server()
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.disagg_pd_port}")
-        if port == 0:
-            raise RuntimeError(f"cannot bind DisaggPDService on {cfg.host}:{cfg.disagg_pd_port}")
+        # The servicer gets its PD scheduler once the bound port (part of our meta) is
+        # known; nobody routes here before the agent registers us, at the end.
+        servicer = DisaggPDServicer(self.engine, self.role, self.reporter, None)
+        self._server, port = await start_grpc_server(
+            pb_grpc.add_DisaggPDServiceServicer_to_server, servicer, cfg.host,
+            cfg.disagg_pd_port, "DisaggPDService")
         mc = self.engine.model_config
         self.meta = InstanceMeta(
             name=self.name, type=self.role, rpc_address=f"{self.addr_host}:{port}",
@@ -77,8 +80,7 @@ class ClusterNode:
             dp_size=1, model=self.backend.model_name, block_size=cfg.cache.block_size,
             kv_layout=KV_LAYOUT, kv_dtype=cfg.dtype, tp_size=1, num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            num_blocks=self.engine.storage.num_blocks if hasattr(self.engine.storage, "num_blocks")
-            else 0,
+            num_blocks=self.engine.storage.num_blocks,
             http_address=f"{self.addr_host}:{cfg.port}",
             worker_rpc_addrs=[worker_addr] if worker_addr else [])
         self.agent = InstanceAgent(cfg.etcd_addr, self.meta, ttl_s=cfg.etcd_ttl_s,
@@ -90,10 +92,7 @@ class ClusterNode:
             self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter,
                                         self._resolve_meta, self._list_decodes, worker_addr)
             self.pd.start()
-        pb_grpc.add_DisaggPDServiceServicer_to_server(
-            DisaggPDServicer(self.engine, self.role, self.reporter, self.pd), server)
-        await server.start()
-        self._server = server
+            servicer.pd = self.pd
         await self.agent.start()
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")

@@ -60,7 +60,9 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         if not spec.source_xservice_addr:
             return pb.Status(ok=False, code=400,
                              message="source_xservice_addr is required: tokens go back there")
-        if self.role == InstanceRole.PREFILL and self.pd is not None:
+        if self.role == InstanceRole.PREFILL:
+            if self.pd is None:
+                return pb.Status(ok=False, code=412, message="prefill instance is starting")
             await self.pd.add_request(spec)
             return pb.Status(ok=True, code=200)
         if self.role == InstanceRole.DECODE:

@@ -84,23 +84,22 @@ class FakeKVTransferBackend(KVTransferBackend):
             raise TransferError(f"fake: injected failure in {op} with {peer_addr}")
 
     async def _pull_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
-        peer = self._peer(peer_addr)
-        await self._fault("pull", peer_addr)
-        checked = peer._check_remote_runs(runs, side="src")
-        if isinstance(checked, str):
-            raise TransferError(checked, invalid_argument=True)
-        src, dst = checked
-        self.storage.write_blocks(dst, peer.storage.read_blocks(src).to(self.storage.device))
-        peer._stats["served"] += 1
+        await self._copy("pull", peer_addr, runs)
 
     async def _push_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
+        await self._copy("push", peer_addr, runs)
+
+    async def _copy(self, op: str, peer_addr: str, runs: list[Run]) -> None:
+        """pull: peer's src blocks -> ours; push: ours -> peer's dst blocks. The peer checks
+        its side of the ids, as a remote owner would."""
         peer = self._peer(peer_addr)
-        await self._fault("push", peer_addr)
-        checked = peer._check_remote_runs(runs, side="dst")
+        await self._fault(op, peer_addr)
+        checked = peer._check_remote_runs(runs, side="src" if op == "pull" else "dst")
         if isinstance(checked, str):
             raise TransferError(checked, invalid_argument=True)
         src, dst = checked
-        peer.storage.write_blocks(dst, self.storage.read_blocks(src).to(peer.storage.device))
+        source, dest = (peer, self) if op == "pull" else (self, peer)
+        dest.storage.write_blocks(dst, source.storage.read_blocks(src).to(dest.storage.device))
         peer._stats["served"] += 1
 
     async def _close_impl(self) -> None:

@@ -25,7 +25,9 @@ import grpc
 from xllm_py.kv_transfer.base import KVTransferBackend, TransferError, TransferResult
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.metrics import KVTransferMetrics
+from xllm_py.kv_compat import kv_compat_differences
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+from xllm_py.utils.grpc_server import start_grpc_server
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +56,7 @@ class PeerMeta:
 
 def compatibility_errors(ours: PeerMeta, theirs: PeerMeta) -> list[str]:
     """Differences between two pools; fields the peer leaves unset are not compared (lenient parse)."""
-    errors = []
-    for f in dataclasses.fields(PeerMeta):
-        a, b = getattr(ours, f.name), getattr(theirs, f.name)
-        if b in ("", 0) or a in ("", 0):
-            continue
-        if a != b:
-            errors.append(f"{f.name}: ours {a!r}, peer {b!r}")
-    return errors
+    return [f"{field}: ours {a!r}, peer {b!r}" for field, a, b in kv_compat_differences(ours, theirs)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,14 +224,6 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
 
 async def create_worker_server(servicer: WorkerServicer, host: str = "127.0.0.1",
                                port: int = 0) -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server with the WorkerService; returns (server, bound port).
-
-    Stop it with ``await server.stop(grace)``.
-    """
-    server = grpc.aio.server()
-    xllm_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind the worker service on {host}:{port}")
-    await server.start()
-    return server, bound
+    """Start a grpc.aio server with the WorkerService; returns (server, bound port)."""
+    return await start_grpc_server(xllm_pb2_grpc.add_WorkerServiceServicer_to_server, servicer,
+                                   host, port, "the worker service")

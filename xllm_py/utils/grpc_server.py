@@ -1,0 +1,19 @@
+"""start_grpc_server: bind, register one servicer, start; the one way every process
+(service, engine, KV worker) brings up its gRPC server."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import grpc
+
+
+async def start_grpc_server(add_servicer: Callable[[Any, grpc.aio.Server], None], servicer: Any,
+                            host: str, port: int, what: str) -> tuple[grpc.aio.Server, int]:
+    """Returns (started server, bound port). Stop it with `await server.stop(grace)`."""
+    server = grpc.aio.server()
+    add_servicer(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {what} on {host}:{port}")
+    await server.start()
+    return server, bound
