@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import re
 import time
 
+import httpx
 import openai
 
 from xllm_py.utils.procs import ChildProcess, engine_args, free_port, spawn
@@ -79,3 +81,31 @@ async def wait_until(pred, timeout_s: float, step_s: float = 0.02) -> float:
             raise AssertionError(f"condition not met within {timeout_s}s")
         await asyncio.sleep(step_s)
     return time.monotonic() - t0
+
+
+def metric(url: str, name: str) -> float:
+    """An unlabelled sample from a process's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=5, trust_env=False).text
+    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in {url}/metrics"
+    return float(m.group(1))
+
+
+async def drop_stream_after_first_chunk(url: str, prompt: str = "Hello",
+                                        max_tokens: int = 1800) -> None:
+    """Start a long streaming completion and hang up after its first event."""
+    async with httpx.AsyncClient(base_url=url, timeout=30, trust_env=False) as http:
+        async with http.stream("POST", "/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                "ignore_eos": True}) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data:"):
+                    break
+
+
+async def wait_drained(urls: list[str], timeout_s: float = 5.0) -> float:
+    """Seconds until every engine has no used KV block and no running request."""
+    return await wait_until(
+        lambda: all(metric(u, "xllm_kv_cache_blocks_used") == 0
+                    and metric(u, "xllm_requests_running") == 0 for u in urls),
+        timeout_s, step_s=0.1)

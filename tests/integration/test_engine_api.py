@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import asyncio
-import re
 
 import httpx
 import openai
 import pytest
 
+from tests.integration.cluster_harness import drop_stream_after_first_chunk, metric, wait_drained
 from xllm_py.utils.procs import engine_args, free_port, spawn
 
 pytestmark = pytest.mark.integration
@@ -32,13 +32,6 @@ def engine(tmp_path_factory):
 @pytest.fixture()
 def client(engine):
     return openai.OpenAI(base_url=engine.http_url + "/v1", api_key="x", max_retries=0)
-
-
-def metric(engine, name: str) -> float:
-    text = httpx.get(engine.http_url + "/metrics", timeout=5, trust_env=False).text
-    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 def test_models_and_health(engine, client):
@@ -155,21 +148,10 @@ async def test_concurrent_streams_and_blocks_freed(engine):
             assert text == expected[p]
         assert text
     await asyncio.sleep(0.2)
-    assert metric(engine, "xllm_kv_cache_blocks_used") == 0
-    assert metric(engine, "xllm_requests_running") == 0
+    assert metric(engine.http_url, "xllm_kv_cache_blocks_used") == 0
+    assert metric(engine.http_url, "xllm_requests_running") == 0
 
 
 async def test_dropped_stream_frees_blocks(engine):
-    async with httpx.AsyncClient(base_url=engine.http_url, timeout=30, trust_env=False) as http:
-        async with http.stream("POST", "/v1/completions", json={
-                "model": "tiny", "prompt": "Hello", "max_tokens": 2000, "stream": True,
-                "ignore_eos": True}) as resp:
-            async for line in resp.aiter_lines():
-                if line.startswith("data:"):
-                    break
-        for _ in range(50):
-            await asyncio.sleep(0.1)
-            if metric(engine, "xllm_kv_cache_blocks_used") == 0:
-                break
-        assert metric(engine, "xllm_kv_cache_blocks_used") == 0
-        assert metric(engine, "xllm_requests_running") == 0
+    await drop_stream_after_first_chunk(engine.http_url, max_tokens=2000)
+    await wait_drained([engine.http_url])

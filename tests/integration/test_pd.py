@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 
 import httpx
 import pytest
 
-from tests.integration.cluster_harness import Harness, aclient, client
+from tests.integration.cluster_harness import (Harness, aclient, client,
+                                               drop_stream_after_first_chunk, metric, wait_drained)
 from xllm_py.utils.procs import engine_args, free_port, spawn
 
 pytestmark = pytest.mark.integration
@@ -30,13 +30,6 @@ def varied_prompts(tok) -> list[list[int]]:
         prompts.append(shared + tok.encode(f" question {i}: {WORDS[i]}?", add_special_tokens=False))
     prompts += [base[i:i + 12] for i in range(0, 72, 12)]
     return prompts
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=5, trust_env=False).text
-    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} missing"
-    return float(m.group(1))
 
 
 @pytest.fixture(scope="module", params=["PULL", "PUSH"])
@@ -145,16 +138,5 @@ async def test_64_concurrent_streams_and_pools_drain(pd):
 
 async def test_dropped_stream_frees_both_pools(pd):
     h, svc, prefill, decode, mix, mode = pd
-    async with httpx.AsyncClient(base_url=svc.http_url, timeout=30, trust_env=False) as http:
-        async with http.stream("POST", "/v1/completions", json={
-                "model": "tiny", "prompt": "alpha beta " * 20, "max_tokens": 1500,
-                "stream": True, "ignore_eos": True}) as resp:
-            async for line in resp.aiter_lines():
-                if line.startswith("data:"):
-                    break
-    deadline = time.monotonic() + 5
-    while metric(prefill.http_url, "xllm_kv_cache_blocks_used") or \
-            metric(decode.http_url, "xllm_kv_cache_blocks_used"):
-        assert time.monotonic() < deadline, "a dropped PD stream kept its KV blocks"
-        await asyncio.sleep(0.1)
-    assert metric(decode.http_url, "xllm_requests_running") == 0
+    await drop_stream_after_first_chunk(svc.http_url, prompt="alpha beta " * 20)
+    await wait_drained([prefill.http_url, decode.http_url])

@@ -2,21 +2,14 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
-import httpx
 import openai
 import pytest
 
-from tests.integration.cluster_harness import Harness, aclient, long_stream
+from tests.integration.cluster_harness import Harness, aclient, long_stream, metric
 
 pytestmark = pytest.mark.integration
-
-
-def blocks_used(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=5, trust_env=False).text
-    return float(re.search(r"^xllm_kv_cache_blocks_used ([0-9.]+)$", text, re.M).group(1))
 
 
 def start(h: Harness, decode_blocks: int):
@@ -59,8 +52,8 @@ async def test_decode_out_of_blocks_waits_retries_or_fails_cleanly(etcd_server, 
             await c.completions.create(model="tiny", prompt=[7] * 100, max_tokens=10)
         assert e.value.status_code == 400 and "decode can hold" in e.value.message
         await asyncio.sleep(0.5)
-        assert blocks_used(prefill.http_url) == 0
-        assert blocks_used(decode.http_url) == 0
+        assert metric(prefill.http_url, "xllm_kv_cache_blocks_used") == 0
+        assert metric(decode.http_url, "xllm_kv_cache_blocks_used") == 0
     finally:
         h.stop()
 
@@ -81,7 +74,7 @@ async def test_decode_killed_mid_stream(etcd_server, tmp_path):
         print(f"\ndecode killed: clients got errors within {worst:.1f}s: {[r for r, _ in results]}")
         assert all(r.startswith("error") for r, _ in results)
         assert worst < bound_s
-        assert blocks_used(prefill.http_url) == 0
+        assert metric(prefill.http_url, "xllm_kv_cache_blocks_used") == 0
         # With no decode left the service says why.
         with pytest.raises(openai.APIStatusError) as e:
             await c.completions.create(model="tiny", prompt="hello", max_tokens=4)
@@ -115,7 +108,7 @@ async def test_failed_transfer_fails_the_request_never_decodes(etcd_server, tmp_
             assert e.value.status_code == 502
             assert f"KV {mode.lower()} failed" in e.value.message
         await asyncio.sleep(0.5)
-        assert blocks_used(prefill.http_url) == 0
-        assert blocks_used(decode.http_url) == 0
+        assert metric(prefill.http_url, "xllm_kv_cache_blocks_used") == 0
+        assert metric(decode.http_url, "xllm_kv_cache_blocks_used") == 0
     finally:
         h.stop()
