@@ -45,7 +45,6 @@ class _Sub:
     held: list = dataclasses.field(default_factory=list)  # decode outputs before that
     finished: bool = False
     cancelled: bool = False
-    num_generated: int = 0
 
 
 class ServiceBackend:

@@ -43,7 +43,7 @@ async def test_multi_generations_continues_like_mix(etcd_server, tmp_path):
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        decode = h.engine("DECODE", "decode")
+        decode = h.engine("DECODE", "decode", extra=["--advertise-host", "localhost"])
         decode.wait_ready(180)
         mix.wait_ready(180)
         ref = openai.OpenAI(base_url=mix.http_url + "/v1", api_key="x").completions.create(
@@ -52,6 +52,9 @@ async def test_multi_generations_continues_like_mix(etcd_server, tmp_path):
         prompt_ids = ref.model_extra["prompt_token_ids"]
         ref_ids = ref.model_extra["token_ids"]
         meta = (await _decode_meta(etcd_server.endpoint, h.namespace))
+        # Peers get the advertised address, not the bind address.
+        assert meta["name"].startswith("localhost:") and meta["rpc_address"].startswith("localhost:")
+        assert all(a.startswith("localhost:") for a in meta["addrs"] + meta["worker_rpc_addrs"])
         async with grpc.aio.insecure_channel(meta["rpc_address"]) as ch:
             stub = pb_grpc.DisaggPDServiceStub(ch)
             req = pb.DisaggRequest(req_id="mig-1", service_req_id="mig-1", max_tokens=24,

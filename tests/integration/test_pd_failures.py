@@ -107,6 +107,7 @@ async def test_failed_transfer_fails_the_request_never_decodes(etcd_server, tmp_
                                            max_tokens=8)
             assert e.value.status_code == 502
             assert f"KV {mode.lower()} failed" in e.value.message
+        assert metric(prefill.http_url, "xllm_pd_transfer_failures_total") == 3
         await asyncio.sleep(0.5)
         assert metric(prefill.http_url, "xllm_kv_cache_blocks_used") == 0
         assert metric(decode.http_url, "xllm_kv_cache_blocks_used") == 0

@@ -93,6 +93,7 @@ class ClusterNode:
                                         self._resolve_meta, self._list_decodes, worker_addr)
             self.pd.start()
             servicer.pd = self.pd
+            self.backend.extra_metrics.append(self.pd.metrics_text)
         await self.agent.start()
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")

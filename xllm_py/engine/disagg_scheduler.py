@@ -612,5 +612,10 @@ class DisaggPDScheduler:
         self._prefill.pop(request_id, None)
         self._decode.pop(request_id, None)
 
+    def metrics_text(self) -> str:
+        name = "xllm_pd_transfer_failures_total"
+        return (f"# HELP {name} PD hand-overs that failed (transfer, link or decode take-over)\n"
+                f"# TYPE {name} counter\n{name} {self.num_transfer_failures}\n")
+
     def num_pending(self) -> int:
         return self._online.qsize() + self._offline.qsize() + len(self._prefill)

@@ -36,10 +36,6 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class EngineBusyError(RuntimeError):
-    """The engine cannot take more work now (queue full)."""
-
-
 @dataclasses.dataclass
 class EngineRequest:
     request_id: str

@@ -1,0 +1,38 @@
+"""AsyncEngine's admission control and request -> SamplingParams mapping, with a stub engine."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from xllm_py.api.backend import GenerateRequest
+from xllm_py.api.errors import BackendBusyError
+from xllm_py.engine.async_engine import AsyncEngine, sampling_params_from
+
+
+def stub_engine(num_waiting: int):
+    submitted = []
+    return types.SimpleNamespace(
+        config=types.SimpleNamespace(model="/models/qwen3-0.6b/"), max_model_len=2048,
+        scheduler=types.SimpleNamespace(num_waiting=num_waiting),
+        submit=submitted.append, abort=lambda rid: None, submitted=submitted)
+
+
+async def test_full_queue_answers_busy_and_submits_nothing():
+    engine = stub_engine(num_waiting=8)
+    backend = AsyncEngine(engine, max_waiting=8)
+    assert backend.model_name == "qwen3-0.6b"
+    with pytest.raises(BackendBusyError, match="8 waiting requests"):
+        async for _ in backend.generate(GenerateRequest(request_id="r", prompt_token_ids=[1])):
+            pass
+    assert engine.submitted == []
+
+
+def test_generate_request_maps_to_sampling_params():
+    p = sampling_params_from(GenerateRequest(
+        request_id="r", prompt_token_ids=[1], n=2, best_of=1, temperature=0.0, top_k=5,
+        stop=["x"], logprobs=3, seed=9, max_tokens=7))
+    assert (p.n, p.best_of, p.temperature, p.top_k, p.stop, p.logprobs, p.seed, p.max_tokens) == \
+        (2, None, 0.0, 5, ["x"], 3, 9, 7)
+    assert sampling_params_from(GenerateRequest(request_id="r", prompt_token_ids=[1], n=1,
+                                                best_of=3)).best_of == 3
