@@ -99,8 +99,7 @@ def test_stop_string_and_logprobs(client):
                                      temperature=0, extra_body={"ignore_eos": True})
     text = base.choices[0].text
     stop = text[3:6]
-    if not stop.strip():
-        pytest.skip("greedy text has no usable stop substring")
+    assert stop.strip(), "the tiny model's greedy text changed: pick another stop substring"
     cut = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=16,
                                     temperature=0, stop=[stop], extra_body={"ignore_eos": True})
     assert cut.choices[0].finish_reason == "stop"

@@ -24,7 +24,7 @@ from xllm_py.engine.model_runner import ModelRunner
 from xllm_py.engine.output_processor import OutputProcessor, OutputSink, child_id, parent_of
 from xllm_py.engine.sampler import Sampler, SamplingRow
 from xllm_py.engine.scheduler import ContinuousScheduler
-from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+from xllm_py.kv_transfer.kv_storage import KVCacheStorage, parse_dtype
 from xllm_py.model.loader import load_model
 from xllm_py.model.tiny import ensure_tiny_model
 from xllm_py.model.tokenizer import Tokenizer
@@ -32,9 +32,6 @@ from xllm_py.request import Request, RequestStatus
 from xllm_py.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclasses.dataclass
 class EngineRequest:
@@ -77,7 +74,7 @@ class LLMEngine:
         mc = self.model_config
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks
-        dtype = _DTYPES[config.dtype]
+        dtype = parse_dtype(config.dtype)
         if num_blocks is None:
             block_bytes = (2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim
                            * torch.finfo(dtype).bits // 8)
