@@ -1,7 +1,15 @@
-"""UcxKVTransferBackend: KV blocks over UCXX (tag messages), host or CUDA memory.
+"""UcxKVTransferBackend: KV blocks over UCX, host or CUDA memory.
 
 UCXX's Python API has no one-sided get/put, so a pull is a request from the puller
-answered by the owner sending the blocks. Per peer two endpoints:
+answered by the owner sending the blocks.
+
+Host memory (mode ``auto`` / ``iov``): each backend runs an ``IovWorker`` (own UCP worker,
+own thread, event-driven) and moves a whole block list as ONE iov tag message straight
+between the two caches over shared memory; request and status travel on the same
+endpoints (see ``iov_protocol.py``). The ucxx control connection below only links the
+peers (hello, layout check, worker addresses) and detects a dead peer.
+
+CUDA memory, or mode ``direct`` / ``gather`` (the tag path, below). Per peer two endpoints:
 
 - control: sockaddr endpoint to the peer's listener, with error handling (tcp). Carries
   JSON headers and status replies; every receive of *data* is also posted through it, so
@@ -37,7 +45,9 @@ import torch
 
 from xllm_py.kv_transfer.base import KVTransferBackend, LoopThread, Run, TransferError, runs_to_ids, split_addr
 from xllm_py.kv_transfer.kv_storage import KVCacheMeta, KVCacheStorage, StagingPool
-from xllm_py.kv_transfer.ucx.env import import_ucxx
+from xllm_py.kv_transfer.ucx import iov_protocol
+from xllm_py.kv_transfer.ucx.env import import_ucxx, iov_worker_config
+from xllm_py.kv_transfer.ucx.iov_worker import IovWorker
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +118,10 @@ def _buf(t: torch.Tensor) -> Any:
 
 
 class _Peer:
-    def __init__(self, ctrl: Any, data: Any) -> None:
+    def __init__(self, ctrl: Any, data: Any, iov_key: Any = None) -> None:
         self.ctrl = ctrl
         self.data = data
+        self.iov_key = iov_key  # key of this peer's endpoint on our IovWorker (None: tag path)
         self.send_lock = asyncio.Lock()
         # Set when the control endpoint reports an error (peer died / closed). UCX calls the
         # callback from its progress thread: hop onto the loop.
@@ -165,8 +176,10 @@ class UcxKVTransferBackend(KVTransferBackend):
     def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
                  listen_host: str = "127.0.0.1", listen_port: int = 0, mode: str = "auto",
                  direct_max_msgs: int = 1024, direct_min_slice_bytes: int = 256 << 10) -> None:
-        if mode not in ("auto", "direct", "gather"):
-            raise ValueError(f"mode must be auto|direct|gather, got {mode!r}")
+        if mode not in ("auto", "iov", "direct", "gather"):
+            raise ValueError(f"mode must be auto|iov|direct|gather, got {mode!r}")
+        if mode == "iov" and storage.is_cuda:
+            raise ValueError("mode 'iov' moves host memory only; CUDA pools use auto|direct|gather")
         self._ucxx = import_ucxx(gpu=storage.is_cuda)
         super().__init__(storage, default_timeout_s)
         self._listen_host = listen_host
@@ -180,6 +193,9 @@ class UcxKVTransferBackend(KVTransferBackend):
         self._server_eps: set[_Peer] = set()
         self._bytes = storage.byte_view()  # uint8 [2, L, B, bs, H, D*itemsize]
         self._pool = StagingPool(storage.device)
+        self._use_iov = not storage.is_cuda and mode in ("auto", "iov")
+        self._iov: IovWorker | None = None
+        self._token = secrets.randbits(60)  # names our IovWorker endpoint on the peers
 
     def _make_loop_thread(self) -> tuple[LoopThread, bool]:
         return _shared_loop(), False
@@ -192,12 +208,15 @@ class UcxKVTransferBackend(KVTransferBackend):
             ucxx.init(progress_mode=os.environ.get("UCXPY_PROGRESS_MODE", "thread"),
                       enable_python_future=os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE", "1") != "0")
             atexit.register(_shutdown_ucx, ucxx)
+        if self._use_iov and self._iov is None:
+            self._iov = IovWorker(iov_worker_config(), self._on_iov_request)
 
     def _worker_address(self) -> bytes:
         return bytes(self._ucxx.get_worker_address())
 
     def _hello(self) -> dict:
-        return {"worker_addr": self._worker_address().hex(), "meta": self.storage.meta.to_dict()}
+        return {"worker_addr": self._worker_address().hex(), "meta": self.storage.meta.to_dict(),
+                "iov_addr": self._iov.address.hex() if self._iov is not None else None, "token": self._token}
 
     def _check_meta(self, d: dict, peer: str) -> None:
         theirs = KVCacheMeta.from_dict(d)
@@ -229,10 +248,13 @@ class UcxKVTransferBackend(KVTransferBackend):
             except TransferError as e:
                 err = str(e)
             data = await self._create_data_ep(hello["worker_addr"])
-            peer = _Peer(ep, data)
+            iov_key = None
+            if self._iov is not None and hello.get("iov_addr") and not err:
+                iov_key = ("in", int(hello["token"]))
+                await asyncio.wrap_future(self._iov.connect(iov_key, bytes.fromhex(hello["iov_addr"])))
+            peer = _Peer(ep, data, iov_key)
             self._server_eps.add(peer)
-            await send_ctrl(ep, {"worker_addr": self._worker_address().hex(),
-                                 "meta": self.storage.meta.to_dict(), "error": err})
+            await send_ctrl(ep, {**self._hello(), "error": err})
             if err:
                 return
             tasks: set[asyncio.Task] = set()
@@ -248,7 +270,31 @@ class UcxKVTransferBackend(KVTransferBackend):
         finally:
             if peer is not None:
                 self._server_eps.discard(peer)
+                self._drop_iov(peer)
                 peer.abort()
+
+    def _drop_iov(self, peer: _Peer) -> None:
+        if self._iov is not None and peer.iov_key is not None:
+            self._iov.disconnect(peer.iov_key)
+
+    def _on_iov_request(self, sender_tag: int, data: bytes) -> tuple | None:
+        """IovWorker thread: a peer's pull/push request; returns the task that serves it."""
+        op, req_id, token, timeout, runs = iov_protocol.decode_request(data)
+        key = ("in", token)
+        iov = self._iov
+        ep = iov.ep_handle(key) if iov is not None else None
+        if ep is None:
+            logger.warning("ucx: request %x from an unknown peer (token %x): dropped", req_id, token)
+            return None
+
+        def served() -> None:
+            self._stats["served"] += 1
+
+        def make(track: list) -> Any:
+            return iov_protocol.serve_task(track, iov.handle, ep, self.storage, op, req_id, runs,
+                                           self._check_remote_runs, served)
+
+        return make, timeout, key, f"serving op {op} (req {req_id:x}, {len(runs)} runs)"
 
     async def _serve(self, peer: _Peer, req: dict) -> None:
         op, tag, runs = req.get("op"), int(req["req"]), [tuple(r) for r in req.get("runs", [])]
@@ -288,7 +334,7 @@ class UcxKVTransferBackend(KVTransferBackend):
         slices: fragmented 64 MB direct 743 ms vs gather 68 ms; contiguous 64 MB (8 MB
         slices) direct 33 ms vs gather 60 ms; contiguous 1 MB: equal within noise.
         """
-        if self.mode != "auto":
+        if self.mode in ("direct", "gather"):
             return self.mode if len(runs) * 2 * self.storage.num_layers < _MAX_MSGS else "gather"
         n_msgs = 2 * self.storage.num_layers * len(runs)
         avg_slice = sum(r[2] for r in runs) * self.storage.slice_bytes / max(len(runs), 1)
@@ -387,7 +433,11 @@ class UcxKVTransferBackend(KVTransferBackend):
                 raise TransferError(f"ucx: peer {peer_addr} refused the link: {rep['error']}")
             self._check_meta(rep["meta"], peer_addr)
             data = await self._create_data_ep(rep["worker_addr"])
-            return _Peer(ctrl, data)
+            iov_key = None
+            if self._iov is not None and rep.get("iov_addr"):
+                iov_key = ("out", peer_addr)
+                await asyncio.wrap_future(self._iov.connect(iov_key, bytes.fromhex(rep["iov_addr"])))
+            return _Peer(ctrl, data, iov_key)
         except BaseException:
             _Peer(ctrl, data).abort()
             raise
@@ -398,6 +448,7 @@ class UcxKVTransferBackend(KVTransferBackend):
     async def _unlink_impl(self, peer_addr: str) -> None:
         p = self._peers.pop(peer_addr, None)
         if p is not None:
+            self._drop_iov(p)
             p.abort()
 
     async def _request(self, p: _Peer, op: str, tag: int, runs: list[Run], mode: str, timeout: float) -> None:
@@ -409,10 +460,24 @@ class UcxKVTransferBackend(KVTransferBackend):
         if not rep.get("ok"):
             raise TransferError(rep.get("error", "peer refused"), invalid_argument=True)
 
+    async def _iov_op(self, p: _Peer, task: Any, runs: list[Run], timeout: float, what: str) -> None:
+        iov, req_id = self._iov, _new_req() >> _IDX_BITS
+
+        def make(track: list) -> Any:
+            ep = iov.ep_handle(p.iov_key)
+            if ep is None:
+                raise TransferError(f"ucx: no data endpoint to the peer for {what}")
+            return task(track, iov.handle, ep, self.storage, req_id, self._token, timeout, runs)
+
+        fut = iov.start(make, timeout, key=p.iov_key, what=f"{what} of {len(runs)} runs")
+        await p.guard(asyncio.wrap_future(fut), what)
+
     async def _pull_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
         """Receives are posted before the request goes out: one round trip, status and data
         in flight together. A refusal completes them with empty messages (nothing written)."""
         p = await self._peer(peer_addr)
+        if p.iov_key is not None:
+            return await self._iov_op(p, iov_protocol.pull_task, runs, timeout, "pull")
         tag, mode = _new_req(), self._choose_mode(runs)
         data, commit = self._post_recv_blocks(p.ctrl, tag, runs, mode,
                                               runs_to_ids(runs)[1] if mode == "gather" else None)
@@ -427,6 +492,8 @@ class UcxKVTransferBackend(KVTransferBackend):
 
     async def _push_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
         p = await self._peer(peer_addr)
+        if p.iov_key is not None:
+            return await self._iov_op(p, iov_protocol.push_task, runs, timeout, "push")
         tag, mode = _new_req(), self._choose_mode(runs)
         await self._request(p, "push", tag, runs, mode, timeout)
         done = asyncio.ensure_future(recv_ctrl(p.ctrl, tag=tag))
@@ -440,7 +507,12 @@ class UcxKVTransferBackend(KVTransferBackend):
         peers = list(self._peers.values()) + list(self._server_eps)
         self._peers.clear()
         self._server_eps.clear()
+        for p in peers:
+            self._drop_iov(p)
         await asyncio.gather(*(p.close() for p in peers))
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._iov is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._iov.close)
+            self._iov = None

@@ -49,6 +49,21 @@ UCX_ENV_DEFAULTS_GPU: dict[str, str] = {
 }
 
 
+# The host-memory data path (iov_worker.py) runs its own UCP context with these settings
+# (UCX config names without the UCX_ prefix). Override one with XLLM_UCX_IOV_<NAME>=value.
+UCX_IOV_DEFAULTS: dict[str, str] = {
+    "TLS": "sm,self,tcp",
+}
+
+
+def iov_worker_config() -> dict[str, str]:
+    cfg = dict(UCX_IOV_DEFAULTS)
+    for k, v in os.environ.items():
+        if k.startswith("XLLM_UCX_IOV_"):
+            cfg[k.removeprefix("XLLM_UCX_IOV_")] = v
+    return cfg
+
+
 def apply_ucx_env_defaults(gpu: bool = False) -> dict[str, str]:
     """Set the defaults that are not already set; returns the effective UCX/UCXPY settings."""
     for k, v in (UCX_ENV_DEFAULTS_GPU if gpu else UCX_ENV_DEFAULTS_CPU).items():
@@ -57,7 +72,7 @@ def apply_ucx_env_defaults(gpu: bool = False) -> dict[str, str]:
 
 
 def ucx_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "UCXPY_"))}
+    return {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "UCXPY_", "XLLM_UCX_"))}
 
 
 def import_ucxx(gpu: bool = False) -> ModuleType:
