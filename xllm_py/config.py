@@ -88,6 +88,10 @@ class EngineConfig:
     port: int = 9000
     served_model_name: str | None = None
     seed: int = 0
+    # CPU compute: torch intra-op threads (None: torch's default, one per core) and
+    # oneDNN pre-packed linear weights (xllm_py/model/packed.py).
+    num_threads: int | None = None
+    pack_weights: bool = True
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)

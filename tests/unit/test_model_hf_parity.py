@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pathlib
 import time
 
@@ -10,8 +11,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from xllm_py.model import cpu_kernels  # noqa: E402
 from xllm_py.model.attention import AttentionMetadata, allocate_kv_caches, build_positions  # noqa: E402
 from xllm_py.model.loader import load_model  # noqa: E402
+from xllm_py.model.packed import pack_linears  # noqa: E402
 from xllm_py.model.tiny import build_tokenizer_files  # noqa: E402
 
 VOCAB = 1024
@@ -109,8 +112,22 @@ def test_logits_ragged_batch_and_one_by_one(pair):
     assert err_single < TOL
 
 
-def test_chunked_prefill_mixed_with_decode(pair):
+@pytest.fixture(params=["torch", "engine"])
+def ours_path(request, pair):
+    """The model as loaded on the torch path, or as the engine runs it on CPU: linear
+    weights packed for oneDNN and the native kernels (xllm_py/model/cpu_kernels.py)."""
     name, hf, ours, cfg = pair
+    if request.param == "torch":
+        with cpu_kernels.disabled():
+            yield name, hf, ours, cfg
+        return
+    packed = copy.deepcopy(ours)
+    pack_linears(packed)
+    yield name, hf, packed, cfg
+
+
+def test_chunked_prefill_mixed_with_decode(ours_path):
+    name, hf, ours, cfg = ours_path
     long, short = _prompts([37, 6], seed=2)
     ref_long = _hf_logits(hf, long)
     ref_short = _hf_logits(hf, short)
@@ -130,8 +147,8 @@ def test_chunked_prefill_mixed_with_decode(pair):
     assert (one_chunk - got_long).abs().max().item() < TOL
 
 
-def test_greedy_generation_matches_hf_generate(pair):
-    name, hf, ours, cfg = pair
+def test_greedy_generation_matches_hf_generate(ours_path):
+    name, hf, ours, cfg = ours_path
     prompts = _prompts([7, 3, 12], seed=4)
     num_new = 64
     expected = []

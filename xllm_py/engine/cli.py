@@ -21,6 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="weights, activations and KV cache dtype")
     add_flag(g, "--device", default="cpu", help="cpu or cuda[:N]")
     add_flag(g, "--seed", type=int, default=0, help="global seed of the unseeded sampler")
+    add_flag(g, "--num-threads", type=int, default=None,
+             help="torch compute threads (default: torch's, one per core)")
+    add_flag(g, "--pack-weights", type=parse_bool, default=True,
+             help="CPU float32: pre-pack linear weights for oneDNN at load (true/false)")
     g = p.add_argument_group("serving")
     add_flag(g, "--instance-role", default="MIX", type=InstanceRole.parse,
              help="MIX (whole requests), PREFILL or DECODE (PD disaggregation)")
@@ -81,7 +85,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, role=args.instance_role,
         host=args.host, advertise_host=args.advertise_host, port=args.port,
         served_model_name=args.served_model_name,
-        seed=args.seed, cache=cache, scheduler=sched, transfer=transfer,
+        seed=args.seed, num_threads=args.num_threads, pack_weights=args.pack_weights,
+        cache=cache, scheduler=sched, transfer=transfer,
         etcd_addr=args.etcd, etcd_namespace=args.etcd_namespace, etcd_ttl_s=args.etcd_ttl,
         heartbeat_interval_s=args.heart_beat_interval, instance_name=args.instance_name,
         disagg_pd_port=args.disagg_pd_port, worker_port=args.worker_port,

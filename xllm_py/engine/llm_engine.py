@@ -26,6 +26,7 @@ from xllm_py.engine.sampler import Sampler, SamplingRow
 from xllm_py.engine.scheduler import ContinuousScheduler
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, parse_dtype
 from xllm_py.model.loader import load_model
+from xllm_py.model.packed import pack_linears
 from xllm_py.model.tiny import ensure_tiny_model
 from xllm_py.model.tokenizer import Tokenizer
 from xllm_py.request import Request, RequestStatus
@@ -65,11 +66,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         model_dir = resolve_model_dir(config.model)
         self.model_dir = model_dir
         t0 = time.monotonic()
         self.model, self.model_config = load_model(model_dir, dtype=config.dtype,
                                                    device=config.device)
+        if config.pack_weights:
+            pack_linears(self.model)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         mc = self.model_config
         block_size = config.cache.block_size

@@ -26,6 +26,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from xllm_py.model import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 
@@ -103,6 +105,7 @@ def build_positions(seqs: Sequence[tuple[int, int, Sequence[int]]],
 class _DecodeGroup:
     token_idx: torch.Tensor | None  # [Bd] rows of q that belong here; None = all rows
     block_tables: torch.Tensor  # [Bd, nblk]
+    seq_lens: torch.Tensor  # [Bd] int64
     key_mask: torch.Tensor  # [Bd, 1, 1, nblk*bs] bool, True = attend
 
 
@@ -174,7 +177,7 @@ def _decode_group(token_idx: torch.Tensor | None, block_tables: torch.Tensor,
     tables = block_tables[:, :nblk]
     key_pos = torch.arange(nblk * block_size, device=seq_lens.device)
     key_mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
-    return _DecodeGroup(token_idx, tables, key_mask)
+    return _DecodeGroup(token_idx, tables, seq_lens, key_mask)
 
 
 def _prefill_group(token_idx: torch.Tensor | None, query_start_loc: torch.Tensor,
@@ -216,6 +219,16 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       g: _DecodeGroup) -> torch.Tensor:
+    if cpu_kernels.decode_attention_supported(q, k_cache):
+        # reads the blocks in place: no gather, no mask (xllm_py/model/cpu_kernels.py)
+        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, g.block_tables,
+                                                  g.seq_lens, q.shape[-1] ** -0.5)
+    return decode_attention_torch(q, k_cache, v_cache, g)
+
+
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           g: _DecodeGroup) -> torch.Tensor:
+    """Gather + masked SDPA: the reference path (any device and dtype)."""
     # q [Bd, h, hd]; fold the GQA group into the query-length axis: [Bd, kvh, group, hd]
     bd, h, hd = q.shape
     kvh = k_cache.shape[2]
@@ -249,6 +262,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     context up to and including its own position.
     """
     write_kv(k_cache, v_cache, k, v, plan.slot_mapping)
+    return attend(q, k_cache, v_cache, plan)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           plan: AttentionPlan) -> torch.Tensor:
+    """q [T, h, hd] -> [T, h, hd], the step's K/V already in the caches."""
     if q.dtype != k_cache.dtype:
         q = q.to(k_cache.dtype)
     d, p = plan.decode, plan.prefill

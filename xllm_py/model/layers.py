@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xllm_py.model import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """Normalises in float32, scales in the input dtype (as transformers does)."""
@@ -18,10 +20,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``norm(x)``; with ``residual``: ``residual += x`` in place, returns
+        ``norm(residual)`` (the pre-norm decoder's residual stream, one pass in C)."""
+        out = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+        if out is not None:
+            return out
+        if residual is not None:
+            residual.add_(x)
+            x = residual
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
@@ -105,5 +115,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = cpu_kernels.silu_and_mul(gate_up)
+        if act is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)

@@ -12,7 +12,8 @@ import logging
 import torch
 from torch import nn
 
-from xllm_py.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
+from xllm_py.model import cpu_kernels
+from xllm_py.model.attention import AttentionMetadata, AttentionPlan, attend, plan_attention, write_kv
 from xllm_py.model.config import ModelConfig
 from xllm_py.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -42,15 +43,25 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, k, cos_sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], plan)
+        qkv = self.qkv_proj(hidden)
+        # One C pass when it can: q/k norm, RoPE, K/V into the cache (cpu_kernels.py).
+        q = cpu_kernels.qk_norm_rope_store(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            self.q_norm.eps if self.q_norm is not None else 0.0,
+            cos_sin[0], cos_sin[1], kv_cache[0], kv_cache[1], plan.slot_mapping)
+        if q is None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(t, self.num_heads, self.head_dim)
+            k = k.reshape(t, self.num_kv_heads, self.head_dim)
+            v = v.reshape(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            q, k = RotaryEmbedding.apply(q, k, cos_sin)
+            write_kv(kv_cache[0], kv_cache[1], k, v, plan.slot_mapping)
+        out = attend(q, kv_cache[0], kv_cache[1], plan)
         return self.o_proj(out.reshape(t, self.q_size).to(hidden.dtype))
 
 
@@ -62,10 +73,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, plan)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+                plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block on the residual stream. ``hidden`` is the previous block's MLP
+        output, still to be added to ``residual`` (None for the first layer, where
+        ``hidden`` is the embedding and becomes the stream). Returns (mlp out, residual)."""
+        if residual is None:
+            residual = hidden
+            h = self.input_layernorm(hidden)
+        else:
+            h = self.input_layernorm(hidden, residual)
+        h = self.self_attn(h, cos_sin, kv_cache, plan)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -102,11 +123,12 @@ class LlamaForCausalLM(nn.Module):
                 f"expected {self.config.num_layers} (K, V) caches, got {len(kv_caches)}")
         block_size = int(kv_caches[0][0].shape[1])
         plan = plan_attention(attn_metadata, block_size)
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.model.embed_tokens(input_ids)  # a new tensor: the residual stream
         cos_sin = self.rotary_emb.cos_sin(positions, attn_metadata.max_seq_len, hidden.dtype)
+        residual = None
         for layer, cache in zip(self.model.layers, kv_caches):
-            hidden = layer(hidden, cos_sin, cache, plan)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos_sin, cache, plan)
+        return self.model.norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""

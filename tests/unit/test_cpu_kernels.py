@@ -1,0 +1,163 @@
+"""Native CPU kernels and packed linears against the torch reference paths."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xllm_py.model import cpu_kernels
+from xllm_py.model.attention import AttentionMetadata, decode_attention_torch, plan_attention
+from xllm_py.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from xllm_py.model.packed import PackedLinear, pack_linears
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
+                                   reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+
+
+def _random_tables(rng: torch.Generator, seq_lens: list[int], bs: int, num_blocks: int):
+    need = [(n + bs - 1) // bs for n in seq_lens]
+    perm = torch.randperm(num_blocks - 1, generator=rng) + 1  # block 0 is padding
+    tables, used = [], 0
+    for k in need:
+        tables.append(perm[used:used + k].tolist())
+        used += k
+    return tables
+
+
+@needs_kernels
+@pytest.mark.parametrize("h,kvh,hd,bs", [(8, 4, 64, 16), (4, 4, 32, 4), (16, 2, 128, 8),
+                                         (6, 2, 64, 1)])
+def test_decode_attention_matches_sdpa(h: int, kvh: int, hd: int, bs: int) -> None:
+    rng = torch.Generator().manual_seed(h * 100 + hd + bs)
+    seq_lens = [1, 2, bs, bs + 1, 3 * bs - 1, 5 * bs, 37]
+    num_blocks = 2 + sum((n + bs - 1) // bs for n in seq_lens)
+    k_cache = torch.randn(num_blocks, bs, kvh, hd, generator=rng)
+    v_cache = torch.randn(num_blocks, bs, kvh, hd, generator=rng)
+    tables = _random_tables(rng, seq_lens, bs, num_blocks)
+    md = AttentionMetadata.build([(n - 1, 1, t) for n, t in zip(seq_lens, tables)], bs)
+    plan = plan_attention(md, bs)
+    q = torch.randn(len(seq_lens), h, hd, generator=rng)
+    want = decode_attention_torch(q, k_cache, v_cache, plan.decode)
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, plan.decode.block_tables,
+                                             plan.decode.seq_lens, hd ** -0.5)
+    assert (got - want).abs().max().item() < 2e-5
+
+
+@needs_kernels
+def test_decode_attention_per_layer_views_of_one_pool() -> None:
+    """The engine's caches are [2, L, N, bs, kvh, hd] views: block stride, not contiguous."""
+    rng = torch.Generator().manual_seed(3)
+    pool = torch.randn(2, 3, 20, 4, 2, 16, generator=rng)
+    k_cache, v_cache = pool[0, 1], pool[1, 1]
+    md = AttentionMetadata.build([(6, 1, [3, 9]), (0, 1, [17])], 4)
+    plan = plan_attention(md, 4)
+    q = torch.randn(2, 4, 16, generator=rng)
+    want = decode_attention_torch(q, k_cache, v_cache, plan.decode)
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, plan.decode.block_tables,
+                                             plan.decode.seq_lens, 0.25)
+    assert (got - want).abs().max().item() < 2e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_torch(with_residual: bool) -> None:
+    rng = torch.Generator().manual_seed(1)
+    norm = RMSNorm(96, eps=1e-5)
+    norm.weight.data = torch.randn(96, generator=rng)
+    x = torch.randn(70, 96, generator=rng) * 3  # 70 rows: the threaded branch too
+    res = torch.randn(70, 96, generator=rng)
+    res_ref = res.clone()
+    got = cpu_kernels.rms_norm(x, norm.weight, 1e-5, res if with_residual else None)
+    base = (res_ref + x) if with_residual else x
+    want = F.rms_norm(base, (96,), norm.weight, 1e-5)
+    assert (got - want).abs().max().item() < 1e-5
+    if with_residual:
+        assert torch.equal(res, res_ref + x)  # the stream was updated in place
+    else:
+        assert torch.equal(res, res_ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_rope_store_matches_torch(qk_norm: bool) -> None:
+    rng = torch.Generator().manual_seed(2)
+    h, kvh, hd, bs, t = 8, 2, 64, 4, 19
+    qkv = torch.randn(t, (h + 2 * kvh) * hd, generator=rng)
+    rope = RotaryEmbedding(hd, 10000.0, 256)
+    positions = torch.randint(0, 200, (t,), generator=rng)
+    cos, sin = rope.cos_sin(positions, 256, torch.float32)
+    qn, kn = RMSNorm(hd, 1e-6), RMSNorm(hd, 1e-6)
+    qn.weight.data = torch.randn(hd, generator=rng)
+    kn.weight.data = torch.randn(hd, generator=rng)
+    pool = torch.zeros(2, 10, bs, kvh, hd)
+    slots = torch.randperm(40, generator=rng)[:t]
+    q = cpu_kernels.qk_norm_rope_store(qkv, h, kvh, hd, qn.weight if qk_norm else None,
+                                       kn.weight if qk_norm else None, 1e-6, cos, sin,
+                                       pool[0], pool[1], slots)
+    rq, rk, rv = qkv.split([h * hd, kvh * hd, kvh * hd], dim=-1)
+    rq, rk, rv = rq.reshape(t, h, hd), rk.reshape(t, kvh, hd), rv.reshape(t, kvh, hd)
+    if qk_norm:
+        rq, rk = qn(rq), kn(rk)
+    rq, rk = RotaryEmbedding.apply(rq, rk, (cos, sin))
+    assert (q - rq).abs().max().item() < 1e-5
+    flat_k, flat_v = pool[0].view(-1, kvh, hd), pool[1].view(-1, kvh, hd)
+    assert (flat_k[slots] - rk).abs().max().item() < 1e-5
+    assert torch.equal(flat_v[slots], rv)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+@needs_kernels
+def test_silu_and_mul_matches_torch() -> None:
+    rng = torch.Generator().manual_seed(4)
+    x = torch.randn(33, 2 * 200, generator=rng) * 20  # large magnitudes: exp clamping
+    got = cpu_kernels.silu_and_mul(x)
+    gate, up = x.split(200, dim=-1)
+    want = F.silu(gate) * up
+    assert ((got - want).abs() / (want.abs() + 1)).max().item() < 1e-5
+
+
+def test_kernels_decline_what_they_do_not_handle() -> None:
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    assert cpu_kernels.rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-6) is None
+    assert cpu_kernels.silu_and_mul(torch.randn(4, 8).t()) is None  # not contiguous
+    q = torch.randn(2, 4, 8)
+    assert not cpu_kernels.decode_attention_supported(q, torch.randn(3, 4, 2, 8).half())
+
+
+def test_disabled_by_environment() -> None:
+    code = ("from xllm_py.model import cpu_kernels as c; "
+            "print(c.available(), c.unavailable_reason())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "XLLM_CPU_KERNELS": "0"}, check=True).stdout
+    assert out.strip() == "False disabled by XLLM_CPU_KERNELS"
+
+
+def test_packed_linear_matches_linear() -> None:
+    rng = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(48, 80, bias=True)
+    lin.weight.data = torch.randn(80, 48, generator=rng)
+    lin.bias.data = torch.randn(80, generator=rng)
+    packed = PackedLinear(lin)
+    for rows in (1, 7, 32, 300):
+        x = torch.randn(rows, 48, generator=rng)
+        with torch.inference_mode():
+            assert (packed(x) - lin(x)).abs().max().item() < 1e-4
+
+
+def test_pack_linears_replaces_every_linear_and_keeps_outputs() -> None:
+    torch.manual_seed(6)
+    mlp = GatedMLP(32, 64)
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        want = mlp(x)
+        assert pack_linears(mlp) == 2
+        got = mlp(x)
+    assert not any(isinstance(m, torch.nn.Linear) for m in mlp.modules())
+    assert (got - want).abs().max().item() < 1e-5
+    assert pack_linears(GatedMLP(8, 8).to(torch.bfloat16)) == 0  # float32 only

@@ -1,0 +1,255 @@
+"""Native CPU kernels (``csrc/*.c``), compiled on first use and called through ctypes.
+
+Why: decode attention over the paged cache in torch needs a gather of every sequence's
+blocks into a new tensor and a masked SDPA per layer; at 32 sequences that is two thirds
+of a forward. The C kernel reads the blocks in place (online softmax per block), which
+measures 4-15x faster per layer (``benchmarks/bench_engine.py``, docs/DESIGN.md).
+
+The sources are plain C + OpenMP (no Python or torch headers): ``cc`` builds them in
+under a second into ``$XLLM_KERNEL_CACHE`` (default ``~/.cache/xllm_py/kernels``), one
+file per source/flags hash, written atomically so concurrent processes can race safely.
+The library links to the OpenMP runtime torch has loaded, so it shares torch's threads.
+
+Everything degrades: no compiler, a failed build, ``XLLM_CPU_KERNELS=0`` or an
+unsupported shape/dtype, and callers take the torch path (``available()`` is False or
+the call returns None). Tests run both paths against each other.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+from typing import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SRC = pathlib.Path(__file__).with_name("csrc") / "cpu_kernels.c"
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_why_not = ""
+_off = False  # set by disabled() (tests of the torch path)
+
+MAX_GROUP = 16  # query heads per KV head (csrc XLLM_MAX_GROUP)
+MAX_HEAD_DIM = 256
+MAX_BLOCK_SIZE = 256
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compile_flags() -> list[str]:
+    # -fno-trapping-math lets the exp loops vectorise (torch builds with the same)
+    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu99", "-fno-trapping-math",
+             "-fno-math-errno"]
+    cpu = _cpu_flags()
+    if {"avx2", "fma"} <= cpu:
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def _cache_dir() -> pathlib.Path:
+    env = os.environ.get("XLLM_KERNEL_CACHE")
+    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "xllm_py" / "kernels"
+
+
+def _build() -> pathlib.Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    flags = _compile_flags()
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc] + flags).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_kernels-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *flags, "-o", tmp, str(_SRC)], capture_output=True,
+                             text=True, timeout=120)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: a racing process sees the old name or the whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried, _why_not
+    if _off:
+        return None
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("XLLM_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
+            _why_not = "disabled by XLLM_CPU_KERNELS"
+            return None
+        try:
+            path = _build()
+            lib = ctypes.CDLL(str(path))
+        except Exception as e:  # noqa: BLE001 - any failure means: use the torch path
+            _why_not = str(e)
+            logger.warning("CPU kernels unavailable, using the torch path: %s", e)
+            return None
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+        signatures = {
+            "xllm_paged_decode_attention_f32": (
+                [p, p, p, p, i64, p, i64, p, i32, i32, i32, i32, i32, f32], ctypes.c_int),
+            "xllm_add_rms_norm_f32": ([p, p, p, p, i64, i32, f32], None),
+            "xllm_qk_norm_rope_store_f32": (
+                [p, p, p, p, p, p, p, f32, p, p, i64, i32, i32, i32], ctypes.c_int),
+            "xllm_silu_and_mul_f32": ([p, p, i64, i32], None),
+        }
+        for name, (args, res) in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = res
+        _lib = lib
+        logger.info("CPU kernels loaded from %s", path)
+        return _lib
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block every caller takes the torch path (tests compare the two)."""
+    global _off
+    prev, _off = _off, True
+    try:
+        yield
+    finally:
+        _off = prev
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def unavailable_reason() -> str:
+    _load()
+    return _why_not
+
+
+def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether ``paged_decode_attention`` handles these tensors (else: torch path)."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        return False
+    h, hd = q.shape[1], q.shape[2]
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    return (h % kvh == 0 and h // kvh <= MAX_GROUP and hd <= MAX_HEAD_DIM
+            and bs <= MAX_BLOCK_SIZE and available())
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q [B, h, hd] (one new token per sequence, its K/V already written) -> [B, h, hd].
+
+    ``block_tables`` [B, >= ceil(seq_len / block_size)] int64 with unit column stride,
+    ``seq_lens`` [B] int64 (context including the new token). Caches
+    ``[num_blocks, block_size, kvh, hd]`` with contiguous blocks (per-layer views of one
+    pool are fine). The caller checked ``decode_attention_supported``.
+    """
+    lib = _load()
+    assert lib is not None
+    q = q.contiguous()
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    seq_lens = seq_lens.contiguous()
+    if k_cache.stride()[1:] != v_cache.stride()[1:] or k_cache.stride(0) != v_cache.stride(0):
+        raise ValueError("K and V caches must have the same layout")
+    b, h, hd = q.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.stride()[1:] != (kvh * hd, hd, 1):
+        raise ValueError(f"cache blocks must be contiguous, got strides {k_cache.stride()}")
+    out = torch.empty_like(q)
+    rc = lib.xllm_paged_decode_attention_f32(
+        q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.stride(0), block_tables.data_ptr(), block_tables.stride(0),
+        seq_lens.data_ptr(), b, h, kvh, hd, bs, scale)
+    if rc != 0:
+        raise ValueError(f"paged_decode_attention: unsupported sizes h={h} kvh={kvh} "
+                         f"hd={hd} block_size={bs}")
+    return out
+
+
+def _f32_cpu(*ts: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``rmsnorm(x) * w``; with ``residual``: ``residual += x`` in place first and the norm
+    is of the sum. x/residual [T, H] contiguous float32. None: not handled (torch path)."""
+    if x.dim() != 2 or not _f32_cpu(x, weight) or not x.is_contiguous() or _load() is None:
+        return None
+    if residual is not None and (not _f32_cpu(residual) or not residual.is_contiguous()
+                                 or residual.shape != x.shape):
+        return None
+    out = torch.empty_like(x)
+    _lib.xllm_add_rms_norm_f32(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                               weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                       cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """From the fused projection qkv [T, (h + 2 kvh) * hd]: returns q [T, h, hd] after the
+    optional per-head RMSNorm and neox RoPE, and stores k (same treatment) and v at
+    ``slot_mapping`` in the caches. cos/sin [T, hd] (or [T, 1, hd]). None: torch path."""
+    if _load() is None or head_dim > MAX_HEAD_DIM or head_dim % 2:
+        return None
+    if not _f32_cpu(qkv, k_cache, v_cache, cos, sin) or not qkv.is_contiguous():
+        return None
+    if (q_weight is None) != (k_weight is None):
+        return None
+    bs = k_cache.shape[1]
+    if k_cache.stride()[1:] != (num_kv_heads * head_dim, head_dim, 1) or \
+            v_cache.stride()[1:] != k_cache.stride()[1:] or \
+            k_cache.stride(0) != bs * num_kv_heads * head_dim or \
+            v_cache.stride(0) != k_cache.stride(0):
+        return None
+    t = qkv.shape[0]
+    cos = cos.reshape(t, head_dim).contiguous()
+    sin = sin.reshape(t, head_dim).contiguous()
+    slots = slot_mapping.contiguous()
+    q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype)
+    rc = _lib.xllm_qk_norm_rope_store_f32(
+        qkv.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+        0 if q_weight is None else q_weight.data_ptr(),
+        0 if k_weight is None else k_weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
+        t, num_heads, num_kv_heads, head_dim)
+    return q if rc == 0 else None
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]. None: torch path."""
+    if x.dim() != 2 or not _f32_cpu(x) or not x.is_contiguous() or _load() is None:
+        return None
+    half = x.shape[1] // 2
+    out = torch.empty(x.shape[0], half, dtype=x.dtype)
+    _lib.xllm_silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.shape[0], half)
+    return out

@@ -1,0 +1,214 @@
+/* CPU kernels for the paged KV cache, loaded through ctypes (xllm_py/model/cpu_kernels.py).
+ *
+ * Plain C99 + OpenMP, no Python or torch headers, so it compiles in well under a second
+ * and links to the OpenMP runtime torch already loaded (same thread pool).
+ *
+ * Cache layout (docs/DESIGN.md): per layer K and V, each [num_blocks, block_size,
+ * num_kv_heads, head_dim] float32; the slot of token t of a sequence is
+ * table[t / block_size] * block_size + t % block_size. Callers validate block ids and
+ * lengths; the kernels read only the blocks a table names, up to seq_len tokens.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define XLLM_MAX_GROUP 16
+#define XLLM_MAX_HEAD_DIM 256
+#define XLLM_MAX_BLOCK 256
+
+/* e^x for x <= 0 (softmax after subtracting the max), vectorisable by the compiler:
+ * x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (rel. error ~2e-7),
+ * 2^n through the exponent bits. Inputs below -87 give 2^-126 scale: effectively 0. */
+static inline __attribute__((always_inline)) float xexp(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+/* Decode attention: one new query token per sequence, attending to its cached context.
+ * q, out: [B, H, D] contiguous. k_cache/v_cache: block-major as above, block_stride
+ * elements between blocks. tables: [B, table_stride] block ids. seq_lens: [B] (>= 1).
+ * Returns 0, or -1 when a size is over the compiled limits (nothing written). */
+int xllm_paged_decode_attention_f32(const float *q, float *out, const float *k_cache,
+                                    const float *v_cache, int64_t block_stride,
+                                    const int64_t *tables, int64_t table_stride,
+                                    const int64_t *seq_lens, int32_t B, int32_t H,
+                                    int32_t KVH, int32_t D, int32_t bs, float scale) {
+    if (KVH <= 0 || H % KVH != 0 || H / KVH > XLLM_MAX_GROUP || D > XLLM_MAX_HEAD_DIM ||
+        bs > XLLM_MAX_BLOCK || bs <= 0 || D <= 0)
+        return -1;
+    const int32_t G = H / KVH;
+    const int64_t slot_stride = (int64_t)KVH * D;
+#pragma omp parallel for schedule(static)
+    for (int64_t idx = 0; idx < (int64_t)B * KVH; idx++) {
+        const int64_t b = idx / KVH, kh = idx % KVH;
+        const int64_t L = seq_lens[b];
+        float qs[XLLM_MAX_GROUP][XLLM_MAX_HEAD_DIM];
+        float acc[XLLM_MAX_GROUP][XLLM_MAX_HEAD_DIM];
+        float m[XLLM_MAX_GROUP], l[XLLM_MAX_GROUP];
+        float s[XLLM_MAX_BLOCK];
+        for (int32_t g = 0; g < G; g++) {
+            const float *qg = q + ((b * H) + kh * G + g) * D;
+            for (int32_t d = 0; d < D; d++) {
+                qs[g][d] = qg[d] * scale;
+                acc[g][d] = 0.0f;
+            }
+            m[g] = -3.0e38f;
+            l[g] = 0.0f;
+        }
+        for (int64_t start = 0; start < L; start += bs) {
+            const int64_t blk = tables[b * table_stride + start / bs];
+            const int32_t n = (int32_t)((L - start) < bs ? (L - start) : bs);
+            const float *kb = k_cache + blk * block_stride + kh * D;
+            const float *vb = v_cache + blk * block_stride + kh * D;
+            for (int32_t g = 0; g < G; g++) {
+                float bmax = -3.0e38f;
+                for (int32_t t = 0; t < n; t++) {
+                    const float *kr = kb + t * slot_stride;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int32_t d = 0; d < D; d++)
+                        dot += qs[g][d] * kr[d];
+                    s[t] = dot;
+                    bmax = dot > bmax ? dot : bmax;
+                }
+                const float mnew = bmax > m[g] ? bmax : m[g];
+                const float corr = xexp(m[g] - mnew);
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int32_t t = 0; t < n; t++) {
+                    s[t] = xexp(s[t] - mnew);
+                    sum += s[t];
+                }
+                l[g] = l[g] * corr + sum;
+                m[g] = mnew;
+                float *a = acc[g];
+#pragma omp simd
+                for (int32_t d = 0; d < D; d++)
+                    a[d] *= corr;
+                for (int32_t t = 0; t < n; t++) {
+                    const float *vr = vb + t * slot_stride;
+                    const float p = s[t];
+#pragma omp simd
+                    for (int32_t d = 0; d < D; d++)
+                        a[d] += p * vr[d];
+                }
+            }
+        }
+        for (int32_t g = 0; g < G; g++) {
+            float *o = out + ((b * H) + kh * G + g) * D;
+            const float inv = 1.0f / l[g];
+            for (int32_t d = 0; d < D; d++)
+                o[d] = acc[g][d] * inv;
+        }
+    }
+    return 0;
+}
+
+/* RMSNorm of T rows of width H, optionally after a residual add:
+ * residual == NULL: out = rmsnorm(x) * w
+ * residual != NULL: residual += x (in place, the new residual stream), out = rmsnorm(residual) * w
+ * Same float32 formula as transformers: w * (h * rsqrt(mean(h^2) + eps)). */
+void xllm_add_rms_norm_f32(const float *x, float *residual, const float *w, float *out,
+                           int64_t T, int32_t H, float eps) {
+#pragma omp parallel for schedule(static) if (T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * H;
+        float *o = out + t * H;
+        const float *h = xr;
+        if (residual != NULL) {
+            float *rr = residual + t * H;
+#pragma omp simd
+            for (int32_t i = 0; i < H; i++)
+                rr[i] = xr[i] + rr[i];
+            h = rr;
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int32_t i = 0; i < H; i++)
+            ss += h[i] * h[i];
+        const float r = 1.0f / __builtin_sqrtf(ss / (float)H + eps);
+#pragma omp simd
+        for (int32_t i = 0; i < H; i++)
+            o[i] = w[i] * (h[i] * r);
+    }
+}
+
+/* One head of D values: optional RMSNorm (w != NULL), then neox RoPE with cos/sin rows. */
+static inline void norm_rope_head(const float *x, float *o, const float *w, float eps,
+                                  const float *cs, const float *sn, int32_t D) {
+    float tmp[XLLM_MAX_HEAD_DIM];
+    if (w != NULL) {
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int32_t i = 0; i < D; i++)
+            ss += x[i] * x[i];
+        const float r = 1.0f / __builtin_sqrtf(ss / (float)D + eps);
+#pragma omp simd
+        for (int32_t i = 0; i < D; i++)
+            tmp[i] = w[i] * (x[i] * r);
+    } else {
+        memcpy(tmp, x, sizeof(float) * D);
+    }
+    const int32_t half = D / 2;
+#pragma omp simd
+    for (int32_t i = 0; i < half; i++)
+        o[i] = tmp[i] * cs[i] + (-tmp[i + half]) * sn[i];
+#pragma omp simd
+    for (int32_t i = half; i < D; i++)
+        o[i] = tmp[i] * cs[i] + tmp[i - half] * sn[i];
+}
+
+/* The attention input of T tokens from the fused qkv projection [T, (H + 2 KVH) * D]:
+ * q_out [T, H, D] = rope(norm_q(q)); the cache slots slots[t] get rope(norm_k(k)) and v.
+ * q_w / k_w: per-head RMSNorm weights [D] (Qwen3) or NULL. cos/sin: [T, D] rows of each
+ * token's position. Caches are [num_slots, KVH, D] views (contiguous blocks). */
+int xllm_qk_norm_rope_store_f32(const float *qkv, float *q_out, float *k_cache,
+                                float *v_cache, const int64_t *slots, const float *q_w,
+                                const float *k_w, float eps, const float *cos_t,
+                                const float *sin_t, int64_t T, int32_t H, int32_t KVH,
+                                int32_t D) {
+    if (D > XLLM_MAX_HEAD_DIM || D % 2 != 0 || D <= 0)
+        return -1;
+    const int64_t row = (int64_t)(H + 2 * KVH) * D;
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        const float *src = qkv + t * row;
+        const float *cs = cos_t + t * D, *sn = sin_t + t * D;
+        for (int32_t h = 0; h < H; h++)
+            norm_rope_head(src + h * D, q_out + (t * H + h) * D, q_w, eps, cs, sn, D);
+        float *kd = k_cache + slots[t] * KVH * D;
+        float *vd = v_cache + slots[t] * KVH * D;
+        const float *ks = src + (int64_t)H * D, *vs = src + (int64_t)(H + KVH) * D;
+        for (int32_t h = 0; h < KVH; h++)
+            norm_rope_head(ks + h * D, kd + h * D, k_w, eps, cs, sn, D);
+        memcpy(vd, vs, sizeof(float) * KVH * D);
+    }
+    return 0;
+}
+
+/* SwiGLU activation: x [T, 2I] = [gate | up] -> out [T, I] = silu(gate) * up. */
+void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * 2 * (int64_t)I, *u = g + I;
+        float *o = out + t * (int64_t)I;
+#pragma omp simd
+        for (int32_t i = 0; i < I; i++) {
+            float a = -g[i];
+            a = a > 88.0f ? 88.0f : a;
+            o[i] = g[i] / (1.0f + xexp(a)) * u[i];
+        }
+    }
+}
