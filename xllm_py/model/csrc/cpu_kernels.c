@@ -8,12 +8,15 @@
  * table[t / block_size] * block_size + t % block_size. Callers validate block ids and
  * lengths; the kernels read only the blocks a table names, up to seq_len tokens.
  */
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define XLLM_MAX_GROUP 16
 #define XLLM_MAX_HEAD_DIM 256
 #define XLLM_MAX_BLOCK 256
+#define XLLM_MAX_ROWS 64 /* query heads per work item of decode attention */
 
 /* e^x for x <= 0 (softmax after subtracting the max), vectorisable by the compiler:
  * x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (rel. error ~2e-7),
@@ -36,84 +39,129 @@ static inline __attribute__((always_inline)) float xexp(float x) {
     return p * scale;
 }
 
+/* Rows r = (kh - kh0) * G + g of one sequence's queries against its cached context, heads
+ * [kh0, kh1). Blocks are read in order, each slot's heads in one contiguous sweep. */
+static void decode_attend_seq(const float *q, float *out, const float *k_cache,
+                              const float *v_cache, int64_t block_stride,
+                              const int64_t *table, int64_t L, int32_t H, int32_t KVH,
+                              int32_t D, int32_t bs, float scale, int32_t kh0, int32_t kh1,
+                              float *work) {
+    const int32_t G = H / KVH, R = (kh1 - kh0) * G;
+    const int64_t slot_stride = (int64_t)KVH * D;
+    float *qs = work, *acc = work + (int64_t)R * D, *s = acc + (int64_t)R * D;
+    float *m = s + (int64_t)R * bs, *l = m + R;
+    for (int32_t r = 0; r < R; r++) {
+        const float *qr = q + ((int64_t)kh0 * G + r) * D;
+#pragma omp simd
+        for (int32_t d = 0; d < D; d++) {
+            qs[r * D + d] = qr[d] * scale;
+            acc[r * D + d] = 0.0f;
+        }
+        m[r] = -3.0e38f;
+        l[r] = 0.0f;
+    }
+    for (int64_t start = 0; start < L; start += bs) {
+        const int64_t blk = table[start / bs];
+        const int32_t n = (int32_t)((L - start) < bs ? (L - start) : bs);
+        const float *kb = k_cache + blk * block_stride;
+        const float *vb = v_cache + blk * block_stride;
+        for (int32_t t = 0; t < n; t++) {
+            const float *krow = kb + t * slot_stride;
+            for (int32_t r = 0; r < R; r++) {
+                const float *kr = krow + (int64_t)(kh0 + r / G) * D;
+                const float *qr = qs + (int64_t)r * D;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int32_t d = 0; d < D; d++)
+                    dot += qr[d] * kr[d];
+                s[(int64_t)r * bs + t] = dot;
+            }
+        }
+        for (int32_t r = 0; r < R; r++) {
+            float *sr = s + (int64_t)r * bs;
+            float bmax = -3.0e38f;
+            for (int32_t t = 0; t < n; t++)
+                bmax = sr[t] > bmax ? sr[t] : bmax;
+            const float mnew = bmax > m[r] ? bmax : m[r];
+            const float corr = xexp(m[r] - mnew);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int32_t t = 0; t < n; t++) {
+                sr[t] = xexp(sr[t] - mnew);
+                sum += sr[t];
+            }
+            l[r] = l[r] * corr + sum;
+            m[r] = mnew;
+            float *a = acc + (int64_t)r * D;
+#pragma omp simd
+            for (int32_t d = 0; d < D; d++)
+                a[d] *= corr;
+        }
+        for (int32_t t = 0; t < n; t++) {
+            const float *vrow = vb + t * slot_stride;
+            for (int32_t r = 0; r < R; r++) {
+                const float *vr = vrow + (int64_t)(kh0 + r / G) * D;
+                const float p = s[(int64_t)r * bs + t];
+                float *a = acc + (int64_t)r * D;
+#pragma omp simd
+                for (int32_t d = 0; d < D; d++)
+                    a[d] += p * vr[d];
+            }
+        }
+    }
+    for (int32_t r = 0; r < R; r++) {
+        float *o = out + ((int64_t)kh0 * G + r) * D;
+        const float inv = 1.0f / l[r];
+#pragma omp simd
+        for (int32_t d = 0; d < D; d++)
+            o[d] = acc[r * D + d] * inv;
+    }
+}
+
 /* Decode attention: one new query token per sequence, attending to its cached context.
  * q, out: [B, H, D] contiguous. k_cache/v_cache: block-major as above, block_stride
  * elements between blocks. tables: [B, table_stride] block ids. seq_lens: [B] (>= 1).
- * Returns 0, or -1 when a size is over the compiled limits (nothing written). */
+ * Work items: one per sequence (all heads: blocks read sequentially), or per (sequence,
+ * KV head) when the batch is too small to keep every thread busy.
+ * Returns 0, or -1 when a size is out of range or memory runs out (nothing written). */
 int xllm_paged_decode_attention_f32(const float *q, float *out, const float *k_cache,
                                     const float *v_cache, int64_t block_stride,
                                     const int64_t *tables, int64_t table_stride,
                                     const int64_t *seq_lens, int32_t B, int32_t H,
                                     int32_t KVH, int32_t D, int32_t bs, float scale) {
     if (KVH <= 0 || H % KVH != 0 || H / KVH > XLLM_MAX_GROUP || D > XLLM_MAX_HEAD_DIM ||
-        bs > XLLM_MAX_BLOCK || bs <= 0 || D <= 0)
+        bs > XLLM_MAX_BLOCK || bs <= 0 || D <= 0 || B < 0)
         return -1;
     const int32_t G = H / KVH;
-    const int64_t slot_stride = (int64_t)KVH * D;
-#pragma omp parallel for schedule(static)
-    for (int64_t idx = 0; idx < (int64_t)B * KVH; idx++) {
-        const int64_t b = idx / KVH, kh = idx % KVH;
-        const int64_t L = seq_lens[b];
-        float qs[XLLM_MAX_GROUP][XLLM_MAX_HEAD_DIM];
-        float acc[XLLM_MAX_GROUP][XLLM_MAX_HEAD_DIM];
-        float m[XLLM_MAX_GROUP], l[XLLM_MAX_GROUP];
-        float s[XLLM_MAX_BLOCK];
-        for (int32_t g = 0; g < G; g++) {
-            const float *qg = q + ((b * H) + kh * G + g) * D;
-            for (int32_t d = 0; d < D; d++) {
-                qs[g][d] = qg[d] * scale;
-                acc[g][d] = 0.0f;
-            }
-            m[g] = -3.0e38f;
-            l[g] = 0.0f;
+    int32_t khc = XLLM_MAX_ROWS / G; /* KV heads per work item */
+    if (khc > KVH)
+        khc = KVH;
+    if (B < 2 * omp_get_max_threads())
+        khc = 1;
+    const int32_t chunks = (KVH + khc - 1) / khc;
+    const int64_t per_item = (int64_t)khc * G * (2 * D + bs + 2);
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *work = (float *)malloc(sizeof(float) * per_item);
+        if (work == NULL) {
+#pragma omp atomic write
+            failed = 1;
         }
-        for (int64_t start = 0; start < L; start += bs) {
-            const int64_t blk = tables[b * table_stride + start / bs];
-            const int32_t n = (int32_t)((L - start) < bs ? (L - start) : bs);
-            const float *kb = k_cache + blk * block_stride + kh * D;
-            const float *vb = v_cache + blk * block_stride + kh * D;
-            for (int32_t g = 0; g < G; g++) {
-                float bmax = -3.0e38f;
-                for (int32_t t = 0; t < n; t++) {
-                    const float *kr = kb + t * slot_stride;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int32_t d = 0; d < D; d++)
-                        dot += qs[g][d] * kr[d];
-                    s[t] = dot;
-                    bmax = dot > bmax ? dot : bmax;
-                }
-                const float mnew = bmax > m[g] ? bmax : m[g];
-                const float corr = xexp(m[g] - mnew);
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int32_t t = 0; t < n; t++) {
-                    s[t] = xexp(s[t] - mnew);
-                    sum += s[t];
-                }
-                l[g] = l[g] * corr + sum;
-                m[g] = mnew;
-                float *a = acc[g];
-#pragma omp simd
-                for (int32_t d = 0; d < D; d++)
-                    a[d] *= corr;
-                for (int32_t t = 0; t < n; t++) {
-                    const float *vr = vb + t * slot_stride;
-                    const float p = s[t];
-#pragma omp simd
-                    for (int32_t d = 0; d < D; d++)
-                        a[d] += p * vr[d];
-                }
-            }
+#pragma omp for schedule(static)
+        for (int64_t idx = 0; idx < (int64_t)B * chunks; idx++) {
+            if (work == NULL)
+                continue;
+            const int64_t b = idx / chunks;
+            const int32_t kh0 = (int32_t)(idx % chunks) * khc;
+            const int32_t kh1 = kh0 + khc < KVH ? kh0 + khc : KVH;
+            decode_attend_seq(q + b * H * D, out + b * H * D, k_cache, v_cache, block_stride,
+                              tables + b * table_stride, seq_lens[b], H, KVH, D, bs, scale,
+                              kh0, kh1, work);
         }
-        for (int32_t g = 0; g < G; g++) {
-            float *o = out + ((b * H) + kh * G + g) * D;
-            const float inv = 1.0f / l[g];
-            for (int32_t d = 0; d < D; d++)
-                o[d] = acc[g][d] * inv;
-        }
+        free(work);
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* RMSNorm of T rows of width H, optionally after a residual add:
