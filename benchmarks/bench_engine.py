@@ -25,10 +25,10 @@ decode step, nothing else); ``hf_forward``: one forward of the bare HF model on 
 [c, 1] batch with a prefilled cache of prompt_len tokens.
 
 Threads: the engine process and this process both run torch with ``--threads`` intra-op
-threads (default 1). The machine has 2 cores shared by the client, the server's HTTP
-thread and its engine thread: 2 OpenMP threads would fight the HTTP side (and idle
-OpenMP workers spin), so one compute thread per process leaves the second core for the
-Python around it. HF runs while the engine idles, so each side gets one core for compute.
+threads (default: all cores, what each side gets when deployed). They take turns (HF runs
+while the engine idles), so each side has the machine to itself while it computes; the
+HTTP client is idle while its non-streaming requests are served. ``--threads 1`` gives
+the single-core comparison.
 
 ``--profile`` also runs the same workload in-process through ``LLMEngine`` and prints
 the cProfile of the engine thread (top functions by own time).
@@ -108,6 +108,23 @@ def matmul_floor_s(model: torch.nn.Module, batch: int, iters: int) -> float:
     def one_pass() -> None:
         for w, b in weights:
             torch.nn.functional.linear(xs[w.shape[1]], w, b)
+
+    with torch.inference_mode():
+        return _time_best(one_pass, iters)
+
+
+def packed_matmul_floor_s(model: torch.nn.Module, batch: int, iters: int) -> float:
+    """The same Linears with weights packed for oneDNN, as the engine runs them on CPU."""
+    from xllm_py.model.packed import PackedLinear, packing_supported
+
+    if not packing_supported(model)[0]:
+        return float("nan")
+    layers = [PackedLinear(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {m.in_features: torch.randn(batch, m.in_features) for m in layers}
+
+    def one_pass() -> None:
+        for m in layers:
+            m(xs[m.in_features])
 
     with torch.inference_mode():
         return _time_best(one_pass, iters)
@@ -199,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads, both sides (default: all cores)")
     p.add_argument("--repeat", type=int, default=None, help="runs per side (default 3, quick 1)")
     p.add_argument("--quick", action="store_true", help="one repeat, fewer floor iterations")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -266,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     c = max(args.concurrency)
     result["floor_batch"] = c
     result["floor_matmul_ms"] = matmul_floor_s(hf, c, floor_iters * 5) * 1e3
+    result["floor_matmul_packed_ms"] = packed_matmul_floor_s(hf, c, floor_iters * 5) * 1e3
     result["floor_hf_forward_ms"] = hf_forward_floor_s(hf, c, args.prompt_len, floor_iters) * 1e3
     result["hf_decode_step_ms"] = median(result["concurrency"][str(c)]["hf_wall_s"]) \
         / args.gen_len * 1e3
@@ -291,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ndecode step at {c}: engine {step:.1f} ms, HF generate "
               f"{result['hf_decode_step_ms']:.1f} ms (incl. prefill share)")
         print(f"floors: matmul-only {result['floor_matmul_ms']:.1f} ms "
-              f"(engine at {step / result['floor_matmul_ms']:.2f}x), bare HF forward "
+              f"(engine at {step / result['floor_matmul_ms']:.2f}x), matmul-only with "
+              f"packed weights {result['floor_matmul_packed_ms']:.1f} ms (engine at "
+              f"{step / result['floor_matmul_packed_ms']:.2f}x), bare HF forward "
               f"{result['floor_hf_forward_ms']:.1f} ms "
               f"(engine at {step / result['floor_hf_forward_ms']:.2f}x)")
     if args.profile:
