@@ -7,8 +7,11 @@ frees its blocks on the engine thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
+import threading
+import weakref
 from typing import AsyncIterator
 
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
@@ -37,15 +40,55 @@ def sampling_params_from(req) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
+class _LoopBridge:
+    """Hands outputs from the engine thread to one event loop, coalescing wake-ups: the
+    outputs of an engine step (one per running request) arrive in a burst and cost one
+    ``call_soon_threadsafe`` instead of one each."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._pending: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue, output: RequestOutput) -> None:
+        with self._lock:
+            self._pending.append((queue, output))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items = list(self._pending)
+            self._pending.clear()
+            self._scheduled = False
+        for queue, output in items:
+            queue.put_nowait(output)
+
+
+_bridges: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopBridge]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _bridge_for(loop: asyncio.AbstractEventLoop) -> _LoopBridge:
+    bridge = _bridges.get(loop)
+    if bridge is None:
+        bridge = _bridges[loop] = _LoopBridge(loop)
+    return bridge
+
+
 class QueueSink:
     """Delivers RequestOutputs from the engine thread into an asyncio.Queue."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._bridge = _bridge_for(loop)
 
     def emit(self, output: RequestOutput) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+        self._bridge.put(self.queue, output)
 
 
 class AsyncEngine:
