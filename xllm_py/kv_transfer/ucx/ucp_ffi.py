@@ -29,6 +29,7 @@ _UCS_ERR_LAST = -100
 
 _FIELD_DATATYPE = 1 << 3
 _FIELD_RECV_INFO = 1 << 7
+_FIELD_MEMORY_TYPE = 1 << 6
 _DATATYPE_IOV = 2
 _CONTIG_BYTES = (1 << 3) | 0  # ucp_dt_make_contig(1)
 
@@ -182,8 +183,9 @@ class Op:
 
 def _param(datatype: int, info: TagRecvInfo | None = None) -> RequestParam:
     p = RequestParam()
-    p.op_attr_mask = _FIELD_DATATYPE | (_FIELD_RECV_INFO if info is not None else 0)
+    p.op_attr_mask = _FIELD_DATATYPE | (_FIELD_RECV_INFO if info is not None else 0) | _FIELD_MEMORY_TYPE
     p.datatype = datatype
+    p.memory_type = 0  # UCS_MEMORY_TYPE_HOST: no memory type detection per buffer
     if info is not None:
         p.recv_info = ctypes.addressof(info)
     return p

@@ -1,0 +1,114 @@
+"""UCX host data path: one iov tag message per pull (iov_protocol / iov_worker / ucp_ffi).
+
+The conformance tests in test_transfer_backends.py cover pull/push/refusals/dead peers for
+mode ``auto`` (= iov on host memory); these check the pieces and the fallbacks.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from xllm_py.config import TransferConfig
+from xllm_py.kv_transfer import create_backend
+from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
+
+
+def _storage(num_blocks: int = 64, seed: int | None = None) -> KVCacheStorage:
+    s = KVCacheStorage(num_layers=3, num_blocks=num_blocks, block_size=4, num_kv_heads=2, head_dim=8)
+    if seed is not None:
+        s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(seed)))
+    return s
+
+
+def test_iov_chunks_address_the_run_slices() -> None:
+    from xllm_py.kv_transfer.ucx.iov_protocol import iov_chunks
+
+    s = _storage()
+    runs = np.array([[5, 9, 3], [40, 1, 1]])
+    for side, col in ((0, 0), (1, 1)):
+        ch = iov_chunks(s, runs, side)
+        assert ch.shape == (2 * 2 * 3, 2)
+        want = [(s.kv[k, layer, r[col]:r[col] + r[2]].data_ptr(), r[2] * s.slice_bytes)
+                for r in runs for k in range(2) for layer in range(3)]
+        assert [tuple(map(int, c)) for c in ch] == want
+
+
+def test_request_roundtrip() -> None:
+    from xllm_py.kv_transfer.ucx.iov_protocol import OP_PUSH, decode_request, encode_request
+
+    op, req, tok, timeout, runs = decode_request(encode_request(OP_PUSH, 7, 1 << 59, 2.5, [(1, 2, 3), (9, 8, 1)]))
+    assert (op, req, tok, timeout) == (OP_PUSH, 7, 1 << 59, 2.5)
+    assert runs.tolist() == [[1, 2, 3], [9, 8, 1]]
+
+
+async def _pull_every_byte(ba, a, bb, b, n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    src = rng.permutation(a.num_blocks)[:n]
+    dst = rng.permutation(b.num_blocks)[:n]
+    before = b.kv.clone()
+    r = await bb.pull(ba.address, src, dst, timeout=10)
+    assert r.num_bytes == n * b.block_bytes
+    assert torch.equal(b.kv[:, :, dst], a.kv[:, :, src])
+    rest = np.setdiff1d(np.arange(b.num_blocks), dst)
+    assert torch.equal(b.kv[:, :, rest], before[:, :, rest])
+
+
+async def test_iov_path_is_used_and_moves_every_byte() -> None:
+    a, b = _storage(256, seed=1), _storage(200)
+    ba, bb = create_backend("ucx", a, TransferConfig()), create_backend("ucx", b, TransferConfig())
+    ba.start()
+    bb.start()
+    try:
+        await bb.link(ba.address)
+        assert bb._peers[ba.address].iov_key is not None
+        for n, seed in ((1, 0), (150, 1), (200, 2)):
+            await _pull_every_byte(ba, a, bb, b, n, seed)
+        # submit_pull from a plain thread takes the same fast path
+        fut = bb.submit_pull(ba.address, [3, 2, 1], [0, 1, 2], timeout=10)
+        assert fut.result(15).num_blocks == 3
+        assert torch.equal(b.kv[:, :, [0, 1, 2]], a.kv[:, :, [3, 2, 1]])
+        assert ba.stats()["served"] >= 4
+    finally:
+        await ba.close()
+        await bb.close()
+
+
+async def test_unreachable_iov_worker_falls_back_to_the_tag_path(monkeypatch) -> None:
+    monkeypatch.setenv("XLLM_UCX_IOV_TLS", "self")  # reaches no other worker
+    a, b = _storage(seed=3), _storage()
+    ba, bb = create_backend("ucx", a, TransferConfig()), create_backend("ucx", b, TransferConfig())
+    ba.start()
+    bb.start()
+    try:
+        await bb.link(ba.address)
+        assert bb._peers[ba.address].iov_key is None
+        await _pull_every_byte(ba, a, bb, b, 20, 4)
+        await bb.push(ba.address, [1, 2], [60, 61], timeout=10)
+        assert torch.equal(a.kv[:, :, [60, 61]], b.kv[:, :, [1, 2]])
+    finally:
+        await ba.close()
+        await bb.close()
+
+
+async def test_pull_timeout_fails_and_relinks() -> None:
+    a, b = _storage(seed=5), _storage()
+    ba, bb = create_backend("ucx", a, TransferConfig()), create_backend("ucx", b, TransferConfig())
+    ba.start()
+    bb.start()
+    try:
+        await bb.link(ba.address)
+        ba._iov.close()  # the owner's data worker stops answering; its control link stays up
+        from xllm_py.kv_transfer import TransferError
+        with pytest.raises(TransferError, match="timed out"):
+            await bb.pull(ba.address, [1], [1], timeout=0.5)
+        assert torch.count_nonzero(b.kv[:, :, 1]) == 0
+        assert ba.address not in bb._peers  # dropped after the failure
+    finally:
+        ba._iov = None
+        await ba.close()
+        await bb.close()
