@@ -97,7 +97,7 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int]) -> tuple[lis
 
     from xllm_py.config import TransferConfig
     from xllm_py.kv_transfer import KVCacheStorage, create_backend
-    from xllm_py.kv_transfer.ucx.env import ucx_env
+    from xllm_py.kv_transfer.ucx.env import iov_worker_config, ucx_env
 
     probe = KVCacheStorage(num_blocks=2, **GEOM)
     block_bytes = probe.block_bytes
@@ -136,6 +136,8 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int]) -> tuple[lis
         finally:
             await backend.close()
         env = ucx_env() if args.backend == "ucx" else {}
+        if args.backend == "ucx" and args.mode in ("auto", "iov"):
+            env.update({f"iov-context:{k}": v for k, v in iov_worker_config().items()})
         return rows, env
     finally:
         peer.stdin.close()
@@ -150,7 +152,8 @@ def main() -> None:
     p.add_argument("--backend", choices=["ucx", "tcp"], default="ucx")
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--mode", choices=["auto", "direct", "gather"], default="auto", help="ucx data path")
+    p.add_argument("--mode", choices=["auto", "iov", "direct", "gather"], default="auto",
+                   help="ucx data path (auto = iov on host memory)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.backend == "ucx":
