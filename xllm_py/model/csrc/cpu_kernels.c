@@ -164,6 +164,19 @@ int xllm_paged_decode_attention_f32(const float *q, float *out, const float *k_c
     return failed ? -1 : 0;
 }
 
+/* o = w * (h * rsqrt(mean(h^2) + eps)) over n values: transformers' float32 formula. */
+static inline __attribute__((always_inline)) void rms_norm_row(const float *h, const float *w,
+                                                               float *o, int32_t n, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int32_t i = 0; i < n; i++)
+        ss += h[i] * h[i];
+    const float r = 1.0f / __builtin_sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int32_t i = 0; i < n; i++)
+        o[i] = w[i] * (h[i] * r);
+}
+
 /* RMSNorm of T rows of width H, optionally after a residual add:
  * residual == NULL: out = rmsnorm(x) * w
  * residual != NULL: residual += x (in place, the new residual stream), out = rmsnorm(residual) * w
@@ -182,14 +195,7 @@ void xllm_add_rms_norm_f32(const float *x, float *residual, const float *w, floa
                 rr[i] = xr[i] + rr[i];
             h = rr;
         }
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int32_t i = 0; i < H; i++)
-            ss += h[i] * h[i];
-        const float r = 1.0f / __builtin_sqrtf(ss / (float)H + eps);
-#pragma omp simd
-        for (int32_t i = 0; i < H; i++)
-            o[i] = w[i] * (h[i] * r);
+        rms_norm_row(h, w, o, H, eps);
     }
 }
 
@@ -198,14 +204,7 @@ static inline void norm_rope_head(const float *x, float *o, const float *w, floa
                                   const float *cs, const float *sn, int32_t D) {
     float tmp[XLLM_MAX_HEAD_DIM];
     if (w != NULL) {
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int32_t i = 0; i < D; i++)
-            ss += x[i] * x[i];
-        const float r = 1.0f / __builtin_sqrtf(ss / (float)D + eps);
-#pragma omp simd
-        for (int32_t i = 0; i < D; i++)
-            tmp[i] = w[i] * (x[i] * r);
+        rms_norm_row(x, w, tmp, D, eps);
     } else {
         memcpy(tmp, x, sizeof(float) * D);
     }
