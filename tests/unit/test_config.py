@@ -47,3 +47,10 @@ def test_cli_accepts_xllm_spellings():
     assert cfg.role is InstanceRole.PREFILL and cfg.cache.block_size == 32
     assert cfg.etcd_addr == "127.0.0.1:2379" and cfg.transfer.mode.value == "PUSH"
     assert cfg.advertise_host == "node-1"
+
+
+def test_cli_compute_flags():
+    default = config_from_args(build_parser().parse_args([]))
+    assert default.num_threads is None and default.pack_weights is True
+    cfg = config_from_args(build_parser().parse_args(["--num_threads", "3", "--pack-weights", "false"]))
+    assert cfg.num_threads == 3 and cfg.pack_weights is False

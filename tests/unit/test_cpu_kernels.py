@@ -161,3 +161,14 @@ def test_pack_linears_replaces_every_linear_and_keeps_outputs() -> None:
     assert not any(isinstance(m, torch.nn.Linear) for m in mlp.modules())
     assert (got - want).abs().max().item() < 1e-5
     assert pack_linears(GatedMLP(8, 8).to(torch.bfloat16)) == 0  # float32 only
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_engine_packs_weights_unless_told_not_to(pack: bool) -> None:
+    from xllm_py.config import CacheConfig, EngineConfig
+    from xllm_py.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="tiny", pack_weights=pack,
+                                    cache=CacheConfig(num_blocks=16)))
+    down = engine.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, PackedLinear if pack else torch.nn.Linear)
