@@ -172,3 +172,17 @@ def test_engine_packs_weights_unless_told_not_to(pack: bool) -> None:
                                     cache=CacheConfig(num_blocks=16)))
     down = engine.model.model.layers[0].mlp.down_proj
     assert isinstance(down, PackedLinear if pack else torch.nn.Linear)
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_small_matches_linear(with_bias: bool) -> None:
+    rng = torch.Generator().manual_seed(7)
+    w = torch.randn(37, 70, generator=rng)
+    b = torch.randn(37, generator=rng) if with_bias else None
+    for rows in range(1, cpu_kernels.LINEAR_SMALL_MAX_ROWS + 1):
+        x = torch.randn(rows, 70, generator=rng)
+        got = cpu_kernels.linear_small(x, w, b)
+        assert (got - F.linear(x, w, b)).abs().max().item() < 1e-4
+    too_many = torch.randn(cpu_kernels.LINEAR_SMALL_MAX_ROWS + 1, 70)
+    assert cpu_kernels.linear_small(too_many, w, b) is None

@@ -259,3 +259,39 @@ void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
         }
     }
 }
+
+/* y [M, N] = x [M, K] @ W[N, K]^T (+ b) for decode-size M (a few rows), W row-major as
+ * nn.Linear holds it. Memory-bound: each thread streams its share of W rows once and
+ * dots every row of x (kept in L1) against it, four rows of x per pass. */
+void xllm_linear_small_f32(const float *x, const float *W, const float *b, float *y, int32_t M,
+                           int32_t N, int32_t K) {
+#pragma omp parallel for schedule(static)
+    for (int32_t n = 0; n < N; n++) {
+        const float *w = W + (int64_t)n * K;
+        const float bn = b != NULL ? b[n] : 0.0f;
+        for (int32_t m0 = 0; m0 < M; m0 += 4) {
+            const int32_t r = M - m0 < 4 ? M - m0 : 4;
+            const float *x0 = x + (int64_t)m0 * K;
+            const float *x1 = r > 1 ? x0 + K : x0;
+            const float *x2 = r > 2 ? x0 + 2 * (int64_t)K : x0;
+            const float *x3 = r > 3 ? x0 + 3 * (int64_t)K : x0;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+            if (r == 1) {
+#pragma omp simd reduction(+ : a0)
+                for (int32_t k = 0; k < K; k++)
+                    a0 += x0[k] * w[k];
+            } else {
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+                for (int32_t k = 0; k < K; k++) {
+                    a0 += x0[k] * w[k];
+                    a1 += x1[k] * w[k];
+                    a2 += x2[k] * w[k];
+                    a3 += x3[k] * w[k];
+                }
+            }
+            const float acc[4] = {a0, a1, a2, a3};
+            for (int32_t m = 0; m < r; m++)
+                y[(int64_t)(m0 + m) * N + n] = acc[m] + bn;
+        }
+    }
+}
