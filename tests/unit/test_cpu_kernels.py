@@ -144,7 +144,7 @@ def test_packed_linear_matches_linear() -> None:
     lin.weight.data = torch.randn(80, 48, generator=rng)
     lin.bias.data = torch.randn(80, generator=rng)
     packed = PackedLinear(lin)
-    for rows in (1, 7, 32, 300):
+    for rows in (1, 7, 32, 96, 97, 300):  # panels up to 96 rows, oneDNN past that
         x = torch.randn(rows, 48, generator=rng)
         with torch.inference_mode():
             assert (packed(x) - lin(x)).abs().max().item() < 1e-4
@@ -176,13 +176,16 @@ def test_engine_packs_weights_unless_told_not_to(pack: bool) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_small_matches_linear(with_bias: bool) -> None:
+def test_linear_panels_matches_linear(with_bias: bool) -> None:
     rng = torch.Generator().manual_seed(7)
-    w = torch.randn(37, 70, generator=rng)
+    w = torch.randn(37, 70, generator=rng)  # 37: a partial last panel
     b = torch.randn(37, generator=rng) if with_bias else None
-    for rows in range(1, cpu_kernels.LINEAR_SMALL_MAX_ROWS + 1):
+    panels = cpu_kernels.pack_panels(w)
+    assert panels.shape == (3, 70, 16)
+    for rows in list(range(1, 14)) + [cpu_kernels.PANEL_MAX_ROWS]:  # every tail of 6
         x = torch.randn(rows, 70, generator=rng)
-        got = cpu_kernels.linear_small(x, w, b)
+        got = cpu_kernels.linear_panels(x, panels, 37, b)
+        assert got.shape == (rows, 37)
         assert (got - F.linear(x, w, b)).abs().max().item() < 1e-4
-    too_many = torch.randn(cpu_kernels.LINEAR_SMALL_MAX_ROWS + 1, 70)
-    assert cpu_kernels.linear_small(too_many, w, b) is None
+    too_many = torch.randn(cpu_kernels.PANEL_MAX_ROWS + 1, 70)
+    assert cpu_kernels.linear_panels(too_many, panels, 37, b) is None

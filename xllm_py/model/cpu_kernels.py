@@ -42,9 +42,10 @@ _off = False  # set by disabled() (tests of the torch path)
 MAX_GROUP = 16  # query heads per KV head (csrc XLLM_MAX_GROUP)
 MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE = 256
-# linear_small handles up to this many rows; measured on the 2-core VM, all 33 matmuls of
-# tiny-25m: 8.2 vs 10.3 ms (oneDNN packed) at 1 row, 11.0 vs 14.9 at 8, even at 16.
-LINEAR_SMALL_MAX_ROWS = 8
+# linear_panels handles up to this many rows. All 33 matmuls of tiny-25m, 2 threads on the
+# 2-core VM, panels vs oneDNN packed: 8.7 vs 11.9 ms at 1 row, 20.0 vs 25.5 at 32,
+# 42.4 vs 47.6 at 96, 69 vs 65 at 128.
+PANEL_MAX_ROWS = 96
 
 
 def _cpu_flags() -> set[str]:
@@ -124,7 +125,7 @@ def _load() -> ctypes.CDLL | None:
             "xllm_qk_norm_rope_store_f32": (
                 [p, p, p, p, p, p, p, f32, p, p, i64, i32, i32, i32], ctypes.c_int),
             "xllm_silu_and_mul_f32": ([p, p, i64, i32], None),
-            "xllm_linear_small_f32": ([p, p, p, p, i32, i32, i32], None),
+            "xllm_linear_panels_f32": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
         }
         for name, (args, res) in signatures.items():
             fn = getattr(lib, name)
@@ -259,20 +260,29 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def linear_small(x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``x @ weight.T + bias`` for x [M <= LINEAR_SMALL_MAX_ROWS, K] float32, weight [N, K]
-    contiguous (nn.Linear's layout). None: not handled (take another path)."""
-    if x.dim() != 2 or x.shape[0] > LINEAR_SMALL_MAX_ROWS or not x.is_contiguous() \
-            or not weight.is_contiguous() or not _f32_cpu(x, weight) or _load() is None:
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's weight [N, K] -> panels [ceil(N/16), K, 16] for ``linear_panels``."""
+    n, k = weight.shape
+    num = (n + 15) // 16
+    padded = weight.new_zeros(num * 16, k)
+    padded[:n] = weight
+    return padded.view(num, 16, k).transpose(1, 2).contiguous()
+
+
+def linear_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ W.T + bias`` for x [M <= PANEL_MAX_ROWS, K] float32 with W packed by
+    ``pack_panels``. None: not handled (take another path)."""
+    if x.dim() != 2 or x.shape[0] > PANEL_MAX_ROWS or not x.is_contiguous() \
+            or not _f32_cpu(x, panels) or _load() is None:
         return None
     if bias is not None and (not _f32_cpu(bias) or not bias.is_contiguous()):
         return None
-    n, k = weight.shape
-    if x.shape[1] != k:
+    k = panels.shape[1]
+    if x.shape[1] != k or panels.shape[0] * 16 < out_features:
         raise ValueError(f"linear: input has {x.shape[1]} features, weight expects {k}")
-    y = torch.empty(x.shape[0], n, dtype=x.dtype)
-    _lib.xllm_linear_small_f32(x.data_ptr(), weight.data_ptr(),
-                               0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                               x.shape[0], n, k)
-    return y
+    y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    rc = _lib.xllm_linear_panels_f32(x.data_ptr(), panels.data_ptr(),
+                                     0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                                     x.shape[0], out_features, k)
+    return y if rc == 0 else None

@@ -5,11 +5,11 @@
 layout its kernels read, and then runs the small-batch matmuls of decoding markedly
 faster, and with better use of a second core (``benchmarks/bench_engine.py``; figures in
 docs/DESIGN.md). ``pack_linears`` swaps every ``nn.Linear`` of a loaded model for a
-``PackedLinear``. For one to eight rows (decoding a few sequences) a plain streaming dot
-product over the original ``[out, in]`` weight beats oneDNN (the step is bound by reading
-the weights once: ``cpu_kernels.linear_small``), so when the native kernels are available
-the plain weight is kept next to the packed copy: twice the linear-weight memory, the
-price of the fastest path at every batch size. Without them only the packed copy stays.
+``PackedLinear``. Up to ~96 rows (decode batches) the native panel kernel
+(``cpu_kernels.linear_panels``: 16-column panels, a 6 x 16 register tile, weights read
+once per call) beats oneDNN; past that (prefill) oneDNN wins. When the kernels are
+available both layouts are kept: twice the linear-weight memory, the price of the fastest
+path at every batch size (``--pack-weights false`` keeps the plain weights only).
 
 Packing is used where it is known to be exact to float32 rounding and supported: CPU,
 float32 weights, a torch built with oneDNN. Elsewhere ``pack_linears`` leaves the model
@@ -59,14 +59,14 @@ class PackedLinear(nn.Module):
         self._packed = packed
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(),
                                                                   requires_grad=False)
-        # plain layout for the few-row kernel (None: every call goes to oneDNN)
-        self.weight = (nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)
-                       if cpu_kernels.available() else None)
+        # panels for decode-size batches (None: every call goes to oneDNN)
+        self._panels = (cpu_kernels.pack_panels(linear.weight.detach())
+                        if cpu_kernels.available() else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None and x.dim() == 2 \
-                and x.shape[0] <= cpu_kernels.LINEAR_SMALL_MAX_ROWS:
-            y = cpu_kernels.linear_small(x, self.weight, self.bias)
+        if self._panels is not None and x.dim() == 2 \
+                and x.shape[0] <= cpu_kernels.PANEL_MAX_ROWS:
+            y = cpu_kernels.linear_panels(x, self._panels, self.out_features, self.bias)
             if y is not None:
                 return y
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

@@ -260,38 +260,96 @@ void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
     }
 }
 
-/* y [M, N] = x [M, K] @ W[N, K]^T (+ b) for decode-size M (a few rows), W row-major as
- * nn.Linear holds it. Memory-bound: each thread streams its share of W rows once and
- * dots every row of x (kept in L1) against it, four rows of x per pass. */
-void xllm_linear_small_f32(const float *x, const float *W, const float *b, float *y, int32_t M,
+/* y [M, N] = x [M, K] @ W^T (+ b) for decode-size M, W packed once as panels
+ * P[ceil(N / 16)][K][16] (row n of W at panel n / 16, column n % 16; zero padded).
+ * Each thread takes whole panels; a 6 x 16 tile of y lives in 12 AVX registers while the
+ * panel streams through once per 6 rows of x (from L1/L2 after the first pass), so the
+ * weights come from memory once per call. Returns -1 without AVX2/FMA (caller: oneDNN). */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define XLLM_TILE_ROWS 6
+int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
                            int32_t N, int32_t K) {
+    const int32_t np = (N + 15) / 16;
 #pragma omp parallel for schedule(static)
-    for (int32_t n = 0; n < N; n++) {
-        const float *w = W + (int64_t)n * K;
-        const float bn = b != NULL ? b[n] : 0.0f;
-        for (int32_t m0 = 0; m0 < M; m0 += 4) {
-            const int32_t r = M - m0 < 4 ? M - m0 : 4;
-            const float *x0 = x + (int64_t)m0 * K;
-            const float *x1 = r > 1 ? x0 + K : x0;
-            const float *x2 = r > 2 ? x0 + 2 * (int64_t)K : x0;
-            const float *x3 = r > 3 ? x0 + 3 * (int64_t)K : x0;
-            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-            if (r == 1) {
-#pragma omp simd reduction(+ : a0)
-                for (int32_t k = 0; k < K; k++)
-                    a0 += x0[k] * w[k];
-            } else {
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-                for (int32_t k = 0; k < K; k++) {
-                    a0 += x0[k] * w[k];
-                    a1 += x1[k] * w[k];
-                    a2 += x2[k] * w[k];
-                    a3 += x3[k] * w[k];
+    for (int32_t p = 0; p < np; p++) {
+        const float *pp = P + (int64_t)p * K * 16;
+        const int32_t n0 = p * 16, nv = N - n0 < 16 ? N - n0 : 16;
+        for (int32_t m0 = 0; m0 < M; m0 += XLLM_TILE_ROWS) {
+            const int32_t rows = M - m0 < XLLM_TILE_ROWS ? M - m0 : XLLM_TILE_ROWS;
+            if (rows == 1) { /* one row (single-sequence decode): stream the panel only */
+                const float *x0 = x + (int64_t)m0 * K;
+                __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
+                int32_t k = 0;
+                for (; k + 1 < K; k += 2) {
+                    const __m256 a = _mm256_broadcast_ss(x0 + k), a2 = _mm256_broadcast_ss(x0 + k + 1);
+                    e0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16), e0);
+                    e1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16 + 8), e1);
+                    o0 = _mm256_fmadd_ps(a2, _mm256_loadu_ps(pp + (int64_t)k * 16 + 16), o0);
+                    o1 = _mm256_fmadd_ps(a2, _mm256_loadu_ps(pp + (int64_t)k * 16 + 24), o1);
                 }
+                if (k < K) {
+                    const __m256 a = _mm256_broadcast_ss(x0 + k);
+                    e0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16), e0);
+                    e1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16 + 8), e1);
+                }
+                float tile1[16];
+                _mm256_storeu_ps(tile1, _mm256_add_ps(e0, o0));
+                _mm256_storeu_ps(tile1 + 8, _mm256_add_ps(e1, o1));
+                float *yr = y + (int64_t)m0 * N + n0;
+                for (int32_t j = 0; j < nv; j++)
+                    yr[j] = tile1[j] + (b != NULL ? b[n0 + j] : 0.0f);
+                continue;
             }
-            const float acc[4] = {a0, a1, a2, a3};
-            for (int32_t m = 0; m < r; m++)
-                y[(int64_t)(m0 + m) * N + n] = acc[m] + bn;
+            const float *xr[XLLM_TILE_ROWS]; /* rows past M repeat row m0: computed, not stored */
+            for (int32_t r = 0; r < XLLM_TILE_ROWS; r++)
+                xr[r] = x + (int64_t)(m0 + (r < rows ? r : 0)) * K;
+            /* twelve named accumulators: an array of __m256 is not kept in registers */
+            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00,
+                   c21 = c00, c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+            for (int32_t k = 0; k < K; k++) {
+                const __m256 w0 = _mm256_loadu_ps(pp + (int64_t)k * 16);
+                const __m256 w1 = _mm256_loadu_ps(pp + (int64_t)k * 16 + 8);
+#define XLLM_ROW(r, lo, hi)                                 \
+    {                                                       \
+        const __m256 a = _mm256_broadcast_ss(xr[r] + k);    \
+        lo = _mm256_fmadd_ps(a, w0, lo);                    \
+        hi = _mm256_fmadd_ps(a, w1, hi);                    \
+    }
+                XLLM_ROW(0, c00, c01)
+                XLLM_ROW(1, c10, c11)
+                XLLM_ROW(2, c20, c21)
+                XLLM_ROW(3, c30, c31)
+                XLLM_ROW(4, c40, c41)
+                XLLM_ROW(5, c50, c51)
+#undef XLLM_ROW
+            }
+            float tile[XLLM_TILE_ROWS][16];
+            _mm256_storeu_ps(tile[0], c00);
+            _mm256_storeu_ps(tile[0] + 8, c01);
+            _mm256_storeu_ps(tile[1], c10);
+            _mm256_storeu_ps(tile[1] + 8, c11);
+            _mm256_storeu_ps(tile[2], c20);
+            _mm256_storeu_ps(tile[2] + 8, c21);
+            _mm256_storeu_ps(tile[3], c30);
+            _mm256_storeu_ps(tile[3] + 8, c31);
+            _mm256_storeu_ps(tile[4], c40);
+            _mm256_storeu_ps(tile[4] + 8, c41);
+            _mm256_storeu_ps(tile[5], c50);
+            _mm256_storeu_ps(tile[5] + 8, c51);
+            for (int32_t r = 0; r < rows; r++) {
+                float *yr = y + (int64_t)(m0 + r) * N + n0;
+                for (int32_t j = 0; j < nv; j++)
+                    yr[j] = tile[r][j] + (b != NULL ? b[n0 + j] : 0.0f);
+            }
         }
     }
+    return 0;
 }
+#else
+int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
+                           int32_t N, int32_t K) {
+    (void)x; (void)P; (void)b; (void)y; (void)M; (void)N; (void)K;
+    return -1;
+}
+#endif
