@@ -268,80 +268,98 @@ void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define XLLM_TILE_ROWS 6
-int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
-                           int32_t N, int32_t K) {
-    const int32_t np = (N + 15) / 16;
-#pragma omp parallel for schedule(static)
-    for (int32_t p = 0; p < np; p++) {
-        const float *pp = P + (int64_t)p * K * 16;
-        const int32_t n0 = p * 16, nv = N - n0 < 16 ? N - n0 : 16;
-        for (int32_t m0 = 0; m0 < M; m0 += XLLM_TILE_ROWS) {
-            const int32_t rows = M - m0 < XLLM_TILE_ROWS ? M - m0 : XLLM_TILE_ROWS;
-            if (rows == 1) { /* one row (single-sequence decode): stream the panel only */
-                const float *x0 = x + (int64_t)m0 * K;
-                __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
-                int32_t k = 0;
-                for (; k + 1 < K; k += 2) {
-                    const __m256 a = _mm256_broadcast_ss(x0 + k), a2 = _mm256_broadcast_ss(x0 + k + 1);
-                    e0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16), e0);
-                    e1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16 + 8), e1);
-                    o0 = _mm256_fmadd_ps(a2, _mm256_loadu_ps(pp + (int64_t)k * 16 + 16), o0);
-                    o1 = _mm256_fmadd_ps(a2, _mm256_loadu_ps(pp + (int64_t)k * 16 + 24), o1);
-                }
-                if (k < K) {
-                    const __m256 a = _mm256_broadcast_ss(x0 + k);
-                    e0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16), e0);
-                    e1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16 + 8), e1);
-                }
-                float tile1[16];
-                _mm256_storeu_ps(tile1, _mm256_add_ps(e0, o0));
-                _mm256_storeu_ps(tile1 + 8, _mm256_add_ps(e1, o1));
-                float *yr = y + (int64_t)m0 * N + n0;
-                for (int32_t j = 0; j < nv; j++)
-                    yr[j] = tile1[j] + (b != NULL ? b[n0 + j] : 0.0f);
-                continue;
-            }
-            const float *xr[XLLM_TILE_ROWS]; /* rows past M repeat row m0: computed, not stored */
-            for (int32_t r = 0; r < XLLM_TILE_ROWS; r++)
-                xr[r] = x + (int64_t)(m0 + (r < rows ? r : 0)) * K;
-            /* twelve named accumulators: an array of __m256 is not kept in registers */
-            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00,
-                   c21 = c00, c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-            for (int32_t k = 0; k < K; k++) {
-                const __m256 w0 = _mm256_loadu_ps(pp + (int64_t)k * 16);
-                const __m256 w1 = _mm256_loadu_ps(pp + (int64_t)k * 16 + 8);
+#define XLLM_PANEL_MAX_ROWS 96 /* cpu_kernels.PANEL_MAX_ROWS */
+#define XLLM_PANEL_KC 128      /* panel rows per chunk: 8 KB, stays in L1 for every tile */
+
+/* One panel row of 16 outputs for a single x row (M == 1: memory-bound, no tiling). */
+static void panel_one_row(const float *x0, const float *pp, int32_t K, float *tile) {
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
+    int32_t k = 0;
+    for (; k + 1 < K; k += 2) {
+        const __m256 a = _mm256_broadcast_ss(x0 + k), a2 = _mm256_broadcast_ss(x0 + k + 1);
+        e0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16), e0);
+        e1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16 + 8), e1);
+        o0 = _mm256_fmadd_ps(a2, _mm256_loadu_ps(pp + (int64_t)k * 16 + 16), o0);
+        o1 = _mm256_fmadd_ps(a2, _mm256_loadu_ps(pp + (int64_t)k * 16 + 24), o1);
+    }
+    if (k < K) {
+        const __m256 a = _mm256_broadcast_ss(x0 + k);
+        e0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16), e0);
+        e1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16 + 8), e1);
+    }
+    _mm256_storeu_ps(tile, _mm256_add_ps(e0, o0));
+    _mm256_storeu_ps(tile + 8, _mm256_add_ps(e1, o1));
+}
+
+/* acc[r] += x[r, k0:k0+kn] @ panel[k0:k0+kn] for the six rows xr; twelve named
+ * accumulators (an array of __m256 is not kept in registers). */
+static inline __attribute__((always_inline)) void panel_tile(const float *const *xr,
+                                                             const float *pp, int32_t k0,
+                                                             int32_t kn, float (*acc)[16]) {
+    __m256 c00 = _mm256_loadu_ps(acc[0]), c01 = _mm256_loadu_ps(acc[0] + 8);
+    __m256 c10 = _mm256_loadu_ps(acc[1]), c11 = _mm256_loadu_ps(acc[1] + 8);
+    __m256 c20 = _mm256_loadu_ps(acc[2]), c21 = _mm256_loadu_ps(acc[2] + 8);
+    __m256 c30 = _mm256_loadu_ps(acc[3]), c31 = _mm256_loadu_ps(acc[3] + 8);
+    __m256 c40 = _mm256_loadu_ps(acc[4]), c41 = _mm256_loadu_ps(acc[4] + 8);
+    __m256 c50 = _mm256_loadu_ps(acc[5]), c51 = _mm256_loadu_ps(acc[5] + 8);
+    for (int32_t k = k0; k < k0 + kn; k++) {
+        const __m256 w0 = _mm256_loadu_ps(pp + (int64_t)k * 16);
+        const __m256 w1 = _mm256_loadu_ps(pp + (int64_t)k * 16 + 8);
 #define XLLM_ROW(r, lo, hi)                                 \
     {                                                       \
         const __m256 a = _mm256_broadcast_ss(xr[r] + k);    \
         lo = _mm256_fmadd_ps(a, w0, lo);                    \
         hi = _mm256_fmadd_ps(a, w1, hi);                    \
     }
-                XLLM_ROW(0, c00, c01)
-                XLLM_ROW(1, c10, c11)
-                XLLM_ROW(2, c20, c21)
-                XLLM_ROW(3, c30, c31)
-                XLLM_ROW(4, c40, c41)
-                XLLM_ROW(5, c50, c51)
+        XLLM_ROW(0, c00, c01)
+        XLLM_ROW(1, c10, c11)
+        XLLM_ROW(2, c20, c21)
+        XLLM_ROW(3, c30, c31)
+        XLLM_ROW(4, c40, c41)
+        XLLM_ROW(5, c50, c51)
 #undef XLLM_ROW
+    }
+    _mm256_storeu_ps(acc[0], c00); _mm256_storeu_ps(acc[0] + 8, c01);
+    _mm256_storeu_ps(acc[1], c10); _mm256_storeu_ps(acc[1] + 8, c11);
+    _mm256_storeu_ps(acc[2], c20); _mm256_storeu_ps(acc[2] + 8, c21);
+    _mm256_storeu_ps(acc[3], c30); _mm256_storeu_ps(acc[3] + 8, c31);
+    _mm256_storeu_ps(acc[4], c40); _mm256_storeu_ps(acc[4] + 8, c41);
+    _mm256_storeu_ps(acc[5], c50); _mm256_storeu_ps(acc[5] + 8, c51);
+}
+
+int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
+                           int32_t N, int32_t K) {
+    if (M <= 0 || M > XLLM_PANEL_MAX_ROWS || K <= 0)
+        return -1;
+    const int32_t np = (N + 15) / 16;
+    const int32_t tiles = (M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS;
+#pragma omp parallel for schedule(static)
+    for (int32_t p = 0; p < np; p++) {
+        const float *pp = P + (int64_t)p * K * 16;
+        const int32_t n0 = p * 16, nv = N - n0 < 16 ? N - n0 : 16;
+        /* rows past M (the last tile's padding) compute on row 0 and are never stored */
+        float acc[XLLM_PANEL_MAX_ROWS + XLLM_TILE_ROWS][16];
+        if (M == 1) {
+            panel_one_row(x, pp, K, acc[0]);
+        } else {
+            memset(acc, 0, sizeof(float) * 16 * (size_t)(tiles * XLLM_TILE_ROWS));
+            /* k outer, tiles inner: each 8 KB chunk of the panel comes from memory once and
+             * serves every tile from L1, so the weight stream overlaps the FMAs */
+            for (int32_t k0 = 0; k0 < K; k0 += XLLM_PANEL_KC) {
+                const int32_t kn = K - k0 < XLLM_PANEL_KC ? K - k0 : XLLM_PANEL_KC;
+                for (int32_t t = 0; t < tiles; t++) {
+                    const int32_t m0 = t * XLLM_TILE_ROWS;
+                    const float *xr[XLLM_TILE_ROWS];
+                    for (int32_t r = 0; r < XLLM_TILE_ROWS; r++)
+                        xr[r] = x + (int64_t)(m0 + r < M ? m0 + r : 0) * K;
+                    panel_tile(xr, pp, k0, kn, acc + m0);
+                }
             }
-            float tile[XLLM_TILE_ROWS][16];
-            _mm256_storeu_ps(tile[0], c00);
-            _mm256_storeu_ps(tile[0] + 8, c01);
-            _mm256_storeu_ps(tile[1], c10);
-            _mm256_storeu_ps(tile[1] + 8, c11);
-            _mm256_storeu_ps(tile[2], c20);
-            _mm256_storeu_ps(tile[2] + 8, c21);
-            _mm256_storeu_ps(tile[3], c30);
-            _mm256_storeu_ps(tile[3] + 8, c31);
-            _mm256_storeu_ps(tile[4], c40);
-            _mm256_storeu_ps(tile[4] + 8, c41);
-            _mm256_storeu_ps(tile[5], c50);
-            _mm256_storeu_ps(tile[5] + 8, c51);
-            for (int32_t r = 0; r < rows; r++) {
-                float *yr = y + (int64_t)(m0 + r) * N + n0;
-                for (int32_t j = 0; j < nv; j++)
-                    yr[j] = tile[r][j] + (b != NULL ? b[n0 + j] : 0.0f);
-            }
+        }
+        for (int32_t m = 0; m < M; m++) {
+            float *yr = y + (int64_t)m * N + n0;
+            for (int32_t j = 0; j < nv; j++)
+                yr[j] = acc[m][j] + (b != NULL ? b[n0 + j] : 0.0f);
         }
     }
     return 0;
