@@ -59,6 +59,25 @@ def decode_request(data: bytes) -> tuple[int, int, int, float, np.ndarray]:
     return op, req_id, token, timeout, runs
 
 
+def check_src_runs(runs: np.ndarray, num_blocks: int) -> str | None:
+    """The source side of a pull, vectorised: every run inside ``[0, num_blocks)``; None when valid.
+
+    (Same rule as ``KVTransferBackend._check_remote_runs(.., "src")``, without expanding the
+    runs to ids and back: that cost ~0.1 ms of the owner's time per request under load.)
+    """
+    if runs.size == 0:
+        return None
+    start, n = runs[:, 0], runs[:, 2]
+    if int(n.min()) <= 0:
+        return "peer refused: run lengths must be positive"
+    if (int(start.min()) < 0 or int(start.max()) >= num_blocks or int(n.max()) > num_blocks
+            or int((start + n).max()) > num_blocks):  # (the first three: no int64 overflow below)
+        bad = sorted({int(b) for s0, k in zip(start.tolist(), n.tolist())
+                      for b in (s0, s0 + k - 1) if not 0 <= b < num_blocks})
+        return f"peer refused: block ids out of range [0, {num_blocks}): {bad[:8]}"
+    return None
+
+
 def _status_text(op: ffi.Op, buf) -> str:
     return buf.raw[:op.info.length].decode(errors="replace")
 
@@ -106,8 +125,11 @@ def serve_task(track: list[ffi.Op], worker: int, ep: int, storage: KVCacheStorag
                runs: np.ndarray, check: Callable[[list[Run], str], object],
                on_served: Callable[[], None]) -> TaskGen:
     """Owner side of a request; ``check(runs, side)`` returns an error string or the validated ids."""
-    checked = check([tuple(r) for r in runs.tolist()], "src" if op == OP_PULL else "dst")
-    if op not in (OP_PULL, OP_PUSH):
+    if op == OP_PULL:
+        checked = check_src_runs(runs, storage.num_blocks)
+    elif op == OP_PUSH:
+        checked = check([tuple(r) for r in runs.tolist()], "dst")
+    else:
         checked = f"unknown op {op}"
     if isinstance(checked, str):
         yield [_t(track, ffi.tag_send_bytes(ep, checked.encode()[:_STATUS_MAX], tag(KIND_STATUS, req_id)))]

@@ -255,6 +255,12 @@ class IovWorker:
         while (r := ffi.probe_recv(self.handle, tag(KIND_REQ, 0), KIND_MASK)) is not None:
             op, buf, sender_tag, length = r
             got = True
+            if op.done:  # the usual case: a small message, already here; serve it at once
+                if op.status == ffi.UCS_OK:  # (no generator task just to wait for it)
+                    self._serve(sender_tag, buf.raw[:length])
+                else:
+                    logger.warning("ucx iov: receiving a request failed: %s", ffi.status_string(op.status))
+                continue
             self._add_task(self._request(op, buf, sender_tag, length), time.monotonic() + 30.0, None, None,
                            "request receive")
         return got
@@ -264,11 +270,14 @@ class IovWorker:
         def make(track: list[ffi.Op]) -> TaskGen:
             track.append(op)
             yield [op]
-            served = self._on_request(sender_tag, buf.raw[:length])
-            if served is not None:
-                make_served, timeout, key, what = served
-                self._add_task(make_served, time.monotonic() + timeout, key, None, what)
+            self._serve(sender_tag, buf.raw[:length])
         return make
+
+    def _serve(self, sender_tag: int, data: bytes) -> None:
+        served = self._on_request(sender_tag, data)
+        if served is not None:
+            make_served, timeout, key, what = served
+            self._add_task(make_served, time.monotonic() + timeout, key, None, what)
 
     def _run_calls(self) -> bool:
         ran = False
