@@ -6,6 +6,7 @@ mode ``auto`` (= iov on host memory); these check the pieces and the fallbacks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import time
 
@@ -25,6 +26,20 @@ def _storage(num_blocks: int = 64, seed: int | None = None) -> KVCacheStorage:
     if seed is not None:
         s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(seed)))
     return s
+
+
+@contextlib.asynccontextmanager
+async def _linked(a: KVCacheStorage, b: KVCacheStorage):
+    """UCX backends on ``a`` (owner) and ``b`` (puller), b linked to a; closed on exit."""
+    ba, bb = create_backend("ucx", a, TransferConfig()), create_backend("ucx", b, TransferConfig())
+    ba.start()
+    bb.start()
+    try:
+        await bb.link(ba.address)
+        yield ba, bb
+    finally:
+        await ba.close()
+        await bb.close()
 
 
 def test_iov_chunks_address_the_run_slices() -> None:
@@ -62,11 +77,7 @@ async def _pull_every_byte(ba, a, bb, b, n: int, seed: int) -> None:
 
 async def test_iov_path_is_used_and_moves_every_byte() -> None:
     a, b = _storage(256, seed=1), _storage(200)
-    ba, bb = create_backend("ucx", a, TransferConfig()), create_backend("ucx", b, TransferConfig())
-    ba.start()
-    bb.start()
-    try:
-        await bb.link(ba.address)
+    async with _linked(a, b) as (ba, bb):
         assert bb._peers[ba.address].iov_key is not None
         for n, seed in ((1, 0), (150, 1), (200, 2)):
             await _pull_every_byte(ba, a, bb, b, n, seed)
@@ -80,42 +91,27 @@ async def test_iov_path_is_used_and_moves_every_byte() -> None:
         while ba.stats()["served"] < 4 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert ba.stats()["served"] >= 4
-    finally:
-        await ba.close()
-        await bb.close()
 
 
 async def test_unreachable_iov_worker_falls_back_to_the_tag_path(monkeypatch) -> None:
     monkeypatch.setenv("XLLM_UCX_IOV_TLS", "self")  # reaches no other worker
     a, b = _storage(seed=3), _storage()
-    ba, bb = create_backend("ucx", a, TransferConfig()), create_backend("ucx", b, TransferConfig())
-    ba.start()
-    bb.start()
-    try:
-        await bb.link(ba.address)
+    async with _linked(a, b) as (ba, bb):
         assert bb._peers[ba.address].iov_key is None
         await _pull_every_byte(ba, a, bb, b, 20, 4)
         await bb.push(ba.address, [1, 2], [60, 61], timeout=10)
         assert torch.equal(a.kv[:, :, [60, 61]], b.kv[:, :, [1, 2]])
-    finally:
-        await ba.close()
-        await bb.close()
 
 
 async def test_pull_timeout_fails_and_relinks() -> None:
     a, b = _storage(seed=5), _storage()
-    ba, bb = create_backend("ucx", a, TransferConfig()), create_backend("ucx", b, TransferConfig())
-    ba.start()
-    bb.start()
-    try:
-        await bb.link(ba.address)
+    async with _linked(a, b) as (ba, bb):
         ba._iov.close()  # the owner's data worker stops answering; its control link stays up
-        from xllm_py.kv_transfer import TransferError
-        with pytest.raises(TransferError, match="timed out"):
-            await bb.pull(ba.address, [1], [1], timeout=0.5)
-        assert torch.count_nonzero(b.kv[:, :, 1]) == 0
-        assert ba.address not in bb._peers  # dropped after the failure
-    finally:
-        ba._iov = None
-        await ba.close()
-        await bb.close()
+        try:
+            from xllm_py.kv_transfer import TransferError
+            with pytest.raises(TransferError, match="timed out"):
+                await bb.pull(ba.address, [1], [1], timeout=0.5)
+            assert torch.count_nonzero(b.kv[:, :, 1]) == 0
+            assert ba.address not in bb._peers  # dropped after the failure
+        finally:
+            ba._iov = None  # already closed

@@ -87,33 +87,33 @@ def _t(track: list[ffi.Op], op: ffi.Op) -> ffi.Op:
     return op
 
 
-def pull_task(track: list[ffi.Op], worker: int, ep: int, storage: KVCacheStorage, req_id: int, token: int,
-              timeout: float, runs: list[Run]) -> TaskGen:
-    """Requester side. A refusal leaves the DATA receive unmatched: the worker cancels it."""
-    _t(track, ffi.tag_recv_iov(worker, iov_chunks(storage, np.asarray(runs), side=1), tag(KIND_DATA, req_id)))
+def _request(track: list[ffi.Op], worker: int, ep: int, op: int, req_id: int, token: int,
+             timeout: float, runs: list[Run]) -> TaskGen:
+    """Posts the STATUS receive, sends the request and waits for both; a refusal raises."""
     status, sbuf = ffi.tag_recv_bytes(worker, _STATUS_MAX, tag(KIND_STATUS, req_id))
     _t(track, status)
-    req = _t(track, ffi.tag_send_bytes(ep, encode_request(OP_PULL, req_id, token, timeout, runs),
+    req = _t(track, ffi.tag_send_bytes(ep, encode_request(op, req_id, token, timeout, runs),
                                        tag(KIND_REQ, req_id)))
     yield [req, status]
     err = _status_text(status, sbuf)
     if err:
         raise TransferError(err, invalid_argument=True)
-    yield [track[0]]
+
+
+def pull_task(track: list[ffi.Op], worker: int, ep: int, storage: KVCacheStorage, req_id: int, token: int,
+              timeout: float, runs: list[Run]) -> TaskGen:
+    """Requester side. A refusal leaves the DATA receive unmatched: the worker cancels it."""
+    data = _t(track, ffi.tag_recv_iov(worker, iov_chunks(storage, np.asarray(runs), side=1),
+                                      tag(KIND_DATA, req_id)))
+    yield from _request(track, worker, ep, OP_PULL, req_id, token, timeout, runs)
+    yield [data]
 
 
 def push_task(track: list[ffi.Op], worker: int, ep: int, storage: KVCacheStorage, req_id: int, token: int,
               timeout: float, runs: list[Run]) -> TaskGen:
-    status, sbuf = ffi.tag_recv_bytes(worker, _STATUS_MAX, tag(KIND_STATUS, req_id))
-    _t(track, status)
     done, dbuf = ffi.tag_recv_bytes(worker, _STATUS_MAX, tag(KIND_DONE, req_id))
     _t(track, done)
-    req = _t(track, ffi.tag_send_bytes(ep, encode_request(OP_PUSH, req_id, token, timeout, runs),
-                                       tag(KIND_REQ, req_id)))
-    yield [req, status]
-    err = _status_text(status, sbuf)
-    if err:
-        raise TransferError(err, invalid_argument=True)
+    yield from _request(track, worker, ep, OP_PUSH, req_id, token, timeout, runs)
     yield [_t(track, ffi.tag_send_iov(ep, iov_chunks(storage, np.asarray(runs), side=0), tag(KIND_DATA, req_id))),
            done]
     err = _status_text(done, dbuf)
