@@ -127,7 +127,15 @@ def test_kernels_decline_what_they_do_not_handle() -> None:
     assert cpu_kernels.rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-6) is None
     assert cpu_kernels.silu_and_mul(torch.randn(4, 8).t()) is None  # not contiguous
     q = torch.randn(2, 4, 8)
-    assert not cpu_kernels.decode_attention_supported(q, torch.randn(3, 4, 2, 8).half())
+    half = torch.randn(3, 4, 2, 8).half()
+    assert not cpu_kernels.decode_attention_supported(q, half, half)
+    # blocks that are not contiguous (here: kvh and hd swapped in memory) take the torch path
+    odd = torch.randn(3, 4, 8, 2).transpose(2, 3)
+    assert not cpu_kernels.decode_attention_supported(q, odd, odd)
+    qkv = torch.randn(5, (4 + 2 * 2) * 8)
+    cos = sin = torch.ones(5, 8)
+    assert cpu_kernels.qk_norm_rope_store(qkv, 4, 2, 8, None, None, 1e-6, cos, sin, odd, odd,
+                                          torch.arange(5)) is None
 
 
 def test_disabled_by_environment() -> None:

@@ -219,7 +219,7 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       g: _DecodeGroup) -> torch.Tensor:
-    if cpu_kernels.decode_attention_supported(q, k_cache):
+    if cpu_kernels.decode_attention_supported(q, k_cache, v_cache):
         # reads the blocks in place: no gather, no mask (xllm_py/model/cpu_kernels.py)
         return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, g.block_tables,
                                                   g.seq_lens, q.shape[-1] ** -0.5)

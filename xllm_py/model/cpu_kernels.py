@@ -103,6 +103,8 @@ def _load() -> ctypes.CDLL | None:
     global _lib, _tried, _why_not
     if _off:
         return None
+    if _tried:  # every kernel call comes here: no lock once decided
+        return _lib
     with _lock:
         if _tried:
             return _lib
@@ -156,9 +158,23 @@ def unavailable_reason() -> str:
     return _why_not
 
 
-def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def _f32_cpu(*ts: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
+
+
+def _cache_layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """K and V ``[num_blocks, bs, kvh, hd]`` float32 on CPU, each block contiguous, the
+    same strides (per-layer views of one pool qualify): what the kernels address."""
+    if not _f32_cpu(k_cache, v_cache) or k_cache.stride() != v_cache.stride():
+        return False
+    bs, kvh, hd = k_cache.shape[1:]
+    return k_cache.stride()[1:] == (kvh * hd, hd, 1) and k_cache.stride(0) >= bs * kvh * hd
+
+
+def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor,
+                               v_cache: torch.Tensor) -> bool:
     """Whether ``paged_decode_attention`` handles these tensors (else: torch path)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+    if not _f32_cpu(q) or not _cache_layout_ok(k_cache, v_cache):
         return False
     h, hd = q.shape[1], q.shape[2]
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -182,12 +198,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
-    if k_cache.stride()[1:] != v_cache.stride()[1:] or k_cache.stride(0) != v_cache.stride(0):
-        raise ValueError("K and V caches must have the same layout")
     b, h, hd = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    if k_cache.stride()[1:] != (kvh * hd, hd, 1):
-        raise ValueError(f"cache blocks must be contiguous, got strides {k_cache.stride()}")
     out = torch.empty_like(q)
     rc = lib.xllm_paged_decode_attention_f32(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -197,10 +209,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"paged_decode_attention: unsupported sizes h={h} kvh={kvh} "
                          f"hd={hd} block_size={bs}")
     return out
-
-
-def _f32_cpu(*ts: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -227,15 +235,13 @@ def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
     ``slot_mapping`` in the caches. cos/sin [T, hd] (or [T, 1, hd]). None: torch path."""
     if _load() is None or head_dim > MAX_HEAD_DIM or head_dim % 2:
         return None
-    if not _f32_cpu(qkv, k_cache, v_cache, cos, sin) or not qkv.is_contiguous():
+    if not _f32_cpu(qkv, cos, sin) or not qkv.is_contiguous():
         return None
     if (q_weight is None) != (k_weight is None):
         return None
+    # the kernel addresses slots as one flat [num_slots, kvh, hd] array: blocks adjacent
     bs = k_cache.shape[1]
-    if k_cache.stride()[1:] != (num_kv_heads * head_dim, head_dim, 1) or \
-            v_cache.stride()[1:] != k_cache.stride()[1:] or \
-            k_cache.stride(0) != bs * num_kv_heads * head_dim or \
-            v_cache.stride(0) != k_cache.stride(0):
+    if not _cache_layout_ok(k_cache, v_cache) or k_cache.stride(0) != bs * num_kv_heads * head_dim:
         return None
     t = qkv.shape[0]
     cos = cos.reshape(t, head_dim).contiguous()

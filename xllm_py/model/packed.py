@@ -64,8 +64,7 @@ class PackedLinear(nn.Module):
                         if cpu_kernels.available() else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._panels is not None and x.dim() == 2 \
-                and x.shape[0] <= cpu_kernels.PANEL_MAX_ROWS:
+        if self._panels is not None:  # None from the kernel: too many rows, other dtype...
             y = cpu_kernels.linear_panels(x, self._panels, self.out_features, self.bias)
             if y is not None:
                 return y
