@@ -186,14 +186,18 @@ def test_engine_packs_weights_unless_told_not_to(pack: bool) -> None:
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_panels_matches_linear(with_bias: bool) -> None:
     rng = torch.Generator().manual_seed(7)
-    w = torch.randn(37, 70, generator=rng)  # 37: a partial last panel
+    for k in (70, 300):  # one k-chunk; three, the last partial
+        w = torch.randn(37, k, generator=rng)  # 37: a partial last panel
+        b = torch.randn(37, generator=rng) if with_bias else None
+        panels = cpu_kernels.pack_panels(w)
+        assert panels.shape == (3, k, 16)
+        for rows in list(range(1, 14)) + [cpu_kernels.PANEL_MAX_ROWS]:  # every tail of 6
+            x = torch.randn(rows, k, generator=rng)
+            got = cpu_kernels.linear_panels(x, panels, 37, b)
+            assert got.shape == (rows, 37)
+            assert (got - F.linear(x, w, b)).abs().max().item() < 1e-4
+    w = torch.randn(37, 70, generator=rng)
     b = torch.randn(37, generator=rng) if with_bias else None
     panels = cpu_kernels.pack_panels(w)
-    assert panels.shape == (3, 70, 16)
-    for rows in list(range(1, 14)) + [cpu_kernels.PANEL_MAX_ROWS]:  # every tail of 6
-        x = torch.randn(rows, 70, generator=rng)
-        got = cpu_kernels.linear_panels(x, panels, 37, b)
-        assert got.shape == (rows, 37)
-        assert (got - F.linear(x, w, b)).abs().max().item() < 1e-4
     too_many = torch.randn(cpu_kernels.PANEL_MAX_ROWS + 1, 70)
     assert cpu_kernels.linear_panels(too_many, panels, 37, b) is None
