@@ -115,3 +115,85 @@ async def test_pull_timeout_fails_and_relinks() -> None:
             assert ba.address not in bb._peers  # dropped after the failure
         finally:
             ba._iov = None  # already closed
+
+
+def test_iov_layout_matches_the_slices_for_fragmented_runs() -> None:
+    from xllm_py.kv_transfer.ucx.iov_protocol import IovLayout, IovRequest, OP_PULL, OP_PUSH, decode_request
+
+    s = _storage(num_blocks=32)
+    runs = np.array([[30, 0, 2], [3, 7, 1], [0, 31, 1]], dtype=np.int64)
+    layout = IovLayout(s)
+    for side in (0, 1):
+        got = [tuple(map(int, c)) for c in layout.chunks(runs, side)]
+        assert got == [(s.kv[k, layer, r[side]].data_ptr(), r[2] * s.slice_bytes)
+                       for r in runs for k in range(2) for layer in range(3)]
+    # a request names our side of each run: the destination of a pull, the source of a push
+    pull, push = IovRequest(layout, OP_PULL, 5, 9, 1.0, runs), IovRequest(layout, OP_PUSH, 5, 9, 1.0, runs)
+    assert np.array_equal(pull.chunks, layout.chunks(runs, 1))
+    assert np.array_equal(push.chunks, layout.chunks(runs, 0))
+    assert pull.nbytes == 4 * s.block_bytes == int(pull.chunks[:, 1].sum())
+    assert decode_request(pull.msg)[4].tolist() == runs.tolist()
+
+
+@contextlib.contextmanager
+def _self_linked_worker():
+    """An IovWorker with an endpoint to itself (key "self")."""
+    from xllm_py.kv_transfer.ucx.env import import_ucxx
+    from xllm_py.kv_transfer.ucx.iov_worker import IovWorker
+
+    import_ucxx()
+    w = IovWorker({"TLS": "sm,self"}, lambda *_: None, name="test-iov")
+    try:
+        w.connect("self", w.address).result(10)
+        yield w
+    finally:
+        w.close()
+
+
+def test_any_of_resumes_on_the_first_op_and_cancels_the_other() -> None:
+    from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
+    from xllm_py.kv_transfer.ucx.iov_worker import KIND_DATA, KIND_STATUS, AnyOf, tag
+
+    with _self_linked_worker() as w:
+        left: list = []
+
+        def make(track: list):
+            a, _ = ffi.tag_recv_bytes(w.handle, 64, tag(KIND_DATA, 1))
+            b, bbuf = ffi.tag_recv_bytes(w.handle, 64, tag(KIND_STATUS, 1))
+            track += [a, b]
+            left.append(a)
+            track.append(ffi.tag_send_bytes(w.ep_handle("self"), b"status", tag(KIND_STATUS, 1)))
+            yield AnyOf((a, b))
+            return a.done, b.done, bbuf.raw[:b.info.length]
+
+        assert w.start(make, timeout=10).result(10) == (False, True, b"status")
+        # the receive nobody answered was cancelled when the task ended: no zombie left
+        assert w.call(lambda: (left[0].poll(), left[0].status, len(w._zombies))).result(10) == \
+            (True, ffi.UCS_ERR_CANCELED, 0)
+
+
+def test_iov_receive_posted_after_the_data_arrived_gets_every_byte() -> None:
+    """A pull sends its request before posting the DATA receive: an answer that is quicker
+    still lands in place (UCX keeps it as an unexpected message until the receive is posted)."""
+    from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
+    from xllm_py.kv_transfer.ucx.iov_protocol import IovLayout
+    from xllm_py.kv_transfer.ucx.iov_worker import KIND_DATA, tag
+
+    s = _storage(num_blocks=16, seed=7)
+    layout = IovLayout(s)
+    src = np.array([[1, 9, 2], [6, 12, 1]], dtype=np.int64)  # blocks 1, 2, 6 -> 9, 10, 12
+    with _self_linked_worker() as w:
+        def make(track: list):
+            sent = ffi.tag_send_iov(w.ep_handle("self"), layout.chunks(src, 0), tag(KIND_DATA, 3))
+            track.append(sent)
+            deadline = time.monotonic() + 5
+            while not sent.poll() and time.monotonic() < deadline:  # delivered before the receive exists
+                w._worker.progress_once()
+            yield [sent]
+            recv = ffi.tag_recv_iov(w.handle, layout.chunks(src, 1), tag(KIND_DATA, 3),
+                                    expected=3 * layout.block_bytes)
+            track.append(recv)
+            yield [recv]
+
+        w.start(make, timeout=10).result(10)
+    assert torch.equal(s.kv[:, :, [9, 10, 12]], s.kv[:, :, [1, 2, 6]])

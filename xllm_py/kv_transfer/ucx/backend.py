@@ -43,6 +43,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from xllm_py.kv_transfer.base import (KVTransferBackend, LoopThread, Run, TransferError, TransferResult,
@@ -200,6 +201,7 @@ class UcxKVTransferBackend(KVTransferBackend):
         self._pool = StagingPool(storage.device)
         self._use_iov = not storage.is_cuda and mode in ("auto", "iov")
         self._iov: IovWorker | None = None
+        self._iov_layout = iov_protocol.IovLayout(storage) if self._use_iov else None
         self._token = secrets.randbits(60)  # names our IovWorker endpoint on the peers
 
     def _make_loop_thread(self) -> tuple[LoopThread, bool]:
@@ -308,7 +310,7 @@ class UcxKVTransferBackend(KVTransferBackend):
             self._stats["served"] += 1
 
         def make(track: list) -> Any:
-            return iov_protocol.serve_task(track, iov.handle, ep, self.storage, op, req_id, runs,
+            return iov_protocol.serve_task(track, iov.handle, ep, self._iov_layout, op, req_id, runs,
                                            self._check_remote_runs, served)
 
         return make, timeout, key, f"serving op {op} (req {req_id:x}, {len(runs)} runs)"
@@ -486,7 +488,7 @@ class UcxKVTransferBackend(KVTransferBackend):
         if p is None:
             return super().submit_pull(peer_addr, src_blocks, dst_blocks, timeout)
         runs = self._prepare(src_blocks, dst_blocks, local_is_dst=True)
-        return self._iov_submit(p, peer_addr, "pull", iov_protocol.pull_task, runs, timeout)
+        return self._iov_submit(p, peer_addr, "pull", runs, timeout)
 
     def submit_push(self, peer_addr: str, src_blocks: Any, dst_blocks: Any,
                     timeout: float | None = None) -> concurrent.futures.Future[TransferResult]:
@@ -494,7 +496,7 @@ class UcxKVTransferBackend(KVTransferBackend):
         if p is None:
             return super().submit_push(peer_addr, src_blocks, dst_blocks, timeout)
         runs = self._prepare(src_blocks, dst_blocks, local_is_dst=False)
-        return self._iov_submit(p, peer_addr, "push", iov_protocol.push_task, runs, timeout)
+        return self._iov_submit(p, peer_addr, "push", runs, timeout)
 
     def _linked_iov_peer(self, peer_addr: str) -> _Peer | None:
         p = self._peers.get(peer_addr)
@@ -502,7 +504,7 @@ class UcxKVTransferBackend(KVTransferBackend):
             return None
         return p
 
-    def _iov_submit(self, p: _Peer, peer_addr: str, op: str, task: Any, runs: list[Run],
+    def _iov_submit(self, p: _Peer, peer_addr: str, op: str, runs: list[Run],
                     timeout: float | None) -> concurrent.futures.Future[TransferResult]:
         """Same contract as the base ``_run_op``: TransferResult, or TransferError / TransferTimeout
         after the link was dropped (a refusal keeps the link: the connection is fine)."""
@@ -513,7 +515,7 @@ class UcxKVTransferBackend(KVTransferBackend):
             out.set_result(TransferResult(num_blocks=0, num_runs=0, num_bytes=0, seconds=0.0))
             return out
         t0 = time.perf_counter()
-        inner = self._iov_start(p, task, runs, t, op)
+        inner = self._iov_start(p, op, runs, t)
 
         def finish(f: concurrent.futures.Future) -> None:
             exc = None if f.cancelled() else f.exception()
@@ -543,26 +545,30 @@ class UcxKVTransferBackend(KVTransferBackend):
         out.add_done_callback(lambda o: inner.cancel() if o.cancelled() else None)
         return out
 
-    def _iov_start(self, p: _Peer, task: Any, runs: list[Run], timeout: float, what: str) -> concurrent.futures.Future:
-        iov, req_id = self._iov, _new_req() >> _IDX_BITS
+    def _iov_start(self, p: _Peer, what: str, runs: list[Run], timeout: float) -> concurrent.futures.Future:
+        """``what``: "pull" or "push". The request is prepared here, on the caller's thread."""
+        iov, op = self._iov, iov_protocol.OP_PULL if what == "pull" else iov_protocol.OP_PUSH
+        req = iov_protocol.IovRequest(self._iov_layout, op, _new_req() >> _IDX_BITS, self._token, timeout,
+                                      np.asarray(runs, dtype=np.int64).reshape(-1, 3))
+        task = iov_protocol.TASKS[op]
 
         def make(track: list) -> Any:
             ep = iov.ep_handle(p.iov_key)
             if ep is None:
                 raise TransferError(f"ucx: no data endpoint to the peer for {what}")
-            return task(track, iov.handle, ep, self.storage, req_id, self._token, timeout, runs)
+            return task(track, iov.handle, ep, req)
 
         return iov.start(make, timeout, key=p.iov_key, what=f"{what} of {len(runs)} runs")
 
-    async def _iov_op(self, p: _Peer, task: Any, runs: list[Run], timeout: float, what: str) -> None:
-        await p.guard(asyncio.wrap_future(self._iov_start(p, task, runs, timeout, what)), what)
+    async def _iov_op(self, p: _Peer, what: str, runs: list[Run], timeout: float) -> None:
+        await p.guard(asyncio.wrap_future(self._iov_start(p, what, runs, timeout)), what)
 
     async def _pull_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
         """Receives are posted before the request goes out: one round trip, status and data
         in flight together. A refusal completes them with empty messages (nothing written)."""
         p = await self._peer(peer_addr)
         if p.iov_key is not None:
-            return await self._iov_op(p, iov_protocol.pull_task, runs, timeout, "pull")
+            return await self._iov_op(p, "pull", runs, timeout)
         tag, mode = _new_req(), self._choose_mode(runs)
         data, commit = self._post_recv_blocks(p.ctrl, tag, runs, mode,
                                               runs_to_ids(runs)[1] if mode == "gather" else None)
@@ -578,7 +584,7 @@ class UcxKVTransferBackend(KVTransferBackend):
     async def _push_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
         p = await self._peer(peer_addr)
         if p.iov_key is not None:
-            return await self._iov_op(p, iov_protocol.push_task, runs, timeout, "push")
+            return await self._iov_op(p, "push", runs, timeout)
         tag, mode = _new_req(), self._choose_mode(runs)
         await self._request(p, "push", tag, runs, mode, timeout)
         done = asyncio.ensure_future(recv_ctrl(p.ctrl, tag=tag))

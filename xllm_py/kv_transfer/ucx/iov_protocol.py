@@ -4,10 +4,10 @@ Wire (all on the shared-memory endpoints of the two IovWorkers; tags are
 ``kind << 60 | req_id``):
 
 pull, requester R / owner O:
-  R posts: receive DATA (iov straight into its cache slices), receive STATUS; then sends REQ.
+  R sends REQ, then posts: receive DATA (iov straight into its cache slices), receive STATUS.
   O validates the source ids; refused -> STATUS(error) only (R cancels its DATA receive,
-  nothing was matched, nothing written); accepted -> DATA (iov from its cache) and STATUS("").
-  One message each way plus the status: no staging buffer, no gather, no scatter.
+  nothing was matched, nothing written); accepted -> DATA (iov from its cache) only.
+  One message each way: no staging buffer, no gather, no scatter.
 push, R sends its blocks into O's:
   R posts STATUS and DONE receives, sends REQ; O validates the destination ids, posts its
   DATA receive, replies STATUS; R sends DATA; O replies DONE once every byte is in place.
@@ -27,27 +27,44 @@ import numpy as np
 from xllm_py.kv_transfer.base import Run, TransferError
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
-from xllm_py.kv_transfer.ucx.iov_worker import KIND_DATA, KIND_DONE, KIND_REQ, KIND_STATUS, TaskGen, tag
+from xllm_py.kv_transfer.ucx.iov_worker import KIND_DATA, KIND_DONE, KIND_REQ, KIND_STATUS, AnyOf, TaskGen, tag
 
 OP_PULL, OP_PUSH = 1, 2
 _HDR = struct.Struct("<QQdQB")
 _STATUS_MAX = 4096
 
 
+class IovLayout:
+    """Where each (kv, layer) slice of a pool starts, computed once: an iov list for a run
+    list is then one broadcast add (8-11 vs 25-29 us per call standalone, 2-3x that under load).
+
+    Holds the cache's base address: build it after the pool is allocated, for that pool.
+    """
+
+    __slots__ = ("num_blocks", "num_slices", "slice_bytes", "block_bytes", "_base")
+
+    def __init__(self, storage: KVCacheStorage) -> None:
+        L, B, sb = storage.num_layers, storage.num_blocks, storage.slice_bytes
+        self.num_blocks, self.num_slices, self.slice_bytes = B, 2 * L, sb
+        self.block_bytes = 2 * L * sb
+        # int64 addresses (user space < 2**63), viewed as uint64 for UCX
+        self._base = storage.kv.data_ptr() + np.arange(2 * L, dtype=np.int64) * (B * sb)  # k * L + l, k major
+
+    def chunks(self, runs: np.ndarray, side: int) -> np.ndarray:
+        """uint64 [len(runs) * 2 * L, 2] (address, length) of the slices of ``runs`` (column ``side``)."""
+        sb = self.slice_bytes
+        out = np.empty((runs.shape[0], self.num_slices, 2), dtype=np.int64)
+        np.add(self._base, runs[:, side, None] * sb, out=out[:, :, 0])
+        out[:, :, 1] = runs[:, 2, None] * sb
+        return out.reshape(-1, 2).view(np.uint64)
+
+
 def iov_chunks(storage: KVCacheStorage, runs: np.ndarray, side: int) -> np.ndarray:
     """uint64 [len(runs) * 2 * L, 2] (address, length) of the slices of ``runs`` (column ``side``)."""
-    L, B, sb = storage.num_layers, storage.num_blocks, storage.slice_bytes
-    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
-    kl = np.arange(2 * L, dtype=np.int64)  # k * L + l, in wire order (k major)
-    offs = ((kl[None, :] * B + r[:, side:side + 1]) * sb).reshape(-1)
-    lens = np.repeat(r[:, 2] * sb, 2 * L)
-    out = np.empty((offs.size, 2), dtype=np.uint64)
-    out[:, 0] = storage.kv.data_ptr() + offs
-    out[:, 1] = lens
-    return out
+    return IovLayout(storage).chunks(np.asarray(runs, dtype=np.int64).reshape(-1, 3), side)
 
 
-def encode_request(op: int, req_id: int, token: int, timeout: float, runs: list[Run]) -> bytes:
+def encode_request(op: int, req_id: int, token: int, timeout: float, runs: np.ndarray | list[Run]) -> bytes:
     r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
     return _HDR.pack(req_id, token, timeout, r.shape[0], op) + r.tobytes()
 
@@ -87,46 +104,68 @@ def _t(track: list[ffi.Op], op: ffi.Op) -> ffi.Op:
     return op
 
 
-def _request(track: list[ffi.Op], worker: int, ep: int, op: int, req_id: int, token: int,
-             timeout: float, runs: list[Run]) -> TaskGen:
+class IovRequest:
+    """A pull or push as the requester posts it, prepared on the caller's thread (the iov
+    list and the request message), so that the worker thread only posts."""
+
+    __slots__ = ("op", "req_id", "msg", "chunks", "nbytes")
+
+    def __init__(self, layout: IovLayout, op: int, req_id: int, token: int, timeout: float,
+                 runs: np.ndarray) -> None:
+        self.op, self.req_id = op, req_id
+        self.msg = encode_request(op, req_id, token, timeout, runs)
+        self.chunks = layout.chunks(runs, 1 if op == OP_PULL else 0)  # our side of each run
+        self.nbytes = int(runs[:, 2].sum()) * layout.block_bytes
+
+
+def _request(track: list[ffi.Op], worker: int, ep: int, req: IovRequest) -> TaskGen:
     """Posts the STATUS receive, sends the request and waits for both; a refusal raises."""
-    status, sbuf = ffi.tag_recv_bytes(worker, _STATUS_MAX, tag(KIND_STATUS, req_id))
+    status, sbuf = ffi.tag_recv_bytes(worker, _STATUS_MAX, tag(KIND_STATUS, req.req_id))
     _t(track, status)
-    req = _t(track, ffi.tag_send_bytes(ep, encode_request(op, req_id, token, timeout, runs),
-                                       tag(KIND_REQ, req_id)))
-    yield [req, status]
+    sent = _t(track, ffi.tag_send_bytes(ep, req.msg, tag(KIND_REQ, req.req_id)))
+    yield [sent, status]
     err = _status_text(status, sbuf)
     if err:
         raise TransferError(err, invalid_argument=True)
 
 
-def pull_task(track: list[ffi.Op], worker: int, ep: int, storage: KVCacheStorage, req_id: int, token: int,
-              timeout: float, runs: list[Run]) -> TaskGen:
-    """Requester side. A refusal leaves the DATA receive unmatched: the worker cancels it."""
-    data = _t(track, ffi.tag_recv_iov(worker, iov_chunks(storage, np.asarray(runs), side=1),
-                                      tag(KIND_DATA, req_id)))
-    yield from _request(track, worker, ep, OP_PULL, req_id, token, timeout, runs)
-    yield [data]
+def pull_task(track: list[ffi.Op], worker: int, ep: int, req: IovRequest) -> TaskGen:
+    """Requester side: done when the data is in; a refusal raises.
+
+    The request goes out first and the receives are posted while the owner wakes up and
+    validates (they overlap: ~0.1 ms each under load). Should the owner's answer still
+    come first, UCX keeps it as an unexpected message until the receive is posted (one
+    more copy, same result). A refusal leaves the DATA receive unmatched: the worker cancels it.
+    """
+    sent = _t(track, ffi.tag_send_bytes(ep, req.msg, tag(KIND_REQ, req.req_id)))
+    data = _t(track, ffi.tag_recv_iov(worker, req.chunks, tag(KIND_DATA, req.req_id), expected=req.nbytes))
+    status, sbuf = ffi.tag_recv_bytes(worker, _STATUS_MAX, tag(KIND_STATUS, req.req_id))
+    _t(track, status)
+    yield [sent]
+    yield AnyOf((data, status))  # the owner answers with one of them
+    if status.done:
+        raise TransferError(_status_text(status, sbuf) or "peer refused", invalid_argument=True)
 
 
-def push_task(track: list[ffi.Op], worker: int, ep: int, storage: KVCacheStorage, req_id: int, token: int,
-              timeout: float, runs: list[Run]) -> TaskGen:
-    done, dbuf = ffi.tag_recv_bytes(worker, _STATUS_MAX, tag(KIND_DONE, req_id))
+def push_task(track: list[ffi.Op], worker: int, ep: int, req: IovRequest) -> TaskGen:
+    done, dbuf = ffi.tag_recv_bytes(worker, _STATUS_MAX, tag(KIND_DONE, req.req_id))
     _t(track, done)
-    yield from _request(track, worker, ep, OP_PUSH, req_id, token, timeout, runs)
-    yield [_t(track, ffi.tag_send_iov(ep, iov_chunks(storage, np.asarray(runs), side=0), tag(KIND_DATA, req_id))),
-           done]
+    yield from _request(track, worker, ep, req)
+    yield [_t(track, ffi.tag_send_iov(ep, req.chunks, tag(KIND_DATA, req.req_id))), done]
     err = _status_text(done, dbuf)
     if err:
         raise TransferError(f"peer failed to write the pushed blocks: {err}")
 
 
-def serve_task(track: list[ffi.Op], worker: int, ep: int, storage: KVCacheStorage, op: int, req_id: int,
+TASKS = {OP_PULL: pull_task, OP_PUSH: push_task}
+
+
+def serve_task(track: list[ffi.Op], worker: int, ep: int, layout: IovLayout, op: int, req_id: int,
                runs: np.ndarray, check: Callable[[list[Run], str], object],
                on_served: Callable[[], None]) -> TaskGen:
     """Owner side of a request; ``check(runs, side)`` returns an error string or the validated ids."""
     if op == OP_PULL:
-        checked = check_src_runs(runs, storage.num_blocks)
+        checked = check_src_runs(runs, layout.num_blocks)
     elif op == OP_PUSH:
         checked = check([tuple(r) for r in runs.tolist()], "dst")
     else:
@@ -135,10 +174,9 @@ def serve_task(track: list[ffi.Op], worker: int, ep: int, storage: KVCacheStorag
         yield [_t(track, ffi.tag_send_bytes(ep, checked.encode()[:_STATUS_MAX], tag(KIND_STATUS, req_id)))]
         return
     if op == OP_PULL:
-        yield [_t(track, ffi.tag_send_iov(ep, iov_chunks(storage, runs, side=0), tag(KIND_DATA, req_id))),
-               _t(track, ffi.tag_send_bytes(ep, b"", tag(KIND_STATUS, req_id)))]
+        yield [_t(track, ffi.tag_send_iov(ep, layout.chunks(runs, 0), tag(KIND_DATA, req_id)))]
     else:
-        data = _t(track, ffi.tag_recv_iov(worker, iov_chunks(storage, runs, side=1), tag(KIND_DATA, req_id)))
+        data = _t(track, ffi.tag_recv_iov(worker, layout.chunks(runs, 1), tag(KIND_DATA, req_id)))
         yield [_t(track, ffi.tag_send_bytes(ep, b"", tag(KIND_STATUS, req_id)))]
         try:
             yield [data]

@@ -8,12 +8,13 @@ and polls request status. It sleeps in epoll on the worker's event fd (``worker.
 plus an eventfd for submissions, so an idle process burns no CPU.
 
 Work is expressed as generator *tasks* that yield lists of ``ucp_ffi.Op`` and resume when
-all of them completed (a failed op is thrown into the generator as ``UcpError``). A task
-is built by ``make(track)``: every op it posts goes into ``track``, whether it waits on it
-yet or not. Each task has a deadline; ``cancel_key`` fails every task registered under a
-key (a peer that went away). When a task ends in any way, its tracked ops that are still
-in flight are cancelled; those UCX cannot cancel any more (already matched) are kept alive
-and polled until they finish, so the buffers they point into are never released under them.
+all of them completed, or an ``AnyOf`` of ops and resume when one of them did (a failed op
+is thrown into the generator as ``UcpError``). A task is built by ``make(track)``: every op
+it posts goes into ``track``, whether it waits on it yet or not. Each task has a deadline;
+``cancel_key`` fails every task registered under a key (a peer that went away). When a
+task ends in any way, its tracked ops that are still in flight are cancelled; those UCX
+cannot cancel any more (already matched) are kept alive and polled until they finish, so
+the buffers they point into are never released under them.
 
 Incoming messages whose tag kind is ``KIND_REQ`` are handed to ``on_request(tag, bytes)``
 (called on this thread), which may return ``(task generator, timeout, key, what)`` to serve them.
@@ -39,12 +40,31 @@ KIND_MASK = 0xF << KIND_SHIFT
 ID_MASK = (1 << KIND_SHIFT) - 1
 KIND_REQ, KIND_STATUS, KIND_DATA, KIND_DONE = 1, 2, 3, 4
 
-TaskGen = Generator[list[ffi.Op], None, Any]
+
+class AnyOf(tuple):
+    """Yielded by a task instead of a list: resume once any of these ops is done (not all)."""
+
+    __slots__ = ()
+
+
+TaskGen = Generator["list[ffi.Op] | AnyOf", None, Any]
 MakeTask = Callable[[list[ffi.Op]], TaskGen]
 
 
 def tag(kind: int, req_id: int) -> int:
     return (kind << KIND_SHIFT) | (req_id & ID_MASK)
+
+
+def _ready(ops: list[ffi.Op] | AnyOf) -> bool:
+    if type(ops) is AnyOf:
+        return any(op.done for op in ops)
+    return all(op.done for op in ops)
+
+
+def _poll_ready(ops: list[ffi.Op] | AnyOf) -> bool:
+    if type(ops) is AnyOf:
+        return any([op.poll() for op in ops])  # (a list: poll every one)
+    return all(op.poll() for op in ops)
 
 
 class TaskCancelled(Exception):
@@ -183,8 +203,8 @@ class IovWorker:
         """Resume a task; returns True while it still waits on ops."""
         try:
             ops = t.gen.throw(err) if err is not None else t.gen.send(None)
-            while all(op.done for op in ops):  # completed immediately: resume at once
-                failed = next((op for op in ops if op.status != ffi.UCS_OK), None)
+            while _ready(ops):  # completed immediately: resume at once
+                failed = next((op for op in ops if op.done and op.status != ffi.UCS_OK), None)
                 ops = (t.gen.throw(ffi.UcpError(failed.what, failed.status)) if failed
                        else t.gen.send(None))
             t.ops = ops
@@ -228,9 +248,9 @@ class IovWorker:
             if t.fut.cancelled():
                 self._fail(t, TaskCancelled(f"ucx: {t.what} cancelled by the caller"))
                 continue
-            if all(op.poll() for op in t.ops):
+            if _poll_ready(t.ops):
                 busy = True
-                failed = next((op for op in t.ops if op.status != ffi.UCS_OK), None)
+                failed = next((op for op in t.ops if op.done and op.status != ffi.UCS_OK), None)
                 err = ffi.UcpError(failed.what, failed.status) if failed else None
                 if self._advance(t, err):
                     keep.append(t)

@@ -93,8 +93,9 @@ def lib() -> ctypes.CDLL:
             ("ucp_tag_recv_nbx", vp, [vp, vp, sz, u64, u64, ctypes.POINTER(RequestParam)]),
             ("ucp_tag_probe_nb", vp, [vp, u64, u64, ctypes.c_int, ctypes.POINTER(TagRecvInfo)]),
             ("ucp_tag_msg_recv_nbx", vp, [vp, vp, sz, vp, ctypes.POINTER(RequestParam)]),
-            ("ucp_request_check_status", ctypes.c_int, [vp]),
-            ("ucp_tag_recv_request_test", ctypes.c_int, [vp, ctypes.POINTER(TagRecvInfo)]),
+            # ucs_status_t is a packed enum (UCS_S_PACKED): one signed byte, not an int
+            ("ucp_request_check_status", ctypes.c_int8, [vp]),
+            ("ucp_tag_recv_request_test", ctypes.c_int8, [vp, ctypes.POINTER(TagRecvInfo)]),
             ("ucp_request_cancel", None, [vp, vp]),
             ("ucp_request_free", None, [vp]),
         ):
@@ -199,13 +200,15 @@ def tag_send_iov(ep: int, chunks: np.ndarray, tag: int, keep: object = None) -> 
     return Op("data send", ptr, (iov, keep))
 
 
-def tag_recv_iov(worker: int, chunks: np.ndarray, tag: int, keep: object = None) -> Op:
-    """Receive one tag message scattered into ``chunks``; anything but exactly their total size fails."""
+def tag_recv_iov(worker: int, chunks: np.ndarray, tag: int, keep: object = None,
+                 expected: int | None = None) -> Op:
+    """Receive one tag message scattered into ``chunks``; anything but exactly their total size
+    (``expected``, when the caller knows it) fails."""
     iov = iov_array(chunks)
     info = TagRecvInfo()
     p = _param(_DATATYPE_IOV, info)
     ptr = lib().ucp_tag_recv_nbx(worker, iov.ctypes.data, iov.shape[0], tag, FULL_MASK, ctypes.byref(p))
-    return Op("data receive", ptr, (iov, keep), info, int(iov[:, 1].sum()))
+    return Op("data receive", ptr, (iov, keep), info, int(iov[:, 1].sum()) if expected is None else expected)
 
 
 def tag_send_bytes(ep: int, data: bytes, tag: int) -> Op:
