@@ -30,7 +30,9 @@ def _random_tables(rng: torch.Generator, seq_lens: list[int], bs: int, num_block
 
 @needs_kernels
 @pytest.mark.parametrize("h,kvh,hd,bs", [(8, 4, 64, 16), (4, 4, 32, 4), (16, 2, 128, 8),
-                                         (6, 2, 64, 1)])
+                                         (6, 2, 64, 1),
+                                         # head_dim off the 32-wide (80) and 8-wide (20) paths
+                                         (4, 2, 80, 16), (2, 1, 20, 8)])
 def test_decode_attention_matches_sdpa(h: int, kvh: int, hd: int, bs: int) -> None:
     rng = torch.Generator().manual_seed(h * 100 + hd + bs)
     seq_lens = [1, 2, bs, bs + 1, 3 * bs - 1, 5 * bs, 37]

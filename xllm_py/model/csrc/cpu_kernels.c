@@ -12,6 +12,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #define XLLM_MAX_GROUP 16
 #define XLLM_MAX_HEAD_DIM 256
@@ -37,6 +40,71 @@ static inline __attribute__((always_inline)) float xexp(float x) {
     float scale;
     memcpy(&scale, &e, sizeof scale);
     return p * scale;
+}
+
+/* s[t] = q . k_t for the n slots of a block, k_t = k + t * stride (one KV head). */
+static inline void block_scores(const float *q, const float *k, int64_t stride, int32_t n,
+                                int32_t D, float *s) {
+    int32_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if ((D & 7) == 0) /* four slots at a time, one horizontal reduction for the four */
+        for (; t + 4 <= n; t += 4) {
+            const float *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride,
+                        *k3 = k2 + stride;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int32_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + d);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+            }
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            _mm_storeu_ps(s + t, _mm_add_ps(_mm256_castps256_ps128(h),
+                                            _mm256_extractf128_ps(h, 1)));
+        }
+#endif
+    for (; t < n; t++) {
+        const float *kt = k + t * stride;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int32_t d = 0; d < D; d++)
+            dot += q[d] * kt[d];
+        s[t] = dot;
+    }
+}
+
+/* acc += sum_t p[t] * v_t over the n slots of a block, v_t = v + t * stride. */
+static inline void block_values(const float *p, const float *v, int64_t stride, int32_t n,
+                                int32_t D, float *acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if ((D & 31) == 0) { /* 32 outputs in registers across the slots: no store per slot */
+        for (int32_t d = 0; d < D; d += 32) {
+            __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
+            __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
+            for (int32_t t = 0; t < n; t++) {
+                const float *vt = v + t * stride + d;
+                const __m256 pt = _mm256_broadcast_ss(p + t);
+                a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), a0);
+                a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), a1);
+                a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), a2);
+                a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), a3);
+            }
+            _mm256_storeu_ps(acc + d, a0);
+            _mm256_storeu_ps(acc + d + 8, a1);
+            _mm256_storeu_ps(acc + d + 16, a2);
+            _mm256_storeu_ps(acc + d + 24, a3);
+        }
+        return;
+    }
+#endif
+    for (int32_t t = 0; t < n; t++) {
+        const float *vt = v + t * stride;
+        const float pt = p[t];
+#pragma omp simd
+        for (int32_t d = 0; d < D; d++)
+            acc[d] += pt * vt[d];
+    }
 }
 
 /* Rows r = (kh - kh0) * G + g of one sequence's queries against its cached context, heads
@@ -65,18 +133,20 @@ static void decode_attend_seq(const float *q, float *out, const float *k_cache,
         const int32_t n = (int32_t)((L - start) < bs ? (L - start) : bs);
         const float *kb = k_cache + blk * block_stride;
         const float *vb = v_cache + blk * block_stride;
-        for (int32_t t = 0; t < n; t++) {
-            const float *krow = kb + t * slot_stride;
-            for (int32_t r = 0; r < R; r++) {
-                const float *kr = krow + (int64_t)(kh0 + r / G) * D;
-                const float *qr = qs + (int64_t)r * D;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int32_t d = 0; d < D; d++)
-                    dot += qr[d] * kr[d];
-                s[(int64_t)r * bs + t] = dot;
-            }
-        }
+        /* the next block is elsewhere in the pool: prefetch its K and V while this one is
+         * computed (~5% off a step's attention at 32 x 96 tokens; 2-3 blocks ahead: same) */
+        const int64_t nblk = start + bs < L ? table[start / bs + 1] : -1;
+        const float *kn = nblk >= 0 ? k_cache + nblk * block_stride : NULL;
+        const float *vn = nblk >= 0 ? v_cache + nblk * block_stride : NULL;
+        for (int32_t t = 0; t < n; t++) /* prefetch the next block slot by slot */
+            if (kn != NULL)
+                for (int64_t o = t * slot_stride; o < (t + 1) * slot_stride; o += 16) {
+                    __builtin_prefetch(kn + o, 0, 3);
+                    __builtin_prefetch(vn + o, 0, 3);
+                }
+        for (int32_t r = 0; r < R; r++) /* scores: row r reads KV head kh0 + r / G */
+            block_scores(qs + (int64_t)r * D, kb + (int64_t)(kh0 + r / G) * D, slot_stride,
+                         n, D, s + (int64_t)r * bs);
         for (int32_t r = 0; r < R; r++) {
             float *sr = s + (int64_t)r * bs;
             float bmax = -3.0e38f;
@@ -97,17 +167,9 @@ static void decode_attend_seq(const float *q, float *out, const float *k_cache,
             for (int32_t d = 0; d < D; d++)
                 a[d] *= corr;
         }
-        for (int32_t t = 0; t < n; t++) {
-            const float *vrow = vb + t * slot_stride;
-            for (int32_t r = 0; r < R; r++) {
-                const float *vr = vrow + (int64_t)(kh0 + r / G) * D;
-                const float p = s[(int64_t)r * bs + t];
-                float *a = acc + (int64_t)r * D;
-#pragma omp simd
-                for (int32_t d = 0; d < D; d++)
-                    a[d] += p * vr[d];
-            }
-        }
+        for (int32_t r = 0; r < R; r++)
+            block_values(s + (int64_t)r * bs, vb + (int64_t)(kh0 + r / G) * D, slot_stride, n,
+                         D, acc + (int64_t)r * D);
     }
     for (int32_t r = 0; r < R; r++) {
         float *o = out + ((int64_t)kh0 * G + r) * D;
