@@ -79,7 +79,8 @@ def _build() -> pathlib.Path:
     if not cc:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     flags = _compile_flags()
-    src = _SRC.read_bytes()
+    # the main source and the files it includes (every file in csrc/)
+    src = b"".join(f.read_bytes() for f in sorted(_SRC.parent.glob("*.c")))
     key = hashlib.sha256(src + " ".join([cc] + flags).encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"
     if out.exists():

@@ -15,6 +15,7 @@ from torch import nn
 from xllm_py.model import cpu_kernels
 from xllm_py.model.attention import AttentionMetadata, AttentionPlan, attend, plan_attention, write_kv
 from xllm_py.model.config import ModelConfig
+from xllm_py.model.fused_decode import FusedDecoder
 from xllm_py.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,9 @@ class LlamaForCausalLM(nn.Module):
                                           config.max_position_embeddings, config.rope_scaling)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        # Decode batches through one native call per layer (fused_decode.py); False: off.
+        self.fused_decode = True
+        self._fused: tuple[int, FusedDecoder | None] = (0, None)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -125,10 +129,23 @@ class LlamaForCausalLM(nn.Module):
         plan = plan_attention(attn_metadata, block_size)
         hidden = self.model.embed_tokens(input_ids)  # a new tensor: the residual stream
         cos_sin = self.rotary_emb.cos_sin(positions, attn_metadata.max_seq_len, hidden.dtype)
+        fused = self._fused_decoder()
+        done = fused.run(hidden, cos_sin, kv_caches, plan) if fused is not None else None
+        if done is not None:
+            return self.model.norm(*done)
         residual = None
         for layer, cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(hidden, residual, cos_sin, cache, plan)
         return self.model.norm(hidden, residual)
+
+    def _fused_decoder(self) -> FusedDecoder | None:
+        """Built on first use and again when the layers' linears are replaced (packing)."""
+        if not self.fused_decode:
+            return None
+        key = id(self.model.layers[0].self_attn.qkv_proj) if len(self.model.layers) else 0
+        if self._fused[0] != key:
+            self._fused = (key, FusedDecoder.build(self))
+        return self._fused[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""

@@ -186,43 +186,58 @@ static void decode_attend_seq(const float *q, float *out, const float *k_cache,
  * Work items: one per sequence (all heads: blocks read sequentially), or per (sequence,
  * KV head) when the batch is too small to keep every thread busy.
  * Returns 0, or -1 when a size is out of range or memory runs out (nothing written). */
+static int attention_sizes_ok(int32_t H, int32_t KVH, int32_t D, int32_t bs) {
+    return KVH > 0 && H % KVH == 0 && H / KVH <= XLLM_MAX_GROUP && D <= XLLM_MAX_HEAD_DIM &&
+           bs <= XLLM_MAX_BLOCK && bs > 0 && D > 0;
+}
+
+/* KV heads per work item (called outside a parallel region: it asks for the team size) */
+static int32_t attention_heads_per_item(int32_t B, int32_t H, int32_t KVH) {
+    int32_t khc = XLLM_MAX_ROWS / (H / KVH);
+    if (khc > KVH)
+        khc = KVH;
+    return B < 2 * omp_get_max_threads() ? 1 : khc;
+}
+
+/* The work sharing of decode attention, inside a parallel region (orphaned omp for). */
+static void decode_attention_body(const float *q, float *out, const float *k_cache,
+                                  const float *v_cache, int64_t block_stride,
+                                  const int64_t *tables, int64_t table_stride,
+                                  const int64_t *seq_lens, int32_t B, int32_t H, int32_t KVH,
+                                  int32_t D, int32_t bs, float scale, int32_t khc,
+                                  int *failed) {
+    const int32_t G = H / KVH, chunks = (KVH + khc - 1) / khc;
+    float *work = (float *)malloc(sizeof(float) * (size_t)khc * G * (2 * D + bs + 2));
+    if (work == NULL) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+#pragma omp for schedule(static)
+    for (int64_t idx = 0; idx < (int64_t)B * chunks; idx++) {
+        if (work == NULL)
+            continue;
+        const int64_t b = idx / chunks;
+        const int32_t kh0 = (int32_t)(idx % chunks) * khc;
+        const int32_t kh1 = kh0 + khc < KVH ? kh0 + khc : KVH;
+        decode_attend_seq(q + b * H * D, out + b * H * D, k_cache, v_cache, block_stride,
+                          tables + b * table_stride, seq_lens[b], H, KVH, D, bs, scale, kh0,
+                          kh1, work);
+    }
+    free(work);
+}
+
 int xllm_paged_decode_attention_f32(const float *q, float *out, const float *k_cache,
                                     const float *v_cache, int64_t block_stride,
                                     const int64_t *tables, int64_t table_stride,
                                     const int64_t *seq_lens, int32_t B, int32_t H,
                                     int32_t KVH, int32_t D, int32_t bs, float scale) {
-    if (KVH <= 0 || H % KVH != 0 || H / KVH > XLLM_MAX_GROUP || D > XLLM_MAX_HEAD_DIM ||
-        bs > XLLM_MAX_BLOCK || bs <= 0 || D <= 0 || B < 0)
+    if (!attention_sizes_ok(H, KVH, D, bs) || B < 0)
         return -1;
-    const int32_t G = H / KVH;
-    int32_t khc = XLLM_MAX_ROWS / G; /* KV heads per work item */
-    if (khc > KVH)
-        khc = KVH;
-    if (B < 2 * omp_get_max_threads())
-        khc = 1;
-    const int32_t chunks = (KVH + khc - 1) / khc;
-    const int64_t per_item = (int64_t)khc * G * (2 * D + bs + 2);
+    const int32_t khc = attention_heads_per_item(B, H, KVH);
     int failed = 0;
 #pragma omp parallel
-    {
-        float *work = (float *)malloc(sizeof(float) * per_item);
-        if (work == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t idx = 0; idx < (int64_t)B * chunks; idx++) {
-            if (work == NULL)
-                continue;
-            const int64_t b = idx / chunks;
-            const int32_t kh0 = (int32_t)(idx % chunks) * khc;
-            const int32_t kh1 = kh0 + khc < KVH ? kh0 + khc : KVH;
-            decode_attend_seq(q + b * H * D, out + b * H * D, k_cache, v_cache, block_stride,
-                              tables + b * table_stride, seq_lens[b], H, KVH, D, bs, scale,
-                              kh0, kh1, work);
-        }
-        free(work);
-    }
+    decode_attention_body(q, out, k_cache, v_cache, block_stride, tables, table_stride,
+                          seq_lens, B, H, KVH, D, bs, scale, khc, &failed);
     return failed ? -1 : 0;
 }
 
@@ -243,9 +258,9 @@ static inline __attribute__((always_inline)) void rms_norm_row(const float *h, c
  * residual == NULL: out = rmsnorm(x) * w
  * residual != NULL: residual += x (in place, the new residual stream), out = rmsnorm(residual) * w
  * Same float32 formula as transformers: w * (h * rsqrt(mean(h^2) + eps)). */
-void xllm_add_rms_norm_f32(const float *x, float *residual, const float *w, float *out,
-                           int64_t T, int32_t H, float eps) {
-#pragma omp parallel for schedule(static) if (T >= 64)
+static void add_rms_norm_body(const float *x, float *residual, const float *w, float *out,
+                              int64_t T, int32_t H, float eps) {
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const float *xr = x + t * H;
         float *o = out + t * H;
@@ -259,6 +274,12 @@ void xllm_add_rms_norm_f32(const float *x, float *residual, const float *w, floa
         }
         rms_norm_row(h, w, o, H, eps);
     }
+}
+
+void xllm_add_rms_norm_f32(const float *x, float *residual, const float *w, float *out,
+                           int64_t T, int32_t H, float eps) {
+#pragma omp parallel if (T >= 64)
+    add_rms_norm_body(x, residual, w, out, T, H, eps);
 }
 
 /* One head of D values: optional RMSNorm (w != NULL), then neox RoPE with cos/sin rows. */
@@ -283,15 +304,13 @@ static inline void norm_rope_head(const float *x, float *o, const float *w, floa
  * q_out [T, H, D] = rope(norm_q(q)); the cache slots slots[t] get rope(norm_k(k)) and v.
  * q_w / k_w: per-head RMSNorm weights [D] (Qwen3) or NULL. cos/sin: [T, D] rows of each
  * token's position. Caches are [num_slots, KVH, D] views (contiguous blocks). */
-int xllm_qk_norm_rope_store_f32(const float *qkv, float *q_out, float *k_cache,
-                                float *v_cache, const int64_t *slots, const float *q_w,
-                                const float *k_w, float eps, const float *cos_t,
-                                const float *sin_t, int64_t T, int32_t H, int32_t KVH,
-                                int32_t D) {
-    if (D > XLLM_MAX_HEAD_DIM || D % 2 != 0 || D <= 0)
-        return -1;
+static void qk_norm_rope_store_body(const float *qkv, float *q_out, float *k_cache,
+                                    float *v_cache, const int64_t *slots, const float *q_w,
+                                    const float *k_w, float eps, const float *cos_t,
+                                    const float *sin_t, int64_t T, int32_t H, int32_t KVH,
+                                    int32_t D) {
     const int64_t row = (int64_t)(H + 2 * KVH) * D;
-#pragma omp parallel for schedule(static) if (T >= 16)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const float *src = qkv + t * row;
         const float *cs = cos_t + t * D, *sn = sin_t + t * D;
@@ -304,12 +323,24 @@ int xllm_qk_norm_rope_store_f32(const float *qkv, float *q_out, float *k_cache,
             norm_rope_head(ks + h * D, kd + h * D, k_w, eps, cs, sn, D);
         memcpy(vd, vs, sizeof(float) * KVH * D);
     }
+}
+
+int xllm_qk_norm_rope_store_f32(const float *qkv, float *q_out, float *k_cache,
+                                float *v_cache, const int64_t *slots, const float *q_w,
+                                const float *k_w, float eps, const float *cos_t,
+                                const float *sin_t, int64_t T, int32_t H, int32_t KVH,
+                                int32_t D) {
+    if (D > XLLM_MAX_HEAD_DIM || D % 2 != 0 || D <= 0)
+        return -1;
+#pragma omp parallel if (T >= 16)
+    qk_norm_rope_store_body(qkv, q_out, k_cache, v_cache, slots, q_w, k_w, eps, cos_t, sin_t,
+                            T, H, KVH, D);
     return 0;
 }
 
 /* SwiGLU activation: x [T, 2I] = [gate | up] -> out [T, I] = silu(gate) * up. */
-void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
-#pragma omp parallel for schedule(static) if (T >= 16)
+static void silu_and_mul_body(const float *x, float *out, int64_t T, int32_t I) {
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const float *g = x + t * 2 * (int64_t)I, *u = g + I;
         float *o = out + t * (int64_t)I;
@@ -320,6 +351,11 @@ void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
             o[i] = g[i] / (1.0f + xexp(a)) * u[i];
         }
     }
+}
+
+void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
+#pragma omp parallel if (T >= 16)
+    silu_and_mul_body(x, out, T, I);
 }
 
 /* y [M, N] = x [M, K] @ W^T (+ b) for decode-size M, W packed once as panels
@@ -395,75 +431,89 @@ static inline __attribute__((always_inline)) void panel_tile(const float *xt, co
     _mm256_storeu_ps(acc[5], c50); _mm256_storeu_ps(acc[5] + 8, c51);
 }
 
+/* x packed by tiles, xt[tile][K][6] (rows past M zero), needs tiles * K * 6 floats: the
+ * calling thread's buffer, kept between calls (a fresh large malloc is an mmap that page
+ * faults on every call). NULL when memory runs out. */
+static float *panel_pack_buffer(size_t need) {
+    static __thread float *buf = NULL;
+    static __thread size_t cap = 0;
+    if (need > cap) {
+        float *grown = realloc(buf, sizeof(float) * need);
+        if (grown == NULL)
+            return NULL;
+        buf = grown;
+        cap = need;
+    }
+    return buf;
+}
+
+static size_t panel_pack_floats(int32_t M, int32_t K) {
+    return M > 1 ? (size_t)((M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS) * K * XLLM_TILE_ROWS : 0;
+}
+
+/* The work sharing of linear_panels inside a parallel region; xt: panel_pack_floats. */
+static void linear_panels_body(const float *x, const float *P, const float *b, float *y,
+                               int32_t M, int32_t N, int32_t K, float *xt) {
+    const int32_t np = (N + 15) / 16;
+    const int32_t tiles = (M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS;
+    if (M > 1) {
+#pragma omp for schedule(static)
+        for (int32_t t = 0; t < tiles; t++) {
+            float *dst = xt + (int64_t)t * K * XLLM_TILE_ROWS;
+            for (int32_t r = 0; r < XLLM_TILE_ROWS; r++) {
+                const int32_t m = t * XLLM_TILE_ROWS + r;
+                if (m < M) {
+                    const float *src = x + (int64_t)m * K;
+                    for (int32_t k = 0; k < K; k++)
+                        dst[(int64_t)k * XLLM_TILE_ROWS + r] = src[k];
+                } else {
+                    for (int32_t k = 0; k < K; k++)
+                        dst[(int64_t)k * XLLM_TILE_ROWS + r] = 0.0f;
+                }
+            }
+        }
+    }
+#pragma omp for schedule(static)
+    for (int32_t p = 0; p < np; p++) {
+        const float *pp = P + (int64_t)p * K * 16;
+        const int32_t n0 = p * 16, nv = N - n0 < 16 ? N - n0 : 16;
+        float acc[XLLM_PANEL_MAX_ROWS + XLLM_TILE_ROWS][16];
+        if (M == 1) {
+            panel_one_row(x, pp, K, acc[0]);
+        } else {
+            memset(acc, 0, sizeof(float) * 16 * (size_t)(tiles * XLLM_TILE_ROWS));
+            /* k outer, tiles inner: each chunk of the panel comes from memory once and
+             * serves every tile from L1 */
+            for (int32_t k0 = 0; k0 < K; k0 += XLLM_PANEL_KC) {
+                const int32_t kn = K - k0 < XLLM_PANEL_KC ? K - k0 : XLLM_PANEL_KC;
+                panel_tile(xt, pp, k0, kn, acc, 1);
+                for (int32_t t = 1; t < tiles; t++)
+                    panel_tile(xt + (int64_t)t * K * XLLM_TILE_ROWS, pp, k0, kn,
+                               acc + t * XLLM_TILE_ROWS, 0);
+            }
+        }
+        for (int32_t m = 0; m < M; m++) {
+            float *yr = y + (int64_t)m * N + n0;
+            for (int32_t j = 0; j < nv; j++)
+                yr[j] = acc[m][j] + (b != NULL ? b[n0 + j] : 0.0f);
+        }
+    }
+}
+
 int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
                            int32_t N, int32_t K) {
     if (M <= 0 || M > XLLM_PANEL_MAX_ROWS || K <= 0)
         return -1;
-    const int32_t np = (N + 15) / 16;
-    const int32_t tiles = (M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS;
-    /* x packed by tiles, xt[tile][K][6], rows past M zero; the caller thread's buffer
-     * is kept between calls (a fresh large malloc is an mmap and page faults each call) */
-    static __thread float *xt_buf = NULL;
-    static __thread size_t xt_cap = 0;
-    float *xt = NULL;
-    if (M > 1) {
-        const size_t need = (size_t)tiles * (size_t)K * XLLM_TILE_ROWS;
-        if (need > xt_cap) {
-            float *grown = realloc(xt_buf, sizeof(float) * need);
-            if (grown == NULL)
-                return -1;
-            xt_buf = grown;
-            xt_cap = need;
-        }
-        xt = xt_buf;
-    }
+    const size_t need = panel_pack_floats(M, K);
+    float *xt = need ? panel_pack_buffer(need) : NULL;
+    if (need && xt == NULL)
+        return -1;
 #pragma omp parallel
-    {
-        if (M > 1) {
-#pragma omp for schedule(static)
-            for (int32_t t = 0; t < tiles; t++) {
-                float *dst = xt + (int64_t)t * K * XLLM_TILE_ROWS;
-                for (int32_t r = 0; r < XLLM_TILE_ROWS; r++) {
-                    const int32_t m = t * XLLM_TILE_ROWS + r;
-                    if (m < M) {
-                        const float *src = x + (int64_t)m * K;
-                        for (int32_t k = 0; k < K; k++)
-                            dst[(int64_t)k * XLLM_TILE_ROWS + r] = src[k];
-                    } else {
-                        for (int32_t k = 0; k < K; k++)
-                            dst[(int64_t)k * XLLM_TILE_ROWS + r] = 0.0f;
-                    }
-                }
-            }
-        }
-#pragma omp for schedule(static)
-        for (int32_t p = 0; p < np; p++) {
-            const float *pp = P + (int64_t)p * K * 16;
-            const int32_t n0 = p * 16, nv = N - n0 < 16 ? N - n0 : 16;
-            float acc[XLLM_PANEL_MAX_ROWS + XLLM_TILE_ROWS][16];
-            if (M == 1) {
-                panel_one_row(x, pp, K, acc[0]);
-            } else {
-                memset(acc, 0, sizeof(float) * 16 * (size_t)(tiles * XLLM_TILE_ROWS));
-                /* k outer, tiles inner: each chunk of the panel comes from memory once and
-                 * serves every tile from L1 */
-                for (int32_t k0 = 0; k0 < K; k0 += XLLM_PANEL_KC) {
-                    const int32_t kn = K - k0 < XLLM_PANEL_KC ? K - k0 : XLLM_PANEL_KC;
-                    panel_tile(xt, pp, k0, kn, acc, 1);
-                    for (int32_t t = 1; t < tiles; t++)
-                        panel_tile(xt + (int64_t)t * K * XLLM_TILE_ROWS, pp, k0, kn,
-                                   acc + t * XLLM_TILE_ROWS, 0);
-                }
-            }
-            for (int32_t m = 0; m < M; m++) {
-                float *yr = y + (int64_t)m * N + n0;
-                for (int32_t j = 0; j < nv; j++)
-                    yr[j] = acc[m][j] + (b != NULL ? b[n0 + j] : 0.0f);
-            }
-        }
-    }
+    linear_panels_body(x, P, b, y, M, N, K, xt);
     return 0;
 }
+
+#include "decode_layer.c"
 #else
 int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
                            int32_t N, int32_t K) {
@@ -471,3 +521,4 @@ int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float
     return -1;
 }
 #endif
+/* Without AVX2/FMA there is no xllm_decode_layer_f32: the model takes the per-op path. */
