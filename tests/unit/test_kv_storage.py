@@ -145,3 +145,20 @@ def test_read_blocks_into_pooled_buffer_and_raw_bytes_write() -> None:
     assert again.data_ptr() == buf.data_ptr() and again.numel() == 2 * a.block_bytes
     with pytest.raises(ValueError, match="contiguous"):
         a.read_blocks([1], out=torch.empty(7, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("n", [3, 64, 65, 300])  # Python-int path up to 64 ids, numpy above
+def test_check_block_ids_same_verdict_for_short_and_long_lists(n: int) -> None:
+    s = KVCacheStorage(1, 400, 4, 2, 8)
+    ids = np.arange(n)[::-1].copy()
+    assert s.check_block_ids(ids, unique=True).tolist() == ids.tolist()
+    dup = ids.copy()
+    dup[-1] = dup[0]
+    assert s.check_block_ids(dup).tolist() == dup.tolist()
+    with pytest.raises(ValueError, match="duplicate"):
+        s.check_block_ids(dup, unique=True)
+    for bad in (-1, 400):
+        out = ids.copy()
+        out[n // 2] = bad
+        with pytest.raises(ValueError, match=rf"out of range \[0, 400\): \[{bad}\]"):
+            s.check_block_ids(out)

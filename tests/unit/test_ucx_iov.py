@@ -197,3 +197,23 @@ def test_iov_receive_posted_after_the_data_arrived_gets_every_byte() -> None:
 
         w.start(make, timeout=10).result(10)
     assert torch.equal(s.kv[:, :, [9, 10, 12]], s.kv[:, :, [1, 2, 6]])
+
+
+@pytest.mark.parametrize("pad", [0, 100])  # few runs (Python loop) and many (numpy)
+def test_check_src_runs_refuses_anything_outside_the_pool(pad: int) -> None:
+    from xllm_py.kv_transfer.ucx.iov_protocol import check_src_runs
+
+    ok = [[0, 5, 1]] * pad
+
+    def check(*rows: list[int]) -> str | None:
+        return check_src_runs(np.array(ok + list(rows), dtype=np.int64).reshape(-1, 3), 64)
+
+    assert check() is None
+    assert check([0, 0, 64]) is None and check([63, 0, 1]) is None
+    assert "positive" in check([3, 0, 0])
+    assert "positive" in check([3, 0, -2])
+    assert "[64]" in check([60, 0, 5])
+    assert "[-1]" in check([-1, 0, 2])
+    big = 2 ** 62
+    assert str(big) in check([big, 0, big])  # no int64 overflow into a "valid" sum
+    assert "out of range" in check([1, 0, 2 ** 63 - 1])

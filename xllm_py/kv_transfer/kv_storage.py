@@ -126,7 +126,11 @@ class KVCacheStorage:
     def check_block_ids(self, ids: Sequence[int] | np.ndarray, unique: bool = False) -> np.ndarray:
         """Validate block ids against this pool; returns them as an int64 array."""
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if arr.size:
+        if 0 < arr.size <= 64:  # Python ints: ~3 vs ~14 us of numpy calls for 8 ids
+            lst = arr.tolist()
+            if min(lst) >= 0 and max(lst) < self.num_blocks and (not unique or len(set(lst)) == len(lst)):
+                return arr
+        if arr.size:  # (the reasons, or many ids)
             bad = arr[(arr < 0) | (arr >= self.num_blocks)]
             if bad.size:
                 raise ValueError(

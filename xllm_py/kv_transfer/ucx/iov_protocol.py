@@ -52,10 +52,10 @@ class IovLayout:
 
     def chunks(self, runs: np.ndarray, side: int) -> np.ndarray:
         """uint64 [len(runs) * 2 * L, 2] (address, length) of the slices of ``runs`` (column ``side``)."""
-        sb = self.slice_bytes
         out = np.empty((runs.shape[0], self.num_slices, 2), dtype=np.int64)
-        np.add(self._base, runs[:, side, None] * sb, out=out[:, :, 0])
-        out[:, :, 1] = runs[:, 2, None] * sb
+        r = runs * self.slice_bytes  # bytes
+        np.add(self._base, r[:, side:side + 1], out=out[:, :, 0])
+        out[:, :, 1] = r[:, 2:3]
         return out.reshape(-1, 2).view(np.uint64)
 
 
@@ -76,23 +76,32 @@ def decode_request(data: bytes) -> tuple[int, int, int, float, np.ndarray]:
     return op, req_id, token, timeout, runs
 
 
+_SMALL_RUNS = 64  # up to this many runs, plain Python ints beat five numpy reductions
+
+
 def check_src_runs(runs: np.ndarray, num_blocks: int) -> str | None:
-    """The source side of a pull, vectorised: every run inside ``[0, num_blocks)``; None when valid.
+    """The source side of a pull: every run inside ``[0, num_blocks)``; None when valid.
 
     (Same rule as ``KVTransferBackend._check_remote_runs(.., "src")``, without expanding the
-    runs to ids and back: that cost ~0.1 ms of the owner's time per request under load.)
+    runs to ids and back: that cost ~0.1 ms of the owner's time per request under load.
+    Few runs: a loop over Python ints, 1-2 vs 11-21 us for the numpy reductions standalone.)
     """
-    if runs.size == 0:
-        return None
-    start, n = runs[:, 0], runs[:, 2]
-    if int(n.min()) <= 0:
+    if runs.shape[0] <= _SMALL_RUNS:
+        rows = runs.tolist()
+        if all(n > 0 and 0 <= s0 and s0 + n <= num_blocks for s0, _, n in rows):  # (Python ints: no overflow)
+            return None
+        start, n = [r[0] for r in rows], [r[2] for r in rows]
+    else:
+        start_a, n_a = runs[:, 0], runs[:, 2]
+        if (int(n_a.min()) > 0 and int(start_a.min()) >= 0 and int(n_a.max()) <= num_blocks
+                and int(start_a.max()) < num_blocks  # (these four: no int64 overflow below)
+                and int((start_a + n_a).max()) <= num_blocks):
+            return None
+        start, n = start_a.tolist(), n_a.tolist()
+    if min(n) <= 0:
         return "peer refused: run lengths must be positive"
-    if (int(start.min()) < 0 or int(start.max()) >= num_blocks or int(n.max()) > num_blocks
-            or int((start + n).max()) > num_blocks):  # (the first three: no int64 overflow below)
-        bad = sorted({int(b) for s0, k in zip(start.tolist(), n.tolist())
-                      for b in (s0, s0 + k - 1) if not 0 <= b < num_blocks})
-        return f"peer refused: block ids out of range [0, {num_blocks}): {bad[:8]}"
-    return None
+    bad = sorted({b for s0, k in zip(start, n) for b in (s0, s0 + k - 1) if not 0 <= b < num_blocks})
+    return f"peer refused: block ids out of range [0, {num_blocks}): {bad[:8]}"
 
 
 def _status_text(op: ffi.Op, buf) -> str:
