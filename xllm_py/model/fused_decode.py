@@ -73,11 +73,16 @@ class FusedDecoder:
         lib.xllm_decode_layer_scratch.argtypes = [ctypes.POINTER(LayerArgs)]
         lib.xllm_decode_layer_scratch.restype = ctypes.c_int64
         cfg = model.config
+        if cfg.head_dim % 2 or not len(model.model.layers):
+            return None
         layers, keep = [], []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(m, PackedLinear) and m._panels is not None for m in linears):
+                return None
+            if ((attn.q_norm is None) != (attn.k_norm is None)  # the per-op path: neither
+                    or layer.post_attention_layernorm.eps != layer.input_layernorm.eps):
                 return None
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                      None if attn.q_norm is None else attn.q_norm.weight,
@@ -85,9 +90,7 @@ class FusedDecoder:
             if not _f32_contiguous(*norms, *(m._panels for m in linears),
                                    *(m.bias for m in linears)):
                 return None
-            if cfg.head_dim % 2:
-                return None
-            args = LayerArgs(
+            layers.append(LayerArgs(
                 hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, intermediate=mlp.down_proj.in_features,
                 rms_eps=layer.input_layernorm.eps,
@@ -98,10 +101,7 @@ class FusedDecoder:
                 qkv_w=_ptr(attn.qkv_proj._panels), qkv_b=_ptr(attn.qkv_proj.bias),
                 o_w=_ptr(attn.o_proj._panels), o_b=_ptr(attn.o_proj.bias),
                 gate_up_w=_ptr(mlp.gate_up_proj._panels), gate_up_b=_ptr(mlp.gate_up_proj.bias),
-                down_w=_ptr(mlp.down_proj._panels), down_b=_ptr(mlp.down_proj.bias))
-            if layer.post_attention_layernorm.eps != layer.input_layernorm.eps:
-                return None
-            layers.append(args)
+                down_w=_ptr(mlp.down_proj._panels), down_b=_ptr(mlp.down_proj.bias)))
             keep.append((norms, linears))
         return cls(lib, layers, keep, cfg.hidden_size)
 
