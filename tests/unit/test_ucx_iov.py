@@ -217,3 +217,45 @@ def test_check_src_runs_refuses_anything_outside_the_pool(pad: int) -> None:
     big = 2 ** 62
     assert str(big) in check([big, 0, big])  # no int64 overflow into a "valid" sum
     assert "out of range" in check([1, 0, 2 ** 63 - 1])
+
+
+def test_scratch_pull_lands_in_the_scratch_buffer_in_the_cache_pieces() -> None:
+    from xllm_py.kv_transfer.ucx.iov_protocol import IovLayout, IovRequest
+
+    s = _storage(num_blocks=16)
+    layout = IovLayout(s)
+    runs = np.array([[0, 0, 2], [5, 9, 1]], dtype=np.int64)
+    scratch = np.zeros(3 * s.block_bytes, dtype=np.uint8)
+    req = IovRequest.scratch_pull(layout, 1, 2, 1.0, runs, scratch)
+    assert req.keep is scratch and req.nbytes == scratch.size
+    assert req.chunks[:, 1].tolist() == layout.chunks(runs, 1)[:, 1].tolist()  # same pieces
+    ends = np.cumsum(req.chunks[:, 1].astype(np.int64))
+    assert (req.chunks[:, 0].astype(np.int64) - scratch.ctypes.data).tolist() == [0] + ends[:-1].tolist()
+    with pytest.raises(ValueError, match="at least"):
+        IovRequest.scratch_pull(layout, 1, 2, 1.0, runs, scratch[:-1])
+
+
+async def test_link_warms_up_without_touching_the_cache() -> None:
+    from xllm_py.kv_transfer.ucx import backend as ucx_backend
+
+    a, b = _storage(seed=9), _storage()
+    async with _linked(a, b) as (ba, bb):
+        deadline = time.monotonic() + 5
+        while ba.stats()["served"] < ucx_backend._WARMUP_PULLS and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert ba.stats()["served"] == ucx_backend._WARMUP_PULLS  # the owner served the warm-up pulls
+        assert torch.count_nonzero(b.kv) == 0  # into scratch, not into the puller's cache
+        assert bb.stats()["pulls"] == 0
+        await _pull_every_byte(ba, a, bb, b, 10, 1)
+
+
+async def test_failed_warm_up_keeps_the_link(monkeypatch) -> None:
+    from xllm_py.kv_transfer.ucx import iov_protocol
+
+    monkeypatch.setattr(iov_protocol, "check_src_runs", lambda runs, n: "peer refused: not now")
+    a, b = _storage(seed=10), _storage()
+    async with _linked(a, b) as (ba, bb):
+        assert bb._peers[ba.address].iov_key is not None
+        assert ba.stats()["served"] == 0
+        monkeypatch.undo()
+        await _pull_every_byte(ba, a, bb, b, 12, 2)

@@ -117,7 +117,7 @@ class IovRequest:
     """A pull or push as the requester posts it, prepared on the caller's thread (the iov
     list and the request message), so that the worker thread only posts."""
 
-    __slots__ = ("op", "req_id", "msg", "chunks", "nbytes")
+    __slots__ = ("op", "req_id", "msg", "chunks", "nbytes", "keep")
 
     def __init__(self, layout: IovLayout, op: int, req_id: int, token: int, timeout: float,
                  runs: np.ndarray) -> None:
@@ -125,6 +125,24 @@ class IovRequest:
         self.msg = encode_request(op, req_id, token, timeout, runs)
         self.chunks = layout.chunks(runs, 1 if op == OP_PULL else 0)  # our side of each run
         self.nbytes = int(runs[:, 2].sum()) * layout.block_bytes
+        self.keep: object = None  # a buffer the posted receive points into, besides the cache
+
+    @classmethod
+    def scratch_pull(cls, layout: IovLayout, req_id: int, token: int, timeout: float,
+                     runs: np.ndarray, scratch: np.ndarray) -> IovRequest:
+        """A pull of the owner's source runs whose data lands in ``scratch`` (uint8, at least
+        the pull's size), in the same pieces as into the cache (our destination column is
+        ignored): for warming up a link without touching our cache. The owner cannot tell it
+        from a pull."""
+        req = cls(layout, OP_PULL, req_id, token, timeout, runs)
+        if scratch.dtype != np.uint8 or scratch.size < req.nbytes or not scratch.flags.c_contiguous:
+            raise ValueError(f"scratch must be contiguous uint8 of at least {req.nbytes} bytes")
+        lens = req.chunks[:, 1].astype(np.int64)
+        chunks = np.empty_like(req.chunks)
+        chunks[:, 0] = (scratch.ctypes.data + np.cumsum(lens) - lens).astype(np.uint64)
+        chunks[:, 1] = req.chunks[:, 1]
+        req.chunks, req.keep = chunks, scratch
+        return req
 
 
 def _request(track: list[ffi.Op], worker: int, ep: int, req: IovRequest) -> TaskGen:
@@ -147,7 +165,8 @@ def pull_task(track: list[ffi.Op], worker: int, ep: int, req: IovRequest) -> Tas
     more copy, same result). A refusal leaves the DATA receive unmatched: the worker cancels it.
     """
     sent = _t(track, ffi.tag_send_bytes(ep, req.msg, tag(KIND_REQ, req.req_id)))
-    data = _t(track, ffi.tag_recv_iov(worker, req.chunks, tag(KIND_DATA, req.req_id), expected=req.nbytes))
+    data = _t(track, ffi.tag_recv_iov(worker, req.chunks, tag(KIND_DATA, req.req_id), keep=req.keep,
+                                      expected=req.nbytes))
     status, sbuf = ffi.tag_recv_bytes(worker, _STATUS_MAX, tag(KIND_STATUS, req.req_id))
     _t(track, status)
     yield [sent]
