@@ -259,3 +259,37 @@ async def test_failed_warm_up_keeps_the_link(monkeypatch) -> None:
         assert ba.stats()["served"] == 0
         monkeypatch.undo()
         await _pull_every_byte(ba, a, bb, b, 12, 2)
+
+
+def test_pull_accepts_an_owner_that_also_confirms_with_an_empty_status() -> None:
+    from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
+    from xllm_py.kv_transfer.ucx.env import import_ucxx
+    from xllm_py.kv_transfer.ucx.iov_protocol import OP_PULL, IovLayout, IovRequest, decode_request, pull_task
+    from xllm_py.kv_transfer.ucx.iov_worker import KIND_DATA, KIND_STATUS, IovWorker, tag
+
+    import_ucxx()
+    s = _storage(num_blocks=16, seed=11)
+    layout = IovLayout(s)
+    holder: list[IovWorker] = []
+
+    def old_owner(_tag: int, msg: bytes):  # DATA, then STATUS("") as owners did before
+        _, req_id, _, _, runs = decode_request(msg)
+        w = holder[0]
+
+        def make(track: list):
+            ep = w.ep_handle("self")
+            track += [ffi.tag_send_iov(ep, layout.chunks(runs, 0), tag(KIND_DATA, req_id)),
+                      ffi.tag_send_bytes(ep, b"", tag(KIND_STATUS, req_id))]
+            yield list(track)
+        return make, 5.0, None, "old owner"
+
+    w = IovWorker({"TLS": "sm,self"}, old_owner, name="test-iov-old")
+    holder.append(w)
+    try:
+        w.connect("self", w.address).result(10)
+        runs = np.array([[1, 8, 3]], dtype=np.int64)
+        req = IovRequest(layout, OP_PULL, 77, 1, 5.0, runs)
+        w.start(lambda track: pull_task(track, w.handle, w.ep_handle("self"), req), timeout=10).result(10)
+    finally:
+        w.close()
+    assert torch.equal(s.kv[:, :, 8:11], s.kv[:, :, 1:4])

@@ -172,7 +172,11 @@ def pull_task(track: list[ffi.Op], worker: int, ep: int, req: IovRequest) -> Tas
     yield [sent]
     yield AnyOf((data, status))  # the owner answers with one of them
     if status.done:
-        raise TransferError(_status_text(status, sbuf) or "peer refused", invalid_argument=True)
+        err = _status_text(status, sbuf)
+        if err:
+            raise TransferError(err, invalid_argument=True)
+        if not data.done:  # an empty STATUS is a confirmation (older owners send one after DATA)
+            yield [data]
 
 
 def push_task(track: list[ffi.Op], worker: int, ep: int, req: IovRequest) -> TaskGen:
