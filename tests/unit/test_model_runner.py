@@ -158,3 +158,29 @@ def test_decode_metadata_equals_generic_build(model):
     assert (meta.max_query_len, meta.max_seq_len) == (ref.max_query_len, ref.max_seq_len)
     with pytest.raises(ValueError):
         runner._prepare_decode([Seq("a", [5], 12, tables["a"][:3], True)])
+
+
+@pytest.mark.parametrize("keep", [[4, 11, 12], [12, 4], []])
+def test_kept_rows_equal_the_full_forward_and_store_every_kv(model, keep):
+    """keep_rows (what the runner passes for the sampled rows): the last layer finishes
+    only those rows; the rows equal the full forward's, and every token's K/V is stored
+    exactly as by the full forward. Batch: two prefill chunks and a decode token."""
+    from xllm_py.model.attention import AttentionMetadata, build_positions
+
+    m, cfg = model
+    tokens, tables = _prompts(cfg.vocab_size), _tables()
+    spec = [(0, 5, tables["a"]), (3, 7, tables["d"]), (0, 1, tables["b"])]
+    ids = torch.tensor(tokens["a"][:5] + tokens["d"][3:10] + tokens["b"][:1])
+    runs = []
+    for rows in (None, torch.tensor(keep, dtype=torch.long)):
+        runner = _runner(m, cfg)
+        with torch.inference_mode():
+            out = m(ids, build_positions(spec), AttentionMetadata.build(spec, BLOCK_SIZE),
+                    runner.kv_caches, keep_rows=rows)
+        runs.append((out, runner.kv_caches))
+    (full, full_kv), (kept, kept_kv) = runs
+    assert kept.shape == (len(keep), cfg.hidden_size)
+    if keep:
+        assert (kept - full[keep]).abs().max().item() < 1e-5
+    for (k0, v0), (k1, v1) in zip(full_kv, kept_kv):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)

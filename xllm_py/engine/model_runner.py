@@ -33,14 +33,13 @@ class ModelRunner:
             ids_t, pos_t, meta, sample_idx = self._prepare_decode(seqs)
         else:
             ids_t, pos_t, meta, sample_idx = self._prepare_mixed(seqs)
-        hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
+        keep = None
+        if len(sample_idx) < ids_t.shape[0]:  # only the sampled rows reach the logits
+            keep = torch.tensor(sample_idx, dtype=torch.long, device=self.device)
+        hidden = self.model(ids_t, pos_t, meta, self.kv_caches, keep_rows=keep)
         if not sample_idx:
             return None
-        if len(sample_idx) == hidden.shape[0]:
-            last = hidden
-        else:
-            last = hidden[torch.tensor(sample_idx, dtype=torch.long, device=self.device)]
-        return self.model.compute_logits(last).float()
+        return self.model.compute_logits(hidden).float()
 
     def _prepare_decode(self, seqs: Sequence) -> tuple[torch.Tensor, torch.Tensor,
                                                        AttentionMetadata, list[int]]:

@@ -167,6 +167,19 @@ def plan_attention(md: AttentionMetadata, block_size: int) -> AttentionPlan:
     return AttentionPlan(md.slot_mapping, num_tokens, decode, prefill)
 
 
+def plan_rows(md: AttentionMetadata, rows: torch.Tensor, positions: torch.Tensor,
+              block_size: int) -> AttentionPlan:
+    """Attention for only the query tokens ``rows`` of the step (their K/V and every
+    earlier token's already in the caches): each row attends to its sequence's context up
+    to its own position, as a decode query. For a last layer whose other rows feed
+    nothing (only sampled rows reach the logits)."""
+    seq_of_row = torch.searchsorted(md.query_start_loc[1:], rows, right=True)
+    seq_lens = positions[rows] + 1
+    max_len = int(seq_lens.max()) if rows.numel() else 1
+    decode = _decode_group(None, md.block_tables[seq_of_row], seq_lens, max_len, block_size)
+    return AttentionPlan(md.slot_mapping[rows], int(rows.shape[0]), decode, None)
+
+
 def _num_blocks(max_seq_len: int, block_size: int) -> int:
     return (max_seq_len + block_size - 1) // block_size
 

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from xllm_py.model import cpu_kernels
-from xllm_py.model.attention import AttentionMetadata, AttentionPlan, attend, plan_attention, write_kv
+from xllm_py.model.attention import (AttentionMetadata, AttentionPlan, attend, plan_attention,
+                                     plan_rows, write_kv)
 from xllm_py.model.config import ModelConfig
 from xllm_py.model.fused_decode import FusedDecoder
 from xllm_py.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -42,7 +43,10 @@ class Attention(nn.Module):
             self.k_norm = None
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+                kv_cache: KVCache, plan: AttentionPlan, rows: torch.Tensor | None = None,
+                rows_plan: AttentionPlan | None = None) -> torch.Tensor:
+        """Stores every token's K/V; the output has a row per token, or with ``rows``
+        only those tokens' (attending by ``rows_plan``)."""
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         # One C pass when it can: q/k norm, RoPE, K/V into the cache (cpu_kernels.py).
@@ -62,6 +66,8 @@ class Attention(nn.Module):
                 k = self.k_norm(k)
             q, k = RotaryEmbedding.apply(q, k, cos_sin)
             write_kv(kv_cache[0], kv_cache[1], k, v, plan.slot_mapping)
+        if rows is not None:
+            q, plan, t = q[rows], rows_plan, int(rows.shape[0])
         out = attend(q, kv_cache[0], kv_cache[1], plan)
         return self.o_proj(out.reshape(t, self.q_size).to(hidden.dtype))
 
@@ -76,16 +82,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
-                plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+                plan: AttentionPlan, rows: torch.Tensor | None = None,
+                rows_plan: AttentionPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block on the residual stream. ``hidden`` is the previous block's MLP
         output, still to be added to ``residual`` (None for the first layer, where
-        ``hidden`` is the embedding and becomes the stream). Returns (mlp out, residual)."""
+        ``hidden`` is the embedding and becomes the stream). Returns (mlp out, residual),
+        with ``rows``: for those tokens only (every token's K/V is stored all the same)."""
         if residual is None:
             residual = hidden
             h = self.input_layernorm(hidden)
         else:
             h = self.input_layernorm(hidden, residual)
-        h = self.self_attn(h, cos_sin, kv_cache, plan)
+        h = self.self_attn(h, cos_sin, kv_cache, plan, rows, rows_plan)
+        if rows is not None:
+            residual = residual[rows]
         h = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -120,8 +130,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata,
-                kv_caches: list[KVCache]) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, kv_caches: list[KVCache],
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden], or with ``keep_rows`` ([N] int64 token
+        indices) only those rows [N, hidden], in that order. Every token's K/V is stored
+        either way; with a prefill in the batch the last layer then runs its attention
+        output and MLP for the kept rows only (the others reach no logits)."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(
                 f"expected {self.config.num_layers} (K, V) caches, got {len(kv_caches)}")
@@ -132,11 +146,27 @@ class LlamaForCausalLM(nn.Module):
         fused = self._fused_decoder()
         done = fused.run(hidden, cos_sin, kv_caches, plan) if fused is not None else None
         if done is not None:
-            return self.model.norm(*done)
+            out = self.model.norm(*done)
+            return out if keep_rows is None else out[keep_rows]
+        rows = rows_plan = None
+        if (keep_rows is not None and plan.prefill is not None
+                and keep_rows.numel() < plan.num_tokens):
+            # no row kept: one stands in (the last layer still stores every K/V)
+            rows = keep_rows if keep_rows.numel() else keep_rows.new_full((1,), plan.num_tokens - 1)
+            rows_plan = plan_rows(attn_metadata, rows, positions, block_size)
         residual = None
-        for layer, cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, cos_sin, cache, plan)
-        return self.model.norm(hidden, residual)
+        last = len(self.model.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
+            if i == last and rows is not None:
+                hidden, residual = layer(hidden, residual, cos_sin, cache, plan, rows, rows_plan)
+            else:
+                hidden, residual = layer(hidden, residual, cos_sin, cache, plan)
+        out = self.model.norm(hidden, residual)
+        if keep_rows is None:
+            return out
+        if rows is None:
+            return out[keep_rows]
+        return out[:keep_rows.numel()]
 
     def _fused_decoder(self) -> FusedDecoder | None:
         """Built on first use and again when the layers' linears are replaced (packing)."""
