@@ -367,7 +367,9 @@ void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
 #include <immintrin.h>
 #define XLLM_TILE_ROWS 6
 #define XLLM_PANEL_MAX_ROWS 96 /* cpu_kernels.PANEL_MAX_ROWS */
-#define XLLM_PANEL_KC 128      /* panel rows per chunk: 8 KB, stays in L1 for every tile */
+/* panel rows per chunk: 4 KB. With the next chunk prefetched and the chunk of x of every
+ * tile (9 KB at 32 rows) it stays in L1; 128 rows measured ~8% slower at 32 rows. */
+#define XLLM_PANEL_KC 64
 
 /* One panel row of 16 outputs for a single x row (M == 1: memory-bound, no tiling). */
 static void panel_one_row(const float *x0, const float *pp, int32_t K, float *tile) {
