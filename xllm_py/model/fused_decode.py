@@ -53,12 +53,10 @@ def _f32_contiguous(*ts: torch.Tensor | None) -> bool:
 
 
 class FusedDecoder:
-    def __init__(self, lib: ctypes.CDLL, layers: list[LayerArgs], keep: list,
-                 hidden: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, layers: list[LayerArgs], keep: list) -> None:
         self._lib = lib
         self._layers = layers
         self._keep = keep  # the tensors whose pointers the structs hold
-        self.hidden = hidden
         self._scratch = torch.empty(0)
         self._lock = threading.Lock()
 
@@ -103,7 +101,7 @@ class FusedDecoder:
                 gate_up_w=_ptr(mlp.gate_up_proj._panels), gate_up_b=_ptr(mlp.gate_up_proj.bias),
                 down_w=_ptr(mlp.down_proj._panels), down_b=_ptr(mlp.down_proj.bias)))
             keep.append((norms, linears))
-        return cls(lib, layers, keep, cfg.hidden_size)
+        return cls(lib, layers, keep)
 
     def run(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
             kv_caches: list, plan) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -77,7 +77,6 @@ int xllm_decode_layer_f32(const struct xllm_decode_layer *a) {
         decode_attention_body(qr, att, a->k_cache, a->v_cache, a->block_stride, a->tables,
                               a->table_stride, a->seq_lens, M, H, KVH, D, a->block_size,
                               a->scale, khc, &failed);
-#pragma omp barrier
         linear_panels_body(att, a->o_w, a->o_b, a->out, M, a->hidden, q, xt);
         add_rms_norm_body(a->out, a->residual, a->post_norm, h, a->T, a->hidden, a->rms_eps);
         linear_panels_body(h, a->gate_up_w, a->gate_up_b, gu, M, 2 * I, a->hidden, xt);
