@@ -293,3 +293,68 @@ def test_pull_accepts_an_owner_that_also_confirms_with_an_empty_status() -> None
     finally:
         w.close()
     assert torch.equal(s.kv[:, :, 8:11], s.kv[:, :, 1:4])
+
+
+@contextlib.asynccontextmanager
+async def _late_owner(ba):
+    """The owner's IovWorker holds every request it gets (``held``) instead of serving it."""
+    owner = ba._iov
+    serve, held = owner._on_request, []
+    owner._on_request = lambda sender_tag, msg: held.append((sender_tag, msg))
+    try:
+        yield held
+    finally:
+        owner._on_request = serve
+
+
+async def test_late_answer_to_a_timed_out_pull_is_drained_not_written() -> None:
+    from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
+    from xllm_py.kv_transfer.ucx.iov_protocol import decode_request
+    from xllm_py.kv_transfer.ucx.iov_worker import KIND_DATA, tag
+
+    a, b = _storage(seed=12), _storage()
+    async with _linked(a, b) as (ba, bb):
+        owner, puller, p = ba._iov, bb._iov, bb._peers[ba.address]
+        served = ba.stats()["served"]
+        async with _late_owner(ba) as held:
+            # (straight to the worker: the public pull also drops the link after a timeout,
+            # and the owner then ignores the request instead of answering it late)
+            with pytest.raises(TimeoutError):
+                await asyncio.wrap_future(bb._iov_start(p, "pull", [(0, 0, 40)], 0.3))
+        assert len(held) == 1
+        assert (puller.num_draining, puller.num_drained) == (2, 0)  # its DATA and STATUS receives
+        puller.disconnect(p.iov_key)  # as after a failure: the drains outlive the endpoint
+        assert puller.call(lambda: puller.num_draining).result(10) == 2
+
+        owner.call(owner._serve, *held[0])  # the real owner answers now: 40 blocks of DATA
+        deadline = time.monotonic() + 10
+        while (puller.num_drained < 1 or ba.stats()["served"] == served) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert ba.stats()["served"] == served + 1  # the DATA went out
+        assert (puller.num_drained, puller.num_draining) == (1, 1)  # taken by a drain; STATUS's still waits
+        assert torch.count_nonzero(b.kv) == 0  # nothing written into the cache
+        req_id = decode_request(held[0][1])[1]
+        # nothing left in UCX's unexpected queue for that tag
+        assert puller.call(ffi.probe_recv, puller.handle, tag(KIND_DATA, req_id), ffi.FULL_MASK).result(10) is None
+
+
+async def test_drain_receives_expire_and_refusals_need_none() -> None:
+    from xllm_py.kv_transfer import TransferError
+
+    a, b = _storage(seed=13), _storage()
+    async with _linked(a, b) as (ba, bb):
+        puller, p = bb._iov, bb._peers[ba.address]
+        with pytest.raises(TransferError, match="refused"):  # the owner answers: nothing to drain
+            await bb.pull(ba.address, [a.num_blocks + 5], [1], timeout=5)
+        assert puller.call(lambda: puller.num_draining).result(10) == 0
+
+        puller.drain_s = 0.2
+        async with _late_owner(ba) as held:  # the owner never answers
+            with pytest.raises(TimeoutError):
+                await asyncio.wrap_future(bb._iov_start(p, "pull", [(0, 0, 4)], 0.3))
+        assert len(held) == 1
+        deadline = time.monotonic() + 10
+        while puller.num_draining and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert (puller.num_draining, puller.num_drains_expired, puller.num_drained) == (0, 2, 0)
+        await _pull_every_byte(ba, a, bb, b, 12, 3)  # later requests use fresh tags

@@ -558,7 +558,7 @@ class UcxKVTransferBackend(KVTransferBackend):
     def _iov_start(self, p: _Peer, what: str, runs: list[Run], timeout: float) -> concurrent.futures.Future:
         """``what``: "pull" or "push". The request is prepared here, on the caller's thread."""
         iov, op = self._iov, iov_protocol.OP_PULL if what == "pull" else iov_protocol.OP_PUSH
-        req = iov_protocol.IovRequest(self._iov_layout, op, _new_req() >> _IDX_BITS, self._token, timeout,
+        req = iov_protocol.IovRequest(self._iov_layout, op, iov.new_req_id(), self._token, timeout,
                                       np.asarray(runs, dtype=np.int64).reshape(-1, 3))
         task = iov_protocol.TASKS[op]
 
@@ -581,7 +581,7 @@ class UcxKVTransferBackend(KVTransferBackend):
         scratch = np.ones(n * layout.block_bytes, dtype=np.uint8)  # (touched: no page faults in the pulls)
         t0 = time.perf_counter()
         for i in range(_WARMUP_PULLS):
-            req = iov_protocol.IovRequest.scratch_pull(layout, _new_req() >> _IDX_BITS, self._token,
+            req = iov_protocol.IovRequest.scratch_pull(layout, iov.new_req_id(), self._token,
                                                        _WARMUP_TIMEOUT_S, shapes[i % 2], scratch)
 
             def make(track: list, req: iov_protocol.IovRequest = req) -> Any:

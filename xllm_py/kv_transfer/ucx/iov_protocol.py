@@ -113,6 +113,14 @@ def _t(track: list[ffi.Op], op: ffi.Op) -> ffi.Op:
     return op
 
 
+def _unanswered(worker: int, *ops: ffi.Op) -> None:
+    """The peer refused: it sends nothing more, so cancel these receives here. (Left to the
+    worker, a failed task's cancelled receives get drain receives waiting for a late answer.)"""
+    for op in ops:
+        op.cancel(worker)
+        op.poll()
+
+
 class IovRequest:
     """A pull or push as the requester posts it, prepared on the caller's thread (the iov
     list and the request message), so that the worker thread only posts."""
@@ -174,6 +182,7 @@ def pull_task(track: list[ffi.Op], worker: int, ep: int, req: IovRequest) -> Tas
     if status.done:
         err = _status_text(status, sbuf)
         if err:
+            _unanswered(worker, data)
             raise TransferError(err, invalid_argument=True)
         if not data.done:  # an empty STATUS is a confirmation (older owners send one after DATA)
             yield [data]
@@ -182,7 +191,12 @@ def pull_task(track: list[ffi.Op], worker: int, ep: int, req: IovRequest) -> Tas
 def push_task(track: list[ffi.Op], worker: int, ep: int, req: IovRequest) -> TaskGen:
     done, dbuf = ffi.tag_recv_bytes(worker, _STATUS_MAX, tag(KIND_DONE, req.req_id))
     _t(track, done)
-    yield from _request(track, worker, ep, req)
+    try:
+        yield from _request(track, worker, ep, req)
+    except TransferError as e:
+        if e.invalid_argument:
+            _unanswered(worker, done)
+        raise
     yield [_t(track, ffi.tag_send_iov(ep, req.chunks, tag(KIND_DATA, req.req_id))), done]
     err = _status_text(done, dbuf)
     if err:

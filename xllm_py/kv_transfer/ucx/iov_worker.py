@@ -16,6 +16,18 @@ task ends in any way, its tracked ops that are still in flight are cancelled; th
 cannot cancel any more (already matched) are kept alive and polled until they finish, so
 the buffers they point into are never released under them.
 
+Late answers. A task that fails (deadline, cancellation, error) may have cancelled receives
+whose message is still on its way: the owner answers after the puller gave up. Unmatched,
+that message would stay in UCX's unexpected queue for good (a pull's DATA is the whole pull,
+sent eagerly over shared memory). So each receive such a task cancelled before it matched
+gets a *drain* receive on the same tag into a small scratch buffer of the worker: a late
+message completes it truncated and UCX drops the data (never into the cache). A drain lives
+``drain_s`` seconds (``DRAIN_S``), then is cancelled; it outlives the task's peer endpoint
+(a failed pull unlinks the peer, yet the owner's answer may be in flight) and ends with the
+worker. A task that knows no answer will come (a refusal) cancels its receives itself: no
+drain. Tags cannot be reused while a drain waits on them: request ids come from
+``new_req_id()``, one counter per worker from a random start.
+
 Incoming messages whose tag kind is ``KIND_REQ`` are handed to ``on_request(tag, bytes)``
 (called on this thread), which may return ``(task generator, timeout, key, what)`` to serve them.
 """
@@ -23,8 +35,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
+import itertools
 import logging
 import os
+import secrets
 import select
 import threading
 import time
@@ -39,6 +54,9 @@ KIND_SHIFT = 60
 KIND_MASK = 0xF << KIND_SHIFT
 ID_MASK = (1 << KIND_SHIFT) - 1
 KIND_REQ, KIND_STATUS, KIND_DATA, KIND_DONE = 1, 2, 3, 4
+
+DRAIN_S = 60.0  # how long a drain receive waits for a late answer
+_DRAIN_BYTES = 64
 
 
 class AnyOf(tuple):
@@ -84,7 +102,7 @@ class _Task:
 class IovWorker:
     def __init__(self, config: dict[str, str],
                  on_request: Callable[[int, bytes], tuple[MakeTask, float, Any, str] | None],
-                 name: str = "kv-ucx-iov") -> None:
+                 name: str = "kv-ucx-iov", drain_s: float = DRAIN_S) -> None:
         import ucxx._lib.libucxx as ucxx_lib
 
         self._lib = ucxx_lib
@@ -98,6 +116,13 @@ class IovWorker:
         self._calls: collections.deque = collections.deque()
         self._tasks: list[_Task] = []
         self._zombies: list[tuple[ffi.Op, float]] = []
+        self.drain_s = drain_s
+        self._drains: list[tuple[ffi.Op, float]] = []  # (drain receive, expiry)
+        self._drain_due = float("inf")  # earliest expiry in _drains
+        self._drain_buf = ctypes.create_string_buffer(_DRAIN_BYTES)  # never read
+        self.num_drained = 0  # late messages consumed by a drain receive
+        self.num_drains_expired = 0  # drain receives cancelled after drain_s without a message
+        self._req_ids = itertools.count(secrets.randbits(KIND_SHIFT - 1))
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll = select.epoll()
         self._epoll.register(self._worker.epoll_file_descriptor, select.EPOLLIN)
@@ -107,6 +132,15 @@ class IovWorker:
         self._thread.start()
 
     # ------------------------------------------------------------------ API (any thread)
+
+    @property
+    def num_draining(self) -> int:
+        return len(self._drains)
+
+    def new_req_id(self) -> int:
+        """A request id no other request of this worker had (any thread): the tags of our
+        receives are never reused, so a drain receive cannot take a later request's message."""
+        return next(self._req_ids) & ID_MASK
 
     def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         """Run ``fn(*args)`` on the worker thread."""
@@ -181,23 +215,60 @@ class IovWorker:
         try:
             t.gen = make(t.track)
         except BaseException as e:  # noqa: BLE001
-            self._release(t)
+            self._release(t, drain=True)
             if not t.fut.done():
                 t.fut.set_exception(e)
             return
         if self._advance(t, None):
             self._tasks.append(t)
 
-    def _release(self, t: _Task) -> None:
-        """The task is over: cancel what it left in flight; keep what UCX still holds as zombies."""
+    def _release(self, t: _Task, drain: bool) -> None:
+        """The task is over: cancel what it left in flight; keep what UCX still holds as zombies.
+        ``drain``: the task failed, an answer may still come: drain the receives cancelled here."""
         now = time.monotonic()
         for op in t.track:
             if not op.poll():
                 op.cancel(self.handle)
                 if not op.poll():
                     self._zombies.append((op, now))
+                elif drain and op.tag is not None and op.status == ffi.UCS_ERR_CANCELED:
+                    self._post_drain(op.tag, now)
         t.track.clear()
         t.ops = []
+
+    def _post_drain(self, msg_tag: int, now: float) -> None:
+        op = ffi.tag_recv_drain(self.handle, self._drain_buf, msg_tag)
+        if op.done:  # the late message was already here
+            self._drained(op)
+            return
+        expiry = now + self.drain_s
+        self._drains.append((op, expiry))
+        self._drain_due = min(self._drain_due, expiry)
+
+    def _drained(self, op: ffi.Op) -> None:
+        if op.status == ffi.UCS_ERR_CANCELED:
+            self.num_drains_expired += 1
+            return
+        self.num_drained += 1
+        logger.debug("ucx iov: drained a late message (tag %x, %d bytes: %s)", op.tag, op.info.length,
+                     ffi.status_string(op.status))
+
+    def _poll_drains(self, now: float) -> None:
+        """Count the drain receives that took their message; cancel those past their expiry."""
+        keep: list[tuple[ffi.Op, float]] = []
+        due = float("inf")
+        for op, expiry in self._drains:
+            if not op.poll() and now >= expiry:
+                op.cancel(self.handle)
+                if not op.poll():  # matched meanwhile: UCX finishes it
+                    self._zombies.append((op, now))
+                    continue
+            if op.done:
+                self._drained(op)
+            else:
+                keep.append((op, expiry))
+                due = min(due, expiry)
+        self._drains, self._drain_due = keep, due
 
     def _advance(self, t: _Task, err: BaseException | None) -> bool:
         """Resume a task; returns True while it still waits on ops."""
@@ -210,24 +281,24 @@ class IovWorker:
             t.ops = ops
             return True
         except StopIteration as stop:
-            self._release(t)
+            self._release(t, drain=False)
             if not t.fut.done():
                 t.fut.set_result(stop.value)
         except BaseException as e:  # noqa: BLE001 - delivered to the waiter
-            self._release(t)
+            self._release(t, drain=True)
             if not t.fut.done():
                 t.fut.set_exception(e)
             else:
                 logger.debug("ucx iov task %s ended after its waiter: %s", t.what, e)
         return False
 
-    def _fail(self, t: _Task, exc: BaseException) -> None:
+    def _fail(self, t: _Task, exc: BaseException, drain: bool = True) -> None:
         try:
             if t.gen is not None:
                 t.gen.close()
         except Exception as e:  # noqa: BLE001
             logger.debug("ucx iov task %s close: %s", t.what, e)
-        self._release(t)
+        self._release(t, drain)
         if not t.fut.done():
             t.fut.set_exception(exc)
 
@@ -240,7 +311,8 @@ class IovWorker:
                 keep.append(t)
         self._tasks = keep
 
-    def _poll_tasks(self) -> bool:
+    def _poll_tasks(self, progressed: bool) -> bool:
+        """``progressed``: the worker made progress since the last call (a drain may be done)."""
         now = time.monotonic()
         busy = False
         keep: list[_Task] = []
@@ -268,6 +340,8 @@ class IovWorker:
                         since = now
                     still.append((op, since))
             self._zombies = still
+        if self._drains and (progressed or now >= self._drain_due):
+            self._poll_drains(now)
         return busy
 
     def _poll_requests(self) -> bool:
@@ -319,17 +393,21 @@ class IovWorker:
         w = self._worker
         while not self._stop:
             busy = self._run_calls()
+            progressed = False
             while w.progress_once():
-                busy = True
-            busy = self._poll_requests() | self._poll_tasks() | busy
+                progressed = True
+            busy = self._poll_requests() | self._poll_tasks(progressed) | busy | progressed
             if busy or self._calls:
                 continue
             if not w.arm():  # events pending: progress again
                 continue
             timeout = -1.0
-            if self._tasks or self._zombies:
-                nearest = min((t.deadline for t in self._tasks), default=time.monotonic() + 1.0)
-                timeout = max(0.0, min(nearest - time.monotonic(), 1.0))
+            if self._tasks or self._zombies or self._drains:
+                now = time.monotonic()
+                nearest = min((t.deadline for t in self._tasks), default=self._drain_due)
+                timeout = max(0.0, min(nearest, self._drain_due) - now)
+                if self._tasks or self._zombies:
+                    timeout = min(timeout, 1.0)
             for fd, _ in self._epoll.poll(timeout):
                 if fd == self._wake_fd:
                     try:
@@ -340,8 +418,12 @@ class IovWorker:
     def _shutdown(self) -> None:
         self._stop = True
         for t in self._tasks:
-            self._fail(t, TaskCancelled("ucx: transfer worker closed"))
+            self._fail(t, TaskCancelled("ucx: transfer worker closed"), drain=False)
         self._tasks = []
+        for op, _ in self._drains:
+            op.cancel(self.handle)
+            op.poll()
+        self._drains = []
         for ep in self._eps.values():
             try:
                 ep.close()

@@ -25,6 +25,7 @@ UCS_OK = 0
 UCS_INPROGRESS = 1
 UCS_ERR_CANCELED = -16
 UCS_ERR_BUSY = -15
+UCS_ERR_MESSAGE_TRUNCATED = -9
 _UCS_ERR_LAST = -100
 
 _FIELD_DATATYPE = 1 << 3
@@ -136,11 +137,12 @@ def iov_array(chunks: np.ndarray) -> np.ndarray:
 class Op:
     """One posted UCP request, polled for completion. Keeps its buffers alive until done."""
 
-    __slots__ = ("req", "status", "keep", "info", "expected", "what")
+    __slots__ = ("req", "status", "keep", "info", "expected", "what", "tag")
 
     def __init__(self, what: str, ptr: int | None, keep: object, info: TagRecvInfo | None = None,
-                 expected: int | None = None) -> None:
+                 expected: int | None = None, tag: int | None = None) -> None:
         self.what = what
+        self.tag = tag  # a tag receive's tag (full mask); None for sends
         self.status, self.req = _ptr_status(ptr)
         self.keep = keep
         self.info = info
@@ -150,7 +152,7 @@ class Op:
 
     def _check_length(self) -> None:
         if self.expected is not None and self.info is not None and self.info.length != self.expected:
-            self.status = -9  # UCS_ERR_MESSAGE_TRUNCATED: a short message is as bad as a long one
+            self.status = UCS_ERR_MESSAGE_TRUNCATED  # a short message is as bad as a long one
 
     @property
     def done(self) -> bool:
@@ -208,7 +210,7 @@ def tag_recv_iov(worker: int, chunks: np.ndarray, tag: int, keep: object = None,
     info = TagRecvInfo()
     p = _param(_DATATYPE_IOV, info)
     ptr = lib().ucp_tag_recv_nbx(worker, iov.ctypes.data, iov.shape[0], tag, FULL_MASK, ctypes.byref(p))
-    return Op("data receive", ptr, (iov, keep), info, int(iov[:, 1].sum()) if expected is None else expected)
+    return Op("data receive", ptr, (iov, keep), info, int(iov[:, 1].sum()) if expected is None else expected, tag)
 
 
 def tag_send_bytes(ep: int, data: bytes, tag: int) -> Op:
@@ -223,8 +225,18 @@ def tag_recv_bytes(worker: int, size: int, tag: int) -> tuple[Op, ctypes.Array]:
     info = TagRecvInfo()
     p = _param(_CONTIG_BYTES, info)
     ptr = lib().ucp_tag_recv_nbx(worker, ctypes.addressof(buf), size, tag, FULL_MASK, ctypes.byref(p))
-    op = Op("message receive", ptr, buf, info)
+    op = Op("message receive", ptr, buf, info, tag=tag)
     return op, buf
+
+
+def tag_recv_drain(worker: int, buf: ctypes.Array, tag: int) -> Op:
+    """Receive the message tagged ``tag`` into ``buf`` (small) only to consume it: a larger
+    message completes the receive with UCS_ERR_MESSAGE_TRUNCATED and UCX drops its data
+    (eager fragments are released, a rendezvous is acknowledged without being fetched)."""
+    info = TagRecvInfo()
+    p = _param(_CONTIG_BYTES, info)
+    ptr = lib().ucp_tag_recv_nbx(worker, ctypes.addressof(buf), len(buf), tag, FULL_MASK, ctypes.byref(p))
+    return Op("drain receive", ptr, buf, info, tag=tag)
 
 
 def probe_recv(worker: int, tag: int, mask: int) -> tuple[Op, ctypes.Array, int, int] | None:
