@@ -117,6 +117,10 @@ class _PrefillGroup:
     max_q: int
     block_tables: torch.Tensor  # [Bp, nblk]
     mask: torch.Tensor  # [Bp, 1, max_q, nblk*bs] bool, True = attend
+    # per query token: its sequence's table [Tp, nblk] and its position + 1 [Tp] (the
+    # native kernel takes each token as a decode query over its causal prefix)
+    tok_tables: torch.Tensor
+    tok_seq_lens: torch.Tensor
 
 
 @dataclass
@@ -210,8 +214,9 @@ def _prefill_group(token_idx: torch.Tensor | None, query_start_loc: torch.Tensor
     # causal and within the sequence; padded query rows still see key 0 (no all -inf row)
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
         key_pos[None, None, :] < seq_lens[:, None, None])
-    return _PrefillGroup(token_idx, dest, num_seqs, max_q, block_tables[:, :nblk],
-                         mask[:, None])
+    tables = block_tables[:, :nblk]
+    return _PrefillGroup(token_idx, dest, num_seqs, max_q, tables, mask[:, None],
+                         tables[seq_of_tok], context_lens[seq_of_tok] + offset + 1)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -254,6 +259,16 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        g: _PrefillGroup) -> torch.Tensor:
+    if cpu_kernels.decode_attention_supported(q, k_cache, v_cache):
+        # each token a decode query over its causal prefix, blocks read in place
+        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, g.tok_tables,
+                                                  g.tok_seq_lens, q.shape[-1] ** -0.5)
+    return prefill_attention_torch(q, k_cache, v_cache, g)
+
+
+def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            g: _PrefillGroup) -> torch.Tensor:
+    """Gather + padded, masked SDPA: the reference path (any device and dtype)."""
     # q [Tp, h, hd] -> padded [Bp, h, max_q, hd]
     tp, h, hd = q.shape
     kvh = k_cache.shape[2]
