@@ -235,13 +235,20 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
+def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
+    """Row i of q attends to the first seq_lens[i] slots of table i, the blocks read in
+    place by the native kernel (no gather, no mask); None when it does not apply."""
+    if not cpu_kernels.decode_attention_supported(q, k_cache, v_cache):
+        return None
+    return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens,
+                                              q.shape[-1] ** -0.5)
+
+
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       g: _DecodeGroup) -> torch.Tensor:
-    if cpu_kernels.decode_attention_supported(q, k_cache, v_cache):
-        # reads the blocks in place: no gather, no mask (xllm_py/model/cpu_kernels.py)
-        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, g.block_tables,
-                                                  g.seq_lens, q.shape[-1] ** -0.5)
-    return decode_attention_torch(q, k_cache, v_cache, g)
+    out = _attend_in_place(q, k_cache, v_cache, g.block_tables, g.seq_lens)
+    return out if out is not None else decode_attention_torch(q, k_cache, v_cache, g)
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -259,11 +266,9 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        g: _PrefillGroup) -> torch.Tensor:
-    if cpu_kernels.decode_attention_supported(q, k_cache, v_cache):
-        # each token a decode query over its causal prefix, blocks read in place
-        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, g.tok_tables,
-                                                  g.tok_seq_lens, q.shape[-1] ** -0.5)
-    return prefill_attention_torch(q, k_cache, v_cache, g)
+    # each token a decode query over its causal prefix
+    out = _attend_in_place(q, k_cache, v_cache, g.tok_tables, g.tok_seq_lens)
+    return out if out is not None else prefill_attention_torch(q, k_cache, v_cache, g)
 
 
 def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
