@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -34,8 +35,39 @@ def die_with_parent() -> None:
         pass
 
 
+_handed_out: set[int] = set()
+_rng = random.Random(os.getpid() ^ time.monotonic_ns())
+
+
+def _ephemeral_low(default: int = 32768) -> int:
+    """Low end of the kernel's range for outgoing connections' local ports."""
+    try:
+        return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free on ``host`` now, for a child to listen on.
+
+    Picked at random below the ephemeral range, where no outgoing connection takes a local
+    port between this check and the child's bind, and never one this process handed out
+    before (two calls in a row can otherwise get the same port back from bind(0)).
+    """
+    high = min(_ephemeral_low(), 65536)
+    low = max(1024, high - 12000)
+    for _ in range(200):
+        port = _rng.randrange(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range
         s.bind((host, 0))
         return s.getsockname()[1]
 
