@@ -124,3 +124,15 @@ def test_unpacked_model_has_no_fused_decoder(tmp_path):
     assert model._fused_decoder() is not None  # rebuilt once the linears are packed
     model.fused_decode = False
     assert model._fused_decoder() is None
+
+
+@needs_kernels
+def test_a_decode_row_that_does_not_sample_is_left_out(packed_model):
+    model, cfg = packed_model
+    runner, seqs = _prefilled(model, cfg, [3, 7, 9])
+    seqs[1] = ScheduledSeq(seqs[1].request_id, seqs[1].token_ids, seqs[1].start_pos,
+                           seqs[1].block_table, False)
+    with _recording_runs(model) as taken:
+        per_op, fused = _both_paths(model, runner, seqs)
+    assert taken == [True] and fused.shape[0] == 2
+    assert torch.equal(per_op, fused)
