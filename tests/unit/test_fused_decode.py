@@ -11,14 +11,15 @@ import torch
 
 from xllm_py.engine.model_runner import ModelRunner
 from xllm_py.engine.scheduler import ScheduledSeq
-from xllm_py.model import cpu_kernels
+from xllm_py.model import cpu_kernels, fused_decode
 from xllm_py.model.attention import allocate_kv_caches
 from xllm_py.model.loader import load_model
 from xllm_py.model.packed import pack_linears
 from xllm_py.model.tiny import build_model_dir
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
-                                   reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(not fused_decode.supported(),
+                                   reason="no fused decode layer in the CPU kernels "
+                                          f"({cpu_kernels.unavailable_reason() or 'no AVX2/FMA'})")
 
 BLOCK_SIZE = 4
 

@@ -52,6 +52,12 @@ def _f32_contiguous(*ts: torch.Tensor | None) -> bool:
                              and t.is_contiguous()) for t in ts)
 
 
+def supported() -> bool:
+    """Whether the loaded kernels have the fused layer (AVX2/FMA builds)."""
+    lib = cpu_kernels._load()
+    return lib is not None and hasattr(lib, "xllm_decode_layer_f32")
+
+
 class FusedDecoder:
     def __init__(self, lib: ctypes.CDLL, layers: list[LayerArgs], keep: list) -> None:
         self._lib = lib
@@ -63,9 +69,9 @@ class FusedDecoder:
     @classmethod
     def build(cls, model: torch.nn.Module) -> "FusedDecoder | None":
         """A decoder for ``model`` (LlamaForCausalLM), or None when it does not apply."""
-        lib = cpu_kernels._load()
-        if lib is None or not hasattr(lib, "xllm_decode_layer_f32"):
+        if not supported():
             return None
+        lib = cpu_kernels._load()
         lib.xllm_decode_layer_f32.argtypes = [ctypes.POINTER(LayerArgs)]
         lib.xllm_decode_layer_f32.restype = ctypes.c_int
         lib.xllm_decode_layer_scratch.argtypes = [ctypes.POINTER(LayerArgs)]
