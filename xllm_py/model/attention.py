@@ -8,10 +8,13 @@ One step runs in three stages:
 1. ``AttentionMetadata`` describes the ragged batch (built by the caller, e.g. with
    ``AttentionMetadata.build``).
 2. ``plan_attention`` turns it into index/mask tensors once per step (shared by all layers).
-3. ``paged_attention`` (per layer) writes the new K/V at ``slot_mapping``, gathers each
-   sequence's context by block table and runs ``scaled_dot_product_attention``. Decode
-   sequences (one new token) and prefill chunks (several tokens, possibly after a cached
-   prefix) take separate batched paths.
+3. Per layer, the new K/V go to ``slot_mapping`` (``write_kv``, or the model's fused
+   q/k-norm + RoPE + store kernel), then ``attend``: decode sequences (one new token) and
+   prefill chunks (several tokens, possibly after a cached prefix) take separate paths.
+   On CPU float32 both go through the native paged kernel, which reads the blocks in
+   place (a prefill token is a decode query over its causal prefix); elsewhere each
+   sequence's context is gathered by block table into ``scaled_dot_product_attention``.
+   ``paged_attention`` is the two together.
 
 Unused cache slots are read (and masked out); allocate caches with ``torch.zeros`` so they
 never hold NaN/Inf, which a mask cannot cancel.

@@ -172,6 +172,14 @@ def _cache_layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return k_cache.stride()[1:] == (kvh * hd, hd, 1) and k_cache.stride(0) >= bs * kvh * hd
 
 
+def kv_store_layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """``_cache_layout_ok`` with the blocks adjacent: the layout the K/V store addresses as
+    one flat ``[num_slots, kvh, hd]`` array (the q/k-norm + RoPE + store kernel, and the
+    fused decode layer, which contains it)."""
+    bs, kvh, hd = k_cache.shape[1:]
+    return _cache_layout_ok(k_cache, v_cache) and k_cache.stride(0) == bs * kvh * hd
+
+
 def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor) -> bool:
     """Whether ``paged_decode_attention`` handles these tensors (else: torch path)."""
@@ -240,9 +248,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
         return None
     if (q_weight is None) != (k_weight is None):
         return None
-    # the kernel addresses slots as one flat [num_slots, kvh, hd] array: blocks adjacent
-    bs = k_cache.shape[1]
-    if not _cache_layout_ok(k_cache, v_cache) or k_cache.stride(0) != bs * num_kv_heads * head_dim:
+    if not kv_store_layout_ok(k_cache, v_cache) or k_cache.shape[2:] != (num_kv_heads, head_dim):
         return None
     t = qkv.shape[0]
     cos = cos.reshape(t, head_dim).contiguous()

@@ -121,9 +121,8 @@ class FusedDecoder:
         if not 0 < t <= cpu_kernels.PANEL_MAX_ROWS or not _f32_contiguous(hidden):
             return None
         k0, v0 = kv_caches[0]
-        bs, kvh, hd = k0.shape[1:]
-        if (not cpu_kernels._cache_layout_ok(k0, v0) or k0.stride(0) != bs * kvh * hd
-                or hd != self._layers[0].head_dim
+        bs, hd = k0.shape[1], k0.shape[3]
+        if (not cpu_kernels.kv_store_layout_ok(k0, v0) or hd != self._layers[0].head_dim
                 or any(k.stride() != k0.stride() for kv in kv_caches for k in kv)):
             return None
         tables, lens, slots = d.block_tables, d.seq_lens, plan.slot_mapping

@@ -145,28 +145,24 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rotary_emb.cos_sin(positions, attn_metadata.max_seq_len, hidden.dtype)
         fused = self._fused_decoder()
         done = fused.run(hidden, cos_sin, kv_caches, plan) if fused is not None else None
-        if done is not None:
-            out = self.model.norm(*done)
-            return out if keep_rows is None else out[keep_rows]
         rows = rows_plan = None
-        if (keep_rows is not None and plan.prefill is not None
-                and keep_rows.numel() < plan.num_tokens):
-            # no row kept: one stands in (the last layer still stores every K/V)
-            rows = keep_rows if keep_rows.numel() else keep_rows.new_full((1,), plan.num_tokens - 1)
-            rows_plan = plan_rows(attn_metadata, rows, positions, block_size)
-        residual = None
-        last = len(self.model.layers) - 1
-        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
-            if i == last and rows is not None:
-                hidden, residual = layer(hidden, residual, cos_sin, cache, plan, rows, rows_plan)
-            else:
-                hidden, residual = layer(hidden, residual, cos_sin, cache, plan)
-        out = self.model.norm(hidden, residual)
+        if done is None:
+            if (keep_rows is not None and plan.prefill is not None
+                    and keep_rows.numel() < plan.num_tokens):
+                # no row kept: one stands in (the last layer still stores every K/V)
+                rows = keep_rows if keep_rows.numel() else keep_rows.new_full(
+                    (1,), plan.num_tokens - 1)
+                rows_plan = plan_rows(attn_metadata, rows, positions, block_size)
+            residual = None
+            last = len(self.model.layers) - 1
+            for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
+                r, rp = (rows, rows_plan) if i == last else (None, None)
+                hidden, residual = layer(hidden, residual, cos_sin, cache, plan, r, rp)
+            done = hidden, residual
+        out = self.model.norm(*done)
         if keep_rows is None:
             return out
-        if rows is None:
-            return out[keep_rows]
-        return out[:keep_rows.numel()]
+        return out[keep_rows] if rows is None else out[:keep_rows.numel()]
 
     def _fused_decoder(self) -> FusedDecoder | None:
         """Built on first use and again when the layers' linears are replaced (packing)."""
