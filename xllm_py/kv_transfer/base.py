@@ -30,14 +30,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+from xllm_py.kv_transfer.kv_storage import SMALL_LIST, KVCacheStorage
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 Run = tuple[int, int, int]  # (src_start, dst_start, length)
-_SMALL = 64  # block lists up to this long are checked / grouped with Python ints (fewer fixed costs)
 
 
 class KVPoll(enum.IntEnum):
@@ -90,7 +89,7 @@ def group_contiguous(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.nd
         raise ValueError(f"src_blocks ({s.size}) and dst_blocks ({d.size}) differ in length")
     if s.size == 0:
         return []
-    if s.size <= _SMALL:  # a loop over Python ints: ~5 vs ~35-45 us of numpy calls for 8 blocks
+    if s.size <= SMALL_LIST:  # a loop over Python ints: ~5 vs ~35-45 us of numpy calls for 8 blocks
         sl, dl = s.tolist(), d.tolist()
         runs, i0 = [], 0
         for i in range(1, len(sl)):

@@ -17,6 +17,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# Lists up to this long (block ids, runs) are checked / grouped with a loop over Python
+# ints: fewer fixed costs than numpy calls (8 ids: ~3 vs ~14 us).
+SMALL_LIST = 64
+
 KV_LAYOUT = "kv,layer,block,slot,head,dim"
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -126,7 +130,7 @@ class KVCacheStorage:
     def check_block_ids(self, ids: Sequence[int] | np.ndarray, unique: bool = False) -> np.ndarray:
         """Validate block ids against this pool; returns them as an int64 array."""
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if 0 < arr.size <= 64:  # Python ints: ~3 vs ~14 us of numpy calls for 8 ids
+        if 0 < arr.size <= SMALL_LIST:
             lst = arr.tolist()
             if min(lst) >= 0 and max(lst) < self.num_blocks and (not unique or len(set(lst)) == len(lst)):
                 return arr

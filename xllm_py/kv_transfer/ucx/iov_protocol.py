@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from xllm_py.kv_transfer.base import Run, TransferError
-from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+from xllm_py.kv_transfer.kv_storage import SMALL_LIST, KVCacheStorage
 from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
 from xllm_py.kv_transfer.ucx.iov_worker import KIND_DATA, KIND_DONE, KIND_REQ, KIND_STATUS, AnyOf, TaskGen, tag
 
@@ -59,11 +59,6 @@ class IovLayout:
         return out.reshape(-1, 2).view(np.uint64)
 
 
-def iov_chunks(storage: KVCacheStorage, runs: np.ndarray, side: int) -> np.ndarray:
-    """uint64 [len(runs) * 2 * L, 2] (address, length) of the slices of ``runs`` (column ``side``)."""
-    return IovLayout(storage).chunks(np.asarray(runs, dtype=np.int64).reshape(-1, 3), side)
-
-
 def encode_request(op: int, req_id: int, token: int, timeout: float, runs: np.ndarray | list[Run]) -> bytes:
     r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
     return _HDR.pack(req_id, token, timeout, r.shape[0], op) + r.tobytes()
@@ -76,9 +71,6 @@ def decode_request(data: bytes) -> tuple[int, int, int, float, np.ndarray]:
     return op, req_id, token, timeout, runs
 
 
-_SMALL_RUNS = 64  # up to this many runs, plain Python ints beat five numpy reductions
-
-
 def check_src_runs(runs: np.ndarray, num_blocks: int) -> str | None:
     """The source side of a pull: every run inside ``[0, num_blocks)``; None when valid.
 
@@ -86,7 +78,7 @@ def check_src_runs(runs: np.ndarray, num_blocks: int) -> str | None:
     runs to ids and back: that cost ~0.1 ms of the owner's time per request under load.
     Few runs: a loop over Python ints, 1-2 vs 11-21 us for the numpy reductions standalone.)
     """
-    if runs.shape[0] <= _SMALL_RUNS:
+    if runs.shape[0] <= SMALL_LIST:
         rows = runs.tolist()
         if all(n > 0 and 0 <= s0 and s0 + n <= num_blocks for s0, _, n in rows):  # (Python ints: no overflow)
             return None

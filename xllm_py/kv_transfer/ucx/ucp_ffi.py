@@ -15,16 +15,12 @@ Python code ever runs inside ``ucp_worker_progress``; completion is polled with
 from __future__ import annotations
 
 import ctypes
-import logging
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 UCS_OK = 0
 UCS_INPROGRESS = 1
 UCS_ERR_CANCELED = -16
-UCS_ERR_BUSY = -15
 UCS_ERR_MESSAGE_TRUNCATED = -9
 _UCS_ERR_LAST = -100
 
@@ -35,10 +31,6 @@ _DATATYPE_IOV = 2
 _CONTIG_BYTES = (1 << 3) | 0  # ucp_dt_make_contig(1)
 
 FULL_MASK = (1 << 64) - 1
-
-
-class IovEntry(ctypes.Structure):
-    _fields_ = [("buffer", ctypes.c_void_p), ("length", ctypes.c_size_t)]
 
 
 class TagRecvInfo(ctypes.Structure):
@@ -130,7 +122,6 @@ def _ptr_status(ptr: int | None) -> tuple[int, int | None]:
 def iov_array(chunks: np.ndarray) -> np.ndarray:
     """A ucp_dt_iov_t array: uint64 [n, 2] of (address, length), C-contiguous."""
     arr = np.ascontiguousarray(chunks, dtype=np.uint64).reshape(-1, 2)
-    assert ctypes.sizeof(IovEntry) == 16
     return arr
 
 
@@ -178,10 +169,6 @@ class Op:
     def cancel(self, worker: int) -> None:
         if self.req is not None:
             lib().ucp_request_cancel(worker, self.req)
-
-    def raise_on_error(self) -> None:
-        if self.status not in (UCS_OK, UCS_INPROGRESS):
-            raise UcpError(self.what, self.status)
 
 
 def _param(datatype: int, info: TagRecvInfo | None = None) -> RequestParam:
