@@ -557,18 +557,23 @@ class UcxKVTransferBackend(KVTransferBackend):
 
     def _iov_start(self, p: _Peer, what: str, runs: list[Run], timeout: float) -> concurrent.futures.Future:
         """``what``: "pull" or "push". The request is prepared here, on the caller's thread."""
-        iov, op = self._iov, iov_protocol.OP_PULL if what == "pull" else iov_protocol.OP_PUSH
-        req = iov_protocol.IovRequest(self._iov_layout, op, iov.new_req_id(), self._token, timeout,
+        op = iov_protocol.OP_PULL if what == "pull" else iov_protocol.OP_PUSH
+        req = iov_protocol.IovRequest(self._iov_layout, op, self._iov.new_req_id(), self._token, timeout,
                                       np.asarray(runs, dtype=np.int64).reshape(-1, 3))
-        task = iov_protocol.TASKS[op]
+        return self._iov_post(p.iov_key, req, iov_protocol.TASKS[op], timeout, what, f"{what} of {len(runs)} runs")
+
+    def _iov_post(self, key: Any, req: iov_protocol.IovRequest, task: Any, timeout: float, what: str,
+                  label: str) -> concurrent.futures.Future:
+        """Run ``task`` for ``req`` on the IovWorker over the data endpoint of link ``key``."""
+        iov = self._iov
 
         def make(track: list) -> Any:
-            ep = iov.ep_handle(p.iov_key)
+            ep = iov.ep_handle(key)
             if ep is None:
                 raise TransferError(f"ucx: no data endpoint to the peer for {what}")
             return task(track, iov.handle, ep, req)
 
-        return iov.start(make, timeout, key=p.iov_key, what=f"{what} of {len(runs)} runs")
+        return iov.start(make, timeout, key=key, what=label)
 
     async def _iov_warmup(self, key: Any, peer_blocks: int, peer_addr: str) -> None:
         """``_WARMUP_PULLS`` pulls of ~1 MB of the peer's first blocks into one scratch buffer
@@ -583,15 +588,9 @@ class UcxKVTransferBackend(KVTransferBackend):
         for i in range(_WARMUP_PULLS):
             req = iov_protocol.IovRequest.scratch_pull(layout, iov.new_req_id(), self._token,
                                                        _WARMUP_TIMEOUT_S, shapes[i % 2], scratch)
-
-            def make(track: list, req: iov_protocol.IovRequest = req) -> Any:
-                ep = iov.ep_handle(key)
-                if ep is None:
-                    raise TransferError("ucx: no data endpoint to the peer for the warm-up")
-                return iov_protocol.pull_task(track, iov.handle, ep, req)
-
             try:
-                await asyncio.wrap_future(iov.start(make, _WARMUP_TIMEOUT_S, key=key, what="warm-up pull"))
+                await asyncio.wrap_future(self._iov_post(key, req, iov_protocol.pull_task, _WARMUP_TIMEOUT_S,
+                                                         "the warm-up", "warm-up pull"))
             except Exception as e:  # noqa: BLE001
                 logger.warning("ucx: warm-up pull %d from %s failed (%s: %s); link kept", i, peer_addr,
                                type(e).__name__, e)
