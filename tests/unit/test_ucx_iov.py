@@ -346,3 +346,24 @@ async def test_drain_receives_expire_and_refusals_need_none() -> None:
             await asyncio.sleep(0.01)
         assert (puller.num_draining, puller.num_drains_expired, puller.num_drained) == (0, 2, 0)
         await _pull_every_byte(ba, a, bb, b, 12, 3)  # later requests use fresh tags
+
+
+async def test_a_pull_in_flight_fails_when_the_owner_goes_away() -> None:
+    """The owner holds the request, then closes: the puller's pending pull ends with a
+    transfer error (the link's close cancels its tasks), not at its 30 s deadline, and
+    nothing is written."""
+    from xllm_py.kv_transfer.base import TransferError, TransferTimeout
+
+    a, b = _storage(seed=14), _storage()
+    async with _linked(a, b) as (ba, bb):
+        async with _late_owner(ba) as held:
+            pull = asyncio.ensure_future(bb.pull(ba.address, [0, 1, 2], [0, 1, 2], timeout=30))
+            deadline = time.monotonic() + 10
+            while not held and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert len(held) == 1 and not pull.done()
+            await ba.close()
+            with pytest.raises(TransferError) as err:
+                await asyncio.wait_for(pull, 20)  # (well before the pull's own deadline)
+        assert not isinstance(err.value, TransferTimeout)
+        assert torch.count_nonzero(b.kv) == 0
