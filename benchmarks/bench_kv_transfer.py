@@ -1,7 +1,7 @@
 """KV pull bandwidth between two processes, next to memcpy and a plain TCP socket.
 
     python benchmarks/bench_kv_transfer.py [--backend ucx|tcp] [--sizes-mb 1 4 16 64 256]
-                                           [--repeat 5] [--mode auto|direct|gather] [--json]
+                                           [--repeat 5] [--mode auto|iov|direct|gather] [--no-map] [--json]
 
 A peer process (``xllm_py.kv_transfer._peer_main``) owns the source pool; this process
 pulls ``size`` bytes of blocks into its own pool through the backend, for a contiguous
@@ -10,6 +10,10 @@ shuffled destinations: no two blocks adjacent). Baselines measured in the same r
 the same bytes: ``numpy.copyto`` in-process (memcpy) and a plain Python TCP socket between
 two processes (``sendall`` / ``recv_into`` a preallocated buffer). Bandwidths are GB/s
 (1e9 bytes per second), best of ``--repeat`` after one warm-up.
+
+With ucx both pools are allocated as engines in a PD role allocate theirs (UCX shared
+memory), so the puller maps the peer's pool and a pull is a memcpy (column ``path``:
+mapped); ``--no-map`` (private pools) or ``--mode iov`` measure UCX's message path instead.
 """
 from __future__ import annotations
 
@@ -97,6 +101,7 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int]) -> tuple[lis
 
     from xllm_py.config import TransferConfig
     from xllm_py.kv_transfer import KVCacheStorage, create_backend
+    from xllm_py.kv_transfer.factory import mappable_host_allocator
     from xllm_py.kv_transfer.ucx.env import iov_worker_config, ucx_env
 
     probe = KVCacheStorage(num_blocks=2, **GEOM)
@@ -105,10 +110,14 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int]) -> tuple[lis
     peer_blocks = 2 * max_blocks  # room for "every other block"
     cmd = [sys.executable, "-m", "xllm_py.kv_transfer._peer_main", "--backend", args.backend, "--no-fill",
            "--num-blocks", str(peer_blocks)] + [f"--{k.replace('_', '-')}={v}" for k, v in GEOM.items()]
+    mappable = args.backend == "ucx" and args.mode == "auto" and not args.no_map
+    if not mappable:
+        cmd.append("--private-pool")
     peer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         info = json.loads(peer.stdout.readline())
-        store = KVCacheStorage(num_blocks=max_blocks, **GEOM)
+        store = KVCacheStorage(num_blocks=max_blocks, **GEOM,
+                               allocator=mappable_host_allocator() if mappable else None)
         store.kv.view(torch.uint8).reshape(-1)[::4096] = 1  # fault the pages in
         kwargs = {"mode": args.mode} if args.backend == "ucx" else {}
         backend = create_backend(args.backend, store, TransferConfig(timeout_s=120), **kwargs)
@@ -126,13 +135,15 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int]) -> tuple[lis
                     else:
                         src, dst = np.arange(n), np.arange(n)
                     best, nbytes = float("inf"), 0
+                    paths = set()
                     for i in range(args.repeat + 1):
                         r = await backend.pull(info["transfer_addr"], src, dst)
                         nbytes = r.num_bytes
+                        paths.add(r.path or args.backend)
                         if i:
                             best = min(best, r.seconds)
                     rows.append({"bytes": nbytes, "blocks": n, "fragmented": fragmented,
-                                 "gbps": nbytes / best / 1e9, "ms": best * 1e3})
+                                 "gbps": nbytes / best / 1e9, "ms": best * 1e3, "path": "+".join(sorted(paths))})
         finally:
             await backend.close()
         env = ucx_env() if args.backend == "ucx" else {}
@@ -153,7 +164,9 @@ def main() -> None:
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--mode", choices=["auto", "iov", "direct", "gather"], default="auto",
-                   help="ucx data path (auto = iov on host memory)")
+                   help="ucx data path (auto = a mapped peer pool on host memory when possible, else iov)")
+    p.add_argument("--no-map", action="store_true",
+                   help="ucx: private (torch) pools on both sides, so the iov message path runs (not the mapped one)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.backend == "ucx":
@@ -173,10 +186,10 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(f"backend={args.backend} mode={args.mode} geometry={GEOM}")
-    print(f"{'MB':>6} {'frag':>5} {'blocks':>6} {'ms':>8} {'GB/s':>6} {'socket':>7} {'memcpy':>7} {'%memcpy':>8}")
+    print(f"{'MB':>6} {'frag':>5} {'blocks':>6} {'ms':>8} {'GB/s':>6} {'socket':>7} {'memcpy':>7} {'%memcpy':>8} path")
     for r in rows:
         print(f"{r['bytes'] / 2**20:>6.0f} {str(r['fragmented']):>5} {r['blocks']:>6} {r['ms']:>8.2f} "
-              f"{r['gbps']:>6.2f} {r['socket_gbps']:>7.2f} {r['memcpy_gbps']:>7.2f} {r['pct_of_memcpy']:>7.0f}%")
+              f"{r['gbps']:>6.2f} {r['socket_gbps']:>7.2f} {r['memcpy_gbps']:>7.2f} {r['pct_of_memcpy']:>7.0f}% {r['path']}")
     if env:
         print("UCX settings: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))
 

@@ -24,6 +24,7 @@ from xllm_py.engine.model_runner import ModelRunner
 from xllm_py.engine.output_processor import OutputProcessor, OutputSink, child_id, parent_of
 from xllm_py.engine.sampler import Sampler, SamplingRow
 from xllm_py.engine.scheduler import ContinuousScheduler
+from xllm_py.kv_transfer.factory import pool_allocator
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, parse_dtype
 from xllm_py.model.loader import load_model
 from xllm_py.model.packed import pack_linears
@@ -85,7 +86,8 @@ class LLMEngine:
                            * torch.finfo(dtype).bits // 8)
             num_blocks = max(2, config.cache.kv_cache_memory_bytes // block_bytes)
         self.storage = KVCacheStorage(mc.num_layers, num_blocks, block_size, mc.num_kv_heads,
-                                      mc.head_dim, dtype, device=config.device)
+                                      mc.head_dim, dtype, device=config.device,
+                                      allocator=pool_allocator(config))
         self.runner = ModelRunner(self.model, self.storage.layer_caches(), block_size,
                                   config.device)
         max_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)

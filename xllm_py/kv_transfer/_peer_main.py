@@ -16,7 +16,7 @@ import sys
 import torch
 
 from xllm_py.config import TransferConfig
-from xllm_py.kv_transfer.factory import create_backend
+from xllm_py.kv_transfer.factory import create_backend, mappable_host_allocator
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.worker_service import KVWorker, WorkerServicer, create_worker_server
 
@@ -44,12 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cluster-id", type=int, default=1)
     p.add_argument("--no-fill", action="store_true", help="leave the cache zeroed (faster start for big pools)")
+    p.add_argument("--private-pool", action="store_true",
+                   help="a plain torch pool even with the ucx backend (peers cannot map it: the iov path)")
     return p
 
 
 async def main_async(args: argparse.Namespace) -> None:
+    mappable = args.backend == "ucx" and not args.private_pool
     storage = KVCacheStorage(args.num_layers, args.num_blocks, args.block_size, args.num_kv_heads,
-                             args.head_dim, args.dtype)
+                             args.head_dim, args.dtype,
+                             allocator=mappable_host_allocator() if mappable else None)
     if not args.no_fill:
         fill_pattern(storage, args.seed)
     else:

@@ -70,6 +70,7 @@ class TransferResult:
     num_runs: int
     num_bytes: int
     seconds: float
+    path: str = ""  # how the bytes moved, where a backend has several ways (ucx: mapped | iov | tag)
 
     @property
     def gbps(self) -> float:
@@ -284,7 +285,7 @@ class KVTransferBackend(abc.ABC):
         nbytes = num_blocks * self.storage.block_bytes
         self._stats["pulls" if op == "pull" else "pushes"] += 1
         self._stats["bytes"] += nbytes
-        return TransferResult(num_blocks=num_blocks, num_runs=len(runs), num_bytes=nbytes,
+        return TransferResult(num_blocks=num_blocks, num_runs=len(runs), num_bytes=nbytes, path=self._path_of(peer_addr),
                               seconds=time.perf_counter() - t0)
 
     async def _on_failure(self, peer_addr: str) -> None:
@@ -293,6 +294,10 @@ class KVTransferBackend(abc.ABC):
             await self._unlink_impl(peer_addr)
         except Exception as e:  # noqa: BLE001
             logger.warning("%s: dropping link to %s after failure: %s", self.name, peer_addr, e)
+
+    def _path_of(self, peer_addr: str) -> str:
+        """How transfers with this peer move (for logs); backends with one way answer ''."""
+        return ""
 
     def _check_remote_runs(self, runs: list[Run], side: str) -> tuple[np.ndarray, np.ndarray] | str:
         """Server-side validation; returns (src_ids, dst_ids) or an error message."""

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 
-from xllm_py.config import TransferConfig
+import torch
+
+from xllm_py.config import EngineConfig, InstanceRole, TransferConfig
 from xllm_py.kv_transfer.base import KVTransferBackend
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 
@@ -37,3 +40,37 @@ def create_backend(name: str | BackendKind, storage: KVCacheStorage,
         return TcpKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)  # type: ignore[arg-type]
     from xllm_py.kv_transfer.ucx.backend import UcxKVTransferBackend
     return UcxKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)  # type: ignore[arg-type]
+
+
+def pool_allocator(config: EngineConfig) -> Callable[[int], torch.Tensor] | None:
+    """Where an engine's KV pool is allocated: PD roles with the UCX backend on host memory
+    get memory a same-host peer can map (one memcpy per pull, ucx/shared_memory.py); any
+    other engine (or a failure to allocate that way) a plain torch tensor (None)."""
+    if (config.role not in (InstanceRole.PREFILL, InstanceRole.DECODE) or config.device != "cpu"
+            or BackendKind.parse(config.transfer.backend) is not BackendKind.UCX):
+        return None
+    return mappable_host_allocator()
+
+
+def mappable_host_allocator() -> Callable[[int], torch.Tensor] | None:
+    """An allocator of host memory that UCX peers on this host can map, or None when the
+    UCX backend is not installed or mapping is off (``XLLM_UCX_MAP=0``)."""
+    try:
+        from xllm_py.kv_transfer.ucx import shared_memory
+        from xllm_py.kv_transfer.ucx.env import import_ucxx, iov_worker_config
+
+        import_ucxx()
+    except ImportError:
+        return None
+    if not shared_memory.mapping_enabled():
+        return None
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        try:
+            return shared_memory.allocate(nbytes, iov_worker_config())
+        except Exception as e:  # noqa: BLE001 - fall back to private memory (the iov path)
+            logger.warning("KV pool: UCX could not allocate %d mappable bytes (%s); using private memory",
+                           nbytes, e)
+            return torch.zeros(nbytes, dtype=torch.uint8)
+
+    return allocate

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -83,7 +83,11 @@ class KVCacheStorage:
         head_dim: int,
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
+        allocator: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
+        """``allocator(nbytes)``: where the pool lives instead of a fresh ``torch.zeros``, a
+        zero-filled contiguous uint8 tensor of exactly ``nbytes`` on ``device`` (e.g. host
+        memory UCX can let a peer map, ``factory.pool_allocator``)."""
         for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks),
                         ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim)):
@@ -91,10 +95,16 @@ class KVCacheStorage:
                 raise ValueError(f"{name} must be positive, got {v}")
         tdtype = parse_dtype(dtype)
         # kv: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv = torch.zeros(
-            (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim),
-            dtype=tdtype, device=device,
-        )
+        shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        if allocator is None:
+            self.kv = torch.zeros(shape, dtype=tdtype, device=device)
+        else:
+            nbytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * tdtype.itemsize
+            raw = allocator(nbytes)
+            if (raw.dtype != torch.uint8 or raw.numel() != nbytes or not raw.is_contiguous()
+                    or raw.device.type != torch.device(device).type):
+                raise ValueError(f"allocator must return {nbytes} contiguous zeroed bytes (uint8)")
+            self.kv = raw.view(tdtype).view(shape)
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size

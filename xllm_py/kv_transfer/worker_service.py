@@ -147,9 +147,9 @@ class KVWorker:
                            op, req_id, addr, len(src), (time.perf_counter() - t0) * 1e3, e)
             raise
         self.metrics.observe_success(op, result.num_bytes, result.num_blocks, result.seconds)
-        logger.info("kv %s req=%s peer=%s blocks=%d runs=%d bytes=%d ms=%.2f (%.2f GB/s)",
+        logger.info("kv %s req=%s peer=%s blocks=%d runs=%d bytes=%d ms=%.2f (%.2f GB/s)%s",
                     op, req_id, addr, result.num_blocks, result.num_runs, result.num_bytes,
-                    result.seconds * 1e3, result.gbps)
+                    result.seconds * 1e3, result.gbps, f" path={result.path}" if result.path else "")
         return result
 
 

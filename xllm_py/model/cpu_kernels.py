@@ -26,9 +26,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +132,7 @@ def _load() -> ctypes.CDLL | None:
                 [p, p, p, p, p, p, p, f32, p, p, i64, i32, i32, i32], ctypes.c_int),
             "xllm_silu_and_mul_f32": ([p, p, i64, i32], None),
             "xllm_linear_panels_f32": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
+            "xllm_copy_chunks": ([p, p, i64], None),
         }
         for name, (args, res) in signatures.items():
             fn = getattr(lib, name)
@@ -299,3 +303,20 @@ def linear_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                                      0 if bias is None else bias.data_ptr(), y.data_ptr(),
                                      x.shape[0], out_features, k)
     return y if rc == 0 else None
+
+
+def copy_chunks(dst: np.ndarray, src: np.ndarray) -> bool:
+    """memcpy each (address, length) row of ``src`` to the same row of ``dst`` (uint64 [n, 2],
+    C-contiguous, equal lengths), in one native call without the GIL; False when the
+    kernels are unavailable (the caller copies another way)."""
+    lib = _load()
+    if lib is None:
+        return False
+    if dst.shape != src.shape or dst.dtype.itemsize != 8 or src.dtype.itemsize != 8:
+        raise ValueError("copy_chunks: dst and src must be uint64 [n, 2] of equal shape")
+    if not (dst.flags.c_contiguous and src.flags.c_contiguous):
+        raise ValueError("copy_chunks: dst and src must be C-contiguous")
+    if (dst[:, 1] != src[:, 1]).any():
+        raise ValueError("copy_chunks: chunk lengths differ between dst and src")
+    lib.xllm_copy_chunks(dst.ctypes.data, src.ctypes.data, dst.shape[0])
+    return True

@@ -44,11 +44,20 @@ class IovLayout:
     __slots__ = ("num_blocks", "num_slices", "slice_bytes", "block_bytes", "_base")
 
     def __init__(self, storage: KVCacheStorage) -> None:
-        L, B, sb = storage.num_layers, storage.num_blocks, storage.slice_bytes
+        self._init(storage.kv.data_ptr(), storage.num_layers, storage.num_blocks, storage.slice_bytes)
+
+    @classmethod
+    def of_pool(cls, address: int, num_layers: int, num_blocks: int, slice_bytes: int) -> IovLayout:
+        """The layout of a pool given by where it starts (e.g. a peer's pool mapped here)."""
+        layout = cls.__new__(cls)
+        layout._init(address, num_layers, num_blocks, slice_bytes)
+        return layout
+
+    def _init(self, address: int, L: int, B: int, sb: int) -> None:
         self.num_blocks, self.num_slices, self.slice_bytes = B, 2 * L, sb
         self.block_bytes = 2 * L * sb
         # int64 addresses (user space < 2**63), viewed as uint64 for UCX
-        self._base = storage.kv.data_ptr() + np.arange(2 * L, dtype=np.int64) * (B * sb)  # k * L + l, k major
+        self._base = address + np.arange(2 * L, dtype=np.int64) * (B * sb)  # k * L + l, k major
 
     def chunks(self, runs: np.ndarray, side: int) -> np.ndarray:
         """uint64 [len(runs) * 2 * L, 2] (address, length) of the slices of ``runs`` (column ``side``)."""
@@ -72,19 +81,25 @@ def decode_request(data: bytes) -> tuple[int, int, int, float, np.ndarray]:
 
 
 def check_src_runs(runs: np.ndarray, num_blocks: int) -> str | None:
-    """The source side of a pull: every run inside ``[0, num_blocks)``; None when valid.
+    """The source side of a pull: every run inside ``[0, num_blocks)``; None when valid."""
+    return check_runs(runs, num_blocks, 0)
 
-    (Same rule as ``KVTransferBackend._check_remote_runs(.., "src")``, without expanding the
-    runs to ids and back: that cost ~0.1 ms of the owner's time per request under load.
-    Few runs: a loop over Python ints, 1-2 vs 11-21 us for the numpy reductions standalone.)
+
+def check_runs(runs: np.ndarray, num_blocks: int, side: int) -> str | None:
+    """Every run's blocks in column ``side`` (0: source, 1: destination) inside
+    ``[0, num_blocks)``; None when valid, else the refusal.
+
+    (Same rule as ``KVTransferBackend._check_remote_runs``, without expanding the runs to
+    ids and back: that cost ~0.1 ms of the owner's time per request under load. Few runs:
+    a loop over Python ints, 1-2 vs 11-21 us for the numpy reductions standalone.)
     """
     if runs.shape[0] <= SMALL_LIST:
         rows = runs.tolist()
-        if all(n > 0 and 0 <= s0 and s0 + n <= num_blocks for s0, _, n in rows):  # (Python ints: no overflow)
+        if all(r[2] > 0 and 0 <= r[side] and r[side] + r[2] <= num_blocks for r in rows):  # (Python ints: no overflow)
             return None
-        start, n = [r[0] for r in rows], [r[2] for r in rows]
+        start, n = [r[side] for r in rows], [r[2] for r in rows]
     else:
-        start_a, n_a = runs[:, 0], runs[:, 2]
+        start_a, n_a = runs[:, side], runs[:, 2]
         if (int(n_a.min()) > 0 and int(start_a.min()) >= 0 and int(n_a.max()) <= num_blocks
                 and int(start_a.max()) < num_blocks  # (these four: no int64 overflow below)
                 and int((start_a + n_a).max()) <= num_blocks):

@@ -47,6 +47,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
+from xllm_py.kv_transfer.ucx.shared_memory import RemotePool, host_context
 
 logger = logging.getLogger(__name__)
 
@@ -106,13 +107,14 @@ class IovWorker:
         import ucxx._lib.libucxx as ucxx_lib
 
         self._lib = ucxx_lib
-        self._ctx = ucxx_lib.UCXContext(config, feature_flags=(ucxx_lib.Feature.TAG, ucxx_lib.Feature.WAKEUP))
+        self._ctx = host_context(config)  # (shared with the pools allocated for mapping)
         self._worker = ucxx_lib.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self.handle: int = self._worker.handle
         self.address: bytes = self._worker.address.tobytes()
         self._on_request = on_request
         self._eps: dict[Any, Any] = {}
+        self._maps: dict[Any, RemotePool] = {}  # peers' pools mapped over the endpoint of the same key
         self._calls: collections.deque = collections.deque()
         self._tasks: list[_Task] = []
         self._zombies: list[tuple[ffi.Op, float]] = []
@@ -171,6 +173,12 @@ class IovWorker:
         """Endpoint (no error handling: lets UCX use shared memory) to a peer worker address."""
         return self.call(self._connect, key, address)
 
+    def map_remote(self, key: Any, export: dict) -> concurrent.futures.Future:
+        """Map the pool the peer of endpoint ``key`` exported (``SharedHostMemory.export``):
+        a future of the ``RemotePool``, failed with UcpError when it cannot be mapped here.
+        It is closed with the endpoint (``disconnect``, a reconnect, ``close``)."""
+        return self.call(self._map_remote, key, export)
+
     def disconnect(self, key: Any) -> None:
         self._calls.append((self._disconnect, (key,), None))
         self._wake()
@@ -195,14 +203,35 @@ class IovWorker:
             pass
 
     def _connect(self, key: Any, address: bytes) -> None:
+        self._unmap(key)
         old = self._eps.pop(key, None)
         if old is not None:
             old.close()
         addr = self._lib.UCXAddress.create_from_buffer(address)
         self._eps[key] = self._lib.UCXEndpoint.create_from_worker_address(self._worker, addr, False)
 
+    def _map_remote(self, key: Any, export: dict) -> RemotePool:
+        ep = self._eps.get(key)
+        if ep is None:
+            raise ffi.UcpError("no endpoint to map the peer's pool over", -1)
+        self._unmap(key)
+        pool = RemotePool.map(ep.handle, export, self._later)
+        self._maps[key] = pool
+        return pool
+
+    def _unmap(self, key: Any) -> None:
+        pool = self._maps.pop(key, None)
+        if pool is not None:
+            pool.close()
+
+    def _later(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the worker thread (from any thread), result ignored."""
+        self._calls.append((fn, (), None))
+        self._wake()
+
     def _disconnect(self, key: Any) -> None:
         self._cancel_key(key, "peer disconnected")
+        self._unmap(key)
         ep = self._eps.pop(key, None)
         if ep is not None:
             ep.close()
@@ -424,6 +453,8 @@ class IovWorker:
             op.cancel(self.handle)
             op.poll()
         self._drains = []
+        for key in list(self._maps):
+            self._unmap(key)
         for ep in self._eps.values():
             try:
                 ep.close()

@@ -54,6 +54,32 @@ class RequestParam(ctypes.Structure):
     ]
 
 
+class MemMapParams(ctypes.Structure):
+    """ucp_mem_map_params_t (ucp.h, UCX 1.21)."""
+
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+        ("length", ctypes.c_size_t),
+        ("flags", ctypes.c_uint),
+        ("prot", ctypes.c_uint),
+        ("memory_type", ctypes.c_int),
+        ("exported_memh_buffer", ctypes.c_void_p),
+    ]
+
+
+class MemAttr(ctypes.Structure):
+    """ucp_mem_attr_t (ucp_def.h)."""
+
+    _fields_ = [("field_mask", ctypes.c_uint64), ("address", ctypes.c_void_p),
+                ("length", ctypes.c_size_t), ("mem_type", ctypes.c_int)]
+
+
+MEM_MAP_FIELD_LENGTH_FLAGS = (1 << 1) | (1 << 2)  # UCP_MEM_MAP_PARAM_FIELD_LENGTH | _FLAGS
+MEM_MAP_ALLOCATE = 1 << 1
+MEM_ATTR_ADDRESS_LENGTH = (1 << 0) | (1 << 1)
+
+
 class UcpError(RuntimeError):
     def __init__(self, what: str, status: int) -> None:
         super().__init__(f"{what}: {status_string(status)} ({status})")
@@ -91,6 +117,15 @@ def lib() -> ctypes.CDLL:
             ("ucp_tag_recv_request_test", ctypes.c_int8, [vp, ctypes.POINTER(TagRecvInfo)]),
             ("ucp_request_cancel", None, [vp, vp]),
             ("ucp_request_free", None, [vp]),
+            # memory mapping and remote keys (the mapped-pool path, shared_memory.py)
+            ("ucp_mem_map", ctypes.c_int8, [vp, ctypes.POINTER(MemMapParams), ctypes.POINTER(vp)]),
+            ("ucp_mem_unmap", ctypes.c_int8, [vp, vp]),
+            ("ucp_mem_query", ctypes.c_int8, [vp, ctypes.POINTER(MemAttr)]),
+            ("ucp_rkey_pack", ctypes.c_int8, [vp, vp, ctypes.POINTER(vp), ctypes.POINTER(sz)]),
+            ("ucp_rkey_buffer_release", None, [vp]),
+            ("ucp_ep_rkey_unpack", ctypes.c_int8, [vp, vp, ctypes.POINTER(vp)]),
+            ("ucp_rkey_ptr", ctypes.c_int8, [vp, u64, ctypes.POINTER(vp)]),
+            ("ucp_rkey_destroy", None, [vp]),
         ):
             fn = getattr(ucp, name)
             fn.restype = res
