@@ -102,9 +102,20 @@ async def test_empty_transfer_is_a_no_op(pair) -> None:
     assert r.num_blocks == 0 and r.num_bytes == 0
 
 
+def _link_of(backend, peer_addr: str):
+    """The backend's connection object for a peer (None when there is none)."""
+    links = {"ucx": "_peers", "tcp": "_conns"}.get(backend.name)
+    if links is None:
+        return peer_addr if peer_addr in backend._linked else None  # fake: a set of linked addresses
+    return getattr(backend, links).get(peer_addr)
+
+
 async def test_out_of_range_refused_on_both_sides(pair) -> None:
     a, ba, b, bb = pair
     before_a, before_b = a.kv.clone(), b.kv.clone()
+    await bb.link(ba.address)
+    link = _link_of(bb, ba.address)
+    assert link is not None
     with pytest.raises(ValueError, match="out of range"):  # our own dst ids: checked before sending
         await bb.pull(ba.address, [1, 2], [3, NUM_BLOCKS])
     with pytest.raises(TransferError, match="out of range") as ei:  # the peer's src ids: refused by the peer
@@ -115,7 +126,8 @@ async def test_out_of_range_refused_on_both_sides(pair) -> None:
     with pytest.raises(ValueError, match="differ"):
         await bb.pull(ba.address, [1, 2], [3])
     assert torch.equal(a.kv, before_a) and torch.equal(b.kv, before_b)
-    # the link still works after refusals
+    # a refusal is an answer: the same link is kept, and still works
+    assert _link_of(bb, ba.address) is link
     await bb.pull(ba.address, [5], [6], timeout=5)
     assert_blocks_equal(b, [6], a, [5])
 

@@ -270,23 +270,31 @@ class KVTransferBackend(abc.ABC):
         try:
             if num_blocks:
                 await asyncio.wait_for(impl(peer_addr, runs, t), t)
-        except asyncio.TimeoutError:
-            self._stats["failures"] += 1
-            await self._on_failure(peer_addr)
-            raise TransferTimeout(f"{self.name}: {op} of {num_blocks} blocks from {peer_addr} timed out after {t:.3g}s") from None
-        except TransferError:
-            self._stats["failures"] += 1
-            await self._on_failure(peer_addr)
-            raise
-        except Exception as e:  # transport errors of any kind become TransferError
-            self._stats["failures"] += 1
-            await self._on_failure(peer_addr)
-            raise TransferError(f"{self.name}: {op} with {peer_addr} failed: {type(e).__name__}: {e}") from e
+        except Exception as e:
+            err = self._failed(op, peer_addr, num_blocks, t, e)
+            if not err.invalid_argument:  # (a refusal is an answer: the connection is fine, keep it)
+                await self._on_failure(peer_addr)
+            raise err from (None if err is e else e)
+        return self._succeeded(op, runs, t0, self._path_of(peer_addr))
+
+    def _succeeded(self, op: str, runs: list[Run], t0: float, path: str = "") -> TransferResult:
+        """Count a finished op; its result (``t0``: when it started, perf_counter)."""
+        num_blocks = sum(r[2] for r in runs)
         nbytes = num_blocks * self.storage.block_bytes
         self._stats["pulls" if op == "pull" else "pushes"] += 1
         self._stats["bytes"] += nbytes
-        return TransferResult(num_blocks=num_blocks, num_runs=len(runs), num_bytes=nbytes, path=self._path_of(peer_addr),
+        return TransferResult(num_blocks=num_blocks, num_runs=len(runs), num_bytes=nbytes, path=path,
                               seconds=time.perf_counter() - t0)
+
+    def _failed(self, op: str, peer_addr: str, num_blocks: int, timeout: float, exc: BaseException) -> TransferError:
+        """Count a failed op; the error to raise: TransferError as it is, a timeout as
+        TransferTimeout, any transport error wrapped in a TransferError."""
+        self._stats["failures"] += 1
+        if isinstance(exc, TransferError):
+            return exc
+        if isinstance(exc, TimeoutError):  # (asyncio.TimeoutError too)
+            return TransferTimeout(f"{self.name}: {op} of {num_blocks} blocks from {peer_addr} timed out after {timeout:.3g}s")
+        return TransferError(f"{self.name}: {op} with {peer_addr} failed: {type(exc).__name__}: {exc}")
 
     async def _on_failure(self, peer_addr: str) -> None:
         """After a failed op the connection state is unknown: drop it (cancels pending I/O)."""

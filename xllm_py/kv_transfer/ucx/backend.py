@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from xllm_py.kv_transfer.base import (KVTransferBackend, LoopThread, Run, TransferError, TransferResult,
-                                      TransferTimeout, runs_to_ids, split_addr)
+                                      runs_to_ids, split_addr)
 from xllm_py.kv_transfer.kv_storage import KVCacheMeta, KVCacheStorage, StagingPool
 from xllm_py.kv_transfer.ucx import iov_protocol, shared_memory
 from xllm_py.kv_transfer.ucx.env import import_ucxx, iov_worker_config
@@ -582,25 +582,14 @@ class UcxKVTransferBackend(KVTransferBackend):
         inner = self._mapped_start(p.mapped, op, runs) if p.mapped is not None else self._iov_start(p, op, runs, t)
 
         def finish(f: concurrent.futures.Future) -> None:
-            exc = None if f.cancelled() else f.exception()
             if f.cancelled() or out.done():
                 return
+            exc = f.exception()
             if exc is None:
-                nbytes = num_blocks * self.storage.block_bytes
-                self._stats["pulls" if op == "pull" else "pushes"] += 1
-                self._stats["bytes"] += nbytes
-                out.set_result(TransferResult(num_blocks=num_blocks, num_runs=len(runs), num_bytes=nbytes,
-                                              path="mapped" if p.mapped is not None else "iov",
-                                              seconds=time.perf_counter() - t0))
+                out.set_result(self._succeeded(op, runs, t0, "mapped" if p.mapped is not None else "iov"))
                 return
-            self._stats["failures"] += 1
-            if isinstance(exc, TransferError):
-                err: TransferError = exc
-            elif isinstance(exc, TimeoutError):
-                err = TransferTimeout(f"ucx: {op} of {num_blocks} blocks from {peer_addr} timed out after {t:.3g}s")
-            else:
-                err = TransferError(f"ucx: {op} with {peer_addr} failed: {type(exc).__name__}: {exc}")
-            if err.invalid_argument:
+            err = self._failed(op, peer_addr, num_blocks, t, exc)
+            if err.invalid_argument:  # (as in _run_op: a refusal keeps the link)
                 out.set_exception(err)
                 return
             self._lt.submit(self._on_failure(peer_addr)).add_done_callback(
