@@ -82,6 +82,11 @@ def test_greedy_pd_equals_mix(pd):
         assert a.usage.completion_tokens == b.usage.completion_tokens == 12
     # Shared prefixes hit decode's prefix cache.
     assert metric(decode.http_url, "xllm_prefix_cache_hit_tokens_total") > 0
+    # Same host, UCX: the transferring side mapped its peer's pool (one memcpy per transfer).
+    mover = decode if mode == "PULL" else prefill
+    log = mover.log_path.read_text(errors="replace")
+    op = "pull" if mode == "PULL" else "push"
+    assert f"kv {op} req=" in log and "path=mapped" in log and "path=iov" not in log
 
 
 def test_n_stop_and_chat_equal_mix(pd):
