@@ -70,6 +70,16 @@ def test_completion_stream_matches_non_stream_and_usage(client, backend):
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
+def test_response_ids_are_prefixed_random_hex_and_distinct(client, backend):
+    import re
+
+    ids = [client.completions.create(model=MODEL, prompt="hi", max_tokens=1).id
+           for _ in range(3)]
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids), ids
+    assert len(set(ids)) == 3
+    assert [r.request_id for r in backend.requests] == ids  # the id the backend saw
+
+
 def test_chat_stream_matches_non_stream_and_template(client, backend):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=4)
