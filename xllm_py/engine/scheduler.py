@@ -186,7 +186,9 @@ class ContinuousScheduler:
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             if num_new == 0:
                 continue
-            while self.kv.allocate_slots(request, num_new) is None:
+            # Most decode steps fit in the last block: no allocation to ask for.
+            fits = request.num_computed_tokens + num_new <= len(request.block_ids) * self.block_size
+            while not fits and self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running[-1]
                 budget += self._preempt(victim, scheduled, out)
                 if victim is request:
