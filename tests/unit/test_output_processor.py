@@ -96,3 +96,53 @@ def test_failure_reaches_the_sink(tok):
     proc.fail_parent("r", 502, "KV pull failed")
     (out,) = sink.outputs
     assert out.failed and out.error_code == 502 and out.finished
+
+
+class FinalOnlySink(Sink):
+    final_only = True
+
+
+def test_final_only_sink_gets_the_first_tokens_then_one_merged_output(tok):
+    proc, sink = OutputProcessor(tok), FinalOnlySink()
+    words = tok.encode(" the cat sat on the mat", add_special_tokens=False)
+    add(proc, sink, [1, 2], n=2, best_of=2, want_logprobs=True)
+    for k, t in enumerate(words):
+        end = "length" if k == len(words) - 1 else None
+        deltas = [proc.process(child_id("r", i), [t], [TokenLogprob(t, -1.0)], end, None, None)
+                  for i in (0, 1)]
+        proc.emit_step(deltas, "r")
+    first, last = sink.outputs  # nothing in between
+    assert [d.token_ids for d in first.outputs] == [words[:1], words[:1]]
+    assert first.prompt_token_ids == [1, 2] and not first.finished
+    assert last.finished and [d.index for d in last.outputs] == [0, 1]
+    for d in last.outputs:
+        assert d.token_ids == words[1:]
+        assert first.outputs[d.index].text + d.text == tok.decode(words)
+        assert [lp.token_id for lp in d.logprobs] == words[1:]
+        assert d.finish_reason == "length"
+    assert last.num_generated_tokens == 2 * len(words)
+    assert "r" not in proc
+
+
+def test_final_only_sink_with_a_stop_string_and_a_failure(tok):
+    proc, sink = OutputProcessor(tok), FinalOnlySink()
+    ids = tok.encode(" once upon a time there", add_special_tokens=False)
+    full = tok.decode(ids)
+    stop = full[8:12]
+    add(proc, sink, [1, 2], stop=[stop])
+    for t in ids:
+        d = proc.process(child_id("r", 0), [t], None, None, None, lambda rid, s: None)
+        proc.emit_step([d], "r")
+        if d.finish_reason:
+            break
+    assert len(sink.outputs) == 2
+    assert "".join(o.outputs[0].text for o in sink.outputs) == full[: full.index(stop)]
+    assert sink.outputs[-1].outputs[0].stop_reason == stop
+
+    proc, sink = OutputProcessor(tok), FinalOnlySink()
+    add(proc, sink, [1, 2])
+    for t in ids[:3]:
+        proc.emit_step([proc.process(child_id("r", 0), [t], None, None, None, None)], "r")
+    proc.fail_parent("r", 500, "boom")
+    first, failed = sink.outputs  # the held deltas are dropped with the failure
+    assert first.outputs[0].token_ids == ids[:1] and failed.failed and failed.finished

@@ -86,18 +86,20 @@ class QueueSink:
     carries tokens goes at once (it stamps the time to first token), the later ones are
     merged on the engine thread and delivered as one output when the request ends, so
     the event loop is not woken once per token for a client that reads only the end.
+    The engine's OutputProcessor reads ``final_only`` and already holds those outputs
+    back; the merging here covers any other producer.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, final_only: bool = False) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._bridge = _bridge_for(loop)
-        self._final_only = final_only
+        self.final_only = final_only
         self._sent_tokens = False
         self._held: RequestOutput | None = None
 
     def emit(self, output: RequestOutput) -> None:
-        if self._final_only:
+        if self.final_only:
             output = self._coalesce(output)
             if output is None:
                 return

@@ -4,7 +4,9 @@ Stages of a parent request (one client request, n or best_of sequences):
   add_parent -> per step: process(update) per sequence -> deltas grouped per parent ->
   RequestOutput to the parent's sink -> finished when every sequence finished.
 Sequences are scheduled as independent requests `<parent>#<index>`; their prompt blocks
-are shared through the prefix cache.
+are shared through the prefix cache. A sink with `final_only` set (a non-streaming client)
+gets the first output that carries tokens (it stamps the time to first token) and then one
+output at the end: the deltas in between are held here, not built into an output a step.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 class OutputSink(Protocol):
     def emit(self, output: RequestOutput) -> None: ...
+    # Optional attribute `final_only: bool` (see the module docstring).
 
 
 def child_id(parent_id: str, index: int) -> str:
@@ -64,6 +67,9 @@ class _ParentState:
     num_prompt_tokens: int | None = None
     generated_offset: int = 0
     arrival_time: float = 0.0  # time.monotonic() at arrival, for TTFT
+    final_only: bool = False  # the sink wants the first tokens and the end only
+    sent_tokens: bool = False
+    held: list[CompletionDelta] = dataclasses.field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -105,7 +111,7 @@ class OutputProcessor:
             request_id=request_id, sink=sink, prompt_token_ids=list(prompt_token_ids), n=n,
             seqs=seqs, buffered=best_of > n, num_prompt_tokens=num_prompt_tokens,
             generated_offset=generated_offset, sent_first=num_prompt_tokens is not None,
-            arrival_time=arrival_time)
+            arrival_time=arrival_time, final_only=bool(getattr(sink, "final_only", False)))
 
     def set_cached_tokens(self, parent_id: str, num_cached: int) -> None:
         state = self._parents.get(parent_id)
@@ -173,8 +179,16 @@ class OutputProcessor:
                                       logprobs=s.logprobs if s.want_logprobs else None,
                                       finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                       for i, s in enumerate(best)]
+        elif parent.final_only:
+            if parent.sent_tokens and not parent.finished:
+                parent.held.extend(deltas)
+                return None
+            if parent.held:
+                deltas, parent.held = merge_deltas(parent.held + deltas), []
+            parent.sent_tokens = any(d.token_ids or d.text for d in deltas)
+        finished = parent.finished
         out = RequestOutput(
-            request_id=parent_id, outputs=deltas, finished=parent.finished,
+            request_id=parent_id, outputs=deltas, finished=finished,
             num_prompt_tokens=parent.usage_prompt_tokens,
             num_generated_tokens=parent.num_generated,
             num_cached_tokens=parent.num_cached_tokens,
@@ -182,7 +196,7 @@ class OutputProcessor:
         ttft = None if parent.sent_first or not parent.arrival_time else (
             time.monotonic() - parent.arrival_time)
         parent.sent_first = True
-        if parent.finished:
+        if finished:
             del self._parents[parent_id]
         try:
             parent.sink.emit(out)
@@ -211,3 +225,26 @@ class OutputProcessor:
         if parent is None:
             return []
         return [child_id(parent_id, i) for i in parent.seqs]
+
+
+def merge_deltas(deltas: list[CompletionDelta]) -> list[CompletionDelta]:
+    """One delta per choice index (in order of first appearance) that concatenates the
+    given deltas of that choice; the last finish reason wins."""
+    merged: dict[int, CompletionDelta] = {}
+    texts: dict[int, list[str]] = {}
+    for d in deltas:
+        m = merged.get(d.index)
+        if m is None:
+            m = merged[d.index] = CompletionDelta(index=d.index, token_ids=[])
+            texts[d.index] = []
+        texts[d.index].append(d.text)
+        m.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            if m.logprobs is None:
+                m.logprobs = []
+            m.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
+    for index, m in merged.items():
+        m.text = "".join(texts[index])
+    return list(merged.values())
