@@ -44,6 +44,18 @@ class RequestOutput:
         return self.error_code != 0
 
 
+def extend_delta(prev: CompletionDelta, d: CompletionDelta) -> None:
+    """Append ``d``'s tokens and logprobs to ``prev`` (same choice); its finish reason wins.
+    (The text is the caller's: appended, or joined once for many deltas.)"""
+    prev.token_ids.extend(d.token_ids)
+    if d.logprobs is not None:
+        if prev.logprobs is None:
+            prev.logprobs = []
+        prev.logprobs.extend(d.logprobs)
+    if d.finish_reason is not None:
+        prev.finish_reason, prev.stop_reason = d.finish_reason, d.stop_reason
+
+
 def merge_output(into: RequestOutput, later: RequestOutput) -> RequestOutput:
     """Fold ``later`` (the next output of the same request) into ``into``, in place: each
     choice's text, token ids and logprobs are appended, the end state and counters are
@@ -56,13 +68,7 @@ def merge_output(into: RequestOutput, later: RequestOutput) -> RequestOutput:
                 index=d.index, token_ids=[], logprobs=None)
             into.outputs.append(prev)
         prev.text += d.text
-        prev.token_ids.extend(d.token_ids)
-        if d.logprobs is not None:
-            if prev.logprobs is None:
-                prev.logprobs = []
-            prev.logprobs.extend(d.logprobs)
-        if d.finish_reason is not None:
-            prev.finish_reason, prev.stop_reason = d.finish_reason, d.stop_reason
+        extend_delta(prev, d)
     into.finished = later.finished
     into.num_generated_tokens = later.num_generated_tokens
     into.num_cached_tokens = max(into.num_cached_tokens, later.num_cached_tokens)

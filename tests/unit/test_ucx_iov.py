@@ -14,32 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from xllm_py.config import TransferConfig
-from xllm_py.kv_transfer import create_backend
-from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+from tests.unit.ucx_utils import linked, storage
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
-
-
-def _storage(num_blocks: int = 64, seed: int | None = None) -> KVCacheStorage:
-    s = KVCacheStorage(num_layers=3, num_blocks=num_blocks, block_size=4, num_kv_heads=2, head_dim=8)
-    if seed is not None:
-        s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(seed)))
-    return s
-
-
-@contextlib.asynccontextmanager
-async def _linked(a: KVCacheStorage, b: KVCacheStorage):
-    """UCX backends on ``a`` (owner) and ``b`` (puller), b linked to a; closed on exit."""
-    ba, bb = create_backend("ucx", a, TransferConfig()), create_backend("ucx", b, TransferConfig())
-    ba.start()
-    bb.start()
-    try:
-        await bb.link(ba.address)
-        yield ba, bb
-    finally:
-        await ba.close()
-        await bb.close()
 
 
 def test_request_roundtrip() -> None:
@@ -63,8 +40,8 @@ async def _pull_every_byte(ba, a, bb, b, n: int, seed: int) -> None:
 
 
 async def test_iov_path_is_used_and_moves_every_byte() -> None:
-    a, b = _storage(256, seed=1), _storage(200)
-    async with _linked(a, b) as (ba, bb):
+    a, b = storage(256, seed=1), storage(200)
+    async with linked(a, b) as (ba, bb):
         assert bb._peers[ba.address].iov_key is not None
         served0 = ba.stats()["served"]  # the link's warm-up pulls count as served
         for n, seed in ((1, 0), (150, 1), (200, 2)):
@@ -83,8 +60,8 @@ async def test_iov_path_is_used_and_moves_every_byte() -> None:
 
 async def test_unreachable_iov_worker_falls_back_to_the_tag_path(monkeypatch) -> None:
     monkeypatch.setenv("XLLM_UCX_IOV_TLS", "self")  # reaches no other worker
-    a, b = _storage(seed=3), _storage()
-    async with _linked(a, b) as (ba, bb):
+    a, b = storage(seed=3), storage()
+    async with linked(a, b) as (ba, bb):
         assert bb._peers[ba.address].iov_key is None
         await _pull_every_byte(ba, a, bb, b, 20, 4)
         await bb.push(ba.address, [1, 2], [60, 61], timeout=10)
@@ -92,8 +69,8 @@ async def test_unreachable_iov_worker_falls_back_to_the_tag_path(monkeypatch) ->
 
 
 async def test_pull_timeout_fails_and_relinks() -> None:
-    a, b = _storage(seed=5), _storage()
-    async with _linked(a, b) as (ba, bb):
+    a, b = storage(seed=5), storage()
+    async with linked(a, b) as (ba, bb):
         ba._iov.close()  # the owner's data worker stops answering; its control link stays up
         try:
             from xllm_py.kv_transfer import TransferError
@@ -108,7 +85,7 @@ async def test_pull_timeout_fails_and_relinks() -> None:
 def test_iov_layout_matches_the_slices_for_fragmented_runs() -> None:
     from xllm_py.kv_transfer.ucx.iov_protocol import IovLayout, IovRequest, OP_PULL, OP_PUSH, decode_request
 
-    s = _storage(num_blocks=32)
+    s = storage(num_blocks=32)
     runs = np.array([[30, 0, 2], [3, 7, 1], [0, 31, 1]], dtype=np.int64)
     layout = IovLayout(s)
     for side in (0, 1):
@@ -167,7 +144,7 @@ def test_iov_receive_posted_after_the_data_arrived_gets_every_byte() -> None:
     from xllm_py.kv_transfer.ucx.iov_protocol import IovLayout
     from xllm_py.kv_transfer.ucx.iov_worker import KIND_DATA, tag
 
-    s = _storage(num_blocks=16, seed=7)
+    s = storage(num_blocks=16, seed=7)
     layout = IovLayout(s)
     src = np.array([[1, 9, 2], [6, 12, 1]], dtype=np.int64)  # blocks 1, 2, 6 -> 9, 10, 12
     with _self_linked_worker() as w:
@@ -210,7 +187,7 @@ def test_check_src_runs_refuses_anything_outside_the_pool(pad: int) -> None:
 def test_scratch_pull_lands_in_the_scratch_buffer_in_the_cache_pieces() -> None:
     from xllm_py.kv_transfer.ucx.iov_protocol import IovLayout, IovRequest
 
-    s = _storage(num_blocks=16)
+    s = storage(num_blocks=16)
     layout = IovLayout(s)
     runs = np.array([[0, 0, 2], [5, 9, 1]], dtype=np.int64)
     scratch = np.zeros(3 * s.block_bytes, dtype=np.uint8)
@@ -226,8 +203,8 @@ def test_scratch_pull_lands_in_the_scratch_buffer_in_the_cache_pieces() -> None:
 async def test_link_warms_up_without_touching_the_cache() -> None:
     from xllm_py.kv_transfer.ucx import backend as ucx_backend
 
-    a, b = _storage(seed=9), _storage()
-    async with _linked(a, b) as (ba, bb):
+    a, b = storage(seed=9), storage()
+    async with linked(a, b) as (ba, bb):
         deadline = time.monotonic() + 5
         while ba.stats()["served"] < ucx_backend._WARMUP_PULLS and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -241,8 +218,8 @@ async def test_failed_warm_up_keeps_the_link(monkeypatch) -> None:
     from xllm_py.kv_transfer.ucx import iov_protocol
 
     monkeypatch.setattr(iov_protocol, "check_src_runs", lambda runs, n: "peer refused: not now")
-    a, b = _storage(seed=10), _storage()
-    async with _linked(a, b) as (ba, bb):
+    a, b = storage(seed=10), storage()
+    async with linked(a, b) as (ba, bb):
         assert bb._peers[ba.address].iov_key is not None
         assert ba.stats()["served"] == 0
         monkeypatch.undo()
@@ -256,7 +233,7 @@ def test_pull_accepts_an_owner_that_also_confirms_with_an_empty_status() -> None
     from xllm_py.kv_transfer.ucx.iov_worker import KIND_DATA, KIND_STATUS, IovWorker, tag
 
     import_ucxx()
-    s = _storage(num_blocks=16, seed=11)
+    s = storage(num_blocks=16, seed=11)
     layout = IovLayout(s)
     holder: list[IovWorker] = []
 
@@ -300,8 +277,8 @@ async def test_late_answer_to_a_timed_out_pull_is_drained_not_written() -> None:
     from xllm_py.kv_transfer.ucx.iov_protocol import decode_request
     from xllm_py.kv_transfer.ucx.iov_worker import KIND_DATA, tag
 
-    a, b = _storage(seed=12), _storage()
-    async with _linked(a, b) as (ba, bb):
+    a, b = storage(seed=12), storage()
+    async with linked(a, b) as (ba, bb):
         owner, puller, p = ba._iov, bb._iov, bb._peers[ba.address]
         served = ba.stats()["served"]
         async with _late_owner(ba) as held:
@@ -329,8 +306,8 @@ async def test_late_answer_to_a_timed_out_pull_is_drained_not_written() -> None:
 async def test_drain_receives_expire_and_refusals_need_none() -> None:
     from xllm_py.kv_transfer import TransferError
 
-    a, b = _storage(seed=13), _storage()
-    async with _linked(a, b) as (ba, bb):
+    a, b = storage(seed=13), storage()
+    async with linked(a, b) as (ba, bb):
         puller, p = bb._iov, bb._peers[ba.address]
         with pytest.raises(TransferError, match="refused"):  # the owner answers: nothing to drain
             await bb.pull(ba.address, [a.num_blocks + 5], [1], timeout=5)
@@ -354,8 +331,8 @@ async def test_a_pull_in_flight_fails_when_the_owner_goes_away() -> None:
     nothing is written."""
     from xllm_py.kv_transfer.base import TransferError, TransferTimeout
 
-    a, b = _storage(seed=14), _storage()
-    async with _linked(a, b) as (ba, bb):
+    a, b = storage(seed=14), storage()
+    async with linked(a, b) as (ba, bb):
         async with _late_owner(ba) as held:
             pull = asyncio.ensure_future(bb.pull(ba.address, [0, 1, 2], [0, 1, 2], timeout=30))
             deadline = time.monotonic() + 10

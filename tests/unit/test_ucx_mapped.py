@@ -19,31 +19,9 @@ from xllm_py.kv_transfer import TransferError, create_backend
 from xllm_py.kv_transfer._peer_main import fill_pattern
 from xllm_py.kv_transfer.factory import mappable_host_allocator, pool_allocator
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+from tests.unit.ucx_utils import SHAPE, linked, storage
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
-
-SHAPE = dict(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)  # 1536-byte blocks
-
-
-def _storage(num_blocks: int, seed: int | None = None, mappable: bool = True) -> KVCacheStorage:
-    s = KVCacheStorage(num_blocks=num_blocks, **SHAPE, allocator=mappable_host_allocator() if mappable else None)
-    if seed is not None:
-        s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(seed)))
-    return s
-
-
-@contextlib.asynccontextmanager
-async def _linked(a: KVCacheStorage, b: KVCacheStorage):
-    ba, bb = create_backend("ucx", a, TransferConfig()), create_backend("ucx", b, TransferConfig())
-    ba.start()
-    bb.start()
-    try:
-        await bb.link(ba.address)
-        yield ba, bb
-    finally:
-        await ba.close()
-        await bb.close()
-
 
 def test_copy_chunks_copies_exactly_the_chunks() -> None:
     from xllm_py.kv_transfer.ucx.shared_memory import copy_chunks
@@ -125,8 +103,8 @@ def test_remote_pool_is_released_only_after_its_last_copy() -> None:
 
 
 async def test_pulls_and_pushes_are_memcpys_of_exactly_the_blocks() -> None:
-    a, b = _storage(1024, seed=1), _storage(900, seed=2)
-    async with _linked(a, b) as (ba, bb):
+    a, b = storage(1024, seed=1, mappable=True), storage(900, seed=2, mappable=True)
+    async with linked(a, b) as (ba, bb):
         assert bb._peers[ba.address].mapped is not None
         served = ba.stats()["served"]
         rng = np.random.default_rng(3)
@@ -149,8 +127,8 @@ async def test_pulls_and_pushes_are_memcpys_of_exactly_the_blocks() -> None:
 
 
 async def test_out_of_range_or_duplicate_blocks_are_refused_and_nothing_moves() -> None:
-    a, b = _storage(64, seed=4), _storage(64, seed=5)
-    async with _linked(a, b) as (ba, bb):
+    a, b = storage(64, seed=4, mappable=True), storage(64, seed=5, mappable=True)
+    async with linked(a, b) as (ba, bb):
         a0, b0 = a.kv.clone(), b.kv.clone()
         for src in ([63, 64], [-1], [10, 1 << 40]):
             with pytest.raises(TransferError, match="out of range") as e:
@@ -167,21 +145,21 @@ async def test_out_of_range_or_duplicate_blocks_are_refused_and_nothing_moves() 
 
 
 async def test_private_pools_and_map_off_take_the_iov_path(monkeypatch) -> None:
-    a, b = _storage(64, seed=6, mappable=False), _storage(64)
-    async with _linked(a, b) as (ba, bb):
+    a, b = storage(64, seed=6, mappable=False), storage(64, mappable=True)
+    async with linked(a, b) as (ba, bb):
         assert bb._peers[ba.address].mapped is None and bb._peers[ba.address].iov_key is not None
         assert (await bb.pull(ba.address, [5, 3], [1, 2], timeout=10)).path == "iov"
         assert torch.equal(b.kv[:, :, [1, 2]], a.kv[:, :, [5, 3]]) and bb.stats()["mapped"] == 0
     monkeypatch.setenv("XLLM_UCX_MAP", "0")
     assert mappable_host_allocator() is None
-    a, b = _storage(64, seed=7, mappable=False), _storage(64, mappable=False)
-    async with _linked(a, b) as (ba, bb):
+    a, b = storage(64, seed=7, mappable=False), storage(64, mappable=False)
+    async with linked(a, b) as (ba, bb):
         assert bb._peers[ba.address].mapped is None
 
 
 async def test_unlink_unmaps_and_a_relink_maps_again() -> None:
-    a, b = _storage(64, seed=8), _storage(64)
-    async with _linked(a, b) as (ba, bb):
+    a, b = storage(64, seed=8, mappable=True), storage(64, mappable=True)
+    async with linked(a, b) as (ba, bb):
         first = bb._peers[ba.address].mapped.pool
         await bb.unlink(ba.address)
         assert not first.acquire()  # closed
@@ -200,7 +178,7 @@ async def test_mapped_pull_from_another_process_moves_every_byte() -> None:
         info = json.loads(proc.stdout.readline())
         want = KVCacheStorage(**shape)
         fill_pattern(want, 11)
-        b = _storage(512)
+        b = storage(512, mappable=True)
         bb = create_backend("ucx", b, TransferConfig())
         bb.start()
         try:
