@@ -135,10 +135,10 @@ def _buf(t: torch.Tensor) -> Any:
 class _MappedPool:
     """A linked peer's pool mapped into this process: transfers with it are memcpys."""
 
-    __slots__ = ("pool", "layout", "num_blocks")
+    __slots__ = ("pool", "layout")
 
     def __init__(self, pool: shared_memory.RemotePool, layout: iov_protocol.IovLayout) -> None:
-        self.pool, self.layout, self.num_blocks = pool, layout, layout.num_blocks
+        self.pool, self.layout = pool, layout
 
 
 class _Peer:
@@ -606,7 +606,7 @@ class UcxKVTransferBackend(KVTransferBackend):
         thread. A memcpy cannot hang: no deadline."""
         arr = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
         theirs = 0 if what == "pull" else 1
-        err = iov_protocol.check_runs(arr, m.num_blocks, theirs)
+        err = iov_protocol.check_runs(arr, m.layout.num_blocks, theirs)
         if err is None and what == "push" and arr.shape[0] > 1:
             dst = runs_to_ids(runs)[1]
             if np.unique(dst).size != dst.size:
