@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from xllm_py.kv_transfer.base import KVPoll, group_contiguous, runs_to_ids
-from xllm_py.kv_transfer.kv_storage import KV_LAYOUT, KVCacheStorage
+from xllm_py.kv_transfer.kv_storage import KV_LAYOUT, KVCacheStorage, huge_page_allocator
 from xllm_py.kv_transfer.metrics import KVTransferMetrics
 
 
@@ -73,6 +73,20 @@ def test_bad_construction() -> None:
         KVCacheStorage(0, 4, 4, 1, 1)
     with pytest.raises(ValueError, match="dtype"):
         KVCacheStorage(1, 4, 4, 1, 1, dtype="int3")
+
+
+def test_allocator_pools_are_used_as_given() -> None:
+    nbytes = 2 * 3 * 16 * 4 * 2 * 8 * 4
+    s = KVCacheStorage(3, 16, 4, 2, 8, allocator=huge_page_allocator)
+    assert s.kv.data_ptr() % (2 << 20) == 0 and s.nbytes == nbytes
+    assert int(torch.count_nonzero(s.kv)) == 0
+    blocks = torch.randn(s.blocks_shape(3))
+    s.write_blocks([2, 9, 15], blocks)
+    assert torch.equal(s.read_blocks([2, 9, 15]), blocks)
+    with pytest.raises(ValueError, match="allocator must return"):  # wrong size
+        KVCacheStorage(3, 16, 4, 2, 8, allocator=lambda n: torch.zeros(n - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="allocator must return"):  # not bytes
+        KVCacheStorage(3, 16, 4, 2, 8, allocator=lambda n: torch.zeros(n // 4))
 
 
 @pytest.mark.parametrize("src,dst,expected", [

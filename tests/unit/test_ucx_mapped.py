@@ -18,7 +18,7 @@ from xllm_py.config import EngineConfig, InstanceRole, TransferConfig
 from xllm_py.kv_transfer import TransferError, create_backend
 from xllm_py.kv_transfer._peer_main import fill_pattern
 from xllm_py.kv_transfer.factory import mappable_host_allocator, pool_allocator
-from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+from xllm_py.kv_transfer.kv_storage import KVCacheStorage, huge_page_allocator
 from tests.unit.ucx_utils import SHAPE, linked, storage
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
@@ -201,5 +201,7 @@ def test_engines_allocate_mappable_pools_only_where_they_transfer() -> None:
     ucx = TransferConfig(backend="ucx")
     assert pool_allocator(EngineConfig(role=InstanceRole.PREFILL, transfer=ucx)) is not None
     assert pool_allocator(EngineConfig(role=InstanceRole.DECODE, transfer=ucx)) is not None
-    assert pool_allocator(EngineConfig(role=InstanceRole.MIX, transfer=ucx)) is None
-    assert pool_allocator(EngineConfig(role=InstanceRole.PREFILL, transfer=TransferConfig(backend="tcp"))) is None
+    assert pool_allocator(EngineConfig(role=InstanceRole.MIX, transfer=ucx)) is huge_page_allocator
+    assert pool_allocator(EngineConfig(role=InstanceRole.PREFILL,
+                                       transfer=TransferConfig(backend="tcp"))) is huge_page_allocator
+    assert pool_allocator(EngineConfig(role=InstanceRole.MIX, device="cuda")) is None

@@ -9,7 +9,7 @@ import torch
 
 from xllm_py.config import EngineConfig, InstanceRole, TransferConfig
 from xllm_py.kv_transfer.base import KVTransferBackend
-from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+from xllm_py.kv_transfer.kv_storage import KVCacheStorage, huge_page_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,16 @@ def create_backend(name: str | BackendKind, storage: KVCacheStorage,
 
 
 def pool_allocator(config: EngineConfig) -> Callable[[int], torch.Tensor] | None:
-    """Where an engine's KV pool is allocated: PD roles with the UCX backend on host memory
-    get memory a same-host peer can map (one memcpy per pull, ucx/shared_memory.py); any
-    other engine (or a failure to allocate that way) a plain torch tensor (None)."""
-    if (config.role not in (InstanceRole.PREFILL, InstanceRole.DECODE) or config.device != "cpu"
-            or BackendKind.parse(config.transfer.backend) is not BackendKind.UCX):
+    """Where an engine's KV pool is allocated. PD roles with the UCX backend on host memory:
+    memory a same-host peer can map (one memcpy per pull, ucx/shared_memory.py; without it,
+    a plain torch tensor, whose page offset suits UCX's message path). Other host engines:
+    huge pages (``kv_storage.huge_page_allocator``). GPU: a plain torch tensor (None)."""
+    if config.device != "cpu":
         return None
-    return mappable_host_allocator()
+    if (config.role in (InstanceRole.PREFILL, InstanceRole.DECODE)
+            and BackendKind.parse(config.transfer.backend) is BackendKind.UCX):
+        return mappable_host_allocator()
+    return huge_page_allocator
 
 
 def mappable_host_allocator() -> Callable[[int], torch.Tensor] | None:

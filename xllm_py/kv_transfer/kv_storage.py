@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import mmap
 import threading
 from collections.abc import Callable, Sequence
 
@@ -71,6 +72,28 @@ class KVCacheMeta:
     def from_dict(cls, d: dict) -> "KVCacheMeta":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+_HUGE_PAGE = 2 << 20
+
+
+def huge_page_allocator(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of zeroed host memory, 2 MB aligned and advised into transparent huge pages
+    (where the kernel allows: madvise mode): the paged attention reads blocks scattered over
+    the pool, with 4 KB pages a TLB miss every 4 KB. Decode step at 32 x 96 tokens on the
+    2-core VM (~23 ms): 0.3 - 0.4 ms faster than with a ``torch.zeros`` pool in 3 of 4 runs
+    (paired medians of 60 interleaved steps, two engines in one process, both creation
+    orders; the fourth: no difference)."""
+    m = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError) as e:  # (no THP support: plain pages)
+        logger.debug("KV pool: no huge pages (%s)", e)
+    raw = torch.frombuffer(m, dtype=torch.uint8)  # (the tensor keeps the mapping alive)
+    off = -raw.data_ptr() % _HUGE_PAGE
+    pool = raw[off:off + nbytes]
+    pool.zero_()  # every page faulted in now, as torch.zeros does, not during the first steps
+    return pool
 
 
 class KVCacheStorage:
