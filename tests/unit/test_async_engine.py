@@ -36,3 +36,17 @@ def test_generate_request_maps_to_sampling_params():
         (2, None, 0.0, 5, ["x"], 3, 9, 7)
     assert sampling_params_from(GenerateRequest(request_id="r", prompt_token_ids=[1], n=1,
                                                 best_of=3)).best_of == 3
+
+
+async def test_non_streaming_requests_get_a_final_only_sink():
+    import asyncio
+
+    engine = stub_engine(num_waiting=0)
+    backend = AsyncEngine(engine)
+    for stream in (False, True):
+        gen = backend.generate(GenerateRequest(request_id=f"r{stream}", prompt_token_ids=[1],
+                                               stream=stream))
+        with pytest.raises(asyncio.TimeoutError):  # (the stub engine never answers)
+            await asyncio.wait_for(gen.__anext__(), 0.05)
+        await gen.aclose()
+    assert [r.sink.final_only for r in engine.submitted] == [True, False]

@@ -15,7 +15,7 @@ import weakref
 from typing import AsyncIterator
 
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
-from xllm_py.outputs import RequestOutput, copy_output, merge_output
+from xllm_py.outputs import RequestOutput
 from xllm_py.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -82,12 +82,10 @@ def _bridge_for(loop: asyncio.AbstractEventLoop) -> _LoopBridge:
 class QueueSink:
     """Delivers RequestOutputs from the engine thread into an asyncio.Queue.
 
-    ``final_only`` (a non-streaming request, vLLM's FINAL_ONLY): the first output that
-    carries tokens goes at once (it stamps the time to first token), the later ones are
-    merged on the engine thread and delivered as one output when the request ends, so
-    the event loop is not woken once per token for a client that reads only the end.
-    The engine's OutputProcessor reads ``final_only`` and already holds those outputs
-    back; the merging here covers any other producer.
+    ``final_only`` (a non-streaming request, vLLM's FINAL_ONLY): read by the engine's
+    OutputProcessor, which then emits the first output that carries tokens (it stamps the
+    time to first token) and one merged output at the end, so the event loop is not woken
+    once per token for a client that reads only the end.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, final_only: bool = False) -> None:
@@ -95,27 +93,9 @@ class QueueSink:
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._bridge = _bridge_for(loop)
         self.final_only = final_only
-        self._sent_tokens = False
-        self._held: RequestOutput | None = None
 
     def emit(self, output: RequestOutput) -> None:
-        if self.final_only:
-            output = self._coalesce(output)
-            if output is None:
-                return
         self._bridge.put(self.queue, output)
-
-    def _coalesce(self, output: RequestOutput) -> RequestOutput | None:
-        held, self._held = self._held, None
-        if held is not None:
-            output = merge_output(held, output)  # into our own copy
-        if output.finished or output.failed:
-            return output
-        if not self._sent_tokens:
-            self._sent_tokens = any(d.token_ids or d.text for d in output.outputs)
-            return output
-        self._held = output if held is not None else copy_output(output)
-        return None
 
 
 class AsyncEngine:

@@ -16,7 +16,7 @@ import time
 from typing import Callable, Protocol
 
 from xllm_py.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from xllm_py.outputs import CompletionDelta, RequestOutput, TokenLogprob, extend_delta
+from xllm_py.outputs import CompletionDelta, RequestOutput, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,13 @@ def merge_deltas(deltas: list[CompletionDelta]) -> list[CompletionDelta]:
             m = merged[d.index] = CompletionDelta(index=d.index, token_ids=[])
             texts[d.index] = []
         texts[d.index].append(d.text)
-        extend_delta(m, d)
+        m.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            if m.logprobs is None:
+                m.logprobs = []
+            m.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
     for index, m in merged.items():
         m.text = "".join(texts[index])
     return list(merged.values())
