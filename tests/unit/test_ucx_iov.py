@@ -64,6 +64,7 @@ async def test_unreachable_iov_worker_falls_back_to_the_tag_path(monkeypatch) ->
     async with linked(a, b) as (ba, bb):
         assert bb._peers[ba.address].iov_key is None
         await _pull_every_byte(ba, a, bb, b, 20, 4)
+        assert (await bb.pull(ba.address, [3], [3], timeout=10)).path == "tag"
         await bb.push(ba.address, [1, 2], [60, 61], timeout=10)
         assert torch.equal(a.kv[:, :, [60, 61]], b.kv[:, :, [1, 2]])
 

@@ -7,6 +7,7 @@ transfer backends move whole blocks: for block ``b`` the ``2 * num_layers`` slic
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import mmap
@@ -75,6 +76,21 @@ class KVCacheMeta:
 
 
 _HUGE_PAGE = 2 << 20
+_PAGE = 4096
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def prefault_pages(address: int, nbytes: int) -> None:
+    """Fill the page tables for ``[address, address + nbytes)`` writable, as touching every
+    page would (a fresh mapping of a 256 MB pool otherwise costs its first uses ~65k page
+    faults: a first pull at 1.1-1.7 instead of ~9 GB/s)."""
+    start = address - address % _PAGE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(start, address + nbytes - start, _MADV_POPULATE_WRITE) == 0:
+        return
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))  # older kernels
+    view[::_PAGE] |= 0  # (a read-modify-write per page: faults it in writable, changes nothing)
 
 
 def huge_page_allocator(nbytes: int) -> torch.Tensor:
@@ -92,7 +108,7 @@ def huge_page_allocator(nbytes: int) -> torch.Tensor:
     raw = torch.frombuffer(m, dtype=torch.uint8)  # (the tensor keeps the mapping alive)
     off = -raw.data_ptr() % _HUGE_PAGE
     pool = raw[off:off + nbytes]
-    pool.zero_()  # every page faulted in now, as torch.zeros does, not during the first steps
+    prefault_pages(pool.data_ptr(), nbytes)  # now, as torch.zeros does, not in the first steps
     return pool
 
 

@@ -48,7 +48,7 @@ import torch
 
 from xllm_py.kv_transfer.base import (KVTransferBackend, LoopThread, Run, TransferError, TransferResult,
                                       runs_to_ids, split_addr)
-from xllm_py.kv_transfer.kv_storage import KVCacheMeta, KVCacheStorage, StagingPool
+from xllm_py.kv_transfer.kv_storage import KVCacheMeta, KVCacheStorage, StagingPool, prefault_pages
 from xllm_py.kv_transfer.ucx import iov_protocol, shared_memory
 from xllm_py.kv_transfer.ucx.env import import_ucxx, iov_worker_config
 from xllm_py.kv_transfer.ucx.iov_worker import IovWorker
@@ -148,6 +148,7 @@ class _Peer:
         self.data = data
         self.iov_key = iov_key  # key of this peer's endpoint on our IovWorker (None: tag path)
         self.mapped = mapped  # the peer's pool mapped here (closed with the iov endpoint)
+        self.path = "tag" if iov_key is None else "mapped" if mapped is not None else "iov"  # (for logs)
         self.send_lock = asyncio.Lock()
         # Set when the control endpoint reports an error (peer died / closed). UCX calls the
         # callback from its progress thread: fail the peer's iov tasks, hop onto the loop.
@@ -513,7 +514,7 @@ class UcxKVTransferBackend(KVTransferBackend):
             logger.info("ucx: cannot map the KV pool of %s (%s); using the iov path", peer_addr, e)
             return None
         t0 = time.perf_counter()
-        await asyncio.get_running_loop().run_in_executor(None, shared_memory.prefault, pool.address, pool.nbytes)
+        await asyncio.get_running_loop().run_in_executor(None, prefault_pages, pool.address, pool.nbytes)
         layout = iov_protocol.IovLayout.of_pool(pool.address, meta.num_layers, meta.num_blocks,
                                                 meta.block_bytes // (2 * meta.num_layers))
         logger.info("ucx: mapped the KV pool of %s (%d MB, prefaulted in %.1f ms): transfers are memcpys",
@@ -522,7 +523,7 @@ class UcxKVTransferBackend(KVTransferBackend):
 
     def _path_of(self, peer_addr: str) -> str:
         p = self._peers.get(peer_addr)
-        return "tag" if p is None or p.iov_key is None else "mapped" if p.mapped is not None else "iov"
+        return "tag" if p is None else p.path
 
     async def _link_impl(self, peer_addr: str) -> None:
         await self._peer(peer_addr)
@@ -586,7 +587,7 @@ class UcxKVTransferBackend(KVTransferBackend):
                 return
             exc = f.exception()
             if exc is None:
-                out.set_result(self._succeeded(op, runs, t0, "mapped" if p.mapped is not None else "iov"))
+                out.set_result(self._succeeded(op, runs, t0, p.path))
                 return
             err = self._failed(op, peer_addr, num_blocks, t, exc)
             if err.invalid_argument:  # (as in _run_op: a refusal keeps the link)

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from xllm_py.kv_transfer.kv_storage import prefault_pages
 from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
 
 logger = logging.getLogger(__name__)
@@ -81,24 +82,26 @@ class SharedHostMemory:
         st = ucp.ucp_mem_map(self._ctx.handle, ctypes.byref(p), ctypes.byref(memh))
         if st != ffi.UCS_OK:
             raise ffi.UcpError("ucp_mem_map (allocate)", st)
-        attr = ffi.MemAttr()
-        attr.field_mask = ffi.MEM_ATTR_ADDRESS_LENGTH
-        st = ucp.ucp_mem_query(memh, ctypes.byref(attr))
-        if st != ffi.UCS_OK:
+        try:
+            attr = ffi.MemAttr()
+            attr.field_mask = ffi.MEM_ATTR_ADDRESS_LENGTH
+            st = ucp.ucp_mem_query(memh, ctypes.byref(attr))
+            if st != ffi.UCS_OK:
+                raise ffi.UcpError("ucp_mem_query", st)
+            buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+            st = ucp.ucp_rkey_pack(self._ctx.handle, memh, ctypes.byref(buf), ctypes.byref(size))
+            if st != ffi.UCS_OK:
+                raise ffi.UcpError("ucp_rkey_pack", st)
+        except BaseException:
             ucp.ucp_mem_unmap(self._ctx.handle, memh)
-            raise ffi.UcpError("ucp_mem_query", st)
-        buf, size = ctypes.c_void_p(), ctypes.c_size_t()
-        st = ucp.ucp_rkey_pack(self._ctx.handle, memh, ctypes.byref(buf), ctypes.byref(size))
-        if st != ffi.UCS_OK:
-            ucp.ucp_mem_unmap(self._ctx.handle, memh)
-            raise ffi.UcpError("ucp_rkey_pack", st)
+            raise
         self.rkey = ctypes.string_at(buf, size.value)
         ucp.ucp_rkey_buffer_release(buf)
         self.base = int(attr.address)  # what the remote key covers (the peer maps from here)
         self.address = self.base + (-self.base % _PAGE) + POOL_OFFSET  # where the pool starts
         self.nbytes = nbytes
         self._arr = (ctypes.c_uint8 * nbytes).from_address(self.address)
-        prefault(self.address, nbytes)  # (as torch.zeros would: no page faults in the first steps)
+        prefault_pages(self.address, nbytes)  # (as torch.zeros would: no page faults in the first steps)
         self._finalizer = weakref.finalize(self, ucp.ucp_mem_unmap, self._ctx.handle, memh)
         _shared[self.address] = self
 
@@ -191,22 +194,6 @@ class RemotePool:
         if self._rkey:
             ffi.lib().ucp_rkey_destroy(self._rkey)
             self._rkey = 0
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
-
-
-def prefault(address: int, nbytes: int) -> None:
-    """Fill the page tables for ``[address, address + nbytes)`` writable (a fresh mapping of
-    a 256 MB pool otherwise costs its first pulls ~65k page faults: 1.1-1.7 vs ~9 GB/s)."""
-    start = address - address % _PAGE
-    length = address + nbytes - start
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(start, length, _MADV_POPULATE_WRITE) == 0:
-        return
-    view = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))  # older kernels
-    view[::_PAGE] |= 0  # (a read-modify-write per page: faults it in writable, changes nothing)
 
 
 def copy_chunks(dst: np.ndarray, src: np.ndarray) -> None:
