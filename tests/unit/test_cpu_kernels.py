@@ -213,7 +213,7 @@ def test_linear_panels_matches_linear(with_bias: bool) -> None:
         b = torch.randn(37, generator=rng) if with_bias else None
         panels = cpu_kernels.pack_panels(w)
         assert panels.shape == (3, k, 16)
-        # every tail of 6, and tilings by fives and sixes (19: padded, 20, 32: exact)
+        # every tail of 6 (a partial last tile runs only its rows), 19, 20, 32, the most
         for rows in list(range(1, 14)) + [19, 20, 32, cpu_kernels.PANEL_MAX_ROWS]:
             x = torch.randn(rows, k, generator=rng)
             got = cpu_kernels.linear_panels(x, panels, 37, b)

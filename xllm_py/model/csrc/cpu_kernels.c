@@ -406,20 +406,27 @@ static void panel_one_row(const float *x0, const float *pp, int32_t K, float *ti
     _mm256_storeu_ps(tile + 8, _mm256_add_ps(e1, o1));
 }
 
-/* acc[r] += xt[k0:k0+kn][r] @ panel[k0:k0+kn] for a tile of six rows of x packed as
- * xt[K][6] (the six broadcasts of a step read one stream instead of six rows 2-6 KB
- * apart); twelve named accumulators (an array of __m256 is not kept in registers).
+/* acc[r] += xt[k0:k0+kn][r] @ panel[k0:k0+kn] for the first ``rows`` (1..6, a constant at
+ * every call) rows of a tile of x packed as xt[K][6] (the broadcasts of a step read one
+ * stream instead of rows 2-6 KB apart); twelve named accumulators (an array of __m256 is
+ * not kept in registers), those of rows past ``rows`` unused: a partial last tile costs its
+ * rows, not six (M = 32: 5 tiles + 2 rows, ~6% off the matmuls of a decode step).
  * ``pf``: also prefetch the panel's next chunk, one line per step (the first tile of a
  * chunk does it; measured ~8% off a decode step's matmuls at 32 rows). */
 static inline __attribute__((always_inline)) void panel_tile(const float *xt, const float *pp,
                                                              int32_t k0, int32_t kn,
-                                                             float (*acc)[16], const int pf) {
-    __m256 c00 = _mm256_loadu_ps(acc[0]), c01 = _mm256_loadu_ps(acc[0] + 8);
-    __m256 c10 = _mm256_loadu_ps(acc[1]), c11 = _mm256_loadu_ps(acc[1] + 8);
-    __m256 c20 = _mm256_loadu_ps(acc[2]), c21 = _mm256_loadu_ps(acc[2] + 8);
-    __m256 c30 = _mm256_loadu_ps(acc[3]), c31 = _mm256_loadu_ps(acc[3] + 8);
-    __m256 c40 = _mm256_loadu_ps(acc[4]), c41 = _mm256_loadu_ps(acc[4] + 8);
-    __m256 c50 = _mm256_loadu_ps(acc[5]), c51 = _mm256_loadu_ps(acc[5] + 8);
+                                                             float (*acc)[16], const int pf,
+                                                             const int rows) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#define XLLM_LOAD(r, lo, hi)                   \
+    if (rows > r) {                            \
+        lo = _mm256_loadu_ps(acc[r]);          \
+        hi = _mm256_loadu_ps(acc[r] + 8);      \
+    }
+    XLLM_LOAD(0, c00, c01) XLLM_LOAD(1, c10, c11) XLLM_LOAD(2, c20, c21)
+    XLLM_LOAD(3, c30, c31) XLLM_LOAD(4, c40, c41) XLLM_LOAD(5, c50, c51)
+#undef XLLM_LOAD
     const float *a = xt + (int64_t)k0 * XLLM_TILE_ROWS;
     const float *w = pp + (int64_t)k0 * 16;
     for (int32_t i = 0; i < kn; i++, a += XLLM_TILE_ROWS, w += 16) {
@@ -427,7 +434,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *xt, co
         if (pf) /* the next chunk's row, one line: it arrives while the tiles compute */
             _mm_prefetch((const char *)(w + XLLM_PANEL_KC * 16), _MM_HINT_T0);
 #define XLLM_ROW(r, lo, hi)                             \
-    {                                                   \
+    if (rows > r) {                                     \
         const __m256 ar = _mm256_broadcast_ss(a + r);   \
         lo = _mm256_fmadd_ps(ar, w0, lo);               \
         hi = _mm256_fmadd_ps(ar, w1, hi);               \
@@ -440,12 +447,27 @@ static inline __attribute__((always_inline)) void panel_tile(const float *xt, co
         XLLM_ROW(5, c50, c51)
 #undef XLLM_ROW
     }
-    _mm256_storeu_ps(acc[0], c00); _mm256_storeu_ps(acc[0] + 8, c01);
-    _mm256_storeu_ps(acc[1], c10); _mm256_storeu_ps(acc[1] + 8, c11);
-    _mm256_storeu_ps(acc[2], c20); _mm256_storeu_ps(acc[2] + 8, c21);
-    _mm256_storeu_ps(acc[3], c30); _mm256_storeu_ps(acc[3] + 8, c31);
-    _mm256_storeu_ps(acc[4], c40); _mm256_storeu_ps(acc[4] + 8, c41);
-    _mm256_storeu_ps(acc[5], c50); _mm256_storeu_ps(acc[5] + 8, c51);
+#define XLLM_STORE(r, lo, hi)                  \
+    if (rows > r) {                            \
+        _mm256_storeu_ps(acc[r], lo);          \
+        _mm256_storeu_ps(acc[r] + 8, hi);      \
+    }
+    XLLM_STORE(0, c00, c01) XLLM_STORE(1, c10, c11) XLLM_STORE(2, c20, c21)
+    XLLM_STORE(3, c30, c31) XLLM_STORE(4, c40, c41) XLLM_STORE(5, c50, c51)
+#undef XLLM_STORE
+}
+
+/* panel_tile for a tile of 1..6 rows known only at run time (a partial tile). */
+static inline __attribute__((always_inline)) void panel_tile_rows(const float *xt, const float *pp, int32_t k0, int32_t kn,
+                            float (*acc)[16], const int pf, const int rows) {
+    switch (rows) {
+    case 1: panel_tile(xt, pp, k0, kn, acc, pf, 1); break;
+    case 2: panel_tile(xt, pp, k0, kn, acc, pf, 2); break;
+    case 3: panel_tile(xt, pp, k0, kn, acc, pf, 3); break;
+    case 4: panel_tile(xt, pp, k0, kn, acc, pf, 4); break;
+    case 5: panel_tile(xt, pp, k0, kn, acc, pf, 5); break;
+    default: panel_tile(xt, pp, k0, kn, acc, pf, 6); break;
+    }
 }
 
 /* x packed by tiles, xt[tile][K][6] (rows past M zero), needs tiles * K * 6 floats: the
@@ -473,6 +495,7 @@ static void linear_panels_body(const float *x, const float *P, const float *b, f
                                int32_t M, int32_t N, int32_t K, float *xt) {
     const int32_t np = (N + 15) / 16;
     const int32_t tiles = (M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS;
+    const int32_t full = M / XLLM_TILE_ROWS; /* tiles of six rows */
     if (M > 1) {
 #pragma omp for schedule(static)
         for (int32_t t = 0; t < tiles; t++) {
@@ -503,10 +526,16 @@ static void linear_panels_body(const float *x, const float *P, const float *b, f
              * serves every tile from L1 */
             for (int32_t k0 = 0; k0 < K; k0 += XLLM_PANEL_KC) {
                 const int32_t kn = K - k0 < XLLM_PANEL_KC ? K - k0 : XLLM_PANEL_KC;
-                panel_tile(xt, pp, k0, kn, acc, 1);
-                for (int32_t t = 1; t < tiles; t++)
+                if (full > 0)
+                    panel_tile(xt, pp, k0, kn, acc, 1, XLLM_TILE_ROWS);
+                else
+                    panel_tile_rows(xt, pp, k0, kn, acc, 1, M);
+                for (int32_t t = 1; t < full; t++)
                     panel_tile(xt + (int64_t)t * K * XLLM_TILE_ROWS, pp, k0, kn,
-                               acc + t * XLLM_TILE_ROWS, 0);
+                               acc + t * XLLM_TILE_ROWS, 0, XLLM_TILE_ROWS);
+                if (full > 0 && full < tiles) /* the partial last tile */
+                    panel_tile_rows(xt + (int64_t)full * K * XLLM_TILE_ROWS, pp, k0, kn,
+                                    acc + full * XLLM_TILE_ROWS, 0, M - full * XLLM_TILE_ROWS);
             }
         }
         for (int32_t m = 0; m < M; m++) {
