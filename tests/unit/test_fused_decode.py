@@ -57,22 +57,23 @@ def _prefilled(model, cfg, lengths: list[int]):
 
 @contextlib.contextmanager
 def _recording_runs(model):
-    """Yields a list that gets, per forward, whether the fused path took it."""
+    """Yields a list that gets, per forward, whether the fused path took it ("head": the
+    layers, final norm and LM head in one call; "layers": the layers only; False: per-op)."""
     fused = model._fused_decoder()
     assert fused is not None
-    taken: list[bool] = []
-    real_run = fused.run
+    taken: list = []
+    real_run = fused._run
 
     def recording(*args):
         out = real_run(*args)
-        taken.append(out is not None)
+        taken.append(out is not None and ("head" if args[-1] else "layers"))
         return out
 
-    fused.run = recording
+    fused._run = recording
     try:
         yield taken
     finally:
-        del fused.run
+        del fused._run
 
 
 def _both_paths(model, runner, seqs):
@@ -96,7 +97,7 @@ def test_decode_steps_equal_the_per_op_path(packed_model):
             next_ids = fused.argmax(-1).tolist()
             seqs = [ScheduledSeq(s.request_id, [t], s.start_pos + 1, s.block_table, True)
                     for s, t in zip(seqs, next_ids)]
-    assert taken == [True] * 4
+    assert taken == ["head"] * 4
 
 
 @needs_kernels
@@ -112,7 +113,7 @@ def test_batches_it_does_not_take_fall_back(packed_model):
         wide = [ScheduledSeq(f"w{i}", [5], 0, [1 + i % 60], True)
                 for i in range(cpu_kernels.PANEL_MAX_ROWS + 1)]
         runner.execute(wide)  # more rows than the panel kernel takes: per-op
-    assert taken == [True, False, False, False]
+    assert taken == ["head", False, False, False]
 
 
 @needs_kernels
@@ -135,5 +136,24 @@ def test_a_decode_row_that_does_not_sample_is_left_out(packed_model):
                            seqs[1].block_table, False)
     with _recording_runs(model) as taken:
         per_op, fused = _both_paths(model, runner, seqs)
-    assert taken == [True] and fused.shape[0] == 2
+    assert taken == ["layers"] and fused.shape[0] == 2  # the head only for the kept row
     assert torch.equal(per_op, fused)
+
+
+@needs_kernels
+def test_a_head_without_panels_runs_after_the_fused_layers(packed_model):
+    model, cfg = packed_model
+    runner, seqs = _prefilled(model, cfg, [2, 6, 11])
+    packed_head = model.lm_head
+    model.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    try:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(packed_head.forward(torch.eye(cfg.hidden_size)).T)
+        model._fused = (0, None)  # rebuilt: no native head now
+        with _recording_runs(model) as taken:
+            per_op, fused = _both_paths(model, runner, seqs)
+        assert taken == ["layers"]
+        assert torch.equal(per_op, fused)
+    finally:
+        model.lm_head = packed_head
+        model._fused = (0, None)

@@ -36,10 +36,11 @@ class ModelRunner:
         keep = None
         if len(sample_idx) < ids_t.shape[0]:  # only the sampled rows reach the logits
             keep = torch.tensor(sample_idx, dtype=torch.long, device=self.device)
-        hidden = self.model(ids_t, pos_t, meta, self.kv_caches, keep_rows=keep)
         if not sample_idx:
+            self.model(ids_t, pos_t, meta, self.kv_caches, keep_rows=keep)
             return None
-        return self.model.compute_logits(hidden).float()
+        return self.model.forward_logits(ids_t, pos_t, meta, self.kv_caches,
+                                         keep_rows=keep).float()
 
     def _prepare_decode(self, seqs: Sequence) -> tuple[torch.Tensor, torch.Tensor,
                                                        AttentionMetadata, list[int]]:

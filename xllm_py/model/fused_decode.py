@@ -1,15 +1,17 @@
-"""Decode steps through one native call per decoder layer (csrc/decode_layer.c).
+"""Decode steps through one native call (csrc/decode_layer.c).
 
-A decode-only batch of up to ``cpu_kernels.PANEL_MAX_ROWS`` sequences runs each layer as
-one parallel region that chains the kernels of ``cpu_kernels`` (RMSNorm, panel GEMMs,
-q/k norm + RoPE + KV store, paged attention, SiLU): one thread-team wake-up and one
-Python call per layer instead of nine, intermediates in one reused scratch buffer. The
-floats are those of the per-op path (the same kernel bodies in the same order).
+A decode-only batch of up to ``cpu_kernels.PANEL_MAX_ROWS`` sequences runs every layer,
+and with ``logits`` also the final norm and the LM head, in one parallel region that
+chains the kernels of ``cpu_kernels`` (RMSNorm, panel GEMMs, q/k norm + RoPE + KV store,
+paged attention, SiLU): one thread-team wake-up and one call from Python per step instead
+of ~10 per layer, intermediates in one reused scratch buffer. The floats are those of the
+per-op path (the same kernel bodies in the same order).
 
 It applies when every linear of the model is a ``PackedLinear`` with panels (the engine
 packs float32 CPU models), the kernels are loaded and the caches have the layout the
-kernels address; ``FusedDecoder.run`` returns None otherwise and the caller takes the
-per-op path. One caller at a time per model (the engine thread): the scratch is shared.
+kernels address; ``FusedDecoder.run`` / ``logits`` return None otherwise and the caller
+takes the per-op path. One caller at a time per model (the engine thread): the scratch
+is shared.
 """
 from __future__ import annotations
 
@@ -31,15 +33,24 @@ class LayerArgs(ctypes.Structure):
     """``struct xllm_decode_layer`` (same field order and types)."""
 
     _fields_ = [
-        ("T", _i64), ("hidden", _i32), ("num_heads", _i32), ("num_kv_heads", _i32),
-        ("head_dim", _i32), ("intermediate", _i32), ("block_size", _i32),
-        ("rms_eps", _f32), ("qk_eps", _f32), ("scale", _f32),
+        ("hidden", _i32), ("num_heads", _i32), ("num_kv_heads", _i32), ("head_dim", _i32),
+        ("intermediate", _i32), ("rms_eps", _f32), ("qk_eps", _f32), ("scale", _f32),
         ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
         ("qkv_w", _p), ("qkv_b", _p), ("o_w", _p), ("o_b", _p),
         ("gate_up_w", _p), ("gate_up_b", _p), ("down_w", _p), ("down_b", _p),
-        ("k_cache", _p), ("v_cache", _p), ("block_stride", _i64), ("table_stride", _i64),
+        ("k_cache", _p), ("v_cache", _p),
+    ]
+
+
+class StepArgs(ctypes.Structure):
+    """``struct xllm_decode_step`` (same field order and types)."""
+
+    _fields_ = [
+        ("T", _i64), ("block_size", _i32), ("block_stride", _i64), ("table_stride", _i64),
         ("slots", _p), ("tables", _p), ("seq_lens", _p), ("cos", _p), ("sin", _p),
-        ("x", _p), ("residual", _p), ("out", _p), ("scratch", _p),
+        ("residual", _p), ("out0", _p), ("out1", _p), ("scratch", _p),
+        ("final_norm", _p), ("lm_w", _p), ("lm_b", _p), ("final_eps", _f32), ("vocab", _i32),
+        ("logits", _p),
     ]
 
 
@@ -53,18 +64,27 @@ def _f32_contiguous(*ts: torch.Tensor | None) -> bool:
 
 
 def supported() -> bool:
-    """Whether the loaded kernels have the fused layer (AVX2/FMA builds)."""
+    """Whether the loaded kernels have the fused decode stack (AVX2/FMA builds)."""
     lib = cpu_kernels._load()
-    return lib is not None and hasattr(lib, "xllm_decode_layer_f32")
+    return lib is not None and hasattr(lib, "xllm_decode_stack_f32")
 
 
 class FusedDecoder:
-    def __init__(self, lib: ctypes.CDLL, layers: list[LayerArgs], keep: list) -> None:
+    def __init__(self, lib: ctypes.CDLL, layers: ctypes.Array, keep: list,
+                 head: tuple | None) -> None:
         self._lib = lib
-        self._layers = layers
+        self._layers = layers  # LayerArgs * num_layers
         self._keep = keep  # the tensors whose pointers the structs hold
+        # (final norm weight, eps, LM head panels, bias, vocab), or None: no fused head
+        self._head = head
+        self._step = StepArgs()
         self._scratch = torch.empty(0)
         self._lock = threading.Lock()
+
+    @property
+    def has_head(self) -> bool:
+        """Whether ``logits`` runs the final norm and the LM head natively too."""
+        return self._head is not None
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> "FusedDecoder | None":
@@ -72,10 +92,11 @@ class FusedDecoder:
         if not supported():
             return None
         lib = cpu_kernels._load()
-        lib.xllm_decode_layer_f32.argtypes = [ctypes.POINTER(LayerArgs)]
-        lib.xllm_decode_layer_f32.restype = ctypes.c_int
-        lib.xllm_decode_layer_scratch.argtypes = [ctypes.POINTER(LayerArgs)]
-        lib.xllm_decode_layer_scratch.restype = ctypes.c_int64
+        lib.xllm_decode_stack_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_int32,
+                                              ctypes.POINTER(StepArgs)]
+        lib.xllm_decode_stack_f32.restype = ctypes.c_int
+        lib.xllm_decode_stack_scratch.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_int64]
+        lib.xllm_decode_stack_scratch.restype = ctypes.c_int64
         cfg = model.config
         if cfg.head_dim % 2 or not len(model.model.layers):
             return None
@@ -83,7 +104,7 @@ class FusedDecoder:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(m, PackedLinear) and m._panels is not None for m in linears):
+            if not all(_has_panels(m) for m in linears):
                 return None
             if ((attn.q_norm is None) != (attn.k_norm is None)  # the per-op path: neither
                     or layer.post_attention_layernorm.eps != layer.input_layernorm.eps):
@@ -107,12 +128,29 @@ class FusedDecoder:
                 gate_up_w=_ptr(mlp.gate_up_proj._panels), gate_up_b=_ptr(mlp.gate_up_proj.bias),
                 down_w=_ptr(mlp.down_proj._panels), down_b=_ptr(mlp.down_proj.bias)))
             keep.append((norms, linears))
-        return cls(lib, layers, keep)
+        head = None
+        norm, lm_head = model.model.norm, model.lm_head
+        if (_has_panels(lm_head) and lm_head.in_features == cfg.hidden_size
+                and _f32_contiguous(norm.weight, lm_head._panels, lm_head.bias)):
+            head = (norm.weight, norm.eps, lm_head._panels, lm_head.bias, lm_head.out_features)
+        return cls(lib, (LayerArgs * len(layers))(*layers), keep, head)
 
     def run(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
             kv_caches: list, plan) -> tuple[torch.Tensor, torch.Tensor] | None:
         """All layers for a decode-only ``plan``: returns (last MLP output, residual), or
         None (nothing done) when this batch or these caches do not qualify."""
+        return self._run(hidden, cos_sin, kv_caches, plan, False)
+
+    def logits(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+               kv_caches: list, plan) -> torch.Tensor | None:
+        """All layers, the final norm and the LM head for a decode-only ``plan``: logits
+        [T, vocab], or None (nothing done) when this batch, these caches or this model's
+        head do not qualify."""
+        if self._head is None:
+            return None
+        return self._run(hidden, cos_sin, kv_caches, plan, True)
+
+    def _run(self, hidden, cos_sin, kv_caches, plan, with_head: bool):
         d = plan.decode
         if (plan.prefill is not None or d is None or d.token_idx is not None
                 or cpu_kernels._load() is None):
@@ -135,25 +173,39 @@ class FusedDecoder:
         sin = cos_sin[1].reshape(t, hd).contiguous()
         residual = hidden
         outs = (torch.empty_like(hidden), torch.empty_like(hidden))
+        logits = None
         with self._lock:
-            for i, (args, (k, v)) in enumerate(zip(self._layers, kv_caches)):
-                args.T, args.block_size = t, bs
-                if i == 0:
-                    need = self._lib.xllm_decode_layer_scratch(ctypes.byref(args))
-                    if self._scratch.numel() < need:
-                        self._scratch = torch.empty(need, dtype=torch.float32)
+            layers, s = self._layers, self._step
+            for args, (k, v) in zip(layers, kv_caches):
                 args.k_cache, args.v_cache = k.data_ptr(), v.data_ptr()
-                args.block_stride, args.table_stride = k.stride(0), tables.stride(0)
-                args.slots, args.tables, args.seq_lens = (slots.data_ptr(), tables.data_ptr(),
-                                                          lens.data_ptr())
-                args.cos, args.sin = cos.data_ptr(), sin.data_ptr()
-                args.x = None if i == 0 else outs[(i - 1) % 2].data_ptr()
-                args.residual, args.out = residual.data_ptr(), outs[i % 2].data_ptr()
-                args.scratch = self._scratch.data_ptr()
-                rc = self._lib.xllm_decode_layer_f32(ctypes.byref(args))
-                if rc == -1 and i == 0:  # sizes the kernels do not take: nothing ran
-                    return None
-                if rc != 0:
-                    raise RuntimeError(f"fused decode layer {i} failed (code {rc}): "
-                                       f"{t} tokens, block size {bs}")
-        return outs[(len(self._layers) - 1) % 2], residual
+            need = self._lib.xllm_decode_stack_scratch(layers, t)
+            if self._scratch.numel() < need:
+                self._scratch = torch.empty(need, dtype=torch.float32)
+            s.T, s.block_size = t, bs
+            s.block_stride, s.table_stride = k0.stride(0), tables.stride(0)
+            s.slots, s.tables, s.seq_lens = slots.data_ptr(), tables.data_ptr(), lens.data_ptr()
+            s.cos, s.sin = cos.data_ptr(), sin.data_ptr()
+            s.residual, s.out0, s.out1 = residual.data_ptr(), outs[0].data_ptr(), outs[1].data_ptr()
+            s.scratch = self._scratch.data_ptr()
+            if with_head:
+                norm_w, eps, panels, bias, vocab = self._head
+                logits = torch.empty(t, vocab, dtype=torch.float32)
+                s.final_norm, s.final_eps = norm_w.data_ptr(), eps
+                s.lm_w, s.lm_b, s.vocab = panels.data_ptr(), _ptr(bias), vocab
+                s.logits = logits.data_ptr()
+            else:
+                s.final_norm = s.lm_w = s.lm_b = s.logits = None
+                s.vocab = 0
+            rc = self._lib.xllm_decode_stack_f32(layers, len(layers), ctypes.byref(s))
+        if rc == -1:  # sizes the kernels do not take: nothing ran
+            return None
+        if rc != 0:
+            raise RuntimeError(f"fused decode step failed (code {rc}): {t} tokens, "
+                               f"block size {bs}")
+        if with_head:
+            return logits
+        return outs[(len(layers) - 1) % 2], residual
+
+
+def _has_panels(m: torch.nn.Module) -> bool:
+    return isinstance(m, PackedLinear) and m._panels is not None

@@ -136,6 +136,19 @@ class LlamaForCausalLM(nn.Module):
         indices) only those rows [N, hidden], in that order. Every token's K/V is stored
         either way; with a prefill in the batch the last layer then runs its attention
         output and MLP for the kept rows only (the others reach no logits)."""
+        return self._forward(input_ids, positions, attn_metadata, kv_caches, keep_rows, False)
+
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       attn_metadata: AttentionMetadata, kv_caches: list[KVCache],
+                       keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``compute_logits(forward(...))``: float32 logits [N, vocab] of the kept rows.
+        A decode batch whose rows are all kept runs its layers, final norm and LM head in
+        one native call when it can (fused_decode.py)."""
+        return self._forward(input_ids, positions, attn_metadata, kv_caches, keep_rows, True)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attn_metadata: AttentionMetadata, kv_caches: list[KVCache],
+                 keep_rows: torch.Tensor | None, logits: bool) -> torch.Tensor:
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(
                 f"expected {self.config.num_layers} (K, V) caches, got {len(kv_caches)}")
@@ -144,7 +157,14 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)  # a new tensor: the residual stream
         cos_sin = self.rotary_emb.cos_sin(positions, attn_metadata.max_seq_len, hidden.dtype)
         fused = self._fused_decoder()
-        done = fused.run(hidden, cos_sin, kv_caches, plan) if fused is not None else None
+        done = None
+        if fused is not None:
+            if logits and keep_rows is None and fused.has_head:
+                out = fused.logits(hidden, cos_sin, kv_caches, plan)
+                if out is not None:
+                    return out
+            else:
+                done = fused.run(hidden, cos_sin, kv_caches, plan)
         rows = rows_plan = None
         if done is None:
             if (keep_rows is not None and plan.prefill is not None
@@ -160,9 +180,9 @@ class LlamaForCausalLM(nn.Module):
                 hidden, residual = layer(hidden, residual, cos_sin, cache, plan, r, rp)
             done = hidden, residual
         out = self.model.norm(*done)
-        if keep_rows is None:
-            return out
-        return out[keep_rows] if rows is None else out[:keep_rows.numel()]
+        if keep_rows is not None:
+            out = out[keep_rows] if rows is None else out[:keep_rows.numel()]
+        return self.compute_logits(out) if logits else out
 
     def _fused_decoder(self) -> FusedDecoder | None:
         """Built on first use and again when the layers' linears are replaced (packing)."""

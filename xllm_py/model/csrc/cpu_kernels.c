@@ -567,7 +567,7 @@ int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float
     return -1;
 }
 #endif
-/* Without AVX2/FMA there is no xllm_decode_layer_f32: the model takes the per-op path. */
+/* Without AVX2/FMA there is no xllm_decode_stack_f32: the model takes the per-op path. */
 
 /* Copies n chunks, dst[i] <- src[i], each row an (address, length) pair of uint64 with equal
  * lengths on both sides: the KV transfer's mapped-pool path (kv_transfer/ucx/shared_memory.py)
