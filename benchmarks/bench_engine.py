@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import pstats
+import shlex
 import sys
 import threading
 import time
@@ -221,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=None, help="runs per side (default 3, quick 1)")
     p.add_argument("--quick", action="store_true", help="one repeat, fewer floor iterations")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--engine-args", default="",
+                   help="extra engine flags, one string (e.g. '--batch-window-ms 0')")
     p.add_argument("--profile", action="store_true",
                    help="also cProfile an in-process engine at the largest concurrency")
     args = p.parse_args(argv)
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     engine_flags = ["--enable-prefix-cache", "false", "--log-level", "WARNING",
                     "--max-num-seqs", str(max(64, max(args.concurrency)))]
+    engine_flags += shlex.split(args.engine_args)
     with engine_process(args.model, num_threads=args.threads, extra_args=engine_flags) as proc:
         model_id = asyncio.run(get_model_id(proc.http_url))
         warm = random_token_prompts(2, args.prompt_len, vocab, seed=999)

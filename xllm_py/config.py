@@ -53,10 +53,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # Work arriving at an idle engine: keep taking requests that come in less than
+    # llm_engine.BURST_GAP_S apart, for up to this long (or until a step's budget is waiting), so a
+    # burst starts as one batch. 0: start at once.
+    batch_window_ms: float = 50.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be positive")
+        if self.batch_window_ms < 0:
+            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.max_model_len <= 0:

@@ -483,3 +483,17 @@ def test_random_workload_under_pressure_matches_reference(seed):
         ref = reference_outputs({rid: prompt}, max_tokens[rid])[rid]
         assert got[rid] == ref, rid
     assert_scheduler_empty(s)
+
+
+def test_waiting_fills_a_step_by_tokens_or_sequences():
+    scheduler = create_scheduler(max_num_batched_tokens=64, max_num_seqs=3)
+    assert not scheduler.waiting_fills_a_step()
+    for request in create_requests(2, 20):  # 40 of 64 tokens, 2 of 3 sequences
+        scheduler.add_request(request)
+    assert not scheduler.waiting_fills_a_step()
+    scheduler.add_request(create_requests(1, 24, start=2)[0])  # 64 tokens
+    assert scheduler.waiting_fills_a_step()
+    few_tokens = create_scheduler(max_num_batched_tokens=64, max_num_seqs=3)
+    for request in create_requests(3, 4):  # 12 tokens, but 3 sequences
+        few_tokens.add_request(request)
+    assert few_tokens.waiting_fills_a_step()

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--max-model-len", type=int, default=2048, help="context length limit")
     add_flag(g, "--enable-chunked-prefill", type=parse_bool, default=True,
              help="split long prompts over steps under the token budget (true/false)")
+    add_flag(g, "--batch-window-ms", type=float, default=50.0,
+             help="an idle engine waits up to this long for the rest of a burst of requests "
+                  "(arriving < 5 ms apart) to start them as one batch; 0: at once")
     g = p.add_argument_group("KV cache")
     add_flag(g, "--block-size", type=int, default=16, help="tokens per KV block")
     add_flag(g, "--num-blocks", type=int, default=None,
@@ -76,7 +79,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len,
-                            enable_chunked_prefill=args.enable_chunked_prefill)
+                            enable_chunked_prefill=args.enable_chunked_prefill,
+                            batch_window_ms=args.batch_window_ms)
     transfer = transfer_config_from_env(TransferConfig(
         mode=KVTransferMode(args.kv_cache_transfer_mode), backend=args.kv_transfer_backend,
         listen_host=args.host, listen_port=args.transfer_listen_port,

@@ -57,6 +57,10 @@ def resolve_model_dir(model: str) -> str:
     return model
 
 
+# Requests reaching an idle engine less than this apart start as one batch (_gather_burst).
+BURST_GAP_S = 0.005
+
+
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Sequence `index` of a request: n=1, seed+index (reproducible per sequence)."""
     seed = None if params.seed is None else params.seed + index
@@ -140,7 +144,9 @@ class LLMEngine:
     def _run(self) -> None:
         while not self._stopped.is_set():
             idle = not self.scheduler.has_schedulable_requests()
-            self._drain_commands(block=idle)
+            self._drain_commands(0.5 if idle else None)
+            if idle and self.scheduler.has_schedulable_requests():
+                self._gather_burst()
             if self._stopped.is_set():
                 break
             if self.scheduler.has_schedulable_requests():
@@ -155,11 +161,26 @@ class LLMEngine:
                 except Exception:
                     logger.exception("step listener failed")
 
-    def _drain_commands(self, block: bool) -> None:
+    def _gather_burst(self) -> None:
+        """Work came to an idle engine: take what follows less than BURST_GAP_S apart, for
+        up to the batch window or until a step's budget is waiting, so that a burst of
+        requests (clients send and the HTTP server parses one at a time) starts as one
+        batch. Started at once, its first step would take one or two requests, and the
+        rest would wait for that step, then run as a second prefill."""
+        window = self.config.scheduler.batch_window_ms / 1000
+        deadline = time.monotonic() + window
+        while not self._stopped.is_set() and not self.scheduler.waiting_fills_a_step():
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._drain_commands(min(BURST_GAP_S, left)):
+                return
+
+    def _drain_commands(self, timeout: float | None) -> bool:
+        """Run the queued commands, after waiting up to ``timeout`` s for the first one
+        (None: do not wait). Returns whether any ran."""
         try:
-            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             kind, arg = cmd
             try:
@@ -179,7 +200,7 @@ class LLMEngine:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     # ------------------------------------------------------------------ requests
     def _add(self, req: EngineRequest) -> None:

@@ -129,6 +129,17 @@ class ContinuousScheduler:
         """Whether schedule() may have work: waiting or running requests."""
         return bool(self.waiting or self.running)
 
+    def waiting_fills_a_step(self) -> bool:
+        """Whether the waiting requests alone fill a step (its sequence or token budget)."""
+        if len(self.waiting) >= self.config.max_num_seqs:
+            return True
+        budget = self.config.max_num_batched_tokens
+        for request in self.waiting:
+            budget -= request.num_tokens
+            if budget <= 0:
+                return True
+        return False
+
     def kv_usage(self) -> float:
         return self.kv.usage
 
