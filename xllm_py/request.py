@@ -130,6 +130,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.error_message: str = ""
+        # Owned by the engine: this request's sampler settings, built once (SamplingRow).
+        self.sampling_row: object | None = None
 
     # -- token views -------------------------------------------------------------
     @property

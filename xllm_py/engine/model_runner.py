@@ -4,6 +4,7 @@ The only module of the engine that touches the model and torch tensors for the f
 """
 from __future__ import annotations
 
+import array
 import logging
 from typing import Sequence
 
@@ -21,6 +22,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
+        self._arange: dict[int, torch.Tensor] = {}  # query_start_loc of n one-token seqs
 
     @torch.inference_mode()
     def execute(self, seqs: Sequence) -> torch.Tensor | None:
@@ -44,12 +46,15 @@ class ModelRunner:
 
     def _prepare_decode(self, seqs: Sequence) -> tuple[torch.Tensor, torch.Tensor,
                                                        AttentionMetadata, list[int]]:
-        """All seqs decode one token: the metadata without per-token loops."""
+        """All seqs decode one token: the metadata without per-token loops, every int64
+        array of the step in one buffer (one tensor made, the rest are views of it)."""
         bs = self.block_size
+        n = len(seqs)
+        width = max(len(s.block_table) for s in seqs)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        tables: list[Sequence[int]] = []
+        tables: list[int] = []
         sample_idx: list[int] = []
         for i, s in enumerate(seqs):
             p = s.start_pos
@@ -60,22 +65,25 @@ class ModelRunner:
             ids.append(s.token_ids[0])
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
-            tables.append(table)
+            tables.extend(table)
+            if len(table) < width:
+                tables.extend([0] * (width - len(table)))
             if s.sample:
                 sample_idx.append(i)
-        width = max(len(t) for t in tables)
-        padded = [list(t) + [0] * (width - len(t)) if len(t) < width else list(t)
-                  for t in tables]
-        dev = self.device
-        as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
-        pos_t = as_t(pos)
-        seq_lens = pos_t + 1
+        lens = [p + 1 for p in pos]
+        flat = torch.frombuffer(array.array("q", ids + pos + lens + slots + tables),
+                                dtype=torch.int64)
+        if flat.device != self.device:
+            flat = flat.to(self.device)
+        ids_t, pos_t, lens_t, slots_t = (flat[k * n:(k + 1) * n] for k in range(4))
+        qsl = self._arange.get(n)
+        if qsl is None:
+            qsl = self._arange[n] = torch.arange(n + 1, dtype=torch.int64, device=self.device)
         meta = AttentionMetadata(
-            slot_mapping=as_t(slots),
-            query_start_loc=torch.arange(len(seqs) + 1, dtype=torch.int64, device=dev),
-            seq_lens=seq_lens, context_lens=pos_t, block_tables=as_t(padded),
-            max_query_len=1, max_seq_len=max(pos) + 1)
-        return as_t(ids), pos_t, meta, sample_idx
+            slot_mapping=slots_t, query_start_loc=qsl, seq_lens=lens_t, context_lens=pos_t,
+            block_tables=flat[4 * n:].view(n, width), max_query_len=1,
+            max_seq_len=max(pos) + 1)
+        return ids_t, pos_t, meta, sample_idx
 
     def _prepare_mixed(self, seqs: Sequence) -> tuple[torch.Tensor, torch.Tensor,
                                                       AttentionMetadata, list[int]]:
