@@ -174,10 +174,50 @@ def test_packed_linear_matches_linear() -> None:
     lin.weight.data = torch.randn(80, 48, generator=rng)
     lin.bias.data = torch.randn(80, generator=rng)
     packed = PackedLinear(lin)
-    for rows in (1, 7, 32, 96, 97, 300):  # panels up to 96 rows, oneDNN past that
+    if cpu_kernels.linear_available():  # one layout: panels, no oneDNN copy
+        assert packed._packed is None and packed._panels is not None
+    # panels up to 96 rows, the large-M kernel past that (oneDNN without the kernels)
+    for rows in (1, 7, 32, 96, 97, 300, 2048):
         x = torch.randn(rows, 48, generator=rng)
         with torch.inference_mode():
             assert (packed(x) - lin(x)).abs().max().item() < 1e-4
+    x = torch.randn(2, 60, 48, generator=rng)  # leading dims, more than 96 rows in all
+    with torch.inference_mode():
+        assert (packed(x) - lin(x)).abs().max().item() < 1e-4
+
+
+def test_packed_linear_without_kernels_keeps_onednn() -> None:
+    lin = torch.nn.Linear(40, 24)
+    with cpu_kernels.disabled():
+        packed = PackedLinear(lin)
+        assert packed._panels is None and packed._packed is not None
+        for rows in (3, 200):
+            x = torch.randn(rows, 40)
+            with torch.inference_mode():
+                assert (packed(x) - lin(x)).abs().max().item() < 1e-4
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_falls_back_to_torch_when_kernels_decline(
+        with_bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = torch.Generator().manual_seed(9)
+    lin = torch.nn.Linear(70, 37, bias=with_bias)  # a partial last panel, K % 8 != 0
+    packed = PackedLinear(lin)
+    xs = [torch.randn(rows, 70, generator=rng) for rows in (1, 32, 96, 97, 300)]
+    with torch.inference_mode():
+        want = [lin(x) for x in xs]
+        # the native calls decline at run time (as on an allocation failure)
+        monkeypatch.setattr(cpu_kernels, "linear_panels", lambda *a: None)
+        monkeypatch.setattr(cpu_kernels, "linear_large", lambda *a: None)
+        for x, w in zip(xs, want):
+            got = packed(x)
+            assert got.shape == w.shape and got.is_contiguous()
+            assert (got - w).abs().max().item() < 1e-4
+        monkeypatch.undo()
+        with cpu_kernels.disabled():  # the library itself gone: same path
+            for x, w in zip(xs, want):
+                assert (packed(x) - w).abs().max().item() < 1e-4
 
 
 def test_pack_linears_replaces_every_linear_and_keeps_outputs() -> None:
@@ -224,3 +264,32 @@ def test_linear_panels_matches_linear(with_bias: bool) -> None:
     panels = cpu_kernels.pack_panels(w)
     too_many = torch.randn(cpu_kernels.PANEL_MAX_ROWS + 1, 70)
     assert cpu_kernels.linear_panels(too_many, panels, 37, b) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_large_matches_linear(with_bias: bool) -> None:
+    rng = torch.Generator().manual_seed(8)
+    # K: < 8 columns left after the 8-wide packing; two chunks of 256, the last partial;
+    # three, K odd
+    for n, k in ((37, 70), (48, 300), (37, 517)):  # 37: a partial last panel
+        w = torch.randn(n, k, generator=rng)
+        b = torch.randn(n, generator=rng) if with_bias else None
+        panels = cpu_kernels.pack_panels(w)
+        # around the threshold, partial 6-row tiles (129-133), several 96-row blocks per
+        # thread (1000); small counts work too
+        for rows in (1, 5, 97, 100, 128, 129, 130, 131, 132, 133, 300, 1000):
+            x = torch.randn(rows, k, generator=rng)
+            got = cpu_kernels.linear_large(x, panels, n, b)
+            assert got.shape == (rows, n)
+            assert (got - F.linear(x, w, b)).abs().max().item() < 1e-4
+
+
+@needs_kernels
+def test_linear_large_declines_what_it_does_not_handle() -> None:
+    panels = cpu_kernels.pack_panels(torch.randn(20, 16))
+    assert cpu_kernels.linear_large(torch.randn(16, 200).t(), panels, 20, None) is None
+    assert cpu_kernels.linear_large(torch.randn(200, 16).double(), panels, 20, None) is None
+    assert cpu_kernels.linear_large(torch.randn(4, 200, 16), panels, 20, None) is None
+    with cpu_kernels.disabled():
+        assert cpu_kernels.linear_large(torch.randn(200, 16), panels, 20, None) is None

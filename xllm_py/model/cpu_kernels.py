@@ -45,9 +45,11 @@ _off = False  # set by disabled() (tests of the torch path)
 MAX_GROUP = 16  # query heads per KV head (csrc XLLM_MAX_GROUP)
 MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE = 256
-# linear_panels handles up to this many rows. All 33 matmuls of tiny-25m, 2 threads on the
-# 2-core VM, panels vs oneDNN packed: 8.7 vs 11.9 ms at 1 row, 20.0 vs 25.5 at 32,
-# 42.4 vs 47.6 at 96, 69 vs 65 at 128.
+# linear_panels handles up to this many rows, linear_large more (same panels). All 33
+# matmuls of tiny-25m, 2 threads on the 2-core VM, panels vs oneDNN packed: 8.7 vs 11.9 ms
+# at 1 row, 20.0 vs 25.5 at 32, 42.4 vs 47.6 at 96, 69 vs 65 at 128. linear_large vs
+# oneDNN (4 shapes x 8 layers, interleaved, paired time ratio, median): 0.86 at 128 rows,
+# 0.92 at 512, 0.92 at 2048.
 PANEL_MAX_ROWS = 96
 
 
@@ -132,6 +134,7 @@ def _load() -> ctypes.CDLL | None:
                 [p, p, p, p, p, p, p, f32, p, p, i64, i32, i32, i32], ctypes.c_int),
             "xllm_silu_and_mul_f32": ([p, p, i64, i32], None),
             "xllm_linear_panels_f32": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
+            "xllm_linear_large_f32": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
             "xllm_copy_chunks": ([p, p, i64], None),
         }
         for name, (args, res) in signatures.items():
@@ -156,6 +159,12 @@ def disabled() -> Iterator[None]:
 
 def available() -> bool:
     return _load() is not None
+
+
+def linear_available() -> bool:
+    """Whether linear_panels / linear_large run natively here: the library is built with
+    AVX2/FMA (without, they are stubs that decline every call)."""
+    return available() and {"avx2", "fma"} <= _cpu_flags()
 
 
 def unavailable_reason() -> str:
@@ -302,6 +311,28 @@ def linear_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     rc = _lib.xllm_linear_panels_f32(x.data_ptr(), panels.data_ptr(),
                                      0 if bias is None else bias.data_ptr(), y.data_ptr(),
                                      x.shape[0], out_features, k)
+    return y if rc == 0 else None
+
+
+def linear_large(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ W.T + bias`` for x [M, K] float32 (any M; meant for M > PANEL_MAX_ROWS, the
+    prefill sizes) with W packed by ``pack_panels``. None: not handled (unsupported
+    tensors, no kernels, or the kernel declined, e.g. out of memory): take another path."""
+    if x.dim() != 2 or x.shape[0] == 0 or not x.is_contiguous() \
+            or not _f32_cpu(x, panels) or not panels.is_contiguous() or _load() is None:
+        return None
+    if bias is not None and (not _f32_cpu(bias) or not bias.is_contiguous()):
+        return None
+    k = panels.shape[1]
+    if x.shape[1] != k or panels.shape[0] * 16 < out_features:
+        raise ValueError(f"linear: input has {x.shape[1]} features, weight expects {k}")
+    if x.shape[0] > 2**31 - 1:
+        return None
+    y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    rc = _lib.xllm_linear_large_f32(x.data_ptr(), panels.data_ptr(),
+                                    0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                                    x.shape[0], out_features, k)
     return y if rc == 0 else None
 
 

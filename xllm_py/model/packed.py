@@ -1,15 +1,20 @@
-"""Linear layers with weights pre-packed for oneDNN (CPU inference).
+"""Linear layers with weights packed once at load (CPU inference).
 
 ``nn.Linear`` on CPU calls MKL ``sgemm`` every step with the weight in its plain
-``[out, in]`` layout. oneDNN can reorder the weight once, at load time, into the blocked
-layout its kernels read, and then runs the small-batch matmuls of decoding markedly
-faster, and with better use of a second core (``benchmarks/bench_engine.py``; figures in
-docs/DESIGN.md). ``pack_linears`` swaps every ``nn.Linear`` of a loaded model for a
-``PackedLinear``. Up to ~96 rows (decode batches) the native panel kernel
-(``cpu_kernels.linear_panels``: 16-column panels, a 6 x 16 register tile, weights read
-once per call) beats oneDNN; past that (prefill) oneDNN wins. When the kernels are
-available both layouts are kept: twice the linear-weight memory, the price of the fastest
-path at every batch size (``--pack-weights false`` keeps the plain weights only).
+``[out, in]`` layout. ``pack_linears`` swaps every ``nn.Linear`` of a loaded model for a
+``PackedLinear``, which re-lays the weight out once for a faster kernel. With the native
+kernels available it holds one copy, 16-column panels: up to ``PANEL_MAX_ROWS`` (~96,
+decode batches) ``cpu_kernels.linear_panels`` (a 6 x 16 register tile, weights read once
+per call), past that (prefill) ``cpu_kernels.linear_large`` (rows split between the
+threads, x packed per 6-row tile in L2, the panel walked in 256-row chunks). Both beat
+oneDNN on the same shapes (tiny-25m, 2 threads: 32 rows 20.0 vs 25.5 ms for the 33
+matmuls; paired time ratio 0.86 at 128 rows, 0.92 at 512 and 2048), so oneDNN's packed
+copy is not kept: half the linear-weight memory of keeping both (tiny-25m: 196 -> 98 MiB)
+and a 32 x 64-token prefill ~12% faster. Without the kernels (no compiler, no AVX2/FMA,
+``XLLM_CPU_KERNELS=0``) the weight is held in oneDNN's blocked layout instead, which runs
+decode-size matmuls 1.6-1.9x faster than sgemm and uses the second core
+(``benchmarks/bench_engine.py``, docs/DESIGN.md). ``--pack-weights false`` keeps the plain
+``nn.Linear``.
 
 Packing is used where it is known to be exact to float32 rounding and supported: CPU,
 float32 weights, a torch built with oneDNN. Elsewhere ``pack_linears`` leaves the model
@@ -26,7 +31,7 @@ from xllm_py.model import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
-# Rows per matmul that the blocked layout is tuned for; any row count works (measured:
+# Rows per matmul that oneDNN's blocked layout is tuned for; any row count works (measured:
 # a hint of 32 is as fast as the exact size from 7 to 500 rows, a hint of 1 is not).
 DEFAULT_BATCH_HINT = 32
 
@@ -46,33 +51,54 @@ def packing_supported(model: nn.Module) -> tuple[bool, str]:
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` held in oneDNN's packed layout."""
+    """``y = x @ W.T + b`` with ``W`` held once, packed: as 16-column panels for the native
+    kernels when they are available, else in oneDNN's blocked layout."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int = DEFAULT_BATCH_HINT) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
-        # An opaque mkldnn tensor: kept as a plain attribute (not a parameter/buffer, which
-        # state_dict and .to() would try to treat as a dense tensor).
-        self._packed = packed
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(),
                                                                   requires_grad=False)
-        # panels for decode-size batches (None: every call goes to oneDNN)
-        self._panels = (cpu_kernels.pack_panels(linear.weight.detach())
-                        if cpu_kernels.available() else None)
+        weight = linear.weight.detach()
+        # Exactly one of the two layouts. Panels [ceil(out/16), in, 16]: every row count
+        # (linear_panels up to PANEL_MAX_ROWS, linear_large past that).
+        self._panels = (cpu_kernels.pack_panels(weight) if cpu_kernels.linear_available()
+                        else None)
+        # oneDNN's packed weight, an opaque mkldnn tensor: kept as a plain attribute (not a
+        # parameter/buffer, which state_dict and .to() would treat as a dense tensor).
+        self._packed = None
+        if self._panels is None:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._panels is not None:  # None from the kernel: too many rows, other dtype...
-            y = cpu_kernels.linear_panels(x, self._panels, self.out_features, self.bias)
-            if y is not None:
-                return y
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        if self._panels is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [],
+                                                      "")
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype == torch.float32 and not x2.is_contiguous():
+            x2 = x2.contiguous()  # a copy costs far less than the matmul's slower path
+        if x2.shape[0] <= cpu_kernels.PANEL_MAX_ROWS:
+            y = cpu_kernels.linear_panels(x2, self._panels, self.out_features, self.bias)
+        else:
+            y = cpu_kernels.linear_large(x2, self._panels, self.out_features, self.bias)
+        if y is None:  # the kernels declined (disabled, out of memory, other dtype...)
+            y = self._linear_from_panels(x2)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _linear_from_panels(self, x2: torch.Tensor) -> torch.Tensor:
+        """The same product in torch, reading the panels in place: [M, K] @ [np, K, 16] is a
+        batched matmul to [np, M, 16], whose panels side by side are the columns of y."""
+        m, num = x2.shape[0], self._panels.shape[0]
+        y = torch.matmul(x2, self._panels).transpose(0, 1).reshape(m, num * 16)
+        y = y[:, :self.out_features]
+        return y + self.bias if self.bias is not None else y.contiguous()
 
     def extra_repr(self) -> str:
+        layout = "panels" if self._panels is not None else "onednn"
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"bias={self.bias is not None}, packed=onednn"
+               f"bias={self.bias is not None}, packed={layout}"
 
 
 def pack_linears(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
@@ -90,5 +116,10 @@ def pack_linears(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child, batch_hint))
                 count += 1
-    logger.info("packed %d linear layers for oneDNN (batch hint %d)", count, batch_hint)
+    if cpu_kernels.linear_available():
+        logger.info("packed %d linear layers as panels for the native kernels", count)
+    else:
+        logger.info("packed %d linear layers for oneDNN (batch hint %d; native linear "
+                    "kernels unavailable: %s)", count, batch_hint,
+                    cpu_kernels.unavailable_reason() or "no AVX2/FMA")
     return count

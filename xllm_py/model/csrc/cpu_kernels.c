@@ -560,9 +560,15 @@ int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float
 }
 
 #include "decode_layer.c"
+#include "linear_large.c"
 #else
 int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
                            int32_t N, int32_t K) {
+    (void)x; (void)P; (void)b; (void)y; (void)M; (void)N; (void)K;
+    return -1;
+}
+int xllm_linear_large_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
+                          int32_t N, int32_t K) {
     (void)x; (void)P; (void)b; (void)y; (void)M; (void)N; (void)K;
     return -1;
 }
