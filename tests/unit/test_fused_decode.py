@@ -66,7 +66,7 @@ def _recording_runs(model):
 
     def recording(*args):
         out = real_run(*args)
-        taken.append(out is not None and ("head" if args[-1] else "layers"))
+        taken.append(out is not None and ("head" if args[-1] is not None else "layers"))
         return out
 
     fused._run = recording
@@ -157,3 +157,15 @@ def test_a_head_without_panels_runs_after_the_fused_layers(packed_model):
     finally:
         model.lm_head = packed_head
         model._fused = (0, None)
+
+
+@needs_kernels
+def test_an_out_of_vocabulary_id_is_declined_and_raises(packed_model):
+    model, cfg = packed_model
+    runner, seqs = _prefilled(model, cfg, [3, 4])
+    seqs[1] = ScheduledSeq(seqs[1].request_id, [cfg.vocab_size], seqs[1].start_pos,
+                           seqs[1].block_table, True)
+    with _recording_runs(model) as taken, torch.inference_mode():
+        with pytest.raises(IndexError):  # the per-op path's embedding lookup
+            runner.execute(seqs)
+    assert taken == [False]  # the native step checked the ids and did nothing

@@ -96,7 +96,12 @@ class Sampler:
             if not row.is_greedy or row.has_penalties or row.num_logprobs is not None:
                 break
         else:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            if (logits.device.type == "cpu" and logits.dtype == torch.float32
+                    and not logits.requires_grad):  # numpy: no thread-pool hand-off
+                ids = logits.numpy().argmax(axis=-1).tolist()
+            else:
+                ids = logits.argmax(dim=-1).tolist()
+            return SamplerOutput(ids, [None] * len(rows))
         return self._sample_general(logits, rows)
 
     def _sample_general(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:

@@ -22,6 +22,7 @@ never hold NaN/Inf, which a mask cannot cancel.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Sequence
@@ -109,7 +110,15 @@ class _DecodeGroup:
     token_idx: torch.Tensor | None  # [Bd] rows of q that belong here; None = all rows
     block_tables: torch.Tensor  # [Bd, nblk]
     seq_lens: torch.Tensor  # [Bd] int64
-    key_mask: torch.Tensor  # [Bd, 1, 1, nblk*bs] bool, True = attend
+    block_size: int
+
+    @functools.cached_property
+    def key_mask(self) -> torch.Tensor:
+        """[Bd, 1, 1, nblk*bs] bool, True = attend (the torch path only: made on first use,
+        the native kernels read seq_lens)."""
+        key_pos = torch.arange(self.block_tables.shape[1] * self.block_size,
+                               device=self.seq_lens.device)
+        return (key_pos[None, :] < self.seq_lens[:, None])[:, None, None, :]
 
 
 @dataclass
@@ -194,10 +203,7 @@ def _num_blocks(max_seq_len: int, block_size: int) -> int:
 def _decode_group(token_idx: torch.Tensor | None, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, max_seq_len: int, block_size: int) -> _DecodeGroup:
     nblk = _num_blocks(max_seq_len, block_size)
-    tables = block_tables[:, :nblk]
-    key_pos = torch.arange(nblk * block_size, device=seq_lens.device)
-    key_mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
-    return _DecodeGroup(token_idx, tables, seq_lens, key_mask)
+    return _DecodeGroup(token_idx, block_tables[:, :nblk], seq_lens, block_size)
 
 
 def _prefill_group(token_idx: torch.Tensor | None, query_start_loc: torch.Tensor,

@@ -48,6 +48,8 @@ class StepArgs(ctypes.Structure):
     _fields_ = [
         ("T", _i64), ("block_size", _i32), ("block_stride", _i64), ("table_stride", _i64),
         ("slots", _p), ("tables", _p), ("seq_lens", _p), ("cos", _p), ("sin", _p),
+        ("ids", _p), ("positions", _p), ("embed", _p), ("cos_table", _p), ("sin_table", _p),
+        ("embed_rows", _i64), ("table_rows", _i64),
         ("residual", _p), ("out0", _p), ("out1", _p), ("scratch", _p),
         ("final_norm", _p), ("lm_w", _p), ("lm_b", _p), ("final_eps", _f32), ("vocab", _i32),
         ("logits", _p),
@@ -130,33 +132,54 @@ class FusedDecoder:
             keep.append((norms, linears))
         head = None
         norm, lm_head = model.model.norm, model.lm_head
+        embed = model.model.embed_tokens.weight
         if (_has_panels(lm_head) and lm_head.in_features == cfg.hidden_size
-                and _f32_contiguous(norm.weight, lm_head._panels, lm_head.bias)):
-            head = (norm.weight, norm.eps, lm_head._panels, lm_head.bias, lm_head.out_features)
+                and embed.shape[1] == cfg.hidden_size
+                and _f32_contiguous(norm.weight, lm_head._panels, lm_head.bias, embed)):
+            head = (norm.weight, norm.eps, lm_head._panels, lm_head.bias, lm_head.out_features,
+                    embed)
         return cls(lib, (LayerArgs * len(layers))(*layers), keep, head)
 
     def run(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
             kv_caches: list, plan) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """All layers for a decode-only ``plan``: returns (last MLP output, residual), or
-        None (nothing done) when this batch or these caches do not qualify."""
-        return self._run(hidden, cos_sin, kv_caches, plan, False)
+        """All layers for a decode-only ``plan`` from the embeddings ``hidden`` [T, hidden]
+        and RoPE rows ``cos_sin``: returns (last MLP output, residual), or None (nothing
+        done) when this batch or these caches do not qualify."""
+        t = int(hidden.shape[0])
+        if not _f32_contiguous(hidden):
+            return None
+        hd = self._layers[0].head_dim
+        cos = cos_sin[0].reshape(t, hd).contiguous()
+        sin = cos_sin[1].reshape(t, hd).contiguous()
+        return self._run(t, kv_caches, plan, hidden, (cos, sin), None)
 
-    def logits(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-               kv_caches: list, plan) -> torch.Tensor | None:
-        """All layers, the final norm and the LM head for a decode-only ``plan``: logits
-        [T, vocab], or None (nothing done) when this batch, these caches or this model's
-        head do not qualify."""
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               rope_tables: tuple[torch.Tensor, torch.Tensor], kv_caches: list,
+               plan) -> torch.Tensor | None:
+        """The whole step for a decode-only ``plan`` from the token ids: the embedding rows
+        and the RoPE rows of ``positions`` (from ``rope_tables``, cos and sin [P, head_dim])
+        are gathered natively too. Returns logits [T, vocab], or None (nothing done) when
+        this batch, these caches, ids or this model's head do not qualify."""
         if self._head is None:
             return None
-        return self._run(hidden, cos_sin, kv_caches, plan, True)
+        cos_t, sin_t = rope_tables
+        if not (input_ids.dtype == positions.dtype == torch.int64
+                and input_ids.is_contiguous() and positions.is_contiguous()
+                and _f32_contiguous(cos_t, sin_t) and cos_t.shape == sin_t.shape
+                and cos_t.dim() == 2 and cos_t.shape[1] == self._layers[0].head_dim):
+            return None
+        t = int(input_ids.shape[0])
+        residual = torch.empty(t, self._layers[0].hidden, dtype=torch.float32)
+        return self._run(t, kv_caches, plan, residual, None,
+                         (input_ids, positions, cos_t, sin_t))
 
-    def _run(self, hidden, cos_sin, kv_caches, plan, with_head: bool):
+    def _run(self, t: int, kv_caches: list, plan, residual: torch.Tensor,
+             rope_rows: tuple[torch.Tensor, torch.Tensor] | None, gather: tuple | None):
+        """``residual`` holds the embeddings (``gather`` None) or receives them (gather:
+        ids, positions, cos table, sin table); with ``gather`` the head runs too."""
         d = plan.decode
         if (plan.prefill is not None or d is None or d.token_idx is not None
-                or cpu_kernels._load() is None):
-            return None
-        t = int(hidden.shape[0])
-        if not 0 < t <= cpu_kernels.PANEL_MAX_ROWS or not _f32_contiguous(hidden):
+                or cpu_kernels._load() is None or not 0 < t <= cpu_kernels.PANEL_MAX_ROWS):
             return None
         k0, v0 = kv_caches[0]
         bs, hd = k0.shape[1], k0.shape[3]
@@ -169,10 +192,7 @@ class FusedDecoder:
         if not (all(x.dtype == torch.int64 for x in (tables, lens, slots))
                 and lens.is_contiguous() and slots.is_contiguous()):
             return None
-        cos = cos_sin[0].reshape(t, hd).contiguous()
-        sin = cos_sin[1].reshape(t, hd).contiguous()
-        residual = hidden
-        outs = (torch.empty_like(hidden), torch.empty_like(hidden))
+        outs = (torch.empty_like(residual), torch.empty_like(residual))
         logits = None
         with self._lock:
             layers, s = self._layers, self._step
@@ -184,25 +204,33 @@ class FusedDecoder:
             s.T, s.block_size = t, bs
             s.block_stride, s.table_stride = k0.stride(0), tables.stride(0)
             s.slots, s.tables, s.seq_lens = slots.data_ptr(), tables.data_ptr(), lens.data_ptr()
-            s.cos, s.sin = cos.data_ptr(), sin.data_ptr()
             s.residual, s.out0, s.out1 = residual.data_ptr(), outs[0].data_ptr(), outs[1].data_ptr()
             s.scratch = self._scratch.data_ptr()
-            if with_head:
-                norm_w, eps, panels, bias, vocab = self._head
+            if gather is None:
+                s.cos, s.sin = rope_rows[0].data_ptr(), rope_rows[1].data_ptr()
+                s.ids = s.positions = s.embed = s.cos_table = s.sin_table = None
+                s.embed_rows = s.table_rows = 0
+                s.final_norm = s.lm_w = s.lm_b = s.logits = None
+                s.vocab = 0
+            else:
+                ids, positions, cos_t, sin_t = gather
+                norm_w, eps, panels, bias, vocab, embed = self._head
                 logits = torch.empty(t, vocab, dtype=torch.float32)
+                s.cos = s.sin = None
+                s.ids, s.positions = ids.data_ptr(), positions.data_ptr()
+                s.embed, s.embed_rows = embed.data_ptr(), embed.shape[0]
+                s.cos_table, s.sin_table = cos_t.data_ptr(), sin_t.data_ptr()
+                s.table_rows = cos_t.shape[0]
                 s.final_norm, s.final_eps = norm_w.data_ptr(), eps
                 s.lm_w, s.lm_b, s.vocab = panels.data_ptr(), _ptr(bias), vocab
                 s.logits = logits.data_ptr()
-            else:
-                s.final_norm = s.lm_w = s.lm_b = s.logits = None
-                s.vocab = 0
             rc = self._lib.xllm_decode_stack_f32(layers, len(layers), ctypes.byref(s))
         if rc == -1:  # sizes the kernels do not take: nothing ran
             return None
         if rc != 0:
             raise RuntimeError(f"fused decode step failed (code {rc}): {t} tokens, "
                                f"block size {bs}")
-        if with_head:
+        if gather is not None:
             return logits
         return outs[(len(layers) - 1) % 2], residual
 

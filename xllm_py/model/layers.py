@@ -71,8 +71,9 @@ class RotaryEmbedding(nn.Module):
         self._cos: torch.Tensor | None = None  # [P, head_dim], in the model dtype
         self._sin: torch.Tensor | None = None
 
-    def _table(self, needed: int, device: torch.device,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def table(self, needed: int, device: torch.device,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [P >= needed, head_dim] for positions 0..P-1, in ``dtype``."""
         cos = self._cos
         if cos is None or cos.shape[0] < needed or cos.device != device or cos.dtype != dtype:
             size = max(needed, self.max_position)
@@ -87,7 +88,7 @@ class RotaryEmbedding(nn.Module):
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, 1, head_dim] for ``positions``; computed once per step, used by
         every layer. ``max_position`` (host int) bounds the positions."""
-        cos_t, sin_t = self._table(max_position, positions.device, dtype)
+        cos_t, sin_t = self.table(max_position, positions.device, dtype)
         return (cos_t.index_select(0, positions)[:, None, :],
                 sin_t.index_select(0, positions)[:, None, :])
 

@@ -154,17 +154,17 @@ class LlamaForCausalLM(nn.Module):
                 f"expected {self.config.num_layers} (K, V) caches, got {len(kv_caches)}")
         block_size = int(kv_caches[0][0].shape[1])
         plan = plan_attention(attn_metadata, block_size)
+        fused = self._fused_decoder()
+        if fused is not None and logits and keep_rows is None and fused.has_head:
+            tables = self.rotary_emb.table(attn_metadata.max_seq_len, input_ids.device,
+                                           self.model.embed_tokens.weight.dtype)
+            out = fused.logits(input_ids, positions, tables, kv_caches, plan)
+            if out is not None:
+                return out
+            fused = None  # this batch does not qualify
         hidden = self.model.embed_tokens(input_ids)  # a new tensor: the residual stream
         cos_sin = self.rotary_emb.cos_sin(positions, attn_metadata.max_seq_len, hidden.dtype)
-        fused = self._fused_decoder()
-        done = None
-        if fused is not None:
-            if logits and keep_rows is None and fused.has_head:
-                out = fused.logits(hidden, cos_sin, kv_caches, plan)
-                if out is not None:
-                    return out
-            else:
-                done = fused.run(hidden, cos_sin, kv_caches, plan)
+        done = fused.run(hidden, cos_sin, kv_caches, plan) if fused is not None else None
         rows = rows_plan = None
         if done is None:
             if (keep_rows is not None and plan.prefill is not None

@@ -33,6 +33,11 @@ struct xllm_decode_step {
     int64_t block_stride, table_stride;
     const int64_t *slots, *tables, *seq_lens;
     const float *cos, *sin; /* RoPE rows [T, head_dim] */
+    /* or (ids != NULL) gathered here: residual[t] = embed[ids[t]], cos/sin rows
+     * cos_table[positions[t]] (embed [embed_rows, hidden], tables [table_rows, head_dim]) */
+    const int64_t *ids, *positions;
+    const float *embed, *cos_table, *sin_table;
+    int64_t embed_rows, table_rows;
     /* residual [T, hidden]: the embeddings in, the residual stream out; out [2][T, hidden]:
      * layer i writes out[i % 2]; scratch: xllm_decode_stack_scratch floats */
     float *residual, *out0, *out1, *scratch;
@@ -51,12 +56,17 @@ static size_t decode_layer_pack_floats(const struct xllm_decode_layer *a, int64_
     return panel_pack_floats((int32_t)T, k);
 }
 
-/* Floats of scratch a step of these layers needs (the head reuses the first layer's). */
-int64_t xllm_decode_stack_scratch(const struct xllm_decode_layer *a, int64_t T) {
+static int64_t decode_layer_scratch_floats(const struct xllm_decode_layer *a, int64_t T) {
     const int64_t q = (int64_t)a->num_heads * a->head_dim;
     const int64_t qkv = q + 2 * (int64_t)a->num_kv_heads * a->head_dim;
     return T * (a->hidden + qkv + 2 * q + 3 * (int64_t)a->intermediate) +
            (int64_t)decode_layer_pack_floats(a, T);
+}
+
+/* Floats of scratch a step of these layers needs: one layer's (the head reuses it), then
+ * the gathered RoPE rows. */
+int64_t xllm_decode_stack_scratch(const struct xllm_decode_layer *a, int64_t T) {
+    return decode_layer_scratch_floats(a, T) + 2 * T * (int64_t)a->head_dim;
 }
 
 static int decode_layer_sizes_ok(const struct xllm_decode_layer *a, int32_t block_size) {
@@ -113,13 +123,34 @@ int xllm_decode_stack_f32(const struct xllm_decode_layer *layers, int32_t n,
         return -1;
     const int32_t khc =
         attention_heads_per_item((int32_t)s->T, layers[0].num_heads, layers[0].num_kv_heads);
-    const int32_t hidden = layers[0].hidden;
+    const int32_t hidden = layers[0].hidden, D = layers[0].head_dim;
     float *const outs[2] = {s->out0, s->out1};
+    struct xllm_decode_step st = *s;
+    if (s->ids != NULL) {
+        for (int64_t t = 0; t < s->T; t++)
+            if (s->ids[t] < 0 || s->ids[t] >= s->embed_rows || s->positions[t] < 0 ||
+                s->positions[t] >= s->table_rows)
+                return -1;
+        float *rope = s->scratch + decode_layer_scratch_floats(&layers[0], s->T);
+        st.cos = rope;
+        st.sin = rope + s->T * D;
+    }
     int failed = 0;
 #pragma omp parallel
     {
+        if (s->ids != NULL) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < s->T; t++) {
+                memcpy(s->residual + t * hidden, s->embed + s->ids[t] * hidden,
+                       sizeof(float) * (size_t)hidden);
+                memcpy((float *)st.cos + t * D, s->cos_table + s->positions[t] * D,
+                       sizeof(float) * (size_t)D);
+                memcpy((float *)st.sin + t * D, s->sin_table + s->positions[t] * D,
+                       sizeof(float) * (size_t)D);
+            }
+        }
         for (int32_t i = 0; i < n; i++) /* each layer ends in a barrier (the down matmul) */
-            decode_layer_body(&layers[i], s, i == 0 ? NULL : outs[(i - 1) % 2], outs[i % 2],
+            decode_layer_body(&layers[i], &st, i == 0 ? NULL : outs[(i - 1) % 2], outs[i % 2],
                               khc, &failed);
         if (s->lm_w != NULL) {
             float *h = s->scratch, *xt = s->scratch + s->T * (int64_t)hidden;
