@@ -513,6 +513,8 @@ static void linear_panels_body(const float *x, const float *P, const float *b, f
             }
         }
     }
+    /* static: dynamic pairs of panels measured the same in a whole decode step (though
+     * 3-18% faster for the matmuls alone on a noisy machine) */
 #pragma omp for schedule(static)
     for (int32_t p = 0; p < np; p++) {
         const float *pp = P + (int64_t)p * K * 16;

@@ -3,8 +3,9 @@
  *
  * Included by cpu_kernels.c (AVX2/FMA builds, after the panel kernel).
  *
- * The rows are split between the threads once (no barrier, no shared work): each thread
- * takes blocks of XLLM_LARGE_MC rows, packs them by 6-row tiles into its own buffer
+ * The rows go to the threads in blocks of up to XLLM_LARGE_MC rows, taken dynamically (no
+ * shared work; a thread the host slows down takes fewer blocks): each thread packs its
+ * block by 6-row tiles into its own buffer
  * (xt[tile][K][6], kept in L2 while every panel streams past), then for each panel walks K
  * in chunks of XLLM_LARGE_KC rows (16 KB of panel: it stays in L1 for every tile of the
  * block; the first tile prefetches the next chunk) and each tile in a 6 x 16 register
@@ -170,21 +171,26 @@ int xllm_linear_large_f32(const float *x, const float *P, const float *b, float 
     const size_t xt_floats = (size_t)XLLM_LARGE_MC * K;
     const size_t need = xt_floats + 16 + (size_t)XLLM_LARGE_MC * 16;
     int fail = 0;
+    /* Blocks of up to XLLM_LARGE_TILES tiles taken dynamically (a thread the host slows
+     * down takes fewer), at least two per thread so that small M still splits evenly. */
+    int32_t nblocks = (tiles + XLLM_LARGE_TILES - 1) / XLLM_LARGE_TILES;
+    const int32_t min_blocks = 2 * omp_get_max_threads();
+    nblocks = nblocks > min_blocks ? nblocks : (tiles < min_blocks ? tiles : min_blocks);
+    const int32_t block_tiles = (tiles + nblocks - 1) / nblocks;
 #pragma omp parallel
     {
-        const int nth = omp_get_num_threads(), me = omp_get_thread_num();
-        /* this thread's tiles [t0, t1): whole 6-row tiles, the partial one (if any) last */
-        const int32_t t0 = (int32_t)((int64_t)tiles * me / nth);
-        int32_t t1 = (int32_t)((int64_t)tiles * (me + 1) / nth);
-        float *xt = t1 > t0 ? large_buffer(need) : NULL;
-        if (t1 > t0 && xt == NULL) {
+        float *xt = large_buffer(need);
+        if (xt == NULL) {
 #pragma omp atomic write
             fail = 1;
-            t1 = t0; /* nothing to do here; the caller computes y another way */
         }
         float *acc = xt != NULL ? xt + xt_floats + 16 : NULL;
-        for (int32_t tb = t0; tb < t1; tb += XLLM_LARGE_TILES) {
-            const int32_t tn = t1 - tb < XLLM_LARGE_TILES ? t1 - tb : XLLM_LARGE_TILES;
+#pragma omp for schedule(dynamic, 1)
+        for (int32_t bi = 0; bi < nblocks; bi++) {
+            const int32_t tb = bi * block_tiles;
+            if (xt == NULL || tb >= tiles)
+                continue; /* failed: the caller computes y another way */
+            const int32_t tn = tiles - tb < block_tiles ? tiles - tb : block_tiles;
             const int32_t m0 = tb * XLLM_TILE_ROWS;
             const int32_t mr = M - m0 < tn * XLLM_TILE_ROWS ? M - m0 : tn * XLLM_TILE_ROWS;
             const int32_t full = mr / XLLM_TILE_ROWS, rem = mr - full * XLLM_TILE_ROWS;
