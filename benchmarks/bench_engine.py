@@ -1,6 +1,6 @@
 """Engine throughput against transformers ``generate`` on the same weights (issue 3).
 
-    python benchmarks/bench_engine.py [--quick] [--json] [--threads 1] [--repeat 3]
+    python benchmarks/bench_engine.py [--quick] [--json] [--threads 1] [--repeat 5]
                                       [--concurrency 1 32] [--profile]
 
 Workload: ``c`` prompts of exactly ``--prompt-len`` random token ids (64), each generating
@@ -15,7 +15,10 @@ Workload: ``c`` prompts of exactly ``--prompt-len`` random token ids (64), each 
   prompts have the same length so there is none).
 
 Tokens/s = generated tokens / wall time. Engine and HF runs alternate within every
-repeat and the median over repeats is reported (the machine is shared).
+repeat and the median over repeats is reported (the machine is shared), with the ratio of
+the two medians and the median of each repeat's own engine/HF ("paired": the two runs of a
+repeat are measured back to back, so a drift of the machine's speed between repeats,
+often 20-30% here, cancels out of it).
 
 Engine decode step at the largest concurrency: ``(T(gen_len) - T(1)) / (gen_len - 1)``
 from two runs with the same prompts (the second one stops after the prefill), next to two
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads, both sides (default: all cores)")
-    p.add_argument("--repeat", type=int, default=None, help="runs per side (default 3, quick 1)")
+    p.add_argument("--repeat", type=int, default=None, help="runs per side (default 5, quick 1)")
     p.add_argument("--quick", action="store_true", help="one repeat, fewer floor iterations")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--engine-args", default="",
@@ -228,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also cProfile an in-process engine at the largest concurrency")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    repeat = args.repeat or (1 if args.quick else 3)
+    repeat = args.repeat or (1 if args.quick else 5)
     floor_iters = 5 if args.quick else 20
     torch.set_num_threads(args.threads)
 
@@ -279,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                 "greedy_equal_seqs": sum(a == b for a, b in zip(eng_ids or [], hf_ids or [])),
             }
             entry["ratio"] = entry["engine_tok_s"] / entry["hf_tok_s"]
+            # each run's engine / HF, the two measured back to back: the machine's speed
+            # drifts between runs (shared host), much less within one pair
+            entry["paired_ratios"] = [h / e for e, h in zip(eng_t, hf_t)]
+            entry["paired_ratio"] = median(entry["paired_ratios"])
             entry["cpu_ratio"] = entry["engine_tok_per_cpu_s"] / entry["hf_tok_per_cpu_s"]
             if eng_t1:
                 entry["engine_decode_step_ms"] = (
@@ -302,12 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmodel {args.model}, {args.prompt_len} prompt + {args.gen_len} generated tokens, "
           f"greedy, ignore_eos, {args.threads} torch thread(s) per process, "
           f"median of {repeat}")
-    print(f"{'conc':>5} {'engine tok/s':>13} {'HF tok/s':>10} {'engine/HF':>10} "
+    print(f"{'conc':>5} {'engine tok/s':>13} {'HF tok/s':>10} {'engine/HF':>10} {'paired':>7} "
           f"{'eng tok/cpu-s':>14} {'HF tok/cpu-s':>13} {'cpu ratio':>10} {'greedy==HF':>11}")
     for conc, e in result["concurrency"].items():
         print(f"{conc:>5} {e['engine_tok_s']:>13.1f} {e['hf_tok_s']:>10.1f} {e['ratio']:>9.2f}x "
+              f"{e['paired_ratio']:>6.2f}x "
               f"{e['engine_tok_per_cpu_s']:>14.1f} {e['hf_tok_per_cpu_s']:>13.1f} "
               f"{e['cpu_ratio']:>9.2f}x {e['greedy_equal_seqs']:>6}/{conc}")
+    print("engine/HF: ratio of the medians; paired: median of each run's engine/HF "
+          "(measured back to back)")
     e = result["concurrency"][str(c)]
     if "engine_decode_step_ms" in e:
         step = e["engine_decode_step_ms"]
