@@ -299,19 +299,8 @@ def linear_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None) -> torch.Tensor | None:
     """``x @ W.T + bias`` for x [M <= PANEL_MAX_ROWS, K] float32 with W packed by
     ``pack_panels``. None: not handled (take another path)."""
-    if x.dim() != 2 or x.shape[0] > PANEL_MAX_ROWS or not x.is_contiguous() \
-            or not _f32_cpu(x, panels) or _load() is None:
-        return None
-    if bias is not None and (not _f32_cpu(bias) or not bias.is_contiguous()):
-        return None
-    k = panels.shape[1]
-    if x.shape[1] != k or panels.shape[0] * 16 < out_features:
-        raise ValueError(f"linear: input has {x.shape[1]} features, weight expects {k}")
-    y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-    rc = _lib.xllm_linear_panels_f32(x.data_ptr(), panels.data_ptr(),
-                                     0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                                     x.shape[0], out_features, k)
-    return y if rc == 0 else None
+    return _panel_linear("xllm_linear_panels_f32", x, panels, out_features, bias,
+                         PANEL_MAX_ROWS)
 
 
 def linear_large(x: torch.Tensor, panels: torch.Tensor, out_features: int,
@@ -319,20 +308,25 @@ def linear_large(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     """``x @ W.T + bias`` for x [M, K] float32 (any M; meant for M > PANEL_MAX_ROWS, the
     prefill sizes) with W packed by ``pack_panels``. None: not handled (unsupported
     tensors, no kernels, or the kernel declined, e.g. out of memory): take another path."""
-    if x.dim() != 2 or x.shape[0] == 0 or not x.is_contiguous() \
-            or not _f32_cpu(x, panels) or not panels.is_contiguous() or _load() is None:
+    return _panel_linear("xllm_linear_large_f32", x, panels, out_features, bias, 2**31 - 1)
+
+
+def _panel_linear(fn: str, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None, max_rows: int) -> torch.Tensor | None:
+    """One of the panel GEMM entry points on checked tensors; None when it does not apply
+    or the kernel declines."""
+    if (x.dim() != 2 or not 0 < x.shape[0] <= max_rows or not x.is_contiguous()
+            or not _f32_cpu(x, panels) or not panels.is_contiguous() or _load() is None):
         return None
     if bias is not None and (not _f32_cpu(bias) or not bias.is_contiguous()):
         return None
     k = panels.shape[1]
     if x.shape[1] != k or panels.shape[0] * 16 < out_features:
         raise ValueError(f"linear: input has {x.shape[1]} features, weight expects {k}")
-    if x.shape[0] > 2**31 - 1:
-        return None
     y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-    rc = _lib.xllm_linear_large_f32(x.data_ptr(), panels.data_ptr(),
-                                    0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                                    x.shape[0], out_features, k)
+    rc = getattr(_lib, fn)(x.data_ptr(), panels.data_ptr(),
+                           0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                           x.shape[0], out_features, k)
     return y if rc == 0 else None
 
 
