@@ -24,8 +24,6 @@ import multiprocessing as mp
 import os
 import socket
 import struct
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -101,6 +99,7 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int]) -> tuple[lis
 
     from xllm_py.config import TransferConfig
     from xllm_py.kv_transfer import KVCacheStorage, create_backend
+    from xllm_py.kv_transfer._peer_main import peer_process
     from xllm_py.kv_transfer.factory import mappable_host_allocator
     from xllm_py.kv_transfer.ucx.env import iov_worker_config, ucx_env
 
@@ -108,14 +107,9 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int]) -> tuple[lis
     block_bytes = probe.block_bytes
     max_blocks = max(sizes) // block_bytes
     peer_blocks = 2 * max_blocks  # room for "every other block"
-    cmd = [sys.executable, "-m", "xllm_py.kv_transfer._peer_main", "--backend", args.backend, "--no-fill",
-           "--num-blocks", str(peer_blocks)] + [f"--{k.replace('_', '-')}={v}" for k, v in GEOM.items()]
     mappable = args.backend == "ucx" and args.mode == "auto" and not args.no_map
-    if not mappable:
-        cmd.append("--private-pool")
-    peer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        info = json.loads(peer.stdout.readline())
+    flags = ["--backend", args.backend, "--no-fill"] + ([] if mappable else ["--private-pool"])
+    with peer_process(*flags, **{**GEOM, "num_blocks": peer_blocks}) as (_, info):
         store = KVCacheStorage(num_blocks=max_blocks, **GEOM,
                                allocator=mappable_host_allocator() if mappable else None)
         store.kv.view(torch.uint8).reshape(-1)[::4096] = 1  # fault the pages in
@@ -150,12 +144,6 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int]) -> tuple[lis
         if args.backend == "ucx" and args.mode in ("auto", "iov"):
             env.update({f"iov-context:{k}": v for k, v in iov_worker_config().items()})
         return rows, env
-    finally:
-        peer.stdin.close()
-        try:
-            peer.wait(10)
-        except subprocess.TimeoutExpired:
-            peer.kill()
 
 
 def main() -> None:

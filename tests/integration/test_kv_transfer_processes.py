@@ -8,10 +8,6 @@ message naming the difference, and that killing the peer makes a pull fail, not 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import time
 
 import grpc
@@ -20,7 +16,7 @@ import torch
 
 from xllm_py.config import TransferConfig
 from xllm_py.kv_transfer import create_backend
-from xllm_py.kv_transfer._peer_main import fill_pattern
+from xllm_py.kv_transfer._peer_main import fill_pattern, peer_process
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.worker_service import KVWorker, WorkerServicer, create_worker_server
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
@@ -32,42 +28,25 @@ SHAPE = dict(num_layers=2, num_blocks=64, block_size=4, num_kv_heads=2, head_dim
 SEED = 7
 
 
-def spawn_peer(backend: str) -> tuple[subprocess.Popen, dict]:
-    cmd = [sys.executable, "-m", "xllm_py.kv_transfer._peer_main", "--backend", backend, "--seed", str(SEED),
-           "--model", "tiny"] + [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    line = proc.stdout.readline()
-    if not line:
-        proc.kill()
-        raise RuntimeError(f"peer process failed to start (rc={proc.wait()})")
-    return proc, json.loads(line)
-
-
 @pytest.fixture(params=["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAS_UCXX, reason="ucxx missing"))])
 async def two_workers(request):
-    proc, info = spawn_peer(request.param)
-    store = KVCacheStorage(**SHAPE)
-    backend = create_backend(request.param, store, TransferConfig(timeout_s=10))
-    backend.start()
-    worker = KVWorker(store, backend, cluster_id=2, model="tiny")
-    server, port = await create_worker_server(WorkerServicer(worker), "127.0.0.1", 0)
-    ours = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    theirs = grpc.aio.insecure_channel(f"127.0.0.1:{info['grpc_port']}")
-    try:
-        yield (xllm_pb2_grpc.WorkerServiceStub(ours), xllm_pb2_grpc.WorkerServiceStub(theirs), store, info, proc)
-    finally:
-        await ours.close()
-        await theirs.close()
-        await server.stop(0)
-        await backend.close()
-        if proc.poll() is None:
-            proc.stdin.close()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with peer_process("--backend", request.param, "--seed", str(SEED), "--model", "tiny",
+                      **SHAPE) as (proc, info):
+        store = KVCacheStorage(**SHAPE)
+        backend = create_backend(request.param, store, TransferConfig(timeout_s=10))
+        backend.start()
+        worker = KVWorker(store, backend, cluster_id=2, model="tiny")
+        server, port = await create_worker_server(WorkerServicer(worker), "127.0.0.1", 0)
+        ours = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        theirs = grpc.aio.insecure_channel(f"127.0.0.1:{info['grpc_port']}")
+        try:
+            yield (xllm_pb2_grpc.WorkerServiceStub(ours), xllm_pb2_grpc.WorkerServiceStub(theirs),
+                   store, info, proc)
+        finally:
+            await ours.close()
+            await theirs.close()
+            await server.stop(0)
+            await backend.close()
 
 
 def expected_peer_storage() -> KVCacheStorage:

@@ -222,3 +222,11 @@ async def test_ucx_cuda_pull_every_byte() -> None:
     finally:
         await ba.close()
         await bb.close()
+
+
+def test_a_peer_process_that_cannot_start_is_reported_and_reaped() -> None:
+    from xllm_py.kv_transfer._peer_main import peer_process
+
+    with pytest.raises(RuntimeError, match="peer process failed to start"):
+        with peer_process("--backend", "no-such-backend", num_blocks=2):
+            pass

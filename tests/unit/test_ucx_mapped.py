@@ -5,10 +5,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +12,7 @@ import torch
 
 from xllm_py.config import EngineConfig, InstanceRole, TransferConfig
 from xllm_py.kv_transfer import TransferError, create_backend
-from xllm_py.kv_transfer._peer_main import fill_pattern
+from xllm_py.kv_transfer._peer_main import fill_pattern, peer_process
 from xllm_py.kv_transfer.factory import mappable_host_allocator, pool_allocator
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, huge_page_allocator
 from tests.unit.ucx_utils import SHAPE, linked, storage
@@ -170,12 +166,8 @@ async def test_unlink_unmaps_and_a_relink_maps_again() -> None:
 
 async def test_mapped_pull_from_another_process_moves_every_byte() -> None:
     shape = dict(SHAPE, num_blocks=512)
-    cmd = [sys.executable, "-m", "xllm_py.kv_transfer._peer_main", "--backend", "ucx", "--seed", "11",
-           "--dtype", "float32"] + [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        info = json.loads(proc.stdout.readline())
+    with peer_process("--backend", "ucx", "--seed", "11", "--dtype", "float32",
+                      **shape) as (_, info):
         want = KVCacheStorage(**shape)
         fill_pattern(want, 11)
         b = storage(512, mappable=True)
@@ -189,12 +181,6 @@ async def test_mapped_pull_from_another_process_moves_every_byte() -> None:
             assert torch.equal(b.kv, want.kv[:, :, src])
         finally:
             await bb.close()
-    finally:
-        proc.stdin.close()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_engines_allocate_mappable_pools_only_where_they_transfer() -> None:

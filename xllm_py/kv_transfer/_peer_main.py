@@ -3,15 +3,20 @@
 ``python -m xllm_py.kv_transfer._peer_main --backend ucx --num-blocks 64 --seed 7``
 allocates a storage filled with ``fill_pattern(seed)``, serves the WorkerService (gRPC)
 and the transfer listener, prints one JSON line ``{"grpc_port", "transfer_addr",
-"cluster_id"}`` on stdout, and runs until stdin closes or it is killed.
+"cluster_id"}`` on stdout, and runs until stdin closes or it is killed. ``peer_process``
+runs it from a test or benchmark.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import subprocess
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -22,11 +27,38 @@ from xllm_py.kv_transfer.worker_service import KVWorker, WorkerServicer, create_
 
 logger = logging.getLogger(__name__)
 
+MODULE = "xllm_py.kv_transfer._peer_main"
+
 
 def fill_pattern(storage: KVCacheStorage, seed: int) -> None:
     """Deterministic content, reproducible in another process."""
     g = torch.Generator().manual_seed(seed)
     storage.kv.copy_(torch.randn(storage.kv.shape, generator=g).to(storage.kv))
+
+
+@contextlib.contextmanager
+def peer_process(*flags: str, **geometry: object) -> Iterator[tuple[subprocess.Popen, dict]]:
+    """This module in a child process with ``flags`` and the storage ``geometry``
+    (``num_blocks=64`` -> ``--num-blocks=64``). Yields (process, its JSON line); on exit
+    closes its stdin (it shuts down), waits, and kills it after 10 s. A test may kill it
+    first."""
+    cmd = [sys.executable, "-m", MODULE, *flags]
+    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in geometry.items()]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer process failed to start (rc={proc.wait(10)})")
+        yield proc, json.loads(line)
+    finally:
+        if proc.poll() is None:
+            proc.stdin.close()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def build_parser() -> argparse.ArgumentParser:
