@@ -162,9 +162,11 @@ def available() -> bool:
 
 
 def linear_available() -> bool:
-    """Whether linear_panels / linear_large run natively here: the library is built with
-    AVX2/FMA (without, they are stubs that decline every call)."""
-    return available() and {"avx2", "fma"} <= _cpu_flags()
+    """Whether linear_panels / linear_large (and the fused decode step) run natively here:
+    the library was built with AVX2/FMA. Without, they are stubs that decline every call,
+    and the fused step is not built at all (its symbol tells the two builds apart)."""
+    lib = _load()
+    return lib is not None and hasattr(lib, "xllm_decode_stack_f32")
 
 
 def unavailable_reason() -> str:

@@ -67,8 +67,7 @@ def _f32_contiguous(*ts: torch.Tensor | None) -> bool:
 
 def supported() -> bool:
     """Whether the loaded kernels have the fused decode stack (AVX2/FMA builds)."""
-    lib = cpu_kernels._load()
-    return lib is not None and hasattr(lib, "xllm_decode_stack_f32")
+    return cpu_kernels.linear_available()
 
 
 class FusedDecoder:
