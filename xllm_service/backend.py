@@ -27,6 +27,7 @@ from xllm_py.outputs import RequestOutput
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc.convert import EngineRequestSpec, output_from_proto, spec_to_proto
+from xllm_py.utils.aio import wait_for
 from xllm_py.utils.grpc_channels import ChannelPool, PipelinedStream, StreamBroken
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.router import NoInstanceError, Route, Router
@@ -63,6 +64,7 @@ class ServiceBackend:
         self._by_instance: dict[str, set[str]] = collections.defaultdict(set)
         self._channels = ChannelPool()
         self._gen_streams: dict[str, PipelinedStream] = {}
+        self._cancels: set[asyncio.Task] = set()  # referenced until done
         self.outcomes: collections.Counter = collections.Counter()
         # (instance, outcome) -> requests; an instance counts every request it served
         self.instance_outcomes: collections.Counter = collections.Counter()
@@ -179,7 +181,7 @@ class ServiceBackend:
         prompt_sent = False
         while remaining:
             try:
-                sub, out = await asyncio.wait_for(queue.get(), self.idle_timeout_s)
+                sub, out = await wait_for(queue.get(), self.idle_timeout_s)
             except asyncio.TimeoutError:
                 self._count_outcome(subs, "timeout")
                 yield RequestOutput(request_id=request_id, finished=True, error_code=504,
@@ -275,9 +277,11 @@ class ServiceBackend:
                 except grpc.aio.AioRpcError:
                     pass
         try:
-            asyncio.get_running_loop().create_task(cancel())
+            task = asyncio.get_running_loop().create_task(cancel())
         except RuntimeError:
-            pass
+            return
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
     def _stub(self, addr: str) -> pb_grpc.DisaggPDServiceStub:
         return pb_grpc.DisaggPDServiceStub(self._channels.get(addr))

@@ -21,7 +21,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, LeasedKey, MASTER_KEY, cancel_and_wait, service_key
+from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError, LeasedKey, service_key
+from xllm_py.utils.aio import cancel_and_wait, wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ class MasterElection:
             except Exception:
                 logger.exception("election round failed (will retry)")
             try:
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                await wait_for(self._wake.wait(), self.interval_s)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()

@@ -23,9 +23,10 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, EventKind, INSTANCE_PREFIX, cancel_and_wait, parse_instance_key
+from xllm_py.cluster.etcd_client import INSTANCE_PREFIX, EtcdClient, EtcdError, EventKind, parse_instance_key
 from xllm_py.cluster.instance_meta import InstanceMeta, InstanceMetaError
 from xllm_py.config import InstanceRole
+from xllm_py.utils.aio import cancel_and_wait, wait_for
 from xllm_service.instance_table import (
     DEFAULT_EVICT_GRACE_S,
     Change,
@@ -134,7 +135,7 @@ class Registry:
         ]
         if wait_synced_s:
             try:
-                await asyncio.wait_for(self._synced.wait(), wait_synced_s)
+                await wait_for(self._synced.wait(), wait_synced_s)
             except asyncio.TimeoutError:
                 logger.warning("registry: no etcd listing within %.1fs; continuing, will retry", wait_synced_s)
 

@@ -20,10 +20,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, LeasedKey, cancel_and_wait, instance_key
+from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, LeasedKey, instance_key
 from xllm_py.cluster.instance_meta import InstanceMeta, InstanceMetaError, new_incarnation_id, now_ms
 from xllm_py.config import InstanceRole
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+from xllm_py.utils.aio import cancel_and_wait
 from xllm_py.utils.grpc_server import start_grpc_server
 from xllm_service.instance_table import LoadInfo
 from xllm_service.registry import Registry

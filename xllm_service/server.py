@@ -12,6 +12,7 @@ import signal
 
 from xllm_py.config import advertised_host, etcd_credentials_from_env
 from xllm_py.model.config import ModelConfig
+from xllm_py.utils.aio import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +76,13 @@ async def run_service(args: argparse.Namespace) -> None:
     logger.info("shutting down")
     stop.set()
     try:
-        await asyncio.wait_for(http_task, 10)
+        await wait_for(http_task, 10)
     except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
         pass
     for coro in (election.stop(), proxy.stop(), registry.stop(), server.stop(1.0),
                  backend.close()):
         try:
-            await asyncio.wait_for(coro, 5.0)
+            await wait_for(coro, 5.0)
         except Exception as exc:
             logger.warning("shutdown step failed: %s", exc)
     await etcd.close()

@@ -64,6 +64,7 @@ class _Generations:
     def __init__(self, streams: list[AsyncIterator[RequestOutput]]) -> None:
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._num_open = len(streams)
+        self._cancelled = False
         self._tasks = [
             asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)
         ]
@@ -72,7 +73,7 @@ class _Generations:
         try:
             async for out in stream:
                 self._queue.put_nowait((prompt_index, out))
-                if out.finished or out.failed:
+                if out.finished or out.failed or self._cancelled:
                     break
         except asyncio.CancelledError:
             raise
@@ -99,7 +100,9 @@ class _Generations:
         return None
 
     def cancel(self) -> None:
-        """Cancel every pump; each closes its backend stream (synchronous, safe to call twice)."""
+        """Cancel every pump; each closes its backend stream (synchronous, safe to call twice).
+        A pump whose cancellation is lost stops at its next output all the same."""
+        self._cancelled = True
         for t in self._tasks:
             t.cancel()
 

@@ -22,6 +22,7 @@ import aetcd
 import aetcd.exceptions
 
 from xllm_py.config import InstanceRole, etcd_credentials_from_env
+from xllm_py.utils.aio import cancel_and_wait, wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +49,6 @@ def parse_instance_key(key: str) -> tuple[InstanceRole, str] | None:
         return InstanceRole(parts[1]), parts[2]
     except ValueError:
         return None
-
-
-async def cancel_and_wait(task: "asyncio.Task[object] | None") -> None:
-    """Cancel `task` and wait for it to end. Python 3.11's `asyncio.wait_for` can swallow
-    a cancellation that races with its inner call finishing, so cancel until it is done."""
-    if task is None:
-        return
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=0.5)
-    if not task.cancelled() and task.exception() is not None:
-        logger.debug("task %s ended with %r", task.get_name(), task.exception())
 
 
 class EtcdError(RuntimeError):
@@ -137,7 +126,7 @@ class EtcdClient:
 
     async def close(self) -> None:
         try:
-            await asyncio.wait_for(self._client.close(), self.timeout_s)
+            await wait_for(self._client.close(), self.timeout_s)
         except Exception as e:  # closing must not raise out of shutdown paths
             logger.warning("closing etcd client %s: %r", self.endpoint, e)
 
@@ -151,7 +140,7 @@ class EtcdClient:
     async def _call(self, coro):  # type: ignore[no-untyped-def]
         """Await an aetcd call under an outer deadline; map its errors to EtcdError."""
         try:
-            return await asyncio.wait_for(coro, self.timeout_s + 0.5)
+            return await wait_for(coro, self.timeout_s + 0.5)
         except asyncio.TimeoutError as e:
             raise EtcdError(f"etcd {self.endpoint}: deadline of {self.timeout_s}s exceeded") from e
         except aetcd.exceptions.ClientError as e:
@@ -263,7 +252,7 @@ class EtcdClient:
             raise EtcdError(f"etcd {self.endpoint}: watch on {prefix!r} broke: {e!r}") from e
         finally:
             try:
-                await asyncio.wait_for(watch.cancel(), self.timeout_s)
+                await wait_for(watch.cancel(), self.timeout_s)
             except Exception:  # the stream may already be gone
                 pass
         # The iterator ends without an error only when the client shuts down.
@@ -338,7 +327,7 @@ class LeasedKey:
     async def _loop(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                await wait_for(self._wake.wait(), self.interval_s)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()

@@ -21,9 +21,10 @@ from collections.abc import Callable
 
 import grpc
 
-from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, LeasedKey, MASTER_KEY, cancel_and_wait, instance_key
+from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError, LeasedKey, instance_key
 from xllm_py.cluster.instance_meta import InstanceMeta, new_incarnation_id, now_ms
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+from xllm_py.utils.aio import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

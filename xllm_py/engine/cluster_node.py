@@ -16,8 +16,7 @@ import grpc
 from xllm_py.cluster.etcd_client import instance_key
 from xllm_py.cluster.instance_agent import InstanceAgent, LoadReport
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.config import (EngineConfig, InstanceRole, advertised_host,
-                            etcd_credentials_from_env)
+from xllm_py.config import EngineConfig, InstanceRole, advertised_host, etcd_credentials_from_env
 from xllm_py.engine.disagg_scheduler import DisaggPDScheduler
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import LLMEngine
@@ -25,6 +24,7 @@ from xllm_py.engine.pd_service import DisaggPDServicer
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
+from xllm_py.utils.aio import wait_for
 from xllm_py.utils.grpc_channels import ChannelPool
 from xllm_py.utils.grpc_server import start_grpc_server
 
@@ -144,7 +144,7 @@ class ClusterNode:
             steps.append(self.worker.stop())
         for step in steps:
             try:
-                await asyncio.wait_for(step, 5.0)
+                await wait_for(step, 5.0)
             except Exception as exc:
                 logger.warning("cluster shutdown step failed: %s", exc)
         await self._channels.close()

@@ -38,6 +38,7 @@ from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.request import Request
 from xllm_py.rpc.convert import EngineRequestSpec, spec_to_proto
+from xllm_py.utils.aio import wait_for
 from xllm_py.utils.grpc_channels import ChannelPool
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class DisaggPDScheduler:
     async def _dispatch_loop(self) -> None:
         while True:
             try:
-                spec = await asyncio.wait_for(self._online.get(), 0.1)
+                spec = await wait_for(self._online.get(), 0.1)
             except asyncio.TimeoutError:
                 if self._offline.empty():
                     continue

@@ -15,6 +15,7 @@ import signal
 from xllm_py.config import EngineConfig
 from xllm_py.engine.async_engine import AsyncEngine
 from xllm_py.engine.llm_engine import LLMEngine
+from xllm_py.utils.aio import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ async def run_engine_server(config: EngineConfig) -> None:
     if cluster is not None:
         await cluster.stop()
     try:
-        await asyncio.wait_for(http_task, 10)
+        await wait_for(http_task, 10)
     except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
         pass
     engine.stop()

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from xllm_py.kv_transfer.kv_storage import SMALL_LIST, KVCacheStorage
+from xllm_py.utils.aio import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +259,7 @@ class KVTransferBackend(abc.ABC):
     async def _timed(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
         t = self.default_timeout_s if timeout is None else timeout
         try:
-            return await asyncio.wait_for(coro, t)
+            return await wait_for(coro, t)
         except asyncio.TimeoutError:
             raise TransferTimeout(f"{self.name}: {what} timed out after {t:.3g}s") from None
 
@@ -269,7 +270,7 @@ class KVTransferBackend(abc.ABC):
         t = self.default_timeout_s if timeout is None else timeout
         try:
             if num_blocks:
-                await asyncio.wait_for(impl(peer_addr, runs, t), t)
+                await wait_for(impl(peer_addr, runs, t), t)
         except Exception as e:
             err = self._failed(op, peer_addr, num_blocks, t, e)
             if not err.invalid_argument:  # (a refusal is an answer: the connection is fine, keep it)

@@ -9,6 +9,8 @@ from typing import Callable
 
 import grpc
 
+from xllm_py.utils.aio import wait_for
+
 
 class ChannelPool:
     def __init__(self) -> None:
@@ -106,7 +108,7 @@ class PipelinedStream:
                     self._call = None
                     call.cancel()
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            return await wait_for(asyncio.shield(fut), timeout)
         except StreamBroken as exc:
             if exc.unsupported:
                 self.unsupported = True

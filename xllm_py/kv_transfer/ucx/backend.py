@@ -46,12 +46,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from xllm_py.kv_transfer.base import (KVTransferBackend, LoopThread, Run, TransferError, TransferResult,
-                                      runs_to_ids, split_addr)
+from xllm_py.kv_transfer.base import (
+    KVTransferBackend,
+    LoopThread,
+    Run,
+    TransferError,
+    TransferResult,
+    runs_to_ids,
+    split_addr,
+)
 from xllm_py.kv_transfer.kv_storage import KVCacheMeta, KVCacheStorage, StagingPool, prefault_pages
 from xllm_py.kv_transfer.ucx import iov_protocol, shared_memory
 from xllm_py.kv_transfer.ucx.env import import_ucxx, iov_worker_config
 from xllm_py.kv_transfer.ucx.iov_worker import IovWorker
+from xllm_py.utils.aio import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +201,7 @@ class _Peer:
         for ep in (self.ctrl, self.data):
             try:
                 if ep is not None and not ep.closed:
-                    await asyncio.wait_for(ep.close(), timeout)
+                    await wait_for(ep.close(), timeout)
             except Exception as e:  # noqa: BLE001
                 logger.debug("ucx: graceful close failed (%s), aborting", e)
         self.abort()
@@ -358,18 +366,18 @@ class UcxKVTransferBackend(KVTransferBackend):
             if isinstance(checked, str):
                 await send_ctrl(peer.ctrl, {"ok": False, "error": checked}, tag=tag)
                 if op == "pull":
-                    await asyncio.wait_for(self._release_recvs(peer.data, tag, runs, req["mode"]), timeout)
+                    await wait_for(self._release_recvs(peer.data, tag, runs, req["mode"]), timeout)
                 return
             if op == "pull":
                 # status and data go out together: the requester pre-posted its receives
-                await asyncio.wait_for(asyncio.gather(send_ctrl(peer.ctrl, {"ok": True}, tag=tag),
+                await wait_for(asyncio.gather(send_ctrl(peer.ctrl, {"ok": True}, tag=tag),
                                                       self._send_blocks(peer.data, tag, runs, req["mode"], checked[0])),
                                        timeout)
             else:
                 recv = self._recv_blocks(peer.ctrl, tag, runs, req["mode"], checked[1])
                 task = asyncio.ensure_future(recv)
                 await send_ctrl(peer.ctrl, {"ok": True}, tag=tag)
-                await asyncio.wait_for(task, timeout)
+                await wait_for(task, timeout)
                 await send_ctrl(peer.ctrl, {"ok": True}, tag=tag)
             self._stats["served"] += 1
         except Exception as e:  # noqa: BLE001
