@@ -14,6 +14,13 @@ Decode stages:
   fail_remote_kvs: never decode on KV that did not arrive) -> decode steps, every token
   to the service through Generations. A request whose FirstGeneration never comes is
   dropped after `orphan_timeout_s` so its blocks cannot leak.
+Cancel (the service's, when the client is gone) never frees blocks that a transfer may
+still touch: prefill tells decode to drop the blocks it set aside, and frees its own at
+the hand-over hook if the first token was already being sampled; decode frees a request
+whose pull is running when the pull ends, and one waiting for its FirstGeneration (a
+PUSH may be writing into its blocks) when that comes or after `cancel_grace_s`. A
+FirstGeneration whose caller gives up (deadline, prefill gone) still lets its pulls end
+before the blocks are freed.
 Everything that touches the scheduler runs on the engine thread through engine.call.
 """
 from __future__ import annotations
@@ -72,6 +79,7 @@ class _DecodeState:
     new_block_ids: list[int]
     num_cached_tokens: int
     created: float = dataclasses.field(default_factory=time.monotonic)
+    cancelled_at: float | None = None  # the service cancelled it before its FirstGeneration
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +117,11 @@ class DisaggPDScheduler:
         self._dispatch_sem = asyncio.Semaphore(64)
         self._dispatcher: asyncio.Task | None = None
         self._reaper: asyncio.Task | None = None
+        self._pulling: set[str] = set()  # decode: requests whose KV pull is running
+        self._gone: set[str] = set()  # ... of which the service or the caller gave up
+        # decode: how long a request cancelled before its FirstGeneration keeps its blocks
+        # when no FirstGeneration comes (a push into them has ended by then)
+        self.cancel_grace_s = config.transfer.timeout_s + config.rpc_timeout_s
         self.num_transfer_failures = 0
         if self.role == InstanceRole.PREFILL:
             engine.on_remote_decode_update = self._on_prefill_update
@@ -126,10 +139,11 @@ class DisaggPDScheduler:
                 task.cancel()
         await self._channels.close()
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _pd_stub(self, addr: str) -> pb_grpc.DisaggPDServiceStub:
         return pb_grpc.DisaggPDServiceStub(self._channels.get(addr))
@@ -267,7 +281,9 @@ class DisaggPDScheduler:
         """Engine thread: a remote-decode request sampled its first token."""
         parent_id = upd.request_id.rpartition("#")[0]
         state = self._prefill.pop(parent_id, None)
-        if state is None:
+        if state is None:  # cancelled while this step ran: its abort finds nothing now
+            if upd.kv_held:
+                self.engine.scheduler.finish_sending(upd.request_id)
             return
         finished_here = delta is not None and delta.finish_reason is not None
         first = (delta.token_ids[0] if delta and delta.token_ids else None)
@@ -483,12 +499,15 @@ class DisaggPDScheduler:
                 continue
             k = len(generated)
             params = spec.params
-            if params.max_tokens is not None:
-                if params.max_tokens <= k:
-                    problems.append(f"{spec.request_id}: already generated max_tokens")
-                    continue
-                params = dataclasses.replace(params, max_tokens=params.max_tokens - (k - 1),
-                                             min_tokens=max(0, params.min_tokens - (k - 1)))
+            if params.max_tokens is not None and params.max_tokens <= k:
+                problems.append(f"{spec.request_id}: already generated max_tokens")
+                continue
+            # generated[-1] is our first output token: k - 1 of each budget are spent
+            # (min_tokens too when max_tokens is unset).
+            params = dataclasses.replace(
+                params, max_tokens=None if params.max_tokens is None
+                else params.max_tokens - (k - 1),
+                min_tokens=max(0, params.min_tokens - (k - 1)))
             prompt_len = len(spec.prompt_token_ids)
             if item.HasField("kv") and len(item.kv.block_ids):
                 ext = dataclasses.replace(spec, prompt_token_ids=spec.prompt_token_ids
@@ -522,7 +541,16 @@ class DisaggPDScheduler:
                          message="; ".join(problems))
 
     async def first_generation(self, msg: pb.DisaggGenerationsRequests) -> pb.Status:
-        results = await asyncio.gather(*(self._take_over(g) for g in msg.gens))
+        # The take-overs run in tasks of their own: a caller that gives up must not cut a
+        # pull short (its blocks would be freed while the transfer writes into them).
+        tasks = [self._spawn(self._take_over(g)) for g in msg.gens]
+        try:
+            results = await asyncio.shield(asyncio.gather(*tasks))
+        except asyncio.CancelledError:
+            for g in msg.gens:  # dropped once their pulls end; prefill reports the error
+                if g.req_id in self._pulling:
+                    self._gone.add(g.req_id)
+            raise
         bad = [m for m in results if m]
         return pb.Status(ok=not bad, message="; ".join(bad))
 
@@ -531,10 +559,11 @@ class DisaggPDScheduler:
         if state is None:
             return f"unknown request {gen.req_id}"
         child = child_id(gen.req_id, 0)
-        if gen.failed:
+        if gen.failed or state.cancelled_at is not None:
             await asyncio.wrap_future(self.engine.call(lambda: self._drop(gen.req_id, child)))
             return ""
         t0 = time.monotonic()
+        self._pulling.add(gen.req_id)
         try:
             if gen.kv_cache_transfer_mode != KVTransferMode.PUSH.value:
                 await self._pull(gen, state)
@@ -544,6 +573,15 @@ class DisaggPDScheduler:
             await asyncio.wrap_future(self.engine.call(
                 lambda: self._fail(gen.req_id, child, message)))
             return message
+        except BaseException:  # stopping: the blocks must not stay held
+            self.engine.call(lambda: self._fail(gen.req_id, child, "decode instance stopped"))
+            raise
+        finally:
+            self._pulling.discard(gen.req_id)
+        if gen.req_id in self._gone:
+            self._gone.discard(gen.req_id)
+            await asyncio.wrap_future(self.engine.call(lambda: self._drop(gen.req_id, child)))
+            return f"request {gen.req_id} was cancelled during its KV transfer"
         tokens = [t.token_id for t in gen.tokens]
         lps = [TokenLogprob(t.token_id, t.logprob, list(zip(t.top_tokens, t.top_logprobs)))
                if t.has_logprob else None for t in gen.tokens]
@@ -598,20 +636,50 @@ class DisaggPDScheduler:
     async def _reap_orphans(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            now = time.monotonic()
-            stale = [rid for rid, st in self._decode.items()
-                     if now - st.created > self.orphan_timeout_s]
-            for rid in stale:
-                self._decode.pop(rid, None)
-                logger.warning("request %s: no FirstGeneration within %.0fs; freeing its blocks",
-                               rid, self.orphan_timeout_s)
-                self.engine.call(lambda rid=rid: self._fail(
-                    rid, child_id(rid, 0), "prefill instance never handed the request over"))
+            self.reap_orphans(time.monotonic())
 
-    def forget(self, request_id: str) -> None:
-        """The request was cancelled: drop its PD bookkeeping (the engine frees its blocks)."""
-        self._prefill.pop(request_id, None)
-        self._decode.pop(request_id, None)
+    def reap_orphans(self, now: float) -> list[str]:
+        """Decode: free the requests whose FirstGeneration never came (cancelled ones
+        after cancel_grace_s). Returns their ids."""
+        stale = [rid for rid, st in self._decode.items()
+                 if now - st.created > self.orphan_timeout_s or (
+                     st.cancelled_at is not None and now - st.cancelled_at > self.cancel_grace_s)]
+        for rid in stale:
+            if self._decode.pop(rid).cancelled_at is not None:
+                self.engine.call(lambda rid=rid: self._drop(rid, child_id(rid, 0)))
+                continue
+            logger.warning("request %s: no FirstGeneration within %.0fs; freeing its blocks",
+                           rid, self.orphan_timeout_s)
+            self.engine.call(lambda rid=rid: self._fail(
+                rid, child_id(rid, 0), "prefill instance never handed the request over"))
+        return stale
+
+    def cancel(self, request_id: str) -> bool:
+        """The service cancelled the request. True: its blocks are freed here once no
+        transfer can touch them; False: the engine may abort it now."""
+        state = self._prefill.pop(request_id, None)
+        if state is not None:  # not handed over yet: decode drops the blocks it set aside
+            self._spawn(self._tell_decode_to_drop(state))
+            return False
+        if request_id in self._pulling:
+            self._gone.add(request_id)
+            return True
+        waiting = self._decode.get(request_id)
+        if waiting is not None:  # a PUSH may be writing into its blocks right now
+            if waiting.cancelled_at is None:
+                waiting.cancelled_at = time.monotonic()
+            return True
+        return False
+
+    async def _tell_decode_to_drop(self, state: _PrefillState) -> None:
+        gen = pb.DisaggGenerationsRequest(req_id=state.spec.request_id, failed=True,
+                                          status_msg="cancelled", prefill_name=self.meta.name)
+        try:
+            await self._pd_stub(state.decode.rpc_address).FirstGeneration(
+                pb.DisaggGenerationsRequests(gens=[gen]), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:  # decode's reaper frees them in the end
+            logger.info("could not tell %s to drop cancelled request %s: %s",
+                        state.decode.name, state.spec.request_id, exc.code().name)
 
     def metrics_text(self) -> str:
         name = "xllm_pd_transfer_failures_total"

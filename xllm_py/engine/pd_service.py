@@ -74,9 +74,8 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         return pb.Status(ok=True, code=200)
 
     async def Cancel(self, request: pb.PullSignal, context) -> pb.Status:
-        self.engine.abort(request.req_id)
-        if self.pd is not None:
-            self.pd.forget(request.req_id)
+        if self.pd is None or not self.pd.cancel(request.req_id):
+            self.engine.abort(request.req_id)
         return pb.Status(ok=True, code=200)
 
     async def AddNewRequests(self, request: pb.DisaggRequests, context) -> pb.DisaggResponses:
