@@ -7,8 +7,9 @@ Stages of one client request:
   another instance when the RPC itself fails) -> Generations arrive (first token from
   prefill, the rest from decode; decode outputs wait until prefill's first one is in) ->
   merged RequestOutputs to the client -> finished, failed (engine error, instance
-  evicted, idle timeout) or cancelled (client gone: the next Generations reply says
-  ok=false for it and the engine frees its blocks).
+  evicted: on a PD pair the prefill only until decode's first output is relayed, idle
+  timeout) or cancelled (client gone: the next Generations reply says ok=false for it
+  and the engine frees its blocks).
 """
 from __future__ import annotations
 
@@ -233,12 +234,28 @@ class ServiceBackend:
                 self._deliver(sub, out)
                 for held in sub.held:
                     self._deliver(sub, held)
+                if sub.held:
+                    self._release_prefill(sub)
                 sub.held.clear()
             elif sub.first_seen:
                 self._deliver(sub, out)
+                self._release_prefill(sub)
             else:
                 sub.held.append(out)
         return reply
+
+    def _release_prefill(self, sub: _Sub) -> None:
+        """PD: the request no longer depends on its prefill instance, so that instance's
+        eviction must not fail it. Called once the service holds both prefill's first
+        token and a decode output: a decode output means decode has the KV and is
+        generating. A decode output alone (held, prefill's token not in yet) is not enough:
+        the first token can only come from prefill, so if prefill dies the request must
+        fail now rather than wait for the idle timeout. `inflight(prefill)` stops counting
+        it; `sub.route` keeps both names, so Cancel and the outcome counters still go to
+        both instances."""
+        prefill, decode = sub.route.target.name, sub.route.decode.name
+        if prefill != decode:
+            self._by_instance.get(prefill, set()).discard(sub.engine_request_id)
 
     def _deliver(self, sub: _Sub, out: RequestOutput) -> None:
         if sub.finished:
@@ -248,7 +265,8 @@ class ServiceBackend:
         sub.queue.put_nowait((sub, out))
 
     def on_evict(self, info: InstanceInfo) -> None:
-        """An instance is gone: its in-flight requests end with an error now."""
+        """An instance is gone: the requests that still depend on it (`_by_instance`, see
+        `_release_prefill`) end with an error now."""
         for engine_id in list(self._by_instance.pop(info.name, ())):
             sub = self._subs.get(engine_id)
             if sub is None or sub.finished:
