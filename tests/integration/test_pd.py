@@ -114,6 +114,24 @@ def test_n_stop_and_chat_equal_mix(pd):
     assert one.usage.completion_tokens == 1
 
 
+
+def test_min_tokens_pd_equals_mix(pd):
+    """min_tokens reaches prefill and decode: the first token (sampled on prefill) is a
+    stop token but must not end the request, and decode counts it towards min_tokens."""
+    h, svc, prefill, decode, mix, mode = pd
+    via_pd, ref = client(svc), client(mix)
+    greedy = ref.completions.create(**_kwargs("Once upon a time")).choices[0] \
+        .model_extra["token_ids"]
+    stop = {"stop_token_ids": greedy[:6]}
+    early = via_pd.completions.create(**_kwargs("Once upon a time", extra_body=stop))
+    assert early.usage.completion_tokens == 1  # finished on prefill
+    body = {**stop, "min_tokens": 6}
+    a = via_pd.completions.create(**_kwargs("Once upon a time", extra_body=body))
+    b = ref.completions.create(**_kwargs("Once upon a time", extra_body=body))
+    assert a.usage.completion_tokens == b.usage.completion_tokens == 6
+    assert a.choices[0].model_extra["token_ids"] == b.choices[0].model_extra["token_ids"]
+    assert a.choices[0].finish_reason == b.choices[0].finish_reason == "stop"
+
 async def test_64_concurrent_streams_and_pools_drain(pd):
     h, svc, prefill, decode, mix, mode = pd
     c = aclient(svc)

@@ -69,6 +69,25 @@ def test_greedy_through_service_equals_engine(cluster):
         client(engines[1]).chat.completions.create(**chat).choices[0].message.content
 
 
+
+def test_min_tokens_through_service(cluster):
+    """min_tokens reaches the engine over gRPC: stop tokens (here every token greedy makes
+    first) end generation no earlier than min_tokens, exactly as on a standalone engine."""
+    h, svc, engines = cluster
+    via_service, direct = client(svc), client(engines[0])
+    kwargs = dict(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0)
+    greedy = direct.completions.create(**kwargs, extra_body={
+        "ignore_eos": True, "return_token_ids": True}).choices[0].model_extra["token_ids"]
+    body = {"ignore_eos": True, "return_token_ids": True, "stop_token_ids": greedy[:6]}
+    early = via_service.completions.create(**kwargs, extra_body=body)
+    assert early.usage.completion_tokens == 1  # the stop condition alone ends at once
+    body["min_tokens"] = 6
+    a = via_service.completions.create(**kwargs, extra_body=body)
+    b = direct.completions.create(**kwargs, extra_body=body)
+    assert a.usage.completion_tokens == b.usage.completion_tokens == 6
+    assert a.choices[0].model_extra["token_ids"] == b.choices[0].model_extra["token_ids"]
+    assert a.choices[0].finish_reason == b.choices[0].finish_reason == "stop"
+
 async def test_fifty_concurrent_streams(cluster):
     h, svc, engines = cluster
     c = aclient(svc)

@@ -44,3 +44,44 @@ def test_services_expose_xllm_rpcs():
     assert set(services["WorkerService"].methods_by_name) >= {
         "PullKVCache", "LinkCluster", "UnlinkCluster", "GetCacheInfo",
     }
+
+
+# A valid value other than the default for every SamplingParams field (floats exact in
+# float32). A field missing here fails test_every_sampling_param_survives_the_wire.
+_NON_DEFAULT = {
+    "n": 2, "best_of": 3, "temperature": 0.5, "top_p": 0.75, "top_k": 7, "min_p": 0.125,
+    "frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.5,
+    "seed": 1234, "max_tokens": 40, "min_tokens": 5, "stop": ["END", "\n\n"],
+    "stop_token_ids": [3, 9], "ignore_eos": True, "logprobs": 4, "prompt_logprobs": 0,
+    "echo": True, "skip_special_tokens": False, "include_stop_str_in_output": True,
+    "eos_token_ids": [2, 11],
+}
+
+
+def _round_trip(params):
+    from xllm_py.proto import xllm_pb2
+    from xllm_py.rpc.convert import EngineRequestSpec, spec_from_proto, spec_to_proto
+
+    spec = EngineRequestSpec(request_id="r1", service_request_id="s1",
+                             prompt_token_ids=[1, 2, 3], params=params)
+    wire = spec_to_proto(spec).SerializeToString()
+    return spec_from_proto(xllm_pb2.DisaggRequest.FromString(wire)).params
+
+
+def test_every_sampling_param_survives_the_wire():
+    import dataclasses
+
+    from xllm_py.sampling_params import SamplingParams
+
+    default = SamplingParams()
+    fields = [f.name for f in dataclasses.fields(SamplingParams)]
+    assert set(_NON_DEFAULT) == set(fields), "give the new SamplingParams field a value here"
+    assert _round_trip(default) == default
+    for name in fields:  # one field at a time: the others keep their defaults
+        value = _NON_DEFAULT[name]
+        assert value != getattr(default, name), name
+        extra = {"n": 2} if name == "best_of" else {}
+        params = SamplingParams(**{name: value}, **extra)
+        assert getattr(_round_trip(params), name) == value, f"{name} is dropped by convert.py"
+    everything = SamplingParams(**_NON_DEFAULT)
+    assert _round_trip(everything) == everything

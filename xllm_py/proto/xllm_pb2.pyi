@@ -163,7 +163,7 @@ class RoutingInfo(_message.Message):
     def __init__(self, prefill_name: _Optional[str] = ..., decode_name: _Optional[str] = ...) -> None: ...
 
 class DisaggRequest(_message.Message):
-    __slots__ = ("req_id", "service_req_id", "tokens_num", "prompt", "prompt_tokens", "stream", "x_request_id", "x_request_time", "max_tokens", "max_context_len", "seq_capacity", "ignore_eos", "eos_token_id", "stop_token_ids", "stop_sequences", "n", "best_of", "frequency_penalty", "presence_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "logprobs", "top_logprobs", "echo", "skip_special_tokens", "offline", "priority", "ttft_slo", "tpot_slo", "source_xservice_addr", "min_p", "has_seed", "seed", "routing", "eos_token_ids", "include_stop_str_in_output", "schema_version", "has_temperature", "prompt_logprobs")
+    __slots__ = ("req_id", "service_req_id", "tokens_num", "prompt", "prompt_tokens", "stream", "x_request_id", "x_request_time", "max_tokens", "max_context_len", "seq_capacity", "ignore_eos", "eos_token_id", "stop_token_ids", "stop_sequences", "n", "best_of", "frequency_penalty", "presence_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "logprobs", "top_logprobs", "echo", "skip_special_tokens", "offline", "priority", "ttft_slo", "tpot_slo", "source_xservice_addr", "min_p", "has_seed", "seed", "routing", "eos_token_ids", "include_stop_str_in_output", "schema_version", "has_temperature", "prompt_logprobs", "min_tokens", "has_prompt_logprobs")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     SERVICE_REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_NUM_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,8 @@ class DisaggRequest(_message.Message):
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     HAS_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     service_req_id: str
     tokens_num: int
@@ -246,7 +248,9 @@ class DisaggRequest(_message.Message):
     schema_version: int
     has_temperature: bool
     prompt_logprobs: int
-    def __init__(self, req_id: _Optional[str] = ..., service_req_id: _Optional[str] = ..., tokens_num: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., stream: _Optional[bool] = ..., x_request_id: _Optional[str] = ..., x_request_time: _Optional[str] = ..., max_tokens: _Optional[int] = ..., max_context_len: _Optional[int] = ..., seq_capacity: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., eos_token_id: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_sequences: _Optional[_Iterable[_Union[StopSequence, _Mapping]]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., offline: _Optional[bool] = ..., priority: _Optional[int] = ..., ttft_slo: _Optional[int] = ..., tpot_slo: _Optional[int] = ..., source_xservice_addr: _Optional[str] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., routing: _Optional[_Union[RoutingInfo, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., schema_version: _Optional[int] = ..., has_temperature: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    min_tokens: int
+    has_prompt_logprobs: bool
+    def __init__(self, req_id: _Optional[str] = ..., service_req_id: _Optional[str] = ..., tokens_num: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., stream: _Optional[bool] = ..., x_request_id: _Optional[str] = ..., x_request_time: _Optional[str] = ..., max_tokens: _Optional[int] = ..., max_context_len: _Optional[int] = ..., seq_capacity: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., eos_token_id: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_sequences: _Optional[_Iterable[_Union[StopSequence, _Mapping]]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., offline: _Optional[bool] = ..., priority: _Optional[int] = ..., ttft_slo: _Optional[int] = ..., tpot_slo: _Optional[int] = ..., source_xservice_addr: _Optional[str] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., routing: _Optional[_Union[RoutingInfo, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., schema_version: _Optional[int] = ..., has_temperature: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
     __slots__ = ("cluster_ids", "addrs", "ports", "dp_size", "worker_rpc_addrs")

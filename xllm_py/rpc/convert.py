@@ -1,7 +1,9 @@
 """proto <-> domain conversions at the gRPC boundary (no pb2 objects beyond this module).
 
 Proto3 scalars have no "unset": zero means "default" for top_p, repetition_penalty and
-max_tokens; temperature and seed carry explicit has_* flags.
+max_tokens; temperature, seed and prompt_logprobs carry explicit has_* flags.
+tests/unit/test_protos.py round-trips every SamplingParams field, so a new field that is
+not carried here fails there.
 """
 from __future__ import annotations
 
@@ -45,12 +47,17 @@ def params_to_proto(params: SamplingParams, msg: pb.DisaggRequest) -> None:
         msg.has_seed = True
         msg.seed = params.seed
     msg.max_tokens = params.max_tokens or 0
+    msg.min_tokens = params.min_tokens
     msg.ignore_eos = params.ignore_eos
     msg.stop_token_ids.extend(params.stop_token_ids or [])
     for s in params.stop or []:
         msg.stop_sequences.add(text=s)
     msg.logprobs = params.logprobs is not None
     msg.top_logprobs = params.logprobs or 0
+    if params.prompt_logprobs is not None:
+        msg.has_prompt_logprobs = True
+        msg.prompt_logprobs = params.prompt_logprobs
+    msg.echo = params.echo
     msg.skip_special_tokens = params.skip_special_tokens
     msg.include_stop_str_in_output = params.include_stop_str_in_output
     msg.eos_token_ids.extend(params.eos_token_ids or [])
@@ -70,10 +77,13 @@ def params_from_proto(msg: pb.DisaggRequest) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty if msg.repetition_penalty > 0 else 1.0,
         seed=msg.seed if msg.has_seed else None,
         max_tokens=msg.max_tokens or None,
+        min_tokens=msg.min_tokens,
         stop=[s.text for s in msg.stop_sequences if s.text],
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.top_logprobs if msg.logprobs else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.has_prompt_logprobs else None,
+        echo=msg.echo,
         skip_special_tokens=msg.skip_special_tokens,
         include_stop_str_in_output=msg.include_stop_str_in_output,
     )
