@@ -16,6 +16,7 @@ import grpc
 from xllm_py.cluster.etcd_client import instance_key
 from xllm_py.cluster.instance_agent import InstanceAgent, LoadReport
 from xllm_py.cluster.instance_meta import InstanceMeta
+from xllm_py.cluster.meta_cache import MetaCache
 from xllm_py.config import EngineConfig, InstanceRole, advertised_host, etcd_credentials_from_env
 from xllm_py.engine.disagg_scheduler import DisaggPDScheduler
 from xllm_py.engine.generations_reporter import GenerationsReporter
@@ -46,6 +47,7 @@ class ClusterNode:
         self.worker = None
         self._server: grpc.aio.Server | None = None
         self._channels = ChannelPool()
+        self.metas = MetaCache(self._fetch_meta)
 
     async def start(self) -> None:
         cfg = self.config
@@ -90,7 +92,7 @@ class ClusterNode:
         self.meta = self.agent.meta  # with its incarnation id
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
             self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter,
-                                        self._resolve_meta, self._list_decodes, worker_addr)
+                                        self.metas.get, self._list_decodes, worker_addr)
             self.pd.start()
             servicer.pd = self.pd
             self.backend.extra_metrics.append(self.pd.metrics_text)
@@ -114,7 +116,7 @@ class ClusterNode:
                           recent_max_ttft_ms=int(self.engine.recent_max_ttft_ms),
                           recent_max_tbt_ms=int(self.engine.recent_max_tbt_ms))
 
-    async def _resolve_meta(self, name: str) -> InstanceMeta | None:
+    async def _fetch_meta(self, name: str) -> InstanceMeta | None:
         for role in (InstanceRole.DECODE, InstanceRole.PREFILL, InstanceRole.MIX):
             kv = await self.agent.etcd.get(instance_key(role, name))
             if kv is not None:

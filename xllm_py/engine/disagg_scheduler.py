@@ -227,8 +227,9 @@ class DisaggPDScheduler:
         raise PDError(503, last_error)
 
     async def _link(self, decode: InstanceMeta) -> None:
-        if decode.name in self._linked:
-            return
+        linked = self._linked.get(decode.name)
+        if linked is not None and linked.incarnation_id == decode.incarnation_id:
+            return  # a restarted decode (same name, new incarnation) is linked afresh
         problems = self.meta.compatibility_problems(decode)
         if problems:
             raise PDError(412, f"decode {decode.name} is incompatible: " + "; ".join(problems))

@@ -1,5 +1,5 @@
 """DisaggPDScheduler on a real engine: a cancel never frees blocks a KV transfer may still
-touch, and never leaves blocks held for good.
+touch, and never leaves blocks held for good; a restarted decode is linked afresh.
 
 The peers are left out: the KV transfer is the scheduler's own `_worker_transfer`,
 replaced by one the test opens and closes, and the decode a prefill would notify sits
@@ -204,3 +204,30 @@ async def test_decode_take_over_then_cancel_is_the_engines(node, monkeypatch):
     assert pd.cancel("r1") is False  # decoding: the engine aborts it and frees its blocks
     engine.abort("r1")
     await _until_free(engine)
+
+
+# ---------------------------------------------------------------------------- linking
+class _LinkStub:
+    def __init__(self) -> None:
+        self.links: list[str] = []
+
+    async def LinkInstance(self, info, timeout=None):
+        assert timeout is not None
+        self.links.append(info.instance_name)
+        return pb.Status(ok=True)
+
+
+@pytest.mark.parametrize("node", [InstanceRole.PREFILL], indirect=True)
+async def test_prefill_links_each_decode_incarnation_once(node, monkeypatch):
+    engine, pd = node
+    stub = _LinkStub()
+    monkeypatch.setattr(pd, "_pd_stub", lambda addr: stub)
+    first = InstanceMeta(name="decode:1", type=InstanceRole.DECODE, block_size=16,
+                         incarnation_id="a")
+    await pd._link(first)
+    await pd._link(first)
+    assert len(stub.links) == 1
+    restarted = InstanceMeta(name="decode:1", type=InstanceRole.DECODE, block_size=16,
+                             incarnation_id="b")
+    await pd._link(restarted)
+    assert len(stub.links) == 2
