@@ -72,6 +72,21 @@ async def test_multi_generations_continues_like_mix(etcd_server, tmp_path):
             assert continued == ref_ids[8:]
             assert gens[-1].usage.num_prompt_tokens == len(prompt_ids)
             assert gens[-1].usage.num_generated_tokens == 24
+            # min_tokens counts the tokens generated elsewhere, also without max_tokens:
+            # 12 in all, then the first stop token (all of the first 12 greedy ones).
+            req2 = pb.DisaggRequest()
+            req2.CopyFrom(req)
+            req2.req_id = req2.service_req_id = "mig-2"
+            req2.max_tokens, req2.min_tokens = 0, 12
+            req2.stop_token_ids.extend(ref_ids[:12])
+            item2 = pb.MultiGenerationsRequest(request=req2, generated_token_ids=ref_ids[:8])
+            status = await stub.MultiGenerations(pb.MultiGenerationsRequests(reqs=[item2]),
+                                                 timeout=10)
+            assert status.ok
+            await asyncio.wait_for(
+                collector.done.setdefault("mig-2", asyncio.Event()).wait(), 30)
+            gens = collector.gens["mig-2"]
+            assert [t for g in gens for o in g.outputs for t in o.token_ids] == ref_ids[8:12]
             # Bad input: a clear INVALID_ARGUMENT.
             bad = pb.MultiGenerationsRequest(request=req)
             with pytest.raises(grpc.aio.AioRpcError) as e:
