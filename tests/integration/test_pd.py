@@ -163,3 +163,28 @@ async def test_dropped_stream_frees_both_pools(pd):
     h, svc, prefill, decode, mix, mode = pd
     await drop_stream_after_first_chunk(svc.http_url, prompt="alpha beta " * 20)
     await wait_drained([prefill.http_url, decode.http_url])
+
+
+async def test_clients_hanging_up_at_any_stage_free_both_pools(pd):
+    """Clients hang up at staggered times: before dispatch, during prefill, during the
+    hand-over and during decode. Whatever the stage, both pools end empty and the pair
+    serves the next request."""
+    h, svc, prefill, decode, mix, mode = pd
+
+    async def hang_up_after(delay_s: float, i: int) -> None:
+        async with httpx.AsyncClient(base_url=svc.http_url, timeout=30, trust_env=False) as http:
+            async def read() -> None:
+                async with http.stream("POST", "/v1/completions", json={
+                        "model": "tiny", "prompt": f"{WORDS[i % len(WORDS)]} " * (20 + 9 * i),
+                        "max_tokens": 400, "stream": True, "ignore_eos": True}) as resp:
+                    async for _ in resp.aiter_lines():
+                        pass
+            try:
+                await asyncio.wait_for(read(), delay_s)
+            except asyncio.TimeoutError:
+                pass  # the connection closes with the client
+
+    await asyncio.gather(*(hang_up_after(0.005 * (i * i % 41), i) for i in range(24)))
+    await wait_drained([prefill.http_url, decode.http_url], timeout_s=15.0)
+    out = client(svc).completions.create(**_kwargs("alpha beta gamma", max_tokens=4))
+    assert out.usage.completion_tokens == 4
