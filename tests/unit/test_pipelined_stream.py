@@ -1,5 +1,6 @@
 """PipelinedStream over a real in-process gRPC server: ordered replies for pipelined
-requests, UNIMPLEMENTED detected (fallback to unary), a dead stream fails pending calls."""
+requests, UNIMPLEMENTED detected (fallback to unary), a dead stream fails pending calls,
+a stream that misses a reply deadline is replaced."""
 from __future__ import annotations
 
 import asyncio
@@ -82,3 +83,32 @@ async def test_dead_peer_fails_pending_requests():
             finally:
                 await stream.close()
                 await server2.stop(0)
+
+
+async def test_a_stream_that_missed_a_deadline_is_replaced():
+    class FirstStreamHangs(pb_grpc.XllmRpcServiceServicer):
+        streams = 0
+
+        async def GenerationsStream(self, request_iterator, context):
+            FirstStreamHangs.streams += 1
+            hang = FirstStreamHangs.streams == 1
+            async for msg in request_iterator:
+                if hang:
+                    await asyncio.sleep(30)
+                yield pb.StatusSet(all_status=[pb.Status(ok=True, message=msg.instance_name)])
+
+    server, addr = await start(FirstStreamHangs())
+    async with grpc.aio.insecure_channel(addr) as ch:
+        stub = pb_grpc.XllmRpcServiceStub(ch)
+        stream = PipelinedStream(lambda: stub.GenerationsStream())
+        behind = asyncio.ensure_future(
+            stream.request(pb.DisaggStreamGenerations(instance_name="b"), timeout=10))
+        with pytest.raises(asyncio.TimeoutError):
+            await stream.request(pb.DisaggStreamGenerations(instance_name="a"), timeout=0.3)
+        with pytest.raises(StreamBroken) as e:  # queued behind it on the dead stream
+            await asyncio.wait_for(behind, 5)
+        assert e.value.maybe_delivered
+        reply = await stream.request(pb.DisaggStreamGenerations(instance_name="c"), timeout=5)
+        assert reply.all_status[0].message == "c" and FirstStreamHangs.streams == 2
+        await stream.close()
+    await server.stop(0)

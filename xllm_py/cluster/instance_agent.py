@@ -25,6 +25,7 @@ from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError, Lease
 from xllm_py.cluster.instance_meta import InstanceMeta, new_incarnation_id, now_ms
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
 from xllm_py.utils.aio import cancel_and_wait
+from xllm_py.utils.grpc_channels import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class InstanceAgent:
         if self._channel is None or self._channel_addr != addr:
             if self._channel is not None:
                 asyncio.ensure_future(self._channel.close())
-            self._channel = grpc.aio.insecure_channel(addr)
+            self._channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
             self._channel_addr = addr
         return xllm_pb2_grpc.XllmRpcServiceStub(self._channel)
 

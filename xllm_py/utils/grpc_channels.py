@@ -12,6 +12,19 @@ import grpc
 from xllm_py.utils.aio import wait_for
 
 
+# HTTP/2 keepalive on every channel: a peer that vanished without a TCP reset (host down,
+# partition) is noticed within ~keepalive time + timeout while a long-lived stream is open,
+# instead of when TCP gives up. Our servers accept these pings (grpc_server.SERVER_OPTIONS).
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
 class ChannelPool:
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -19,7 +32,7 @@ class ChannelPool:
     def get(self, addr: str) -> grpc.aio.Channel:
         channel = self._channels.get(addr)
         if channel is None:
-            channel = grpc.aio.insecure_channel(addr)
+            channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
             self._channels[addr] = channel
         return channel
 
@@ -109,6 +122,15 @@ class PipelinedStream:
                     call.cancel()
         try:
             return await wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            # A stream that missed a reply deadline is reset (its pending requests fail as
+            # maybe delivered): a peer gone without a reset (a partition) would otherwise
+            # make every later request wait out its own deadline on it.
+            fut.cancel()
+            if self._call is call:
+                self._call = None
+                call.cancel()
+            raise
         except StreamBroken as exc:
             if exc.unsupported:
                 self.unsupported = True

@@ -7,10 +7,19 @@ from typing import Any, Callable
 import grpc
 
 
+# Accept the clients' keepalive pings (grpc_channels.CHANNEL_OPTIONS); by default a server
+# answers pings more frequent than every 5 minutes with GOAWAY (too_many_pings).
+SERVER_OPTIONS = (
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+
 async def start_grpc_server(add_servicer: Callable[[Any, grpc.aio.Server], None], servicer: Any,
                             host: str, port: int, what: str) -> tuple[grpc.aio.Server, int]:
     """Returns (started server, bound port). Stop it with `await server.stop(grace)`."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
