@@ -6,10 +6,35 @@ Stages of one client request:
   single-sequence sub-requests with seed + i) -> Generate RPC to the engine (retried on
   another instance when the RPC itself fails) -> Generations arrive (first token from
   prefill, the rest from decode; decode outputs wait until prefill's first one is in) ->
-  merged RequestOutputs to the client -> finished, failed (engine error, instance
-  evicted: on a PD pair the prefill only until decode's first output is relayed, idle
-  timeout) or cancelled (client gone: the next Generations reply says ok=false for it
-  and the engine frees its blocks).
+  merged RequestOutputs to the client -> finished, migrated (below), failed (engine
+  error, instance evicted: on a PD pair the prefill only until decode's first output is
+  relayed, idle timeout) or cancelled (client gone: the next Generations reply says
+  ok=false for it and the engine frees its blocks).
+
+Migration off an evicted decode. A PD sub-request is single-sequence, so the service
+knows its generated token ids: the ones it relayed to the client (`_Sub.generated`).
+Once decode has taken the sub over (prefill's first token and a decode output relayed,
+`_Sub.on_decode`), the eviction of that decode does not fail it:
+  1. pick another DECODE through `Router.route_decode` (the dead one excluded);
+  2. re-key the sub under a fresh engine request id (`_subs`, `_by_instance`) and point
+     its route's decode at the new instance, so Cancel goes there, and a decode that lost
+     its lease but still runs gets ok=false for its late outputs under the old id and
+     aborts: no token reaches the client twice, none is lost (outputs dropped that way
+     were never relayed, so they are not in `generated` and the new decode makes them);
+  3. MultiGenerations(original spec under the new id, generated ids, no KV) to it, with
+     the RPC deadline: the decode recomputes the KV of prompt + generated and resumes
+     after the last generated token; max_tokens/min_tokens are counted there from the
+     k generated tokens, usage includes them, and text continues with prompt + generated
+     as detokenizer context. prompt_logprobs and echo are dropped: the client already
+     got them with the first output.
+The client's stream pauses (lease TTL + eviction grace + recompute) and continues; a
+greedy request ends with the tokens an uninterrupted run gives (a seeded sampled one
+continues, but its random stream restarts). When no other decode is registered, the
+sub had already generated max_tokens (its last output was lost), or MultiGenerations
+fails or refuses, the request fails with a 503 that says why. Outcomes are counted in
+`xllm_service_migrations_total{outcome="ok"|"failed"}` ("ok": the new decode accepted
+it). A sub re-keyed again (its new decode evicted during the RPC) ignores the stale
+RPC's answer. MIX requests and PD requests not yet on decode still fail with a 503.
 """
 from __future__ import annotations
 
@@ -17,6 +42,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import time
 import uuid
 from typing import AsyncIterator
 
@@ -43,10 +69,22 @@ class _Sub:
     index_offset: int  # its sequence indices are shifted by this (PD n-split)
     route: Route
     queue: asyncio.Queue
+    spec: EngineRequestSpec | None = None  # what the engine got (migration resends it)
     first_seen: bool = False  # PD: prefill's first output arrived
     held: list = dataclasses.field(default_factory=list)  # decode outputs before that
+    on_decode: bool = False  # PD: a decode output was relayed (decode took it over)
+    generated: list[int] = dataclasses.field(default_factory=list)  # PD: relayed token ids
     finished: bool = False
     cancelled: bool = False
+
+
+def _engine_id(request_id: str, offset: int) -> str:
+    return f"{request_id}-{offset}-{uuid.uuid4().hex[:8]}"
+
+
+def _base_id(sub: _Sub) -> str:
+    """The client request id that `_engine_id` made `sub.engine_request_id` from."""
+    return sub.engine_request_id.rsplit("-", 2)[0]
 
 
 class ServiceBackend:
@@ -65,8 +103,9 @@ class ServiceBackend:
         self._by_instance: dict[str, set[str]] = collections.defaultdict(set)
         self._channels = ChannelPool()
         self._gen_streams: dict[str, PipelinedStream] = {}
-        self._cancels: set[asyncio.Task] = set()  # referenced until done
+        self._tasks: set[asyncio.Task] = set()  # Cancel and migration RPCs, until done
         self.outcomes: collections.Counter = collections.Counter()
+        self.migrations: collections.Counter = collections.Counter()  # "ok" / "failed"
         # (instance, outcome) -> requests; an instance counts every request it served
         self.instance_outcomes: collections.Counter = collections.Counter()
 
@@ -120,11 +159,7 @@ class ServiceBackend:
         while True:
             # A fresh id per attempt: a late copy of a failed attempt is unknown here, so
             # its first Generations gets ok=false and the engine drops it.
-            engine_id = f"{req.request_id}-{offset}-{uuid.uuid4().hex[:8]}"
-            sub = _Sub(engine_id, offset, route, queue)
-            self._subs[engine_id] = sub
-            for name in route.instance_names:
-                self._by_instance[name].add(engine_id)
+            engine_id = _engine_id(req.request_id, offset)
             spec = EngineRequestSpec(
                 request_id=engine_id, service_request_id=engine_id,
                 prompt_token_ids=list(req.prompt_token_ids), params=params,
@@ -132,6 +167,10 @@ class ServiceBackend:
                 source_xservice_addr=self.my_rpc_addr,
                 prefill_name=route.target.name if route.is_pd else "",
                 decode_name=route.decode.name if route.is_pd else "")
+            sub = _Sub(engine_id, offset, route, queue, spec)
+            self._subs[engine_id] = sub
+            for name in route.instance_names:
+                self._by_instance[name].add(engine_id)
             try:
                 status = await self._send_generate(route.target.meta.rpc_address,
                                                    spec_to_proto(spec))
@@ -178,7 +217,7 @@ class ServiceBackend:
                      queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """Merge the sub-requests' outputs into one stream with global choice indices."""
         remaining = len(subs)
-        generated = {s.engine_request_id: 0 for s in subs}
+        generated = {s.index_offset: 0 for s in subs}  # engine ids change on migration
         prompt_sent = False
         while remaining:
             try:
@@ -195,7 +234,7 @@ class ServiceBackend:
                                     num_prompt_tokens=out.num_prompt_tokens,
                                     error_code=out.error_code, error_message=out.error_message)
                 return
-            generated[sub.engine_request_id] = out.num_generated_tokens
+            generated[sub.index_offset] = out.num_generated_tokens
             if out.finished:
                 remaining -= 1
                 if remaining == 0:
@@ -253,6 +292,7 @@ class ServiceBackend:
         fail now rather than wait for the idle timeout. `inflight(prefill)` stops counting
         it; `sub.route` keeps both names, so Cancel and the outcome counters still go to
         both instances."""
+        sub.on_decode = True
         prefill, decode = sub.route.target.name, sub.route.decode.name
         if prefill != decode:
             self._by_instance.get(prefill, set()).discard(sub.engine_request_id)
@@ -262,19 +302,80 @@ class ServiceBackend:
             return
         if out.finished:
             sub.finished = True
+        if sub.route.is_pd and out.outputs:  # single-sequence
+            sub.generated.extend(out.outputs[0].token_ids)
         sub.queue.put_nowait((sub, out))
 
     def on_evict(self, info: InstanceInfo) -> None:
         """An instance is gone: the requests that still depend on it (`_by_instance`, see
-        `_release_prefill`) end with an error now."""
+        `_release_prefill`) move to another decode if the dead one had taken them over
+        (see the module docstring), else end with an error now."""
         for engine_id in list(self._by_instance.pop(info.name, ())):
             sub = self._subs.get(engine_id)
             if sub is None or sub.finished:
                 continue
+            if sub.on_decode and sub.route.decode.name == info.name and sub.generated:
+                self._migrate(sub, info.name)
+                continue
             logger.warning("instance %s evicted: failing request %s", info.name, engine_id)
-            self._deliver(sub, RequestOutput(
-                request_id=engine_id, finished=True, error_code=503,
-                error_message=f"instance {info.name} left the cluster while serving the request"))
+            self._fail(sub, f"instance {info.name} left the cluster while serving the request")
+
+    def _fail(self, sub: _Sub, message: str) -> None:
+        self._deliver(sub, RequestOutput(request_id=sub.engine_request_id, finished=True,
+                                         error_code=503, error_message=message))
+
+    def _migrate(self, sub: _Sub, dead: str) -> None:
+        """Re-key `sub` and hand it to another decode with MultiGenerations (async)."""
+        spec, k = sub.spec, len(sub.generated)
+        why = f"instance {dead} left the cluster while serving the request"
+        target, reason = None, ""
+        if spec.params.max_tokens is not None and k >= spec.params.max_tokens:
+            reason = "it had generated max_tokens but its last output was lost"
+        else:
+            try:
+                target = self.router.route_decode(exclude=[dead])
+            except NoInstanceError as exc:
+                reason = str(exc)
+        if target is None:
+            logger.warning("instance %s evicted: cannot migrate request %s (%s)", dead,
+                           sub.engine_request_id, reason)
+            self.migrations["failed"] += 1
+            self._fail(sub, f"{why}; could not migrate it: {reason}")
+            return
+        old_id, new_id = sub.engine_request_id, _engine_id(_base_id(sub), sub.index_offset)
+        self._subs.pop(old_id, None)
+        sub.engine_request_id = new_id
+        sub.route = Route(sub.route.target, target)
+        self._subs[new_id] = sub
+        self._by_instance[target.name].add(new_id)
+        logger.warning("instance %s evicted: migrating request %s (%d tokens generated) to %s "
+                       "as %s", dead, old_id, k, target.name, new_id)
+        params = dataclasses.replace(spec.params, prompt_logprobs=None, echo=False)
+        item = pb.MultiGenerationsRequest(
+            request=spec_to_proto(dataclasses.replace(
+                spec, request_id=new_id, service_request_id=new_id, params=params,
+                decode_name=target.name)),
+            generated_token_ids=list(sub.generated))
+        self._spawn(self._send_migration(sub, item, target, why))
+
+    async def _send_migration(self, sub: _Sub, item: pb.MultiGenerationsRequest,
+                              target: InstanceInfo, why: str) -> None:
+        new_id, t0 = item.request.service_req_id, time.monotonic()
+        try:
+            status = await self._stub(target.meta.rpc_address).MultiGenerations(
+                pb.MultiGenerationsRequests(reqs=[item]), timeout=self.rpc_timeout_s)
+            error = "" if status.ok else status.message or "refused"
+        except grpc.aio.AioRpcError as exc:
+            error = f"{exc.code().name}: {exc.details()}"
+        self.migrations["failed" if error else "ok"] += 1
+        if error:
+            logger.warning("MultiGenerations of %s on %s failed after %.2fs: %s", new_id,
+                           target.name, time.monotonic() - t0, error)
+        else:
+            logger.info("request %s migrated to %s in %.2fs", new_id, target.name,
+                        time.monotonic() - t0)
+        if error and sub.engine_request_id == new_id:  # else re-keyed again or forgotten
+            self._fail(sub, f"{why}; migrating it to {target.name} failed: {error}")
 
     def _forget(self, sub: _Sub, cancelled: bool) -> None:
         if cancelled:
@@ -294,12 +395,16 @@ class ServiceBackend:
                         pb.PullSignal(req_id=sub.engine_request_id), timeout=1.0)
                 except grpc.aio.AioRpcError:
                     pass
+        self._spawn(cancel())
+
+    def _spawn(self, coro) -> None:
         try:
-            task = asyncio.get_running_loop().create_task(cancel())
+            task = asyncio.get_running_loop().create_task(coro)
         except RuntimeError:
+            coro.close()
             return
-        self._cancels.add(task)
-        task.add_done_callback(self._cancels.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _stub(self, addr: str) -> pb_grpc.DisaggPDServiceStub:
         return pb_grpc.DisaggPDServiceStub(self._channels.get(addr))
@@ -314,6 +419,12 @@ class ServiceBackend:
         for (name, outcome), n in sorted(self.instance_outcomes.items()):
             lines.append(f'xllm_service_instance_requests_total{{instance="{name}",'
                          f'outcome="{outcome}"}} {n}')
+        lines += ["# HELP xllm_service_migrations_total Requests moved off an evicted decode "
+                  "by MultiGenerations, by outcome",
+                  "# TYPE xllm_service_migrations_total counter"]
+        for outcome in ("failed", "ok"):
+            lines.append(f'xllm_service_migrations_total{{outcome="{outcome}"}} '
+                         f'{self.migrations[outcome]}')
         lines += ["# HELP xllm_service_inflight_requests In-flight requests by instance",
                   "# TYPE xllm_service_inflight_requests gauge"]
         for name, ids in sorted(self._by_instance.items()):

@@ -110,3 +110,11 @@ class Router:
         if mixes:
             return Route(self.policy.select(mixes, request))
         raise NoInstanceError(self.unavailable_reason(exclude))
+
+    def route_decode(self, request: object = None, exclude: Sequence[str] = ()) -> InstanceInfo:
+        """A DECODE instance to take over a request that already generated tokens
+        (migration: only DECODE serves MultiGenerations)."""
+        _, decodes, _ = self._candidates(exclude)
+        if not decodes:
+            raise NoInstanceError("no other decode instance is registered")
+        return self.policy.select(decodes, request)

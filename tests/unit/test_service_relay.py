@@ -1,10 +1,12 @@
 """ServiceBackend.on_generations: in-order relay, PD first-token ordering, cancelled
 requests answered ok=false, eviction fails in-flight requests (a dead prefill only those
-that still wait for decode's first output)."""
+that still wait for decode's first output; a dead decode only those it cannot hand to
+another decode with MultiGenerations)."""
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from xllm_py.api.backend import GenerateRequest
@@ -98,14 +100,19 @@ def test_readiness_checks_do_not_shift_round_robin():
 # ---------------------------------------------------------------- PD pair, prefill evicted
 PREFILL = info("p", InstanceRole.PREFILL, "10.0.0.1:1")
 DECODE = info("d", InstanceRole.DECODE, "10.0.0.2:1")
+DECODE2 = info("d2", InstanceRole.DECODE, "10.0.0.3:1")
 
 
 class FakeEngines:
-    """The engines as the service's RPCs see them: Generate accepts, Cancel is recorded."""
+    """The engines as the service's RPCs see them: Generate accepts, Cancel and
+    MultiGenerations are recorded; MultiGenerations answers `migrate_reply` (a Status, or
+    an exception to raise)."""
 
     def __init__(self) -> None:
         self.sent: list[str] = []  # engine request ids, in Generate order
         self.cancels: list[tuple[str, str]] = []  # (rpc address, engine request id)
+        self.migrated: list[tuple[str, pb.MultiGenerationsRequest]] = []  # (address, item)
+        self.migrate_reply: pb.Status | Exception = pb.Status(ok=True)
 
     async def send_generate(self, addr: str, msg: pb.DisaggRequest) -> pb.Status:
         self.sent.append(msg.service_req_id)
@@ -118,11 +125,19 @@ class FakeEngines:
             async def Cancel(self, msg: pb.PullSignal, timeout: float) -> pb.Status:
                 engines.cancels.append((addr, msg.req_id))
                 return pb.Status(ok=True)
+
+            async def MultiGenerations(self, msg: pb.MultiGenerationsRequests,
+                                       timeout: float) -> pb.Status:
+                assert timeout > 0
+                engines.migrated += [(addr, item) for item in msg.reqs]
+                if isinstance(engines.migrate_reply, Exception):
+                    raise engines.migrate_reply
+                return engines.migrate_reply
         return Stub()
 
 
-def pd_backend() -> tuple[ServiceBackend, FakeEngines]:
-    roles = {InstanceRole.PREFILL: [PREFILL], InstanceRole.DECODE: [DECODE]}
+def pd_backend(decodes=(DECODE,)) -> tuple[ServiceBackend, FakeEngines]:
+    roles = {InstanceRole.PREFILL: [PREFILL], InstanceRole.DECODE: decodes}  # tests edit it
     b = ServiceBackend(None, "tiny", 2048, Router(lambda role: roles.get(role, []),
                                                   RoundRobinPolicy()), "127.0.0.1:0")
     engines = FakeEngines()
@@ -200,8 +215,9 @@ async def test_prefill_eviction_fails_a_request_before_decode_output(seen):
 
 
 @pytest.mark.parametrize("decode_started", [False, True])
-async def test_decode_eviction_fails_a_pd_request(decode_started):
-    b, engines = pd_backend()
+async def test_decode_eviction_fails_a_pd_request_with_nowhere_to_go(decode_started):
+    """Still on prefill (another decode would not help), or no other decode: 503."""
+    b, engines = pd_backend(decodes=(DECODE, DECODE2) if not decode_started else (DECODE,))
     stream, first, rid = await start_pd(b, engines)
     await feed(b, gen(rid, [1], on_prefill=True))
     assert await take(first) == [1]
@@ -212,8 +228,111 @@ async def test_decode_eviction_fails_a_pd_request(decode_started):
     b.on_evict(DECODE)
     code, message = await take(anext(stream))
     assert code == 503 and "instance d left the cluster" in message
+    if decode_started:
+        assert "could not migrate it: no other decode instance is registered" in message
+        assert b.migrations == {"failed": 1}
+    else:
+        assert b.migrations == {}
+    assert engines.migrated == []
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
+    assert 'xllm_service_migrations_total{outcome="failed"} ' + str(
+        b.migrations["failed"]) in b.metrics_text()
+
+
+async def migrate_after(b: ServiceBackend, engines: FakeEngines, tokens: list[list[int]]):
+    """A PD request that streamed `tokens` (prefill's first, then decode's), then lost
+    decode "d"; returns its stream and old engine id once MultiGenerations was sent."""
+    stream, first, rid = await start_pd(b, engines)
+    await feed(b, gen(rid, tokens[0], on_prefill=True))
+    assert await take(first) == tokens[0]
+    for t in tokens[1:]:
+        await feed(b, gen(rid, t))
+        assert await take(anext(stream)) == t
+    b.on_evict(DECODE)
+    await asyncio.gather(*b._tasks)
+    return stream, rid
+
+
+@pytest.mark.parametrize("end", ["finished", "client-gone"])
+async def test_decode_eviction_migrates_to_another_decode(end):
+    b, engines = pd_backend(decodes=(DECODE, DECODE2))
+    stream, rid = await migrate_after(b, engines, [[1], [2], [3, 4]])
+
+    (addr, item), = engines.migrated
+    new_id = item.request.service_req_id
+    assert addr == "10.0.0.3:1"  # d2, never the dead d
+    assert list(item.generated_token_ids) == [1, 2, 3, 4]
+    assert not item.HasField("kv")  # recompute on the new decode
+    assert new_id != rid and new_id.startswith("cmpl-1-0-") and item.request.req_id == new_id
+    assert list(item.request.prompt_tokens) == [5, 6, 7] and item.request.max_tokens == 8
+    assert item.request.source_xservice_addr == "127.0.0.1:0"
+    assert b.migrations == {"ok": 1}
+    assert (b.inflight("d"), b.inflight("d2")) == (0, 1)
+
+    # The old decode, if still alive, is told to stop; tokens are never delivered twice.
+    reply = await b.on_generations(pb.DisaggStreamGenerations(gens=[gen(rid, [5])]))
+    assert [s.ok for s in reply.all_status] == [False]
+    await feed(b, gen(new_id, [5]))
+    assert await take(anext(stream)) == [5]
+    if end == "finished":
+        await feed(b, gen(new_id, [6, 7, 8], finished=True))
+        last = await asyncio.wait_for(anext(stream), 1.0)
+        assert last.finished and not last.failed and last.outputs[0].token_ids == [6, 7, 8]
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        assert b.outcomes == {"ok": 1}
+        assert engines.cancels == []
+    else:  # Cancel goes to the new decode, under the new id
+        await stream.aclose()
+        await asyncio.gather(*b._tasks)
+        assert ("10.0.0.3:1", new_id) in engines.cancels
+        assert all(r == new_id for _, r in engines.cancels)
+    assert (b.inflight("d"), b.inflight("d2")) == (0, 0)
+    assert 'xllm_service_migrations_total{outcome="ok"} 1' in b.metrics_text()
+
+
+@pytest.mark.parametrize("reply", [
+    pb.Status(ok=False, code=400, message="no KV space"),
+    grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                         grpc.aio.Metadata(), "Deadline Exceeded")], ids=["refused", "rpc-error"])
+async def test_decode_eviction_fails_the_request_when_multi_generations_fails(reply):
+    b, engines = pd_backend(decodes=(DECODE, DECODE2))
+    engines.migrate_reply = reply
+    stream, rid = await migrate_after(b, engines, [[1], [2]])
+    code, message = await take(anext(stream))
+    assert code == 503 and "instance d left the cluster" in message
+    assert "migrating it to d2 failed" in message
+    assert ("no KV space" if isinstance(reply, pb.Status) else "DEADLINE_EXCEEDED") in message
+    assert b.migrations == {"failed": 1}
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+    assert (b.inflight("d"), b.inflight("d2")) == (0, 0)
+
+
+async def test_migrated_request_migrates_again_and_counts_usage_once():
+    """The new decode dies too: the request moves on with all tokens so far; usage is the
+    last decode's count (it includes the tokens generated elsewhere), not a sum."""
+    d3 = info("d3", InstanceRole.DECODE, "10.0.0.4:1")
+    decodes = [DECODE, DECODE2, d3]
+    b, engines = pd_backend(decodes)
+    stream, rid = await migrate_after(b, engines, [[1], [2]])
+    decodes.remove(DECODE)  # the registry drops an evicted instance
+    new_id = engines.migrated[0][1].request.service_req_id
+    g = gen(new_id, [3])
+    g.usage.num_generated_tokens = 3
+    await feed(b, g)
+    assert (await asyncio.wait_for(anext(stream), 1.0)).num_generated_tokens == 3
+    b.on_evict(DECODE2)
+    await asyncio.gather(*b._tasks)
+    addr, item = engines.migrated[1]
+    assert addr == "10.0.0.4:1" and list(item.generated_token_ids) == [1, 2, 3]
+    g = gen(item.request.service_req_id, [4, 5, 6, 7, 8], finished=True)
+    g.usage.num_generated_tokens = 8
+    await feed(b, g)
+    last = await asyncio.wait_for(anext(stream), 1.0)
+    assert last.finished and not last.failed and last.num_generated_tokens == 8
+    assert b.migrations == {"ok": 2}
 
 
 async def test_client_gone_after_prefill_released_cancels_on_both_instances():
@@ -225,7 +344,7 @@ async def test_client_gone_after_prefill_released_cancels_on_both_instances():
     assert b.inflight("p") == 0
 
     await stream.aclose()  # the client went away
-    await asyncio.gather(*b._cancels)
+    await asyncio.gather(*b._tasks)
     assert engines.cancels == [("10.0.0.1:1", rid), ("10.0.0.2:1", rid)]
     assert (b.inflight("p"), b.inflight("d")) == (0, 0)
     reply = await b.on_generations(pb.DisaggStreamGenerations(gens=[gen(rid, [3])]))
