@@ -7,6 +7,7 @@ at an address nothing listens on."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -231,3 +232,25 @@ async def test_prefill_links_each_decode_incarnation_once(node, monkeypatch):
                              incarnation_id="b")
     await pd._link(restarted)
     assert len(stub.links) == 2
+
+
+# ---------------------------------------------------------------------------- dispatch
+@pytest.mark.parametrize("node", [InstanceRole.PREFILL], indirect=True)
+async def test_dispatch_takes_online_first_and_offline_without_delay(node, monkeypatch):
+    engine, pd = node
+    order: list[str] = []
+
+    async def dispatch(spec) -> None:
+        order.append(spec.request_id)
+
+    monkeypatch.setattr(pd, "_dispatch", dispatch)
+    for i in range(3):
+        await pd.add_request(dataclasses.replace(_spec(f"off{i}"), offline=True))
+    await pd.add_request(_spec("on0"))
+    for _ in range(50):  # a few loop turns, no timer: nothing waits for a poll
+        await asyncio.sleep(0)
+    assert order[0] == "on0" and sorted(order[1:]) == ["off0", "off1", "off2"]
+    await pd.add_request(dataclasses.replace(_spec("off3"), offline=True))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert order[-1] == "off3"

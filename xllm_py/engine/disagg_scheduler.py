@@ -45,7 +45,6 @@ from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.request import Request
 from xllm_py.rpc.convert import EngineRequestSpec, spec_to_proto
-from xllm_py.utils.aio import wait_for
 from xllm_py.utils.grpc_channels import ChannelPool
 
 logger = logging.getLogger(__name__)
@@ -108,6 +107,7 @@ class DisaggPDScheduler:
         self.loop = asyncio.get_running_loop()
         self._online: asyncio.Queue[EngineRequestSpec] = asyncio.Queue()
         self._offline: asyncio.Queue[EngineRequestSpec] = asyncio.Queue()
+        self._queued = asyncio.Event()  # set when either queue may hold work
         self._prefill: dict[str, _PrefillState] = {}
         self._decode: dict[str, _DecodeState] = {}
         self._linked: dict[str, InstanceMeta] = {}
@@ -159,15 +159,17 @@ class DisaggPDScheduler:
     # ================================================================== prefill side
     async def add_request(self, spec: EngineRequestSpec) -> None:
         (self._offline if spec.offline else self._online).put_nowait(spec)
+        self._queued.set()
 
     async def _dispatch_loop(self) -> None:
+        """Online requests first; offline ones whenever no online one is queued."""
         while True:
-            try:
-                spec = await wait_for(self._online.get(), 0.1)
-            except asyncio.TimeoutError:
-                if self._offline.empty():
-                    continue
-                spec = self._offline.get_nowait()
+            if self._online.empty() and self._offline.empty():
+                self._queued.clear()
+                await self._queued.wait()
+                continue
+            queue = self._online if not self._online.empty() else self._offline
+            spec = queue.get_nowait()
             await self._dispatch_sem.acquire()
             self._spawn(self._dispatch_guarded(spec))
 
