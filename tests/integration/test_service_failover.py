@@ -1,4 +1,5 @@
-"""Several services, master failover, engine restart within the TTL, and no instances."""
+"""Several services, master failover (the engine frees what the dead master was streaming),
+engine restart within the TTL, and no instances."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.cluster_harness import Harness, client
+from tests.integration.cluster_harness import Harness, aclient, client, long_stream, wait_drained
 from xllm_py.cluster.etcd_client import EtcdClient
 
 pytestmark = pytest.mark.integration
@@ -50,8 +51,17 @@ async def test_master_failover_and_engine_restart(etcd_server, tmp_path):
         # Which service process is the master? Its rpc port is in its command line.
         master = next(s for s in services if master_addr.rsplit(":", 1)[1] in s.argv)
         other = next(s for s in services if s is not master)
+        streams = [asyncio.create_task(long_stream(aclient(master), f"orphan {i}"))
+                   for i in range(2)]
+        await asyncio.sleep(1.0)  # both streaming through the master
         master.kill()
         killed = time.monotonic()
+        results = await asyncio.gather(*streams)
+        assert all(r.startswith("error") for r, _ in results)
+        # The engine's next Generations to the dead master fails: it aborts both requests
+        # (left alone they would run ~1500 tokens) and frees their blocks.
+        freed_s = await wait_drained([engine.http_url], timeout_s=3.0)
+        print(f"\nengine freed the dead master's requests {freed_s:.2f}s after the kill")
         while True:
             now_master = await _master(etcd_server.endpoint, ns)
             if now_master and now_master != master_addr:
