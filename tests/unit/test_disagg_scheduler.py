@@ -254,3 +254,38 @@ async def test_dispatch_takes_online_first_and_offline_without_delay(node, monke
     for _ in range(50):
         await asyncio.sleep(0)
     assert order[-1] == "off3"
+
+
+@pytest.mark.parametrize("node", [InstanceRole.PREFILL], indirect=True)
+async def test_dispatch_asks_the_master_for_decodes_only_if_the_chosen_one_fails(
+        node, monkeypatch):
+    engine, pd = node
+    listed: list[int] = []
+    placed: list[tuple[str, str]] = []
+    full = {"d1"}
+
+    async def list_decodes() -> list[str]:
+        listed.append(1)
+        return ["d1", "d2"]
+
+    async def resolve(name: str) -> InstanceMeta:
+        return InstanceMeta(name=name, type=InstanceRole.DECODE, block_size=16)
+
+    async def link(decode) -> None:
+        pass
+
+    async def add_on_decode(spec, decode):
+        return None if decode.name in full else pb.DisaggResponse(status_code=200)
+
+    pd.list_decodes, pd.resolve_meta = list_decodes, resolve
+    monkeypatch.setattr(pd, "_link", link)
+    monkeypatch.setattr(pd, "_add_on_decode", add_on_decode)
+    monkeypatch.setattr(pd, "_submit_prefill",
+                        lambda spec, state: placed.append((spec.request_id, state.decode.name)))
+    await pd._dispatch(dataclasses.replace(_spec("a"), decode_name="d2"))
+    assert placed == [("a", "d2")] and listed == []  # no master round trip
+    await pd._dispatch(dataclasses.replace(_spec("b"), decode_name="d1"))
+    assert placed[-1] == ("b", "d2") and listed == [1]  # d1 full: the master's list
+    full.add("d2")
+    with pytest.raises(Exception, match="no KV space"):
+        await pd._dispatch(dataclasses.replace(_spec("c"), decode_name="d1"))

@@ -26,12 +26,13 @@ Everything that touches the scheduler runs on the engine thread through engine.c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
 import random
 import time
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -185,10 +186,10 @@ class DisaggPDScheduler:
         finally:
             self._dispatch_sem.release()
 
-    async def _decode_candidates(self, spec: EngineRequestSpec) -> list[str]:
-        names = []
+    async def _decode_candidates(self, spec: EngineRequestSpec) -> AsyncIterator[str]:
+        """The service's choice first; the master's list (one RPC) only if that fails."""
         if spec.decode_name:
-            names.append(spec.decode_name)
+            yield spec.decode_name
         try:
             others = await self.list_decodes()
         except Exception as exc:  # the master may be switching over
@@ -196,37 +197,44 @@ class DisaggPDScheduler:
             others = []
         start = next(self._rr)
         rotated = others[start % len(others):] + others[: start % len(others)] if others else []
-        names += [n for n in rotated if n not in names]
-        return names
+        for name in rotated:
+            if name != spec.decode_name:
+                yield name
 
     async def _dispatch(self, spec: EngineRequestSpec) -> None:
-        candidates = await self._decode_candidates(spec)
-        if not candidates:
-            raise PDError(503, "no decode instance is available")
-        last_error = "no decode instance accepted the request"
-        for name in candidates[:3]:
-            decode = await self.resolve_meta(name)
-            if decode is None:
-                last_error = f"decode instance {name} is not registered"
-                continue
-            try:
-                await self._link(decode)
-            except PDError as exc:
-                last_error = exc.message
-                if exc.code == 412:  # incompatible: no point retrying this pair
-                    raise
-                continue
-            resp = await self._add_on_decode(spec, decode)
-            if resp is None:
-                last_error = f"decode instance {name} has no KV space"
-                continue
-            if resp.status_code == 500:
-                raise PDError(400, resp.status_msg or "decode refused the request")
-            state = _PrefillState(spec, decode, list(resp.blocks_ids), resp.num_cached_tokens)
-            self._prefill[spec.request_id] = state
-            self._submit_prefill(spec, state)
-            return
+        last_error = "no decode instance is available"
+        async with contextlib.aclosing(self._decode_candidates(spec)) as names:
+            tried = 0
+            async for name in names:
+                last_error = await self._try_decode(spec, name)
+                if last_error is None:
+                    return
+                tried += 1
+                if tried == 3:
+                    break
         raise PDError(503, last_error)
+
+    async def _try_decode(self, spec: EngineRequestSpec, name: str) -> str | None:
+        """Place the request on decode `name` and start its prefill; None when done, else
+        why not (PDError for what another decode would not change)."""
+        decode = await self.resolve_meta(name)
+        if decode is None:
+            return f"decode instance {name} is not registered"
+        try:
+            await self._link(decode)
+        except PDError as exc:
+            if exc.code == 412:  # incompatible: no point retrying this pair
+                raise
+            return exc.message
+        resp = await self._add_on_decode(spec, decode)
+        if resp is None:
+            return f"decode instance {name} has no KV space"
+        if resp.status_code == 500:
+            raise PDError(400, resp.status_msg or "decode refused the request")
+        state = _PrefillState(spec, decode, list(resp.blocks_ids), resp.num_cached_tokens)
+        self._prefill[spec.request_id] = state
+        self._submit_prefill(spec, state)
+        return None
 
     async def _link(self, decode: InstanceMeta) -> None:
         linked = self._linked.get(decode.name)
