@@ -1,26 +1,39 @@
-"""PD under failure: decode out of KV blocks, decode killed mid-stream."""
+"""PD under failure: decode out of KV blocks, decode killed mid-stream (its requests
+migrate to another decode, or fail clearly when there is none), failed KV transfer."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
+import httpx
 import openai
 import pytest
 
-from tests.integration.cluster_harness import Harness, aclient, long_stream, metric
+from tests.integration.cluster_harness import (Harness, aclient, long_stream, metric,
+                                               wait_drained)
 
 pytestmark = pytest.mark.integration
 
 
-def start(h: Harness, decode_blocks: int):
+def start(h: Harness, decode_blocks: int, num_decodes: int = 1):
+    """(service, prefill, decode, ...): one PREFILL and `num_decodes` DECODE engines."""
     svc = h.service()
     prefill = h.engine("PREFILL", "prefill", extra=["--block-size", "8"])
-    decode = h.engine("DECODE", "decode", extra=["--block-size", "8",
-                                                 "--num-blocks", str(decode_blocks)])
-    for p in (prefill, decode):
+    decodes = [h.engine("DECODE", f"decode{i}" if i else "decode",
+                        extra=["--block-size", "8", "--num-blocks", str(decode_blocks)])
+               for i in range(num_decodes)]
+    for p in (prefill, *decodes):
         p.wait_ready(180)
     svc.wait_ready(60, path="/readiness")
-    return svc, prefill, decode
+    return (svc, prefill, *decodes)
+
+
+def migrations(svc, outcome: str) -> int:
+    text = httpx.get(svc.http_url + "/metrics", timeout=5, trust_env=False).text
+    m = re.search(rf'^xllm_service_migrations_total{{outcome="{outcome}"}} (\d+)$', text, re.M)
+    assert m, "xllm_service_migrations_total not in the service's /metrics"
+    return int(m.group(1))
 
 
 async def test_decode_out_of_blocks_waits_retries_or_fails_cleanly(etcd_server, tmp_path):
@@ -59,6 +72,8 @@ async def test_decode_out_of_blocks_waits_retries_or_fails_cleanly(etcd_server, 
 
 
 async def test_decode_killed_mid_stream(etcd_server, tmp_path):
+    """The only decode dies: with nowhere to migrate, clients get a clear error within
+    lease TTL + eviction grace."""
     h = Harness(etcd_server.endpoint, "pd-kill/", tmp_path)
     try:
         svc, prefill, decode = start(h, decode_blocks=512)
@@ -81,6 +96,66 @@ async def test_decode_killed_mid_stream(etcd_server, tmp_path):
         assert e.value.status_code == 503
     finally:
         h.stop()
+
+
+async def test_decode_killed_mid_stream_migrates_to_the_other_decode(etcd_server, tmp_path):
+    """SIGKILL the decode that serves greedy streams: each pauses, then continues on the
+    surviving decode, and ends with exactly the tokens (and text) of an uninterrupted run."""
+    h = Harness(etcd_server.endpoint, "pd-migrate/", tmp_path)
+    try:
+        svc, prefill, d0, d1 = start(h, decode_blocks=512, num_decodes=2)
+        c = aclient(svc)
+        max_tokens, prompts = 800, [f"migrating story {i} begins" for i in range(4)]
+        runs = [{"ids": [], "text": "", "times": []} for _ in prompts]
+
+        async def one(prompt: str, run: dict) -> None:
+            stream = await c.completions.create(
+                model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+            async for chunk in stream:
+                run["ids"] += chunk.choices[0].model_extra.get("token_ids") or []
+                run["text"] += chunk.choices[0].text
+                run["times"].append(time.monotonic())
+
+        tasks = [asyncio.create_task(one(p, r)) for p, r in zip(prompts, runs)]
+        await asyncio.wait_for(_until(lambda: all(len(r["ids"]) >= 20 for r in runs)), 30)
+        running = [metric(d.http_url, "xllm_requests_running") for d in (d0, d1)]
+        victim, survivor = (d0, d1) if running[0] >= running[1] else (d1, d0)
+        num_moved = int(max(running))
+        assert num_moved >= 1 and all(len(r["ids"]) < max_tokens for r in runs), (
+            running, [len(r["ids"]) for r in runs])
+        victim.kill()
+        killed = time.monotonic()
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+        pauses = [max(b - a for a, b in zip(r["times"], r["times"][1:])) for r in runs]
+        print(f"\ndecode killed with {num_moved} of {len(runs)} streams on it: all completed "
+              f"{max(r['times'][-1] for r in runs) - killed:.1f}s after the kill; longest "
+              f"pause per stream {[round(p, 1) for p in pauses]}s")
+        assert migrations(svc, "ok") == num_moved and migrations(svc, "failed") == 0
+        assert max(pauses) < h.ttl_s + 2.0 + 6.0  # lease TTL + eviction grace + recompute
+        refs = await asyncio.gather(*(c.completions.create(  # on the survivor alone
+            model="tiny", prompt=p, max_tokens=max_tokens, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True}) for p in prompts))
+        texts_differ = 0
+        for run, pause, ref in zip(runs, pauses, (r.choices[0] for r in refs)):
+            assert len(run["ids"]) == max_tokens
+            assert run["ids"] == ref.model_extra["token_ids"]
+            # Text: a migration whose boundary splits a UTF-8 character loses the bytes the
+            # dead decode held back (the new decode's detokenizer drops them from its
+            # context), so only unmigrated streams must match the reference exactly.
+            if pause < h.ttl_s:
+                assert run["text"] == ref.text
+            texts_differ += run["text"] != ref.text
+        print(f"migrated streams whose text differs from the reference: {texts_differ}")
+        await wait_drained([prefill.http_url, survivor.http_url])
+    finally:
+        h.stop()
+
+
+async def _until(pred, step_s: float = 0.02) -> None:
+    while not pred():
+        await asyncio.sleep(step_s)
 
 
 @pytest.mark.parametrize("mode", ["PULL", "PUSH"])
