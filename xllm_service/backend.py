@@ -314,7 +314,8 @@ class ServiceBackend:
             sub = self._subs.get(engine_id)
             if sub is None or sub.finished:
                 continue
-            if sub.on_decode and sub.route.decode.name == info.name and sub.generated:
+            if (sub.on_decode and sub.route.decode.name == info.name and sub.generated
+                    and sub.spec is not None):
                 self._migrate(sub, info.name)
                 continue
             logger.warning("instance %s evicted: failing request %s", info.name, engine_id)
