@@ -146,3 +146,39 @@ def test_final_only_sink_with_a_stop_string_and_a_failure(tok):
     proc.fail_parent("r", 500, "boom")
     first, failed = sink.outputs  # the held deltas are dropped with the failure
     assert first.outputs[0].token_ids == ids[:1] and failed.failed and failed.finished
+
+
+def _stream_text(proc, sink, ids) -> bool:
+    """Feed ids one by one; True once a stop string ended the request."""
+    for t in ids:
+        d = proc.process(child_id("r", 0), [t], None, None, None, lambda rid, s: None)
+        proc.emit_step([d], "r")
+        if d is not None and d.finish_reason:
+            return True
+    return False
+
+
+def test_migration_at_any_token_loses_no_text_and_keeps_stop_strings(tok):
+    """A request resumed elsewhere (prompt + generated, generated_offset) continues the text
+    exactly: characters split across tokens and a stop-string prefix held back when it
+    moved are emitted, or stopped, on the new instance as they would have been."""
+    prompt = tok.encode("Say:", add_special_tokens=False)
+    ids = tok.encode(" naïve 日本語 😀 café, stop here and never after", add_special_tokens=False)
+    assert any(tok.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids)))
+    stop = "op he"  # spans tokens
+    proc, sink = OutputProcessor(tok), Sink()
+    add(proc, sink, prompt, stop=[stop])
+    assert _stream_text(proc, sink, ids)
+    reference = "".join(o.outputs[0].text for o in sink.outputs)
+    assert reference.endswith("café, st")
+    for cut in range(1, len(ids)):
+        before, after = OutputProcessor(tok), OutputProcessor(tok)
+        s1, s2 = Sink(), Sink()
+        add(before, s1, prompt, stop=[stop])
+        if _stream_text(before, s1, ids[:cut]):
+            break  # stopped before the move
+        add(after, s2, prompt + ids[:cut], stop=[stop], num_prompt_tokens=len(prompt),
+            generated_offset=cut)
+        assert _stream_text(after, s2, ids[cut:])
+        text = "".join(o.outputs[0].text for o in s1.outputs + s2.outputs)
+        assert text == reference, f"moved after token {cut}"

@@ -35,21 +35,31 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int],
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, num_generated: int = 0) -> None:
+        """`num_generated`: how many of the prompt's last tokens are output that was
+        generated elsewhere (a request resumed after migration). Those of them whose text
+        was still held back there (an incomplete character) are emitted here, with the
+        next delta."""
         if not callable(getattr(tokenizer, "decode", None)):
             raise ValueError(f"tokenizer must have a decode(ids, skip_special_tokens) method, "
                              f"got {type(tokenizer).__name__}")
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_NUM_CONTEXT_TOKENS:])
-        # The context must end on a whole character, or its trailing U+FFFD would swallow
-        # the first output character.
-        while context and self._decode(context).endswith(_REPLACEMENT_CHAR):
-            context.pop()
+        # The context's text must end on a whole character, or its trailing U+FFFD would
+        # swallow the first output character: prompt tokens past that point are dropped,
+        # generated ones kept unread.
+        read = len(context)
+        while read and self._decode(context[:read]).endswith(_REPLACEMENT_CHAR):
+            read -= 1
+        first_generated = len(context) - min(num_generated, len(context))
+        keep = len(context) if read >= first_generated else read
+        del context[keep:]
+        self.num_unread = len(context) - read  # generated tokens whose text is still due
         self._token_ids: list[int] = context
         self._num_context_tokens = len(context)
         self._prefix_offset = 0
-        self._read_offset = len(context)
+        self._read_offset = read
         self.output_text = ""
 
     @property
@@ -131,6 +141,12 @@ class StopChecker:
         hold = self._hold_length(text)
         self._pending = text[len(text) - hold:] if hold else ""
         return text[:len(text) - hold], None
+
+    def resume(self, text_so_far: str) -> None:
+        """A request resumed elsewhere (migration) whose emitted text was `text_so_far`:
+        hold back what the previous checker still held of it, as that one would have."""
+        hold = self._hold_length(text_so_far) if self._stop else 0
+        self._pending = text_so_far[len(text_so_far) - hold:] if hold else ""
 
     def flush(self) -> str:
         """Releases the held-back tail when the request ends without a stop string."""

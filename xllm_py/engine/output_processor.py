@@ -100,13 +100,17 @@ class OutputProcessor:
                    generated_offset: int = 0, arrival_time: float = 0.0) -> None:
         seqs = {}
         for i in range(first_index, first_index + best_of):
-            seqs[i] = _SeqState(
-                index=i,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                                   skip_special_tokens=skip_special_tokens),
-                stop_checker=StopChecker(stop, include_stop_str),
-                want_logprobs=want_logprobs,
-            )
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                                 skip_special_tokens=skip_special_tokens,
+                                                 num_generated=generated_offset)
+            stop_checker = StopChecker(stop, include_stop_str)
+            if generated_offset and stop:  # resumed: the text emitted before still counts
+                end = len(prompt_token_ids) - detokenizer.num_unread
+                stop_checker.resume(self.tokenizer.decode(
+                    prompt_token_ids[len(prompt_token_ids) - generated_offset:end],
+                    skip_special_tokens=skip_special_tokens))
+            seqs[i] = _SeqState(index=i, detokenizer=detokenizer, stop_checker=stop_checker,
+                                want_logprobs=want_logprobs)
         self._parents[request_id] = _ParentState(
             request_id=request_id, sink=sink, prompt_token_ids=list(prompt_token_ids), n=n,
             seqs=seqs, buffered=best_of > n, num_prompt_tokens=num_prompt_tokens,
