@@ -133,14 +133,21 @@ class _HeldPull:
         await self.release.wait()
 
 
-@pytest.mark.parametrize("node", [InstanceRole.DECODE], indirect=True)
-async def test_decode_caller_gone_mid_pull_frees_the_blocks_after_the_pull(node, monkeypatch):
-    engine, pd = node
+async def _take_over_with_a_held_pull(pd: DisaggPDScheduler, monkeypatch):
+    """Request r1 placed on decode and its FirstGeneration in flight, its pull running
+    until the test releases it. Returns (pull, blocks, the FirstGeneration task)."""
     pull = _HeldPull()
     monkeypatch.setattr(pd, "_worker_transfer", pull)
     blocks = await _add_on_decode(pd)
     call = asyncio.create_task(pd.first_generation(_first_generation("r1", blocks)))
     await asyncio.wait_for(pull.started.wait(), 5)
+    return pull, blocks, call
+
+
+@pytest.mark.parametrize("node", [InstanceRole.DECODE], indirect=True)
+async def test_decode_caller_gone_mid_pull_frees_the_blocks_after_the_pull(node, monkeypatch):
+    engine, pd = node
+    pull, blocks, call = await _take_over_with_a_held_pull(pd, monkeypatch)
     call.cancel()  # the FirstGeneration RPC's deadline passed, or prefill went away
     await asyncio.sleep(0.2)
     assert await _blocks_used(engine) == len(blocks)  # the pull may still write into them
@@ -152,11 +159,7 @@ async def test_decode_caller_gone_mid_pull_frees_the_blocks_after_the_pull(node,
 @pytest.mark.parametrize("node", [InstanceRole.DECODE], indirect=True)
 async def test_decode_cancel_mid_pull_frees_the_blocks_after_the_pull(node, monkeypatch):
     engine, pd = node
-    pull = _HeldPull()
-    monkeypatch.setattr(pd, "_worker_transfer", pull)
-    blocks = await _add_on_decode(pd)
-    call = asyncio.create_task(pd.first_generation(_first_generation("r1", blocks)))
-    await asyncio.wait_for(pull.started.wait(), 5)
+    pull, blocks, call = await _take_over_with_a_held_pull(pd, monkeypatch)
     assert pd.cancel("r1") is True  # not the engine's to abort yet
     await asyncio.sleep(0.2)
     assert await _blocks_used(engine) == len(blocks)
