@@ -118,6 +118,9 @@ def test_errors(engine, client):
         client.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="x " * 3000, max_tokens=10)
+    with pytest.raises(openai.BadRequestError) as e:  # token ids outside the vocabulary
+        client.completions.create(model="tiny", prompt=[5, 10**6], max_tokens=2, echo=True)
+    assert "out of range" in e.value.message
     r = httpx.post(engine.http_url + "/v1/completions", content=b"{not json",
                    headers={"content-type": "application/json"}, trust_env=False)
     assert r.status_code == 400 and "error" in r.json()

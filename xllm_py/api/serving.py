@@ -111,6 +111,15 @@ class _Generations:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+def _check_token_ids(ids: list[int], vocab: int | None) -> None:
+    """A prompt given as token ids must stay inside the vocabulary (400, not a failed step)."""
+    bad = next((t for t in ids if not 0 <= t < vocab), None) if vocab else None
+    if bad is not None:
+        raise InvalidRequestError(
+            f"prompt token id {bad} is out of range: the vocabulary has {vocab} tokens",
+            param="prompt")
+
+
 async def _aclose(stream: Any) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is None:
@@ -447,6 +456,7 @@ class OpenAIServing:
                 if isinstance(p, str):
                     prompts.append(_Prompt(list(tokenizer.encode(p, add_special_tokens=True)), p))
                 else:
+                    _check_token_ids(p, getattr(tokenizer, "vocab_size", None))
                     text = tokenizer.decode(p) if req.echo else None
                     prompts.append(_Prompt(list(p), text))
             prefix = "cmpl"

@@ -208,6 +208,12 @@ class LLMEngine:
         if not params.eos_token_ids:
             params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))
         best_of = params.best_of or params.n
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:  # it would fail the whole step it joined
+            req.sink.emit(_error_output(req, 400, (
+                f"prompt token id {bad} is out of range: the vocabulary has {vocab} tokens")))
+            return
         if len(req.prompt_token_ids) + 1 > self.max_model_len:
             req.sink.emit(_error_output(req, 400, (
                 f"prompt has {len(req.prompt_token_ids)} tokens; this model's context is "
