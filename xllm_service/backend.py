@@ -90,7 +90,7 @@ def _base_id(sub: _Sub) -> str:
 class ServiceBackend:
     def __init__(self, tokenizer, model_name: str, max_model_len: int, router: Router,
                  my_rpc_addr: str, rpc_timeout_s: float = 5.0, idle_timeout_s: float = 120.0,
-                 instance_counts=None) -> None:
+                 instance_counts=None, prefix_index=None) -> None:
         self._tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -99,6 +99,7 @@ class ServiceBackend:
         self.rpc_timeout_s = rpc_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.instance_counts = instance_counts  # () -> {state: count}
+        self.prefix_index = prefix_index  # PrefixIndex of the engines' cached blocks, or None
         self._subs: dict[str, _Sub] = {}
         self._by_instance: dict[str, set[str]] = collections.defaultdict(set)
         self._channels = ChannelPool()
@@ -430,6 +431,12 @@ class ServiceBackend:
                   "# TYPE xllm_service_inflight_requests gauge"]
         for name, ids in sorted(self._by_instance.items()):
             lines.append(f'xllm_service_inflight_requests{{instance="{name}"}} {len(ids)}')
+        if self.prefix_index is not None:
+            lines += ["# HELP xllm_service_prefix_cached_blocks Prefix-cache blocks an instance "
+                      "holds, as its heartbeats reported them",
+                      "# TYPE xllm_service_prefix_cached_blocks gauge"]
+            for name, n in self.prefix_index.sizes():
+                lines.append(f'xllm_service_prefix_cached_blocks{{instance="{name}"}} {n}')
         if self.instance_counts is not None:
             lines += ["# HELP xllm_service_instances Registered instances by state",
                       "# TYPE xllm_service_instances gauge"]

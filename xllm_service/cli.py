@@ -26,8 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--max-model-len", type=int, default=None,
              help="context limit for validation (default: the model's max_position_embeddings)")
     add_flag(p, "--load-balance-policy", default="LEAST_LOAD", type=str.upper,
-             choices=["RR", "LEAST_LOAD"],
-             help="RR: round robin; LEAST_LOAD: fewest in-flight + waiting requests")
+             choices=["RR", "LEAST_LOAD", "CACHE_AWARE"],
+             help="RR: round robin; LEAST_LOAD: fewest in-flight + waiting requests; "
+                  "CACHE_AWARE: the longest cached prompt prefix (engines' heartbeat cache "
+                  "events) among instances within 4 requests of the least loaded")
     add_flag(p, "--evict-grace-s", type=float, default=3.0,
              help="seconds a dead instance stays SUSPECT before it is evicted")
     add_flag(p, "--rpc-timeout", type=float, default=5.0, help="deadline of service RPCs (s)")

@@ -1,8 +1,8 @@
 """Routing: which instance (MIX) or which (prefill, decode) pair serves a request.
 
-Policies plug in behind `LoadBalancePolicy.select`; RR and LEAST_LOAD exist now, the
-prefix-cache-aware and SLO-aware policies take the same interface (they get the request
-to look at its prompt and SLOs).
+Policies plug in behind `LoadBalancePolicy.select`: RR, LEAST_LOAD and CACHE_AWARE (the
+longest cached prompt prefix, from the engines' heartbeat cache events, within a load
+bound); an SLO-aware one would take the same interface (it gets the request).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 from xllm_py.config import InstanceRole
 from xllm_service.instance_table import InstanceInfo
+from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
 
 
 class LoadBalancePolicy(abc.ABC):
@@ -44,20 +45,54 @@ class LeastLoadPolicy(LoadBalancePolicy):
     def __init__(self, inflight: Callable[[str], int]) -> None:
         self.inflight = inflight
 
+    def load(self, info: InstanceInfo) -> float:
+        return self.inflight(info.name) + info.load.waiting + 4.0 * info.load.kv_usage
+
     def select(self, candidates: Sequence[InstanceInfo], request: object = None) -> InstanceInfo:
-        def score(info: InstanceInfo) -> tuple[float, str]:
-            load = info.load
-            return (self.inflight(info.name) + load.waiting + 4.0 * load.kv_usage, info.name)
-        return min(candidates, key=score)
+        return min(candidates, key=lambda info: (self.load(info), info.name))
 
 
-def make_policy(name: str, inflight: Callable[[str], int]) -> LoadBalancePolicy:
+class CacheAwarePolicy(LeastLoadPolicy):
+    """The instance holding the longest cached prefix of the prompt (its prefill skips
+    those blocks; a decode needs fewer pulled), among those whose load is within
+    `max_imbalance` of the least loaded; ties and prompts without hits go by load."""
+    name = "CACHE_AWARE"
+
+    def __init__(self, inflight: Callable[[str], int], index: PrefixIndex,
+                 max_imbalance: float = 4.0) -> None:
+        super().__init__(inflight)
+        self.index = index
+        self.max_imbalance = max_imbalance
+
+    def select(self, candidates: Sequence[InstanceInfo], request: object = None) -> InstanceInfo:
+        prompt = getattr(request, "prompt_token_ids", None)
+        loads = {info.name: self.load(info) for info in candidates}
+        floor = min(loads.values())
+        chains: dict[int, list[int]] = {}  # block size -> the prompt's hash chain
+
+        def hits(info: InstanceInfo) -> int:
+            bs = info.meta.block_size
+            if not prompt or bs <= 0 or not self.index.num_cached_blocks(info.name):
+                return 0
+            if bs not in chains:
+                chains[bs] = prompt_block_hashes(prompt, bs)
+            return self.index.matched_blocks(info.name, chains[bs]) * bs
+
+        eligible = [i for i in candidates if loads[i.name] <= floor + self.max_imbalance]
+        return min(eligible, key=lambda i: (-hits(i), loads[i.name], i.name))
+
+
+def make_policy(name: str, inflight: Callable[[str], int],
+                index: PrefixIndex | None = None) -> LoadBalancePolicy:
     name = name.upper()
     if name in ("RR", "ROUND_ROBIN"):
         return RoundRobinPolicy()
     if name in ("LEAST_LOAD", "LL"):
         return LeastLoadPolicy(inflight)
-    raise ValueError(f"unknown load balance policy {name!r}; expected RR or LEAST_LOAD")
+    if name in ("CACHE_AWARE", "PREFIX"):
+        return CacheAwarePolicy(inflight, index or PrefixIndex())
+    raise ValueError(f"unknown load balance policy {name!r}; expected RR, LEAST_LOAD or "
+                     "CACHE_AWARE")
 
 
 @dataclasses.dataclass(frozen=True)

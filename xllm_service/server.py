@@ -25,6 +25,7 @@ async def run_service(args: argparse.Namespace) -> None:
     from xllm_py.model.tokenizer import Tokenizer
     from xllm_service.backend import ServiceBackend
     from xllm_service.election import MasterElection
+    from xllm_service.prefix_index import PrefixIndex
     from xllm_service.registry import Registry
     from xllm_service.router import Router, make_policy
     from xllm_service.rpc_service import ProxyRegistrations, XllmRpcServicer, create_server
@@ -42,14 +43,18 @@ async def run_service(args: argparse.Namespace) -> None:
     addr_host = advertised_host(args.host, args.advertise_host)
     rpc_addr = f"{addr_host}:{args.rpc_port}"
     backend_ref: list[ServiceBackend] = []
+    prefix_index = PrefixIndex()
+    registry.on_cache_event(prefix_index.update)
     router = Router(registry.schedulable,
-                    make_policy(args.load_balance_policy, lambda n: backend_ref[0].inflight(n)))
+                    make_policy(args.load_balance_policy, lambda n: backend_ref[0].inflight(n),
+                                prefix_index))
     backend = ServiceBackend(tokenizer, name, max_len, router, rpc_addr,
                              rpc_timeout_s=args.rpc_timeout,
                              idle_timeout_s=args.request_idle_timeout,
-                             instance_counts=registry.counts)
+                             instance_counts=registry.counts, prefix_index=prefix_index)
     backend_ref.append(backend)
     registry.on_evict(lambda info, reason: backend.on_evict(info))
+    registry.on_evict(lambda info, reason: prefix_index.forget(info.name))
     proxy = ProxyRegistrations(etcd, registry, ttl_s=args.etcd_ttl)
     servicer = XllmRpcServicer(registry, proxy=proxy, on_generations=backend.on_generations)
     server, port = await create_server(servicer, args.host, args.rpc_port)

@@ -18,6 +18,7 @@ from xllm_py.cluster.instance_agent import InstanceAgent, LoadReport
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.cluster.meta_cache import MetaCache
 from xllm_py.config import EngineConfig, InstanceRole, advertised_host, etcd_credentials_from_env
+from xllm_py.engine.cache_events import CacheEvents
 from xllm_py.engine.disagg_scheduler import DisaggPDScheduler
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import LLMEngine
@@ -48,6 +49,7 @@ class ClusterNode:
         self._server: grpc.aio.Server | None = None
         self._channels = ChannelPool()
         self.metas = MetaCache(self._fetch_meta)
+        self.cache_events = CacheEvents()  # for the service's cache-aware routing
 
     async def start(self) -> None:
         cfg = self.config
@@ -67,6 +69,8 @@ class ClusterNode:
         self.reporter = GenerationsReporter(loop, self.name, self.engine.abort,
                                             timeout_s=cfg.rpc_timeout_s)
         self.engine.step_listeners.append(self.reporter.flush)
+        pool = self.engine.scheduler.kv.block_pool
+        self.engine.step_listeners.append(lambda: self.cache_events.collect(pool))
         # The servicer gets its PD scheduler once the bound port (part of our meta) is
         # known; nobody routes here before the agent registers us, at the end.
         servicer = DisaggPDServicer(self.engine, self.role, self.reporter, None)
@@ -111,10 +115,12 @@ class ClusterNode:
         s = self.engine.stats()
         pool = self.engine.scheduler.kv.block_pool
         waiting = s["waiting"] + (self.pd.num_pending() if self.pd else 0)
+        stored, removed = self.cache_events.drain()
         return LoadReport(waiting=int(waiting), running=int(s["running"]),
                           kv_usage=float(pool.usage),
                           recent_max_ttft_ms=int(self.engine.recent_max_ttft_ms),
-                          recent_max_tbt_ms=int(self.engine.recent_max_tbt_ms))
+                          recent_max_tbt_ms=int(self.engine.recent_max_tbt_ms),
+                          stored_cache=stored, removed_cache=removed)
 
     async def _fetch_meta(self, name: str) -> InstanceMeta | None:
         for role in (InstanceRole.DECODE, InstanceRole.PREFILL, InstanceRole.MIX):
