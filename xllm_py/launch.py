@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--ready-timeout", type=float, default=300.0)
     add_flag(p, "--engine-arg", action="append", default=[],
              help="extra flag for every engine, e.g. --engine-arg=--block-size=32")
+    add_flag(p, "--service-arg", action="append", default=[],
+             help="extra flag for the service, e.g. --service-arg=--load-balance-policy=CACHE_AWARE")
     add_flag(p, "--log-level", default="INFO")
     return p
 
@@ -69,7 +71,8 @@ class Cluster:
         rpc_port = a.rpc_port or free_port(a.host)
         self.service = spawn("service", "xllm_service",
                              ["--etcd", self.etcd_addr, "--host", a.host, "--http-port",
-                              str(a.http_port), "--rpc-port", str(rpc_port), "--model", a.model],
+                              str(a.http_port), "--rpc-port", str(rpc_port), "--model", a.model,
+                              *a.service_arg],
                              self.log_dir, http_url=self.url)
         self.children.append(self.service)
         roles = [("MIX", i) for i in range(a.mix)] if a.mix else (
