@@ -1,7 +1,23 @@
-"""Suite-wide settings: `gpu` tests are skipped where CUDA is absent."""
+"""Suite-wide settings: `gpu` tests are skipped where CUDA is absent; where it is present,
+UCX gets the CUDA transports from the start (it reads its settings once per process, and
+host-memory tests import ucxx before the CUDA ones)."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+def pytest_configure(config):
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from xllm_py.kv_transfer.ucx.env import UCX_ENV_DEFAULTS_GPU
+
+            os.environ.setdefault("UCX_TLS", UCX_ENV_DEFAULTS_GPU["UCX_TLS"])
+    except Exception:
+        pass
 
 
 def pytest_collection_modifyitems(config, items):

@@ -85,3 +85,26 @@ def test_every_sampling_param_survives_the_wire():
         assert getattr(_round_trip(params), name) == value, f"{name} is dropped by convert.py"
     everything = SamplingParams(**_NON_DEFAULT)
     assert _round_trip(everything) == everything
+
+
+def test_pyproject_requires_what_the_generated_stubs_check_at_import():
+    """The stubs refuse older grpcio / protobuf at import (a GPU image with grpcio 1.84
+    failed so): the declared lower bounds must be at least the generators' versions."""
+    import pathlib
+    import re
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+
+    def lower_bound(name: str) -> tuple[int, ...]:
+        spec = next(d for d in deps if re.match(rf"{name}\s*>=", d))
+        return tuple(int(x) for x in spec.split(">=")[1].split(",")[0].strip().split("."))
+
+    grpc_stub = (root / "xllm_py/proto/xllm_pb2_grpc.py").read_text()
+    grpc_needed = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_stub).group(1)
+    assert lower_bound("grpcio") >= tuple(int(x) for x in grpc_needed.split("."))
+    pb_stub = (root / "xllm_py/proto/xllm_pb2.py").read_text()
+    m = re.search(r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,"
+                  r"\s*(\d+),\s*(\d+),\s*(\d+),", pb_stub)
+    assert lower_bound("protobuf") >= tuple(int(x) for x in m.groups())

@@ -85,7 +85,19 @@ def ucx_env() -> dict[str, str]:
 
 
 def import_ucxx(gpu: bool = False) -> ModuleType:
-    """Import ucxx after applying the defaults, with an actionable error when missing."""
+    """Import ucxx after applying the defaults, with an actionable error when missing.
+
+    UCX reads its settings once per process: a process that used ucxx for host memory
+    first cannot move CUDA memory later unless its UCX_TLS already named cuda_copy."""
+    import sys
+
+    if gpu and "ucxx" in sys.modules:
+        tls = os.environ.get("UCX_TLS", "all")
+        if tls != "all" and "cuda" not in tls:
+            raise RuntimeError(
+                f"ucxx was set up for host memory in this process (UCX_TLS={tls}); a CUDA KV "
+                f"pool needs {UCX_ENV_DEFAULTS_GPU['UCX_TLS']!r} in UCX_TLS before ucxx's "
+                "first use")
     apply_ucx_env_defaults(gpu)
     try:
         import ucxx
