@@ -83,6 +83,18 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 }
 
 
+def prompt_token_error(token_ids: list[int], vocab_size: int | None) -> str | None:
+    """Why a prompt given as token ids cannot run (an id outside the vocabulary), or None.
+    Checked where requests enter (HTTP, engine intake): one bad id fails a whole step."""
+    if not token_ids or not vocab_size:
+        return None
+    lo, hi = min(token_ids), max(token_ids)
+    if lo >= 0 and hi < vocab_size:
+        return None
+    return (f"prompt token id {lo if lo < 0 else hi} is out of range: the vocabulary has "
+            f"{vocab_size} tokens")
+
+
 def finish_reason(status: RequestStatus) -> str | None:
     """"stop" | "length" | "abort" | "error" for a finished status, else None."""
     return FINISH_REASONS.get(status)

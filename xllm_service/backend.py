@@ -70,6 +70,7 @@ class _Sub:
     route: Route
     queue: asyncio.Queue
     spec: EngineRequestSpec | None = None  # what the engine got (migration resends it)
+    request_id: str = ""  # the client request's id (engine ids are made from it)
     first_seen: bool = False  # PD: prefill's first output arrived
     held: list = dataclasses.field(default_factory=list)  # decode outputs before that
     on_decode: bool = False  # PD: a decode output was relayed (decode took it over)
@@ -80,11 +81,6 @@ class _Sub:
 
 def _engine_id(request_id: str, offset: int) -> str:
     return f"{request_id}-{offset}-{uuid.uuid4().hex[:8]}"
-
-
-def _base_id(sub: _Sub) -> str:
-    """The client request id that `_engine_id` made `sub.engine_request_id` from."""
-    return sub.engine_request_id.rsplit("-", 2)[0]
 
 
 class ServiceBackend:
@@ -168,7 +164,7 @@ class ServiceBackend:
                 source_xservice_addr=self.my_rpc_addr,
                 prefill_name=route.target.name if route.is_pd else "",
                 decode_name=route.decode.name if route.is_pd else "")
-            sub = _Sub(engine_id, offset, route, queue, spec)
+            sub = _Sub(engine_id, offset, route, queue, spec, request_id=req.request_id)
             self._subs[engine_id] = sub
             for name in route.instance_names:
                 self._by_instance[name].add(engine_id)
@@ -344,7 +340,7 @@ class ServiceBackend:
             self.migrations["failed"] += 1
             self._fail(sub, f"{why}; could not migrate it: {reason}")
             return
-        old_id, new_id = sub.engine_request_id, _engine_id(_base_id(sub), sub.index_offset)
+        old_id, new_id = sub.engine_request_id, _engine_id(sub.request_id, sub.index_offset)
         self._subs.pop(old_id, None)
         sub.engine_request_id = new_id
         sub.route = Route(sub.route.target, target)

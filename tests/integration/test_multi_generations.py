@@ -61,13 +61,18 @@ async def test_multi_generations_continues_like_mix(etcd_server, tmp_path):
                                    ignore_eos=True, has_temperature=True, temperature=0.0,
                                    source_xservice_addr=f"127.0.0.1:{port}", n=1)
             req.prompt_tokens.extend(prompt_ids)
-            item = pb.MultiGenerationsRequest(request=req, generated_token_ids=ref_ids[:8])
-            status = await stub.MultiGenerations(pb.MultiGenerationsRequests(reqs=[item]),
-                                                 timeout=10)
-            assert status.ok
-            await asyncio.wait_for(
-                collector.done.setdefault("mig-1", asyncio.Event()).wait(), 30)
-            gens = collector.gens["mig-1"]
+
+            async def migrate(request: pb.DisaggRequest, generated: list[int]) -> list:
+                """MultiGenerations; the Generations it then streams, to the last."""
+                item = pb.MultiGenerationsRequest(request=request, generated_token_ids=generated)
+                status = await stub.MultiGenerations(pb.MultiGenerationsRequests(reqs=[item]),
+                                                     timeout=10)
+                assert status.ok
+                await asyncio.wait_for(
+                    collector.done.setdefault(request.req_id, asyncio.Event()).wait(), 30)
+                return collector.gens[request.req_id]
+
+            gens = await migrate(req, ref_ids[:8])
             continued = [t for g in gens for o in g.outputs for t in o.token_ids]
             assert continued == ref_ids[8:]
             assert gens[-1].usage.num_prompt_tokens == len(prompt_ids)
@@ -79,13 +84,7 @@ async def test_multi_generations_continues_like_mix(etcd_server, tmp_path):
             req2.req_id = req2.service_req_id = "mig-2"
             req2.max_tokens, req2.min_tokens = 0, 12
             req2.stop_token_ids.extend(ref_ids[:12])
-            item2 = pb.MultiGenerationsRequest(request=req2, generated_token_ids=ref_ids[:8])
-            status = await stub.MultiGenerations(pb.MultiGenerationsRequests(reqs=[item2]),
-                                                 timeout=10)
-            assert status.ok
-            await asyncio.wait_for(
-                collector.done.setdefault("mig-2", asyncio.Event()).wait(), 30)
-            gens = collector.gens["mig-2"]
+            gens = await migrate(req2, ref_ids[:8])
             assert [t for g in gens for o in g.outputs for t in o.token_ids] == ref_ids[8:12]
             # Bad input: a clear INVALID_ARGUMENT.
             bad = pb.MultiGenerationsRequest(request=req)

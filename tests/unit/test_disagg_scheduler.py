@@ -53,6 +53,12 @@ async def _blocks_used(engine: LLMEngine) -> int:
     return await _on_engine(engine, lambda: engine.scheduler.kv.block_pool.num_used_blocks)
 
 
+async def _still_held(engine: LLMEngine, blocks: list[int]) -> None:
+    """A while later, the request's blocks are still in use (not freed under a transfer)."""
+    await asyncio.sleep(0.2)
+    assert await _blocks_used(engine) == len(blocks)
+
+
 async def _until_free(engine: LLMEngine, timeout_s: float = 20.0) -> None:
     t0 = time.monotonic()
     while await _blocks_used(engine) or await _on_engine(engine, lambda: engine.scheduler.requests):
@@ -84,9 +90,23 @@ def _spec(rid: str = "r1") -> EngineRequestSpec:
 
 
 # ---------------------------------------------------------------------------- prefill
+class _DecodeStub:
+    """Records the FirstGeneration messages prefill sends to its decode peer."""
+
+    def __init__(self) -> None:
+        self.first_generations: list[pb.DisaggGenerationsRequest] = []
+
+    async def FirstGeneration(self, msg, timeout=None):
+        assert timeout is not None
+        self.first_generations.extend(msg.gens)
+        return pb.Status(ok=True)
+
+
 @pytest.mark.parametrize("node", [InstanceRole.PREFILL], indirect=True)
-async def test_prefill_cancel_racing_the_first_token_frees_the_held_kv(node):
+async def test_prefill_cancel_racing_the_first_token_frees_the_held_kv(node, monkeypatch):
     engine, pd = node
+    decode_stub = _DecodeStub()
+    monkeypatch.setattr(pd, "_pd_stub", lambda addr: decode_stub)
     spec = _spec()
     decode = InstanceMeta(name="decode:1", type=InstanceRole.DECODE, rpc_address="127.0.0.1:1")
     state = _PrefillState(spec, decode, decode_blocks=[0, 1, 2], num_cached_on_decode=0)
@@ -96,6 +116,8 @@ async def test_prefill_cancel_racing_the_first_token_frees_the_held_kv(node):
     # engine abort comes after that step and finds nothing to abort (here: no abort).
     assert pd.cancel(spec.request_id) is False
     await _until_free(engine)  # the hand-over hook frees the KV it would have held
+    # ... and decode was told to drop the blocks it set aside.
+    assert [(g.req_id, g.failed) for g in decode_stub.first_generations] == [("r1", True)]
 
 
 @pytest.mark.parametrize("node", [InstanceRole.PREFILL], indirect=True)
@@ -149,8 +171,7 @@ async def test_decode_caller_gone_mid_pull_frees_the_blocks_after_the_pull(node,
     engine, pd = node
     pull, blocks, call = await _take_over_with_a_held_pull(pd, monkeypatch)
     call.cancel()  # the FirstGeneration RPC's deadline passed, or prefill went away
-    await asyncio.sleep(0.2)
-    assert await _blocks_used(engine) == len(blocks)  # the pull may still write into them
+    await _still_held(engine, blocks)  # the pull may still write into them
     pull.release.set()
     await _until_free(engine)
     assert all(not o.outputs for o in pd.reporter.sinks)  # it never started decoding
@@ -161,8 +182,7 @@ async def test_decode_cancel_mid_pull_frees_the_blocks_after_the_pull(node, monk
     engine, pd = node
     pull, blocks, call = await _take_over_with_a_held_pull(pd, monkeypatch)
     assert pd.cancel("r1") is True  # not the engine's to abort yet
-    await asyncio.sleep(0.2)
-    assert await _blocks_used(engine) == len(blocks)
+    await _still_held(engine, blocks)
     pull.release.set()
     status = await asyncio.wait_for(call, 5)
     assert not status.ok and "cancelled" in status.message
@@ -175,8 +195,7 @@ async def test_decode_cancel_before_first_generation_waits_for_it(node):
     engine, pd = node
     blocks = await _add_on_decode(pd)
     assert pd.cancel("r1") is True  # a PUSH may be writing into its blocks
-    await asyncio.sleep(0.2)
-    assert await _blocks_used(engine) == len(blocks)
+    await _still_held(engine, blocks)
     # Prefill hands over (its push has ended): the blocks go, nothing is decoded.
     status = await pd.first_generation(_first_generation("r1", blocks))
     assert status.ok

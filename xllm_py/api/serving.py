@@ -40,6 +40,7 @@ from xllm_py.api.protocol import (
 )
 from xllm_py.api.sse import DONE_EVENT, SSEResponse, dumps, sse_event
 from xllm_py.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from xllm_py.request import prompt_token_error
 
 logger = logging.getLogger(__name__)
 
@@ -109,15 +110,6 @@ class _Generations:
     async def aclose(self) -> None:
         self.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _check_token_ids(ids: list[int], vocab: int | None) -> None:
-    """A prompt given as token ids must stay inside the vocabulary (400, not a failed step)."""
-    bad = next((t for t in ids if not 0 <= t < vocab), None) if vocab else None
-    if bad is not None:
-        raise InvalidRequestError(
-            f"prompt token id {bad} is out of range: the vocabulary has {vocab} tokens",
-            param="prompt")
 
 
 async def _aclose(stream: Any) -> None:
@@ -456,7 +448,9 @@ class OpenAIServing:
                 if isinstance(p, str):
                     prompts.append(_Prompt(list(tokenizer.encode(p, add_special_tokens=True)), p))
                 else:
-                    _check_token_ids(p, getattr(tokenizer, "vocab_size", None))
+                    error = prompt_token_error(p, getattr(tokenizer, "vocab_size", None))
+                    if error is not None:
+                        raise InvalidRequestError(error, param="prompt")
                     text = tokenizer.decode(p) if req.echo else None
                     prompts.append(_Prompt(list(p), text))
             prefix = "cmpl"

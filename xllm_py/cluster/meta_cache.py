@@ -45,6 +45,3 @@ class MetaCache:
         else:
             self._entries[name] = (now, meta)
         return meta
-
-    def invalidate(self, name: str) -> None:
-        self._entries.pop(name, None)

@@ -30,7 +30,7 @@ from xllm_py.model.loader import load_model
 from xllm_py.model.packed import pack_linears
 from xllm_py.model.tiny import ensure_tiny_model
 from xllm_py.model.tokenizer import Tokenizer
-from xllm_py.request import Request, RequestStatus
+from xllm_py.request import Request, RequestStatus, prompt_token_error
 from xllm_py.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -208,11 +208,9 @@ class LLMEngine:
         if not params.eos_token_ids:
             params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))
         best_of = params.best_of or params.n
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:  # it would fail the whole step it joined
-            req.sink.emit(_error_output(req, 400, (
-                f"prompt token id {bad} is out of range: the vocabulary has {vocab} tokens")))
+        error = prompt_token_error(req.prompt_token_ids, self.model_config.vocab_size)
+        if error is not None:  # it would fail the whole step it joined
+            req.sink.emit(_error_output(req, 400, error))
             return
         if len(req.prompt_token_ids) + 1 > self.max_model_len:
             req.sink.emit(_error_output(req, 400, (
