@@ -13,19 +13,23 @@ Stages of one client request:
 
 Migration off an evicted decode. A PD sub-request is single-sequence, so the service
 knows its generated token ids: the ones it relayed to the client (`_Sub.generated`).
-Once decode has taken the sub over (prefill's first token and a decode output relayed,
-`_Sub.on_decode`), the eviction of that decode does not fail it:
+Once prefill's first token is relayed (decode took the sub over, or is still pulling its
+KV: recomputing does not need that KV), the eviction of that decode does not fail it:
   1. pick another DECODE through `Router.route_decode` (the dead one excluded);
   2. re-key the sub under a fresh engine request id (`_subs`, `_by_instance`) and point
      its route's decode at the new instance, so Cancel goes there, and a decode that lost
      its lease but still runs gets ok=false for its late outputs under the old id and
      aborts: no token reaches the client twice, none is lost (outputs dropped that way
      were never relayed, so they are not in `generated` and the new decode makes them);
+     the sub no longer depends on its prefill (a late failure from it, under the old id,
+     is ignored the same way);
   3. MultiGenerations(original spec under the new id, generated ids, no KV) to it, with
      the RPC deadline: the decode recomputes the KV of prompt + generated and resumes
      after the last generated token; max_tokens/min_tokens are counted there from the
      k generated tokens, usage includes them, and text continues with prompt + generated
-     as detokenizer context. prompt_logprobs and echo are dropped: the client already
+     as detokenizer context, starting with the text of the generated tokens the client
+     has not got yet (`num_unread_tokens`: those after the last output with text; the
+     dead decode held them back, an incomplete character). prompt_logprobs and echo are dropped: the client already
      got them with the first output.
 The client's stream pauses (lease TTL + eviction grace + recompute) and continues; a
 greedy request ends with the tokens an uninterrupted run gives (a seeded sampled one
@@ -34,7 +38,8 @@ sub had already generated max_tokens (its last output was lost), or MultiGenerat
 fails or refuses, the request fails with a 503 that says why. Outcomes are counted in
 `xllm_service_migrations_total{outcome="ok"|"failed"}` ("ok": the new decode accepted
 it). A sub re-keyed again (its new decode evicted during the RPC) ignores the stale
-RPC's answer. MIX requests and PD requests not yet on decode still fail with a 503.
+RPC's answer. MIX requests and PD requests whose first token was not relayed still fail
+with a 503.
 """
 from __future__ import annotations
 
@@ -73,8 +78,8 @@ class _Sub:
     request_id: str = ""  # the client request's id (engine ids are made from it)
     first_seen: bool = False  # PD: prefill's first output arrived
     held: list = dataclasses.field(default_factory=list)  # decode outputs before that
-    on_decode: bool = False  # PD: a decode output was relayed (decode took it over)
     generated: list[int] = dataclasses.field(default_factory=list)  # PD: relayed token ids
+    num_read: int = 0  # PD: of those, how many the client has the text of
     finished: bool = False
     cancelled: bool = False
 
@@ -289,7 +294,6 @@ class ServiceBackend:
         fail now rather than wait for the idle timeout. `inflight(prefill)` stops counting
         it; `sub.route` keeps both names, so Cancel and the outcome counters still go to
         both instances."""
-        sub.on_decode = True
         prefill, decode = sub.route.target.name, sub.route.decode.name
         if prefill != decode:
             self._by_instance.get(prefill, set()).discard(sub.engine_request_id)
@@ -301,17 +305,19 @@ class ServiceBackend:
             sub.finished = True
         if sub.route.is_pd and out.outputs:  # single-sequence
             sub.generated.extend(out.outputs[0].token_ids)
+            if out.outputs[0].text:  # the engine emits text only up to a whole character
+                sub.num_read = len(sub.generated)
         sub.queue.put_nowait((sub, out))
 
     def on_evict(self, info: InstanceInfo) -> None:
         """An instance is gone: the requests that still depend on it (`_by_instance`, see
-        `_release_prefill`) move to another decode if the dead one had taken them over
-        (see the module docstring), else end with an error now."""
+        `_release_prefill`) move to another decode if the dead one was their decode and
+        prefill's first token is in (see the module docstring), else end with an error now."""
         for engine_id in list(self._by_instance.pop(info.name, ())):
             sub = self._subs.get(engine_id)
             if sub is None or sub.finished:
                 continue
-            if (sub.on_decode and sub.route.decode.name == info.name and sub.generated
+            if (sub.route.is_pd and sub.route.decode.name == info.name and sub.generated
                     and sub.spec is not None):
                 self._migrate(sub, info.name)
                 continue
@@ -342,6 +348,8 @@ class ServiceBackend:
             return
         old_id, new_id = sub.engine_request_id, _engine_id(sub.request_id, sub.index_offset)
         self._subs.pop(old_id, None)
+        for name in sub.route.instance_names:
+            self._by_instance.get(name, set()).discard(old_id)
         sub.engine_request_id = new_id
         sub.route = Route(sub.route.target, target)
         self._subs[new_id] = sub
@@ -353,7 +361,8 @@ class ServiceBackend:
             request=spec_to_proto(dataclasses.replace(
                 spec, request_id=new_id, service_request_id=new_id, params=params,
                 decode_name=target.name)),
-            generated_token_ids=list(sub.generated))
+            generated_token_ids=list(sub.generated),
+            num_unread_tokens=k - sub.num_read, has_num_unread_tokens=True)
         self._spawn(self._send_migration(sub, item, target, why))
 
     async def _send_migration(self, sub: _Sub, item: pb.MultiGenerationsRequest,

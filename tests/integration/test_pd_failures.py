@@ -118,13 +118,17 @@ async def test_decode_killed_mid_stream_migrates_to_the_other_decode(etcd_server
                 run["times"].append(time.monotonic())
 
         tasks = [asyncio.create_task(one(p, r)) for p, r in zip(prompts, runs)]
-        await asyncio.wait_for(_until(lambda: all(len(r["ids"]) >= 20 for r in runs)), 30)
-        running = [metric(d.http_url, "xllm_requests_running") for d in (d0, d1)]
-        victim, survivor = (d0, d1) if running[0] >= running[1] else (d1, d0)
-        num_moved = int(max(running))
-        assert num_moved >= 1 and all(len(r["ids"]) < max_tokens for r in runs), (
-            running, [len(r["ids"]) for r in runs])
+        # Kill when every stream has its first token (it can move) and a decode runs it.
+        # Judged by the engines: on a loaded machine this client lags them by seconds.
+        def running() -> list[float]:
+            return [metric(d.http_url, "xllm_requests_running") for d in (d0, d1)]
+
+        await asyncio.wait_for(_until(lambda: all(r["ids"] for r in runs)), 30)
+        await asyncio.wait_for(_until(lambda: sum(running()) == len(runs)), 30)
+        counts = running()
+        victim, survivor = (d0, d1) if counts[0] >= counts[1] else (d1, d0)
         victim.kill()
+        num_moved = int(max(counts))
         killed = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
 

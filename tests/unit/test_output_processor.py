@@ -182,3 +182,44 @@ def test_migration_at_any_token_loses_no_text_and_keeps_stop_strings(tok):
         assert _stream_text(after, s2, ids[cut:])
         text = "".join(o.outputs[0].text for o in s1.outputs + s2.outputs)
         assert text == reference, f"moved after token {cut}"
+
+
+def _moved_text(tok, prompt, steps, cut, num_unread=None) -> str:
+    """Text a client gets when a request is fed `steps` (lists of token ids, one step
+    each) and moves to a new instance after the first `cut` steps."""
+    before, after, s1, s2 = OutputProcessor(tok), OutputProcessor(tok), Sink(), Sink()
+    add(before, s1, prompt)
+    for step in steps[:cut]:
+        before.emit_step([before.process(child_id("r", 0), step, None, None, None, None)], "r")
+    generated = [t for step in steps[:cut] for t in step]
+    add(after, s2, prompt + generated, num_prompt_tokens=len(prompt),
+        generated_offset=len(generated), num_unread=num_unread)
+    for k, step in enumerate(steps[cut:]):
+        end = "length" if cut + k == len(steps) - 1 else None
+        after.emit_step([after.process(child_id("r", 0), step, None, end, None, None)], "r")
+    return "".join(o.outputs[0].text for o in s1.outputs + s2.outputs)
+
+
+def test_migration_inside_a_long_run_of_held_back_tokens_loses_no_text(tok):
+    """Invalid bytes keep the text ending in U+FFFD, so the old instance can hold back any
+    number of tokens (not just the last few): all of them are emitted after the move."""
+    prompt = tok.encode("Say:", add_special_tokens=False)
+    ids = tok.encode(" ok", add_special_tokens=False) + [255] * 12 + tok.encode(
+        " done é end", add_special_tokens=False)
+    reference = tok.decode(ids)
+    assert reference.count("\ufffd") == 12
+    for cut in range(1, len(ids)):
+        assert _moved_text(tok, prompt, [[t] for t in ids], cut) == reference, cut
+
+
+def test_migration_after_a_multi_token_step_needs_the_unread_count(tok):
+    """A step that makes "a" and half of "é" emits nothing; the text is whole after "a",
+    so only the sender knows both tokens are unread (MultiGenerations num_unread_tokens)."""
+    prompt = tok.encode("Say:", add_special_tokens=False)
+    a, e = tok.encode("a", add_special_tokens=False), tok.encode("é", add_special_tokens=False)
+    assert len(a) == 1 and len(e) == 2
+    steps = [tok.encode(" x", add_special_tokens=False), a + e[:1], e[1:],
+             tok.encode(" y", add_special_tokens=False)]
+    assert _moved_text(tok, prompt, steps, 2, num_unread=2) == " xaé y"
+    assert _moved_text(tok, prompt, steps, 1, num_unread=0) == " xaé y"
+    assert _moved_text(tok, prompt, steps, 3, num_unread=0) == " xaé y"

@@ -28,11 +28,11 @@ def backend() -> ServiceBackend:
                           "127.0.0.1:0")
 
 
-def gen(rid: str, tokens: list[int], finished=False, on_prefill=False, code=200):
+def gen(rid: str, tokens: list[int], finished=False, on_prefill=False, code=200, text=""):
     g = pb.DisaggStreamGeneration(req_id=rid, service_req_id=rid, finished=finished,
                                   finished_on_prefill_instance=on_prefill,
                                   gen_status=pb.GenStatus(status_code=code))
-    g.outputs.add(index=0, token_ids=tokens)
+    g.outputs.add(index=0, token_ids=tokens, text=text)
     return g
 
 
@@ -216,8 +216,8 @@ async def test_prefill_eviction_fails_a_request_before_decode_output(seen):
 
 @pytest.mark.parametrize("decode_started", [False, True])
 async def test_decode_eviction_fails_a_pd_request_with_nowhere_to_go(decode_started):
-    """Still on prefill (another decode would not help), or no other decode: 503."""
-    b, engines = pd_backend(decodes=(DECODE, DECODE2) if not decode_started else (DECODE,))
+    """No other decode: 503 that says why."""
+    b, engines = pd_backend(decodes=(DECODE,))
     stream, first, rid = await start_pd(b, engines)
     await feed(b, gen(rid, [1], on_prefill=True))
     assert await take(first) == [1]
@@ -228,26 +228,53 @@ async def test_decode_eviction_fails_a_pd_request_with_nowhere_to_go(decode_star
     b.on_evict(DECODE)
     code, message = await take(anext(stream))
     assert code == 503 and "instance d left the cluster" in message
-    if decode_started:
-        assert "could not migrate it: no other decode instance is registered" in message
-        assert b.migrations == {"failed": 1}
-    else:
-        assert b.migrations == {}
-    assert engines.migrated == []
+    assert "could not migrate it: no other decode instance is registered" in message
+    assert b.migrations == {"failed": 1} and engines.migrated == []
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
-    assert 'xllm_service_migrations_total{outcome="failed"} ' + str(
-        b.migrations["failed"]) in b.metrics_text()
+    assert 'xllm_service_migrations_total{outcome="failed"} 1' in b.metrics_text()
 
 
-async def migrate_after(b: ServiceBackend, engines: FakeEngines, tokens: list[list[int]]):
-    """A PD request that streamed `tokens` (prefill's first, then decode's), then lost
-    decode "d"; returns its stream and old engine id once MultiGenerations was sent."""
+async def test_decode_eviction_before_any_token_fails_the_request():
+    """Nothing relayed yet (prefill's first token not in): nothing to resume from."""
+    b, engines = pd_backend(decodes=(DECODE, DECODE2))
     stream, first, rid = await start_pd(b, engines)
-    await feed(b, gen(rid, tokens[0], on_prefill=True))
+    b.on_evict(DECODE)
+    code, message = await take(first)
+    assert code == 503 and "instance d left the cluster" in message
+    assert b.migrations == {} and engines.migrated == []
+
+
+async def test_decode_eviction_before_decode_output_migrates_and_frees_prefill():
+    """Prefill's first token is in but decode's output is not (decode may still be pulling
+    the KV): the request moves anyway (the new decode recomputes), and no longer depends
+    on prefill: prefill's eviction, or its late failure under the old id, changes nothing."""
+    b, engines = pd_backend(decodes=(DECODE, DECODE2))
+    stream, rid = await migrate_after(b, engines, [[1]])
+    (addr, item), = engines.migrated
+    new_id = item.request.service_req_id
+    assert list(item.generated_token_ids) == [1] and item.num_unread_tokens == 1
+    assert (b.inflight("p"), b.inflight("d"), b.inflight("d2")) == (0, 0, 1)
+    reply = await b.on_generations(pb.DisaggStreamGenerations(
+        gens=[gen(rid, [], finished=True, code=502)]))
+    assert [s.ok for s in reply.all_status] == [False]
+    b.on_evict(PREFILL)
+    await feed(b, gen(new_id, [2, 3], finished=True))
+    last = await asyncio.wait_for(anext(stream), 1.0)
+    assert last.finished and not last.failed and last.outputs[0].token_ids == [2, 3]
+
+
+async def migrate_after(b: ServiceBackend, engines: FakeEngines, tokens: list[list[int]],
+                        texts: list[str] | None = None):
+    """A PD request that streamed `tokens` (prefill's first, then decode's; with `texts`),
+    then lost decode "d"; returns its stream and old engine id once MultiGenerations was
+    sent."""
+    texts = texts or [""] * len(tokens)
+    stream, first, rid = await start_pd(b, engines)
+    await feed(b, gen(rid, tokens[0], on_prefill=True, text=texts[0]))
     assert await take(first) == tokens[0]
-    for t in tokens[1:]:
-        await feed(b, gen(rid, t))
+    for t, text in zip(tokens[1:], texts[1:]):
+        await feed(b, gen(rid, t, text=text))
         assert await take(anext(stream)) == t
     b.on_evict(DECODE)
     await asyncio.gather(*b._tasks)
@@ -290,6 +317,17 @@ async def test_decode_eviction_migrates_to_another_decode(end):
         assert all(r == new_id for _, r in engines.cancels)
     assert (b.inflight("d"), b.inflight("d2")) == (0, 0)
     assert 'xllm_service_migrations_total{outcome="ok"} 1' in b.metrics_text()
+
+
+@pytest.mark.parametrize("texts, unread", [
+    (["a", "b", "cd"], 0), (["a", "", ""], 3), (["", "", ""], 4), (["a", "b", ""], 2)])
+async def test_migration_says_how_many_tokens_the_client_has_no_text_for(texts, unread):
+    """Tokens after the last output with text were held back by the dead decode (an
+    incomplete character): the new decode must emit their text."""
+    b, engines = pd_backend(decodes=(DECODE, DECODE2))
+    await migrate_after(b, engines, [[1], [2], [3, 4]], texts)
+    (_, item), = engines.migrated
+    assert item.has_num_unread_tokens and item.num_unread_tokens == unread
 
 
 @pytest.mark.parametrize("reply", [

@@ -35,32 +35,50 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int],
-                 skip_special_tokens: bool = True, num_generated: int = 0) -> None:
+                 skip_special_tokens: bool = True, num_generated: int = 0,
+                 num_unread: int | None = None) -> None:
         """`num_generated`: how many of the prompt's last tokens are output that was
-        generated elsewhere (a request resumed after migration). Those of them whose text
-        was still held back there (an incomplete character) are emitted here, with the
-        next delta."""
+        generated elsewhere (a request resumed after migration); `num_unread`: how many of
+        those the client has no text for yet (held back there: an incomplete character).
+        Their text is emitted here, with the next delta. Without `num_unread` it is
+        inferred: the generated tokens after the last point where the text was whole
+        (exact when every step made one token)."""
         if not callable(getattr(tokenizer, "decode", None)):
             raise ValueError(f"tokenizer must have a decode(ids, skip_special_tokens) method, "
                              f"got {type(tokenizer).__name__}")
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        context = list(prompt_token_ids[-_NUM_CONTEXT_TOKENS:])
-        # The context's text must end on a whole character, or its trailing U+FFFD would
-        # swallow the first output character: prompt tokens past that point are dropped,
-        # generated ones kept unread.
-        read = len(context)
-        while read and self._decode(context[:read]).endswith(_REPLACEMENT_CHAR):
-            read -= 1
-        first_generated = len(context) - min(num_generated, len(context))
-        keep = len(context) if read >= first_generated else read
-        del context[keep:]
-        self.num_unread = len(context) - read  # generated tokens whose text is still due
+        ids = list(prompt_token_ids)
+        num_generated = max(0, min(num_generated, len(ids)))
+        generated = ids[len(ids) - num_generated:]
+        # The prompt context must end on a whole character, or its trailing U+FFFD would
+        # swallow the first output character: prompt tokens past that point are dropped.
+        context = ids[:len(ids) - num_generated][-_NUM_CONTEXT_TOKENS:]
+        while context and self._decode(context).endswith(_REPLACEMENT_CHAR):
+            context.pop()
+        if num_unread is None:
+            num_unread = self._count_unread(context, generated)
+        self.num_unread = max(0, min(num_unread, num_generated))
+        num_read = num_generated - self.num_unread
+        if num_read:  # the window restarts inside the generated text, at a whole character
+            first = max(0, num_read - _NUM_CONTEXT_TOKENS)
+            context, read = generated[first:], num_read - first
+        else:
+            context, read = context + generated, len(context)
         self._token_ids: list[int] = context
         self._num_context_tokens = len(context)
         self._prefix_offset = 0
         self._read_offset = read
         self.output_text = ""
+
+    def _count_unread(self, context: list[int], generated: list[int]) -> int:
+        """Generated tokens after the last point where the text ended on a whole character."""
+        ids = context + generated
+        end = len(ids)
+        while end > len(context) and self._decode(
+                ids[max(0, end - _NUM_CONTEXT_TOKENS):end]).endswith(_REPLACEMENT_CHAR):
+            end -= 1
+        return len(ids) - end
 
     @property
     def output_token_ids(self) -> list[int]:

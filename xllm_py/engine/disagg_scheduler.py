@@ -459,7 +459,7 @@ class DisaggPDScheduler:
         return replies
 
     def _allocate_remote(self, spec: EngineRequestSpec, usage_prompt_tokens: int | None = None,
-                         generated_offset: int = 0):
+                         generated_offset: int = 0, num_unread: int | None = None):
         """Engine thread. RemoteAllocation, None (no space) or an error message."""
         engine = self.engine
         limit = min(engine.max_model_len, engine.scheduler.max_model_len)
@@ -484,7 +484,8 @@ class DisaggPDScheduler:
             stop=list(params.stop or []), include_stop_str=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
             want_logprobs=params.logprobs is not None,
-            num_prompt_tokens=usage_prompt_tokens, generated_offset=generated_offset)
+            num_prompt_tokens=usage_prompt_tokens, generated_offset=generated_offset,
+            num_unread=num_unread)
         engine.outputs.set_cached_tokens(spec.request_id, alloc.num_cached_tokens)
         return alloc
 
@@ -509,6 +510,7 @@ class DisaggPDScheduler:
                 problems.append(f"{spec.request_id}: generated_token_ids is empty")
                 continue
             k = len(generated)
+            unread = item.num_unread_tokens if item.has_num_unread_tokens else None
             params = spec.params
             if params.max_tokens is not None and params.max_tokens <= k:
                 problems.append(f"{spec.request_id}: already generated max_tokens")
@@ -523,8 +525,11 @@ class DisaggPDScheduler:
             if item.HasField("kv") and len(item.kv.block_ids):
                 ext = dataclasses.replace(spec, prompt_token_ids=spec.prompt_token_ids
                                           + generated[:-1], params=params)
+                # generated[-1] comes as a first token, fed silently: what was unread
+                # before it is one less (none if its text completed everything).
                 alloc = await asyncio.wrap_future(self.engine.call(
-                    lambda ext=ext: self._allocate_remote(ext, prompt_len, k - 1)))
+                    lambda ext=ext, u=unread: self._allocate_remote(
+                        ext, prompt_len, k - 1, None if u is None else max(0, u - 1))))
                 if alloc is None or isinstance(alloc, str):
                     problems.append(f"{spec.request_id}: {alloc or 'no KV space on decode'}")
                     continue
@@ -547,7 +552,7 @@ class DisaggPDScheduler:
                                              min_tokens=max(0, params.min_tokens - 1))
                 self.engine.submit(EngineRequest(
                     spec.request_id, spec.prompt_token_ids + generated, params, sink,
-                    usage_prompt_tokens=prompt_len, generated_offset=k))
+                    usage_prompt_tokens=prompt_len, generated_offset=k, num_unread=unread))
         return pb.Status(ok=not problems, code=200 if not problems else 400,
                          message="; ".join(problems))
 

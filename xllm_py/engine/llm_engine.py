@@ -45,10 +45,12 @@ class EngineRequest:
     # PD: the prefill side holds the KV after the first token (see DisaggPDScheduler).
     remote_decode: bool = False
     first_index: int = 0
-    # Migration (MultiGenerations): the client's prompt length, and how many of the
-    # prompt tokens here were generated elsewhere.
+    # Migration (MultiGenerations): the client's prompt length, how many of the prompt
+    # tokens here were generated elsewhere, and how many of those the client has no text
+    # for yet (None: inferred, see IncrementalDetokenizer).
     usage_prompt_tokens: int | None = None
     generated_offset: int = 0
+    num_unread: int | None = None
 
 
 def resolve_model_dir(model: str) -> str:
@@ -223,7 +225,8 @@ class LLMEngine:
             stop=list(params.stop or []), include_stop_str=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, want_logprobs=want_logprobs,
             first_index=req.first_index, num_prompt_tokens=req.usage_prompt_tokens,
-            generated_offset=req.generated_offset, arrival_time=req.arrival_time)
+            generated_offset=req.generated_offset, num_unread=req.num_unread,
+            arrival_time=req.arrival_time)
         for i in range(req.first_index, req.first_index + best_of):
             cp = child_params(params, i)
             if best_of > params.n and cp.logprobs is None:

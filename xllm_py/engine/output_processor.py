@@ -97,12 +97,14 @@ class OutputProcessor:
                    n: int, best_of: int, stop: list[str], include_stop_str: bool,
                    skip_special_tokens: bool, want_logprobs: bool,
                    first_index: int = 0, num_prompt_tokens: int | None = None,
-                   generated_offset: int = 0, arrival_time: float = 0.0) -> None:
+                   generated_offset: int = 0, num_unread: int | None = None,
+                   arrival_time: float = 0.0) -> None:
         seqs = {}
         for i in range(first_index, first_index + best_of):
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                                  skip_special_tokens=skip_special_tokens,
-                                                 num_generated=generated_offset)
+                                                 num_generated=generated_offset,
+                                                 num_unread=num_unread)
             stop_checker = StopChecker(stop, include_stop_str)
             if generated_offset and stop:  # resumed: the text emitted before still counts
                 end = len(prompt_token_ids) - detokenizer.num_unread

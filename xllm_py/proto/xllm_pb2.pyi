@@ -441,14 +441,18 @@ class DisaggStreamGenerations(_message.Message):
     def __init__(self, gens: _Optional[_Iterable[_Union[DisaggStreamGeneration, _Mapping]]] = ..., instance_name: _Optional[str] = ...) -> None: ...
 
 class MultiGenerationsRequest(_message.Message):
-    __slots__ = ("request", "generated_token_ids", "kv")
+    __slots__ = ("request", "generated_token_ids", "kv", "num_unread_tokens", "has_num_unread_tokens")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNREAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAS_NUM_UNREAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request: DisaggRequest
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv: DisaggGenerationsRequest
-    def __init__(self, request: _Optional[_Union[DisaggRequest, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[DisaggGenerationsRequest, _Mapping]] = ...) -> None: ...
+    num_unread_tokens: int
+    has_num_unread_tokens: bool
+    def __init__(self, request: _Optional[_Union[DisaggRequest, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[DisaggGenerationsRequest, _Mapping]] = ..., num_unread_tokens: _Optional[int] = ..., has_num_unread_tokens: _Optional[bool] = ...) -> None: ...
 
 class MultiGenerationsRequests(_message.Message):
     __slots__ = ("reqs",)
