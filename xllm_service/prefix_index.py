@@ -4,8 +4,9 @@
 The hashes are the engines' own chain (`block_pool.hash_block_tokens`: a block's hash
 covers every token before it), so the service finds how many leading blocks of a prompt
 an instance has cached by hashing the prompt's full blocks and walking them in order.
-It is a routing hint: events lost with a failed heartbeat, or held by a previous master,
-make it miss or overstate a hit, never break a request.
+Engines send a full snapshot (`full`) to a new master, after a failed heartbeat and every
+30 s, so events lost with a heartbeat, or held by a previous master, skew it only until
+then; it is a routing hint either way, never a reason a request fails.
 """
 from __future__ import annotations
 
@@ -29,8 +30,12 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._blocks: dict[str, set[int]] = collections.defaultdict(set)
 
-    def update(self, name: str, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+    def update(self, name: str, stored: Sequence[bytes], removed: Sequence[bytes],
+               full: bool = False) -> None:
         """Registry.on_cache_event callback."""
+        if full:
+            self._blocks[name] = {hash_from_bytes(b) for b in stored}
+            return
         blocks = self._blocks[name]
         blocks.difference_update(hash_from_bytes(b) for b in removed)
         blocks.update(hash_from_bytes(b) for b in stored)

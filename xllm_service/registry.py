@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 EvictCallback = Callable[[InstanceInfo, str], "None | Awaitable[None]"]  # (old info, reason)
 ChangeCallback = Callable[[Change], "None | Awaitable[None]"]
-CacheEventCallback = Callable[[str, list[bytes], list[bytes]], "None | Awaitable[None]"]
+CacheEventCallback = Callable[[str, list[bytes], list[bytes], bool], "None | Awaitable[None]"]
 
 _RESYNC_BACKOFF_S = (0.1, 0.2, 0.5, 1.0)
 
@@ -98,7 +98,8 @@ class Registry:
         self._change_callbacks.append(callback)
 
     def on_cache_event(self, callback: CacheEventCallback) -> None:
-        """`callback(name, stored_hashes, removed_hashes)` for each heartbeat carrying them."""
+        """`callback(name, stored_hashes, removed_hashes, full)` for each heartbeat carrying
+        them (`full`: stored_hashes is all the instance holds)."""
         self._cache_callbacks.append(callback)
 
     # ------------------------------------------------------------------ inputs
@@ -110,12 +111,14 @@ class Registry:
         load: LoadInfo,
         stored_cache: list[bytes] | None = None,
         removed_cache: list[bytes] | None = None,
+        full_cache: bool = False,
     ) -> HeartbeatResult:
         result = self.table.heartbeat(name, incarnation_id, load, self._clock())
         self._dispatch(list(result.changes))
-        if result.ok and (stored_cache or removed_cache):
+        if result.ok and (stored_cache or removed_cache or full_cache):
             for cb in self._cache_callbacks:
-                self._run_callback(cb, name, list(stored_cache or []), list(removed_cache or []))
+                self._run_callback(cb, name, list(stored_cache or []), list(removed_cache or []),
+                                   full_cache)
         return result
 
     def register(self, meta: InstanceMeta) -> list[Change]:

@@ -159,6 +159,7 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
             load_from_heartbeat(request),
             stored_cache=list(request.cache_event.stored_cache),
             removed_cache=list(request.cache_event.removed_cache),
+            full_cache=request.cache_event.full_snapshot,
         )
         return xllm_pb2.Status(ok=result.ok, message=result.message, code=200 if result.ok else 409)
 

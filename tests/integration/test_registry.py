@@ -22,8 +22,11 @@ from xllm_py.cluster.etcd_server import EmbeddedEtcd
 from xllm_py.cluster.instance_agent import InstanceAgent, LoadReport
 from xllm_py.cluster.instance_meta import InstanceMeta, new_incarnation_id, now_ms
 from xllm_py.config import InstanceRole
+from xllm_py.engine.cache_events import CacheEvents
+from xllm_py.utils.procs import free_port
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
 from xllm_service.instance_table import InstanceState
+from xllm_service.prefix_index import PrefixIndex
 from xllm_service.registry import Registry
 from xllm_service.rpc_service import ProxyRegistrations, XllmRpcServicer, create_server
 
@@ -374,3 +377,70 @@ async def test_agent_heartbeats_reach_master_found_in_etcd(rpc, etcd_endpoint, e
         assert a.master_addr == f"127.0.0.1:{port}"
     finally:
         await a.stop()
+
+
+class _Pool:
+    """A block pool's prefix-cache events, set by the test."""
+
+    def __init__(self) -> None:
+        self.events: tuple[list[int], list[int]] = ([], [])
+
+    def take_events(self):
+        events, self.events = self.events, ([], [])
+        return events
+
+
+async def test_cache_index_recovers_lost_heartbeats_and_a_new_master(
+        rpc, etcd_endpoint, etcd_namespace, etcd_client):
+    """The master's prefix index of an engine is exact after heartbeats carrying cache
+    events were lost (a full snapshot follows a failure) and on a master that never saw
+    the earlier events (its first heartbeat is a full snapshot)."""
+    registry, _, port = rpc
+    index = PrefixIndex()
+    registry.on_cache_event(index.update)
+    pool, events = _Pool(), CacheEvents()
+    held = lambda idx: {h for h in range(10) if idx.matched_blocks("d:1", [h])}  # noqa: E731
+    await etcd_client.put(MASTER_KEY, f"127.0.0.1:{port}")
+    fulls: list[bool] = []  # each heartbeat's cache_event: full snapshot or delta
+
+    def cache_fn(full: bool):
+        fulls.append(full)
+        return events.drain(full)
+
+    a = agent(etcd_endpoint, etcd_namespace, "d:1", cache_fn=cache_fn)
+    await a.start()
+    server_b = None
+    try:
+        pool.events = ([1, 2, 3], [])
+        events.collect(pool)
+        await wait_until(lambda: held(index) == {1, 2, 3}, 3.0)
+        # The master is unreachable for a while: the events drained meanwhile are lost.
+        await etcd_client.put(MASTER_KEY, f"127.0.0.1:{free_port()}")
+        await wait_until(lambda: a.last_heartbeat_error != "", 5.0)
+        ok_before = a.num_heartbeats_ok
+        pool.events = ([4], [2])
+        events.collect(pool)
+        sent = len(fulls)
+        await wait_until(lambda: len(fulls) > sent, 3.0)  # drained into a failing heartbeat
+        assert a.num_heartbeats_ok == ok_before
+        await etcd_client.put(MASTER_KEY, f"127.0.0.1:{port}")
+        await wait_until(lambda: held(index) == {1, 3, 4}, 5.0)
+        assert fulls[0] and not all(fulls)  # the first is full, then deltas
+        # A new master (another service) learns the whole cache from the first heartbeat.
+        registry_b = Registry(etcd_client, evict_grace_s=1.0, health_interval_s=0.1)
+        await registry_b.start()
+        index_b = PrefixIndex()
+        registry_b.on_cache_event(index_b.update)
+        server_b, port_b = await create_server(
+            XllmRpcServicer(registry_b, ProxyRegistrations(etcd_client, registry_b, ttl_s=TTL_S)),
+            "127.0.0.1", 0)
+        await etcd_client.put(MASTER_KEY, f"127.0.0.1:{port_b}")
+        await wait_until(lambda: held(index_b) == {1, 3, 4}, 6.0)
+        pool.events = ([5], [1])  # then deltas again
+        events.collect(pool)
+        await wait_until(lambda: held(index_b) == {3, 4, 5}, 3.0)
+    finally:
+        await a.stop()
+        if server_b is not None:
+            await server_b.stop(0)
+            await registry_b.stop()

@@ -39,6 +39,28 @@ def test_events_report_the_net_change_between_heartbeats():
     assert events.drain() == ([], [])
 
 
+def test_a_full_drain_is_everything_held_and_the_next_delta_starts_there():
+    pool, events = _Pool(), CacheEvents()
+    pool.events = ([1, 2, 3], [])
+    events.collect(pool)
+    assert len(events.drain()[0]) == 3
+    pool.events = ([4], [2])
+    events.collect(pool)
+    stored, removed = events.drain(full=True)
+    assert sorted(hash_from_bytes(b) for b in stored) == [1, 3, 4] and removed == []
+    assert events.drain() == ([], [])
+    pool.events = ([5], [1])
+    events.collect(pool)
+    assert events.drain() == ([hash_to_bytes(5)], [hash_to_bytes(1)])
+
+    index = PrefixIndex()
+    index.update("a", [hash_to_bytes(h) for h in (7, 8)], [])
+    index.update("a", [hash_to_bytes(h) for h in (1, 3, 4)], [], full=True)
+    assert [index.matched_blocks("a", [h]) for h in (7, 1, 3, 4)] == [0, 1, 1, 1]
+    index.update("a", [], [], full=True)  # holds nothing now
+    assert index.num_cached_blocks("a") == 0
+
+
 class _Sink:
     def __init__(self) -> None:
         self.done = threading.Event()

@@ -7,7 +7,10 @@ Stages:
                 (lease expired, etcd restarted, deleted by hand) is put back on a new lease;
   3. heartbeat- every `heartbeat_interval_s`, `Heartbeat` (deadline 1 s) to the master's
                 XllmRpcService, found under `XLLM:SERVICE:MASTER` (re-read on failure and
-                every few seconds); failures are logged and retried, never fatal;
+                every few seconds); failures are logged and retried, never fatal. Its
+                cache_event (from `cache_fn(full)`) is a full snapshot of the prefix
+                cache on the first heartbeat a master gets, after a failed one (its
+                events may be lost), and every `cache_resync_s`; a delta otherwise;
   4. stop     - delete the key, revoke the lease (`stop(deregister=False)` just stops,
                 leaving the key to expire: what a crash looks like to the cluster).
 """
@@ -46,6 +49,10 @@ class LoadReport:
     removed_cache: list[bytes] = dataclasses.field(default_factory=list)
 
 
+# cache_fn(full) -> (stored, removed) block hashes: the change since the previous call, or
+# with full=True every hash held (and no removals).
+CacheFn = Callable[[bool], "tuple[list[bytes], list[bytes]]"]
+
 # load_fn may return a LoadReport or the tuple
 # (waiting, running, kv_usage, recent_max_ttft_ms, recent_max_tbt_ms, (stored, removed)).
 LoadFn = Callable[[], "LoadReport | tuple"]
@@ -59,7 +66,8 @@ def _as_report(value: "LoadReport | tuple") -> LoadReport:
     return LoadReport(int(waiting), int(running), float(kv_usage), int(ttft), int(tbt), list(stored), list(removed))
 
 
-def heartbeat_request(name: str, incarnation_id: str, report: LoadReport) -> xllm_pb2.HeartbeatRequest:
+def heartbeat_request(name: str, incarnation_id: str, report: LoadReport,
+                      full_cache: bool = False) -> xllm_pb2.HeartbeatRequest:
     return xllm_pb2.HeartbeatRequest(
         name=name,
         incarnation_id=incarnation_id,
@@ -71,7 +79,8 @@ def heartbeat_request(name: str, incarnation_id: str, report: LoadReport) -> xll
         latency_metrics=xllm_pb2.LatencyMetrics(
             recent_max_ttft=report.recent_max_ttft_ms, recent_max_tbt=report.recent_max_tbt_ms
         ),
-        cache_event=xllm_pb2.KvCacheEvent(stored_cache=report.stored_cache, removed_cache=report.removed_cache),
+        cache_event=xllm_pb2.KvCacheEvent(stored_cache=report.stored_cache, removed_cache=report.removed_cache,
+                                          full_snapshot=full_cache),
     )
 
 
@@ -86,12 +95,17 @@ class InstanceAgent:
         load_fn: LoadFn | None = None,
         credentials: tuple[str, str] | None = None,
         etcd_timeout_s: float = 2.0,
+        cache_fn: CacheFn | None = None,
+        cache_resync_s: float = 30.0,
     ) -> None:
         # A new incarnation per process start: the service tells restarts apart by it.
         self.meta = dataclasses.replace(meta, incarnation_id=new_incarnation_id(), register_ts_ms=now_ms())
         self.ttl_s = ttl_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.load_fn = load_fn
+        self.cache_fn = cache_fn
+        self.cache_resync_s = cache_resync_s
+        self._cache_synced: tuple[str, float] | None = None  # (master, when) of the last full one
         self.etcd = EtcdClient(etcd_endpoint, namespace=namespace, credentials=credentials, timeout_s=etcd_timeout_s)
         self.key = instance_key(self.meta.type, self.meta.name)
         self._leased = LeasedKey(self.etcd, self.key, self.meta.to_json(), ttl_s, interval_s=heartbeat_interval_s)
@@ -167,12 +181,19 @@ class InstanceAgent:
             self.last_heartbeat_error = "no master registered"
             return False
         report = _as_report(self.load_fn()) if self.load_fn else LoadReport()
-        req = heartbeat_request(self.meta.name, self.incarnation_id, report)
+        full = False
+        if self.cache_fn is not None:
+            synced = self._cache_synced
+            full = (synced is None or synced[0] != addr
+                    or time.monotonic() - synced[1] > self.cache_resync_s)
+            report.stored_cache, report.removed_cache = self.cache_fn(full)
+        req = heartbeat_request(self.meta.name, self.incarnation_id, report, full_cache=full)
         try:
             reply = await self._stub(addr).Heartbeat(req, timeout=HEARTBEAT_DEADLINE_S)
         except grpc.aio.AioRpcError as e:
             self.last_heartbeat_error = f"{e.code().name}: {e.details()}"
             logger.warning("heartbeat to master %s failed: %s", addr, self.last_heartbeat_error)
+            self._cache_synced = None
             await self._resolve_master(force=True)
             return False
         if not reply.ok:
@@ -180,8 +201,11 @@ class InstanceAgent:
             # still syncing; the key keeps us registered, so just try again next time.
             self.last_heartbeat_error = reply.message
             logger.info("heartbeat refused by %s: %s", addr, reply.message)
+            self._cache_synced = None
             await self._resolve_master(force=True)
             return False
+        if full:
+            self._cache_synced = (addr, time.monotonic())
         self.num_heartbeats_ok += 1
         self.last_heartbeat_error = ""
         return True

@@ -5,6 +5,10 @@ The block pool keeps the net change since its last `take_events()`; the engine t
 moves it here after each step (`collect`), and the heartbeat (event-loop thread) takes the
 net change since the previous heartbeat (`drain`). A hash stored and removed between two
 heartbeats is never reported. Bounded by the number of distinct hashes in flight.
+
+A delta is only right for a master that got every delta before it: `drain(full=True)`
+instead returns every hash the pool holds (kept here as a mirror of the pool's cached
+hashes), which the master's index replaces the instance's entry with (`full_snapshot`).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ class CacheEvents:
         self._lock = threading.Lock()
         self._stored: dict[int, None] = {}
         self._removed: dict[int, None] = {}
+        self._held: set[int] = set()  # every hash the pool holds now
 
     def collect(self, pool) -> None:
         """Engine thread: move the pool's events here."""
@@ -31,6 +36,8 @@ class CacheEvents:
         if not stored and not removed:
             return
         with self._lock:
+            self._held.difference_update(removed)
+            self._held.update(stored)
             for h in stored:
                 if h in self._removed:  # reported stored, removed, now stored again
                     del self._removed[h]
@@ -42,9 +49,12 @@ class CacheEvents:
                 else:
                     self._removed[h] = None
 
-    def drain(self) -> tuple[list[bytes], list[bytes]]:
-        """Any thread: (stored, removed) hashes since the last drain, as proto bytes."""
+    def drain(self, full: bool = False) -> tuple[list[bytes], list[bytes]]:
+        """Any thread: (stored, removed) hashes since the last drain, as proto bytes; with
+        `full`, (every hash held, []) and the next drain's delta starts from here."""
         with self._lock:
-            stored, self._stored = self._stored, {}
-            removed, self._removed = self._removed, {}
+            stored, self._stored = (self._held if full else self._stored), {}
+            removed, self._removed = ({} if full else self._removed), {}
+            if full:
+                stored = list(stored)
         return [hash_to_bytes(h) for h in stored], [hash_to_bytes(h) for h in removed]

@@ -92,7 +92,8 @@ class ClusterNode:
         self.agent = InstanceAgent(cfg.etcd_addr, self.meta, ttl_s=cfg.etcd_ttl_s,
                                    namespace=cfg.etcd_namespace,
                                    heartbeat_interval_s=cfg.heartbeat_interval_s,
-                                   load_fn=self._load, credentials=etcd_credentials_from_env())
+                                   load_fn=self._load, credentials=etcd_credentials_from_env(),
+                                   cache_fn=self.cache_events.drain)
         self.meta = self.agent.meta  # with its incarnation id
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
             self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter,
@@ -115,12 +116,10 @@ class ClusterNode:
         s = self.engine.stats()
         pool = self.engine.scheduler.kv.block_pool
         waiting = s["waiting"] + (self.pd.num_pending() if self.pd else 0)
-        stored, removed = self.cache_events.drain()
         return LoadReport(waiting=int(waiting), running=int(s["running"]),
                           kv_usage=float(pool.usage),
                           recent_max_ttft_ms=int(self.engine.recent_max_ttft_ms),
-                          recent_max_tbt_ms=int(self.engine.recent_max_tbt_ms),
-                          stored_cache=stored, removed_cache=removed)
+                          recent_max_tbt_ms=int(self.engine.recent_max_tbt_ms))
 
     async def _fetch_meta(self, name: str) -> InstanceMeta | None:
         for role in (InstanceRole.DECODE, InstanceRole.PREFILL, InstanceRole.MIX):

@@ -125,12 +125,14 @@ class LatencyMetrics(_message.Message):
     def __init__(self, recent_max_ttft: _Optional[int] = ..., recent_max_tbt: _Optional[int] = ...) -> None: ...
 
 class KvCacheEvent(_message.Message):
-    __slots__ = ("stored_cache", "removed_cache")
+    __slots__ = ("stored_cache", "removed_cache", "full_snapshot")
     STORED_CACHE_FIELD_NUMBER: _ClassVar[int]
     REMOVED_CACHE_FIELD_NUMBER: _ClassVar[int]
+    FULL_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     stored_cache: _containers.RepeatedScalarFieldContainer[bytes]
     removed_cache: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, stored_cache: _Optional[_Iterable[bytes]] = ..., removed_cache: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    full_snapshot: bool
+    def __init__(self, stored_cache: _Optional[_Iterable[bytes]] = ..., removed_cache: _Optional[_Iterable[bytes]] = ..., full_snapshot: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("name", "incarnation_id", "load_metrics", "latency_metrics", "cache_event")
