@@ -110,6 +110,9 @@ class EngineConfig:
     disagg_pd_port: int = 0
     worker_port: int = 0
     rpc_timeout_s: float = 10.0
+    # SIGTERM: stop taking requests and finish the ones in flight for up to this long
+    # before leaving the cluster (0: leave at once). A second signal cuts it short.
+    drain_timeout_s: float = 30.0
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:

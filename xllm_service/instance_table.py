@@ -85,7 +85,8 @@ class InstanceInfo:
 
     @property
     def schedulable(self) -> bool:
-        return self.state.schedulable
+        """New requests may go here: alive and not draining (shutting down)."""
+        return self.state.schedulable and not self.meta.draining
 
     def snapshot(self) -> "InstanceInfo":
         """A copy that later table changes do not touch (for callbacks)."""
@@ -131,10 +132,13 @@ class InstanceTable:
         return [i for i in self.all() if i.schedulable and (role is None or i.role == role)]
 
     def counts(self) -> dict[str, int]:
-        """Instances per state (every live state present, zero included)."""
+        """Instances per state (every live state present, zero included); a schedulable
+        one that is shutting down counts as DRAINING."""
         out = {s.value: 0 for s in InstanceState if s is not InstanceState.EVICTED}
+        out["DRAINING"] = 0
         for info in self._entries.values():
-            out[info.state.value] += 1
+            draining = info.meta.draining and info.state.schedulable
+            out["DRAINING" if draining else info.state.value] += 1
         return out
 
     def next_eviction_s(self) -> float | None:

@@ -117,7 +117,7 @@ async def test_registry_sees_agent_crash_then_evicts(etcd_endpoint, etcd_namespa
         assert evict_s <= TTL_S + 1.0 + 1.0 + 0.3
         assert evicted[0][:2] == ("d:1", "evicted") and registry.get("d:1") is None
         assert registry.get("p:1").state is InstanceState.ACTIVE
-        assert registry.counts() == {"ACTIVE": 1, "LEASE_LOST": 0, "SUSPECT": 0}
+        assert registry.counts() == {"ACTIVE": 1, "LEASE_LOST": 0, "SUSPECT": 0, "DRAINING": 0}
     finally:
         await b.stop()
         await registry.stop()

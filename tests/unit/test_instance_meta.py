@@ -30,6 +30,7 @@ def make_meta(**overrides) -> InstanceMeta:
         num_blocks=512,
         http_address="127.0.0.1:9001",
         worker_rpc_addrs=["127.0.0.1:7101", "127.0.0.1:7102"],
+        draining=True,
     )
     fields.update(overrides)
     return InstanceMeta(**fields)
@@ -84,6 +85,7 @@ def test_json_missing_required_key_is_a_clear_error(missing):
         ("[1, 2]", "JSON object"),
         ('{"name": "a:1", "type": "GPU"}', "unknown instance role"),
         ('{"name": "a:1", "type": "MIX", "block_size": "big"}', "block_size"),
+        ('{"name": "a:1", "type": "MIX", "draining": "no"}', "draining"),
     ],
 )
 def test_json_bad_values_raise_instance_meta_error(text, match):

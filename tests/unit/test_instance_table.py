@@ -35,7 +35,7 @@ def test_key_put_adds_active():
     info = t.get("d1:1")
     assert info.state is InstanceState.ACTIVE and info.schedulable and info.key_present
     assert info.state_since_s == 1.0
-    assert t.counts() == {"ACTIVE": 1, "LEASE_LOST": 0, "SUSPECT": 0}
+    assert t.counts() == {"ACTIVE": 1, "LEASE_LOST": 0, "SUSPECT": 0, "DRAINING": 0}
 
 
 def test_same_key_put_again_is_no_change_and_updated_meta_is_update():
@@ -200,7 +200,7 @@ def test_schedulable_filters_role_and_state_sorted_by_name():
     assert [i.name for i in t.schedulable(InstanceRole.DECODE)] == ["d1:1", "d2:1"]
     assert [i.name for i in t.schedulable(InstanceRole.PREFILL)] == ["p1:1"]
     assert len(t.schedulable()) == 4
-    assert t.counts() == {"ACTIVE": 4, "LEASE_LOST": 0, "SUSPECT": 1}
+    assert t.counts() == {"ACTIVE": 4, "LEASE_LOST": 0, "SUSPECT": 1, "DRAINING": 0}
 
 
 def test_resync_adds_new_and_suspects_missing():
@@ -225,3 +225,15 @@ def test_change_snapshots_do_not_alias_table_entries():
     info = t.key_put(meta(), 0.0)[0].info
     t.heartbeat("d1:1", "inc-1", LoadInfo(waiting=9), 1.0)
     assert info.load.waiting == 0
+
+
+def test_a_draining_instance_takes_no_new_requests_but_stays_registered():
+    t = table_with(meta("d1:1"), meta("d2:1"))
+    changes = t.key_put(meta("d1:1", draining=True), 1.0)  # same incarnation, meta rewritten
+    assert kinds(changes) == [ChangeKind.UPDATED]
+    assert [i.name for i in t.schedulable(InstanceRole.DECODE)] == ["d2:1"]
+    assert t.get("d1:1").state is InstanceState.ACTIVE  # its requests keep streaming
+    assert t.heartbeat("d1:1", "inc-1", LoadInfo(running=2), 1.5).ok
+    assert t.counts() == {"ACTIVE": 1, "LEASE_LOST": 0, "SUSPECT": 0, "DRAINING": 1}
+    t.key_deleted("d1:1", 2.0)  # drained and gone
+    assert t.counts() == {"ACTIVE": 1, "LEASE_LOST": 0, "SUSPECT": 1, "DRAINING": 0}

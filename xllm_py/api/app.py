@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -78,14 +79,19 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None)
             }],
         })
 
-    async def health() -> Response:
-        ok, reason = backend.check_ready()
-        if ok:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+    def probe(check) -> Callable[[], Awaitable[Response]]:
+        async def answer() -> Response:
+            ok, reason = check()
+            if ok:
+                return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return answer
 
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/readiness", health, methods=["GET"])
+    # /health: alive (a draining engine is, and must not be restarted for it);
+    # /readiness: takes new requests.
+    live = getattr(backend, "check_live", None) or backend.check_ready
+    app.add_api_route("/health", probe(live), methods=["GET"])
+    app.add_api_route("/readiness", probe(backend.check_ready), methods=["GET"])
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -3,6 +3,7 @@ embedding (own event loop in a daemon thread). Access logs are off by default.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -21,17 +22,27 @@ def _config(app: FastAPI, host: str, port: int, access_log: bool) -> uvicorn.Con
     )
 
 
+class _SignalFreeServer(uvicorn.Server):
+    """Leaves SIGINT/SIGTERM to the caller's handlers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
 async def serve(
     app: FastAPI, host: str, port: int, *, access_log: bool = False,
-    stop_event: asyncio.Event | None = None,
+    stop_event: asyncio.Event | None = None, capture_signals: bool = True,
 ) -> None:
     """Serve until `stop_event` is set (graceful shutdown) or SIGINT/SIGTERM.
 
     In the main thread uvicorn captures SIGINT/SIGTERM while serving, shuts down gracefully
     and then re-raises the signal to the handlers that were installed before (e.g. the
-    caller's `loop.add_signal_handler`).
+    caller's `loop.add_signal_handler`). `capture_signals=False` leaves the signals to
+    those handlers alone (serving goes on until `stop_event`: an engine that drains).
     """
-    server = uvicorn.Server(_config(app, host, port, access_log))
+    cls = uvicorn.Server if capture_signals else _SignalFreeServer
+    server = cls(_config(app, host, port, access_log))
     watcher: asyncio.Task | None = None
     if stop_event is not None:
 

@@ -62,6 +62,7 @@ class InstanceMeta:
     num_blocks: int = 0
     http_address: str = ""
     worker_rpc_addrs: list[str] = dataclasses.field(default_factory=list)
+    draining: bool = False  # shutting down: finishing what it runs, takes no new requests
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -134,6 +135,7 @@ class InstanceMeta:
             num_blocks=self.num_blocks,
             http_address=self.http_address,
             worker_rpc_addrs=self.worker_rpc_addrs,
+            draining=self.draining,
         )
 
     @classmethod
@@ -164,6 +166,7 @@ class InstanceMeta:
             num_blocks=msg.num_blocks,
             http_address=msg.http_address,
             worker_rpc_addrs=list(msg.worker_rpc_addrs),
+            draining=msg.draining,
         )
 
     # ------------------------------------------------------------------ peers
@@ -196,6 +199,10 @@ def _coerce(name: str, value: Any) -> Any:
             return [str(v) for v in value]
         if name in _INT:
             return int(value)
+        if name == "draining":
+            if not isinstance(value, bool):
+                raise ValueError("must be true or false")
+            return value
         if name == "type":
             if isinstance(value, int):  # a writer that sent the proto enum number
                 return InstanceRole(xllm_pb2.InstanceType.Name(value))

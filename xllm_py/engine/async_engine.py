@@ -107,19 +107,31 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         # More Prometheus text to append to /metrics (e.g. the KV worker's transfer metrics).
         self.extra_metrics: list = []
+        self.draining = False  # shutting down: new requests get a 503 (see server.drain)
 
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def check_ready(self) -> tuple[bool, str]:
+    def check_live(self) -> tuple[bool, str]:
         thread = self.engine._thread
         if thread is None or not thread.is_alive():
             return False, "engine loop is not running"
         return True, "ok"
 
+    def check_ready(self) -> tuple[bool, str]:
+        live, reason = self.check_live()
+        if not live:
+            return live, reason
+        if self.draining:
+            return False, "draining: finishing the requests in flight before shutting down"
+        return True, "ok"
+
     async def generate(self, req) -> AsyncIterator[RequestOutput]:
         from xllm_py.api.errors import BackendBusyError
 
+        if self.draining:
+            raise BackendBusyError("engine is shutting down (draining); send new requests "
+                                   "to another instance")
         if self.engine.scheduler.num_waiting >= self.max_waiting:
             raise BackendBusyError(
                 f"engine has {self.engine.scheduler.num_waiting} waiting requests; try again later")

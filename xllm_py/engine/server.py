@@ -3,7 +3,14 @@
 Stages: load model -> start engine thread -> freeze the start-up heap out of the garbage
 collector -> start HTTP API -> (cluster mode: start the
 DisaggPDService and worker gRPC servers, register in etcd, heartbeat) -> serve until
-SIGTERM/SIGINT -> deregister -> stop servers -> stop the engine thread.
+SIGTERM/SIGINT -> drain (below) -> deregister -> stop servers -> stop the engine thread.
+
+Drain (`--drain-timeout`, default 30 s; 0 skips it): new HTTP requests get a 503 and
+/readiness fails; in a cluster the instance's etcd entry says `draining`, so the service
+routes nothing new here (decode and prefill lists included); the requests in flight run
+to completion (on a prefill: until decode has pulled their KV). A second signal, or the
+timeout, ends the drain; what still runs then is cut off as before (PD requests on a
+decode migrate to another decode once this instance leaves).
 """
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import asyncio
 import gc
 import logging
 import signal
+import time
 
 from xllm_py.config import EngineConfig
 from xllm_py.engine.async_engine import AsyncEngine
@@ -29,24 +37,34 @@ async def run_engine_server(config: EngineConfig) -> None:
     backend = AsyncEngine(engine, config.served_model_name)
     app = build_app(backend)
     freeze_startup_heap()
-    stop = asyncio.Event()
+    stop, force = asyncio.Event(), asyncio.Event()  # a first signal, a second one
+
+    def on_signal() -> None:
+        if stop.is_set():
+            force.set()
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     cluster = None
     if config.etcd_addr:
         from xllm_py.engine.cluster_node import ClusterNode
 
         cluster = ClusterNode(config, engine, backend)
         await cluster.start()
-    http_task = asyncio.create_task(serve(app, config.host, config.port, stop_event=stop))
+    http_stop = asyncio.Event()
+    http_task = asyncio.create_task(serve(app, config.host, config.port, stop_event=http_stop,
+                                          capture_signals=False))
     logger.info("engine %s serving on http://%s:%d", config.role.value, config.host, config.port)
     stop_task = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     if http_task in done and http_task.exception():
         logger.error("HTTP server failed: %s", http_task.exception())
+    if not http_task.done() and config.drain_timeout_s > 0:
+        await drain(engine, backend, cluster, config.drain_timeout_s, force)
     logger.info("shutting down")
-    stop.set()
+    http_stop.set()
     if cluster is not None:
         await cluster.stop()
     try:
@@ -54,6 +72,39 @@ async def run_engine_server(config: EngineConfig) -> None:
     except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
         pass
     engine.stop()
+
+
+def in_flight(engine: LLMEngine, cluster) -> int:
+    """Requests still using this engine: scheduled, waiting, or (PD) not handed over, and
+    KV blocks held for a transfer (a prefill keeps them until decode has pulled)."""
+    s = engine.stats()
+    pending = cluster.pd.num_pending() if cluster is not None and cluster.pd is not None else 0
+    return int(s["running"] + s["waiting"] + pending + (s["kv_blocks_used"] > 0))
+
+
+async def drain(engine: LLMEngine, backend: AsyncEngine, cluster, timeout_s: float,
+                force: asyncio.Event) -> bool:
+    """Take no new requests, let the ones in flight finish; True when none is left."""
+    backend.draining = True
+    if cluster is not None:
+        cluster.agent.update_meta(draining=True)
+    t0 = time.monotonic()
+    logger.info("draining: %d request(s) in flight, up to %.0f s (signal again to stop now)",
+                in_flight(engine, cluster), timeout_s)
+    while (left := in_flight(engine, cluster)) and not force.is_set():
+        if time.monotonic() - t0 > timeout_s:
+            logger.warning("drain timed out after %.0f s with %d request(s) in flight",
+                           timeout_s, left)
+            return False
+        try:
+            await wait_for(force.wait(), 0.1)
+        except asyncio.TimeoutError:
+            pass
+    if left:
+        logger.warning("drain stopped by a second signal with %d request(s) in flight", left)
+        return False
+    logger.info("drained in %.2f s", time.monotonic() - t0)
+    return True
 
 
 def freeze_startup_heap() -> None:
