@@ -31,6 +31,7 @@ from xllm_service.registry import Registry
 from xllm_service.rpc_service import ProxyRegistrations, XllmRpcServicer, create_server
 
 from tests.integration.cluster_harness import wait_until
+from tests.unit.test_cache_routing import EventPool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -379,17 +380,6 @@ async def test_agent_heartbeats_reach_master_found_in_etcd(rpc, etcd_endpoint, e
         await a.stop()
 
 
-class _Pool:
-    """A block pool's prefix-cache events, set by the test."""
-
-    def __init__(self) -> None:
-        self.events: tuple[list[int], list[int]] = ([], [])
-
-    def take_events(self):
-        events, self.events = self.events, ([], [])
-        return events
-
-
 async def test_cache_index_recovers_lost_heartbeats_and_a_new_master(
         rpc, etcd_endpoint, etcd_namespace, etcd_client):
     """The master's prefix index of an engine is exact after heartbeats carrying cache
@@ -398,7 +388,7 @@ async def test_cache_index_recovers_lost_heartbeats_and_a_new_master(
     registry, _, port = rpc
     index = PrefixIndex()
     registry.on_cache_event(index.update)
-    pool, events = _Pool(), CacheEvents()
+    pool, events = EventPool(), CacheEvents()
     held = lambda idx: {h for h in range(10) if idx.matched_blocks("d:1", [h])}  # noqa: E731
     await etcd_client.put(MASTER_KEY, f"127.0.0.1:{port}")
     fulls: list[bool] = []  # each heartbeat's cache_event: full snapshot or delta

@@ -14,7 +14,9 @@ from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
 from xllm_service.router import CacheAwarePolicy, make_policy
 
 
-class _Pool:
+class EventPool:
+    """A block pool's prefix-cache events, set by the test (also used by test_registry)."""
+
     def __init__(self) -> None:
         self.events: tuple[list[int], list[int]] = ([], [])
 
@@ -24,7 +26,7 @@ class _Pool:
 
 
 def test_events_report_the_net_change_between_heartbeats():
-    pool, events = _Pool(), CacheEvents()
+    pool, events = EventPool(), CacheEvents()
     pool.events = ([1, 2, 3], [])
     events.collect(pool)
     pool.events = ([4], [2])  # 2 was never reported: nothing to take back
@@ -40,7 +42,7 @@ def test_events_report_the_net_change_between_heartbeats():
 
 
 def test_a_full_drain_is_everything_held_and_the_next_delta_starts_there():
-    pool, events = _Pool(), CacheEvents()
+    pool, events = EventPool(), CacheEvents()
     pool.events = ([1, 2, 3], [])
     events.collect(pool)
     assert len(events.drain()[0]) == 3
