@@ -11,35 +11,40 @@ Stages of one client request:
   relayed, idle timeout) or cancelled (client gone: the next Generations reply says
   ok=false for it and the engine frees its blocks).
 
-Migration off an evicted decode. A PD sub-request is single-sequence, so the service
-knows its generated token ids: the ones it relayed to the client (`_Sub.generated`).
-Once prefill's first token is relayed (decode took the sub over, or is still pulling its
-KV: recomputing does not need that KV), the eviction of that decode does not fail it:
-  1. pick another DECODE through `Router.route_decode` (the dead one excluded);
+Migration off an evicted decode or MIX instance. A PD sub-request is single-sequence,
+and so is a MIX request with n == 1 and best_of <= 1: the service knows its generated
+token ids, the ones it relayed to the client (`_Sub.generated`). Once one is relayed
+(PD: prefill's first token; decode took the sub over, or is still pulling its KV:
+recomputing does not need that KV), the eviction of the instance generating it (its
+decode, or its MIX instance) does not fail it:
+  1. pick another instance of that kind through `Router.route_decode` or
+     `Router.route_mix` (the dead one excluded);
   2. re-key the sub under a fresh engine request id (`_subs`, `_by_instance`) and point
-     its route's decode at the new instance, so Cancel goes there, and a decode that lost
-     its lease but still runs gets ok=false for its late outputs under the old id and
+     its route at the new instance, so Cancel goes there, and an instance that lost its
+     lease but still runs gets ok=false for its late outputs under the old id and
      aborts: no token reaches the client twice, none is lost (outputs dropped that way
-     were never relayed, so they are not in `generated` and the new decode makes them);
-     the sub no longer depends on its prefill (a late failure from it, under the old id,
+     were never relayed, so they are not in `generated` and the new instance makes them);
+     a PD sub no longer depends on its prefill (a late failure from it, under the old id,
      is ignored the same way);
   3. MultiGenerations(original spec under the new id, generated ids, no KV) to it, with
-     the RPC deadline: the decode recomputes the KV of prompt + generated and resumes
-     after the last generated token; max_tokens/min_tokens are counted there from the
-     k generated tokens, usage includes them, and text continues with prompt + generated
-     as detokenizer context, starting with the text of the generated tokens the client
-     has not got yet (`num_unread_tokens`: those after the last output with text; the
-     dead decode held them back, an incomplete character). prompt_logprobs and echo are dropped: the client already
-     got them with the first output.
+     the RPC deadline: it recomputes the KV of prompt + generated and resumes after the
+     last generated token; max_tokens/min_tokens are counted there from the k generated
+     tokens, usage includes them, and text continues with prompt + generated as
+     detokenizer context, starting with the text of the generated tokens the client has
+     not got yet (`num_unread_tokens`: those after the last output with text; the dead
+     instance held them back, an incomplete character). prompt_logprobs and echo are
+     dropped: the client already got them with the first output.
 The client's stream pauses (lease TTL + eviction grace + recompute) and continues; a
 greedy request ends with the tokens an uninterrupted run gives (a seeded sampled one
-continues, but its random stream restarts). When no other decode is registered, the
-sub had already generated max_tokens (its last output was lost), or MultiGenerations
-fails or refuses, the request fails with a 503 that says why. Outcomes are counted in
-`xllm_service_migrations_total{outcome="ok"|"failed"}` ("ok": the new decode accepted
-it). A sub re-keyed again (its new decode evicted during the RPC) ignores the stale
-RPC's answer. MIX requests and PD requests whose first token was not relayed still fail
-with a 503.
+continues, but its random stream restarts). When no other instance of the kind is
+registered, the sub had already generated max_tokens (its last output was lost), or
+MultiGenerations fails or refuses, the request fails with a 503 that says why. Outcomes
+are counted in `xllm_service_migrations_total{outcome="ok"|"failed"}` ("ok": the new
+instance accepted it). A sub re-keyed again (its new instance evicted during the RPC)
+ignores the stale RPC's answer. Still failed with a 503: a MIX request with n > 1 or
+best_of > 1 (the message says why: its sequences are interleaved in one engine request,
+and only one sequence's tokens can be handed over), and requests with no token relayed
+yet (PD: prefill's first token).
 """
 from __future__ import annotations
 
@@ -78,10 +83,24 @@ class _Sub:
     request_id: str = ""  # the client request's id (engine ids are made from it)
     first_seen: bool = False  # PD: prefill's first output arrived
     held: list = dataclasses.field(default_factory=list)  # decode outputs before that
-    generated: list[int] = dataclasses.field(default_factory=list)  # PD: relayed token ids
-    num_read: int = 0  # PD: of those, how many the client has the text of
+    generated: list[int] = dataclasses.field(default_factory=list)  # relayed token ids
+    num_read: int = 0  # of those, how many the client has the text of
     finished: bool = False
     cancelled: bool = False
+
+    @property
+    def single_sequence(self) -> bool:
+        """Its outputs are one sequence, so `generated` can resume it elsewhere. PD subs
+        always are (n is split); a MIX sub when n == 1 and best_of <= 1."""
+        if self.route.is_pd:
+            return True
+        params = self.spec.params if self.spec is not None else None
+        return params is not None and params.n == 1 and (params.best_of or 1) <= 1
+
+    @property
+    def serving(self) -> str:
+        """The instance generating its tokens (the one whose death migrates it)."""
+        return self.route.decode.name if self.route.is_pd else self.route.target.name
 
 
 def _engine_id(request_id: str, offset: int) -> str:
@@ -303,7 +322,7 @@ class ServiceBackend:
             return
         if out.finished:
             sub.finished = True
-        if sub.route.is_pd and out.outputs:  # single-sequence
+        if sub.single_sequence and out.outputs:
             sub.generated.extend(out.outputs[0].token_ids)
             if out.outputs[0].text:  # the engine emits text only up to a whole character
                 sub.num_read = len(sub.generated)
@@ -311,33 +330,40 @@ class ServiceBackend:
 
     def on_evict(self, info: InstanceInfo) -> None:
         """An instance is gone: the requests that still depend on it (`_by_instance`, see
-        `_release_prefill`) move to another decode if the dead one was their decode and
-        prefill's first token is in (see the module docstring), else end with an error now."""
+        `_release_prefill`) move to another instance of its kind if it was generating them
+        (their decode, or their MIX instance), they are single-sequence and a token was
+        relayed (see the module docstring), else end with an error now."""
         for engine_id in list(self._by_instance.pop(info.name, ())):
             sub = self._subs.get(engine_id)
             if sub is None or sub.finished:
                 continue
-            if (sub.route.is_pd and sub.route.decode.name == info.name and sub.generated
-                    and sub.spec is not None):
+            why = f"instance {info.name} left the cluster while serving the request"
+            if sub.serving == info.name and sub.generated and sub.spec is not None:
                 self._migrate(sub, info.name)
                 continue
+            if sub.serving == info.name and sub.spec is not None and not sub.single_sequence:
+                p = sub.spec.params
+                why += (f"; it cannot be migrated: only a single-sequence request can resume "
+                        f"elsewhere, and it asked for n={p.n}, best_of={p.best_of or p.n}")
             logger.warning("instance %s evicted: failing request %s", info.name, engine_id)
-            self._fail(sub, f"instance {info.name} left the cluster while serving the request")
+            self._fail(sub, why)
 
     def _fail(self, sub: _Sub, message: str) -> None:
         self._deliver(sub, RequestOutput(request_id=sub.engine_request_id, finished=True,
                                          error_code=503, error_message=message))
 
     def _migrate(self, sub: _Sub, dead: str) -> None:
-        """Re-key `sub` and hand it to another decode with MultiGenerations (async)."""
+        """Re-key `sub` and hand it to another instance of the dead one's kind (DECODE for
+        a PD sub, MIX for a MIX one) with MultiGenerations (async)."""
         spec, k = sub.spec, len(sub.generated)
         why = f"instance {dead} left the cluster while serving the request"
         target, reason = None, ""
         if spec.params.max_tokens is not None and k >= spec.params.max_tokens:
             reason = "it had generated max_tokens but its last output was lost"
         else:
+            pick = self.router.route_decode if sub.route.is_pd else self.router.route_mix
             try:
-                target = self.router.route_decode(exclude=[dead])
+                target = pick(spec, exclude=[dead])
             except NoInstanceError as exc:
                 reason = str(exc)
         if target is None:
@@ -351,7 +377,7 @@ class ServiceBackend:
         for name in sub.route.instance_names:
             self._by_instance.get(name, set()).discard(old_id)
         sub.engine_request_id = new_id
-        sub.route = Route(sub.route.target, target)
+        sub.route = Route(sub.route.target, target) if sub.route.is_pd else Route(target)
         self._subs[new_id] = sub
         self._by_instance[target.name].add(new_id)
         logger.warning("instance %s evicted: migrating request %s (%d tokens generated) to %s "
@@ -360,7 +386,7 @@ class ServiceBackend:
         item = pb.MultiGenerationsRequest(
             request=spec_to_proto(dataclasses.replace(
                 spec, request_id=new_id, service_request_id=new_id, params=params,
-                decode_name=target.name)),
+                decode_name=target.name if sub.route.is_pd else "")),
             generated_token_ids=list(sub.generated),
             num_unread_tokens=k - sub.num_read, has_num_unread_tokens=True)
         self._spawn(self._send_migration(sub, item, target, why))
@@ -427,7 +453,7 @@ class ServiceBackend:
             lines.append(f'xllm_service_instance_requests_total{{instance="{name}",'
                          f'outcome="{outcome}"}} {n}')
         lines += ["# HELP xllm_service_migrations_total Requests moved off an evicted decode "
-                  "by MultiGenerations, by outcome",
+                  "or MIX instance by MultiGenerations, by outcome",
                   "# TYPE xllm_service_migrations_total counter"]
         for outcome in ("failed", "ok"):
             lines.append(f'xllm_service_migrations_total{{outcome="{outcome}"}} '

@@ -147,9 +147,18 @@ class Router:
         raise NoInstanceError(self.unavailable_reason(exclude))
 
     def route_decode(self, request: object = None, exclude: Sequence[str] = ()) -> InstanceInfo:
-        """A DECODE instance to take over a request that already generated tokens
-        (migration: only DECODE serves MultiGenerations)."""
+        """A DECODE instance to take over a PD request that already generated tokens
+        (migration off a dead decode)."""
         _, decodes, _ = self._candidates(exclude)
         if not decodes:
             raise NoInstanceError("no other decode instance is registered")
         return self.policy.select(decodes, request)
+
+    def route_mix(self, request: object = None, exclude: Sequence[str] = ()) -> InstanceInfo:
+        """A MIX instance to take over a MIX request that already generated tokens
+        (migration off a dead MIX instance). Not a (prefill, decode) pair even when one is
+        registered: the request resumes with MultiGenerations, which no PREFILL serves."""
+        _, _, mixes = self._candidates(exclude)
+        if not mixes:
+            raise NoInstanceError("no other MIX instance is registered")
+        return self.policy.select(mixes, request)

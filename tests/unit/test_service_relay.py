@@ -1,7 +1,7 @@
 """ServiceBackend.on_generations: in-order relay, PD first-token ordering, cancelled
 requests answered ok=false, eviction fails in-flight requests (a dead prefill only those
-that still wait for decode's first output; a dead decode only those it cannot hand to
-another decode with MultiGenerations)."""
+that still wait for decode's first output; a dead decode or MIX instance only those it
+cannot hand to another of its kind with MultiGenerations)."""
 from __future__ import annotations
 
 import asyncio
@@ -387,3 +387,108 @@ async def test_client_gone_after_prefill_released_cancels_on_both_instances():
     assert (b.inflight("p"), b.inflight("d")) == (0, 0)
     reply = await b.on_generations(pb.DisaggStreamGenerations(gens=[gen(rid, [3])]))
     assert [s.ok for s in reply.all_status] == [False]
+
+
+# ---------------------------------------------------------------- MIX instance evicted
+MIX = info("m", InstanceRole.MIX, "10.0.1.1:1")
+MIX2 = info("m2", InstanceRole.MIX, "10.0.1.2:1")
+
+
+def mix_backend(mixes=(MIX, MIX2)) -> tuple[ServiceBackend, FakeEngines]:
+    roles = {InstanceRole.MIX: mixes, InstanceRole.DECODE: [DECODE]}  # a decode never takes it
+    b = ServiceBackend(None, "tiny", 2048, Router(lambda role: roles.get(role, []),
+                                                  RoundRobinPolicy()), "127.0.0.1:0")
+    engines = FakeEngines()
+    b._send_generate = engines.send_generate
+    b._stub = engines.stub
+    return b, engines
+
+
+async def mix_migrate_after(b: ServiceBackend, engines: FakeEngines, tokens: list[list[int]],
+                            texts: list[str], n: int = 1):
+    """A MIX request (on "m", the first in round robin) that streamed `tokens`, one
+    choice per output (choice i of n gets every n-th output), then lost "m"; returns its
+    stream, old engine id and the client's next output (pending) once any
+    MultiGenerations was sent."""
+    stream = b.generate(GenerateRequest("cmpl-1", [5, 6, 7], stream=True, max_tokens=8, n=n))
+    first = asyncio.ensure_future(anext(stream))
+    for _ in range(100):
+        if engines.sent or first.done():
+            break
+        await asyncio.sleep(0)
+    (rid,) = engines.sent
+    assert b.inflight("m") == 1
+    pending = first
+    for i, (t, text) in enumerate(zip(tokens, texts)):
+        g = gen(rid, t, text=text)
+        g.outputs[0].index = i % n
+        await feed(b, g)
+        assert (await asyncio.wait_for(pending, 1.0)).outputs[0].token_ids == t
+        pending = anext(stream)
+    b.on_evict(MIX)
+    await asyncio.gather(*b._tasks)
+    return stream, rid, pending
+
+
+async def test_mix_eviction_migrates_to_another_mix():
+    b, engines = mix_backend()
+    stream, rid, pending = await mix_migrate_after(b, engines, [[1], [2], [3, 4]],
+                                                   ["a", "b", ""])
+    (addr, item), = engines.migrated
+    new_id = item.request.service_req_id
+    assert addr == "10.0.1.2:1"  # m2: never the dead m, never a decode
+    assert list(item.generated_token_ids) == [1, 2, 3, 4]
+    assert item.has_num_unread_tokens and item.num_unread_tokens == 2  # 3, 4 had no text
+    assert not item.HasField("kv")  # MIX recomputes
+    assert new_id != rid and new_id.startswith("cmpl-1-0-") and item.request.req_id == new_id
+    assert list(item.request.prompt_tokens) == [5, 6, 7] and item.request.max_tokens == 8
+    assert item.request.routing.decode_name == "" and item.request.n == 1
+    assert b.migrations == {"ok": 1}
+    assert (b.inflight("m"), b.inflight("m2")) == (0, 1)
+    assert 'xllm_service_migrations_total{outcome="ok"} 1' in b.metrics_text()
+
+    # The dead instance's late outputs are refused; the new one's reach the client.
+    reply = await b.on_generations(pb.DisaggStreamGenerations(gens=[gen(rid, [5])]))
+    assert [s.ok for s in reply.all_status] == [False]
+    await feed(b, gen(new_id, [5], text="cde"))
+    assert await take(pending) == [5]
+    await feed(b, gen(new_id, [6, 7, 8], finished=True))
+    last = await asyncio.wait_for(anext(stream), 1.0)
+    assert last.finished and not last.failed and last.outputs[0].token_ids == [6, 7, 8]
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+    assert b.outcomes == {"ok": 1} and engines.cancels == []
+    assert b.instance_outcomes == {("m2", "ok"): 1}
+    assert (b.inflight("m"), b.inflight("m2")) == (0, 0)
+
+
+async def test_mix_eviction_fails_a_request_with_n_sequences_and_says_why():
+    b, engines = mix_backend()
+    stream, rid, pending = await mix_migrate_after(b, engines, [[1], [2]], ["a", "b"], n=2)
+    code, message = await take(pending)
+    assert code == 503 and "instance m left the cluster" in message
+    assert "cannot be migrated" in message and "n=2" in message
+    assert engines.migrated == [] and b.migrations == {}
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+
+
+async def test_mix_eviction_fails_the_request_with_no_other_mix():
+    b, engines = mix_backend(mixes=(MIX,))
+    stream, rid, pending = await mix_migrate_after(b, engines, [[1], [2]], ["a", "b"])
+    code, message = await take(pending)
+    assert code == 503 and "instance m left the cluster" in message
+    assert "could not migrate it: no other MIX instance is registered" in message
+    assert engines.migrated == [] and b.migrations == {"failed": 1}
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+    assert 'xllm_service_migrations_total{outcome="failed"} 1' in b.metrics_text()
+
+
+async def test_mix_eviction_before_any_token_fails_the_request():
+    """Nothing relayed yet: nothing to resume from (the plain 503, no migration)."""
+    b, engines = mix_backend()
+    stream, rid, pending = await mix_migrate_after(b, engines, [], [])
+    code, message = await take(pending)
+    assert code == 503 and message == "instance m left the cluster while serving the request"
+    assert engines.migrated == [] and b.migrations == {}

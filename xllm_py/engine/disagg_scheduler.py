@@ -40,6 +40,7 @@ from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import EngineConfig, InstanceRole, KVTransferMode
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
+from xllm_py.engine.migration import Resumption, multi_generations
 from xllm_py.engine.output_processor import child_id
 from xllm_py.outputs import RequestOutput, TokenLogprob
 from xllm_py.proto import xllm_pb2 as pb
@@ -490,71 +491,34 @@ class DisaggPDScheduler:
         return alloc
 
     async def multi_generations(self, msg: pb.MultiGenerationsRequests) -> pb.Status:
-        """Take over requests that already generated tokens elsewhere (migration).
+        """Take over requests that already generated tokens elsewhere (migration; see
+        xllm_py.engine.migration). With `kv` (where the KV of prompt + generated[:-1]
+        lives) the blocks are pulled like a FirstGeneration; without it the KV is
+        recomputed here, as on a MIX instance."""
+        return await multi_generations(self.engine, self.reporter, msg.reqs,
+                                       self._resume_with_kv, self.role.value)
 
-        With `kv` (where the KV of prompt + generated[:-1] lives) the blocks are pulled
-        like a FirstGeneration; without it the KV is recomputed here. Either way decoding
-        resumes after the last generated token, and usage counts the generated tokens.
-        """
-        from xllm_py.rpc.convert import spec_from_proto
-
-        problems = []
-        for item in msg.reqs:
-            try:
-                spec = spec_from_proto(item.request)
-            except ValueError as exc:
-                problems.append(f"{item.request.req_id}: {exc}")
-                continue
-            generated = list(item.generated_token_ids)
-            if not generated:
-                problems.append(f"{spec.request_id}: generated_token_ids is empty")
-                continue
-            k = len(generated)
-            unread = item.num_unread_tokens if item.has_num_unread_tokens else None
-            params = spec.params
-            if params.max_tokens is not None and params.max_tokens <= k:
-                problems.append(f"{spec.request_id}: already generated max_tokens")
-                continue
-            # generated[-1] is our first output token: k - 1 of each budget are spent
-            # (min_tokens too when max_tokens is unset).
-            params = dataclasses.replace(
-                params, max_tokens=None if params.max_tokens is None
-                else params.max_tokens - (k - 1),
-                min_tokens=max(0, params.min_tokens - (k - 1)))
-            prompt_len = len(spec.prompt_token_ids)
-            if item.HasField("kv") and len(item.kv.block_ids):
-                ext = dataclasses.replace(spec, prompt_token_ids=spec.prompt_token_ids
-                                          + generated[:-1], params=params)
-                # generated[-1] comes as a first token, fed silently: what was unread
-                # before it is one less (none if its text completed everything).
-                alloc = await asyncio.wrap_future(self.engine.call(
-                    lambda ext=ext, u=unread: self._allocate_remote(
-                        ext, prompt_len, k - 1, None if u is None else max(0, u - 1))))
-                if alloc is None or isinstance(alloc, str):
-                    problems.append(f"{spec.request_id}: {alloc or 'no KV space on decode'}")
-                    continue
-                self._decode[spec.request_id] = _DecodeState(
-                    ext, item.kv.prefill_name or "migration source", alloc.new_block_ids,
-                    alloc.num_cached_tokens)
-                gen = pb.DisaggGenerationsRequest()
-                gen.CopyFrom(item.kv)
-                gen.req_id = spec.request_id
-                del gen.tokens[:]
-                gen.tokens.add(token_id=generated[-1])
-                message = await self._take_over(gen)
-                if message:
-                    problems.append(message)
-            else:
-                sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
-                                          spec.request_id)
-                params = dataclasses.replace(params, max_tokens=None if params.max_tokens is None
-                                             else params.max_tokens - 1,
-                                             min_tokens=max(0, params.min_tokens - 1))
-                self.engine.submit(EngineRequest(
-                    spec.request_id, spec.prompt_token_ids + generated, params, sink,
-                    usage_prompt_tokens=prompt_len, generated_offset=k, num_unread=unread))
-        return pb.Status(ok=not problems, code=200 if not problems else 400,
-                         message="; ".join(problems))
+    async def _resume_with_kv(self, item: pb.MultiGenerationsRequest, r: Resumption) -> str:
+        """Allocate for prompt + generated[:-1] and pull their KV; "" or the problem."""
+        k, unread = len(r.generated), r.num_unread
+        ext = dataclasses.replace(r.spec, prompt_token_ids=r.spec.prompt_token_ids
+                                  + r.generated[:-1], params=r.params)
+        # generated[-1] comes as a first token, fed silently: what was unread before it
+        # is one less (none if its text completed everything).
+        alloc = await asyncio.wrap_future(self.engine.call(
+            lambda: self._allocate_remote(ext, r.num_prompt_tokens, k - 1,
+                                          None if unread is None else max(0, unread - 1))))
+        if alloc is None or isinstance(alloc, str):
+            return f"{r.spec.request_id}: {alloc or 'no KV space on decode'}"
+        self._decode[r.spec.request_id] = _DecodeState(
+            ext, item.kv.prefill_name or "migration source", alloc.new_block_ids,
+            alloc.num_cached_tokens)
+        gen = pb.DisaggGenerationsRequest()
+        gen.CopyFrom(item.kv)
+        gen.req_id = r.spec.request_id
+        del gen.tokens[:]
+        gen.tokens.add(token_id=r.generated[-1])
+        return await self._take_over(gen)
 
     async def first_generation(self, msg: pb.DisaggGenerationsRequests) -> pb.Status:
         # The take-overs run in tasks of their own: a caller that gives up must not cut a

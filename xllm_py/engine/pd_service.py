@@ -1,7 +1,8 @@
 """DisaggPDService servicer on every engine (thin: proto -> domain -> proto).
 
-MIX instances serve `Generate` (a whole request from the service); PREFILL instances
-serve `Generate` through the DisaggPDScheduler; DECODE instances serve AddNewRequests,
+MIX instances serve `Generate` (a whole request from the service) and MultiGenerations
+(a request migrated off a dead MIX instance, its KV recomputed); PREFILL instances serve
+`Generate` through the DisaggPDScheduler; DECODE instances serve AddNewRequests,
 FirstGeneration, LinkInstance/UnlinkInstance and MultiGenerations.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from xllm_py.config import InstanceRole
 from xllm_py.engine.disagg_scheduler import DisaggPDScheduler, PDError
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
+from xllm_py.engine.migration import multi_generations
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc.convert import spec_from_proto
@@ -87,8 +89,18 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         return await self.pd.first_generation(request)
 
     async def MultiGenerations(self, request: pb.MultiGenerationsRequests, context) -> pb.Status:
-        await self._require_decode("MultiGenerations", context)
-        status = await self.pd.multi_generations(request)
+        """Migration: DECODE pulls the KV when the item says where it is, else recomputes;
+        MIX always recomputes (it has no KV transfer, so an item with kv is refused)."""
+        if self.role in (InstanceRole.MIX, InstanceRole.DEFAULT):
+            status = await multi_generations(self.engine, self.reporter, request.reqs,
+                                             None, self.role.value)
+        elif self.role == InstanceRole.PREFILL:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "MultiGenerations is served by DECODE and MIX instances; "
+                                "this one is PREFILL")
+        else:
+            await self._require_decode("MultiGenerations", context)
+            status = await self.pd.multi_generations(request)
         if not status.ok:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status.message)
         return status
