@@ -38,6 +38,8 @@ class RequestOutput:
     # Set when the request failed: (HTTP-like status code, message for the client).
     error_code: int = 0
     error_message: str = ""
+    # With a failure: the peer instance that could not be reached (see the proto field).
+    unreachable_instance: str = ""
 
     @property
     def failed(self) -> bool:

@@ -287,7 +287,11 @@ class ServiceBackend:
                 continue
             reply.all_status.add(ok=True)
             out = output_from_proto(gen)
-            if out.failed or not sub.route.is_pd:
+            if out.failed and self._resumable(sub, out):
+                self._migrate(sub, out.unreachable_instance, why=(
+                    f"decode instance {out.unreachable_instance} could not be reached "
+                    f"({out.error_message})"))
+            elif out.failed or not sub.route.is_pd:
                 self._deliver(sub, out)
             elif gen.finished_on_prefill_instance:
                 sub.first_seen = True
@@ -303,6 +307,14 @@ class ServiceBackend:
             else:
                 sub.held.append(out)
         return reply
+
+    def _resumable(self, sub: _Sub, out: RequestOutput) -> bool:
+        """A PD sub whose prefill could not reach its decode to hand it over (the decode
+        died, or hangs) after its first token was relayed: it moves to another decode
+        like one whose decode was evicted, rather than failing."""
+        return (sub.route.is_pd and out.unreachable_instance == sub.route.decode.name
+                and bool(sub.generated) and sub.spec is not None and sub.single_sequence
+                and not sub.finished)
 
     def _release_prefill(self, sub: _Sub) -> None:
         """PD: the request no longer depends on its prefill instance, so that instance's
@@ -352,11 +364,11 @@ class ServiceBackend:
         self._deliver(sub, RequestOutput(request_id=sub.engine_request_id, finished=True,
                                          error_code=503, error_message=message))
 
-    def _migrate(self, sub: _Sub, dead: str) -> None:
+    def _migrate(self, sub: _Sub, dead: str, why: str = "") -> None:
         """Re-key `sub` and hand it to another instance of the dead one's kind (DECODE for
         a PD sub, MIX for a MIX one) with MultiGenerations (async)."""
         spec, k = sub.spec, len(sub.generated)
-        why = f"instance {dead} left the cluster while serving the request"
+        why = why or f"instance {dead} left the cluster while serving the request"
         target, reason = None, ""
         if spec.params.max_tokens is not None and k >= spec.params.max_tokens:
             reason = "it had generated max_tokens but its last output was lost"
@@ -367,7 +379,7 @@ class ServiceBackend:
             except NoInstanceError as exc:
                 reason = str(exc)
         if target is None:
-            logger.warning("instance %s evicted: cannot migrate request %s (%s)", dead,
+            logger.warning("instance %s lost: cannot migrate request %s (%s)", dead,
                            sub.engine_request_id, reason)
             self.migrations["failed"] += 1
             self._fail(sub, f"{why}; could not migrate it: {reason}")
@@ -380,7 +392,7 @@ class ServiceBackend:
         sub.route = Route(sub.route.target, target) if sub.route.is_pd else Route(target)
         self._subs[new_id] = sub
         self._by_instance[target.name].add(new_id)
-        logger.warning("instance %s evicted: migrating request %s (%d tokens generated) to %s "
+        logger.warning("instance %s lost: migrating request %s (%d tokens generated) to %s "
                        "as %s", dead, old_id, k, target.name, new_id)
         params = dataclasses.replace(spec.params, prompt_logprobs=None, echo=False)
         item = pb.MultiGenerationsRequest(

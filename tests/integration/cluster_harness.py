@@ -109,3 +109,94 @@ async def wait_drained(urls: list[str], timeout_s: float = 5.0) -> float:
         lambda: all(metric(u, "xllm_kv_cache_blocks_used") == 0
                     and metric(u, "xllm_requests_running") == 0 for u in urls),
         timeout_s, step_s=0.1)
+
+
+def labelled(url: str, name: str, labels: str) -> int:
+    """A labelled counter or gauge from a process's /metrics (-1 when absent), e.g.
+    labelled(svc, "xllm_service_instances", 'state="ACTIVE"')."""
+    text = httpx.get(url + "/metrics", timeout=5, trust_env=False).text
+    m = re.search(rf"^{name}{{{re.escape(labels)}}} (\d+)$", text, re.M)
+    return int(m.group(1)) if m else -1
+
+
+def migrations(svc: ChildProcess, outcome: str) -> int:
+    n = labelled(svc.http_url, "xllm_service_migrations_total", f'outcome="{outcome}"')
+    assert n >= 0, "xllm_service_migrations_total not in the service's /metrics"
+    return n
+
+
+def start_mix_cluster(h: Harness, num_engines: int = 2) -> tuple[ChildProcess, list[ChildProcess]]:
+    """The service and `num_engines` MIX engines, all known to the service as ACTIVE."""
+    svc = h.service()
+    engines = [h.engine("MIX", f"mix-{i}") for i in range(num_engines)]
+    for e in engines:
+        e.wait_ready(180)
+    svc.wait_ready(60, path="/readiness")
+    deadline = time.monotonic() + 30
+    while labelled(svc.http_url, "xllm_service_instances", 'state="ACTIVE"') != num_engines:
+        assert time.monotonic() < deadline, "the service does not see every engine ACTIVE"
+        time.sleep(0.1)
+    return svc, engines
+
+
+async def kill_mid_stream_and_check_migration(
+        svc: ChildProcess, engines: list[ChildProcess], prompts: list[str], max_tokens: int,
+        pause_bound_s: float) -> ChildProcess:
+    """Greedy streams through the service; SIGKILL the engine of `engines` that runs the
+    most of them (judged by the engines: on a loaded machine the client lags them by
+    seconds) once each has a token relayed; then every stream must complete with the
+    token ids and text of an uninterrupted run on the survivor, the moves counted in
+    xllm_service_migrations_total, no pause longer than `pause_bound_s`. Returns the
+    surviving engine."""
+    c = aclient(svc)
+    runs = [{"ids": [], "text": "", "times": []} for _ in prompts]
+    body = {"ignore_eos": True, "return_token_ids": True}
+
+    async def one(prompt: str, run: dict) -> None:
+        stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                            temperature=0, stream=True, extra_body=body)
+        async for chunk in stream:
+            run["ids"] += chunk.choices[0].model_extra.get("token_ids") or []
+            run["text"] += chunk.choices[0].text
+            run["times"].append(time.monotonic())
+
+    tasks = [asyncio.create_task(one(p, r)) for p, r in zip(prompts, runs)]
+
+    def running() -> list[float]:
+        return [metric(e.http_url, "xllm_requests_running") for e in engines]
+
+    def state() -> str:
+        return (f"tokens per stream {[len(r['ids']) for r in runs]}, running {running()}, "
+                f"streams done {[t.done() for t in tasks]}")
+
+    for what, pred in (("a token on every stream", lambda: all(r["ids"] for r in runs)),
+                       ("every stream running", lambda: sum(running()) == len(runs))):
+        try:
+            await wait_until(pred, 30, step_s=0.05)
+        except AssertionError:
+            raise AssertionError(f"no {what} within 30 s: {state()}") from None
+    counts = running()
+    victim = engines[counts.index(max(counts))]
+    victim.kill()
+    num_moved, killed = int(max(counts)), time.monotonic()
+    done, pending = await asyncio.wait(tasks, timeout=30)
+    assert not pending, f"streams still open 30 s after the kill: {state()}"
+    for t in done:
+        t.result()
+    pauses = [max(b - a for a, b in zip(r["times"], r["times"][1:])) for r in runs]
+    print(f"\n{victim.name} killed with {num_moved} of {len(runs)} streams on it: all "
+          f"completed {max(r['times'][-1] for r in runs) - killed:.1f}s after the kill; "
+          f"longest pause per stream {[round(p, 1) for p in pauses]}s")
+    assert migrations(svc, "ok") == num_moved and migrations(svc, "failed") == 0
+    assert max(pauses) < pause_bound_s
+    survivor = next(e for e in engines if e is not victim)
+    refs = await asyncio.gather(*(c.completions.create(  # on the survivor alone
+        model="tiny", prompt=p, max_tokens=max_tokens, temperature=0, extra_body=body)
+        for p in prompts))
+    for run, ref in zip(runs, (r.choices[0] for r in refs)):
+        assert len(run["ids"]) == max_tokens
+        assert run["ids"] == ref.model_extra["token_ids"]
+        # Also where a move split a UTF-8 character: the new instance emits the bytes the
+        # dead one still held back.
+        assert run["text"] == ref.text
+    return survivor

@@ -4,7 +4,6 @@ signal cuts the drain short."""
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import time
 
@@ -12,26 +11,22 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.cluster_harness import Harness, aclient, metric, wait_until
-from tests.integration.test_pd_failures import migrations
+from tests.integration.cluster_harness import (Harness, aclient, labelled, metric, migrations,
+                                               start_mix_cluster, wait_until)
 from xllm_py.utils.procs import engine_args, free_port, spawn
 
 pytestmark = pytest.mark.integration
 
 
 def instances(svc, state: str) -> int:
-    text = httpx.get(svc.http_url + "/metrics", timeout=5, trust_env=False).text
-    m = re.search(rf'^xllm_service_instances{{state="{state}"}} (\d+)$', text, re.M)
-    return int(m.group(1)) if m else -1
+    return labelled(svc.http_url, "xllm_service_instances", f'state="{state}"')
 
 
 def finished_requests(svc, engine) -> int:
     """Requests the service saw end well on `engine`."""
     name = engine.http_url.removeprefix("http://")
-    text = httpx.get(svc.http_url + "/metrics", timeout=5, trust_env=False).text
-    m = re.search(rf'^xllm_service_instance_requests_total{{instance="{re.escape(name)}",'
-                  rf'outcome="ok"}} (\d+)$', text, re.M)
-    return int(m.group(1)) if m else 0
+    return max(0, labelled(svc.http_url, "xllm_service_instance_requests_total",
+                           f'instance="{name}",outcome="ok"'))
 
 
 async def test_sigterm_drains_a_mix_engine_behind_the_service(etcd_server, tmp_path):
@@ -39,12 +34,7 @@ async def test_sigterm_drains_a_mix_engine_behind_the_service(etcd_server, tmp_p
     requests go to the other engine, and the engine exits once its streams are done."""
     h = Harness(etcd_server.endpoint, "drain/", tmp_path)
     try:
-        svc = h.service()
-        engines = [h.engine("MIX", f"mix-{i}") for i in range(2)]
-        for e in engines:
-            e.wait_ready(180)
-        svc.wait_ready(60, path="/readiness")
-        await wait_until(lambda: instances(svc, "ACTIVE") == 2, 10, step_s=0.1)
+        svc, engines = start_mix_cluster(h, 2)
         c = aclient(svc)
         max_tokens, prompts = 1500, [f"a long story {i} begins" for i in range(3)]
 

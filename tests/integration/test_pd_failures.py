@@ -3,15 +3,15 @@ migrate to another decode, or fail clearly when there is none), failed KV transf
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
-import httpx
 import openai
 import pytest
 
-from tests.integration.cluster_harness import (Harness, aclient, long_stream, metric,
-                                               wait_drained)
+from tests.integration.cluster_harness import (Harness, aclient,
+                                               kill_mid_stream_and_check_migration,
+                                               long_stream, metric, migrations, wait_drained)
+from xllm_py.engine.pd_service import FAULT_EXIT_ON_FIRST_GENERATION
 
 pytestmark = pytest.mark.integration
 
@@ -27,13 +27,6 @@ def start(h: Harness, decode_blocks: int, num_decodes: int = 1):
         p.wait_ready(180)
     svc.wait_ready(60, path="/readiness")
     return (svc, prefill, *decodes)
-
-
-def migrations(svc, outcome: str) -> int:
-    text = httpx.get(svc.http_url + "/metrics", timeout=5, trust_env=False).text
-    m = re.search(rf'^xllm_service_migrations_total{{outcome="{outcome}"}} (\d+)$', text, re.M)
-    assert m, "xllm_service_migrations_total not in the service's /metrics"
-    return int(m.group(1))
 
 
 async def test_decode_out_of_blocks_waits_retries_or_fails_cleanly(etcd_server, tmp_path):
@@ -104,57 +97,12 @@ async def test_decode_killed_mid_stream_migrates_to_the_other_decode(etcd_server
     h = Harness(etcd_server.endpoint, "pd-migrate/", tmp_path)
     try:
         svc, prefill, d0, d1 = start(h, decode_blocks=512, num_decodes=2)
-        c = aclient(svc)
-        max_tokens, prompts = 800, [f"migrating story {i} begins" for i in range(4)]
-        runs = [{"ids": [], "text": "", "times": []} for _ in prompts]
-
-        async def one(prompt: str, run: dict) -> None:
-            stream = await c.completions.create(
-                model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
-            async for chunk in stream:
-                run["ids"] += chunk.choices[0].model_extra.get("token_ids") or []
-                run["text"] += chunk.choices[0].text
-                run["times"].append(time.monotonic())
-
-        tasks = [asyncio.create_task(one(p, r)) for p, r in zip(prompts, runs)]
-        # Kill when every stream has its first token (it can move) and a decode runs it.
-        # Judged by the engines: on a loaded machine this client lags them by seconds.
-        def running() -> list[float]:
-            return [metric(d.http_url, "xllm_requests_running") for d in (d0, d1)]
-
-        await asyncio.wait_for(_until(lambda: all(r["ids"] for r in runs)), 30)
-        await asyncio.wait_for(_until(lambda: sum(running()) == len(runs)), 30)
-        counts = running()
-        victim, survivor = (d0, d1) if counts[0] >= counts[1] else (d1, d0)
-        victim.kill()
-        num_moved = int(max(counts))
-        killed = time.monotonic()
-        await asyncio.wait_for(asyncio.gather(*tasks), 30)
-
-        pauses = [max(b - a for a, b in zip(r["times"], r["times"][1:])) for r in runs]
-        print(f"\ndecode killed with {num_moved} of {len(runs)} streams on it: all completed "
-              f"{max(r['times'][-1] for r in runs) - killed:.1f}s after the kill; longest "
-              f"pause per stream {[round(p, 1) for p in pauses]}s")
-        assert migrations(svc, "ok") == num_moved and migrations(svc, "failed") == 0
-        assert max(pauses) < h.ttl_s + 2.0 + 6.0  # lease TTL + eviction grace + recompute
-        refs = await asyncio.gather(*(c.completions.create(  # on the survivor alone
-            model="tiny", prompt=p, max_tokens=max_tokens, temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True}) for p in prompts))
-        for run, ref in zip(runs, (r.choices[0] for r in refs)):
-            assert len(run["ids"]) == max_tokens
-            assert run["ids"] == ref.model_extra["token_ids"]
-            # Also when the move split a UTF-8 character: the new decode emits the bytes
-            # the dead one still held back.
-            assert run["text"] == ref.text
+        survivor = await kill_mid_stream_and_check_migration(
+            svc, [d0, d1], [f"migrating story {i} begins" for i in range(4)], max_tokens=800,
+            pause_bound_s=h.ttl_s + 2.0 + 6.0)  # lease TTL + eviction grace + recompute
         await wait_drained([prefill.http_url, survivor.http_url])
     finally:
         h.stop()
-
-
-async def _until(pred, step_s: float = 0.02) -> None:
-    while not pred():
-        await asyncio.sleep(step_s)
 
 
 @pytest.mark.parametrize("mode", ["PULL", "PUSH"])
@@ -185,5 +133,41 @@ async def test_failed_transfer_fails_the_request_never_decodes(etcd_server, tmp_
         await asyncio.sleep(0.5)
         assert metric(prefill.http_url, "xllm_kv_cache_blocks_used") == 0
         assert metric(decode.http_url, "xllm_kv_cache_blocks_used") == 0
+    finally:
+        h.stop()
+
+
+async def test_decode_dying_at_the_hand_over_gets_the_request_moved(etcd_server, tmp_path,
+                                                                   monkeypatch):
+    """A decode crashes as prefill hands a request over (FirstGeneration): prefill reports
+    it unreachable and the service moves the request to the other decode at once (no
+    lease wait), where it completes with the tokens of an uninterrupted run."""
+    h = Harness(etcd_server.endpoint, "pd-handover-crash/", tmp_path)
+    try:
+        svc = h.service()
+        prefill = h.engine("PREFILL", "prefill", extra=["--block-size", "8"])
+        good = h.engine("DECODE", "good", extra=["--block-size", "8"])
+        monkeypatch.setenv(FAULT_EXIT_ON_FIRST_GENERATION, "1")
+        doomed = h.engine("DECODE", "doomed", extra=["--block-size", "8"])
+        monkeypatch.delenv(FAULT_EXIT_ON_FIRST_GENERATION)
+        for p in (prefill, good, doomed):
+            p.wait_ready(180)
+        svc.wait_ready(60, path="/readiness")
+        c = aclient(svc)
+        body = {"ignore_eos": True, "return_token_ids": True}
+        outputs = []
+        for i in range(8):  # one at a time, until one of them has met the doomed decode
+            r = await c.completions.create(model="tiny", prompt=f"hand over {i}",
+                                           max_tokens=24, temperature=0, extra_body=body)
+            outputs.append((f"hand over {i}", r.choices[0].model_extra["token_ids"]))
+            if not doomed.alive():
+                break
+        assert doomed.popen.wait(5) == 17, "no request reached the doomed decode"
+        assert migrations(svc, "ok") == 1 and migrations(svc, "failed") == 0
+        for prompt, ids in outputs:  # the same on the good decode alone
+            ref = await c.completions.create(model="tiny", prompt=prompt, max_tokens=24,
+                                             temperature=0, extra_body=body)
+            assert ids == ref.choices[0].model_extra["token_ids"]
+        await wait_drained([prefill.http_url, good.http_url])
     finally:
         h.stop()

@@ -12,7 +12,7 @@ import pytest
 
 from xllm_py.cluster.etcd_client import EtcdClient
 from tests.integration.cluster_harness import (Harness, aclient, client,
-                                               drop_stream_after_first_chunk,
+                                               drop_stream_after_first_chunk, start_mix_cluster,
                                                metric, wait_drained)
 
 pytestmark = pytest.mark.integration
@@ -25,17 +25,7 @@ PROMPTS = ["Hello there", "The quick brown fox jumps", "Once upon a time",
 def cluster(etcd_server, tmp_path_factory):
     h = Harness(etcd_server.endpoint, "svc-mix/", tmp_path_factory.mktemp("logs"))
     try:
-        svc = h.service()
-        engines = [h.engine("MIX", f"mix-{i}") for i in range(2)]
-        for e in engines:
-            e.wait_ready(180)
-        svc.wait_ready(60, path="/readiness")
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # both engines known to the service
-            text = httpx.get(svc.http_url + "/metrics", trust_env=False).text
-            if 'xllm_service_instances{state="ACTIVE"} 2' in text:
-                break
-            time.sleep(0.2)
+        svc, engines = start_mix_cluster(h, 2)
         yield h, svc, engines
     finally:
         h.stop()

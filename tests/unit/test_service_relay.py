@@ -492,3 +492,45 @@ async def test_mix_eviction_before_any_token_fails_the_request():
     code, message = await take(pending)
     assert code == 503 and message == "instance m left the cluster while serving the request"
     assert engines.migrated == [] and b.migrations == {}
+
+
+@pytest.mark.parametrize("decodes", [2, 1], ids=["another-decode", "no-other-decode"])
+async def test_prefill_that_cannot_reach_its_decode_gets_the_request_moved(decodes):
+    """Prefill relayed the first token, then its FirstGeneration could not reach decode
+    (dead before the take-over): the request moves to another decode (recomputed there)
+    instead of failing; with no other decode it fails saying both why and why not."""
+    b, engines = pd_backend(decodes=(DECODE, DECODE2)[:decodes])
+    stream, first, rid = await start_pd(b, engines)
+    await feed(b, gen(rid, [1], on_prefill=True, text="a"))
+    assert await take(first) == [1]
+    failure = gen(rid, [], finished=True, code=502)
+    failure.gen_status.status_msg = "decode instance d failed: UNAVAILABLE"
+    failure.unreachable_instance = "d"
+    await feed(b, failure)
+    await asyncio.gather(*b._tasks)
+    if decodes == 1:
+        code, message = await take(anext(stream))
+        assert code == 503 and "decode instance d could not be reached" in message
+        assert "could not migrate it" in message and engines.migrated == []
+        return
+    (addr, item), = engines.migrated
+    assert addr == "10.0.0.3:1" and list(item.generated_token_ids) == [1]
+    assert item.num_unread_tokens == 0 and b.migrations == {"ok": 1}
+    new_id = item.request.service_req_id
+    await feed(b, gen(new_id, [2, 3], finished=True))
+    last = await asyncio.wait_for(anext(stream), 1.0)
+    assert last.finished and not last.failed and last.outputs[0].token_ids == [2, 3]
+
+
+async def test_a_transfer_failure_is_not_moved():
+    """A decode that was reached but could not take over (e.g. its KV pull failed) fails
+    the request: that is not an instance that is gone."""
+    b, engines = pd_backend(decodes=(DECODE, DECODE2))
+    stream, first, rid = await start_pd(b, engines)
+    await feed(b, gen(rid, [1], on_prefill=True))
+    assert await take(first) == [1]
+    failure = gen(rid, [], finished=True, code=502)
+    failure.gen_status.status_msg = "decode could not take over: KV pull failed"
+    await feed(b, failure)
+    code, message = await take(anext(stream))
+    assert code == 502 and "KV pull failed" in message and engines.migrated == []

@@ -56,6 +56,9 @@ MetaResolver = Callable[[str], Awaitable[InstanceMeta | None]]
 # Names of the schedulable decode instances (from the master).
 DecodeLister = Callable[[], Awaitable[list[str]]]
 
+# Prefill: how often it links the decodes it has not linked yet (prelink_once).
+PRELINK_INTERVAL_S = 2.0
+
 
 class PDError(Exception):
     def __init__(self, code: int, message: str) -> None:
@@ -119,6 +122,8 @@ class DisaggPDScheduler:
         self._dispatch_sem = asyncio.Semaphore(64)
         self._dispatcher: asyncio.Task | None = None
         self._reaper: asyncio.Task | None = None
+        self._prelinker: asyncio.Task | None = None
+        self._refused_links: set[tuple[str, str]] = set()  # (decode, incarnation) incompatible
         self._pulling: set[str] = set()  # decode: requests whose KV pull is running
         self._gone: set[str] = set()  # ... of which the service or the caller gave up
         # decode: how long a request cancelled before its FirstGeneration keeps its blocks
@@ -132,11 +137,12 @@ class DisaggPDScheduler:
     def start(self) -> None:
         if self.role == InstanceRole.PREFILL:
             self._dispatcher = asyncio.create_task(self._dispatch_loop())
+            self._prelinker = asyncio.create_task(self._prelink_loop())
         if self.role == InstanceRole.DECODE:
             self._reaper = asyncio.create_task(self._reap_orphans())
 
     async def stop(self) -> None:
-        for task in [self._dispatcher, self._reaper, *self._tasks]:
+        for task in [self._dispatcher, self._reaper, self._prelinker, *self._tasks]:
             if task is not None:
                 task.cancel()
         await self._channels.close()
@@ -237,6 +243,48 @@ class DisaggPDScheduler:
         self._submit_prefill(spec, state)
         return None
 
+    async def _prelink_loop(self) -> None:
+        while True:
+            await self.prelink_once()
+            await asyncio.sleep(PRELINK_INTERVAL_S)
+
+    async def prelink_once(self) -> list[str]:
+        """Prefill: link the decodes the master lists that are not linked yet (new, or a new
+        incarnation), before a request needs them: the link (LinkInstance, the decode
+        workers' LinkCluster: UCX endpoints, mapping this pool on the same host) otherwise
+        lands on the first request's TTFT. Returns the names linked now."""
+        try:
+            names = await self.list_decodes()
+        except Exception as exc:  # no master yet, or switching over: next round
+            logger.debug("prelink: could not list decode instances: %s", exc)
+            return []
+        for gone in set(self._linked) - set(names):  # left, or draining: link again if back
+            del self._linked[gone]
+        linked = []
+        for name in names:
+            try:
+                meta = await self.resolve_meta(name)
+            except Exception as exc:  # etcd down and never seen: next round
+                logger.debug("prelink: no meta for %s: %s", name, exc)
+                continue
+            if meta is None or (name, meta.incarnation_id) in self._refused_links:
+                continue
+            known = self._linked.get(name)
+            if known is not None and known.incarnation_id == meta.incarnation_id:
+                continue
+            try:
+                await self._link(meta)
+            except PDError as exc:
+                if exc.code == 412:  # incompatible: say it once per incarnation
+                    self._refused_links.add((name, meta.incarnation_id))
+                    logger.warning("prelink: %s", exc.message)
+                else:
+                    logger.debug("prelink: %s", exc.message)
+                continue
+            linked.append(name)
+            logger.info("linked decode %s ahead of requests", name)
+        return linked
+
     async def _link(self, decode: InstanceMeta) -> None:
         linked = self._linked.get(decode.name)
         if linked is not None and linked.incarnation_id == decode.incarnation_id:
@@ -315,6 +363,7 @@ class DisaggPDScheduler:
             dp_size=self.meta.dp_size, prefill_name=self.meta.name,
             num_computed_tokens=len(spec.prompt_token_ids))
         error: PDError | None = None
+        unreachable = ""  # decode, when FirstGeneration could not reach it
         t0 = time.monotonic()
         if finished_here or first_token is None:
             gen.failed, gen.status_msg = True, "finished on prefill"
@@ -338,12 +387,14 @@ class DisaggPDScheduler:
                            decode.name, exc.code().name)
             if error is None and not gen.failed:
                 error = PDError(502, f"decode instance {decode.name} failed: {exc.code().name}")
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    unreachable = decode.name
         finally:
             if kv_held:
                 self.engine.call(lambda: self.engine.scheduler.finish_sending(child))
         if error is not None:
             self.num_transfer_failures += 1
-            self._report_error(spec, error.code, error.message)
+            self._report_error(spec, error.code, error.message, unreachable)
             return
         if not gen.failed:
             logger.info("PD prefill handed request %s to %s: %d blocks, %d bytes in %.1f ms (%s)",
@@ -398,12 +449,14 @@ class DisaggPDScheduler:
         if not status.ok:
             raise PDError(502, f"KV {op} failed: {status.message}")
 
-    def _report_error(self, spec: EngineRequestSpec, code: int, message: str) -> None:
+    def _report_error(self, spec: EngineRequestSpec, code: int, message: str,
+                      unreachable_instance: str = "") -> None:
         if not spec.source_xservice_addr:
             return
         out = RequestOutput(request_id=spec.request_id, finished=True,
                             num_prompt_tokens=len(spec.prompt_token_ids),
-                            error_code=code, error_message=message)
+                            error_code=code, error_message=message,
+                            unreachable_instance=unreachable_instance)
         sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
                                   spec.request_id)
         sink.emit(out)
@@ -662,9 +715,11 @@ class DisaggPDScheduler:
                         state.decode.name, state.spec.request_id, exc.code().name)
 
     def metrics_text(self) -> str:
-        name = "xllm_pd_transfer_failures_total"
+        name, linked = "xllm_pd_transfer_failures_total", "xllm_pd_linked_instances"
         return (f"# HELP {name} PD hand-overs that failed (transfer, link or decode take-over)\n"
-                f"# TYPE {name} counter\n{name} {self.num_transfer_failures}\n")
+                f"# TYPE {name} counter\n{name} {self.num_transfer_failures}\n"
+                f"# HELP {linked} Peer instances linked for KV transfer\n"
+                f"# TYPE {linked} gauge\n{linked} {len(self._linked)}\n")
 
     def num_pending(self) -> int:
         return self._online.qsize() + self._offline.qsize() + len(self._prefill)

@@ -8,6 +8,7 @@ FirstGeneration, LinkInstance/UnlinkInstance and MultiGenerations.
 from __future__ import annotations
 
 import logging
+import os
 
 import grpc
 
@@ -21,6 +22,10 @@ from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc.convert import spec_from_proto
 
 logger = logging.getLogger(__name__)
+
+# Fault injection for tests: a decode that crashes when a hand-over reaches it (between
+# AddNewRequests and the take-over, the window a real crash may hit).
+FAULT_EXIT_ON_FIRST_GENERATION = "XLLM_FAULT_EXIT_ON_FIRST_GENERATION"
 
 _PD_CODES = {412: grpc.StatusCode.FAILED_PRECONDITION, 400: grpc.StatusCode.INVALID_ARGUMENT,
              500: grpc.StatusCode.INVALID_ARGUMENT}
@@ -86,6 +91,9 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
 
     async def FirstGeneration(self, request: pb.DisaggGenerationsRequests, context) -> pb.Status:
         await self._require_decode("FirstGeneration", context)
+        if os.environ.get(FAULT_EXIT_ON_FIRST_GENERATION) == "1":
+            logger.error("%s=1: exiting at FirstGeneration", FAULT_EXIT_ON_FIRST_GENERATION)
+            os._exit(17)
         return await self.pd.first_generation(request)
 
     async def MultiGenerations(self, request: pb.MultiGenerationsRequests, context) -> pb.Status:

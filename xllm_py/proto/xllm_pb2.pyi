@@ -417,7 +417,7 @@ class GenStatus(_message.Message):
     def __init__(self, status_code: _Optional[int] = ..., status_msg: _Optional[str] = ...) -> None: ...
 
 class DisaggStreamGeneration(_message.Message):
-    __slots__ = ("req_id", "service_req_id", "gen_status", "outputs", "usage", "finished", "finished_on_prefill_instance", "prompt_token_ids")
+    __slots__ = ("req_id", "service_req_id", "gen_status", "outputs", "usage", "finished", "finished_on_prefill_instance", "prompt_token_ids", "unreachable_instance")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     SERVICE_REQ_ID_FIELD_NUMBER: _ClassVar[int]
     GEN_STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +426,7 @@ class DisaggStreamGeneration(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_ON_PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     service_req_id: str
     gen_status: GenStatus
@@ -434,7 +435,8 @@ class DisaggStreamGeneration(_message.Message):
     finished: bool
     finished_on_prefill_instance: bool
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_id: _Optional[str] = ..., service_req_id: _Optional[str] = ..., gen_status: _Optional[_Union[GenStatus, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., finished: _Optional[bool] = ..., finished_on_prefill_instance: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    unreachable_instance: str
+    def __init__(self, req_id: _Optional[str] = ..., service_req_id: _Optional[str] = ..., gen_status: _Optional[_Union[GenStatus, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., finished: _Optional[bool] = ..., finished_on_prefill_instance: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., unreachable_instance: _Optional[str] = ...) -> None: ...
 
 class DisaggStreamGenerations(_message.Message):
     __slots__ = ("gens", "instance_name")

@@ -125,6 +125,7 @@ def output_to_proto(out: RequestOutput, service_request_id: str = "",
         finished=out.finished, finished_on_prefill_instance=finished_on_prefill,
         gen_status=pb.GenStatus(status_code=out.error_code or 200,
                                 status_msg=out.error_message),
+        unreachable_instance=out.unreachable_instance,
         usage=pb.Usage(num_prompt_tokens=out.num_prompt_tokens,
                        num_generated_tokens=out.num_generated_tokens,
                        num_total_tokens=out.num_prompt_tokens + out.num_generated_tokens,
@@ -160,4 +161,5 @@ def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
         num_generated_tokens=gen.usage.num_generated_tokens,
         num_cached_tokens=gen.usage.num_cached_tokens,
         prompt_token_ids=list(gen.prompt_token_ids) if len(gen.prompt_token_ids) else None,
-        error_code=0 if code in (0, 200) else code, error_message=gen.gen_status.status_msg)
+        error_code=0 if code in (0, 200) else code, error_message=gen.gen_status.status_msg,
+        unreachable_instance=gen.unreachable_instance)
