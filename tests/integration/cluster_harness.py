@@ -59,12 +59,12 @@ def aclient(proc: ChildProcess) -> openai.AsyncOpenAI:
                               timeout=60)
 
 
-async def long_stream(c: openai.AsyncOpenAI, prompt: str,
-                      max_tokens: int = 1500) -> tuple[str, float]:
+async def long_stream(c: openai.AsyncOpenAI, prompt: str, max_tokens: int = 1500,
+                      n: int = 1) -> tuple[str, float]:
     """Stream a long greedy completion; returns ("completed" | "error: ...", end time)."""
     try:
         stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
-                                            temperature=0, stream=True,
+                                            n=n, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True})
         async for _ in stream:
             pass

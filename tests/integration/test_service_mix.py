@@ -12,8 +12,8 @@ import pytest
 
 from xllm_py.cluster.etcd_client import EtcdClient
 from tests.integration.cluster_harness import (Harness, aclient, client,
-                                               drop_stream_after_first_chunk, start_mix_cluster,
-                                               metric, wait_drained)
+                                               drop_stream_after_first_chunk, long_stream,
+                                               metric, start_mix_cluster, wait_drained)
 
 pytestmark = pytest.mark.integration
 
@@ -129,27 +129,14 @@ async def test_dropped_stream_through_service_frees_engine_blocks(cluster):
     # The next Generations reply says ok=false; the engine cancels and frees the blocks.
     await wait_drained([e.http_url for e in engines])
 
-async def _long_stream_n2(c: openai.AsyncOpenAI, prompt: str) -> tuple[str, float]:
-    """long_stream with n=2: two sequences cannot migrate to the other engine, so the
-    killed engine's requests end with an error (single-sequence ones would move: see
-    test_mix_migration)."""
-    try:
-        stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=1500,
-                                            n=2, temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True})
-        async for _ in stream:
-            pass
-        return "completed", time.monotonic()
-    except openai.APIError as exc:
-        return f"error: {exc}", time.monotonic()
-
-
 async def test_kill_engine_fails_inflight_and_keeps_serving(cluster, etcd_server):
     h, svc, engines = cluster
     victim, survivor = engines
     c = aclient(svc)
 
-    tasks = [asyncio.create_task(_long_stream_n2(c, f"long {i}")) for i in range(4)]
+    # n=2: two sequences cannot move to the other engine, so the killed engine's requests
+    # end with an error (single-sequence ones would move: see test_mix_migration).
+    tasks = [asyncio.create_task(long_stream(c, f"long {i}", n=2)) for i in range(4)]
     await asyncio.sleep(1.5)
     victim.kill()  # SIGKILL: no deregistration
     killed_at = time.monotonic()

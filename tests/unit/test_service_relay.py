@@ -136,8 +136,9 @@ class FakeEngines:
         return Stub()
 
 
-def pd_backend(decodes=(DECODE,)) -> tuple[ServiceBackend, FakeEngines]:
-    roles = {InstanceRole.PREFILL: [PREFILL], InstanceRole.DECODE: decodes}  # tests edit it
+def backend_over(roles: dict) -> tuple[ServiceBackend, FakeEngines]:
+    """A ServiceBackend routing (round robin) over `roles` (role -> instances), its RPCs
+    going to FakeEngines."""
     b = ServiceBackend(None, "tiny", 2048, Router(lambda role: roles.get(role, []),
                                                   RoundRobinPolicy()), "127.0.0.1:0")
     engines = FakeEngines()
@@ -146,10 +147,15 @@ def pd_backend(decodes=(DECODE,)) -> tuple[ServiceBackend, FakeEngines]:
     return b, engines
 
 
-async def start_pd(b: ServiceBackend, engines: FakeEngines):
-    """A streaming client request on the (p, d) pair; returns its generator, the pending
-    first output and the engine request id."""
-    stream = b.generate(GenerateRequest("cmpl-1", [5, 6, 7], stream=True, max_tokens=8))
+def pd_backend(decodes=(DECODE,)) -> tuple[ServiceBackend, FakeEngines]:
+    return backend_over({InstanceRole.PREFILL: [PREFILL], InstanceRole.DECODE: decodes})
+
+
+async def start_pd(b: ServiceBackend, engines: FakeEngines, n: int = 1):
+    """A streaming client request on the (p, d) pair (or a MIX instance, on a backend
+    with MIX ones); returns its generator, the pending first output and the engine
+    request id."""
+    stream = b.generate(GenerateRequest("cmpl-1", [5, 6, 7], stream=True, max_tokens=8, n=n))
     first = asyncio.ensure_future(anext(stream))
     for _ in range(100):
         if engines.sent or first.done():
@@ -395,13 +401,8 @@ MIX2 = info("m2", InstanceRole.MIX, "10.0.1.2:1")
 
 
 def mix_backend(mixes=(MIX, MIX2)) -> tuple[ServiceBackend, FakeEngines]:
-    roles = {InstanceRole.MIX: mixes, InstanceRole.DECODE: [DECODE]}  # a decode never takes it
-    b = ServiceBackend(None, "tiny", 2048, Router(lambda role: roles.get(role, []),
-                                                  RoundRobinPolicy()), "127.0.0.1:0")
-    engines = FakeEngines()
-    b._send_generate = engines.send_generate
-    b._stub = engines.stub
-    return b, engines
+    # A decode is registered too: a MIX request never moves to it.
+    return backend_over({InstanceRole.MIX: mixes, InstanceRole.DECODE: [DECODE]})
 
 
 async def mix_migrate_after(b: ServiceBackend, engines: FakeEngines, tokens: list[list[int]],
@@ -410,13 +411,7 @@ async def mix_migrate_after(b: ServiceBackend, engines: FakeEngines, tokens: lis
     choice per output (choice i of n gets every n-th output), then lost "m"; returns its
     stream, old engine id and the client's next output (pending) once any
     MultiGenerations was sent."""
-    stream = b.generate(GenerateRequest("cmpl-1", [5, 6, 7], stream=True, max_tokens=8, n=n))
-    first = asyncio.ensure_future(anext(stream))
-    for _ in range(100):
-        if engines.sent or first.done():
-            break
-        await asyncio.sleep(0)
-    (rid,) = engines.sent
+    stream, first, rid = await start_pd(b, engines, n)
     assert b.inflight("m") == 1
     pending = first
     for i, (t, text) in enumerate(zip(tokens, texts)):
