@@ -134,6 +134,11 @@ class LLMEngine:
     def submit(self, req: EngineRequest) -> None:
         self._commands.put(("add", req))
 
+    @property
+    def num_queued_commands(self) -> int:
+        """Submissions, aborts and calls the engine thread has not run yet."""
+        return self._commands.qsize()
+
     def abort(self, parent_id: str) -> None:
         self._commands.put(("abort", parent_id))
 

@@ -74,12 +74,18 @@ async def run_engine_server(config: EngineConfig) -> None:
     engine.stop()
 
 
+# The engine counts as drained once nothing was in flight for this long: a request the
+# service routed just before it saw `draining` may still be on its way.
+DRAIN_SETTLE_S = 0.5
+
+
 def in_flight(engine: LLMEngine, cluster) -> int:
-    """Requests still using this engine: scheduled, waiting, or (PD) not handed over, and
-    KV blocks held for a transfer (a prefill keeps them until decode has pulled)."""
+    """Requests still using this engine: submitted, scheduled, waiting, or (PD) not handed
+    over, and KV blocks held for a transfer (a prefill keeps them until decode pulled)."""
     s = engine.stats()
     pending = cluster.pd.num_pending() if cluster is not None and cluster.pd is not None else 0
-    return int(s["running"] + s["waiting"] + pending + (s["kv_blocks_used"] > 0))
+    return int(s["running"] + s["waiting"] + pending + (s["kv_blocks_used"] > 0)
+               + (engine.num_queued_commands > 0))
 
 
 async def drain(engine: LLMEngine, backend: AsyncEngine, cluster, timeout_s: float,
@@ -88,11 +94,17 @@ async def drain(engine: LLMEngine, backend: AsyncEngine, cluster, timeout_s: flo
     backend.draining = True
     if cluster is not None:
         cluster.agent.update_meta(draining=True)
-    t0 = time.monotonic()
+    t0, left = time.monotonic(), in_flight(engine, cluster)
     logger.info("draining: %d request(s) in flight, up to %.0f s (signal again to stop now)",
-                in_flight(engine, cluster), timeout_s)
-    while (left := in_flight(engine, cluster)) and not force.is_set():
-        if time.monotonic() - t0 > timeout_s:
+                left, timeout_s)
+    idle_since: float | None = None
+    while not force.is_set():
+        left = in_flight(engine, cluster)
+        now = time.monotonic()
+        idle_since = (idle_since or now) if not left else None
+        if idle_since is not None and now - idle_since >= DRAIN_SETTLE_S:
+            break
+        if now - t0 > timeout_s:
             logger.warning("drain timed out after %.0f s with %d request(s) in flight",
                            timeout_s, left)
             return False
