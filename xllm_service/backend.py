@@ -59,6 +59,7 @@ from typing import AsyncIterator
 import grpc
 
 from xllm_py.api.errors import InvalidRequestError, ServiceUnavailableError
+from xllm_py.config import InstanceRole
 from xllm_py.engine.async_engine import sampling_params_from
 from xllm_py.outputs import RequestOutput
 from xllm_py.proto import xllm_pb2 as pb
@@ -287,6 +288,9 @@ class ServiceBackend:
                 continue
             reply.all_status.add(ok=True)
             out = output_from_proto(gen)
+            if (sub.route.is_pd and msg.instance_name and not gen.finished_on_prefill_instance
+                    and msg.instance_name != sub.route.decode.name):
+                self._follow_decode(sub, msg.instance_name)
             if out.failed and self._resumable(sub, out):
                 self._migrate(sub, out.unreachable_instance, why=(
                     f"decode instance {out.unreachable_instance} could not be reached "
@@ -308,13 +312,31 @@ class ServiceBackend:
                 sub.held.append(out)
         return reply
 
+    def _follow_decode(self, sub: _Sub, name: str) -> None:
+        """The prefill handed the sub to another decode than the one chosen here (that one
+        was full, or unreachable): from now on eviction, Cancel and the counts go to the
+        decode that runs it."""
+        info = next((i for i in self.router.schedulable(InstanceRole.DECODE)
+                     if i.name == name), None)
+        if info is None:
+            logger.warning("request %s is on decode %s, which is not registered",
+                           sub.engine_request_id, name)
+            return
+        old = sub.route.decode.name
+        self._by_instance.get(old, set()).discard(sub.engine_request_id)
+        self._by_instance[name].add(sub.engine_request_id)
+        sub.route = Route(sub.route.target, info)
+        logger.info("request %s: prefill handed it to decode %s instead of %s",
+                    sub.engine_request_id, name, old)
+
     def _resumable(self, sub: _Sub, out: RequestOutput) -> bool:
         """A PD sub whose prefill could not reach its decode to hand it over (the decode
-        died, or hangs) after its first token was relayed: it moves to another decode
-        like one whose decode was evicted, rather than failing."""
+        died, or hangs) after its first token was relayed, and before any decode output:
+        it moves to another decode like one whose decode was evicted, rather than
+        failing. (After a decode output the decode has it: its eviction decides.)"""
         return (sub.route.is_pd and out.unreachable_instance == sub.route.decode.name
-                and bool(sub.generated) and sub.spec is not None and sub.single_sequence
-                and not sub.finished)
+                and len(sub.generated) == 1 and not sub.held and sub.spec is not None
+                and sub.single_sequence and not sub.finished)
 
     def _release_prefill(self, sub: _Sub) -> None:
         """PD: the request no longer depends on its prefill instance, so that instance's
@@ -412,6 +434,9 @@ class ServiceBackend:
             error = "" if status.ok else status.message or "refused"
         except grpc.aio.AioRpcError as exc:
             error = f"{exc.code().name}: {exc.details()}"
+        except Exception as exc:  # the client must hear of it, not wait out the idle timeout
+            logger.exception("MultiGenerations of %s on %s failed", new_id, target.name)
+            error = repr(exc)
         self.migrations["failed" if error else "ok"] += 1
         if error:
             logger.warning("MultiGenerations of %s on %s failed after %.2fs: %s", new_id,

@@ -137,18 +137,22 @@ async def test_failed_transfer_fails_the_request_never_decodes(etcd_server, tmp_
         h.stop()
 
 
+@pytest.mark.parametrize("mode", ["PULL", "PUSH"])
 async def test_decode_dying_at_the_hand_over_gets_the_request_moved(etcd_server, tmp_path,
-                                                                   monkeypatch):
+                                                                   monkeypatch, mode):
     """A decode crashes as prefill hands a request over (FirstGeneration): prefill reports
     it unreachable and the service moves the request to the other decode at once (no
     lease wait), where it completes with the tokens of an uninterrupted run."""
-    h = Harness(etcd_server.endpoint, "pd-handover-crash/", tmp_path)
+    h = Harness(etcd_server.endpoint, f"pd-handover-crash-{mode}/", tmp_path)
     try:
-        svc = h.service()
-        prefill = h.engine("PREFILL", "prefill", extra=["--block-size", "8"])
-        good = h.engine("DECODE", "good", extra=["--block-size", "8"])
+        # Round robin: the second request at the latest meets the doomed decode (least
+        # load would break the tie between two idle decodes by name, the same each time).
+        svc = h.service(extra=["--load-balance-policy", "RR"])
+        common = ["--block-size", "8", "--kv-cache-transfer-mode", mode]
+        prefill = h.engine("PREFILL", "prefill", extra=common)
+        good = h.engine("DECODE", "good", extra=common)
         monkeypatch.setenv(FAULT_EXIT_ON_FIRST_GENERATION, "1")
-        doomed = h.engine("DECODE", "doomed", extra=["--block-size", "8"])
+        doomed = h.engine("DECODE", "doomed", extra=common)
         monkeypatch.delenv(FAULT_EXIT_ON_FIRST_GENERATION)
         for p in (prefill, good, doomed):
             p.wait_ready(180)
@@ -157,10 +161,14 @@ async def test_decode_dying_at_the_hand_over_gets_the_request_moved(etcd_server,
         body = {"ignore_eos": True, "return_token_ids": True}
         outputs = []
         for i in range(8):  # one at a time, until one of them has met the doomed decode
+            t0 = time.monotonic()
             r = await c.completions.create(model="tiny", prompt=f"hand over {i}",
                                            max_tokens=24, temperature=0, extra_body=body)
             outputs.append((f"hand over {i}", r.choices[0].model_extra["token_ids"]))
             if not doomed.alive():
+                took = time.monotonic() - t0
+                print(f"\n{mode}: the request that met the dying decode took {took:.2f}s")
+                assert took < h.ttl_s  # moved at once, not after the lease ran out
                 break
         assert doomed.popen.wait(5) == 17, "no request reached the doomed decode"
         assert migrations(svc, "ok") == 1 and migrations(svc, "failed") == 0

@@ -529,3 +529,25 @@ async def test_a_transfer_failure_is_not_moved():
     await feed(b, failure)
     code, message = await take(anext(stream))
     assert code == 502 and "KV pull failed" in message and engines.migrated == []
+
+
+async def test_service_follows_the_decode_the_prefill_handed_the_request_to():
+    """The service chose d, but d was full and prefill handed the request to d2: d2's
+    outputs re-point the route, so d2's eviction moves the request (before: nothing
+    happened and the client waited for the idle timeout) and d's eviction leaves it be."""
+    b, engines = pd_backend(decodes=(DECODE, DECODE2))
+    stream, first, rid = await start_pd(b, engines)
+    assert b.inflight("d") == 1
+    await feed(b, gen(rid, [1], on_prefill=True, text="a"))
+    assert await take(first) == [1]
+    reply = await b.on_generations(pb.DisaggStreamGenerations(gens=[gen(rid, [2], text="b")],
+                                                              instance_name="d2"))
+    assert [s.ok for s in reply.all_status] == [True]
+    assert await take(anext(stream)) == [2]
+    assert (b.inflight("d"), b.inflight("d2")) == (0, 1)
+    b.on_evict(DECODE)
+    assert engines.migrated == []
+    b.on_evict(DECODE2)
+    await asyncio.gather(*b._tasks)
+    (addr, item), = engines.migrated
+    assert addr == "10.0.0.2:1" and list(item.generated_token_ids) == [1, 2]

@@ -149,6 +149,10 @@ class InstanceAgent:
         self.meta = dataclasses.replace(self.meta, **changes)  # type: ignore[arg-type]
         self._leased.set_value(self.meta.to_json())
 
+    async def publish(self) -> None:
+        """Write the key now (raises EtcdError when etcd is unreachable)."""
+        await self._leased.ensure()
+
     # ------------------------------------------------------------------ heartbeats
 
     async def _resolve_master(self, force: bool = False) -> str | None:
@@ -218,4 +222,5 @@ class InstanceAgent:
                 raise
             except Exception:
                 logger.exception("heartbeat failed unexpectedly (will retry)")
+                self._cache_synced = None  # its cache events may be lost: resend them all
             await asyncio.sleep(self.heartbeat_interval_s)

@@ -123,6 +123,7 @@ class DisaggPDScheduler:
         self._dispatcher: asyncio.Task | None = None
         self._reaper: asyncio.Task | None = None
         self._prelinker: asyncio.Task | None = None
+        self._num_dispatching = 0  # prefill: taken off a queue, not in _prefill yet
         self._refused_links: set[tuple[str, str]] = set()  # (decode, incarnation) incompatible
         self._pulling: set[str] = set()  # decode: requests whose KV pull is running
         self._gone: set[str] = set()  # ... of which the service or the caller gave up
@@ -178,7 +179,12 @@ class DisaggPDScheduler:
                 continue
             queue = self._online if not self._online.empty() else self._offline
             spec = queue.get_nowait()
-            await self._dispatch_sem.acquire()
+            self._num_dispatching += 1  # until it is in _prefill (or failed)
+            try:
+                await self._dispatch_sem.acquire()
+            except BaseException:
+                self._num_dispatching -= 1
+                raise
             self._spawn(self._dispatch_guarded(spec))
 
     async def _dispatch_guarded(self, spec: EngineRequestSpec) -> None:
@@ -191,6 +197,7 @@ class DisaggPDScheduler:
             logger.exception("dispatch of request %s failed", spec.request_id)
             self._report_error(spec, 500, f"dispatch failed: {exc}")
         finally:
+            self._num_dispatching -= 1
             self._dispatch_sem.release()
 
     async def _decode_candidates(self, spec: EngineRequestSpec) -> AsyncIterator[str]:
@@ -245,7 +252,10 @@ class DisaggPDScheduler:
 
     async def _prelink_loop(self) -> None:
         while True:
-            await self.prelink_once()
+            try:
+                await self.prelink_once()
+            except Exception:  # never stop linking for one bad round
+                logger.exception("prelink round failed")
             await asyncio.sleep(PRELINK_INTERVAL_S)
 
     async def prelink_once(self) -> list[str]:
@@ -258,8 +268,9 @@ class DisaggPDScheduler:
         except Exception as exc:  # no master yet, or switching over: next round
             logger.debug("prelink: could not list decode instances: %s", exc)
             return []
-        for gone in set(self._linked) - set(names):  # left, or draining: link again if back
-            del self._linked[gone]
+        if names:  # (none listed: maybe no master right now; keep what is linked)
+            for gone in set(self._linked) - set(names):  # left, or draining: relink if back
+                del self._linked[gone]
         linked = []
         for name in names:
             try:
@@ -387,8 +398,9 @@ class DisaggPDScheduler:
                            decode.name, exc.code().name)
             if error is None and not gen.failed:
                 error = PDError(502, f"decode instance {decode.name} failed: {exc.code().name}")
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    unreachable = decode.name
+            if error is not None and exc.code() in (grpc.StatusCode.UNAVAILABLE,
+                                                    grpc.StatusCode.DEADLINE_EXCEEDED):
+                unreachable = decode.name  # (PUSH: the push into it failed first)
         finally:
             if kv_held:
                 self.engine.call(lambda: self.engine.scheduler.finish_sending(child))
@@ -722,4 +734,6 @@ class DisaggPDScheduler:
                 f"# TYPE {linked} gauge\n{linked} {len(self._linked)}\n")
 
     def num_pending(self) -> int:
-        return self._online.qsize() + self._offline.qsize() + len(self._prefill)
+        """Prefill: requests not handed over yet (queued, finding a decode, prefilling)."""
+        return (self._online.qsize() + self._offline.qsize() + self._num_dispatching
+                + len(self._prefill))

@@ -142,6 +142,10 @@ class LLMEngine:
     def abort(self, parent_id: str) -> None:
         self._commands.put(("abort", parent_id))
 
+    def abort_all(self, message: str) -> None:
+        """End every request now with an error (`message`), freeing its blocks."""
+        self.call(lambda: self._fail_all_running(message))
+
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run fn on the engine thread; returns a future with its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()

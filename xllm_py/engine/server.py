@@ -62,7 +62,9 @@ async def run_engine_server(config: EngineConfig) -> None:
     if http_task in done and http_task.exception():
         logger.error("HTTP server failed: %s", http_task.exception())
     if not http_task.done() and config.drain_timeout_s > 0:
-        await drain(engine, backend, cluster, config.drain_timeout_s, force)
+        drained = await drain(engine, backend, cluster, config.drain_timeout_s, force)
+        if not drained and cluster is None:  # end the streams now rather than mid-shutdown
+            engine.abort_all("engine shutting down")
     logger.info("shutting down")
     http_stop.set()
     if cluster is not None:
@@ -92,8 +94,13 @@ async def drain(engine: LLMEngine, backend: AsyncEngine, cluster, timeout_s: flo
                 force: asyncio.Event) -> bool:
     """Take no new requests, let the ones in flight finish; True when none is left."""
     backend.draining = True
-    if cluster is not None:
+    if cluster is not None:  # the service must know before the engine looks idle
         cluster.agent.update_meta(draining=True)
+        try:
+            await wait_for(cluster.agent.publish(), 2.0)
+        except Exception as exc:
+            logger.warning("could not publish 'draining' to etcd (%s); the service may "
+                           "still route requests here", exc)
     t0, left = time.monotonic(), in_flight(engine, cluster)
     logger.info("draining: %d request(s) in flight, up to %.0f s (signal again to stop now)",
                 left, timeout_s)
