@@ -126,6 +126,15 @@ def advertised_host(host: str, advertise_host: str | None) -> str:
     return host
 
 
+# Fault injection for tests: a decode that exits when a hand-over reaches it
+# (FirstGeneration: between AddNewRequests and the take-over, the window a crash may hit).
+FAULT_EXIT_ON_FIRST_GENERATION = "XLLM_FAULT_EXIT_ON_FIRST_GENERATION"
+
+
+def fault_exit_on_first_generation() -> bool:
+    return os.environ.get(FAULT_EXIT_ON_FIRST_GENERATION) == "1"
+
+
 def transfer_config_from_env(base: TransferConfig) -> TransferConfig:
     """Overrides from XLLM_KV_TRANSFER_* variables (tests use them to inject settings)."""
     backend = os.environ.get("XLLM_KV_TRANSFER_BACKEND")

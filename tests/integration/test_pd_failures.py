@@ -11,7 +11,7 @@ import pytest
 from tests.integration.cluster_harness import (Harness, aclient,
                                                kill_mid_stream_and_check_migration,
                                                long_stream, metric, migrations, wait_drained)
-from xllm_py.engine.pd_service import FAULT_EXIT_ON_FIRST_GENERATION
+from xllm_py.config import FAULT_EXIT_ON_FIRST_GENERATION
 
 pytestmark = pytest.mark.integration
 

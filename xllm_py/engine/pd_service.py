@@ -12,7 +12,8 @@ import os
 
 import grpc
 
-from xllm_py.config import InstanceRole
+from xllm_py.config import (FAULT_EXIT_ON_FIRST_GENERATION, InstanceRole,
+                             fault_exit_on_first_generation)
 from xllm_py.engine.disagg_scheduler import DisaggPDScheduler, PDError
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
@@ -22,10 +23,6 @@ from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc.convert import spec_from_proto
 
 logger = logging.getLogger(__name__)
-
-# Fault injection for tests: a decode that crashes when a hand-over reaches it (between
-# AddNewRequests and the take-over, the window a real crash may hit).
-FAULT_EXIT_ON_FIRST_GENERATION = "XLLM_FAULT_EXIT_ON_FIRST_GENERATION"
 
 _PD_CODES = {412: grpc.StatusCode.FAILED_PRECONDITION, 400: grpc.StatusCode.INVALID_ARGUMENT,
              500: grpc.StatusCode.INVALID_ARGUMENT}
@@ -38,6 +35,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         self.role = role
         self.reporter = reporter
         self.pd = pd
+        self._fault_exit_on_first_generation = fault_exit_on_first_generation()
 
     async def _require_decode(self, rpc: str, context) -> None:
         """Abort with FAILED_PRECONDITION unless this is a DECODE instance."""
@@ -91,7 +89,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
 
     async def FirstGeneration(self, request: pb.DisaggGenerationsRequests, context) -> pb.Status:
         await self._require_decode("FirstGeneration", context)
-        if os.environ.get(FAULT_EXIT_ON_FIRST_GENERATION) == "1":
+        if self._fault_exit_on_first_generation:
             logger.error("%s=1: exiting at FirstGeneration", FAULT_EXIT_ON_FIRST_GENERATION)
             os._exit(17)
         return await self.pd.first_generation(request)
