@@ -2,8 +2,6 @@
 PrefixIndex -> CacheAwarePolicy picks the instance holding the longest prompt prefix."""
 from __future__ import annotations
 
-import threading
-
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import CacheConfig, EngineConfig, InstanceRole
 from xllm_py.engine.cache_events import CacheEvents, hash_from_bytes, hash_to_bytes
@@ -11,6 +9,7 @@ from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.sampling_params import SamplingParams
 from xllm_service.instance_table import InstanceInfo, InstanceState, LoadInfo
 from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
+from tests.unit.sinks import DoneSink
 from xllm_service.router import CacheAwarePolicy, make_policy
 
 
@@ -63,21 +62,12 @@ def test_a_full_drain_is_everything_held_and_the_next_delta_starts_there():
     assert index.num_cached_blocks("a") == 0
 
 
-class _Sink:
-    def __init__(self) -> None:
-        self.done = threading.Event()
-
-    def emit(self, output) -> None:
-        if output.finished:
-            self.done.set()
-
-
 def test_the_service_hashes_a_prompt_as_the_engine_caches_it():
     engine = LLMEngine(EngineConfig(model="tiny", cache=CacheConfig(block_size=8)))
     engine.start()
     try:
         prompt = list(range(10, 47))  # 4 full blocks of 8 and 5 tokens
-        sink = _Sink()
+        sink = DoneSink()
         engine.submit(EngineRequest("r", prompt, SamplingParams(max_tokens=2, ignore_eos=True,
                                                                 temperature=0.0), sink))
         assert sink.done.wait(30)

@@ -320,7 +320,7 @@ async def test_prelink_links_new_decodes_once_and_skips_incompatible_ones(node, 
     decode = InstanceRole.DECODE
     metas = {"d1": InstanceMeta(name="d1", type=decode, incarnation_id="a", block_size=16),
              "d2": InstanceMeta(name="d2", type=decode, incarnation_id="b", block_size=32)}
-    links: list[str] = []
+    stub = _LinkStub()
 
     async def list_decodes():
         return list(metas)
@@ -328,21 +328,15 @@ async def test_prelink_links_new_decodes_once_and_skips_incompatible_ones(node, 
     async def resolve_meta(name):
         return metas.get(name)
 
-    class Stub:
-        async def LinkInstance(self, info, timeout=None):
-            assert timeout and info.instance_name == "prefill:1"
-            links.append(info.meta.name)
-            return pb.Status(ok=True)
-
     monkeypatch.setattr(pd, "list_decodes", list_decodes)
     monkeypatch.setattr(pd, "resolve_meta", resolve_meta)
-    monkeypatch.setattr(pd, "_pd_stub", lambda addr: Stub())
+    monkeypatch.setattr(pd, "_pd_stub", lambda addr: stub)
     assert await pd.prelink_once() == ["d1"]  # d2's block size differs: refused
     assert await pd.prelink_once() == []  # nothing new; d2 neither retried nor re-warned
     assert [r.message for r in caplog.records if "incompatible" in r.message] == [
         "prelink: decode d2 is incompatible: block_size differs: prefill:1 has 16, d2 has 32"]
     metas["d1"] = dataclasses.replace(metas["d1"], incarnation_id="c")  # d1 restarted
     assert await pd.prelink_once() == ["d1"]
-    assert len(links) == 2 and "xllm_pd_linked_instances 1" in pd.metrics_text()
+    assert stub.links == ["prefill:1"] * 2 and "xllm_pd_linked_instances 1" in pd.metrics_text()
     del metas["d1"]  # gone from the master's list: forgotten
     assert await pd.prelink_once() == [] and "xllm_pd_linked_instances 0" in pd.metrics_text()

@@ -3,7 +3,6 @@ one submitted but not yet picked up, and a second signal or the timeout ends it.
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
@@ -13,15 +12,7 @@ from xllm_py.engine.async_engine import AsyncEngine
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.server import DRAIN_SETTLE_S, drain, in_flight
 from xllm_py.sampling_params import SamplingParams
-
-
-class _Sink:
-    def __init__(self) -> None:
-        self.done = threading.Event()
-
-    def emit(self, output) -> None:
-        if output.finished:
-            self.done.set()
+from tests.unit.sinks import DoneSink
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +23,8 @@ def engine():
     engine.stop()
 
 
-def _submit(engine: LLMEngine, rid: str, max_tokens: int) -> _Sink:
-    sink = _Sink()
+def _submit(engine: LLMEngine, rid: str, max_tokens: int) -> DoneSink:
+    sink = DoneSink()
     engine.submit(EngineRequest(rid, [5, 6, 7, 8], SamplingParams(
         max_tokens=max_tokens, ignore_eos=True, temperature=0.0), sink))
     return sink
