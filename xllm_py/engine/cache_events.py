@@ -53,8 +53,9 @@ class CacheEvents:
         """Any thread: (stored, removed) hashes since the last drain, as proto bytes; with
         `full`, (every hash held, []) and the next drain's delta starts from here."""
         with self._lock:
-            stored, self._stored = (self._held if full else self._stored), {}
-            removed, self._removed = ({} if full else self._removed), {}
             if full:
-                stored = list(stored)
+                stored, removed = list(self._held), []
+            else:
+                stored, removed = list(self._stored), list(self._removed)
+            self._stored, self._removed = {}, {}
         return [hash_to_bytes(h) for h in stored], [hash_to_bytes(h) for h in removed]

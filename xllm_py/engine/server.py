@@ -9,8 +9,8 @@ Drain (`--drain-timeout`, default 30 s; 0 skips it): new HTTP requests get a 503
 /readiness fails; in a cluster the instance's etcd entry says `draining`, so the service
 routes nothing new here (decode and prefill lists included); the requests in flight run
 to completion (on a prefill: until decode has pulled their KV). A second signal, or the
-timeout, ends the drain; what still runs then is cut off as before (PD requests on a
-decode migrate to another decode once this instance leaves).
+timeout, ends the drain; what still runs then is cut off (in a cluster, the requests a
+decode or MIX engine was generating move to another instance once this one leaves).
 """
 from __future__ import annotations
 
