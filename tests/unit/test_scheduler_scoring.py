@@ -3,6 +3,8 @@ runner per chunk (prompt logprobs), no prefix-cache hit for them, and max_tokens
 right after the prefill."""
 from __future__ import annotations
 
+import pytest
+
 from tests.unit.sched_utils import (
     FakeRunner,
     assert_scheduler_empty,
@@ -106,4 +108,38 @@ def test_max_tokens_zero_on_a_prefill_instance_holds_no_kv():
     out = s.schedule()
     assert s.update_from_output(out, runner.step(out)) == [RequestUpdate("p", [], True, "length")]
     assert s.num_sending_kv == 0
+    assert_scheduler_empty(s)
+
+
+@pytest.mark.parametrize("num_blocks, prompt_len, budget, mid_prefill", [
+    (7, 12, 8, True),  # 6 usable blocks of 4: b is preempted before its first token
+    (5, 6, 64, False),  # 4 usable blocks: b is preempted while it decodes
+])
+def test_preempted_scoring_requests_ask_again_until_their_first_token_only(
+        num_blocks, prompt_len, budget, mid_prefill):
+    s = create_scheduler(num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4)
+    runner = FakeRunner(4)
+    a, b = create_requests(2, prompt_len, max_tokens=8, prompt_logprobs=1)
+    s.add_request(a)
+    s.add_request(b)
+    rows: dict[str, list[tuple[int, int, bool]]] = {"req-0": [], "req-1": []}
+    preempted = []
+    for _ in range(100):
+        if not s.has_schedulable_requests():
+            break
+        out = s.schedule()
+        preempted += [(rid, s.requests[rid].num_output_tokens > 0) for rid in out.preempted_ids]
+        for q in out.seqs:
+            rows[q.request_id].append((q.start_pos, q.num_prompt_logprob_rows,
+                                       bool(s.requests[q.request_id].output_token_ids)))
+        s.update_from_output(out, runner.step(out))
+    assert ("req-1", not mid_prefill) in preempted
+    for rid, chunks in rows.items():
+        assert all(n == 0 for _, n, has_output in chunks if has_output)
+        # the last pass over the prompt before the first token scores positions 0..P-2
+        passes = [i for i, (start, _, has_output) in enumerate(chunks)
+                  if start == 0 and not has_output]
+        covered = [p for start, n, _ in chunks[passes[-1]:] for p in range(start, start + n)]
+        assert covered == list(range(prompt_len - 1)), rid
+    assert a.num_output_tokens == b.num_output_tokens == 8
     assert_scheduler_empty(s)
