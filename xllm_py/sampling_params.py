@@ -54,7 +54,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Filled by the engine from the model's generation config, not by clients.
-    eos_token_ids: list[int] = dataclasses.field(default_factory=list)
+    eos_token_ids: list[int] = dataclasses.field(
+        default_factory=list, metadata={"engine_only": True})
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,3 +131,9 @@ class SamplingParams:
         if (low is not None and value < low) or (high is not None and value > high):
             bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
             raise SamplingParamsError(name, f"{name} must be in {bounds}, got {value!r}")
+
+
+# The fields a request sets (the HTTP layer's GenerateRequest carries exactly these): every
+# field but the ones the engine fills itself. The one list of sampling fields.
+REQUEST_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(SamplingParams) if not f.metadata.get("engine_only"))

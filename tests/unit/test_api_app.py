@@ -320,12 +320,26 @@ def test_dropped_stream_cancels_backend(client, backend):
     assert backend.cancelled == [backend.requests[-1].request_id]
 
 
+def _cancelled_count(base_url) -> float:
+    import re
+
+    m = re.search(r'^xllm_requests_total\{outcome="cancelled"\} ([0-9.]+)$',
+                  httpx.get(f"{base_url}/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_dropped_non_stream_request_cancels_backend(base_url, backend):
     backend.token_delay = 0.02
+    before = _cancelled_count(base_url)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base_url}/v1/completions", timeout=0.3,
                    json={"model": MODEL, "prompt": "x", "max_tokens": 200})
     assert backend.cancelled_event.wait(1.0), "backend never saw the cancellation"
+    # Counted as cancelled (it used to end in InvalidStateError, an unhandled 500).
+    deadline = time.monotonic() + 2.0
+    while _cancelled_count(base_url) != before + 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _cancelled_count(base_url) == before + 1
 
 
 # -- metrics -------------------------------------------------------------------------------
