@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -28,7 +29,7 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 def build_app(backend: GenerateBackend, *, served_model_name: str | None = None) -> FastAPI:
     """The OpenAI-compatible app; `app.state.completions` / `.chat` / `.metrics` for
     introspection."""
-    metrics = APIMetrics()
+    metrics = APIMetrics(getattr(backend, "metrics_registry", None))
     completions = OpenAIServingCompletion(backend, metrics, served_model_name)
     chat = OpenAIServingChat(backend, metrics, served_model_name)
     model_name = completions.model_name
@@ -95,14 +96,16 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        text = metrics.render()
-        try:
-            extra = backend.metrics_text()
-        except Exception:
-            logger.warning("backend.metrics_text() failed", exc_info=True)
-            extra = ""
-        if extra:
-            text = text + (extra if extra.endswith("\n") else extra + "\n")
+        text = generate_latest(metrics.registry).decode()
+        legacy = getattr(backend, "metrics_text", None)  # transitional: see GenerateBackend
+        if legacy is not None:
+            try:
+                extra = legacy()
+            except Exception:
+                logger.warning("backend.metrics_text() failed", exc_info=True)
+                extra = ""
+            if extra:
+                text = text + (extra if extra.endswith("\n") else extra + "\n")
         return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
     return app

@@ -5,6 +5,11 @@ The engine (MIX instance, `AsyncEngine`) and the master service both implement
 either. The HTTP layer tokenizes, validates and mints ids; it hands the backend one
 `GenerateRequest` per prompt and renders the `RequestOutput` deltas it yields.
 
+Metrics: a backend with a `metrics_registry` (prometheus_client CollectorRegistry, one per
+process) gets the HTTP layer's metrics registered there, and /metrics renders it; a backend
+without one gets a registry of the app's own. Transitional: `metrics_text()`, if a backend
+has it, is appended as is (hand-written text of components not on a registry yet).
+
 Cancellation: when the HTTP client goes away the layer closes the iterator returned by
 `generate` (`aclose()`) or cancels the task awaiting it; the backend must then abort the
 request and free its resources.
@@ -87,5 +92,3 @@ class GenerateBackend(Protocol):
         ...
 
     def check_ready(self) -> tuple[bool, str]: ...
-
-    def metrics_text(self) -> str: ...
