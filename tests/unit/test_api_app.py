@@ -144,6 +144,17 @@ def test_completion_logprobs_format_and_echo(client):
     assert lp.top_logprobs[3] == {"a": -0.5, "b": -1.0}
 
 
+def test_completion_stream_echo_logprobs_match_non_stream(client):
+    kwargs = dict(model=MODEL, prompt="xy", max_tokens=3, logprobs=1, echo=True)
+    full = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+    assert "".join(c.text for c in chunks) == full.text
+    with_lp = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for lp in with_lp for t in lp.tokens] == full.logprobs.tokens
+    assert [o for lp in with_lp for o in lp.text_offset] == full.logprobs.text_offset
+    assert [v for lp in with_lp for v in lp.token_logprobs] == full.logprobs.token_logprobs
+
+
 def test_chat_logprobs_format(client):
     out = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
