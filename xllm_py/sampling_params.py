@@ -62,7 +62,8 @@ class SamplingParams:
     # accepted and made ints; the engine checks the ids against its vocabulary.
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     # Filled by the engine from the model's generation config, not by clients.
-    eos_token_ids: list[int] = dataclasses.field(default_factory=list)
+    eos_token_ids: list[int] = dataclasses.field(
+        default_factory=list, metadata={"engine_only": True})
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -171,3 +172,9 @@ def _normalize_logit_bias(value: object) -> object:
             key = int(key)
         out[key] = bias
     return out
+
+
+# The fields a request sets (the HTTP layer's GenerateRequest carries exactly these): every
+# field but the ones the engine fills itself. The one list of sampling fields.
+REQUEST_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(SamplingParams) if not f.metadata.get("engine_only"))
