@@ -5,10 +5,10 @@ final phase.
 
 Prefill side (PrefillRequest):
 
-    QUEUED -> DISPATCHING -> PREFILLING -> HANDING_OVER -> FINISHED
-      |            |   \\          |               \\
-      +------------+----+-> CANCELLED               +-> FAILED
-                   +-> FAILED (no decode could take it)
+    QUEUED --> DISPATCHING --> PREFILLING --> HANDING_OVER --> FINISHED
+      |          |     |          |                |
+      |          |     +--------> FAILED <---------+
+      +----------+----------------+--> CANCELLED
 
   QUEUED        in the online or offline queue
   DISPATCHING   finding a decode: link, AddNewRequests (retries, other decodes)
@@ -20,12 +20,13 @@ Prefill side (PrefillRequest):
 
 Decode side (DecodeRequest), from AddNewRequests (or a migration with KV) on:
 
-    ALLOCATED -> PULLING -> DECODING
-       |   \\        |  \\
-       |    \\       |   +-> GONE -> DROPPED | FAILED
-       |     \\      +-> FAILED
-       |      +-> DROPPED (FirstGeneration says failed) | FAILED (no FirstGeneration)
-       +-> CANCELLED -> DROPPED (FirstGeneration came, or cancel_grace_s passed)
+    ALLOCATED --> PULLING --> DECODING
+      | | |         |  |
+      | | |         |  +--> GONE --> DROPPED | FAILED
+      | | |         +--> FAILED
+      | | +--> DROPPED (FirstGeneration says failed)
+      | +--> FAILED (no FirstGeneration within orphan_timeout_s)
+      +--> CANCELLED --> DROPPED (FirstGeneration came, or cancel_grace_s passed)
 
   ALLOCATED   blocks set aside, waiting for FirstGeneration (a PUSH may write into them)
   CANCELLED   cancelled while ALLOCATED: the blocks stay until no push can touch them
