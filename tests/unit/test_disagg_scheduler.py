@@ -370,3 +370,9 @@ async def test_decode_take_over_then_cancel_is_the_engines(make_node):
     await until_free(engine)
     # A second FirstGeneration for it finds nothing to take over.
     assert await pd.first_generation([_first_generation("r1", blocks)]) == ["unknown request r1"]
+
+
+async def test_only_a_prefill_engine_hands_requests_over(make_node):
+    engine, pd, peers = await make_node(DECODE)
+    with pytest.raises(ValueError, match="only a PREFILL engine"):
+        engine.set_hand_over(lambda upd, delta, block_ids: None)
