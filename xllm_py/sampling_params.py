@@ -64,6 +64,20 @@ class SamplingParams:
         self.eos_token_ids = list(self.eos_token_ids)
         self.validate()
 
+    @classmethod
+    def from_request(cls, req: object) -> "SamplingParams":
+        """SamplingParams from any object with these field names (the HTTP layer's
+        GenerateRequest, ...): every field in `REQUEST_FIELDS` it has and is not None;
+        `best_of` <= n means none."""
+        kwargs = {}
+        for name in REQUEST_FIELDS:
+            value = getattr(req, name, None)
+            if value is not None:
+                kwargs[name] = list(value) if isinstance(value, (list, tuple)) else value
+        if kwargs.get("best_of") is not None and kwargs["best_of"] <= kwargs.get("n", 1):
+            kwargs["best_of"] = None
+        return cls(**kwargs)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
@@ -130,3 +144,16 @@ class SamplingParams:
         if (low is not None and value < low) or (high is not None and value > high):
             bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
             raise SamplingParamsError(name, f"{name} must be in {bounds}, got {value!r}")
+
+
+# Fields a client request sets; the rest are the engine's (`eos_token_ids`, from the
+# model's generation config) or handled by the HTTP layer and migration (`echo`,
+# `prompt_logprobs`).
+_NOT_FROM_REQUEST = frozenset({"eos_token_ids", "echo", "prompt_logprobs"})
+REQUEST_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(SamplingParams) if f.name not in _NOT_FROM_REQUEST)
+
+
+def sampling_params_from(req: object) -> SamplingParams:
+    """`SamplingParams.from_request(req)`."""
+    return SamplingParams.from_request(req)

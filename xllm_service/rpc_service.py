@@ -25,7 +25,7 @@ from xllm_py.cluster.instance_meta import InstanceMeta, InstanceMetaError, new_i
 from xllm_py.config import InstanceRole
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
 from xllm_py.utils.aio import cancel_and_wait
-from xllm_py.utils.grpc_server import start_grpc_server
+from xllm_py.utils.grpc_server import SERVER_OPTIONS, start_grpc_server
 from xllm_service.instance_table import LoadInfo
 from xllm_service.registry import Registry
 
@@ -201,3 +201,20 @@ async def create_server(
     """Start a grpc.aio server for `servicer`; returns (server, bound port)."""
     return await start_grpc_server(xllm_pb2_grpc.add_XllmRpcServiceServicer_to_server, servicer,
                                    host, port, "XllmRpcService")
+
+
+def bind_server(host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """A server bound to host:port (0: any free port), not serving yet: the service knows
+    its own address before it builds the components that advertise it."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind XllmRpcService on {host}:{port}")
+    return server, bound
+
+
+async def start_serving(server: grpc.aio.Server,
+                        servicer: xllm_pb2_grpc.XllmRpcServiceServicer) -> None:
+    """Serve `servicer` on a server from `bind_server`."""
+    xllm_pb2_grpc.add_XllmRpcServiceServicer_to_server(servicer, server)
+    await server.start()

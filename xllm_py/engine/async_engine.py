@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import threading
 import weakref
@@ -16,29 +15,9 @@ from typing import AsyncIterator
 
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.outputs import RequestOutput
-from xllm_py.sampling_params import SamplingParams
+from xllm_py.sampling_params import sampling_params_from
 
 logger = logging.getLogger(__name__)
-
-_PARAM_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-                 "presence_penalty", "repetition_penalty", "seed", "max_tokens", "min_tokens",
-                 "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens",
-                 "include_stop_str_in_output")
-
-
-def sampling_params_from(req) -> SamplingParams:
-    """SamplingParams from any object with the GenerateRequest field names."""
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    kwargs = {}
-    for name in _PARAM_FIELDS:
-        if name in fields and hasattr(req, name):
-            value = getattr(req, name)
-            if value is not None:
-                kwargs[name] = list(value) if isinstance(value, (list, tuple)) else value
-    if kwargs.get("best_of") is not None and kwargs["best_of"] <= kwargs.get("n", 1):
-        kwargs["best_of"] = None
-    return SamplingParams(**kwargs)
-
 
 class _LoopBridge:
     """Hands outputs from the engine thread to one event loop, coalescing wake-ups: the
