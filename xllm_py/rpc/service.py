@@ -82,3 +82,51 @@ def generations_reply(accepted: list[bool]) -> pb.StatusSet:
         else:
             reply.all_status.add(ok=False, message=_UNKNOWN)
     return reply
+
+
+# ---------------------------------------------------------------- XllmRpcService (engines -> service)
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """An engine's heartbeat: who, its load, and its prefix-cache changes."""
+    name: str
+    incarnation_id: str
+    waiting: int
+    running: int
+    kv_usage: float
+    recent_max_ttft_ms: int
+    recent_max_tbt_ms: int
+    stored_cache: list[bytes]
+    removed_cache: list[bytes]
+    full_cache: bool  # stored_cache is a full snapshot
+
+
+def heartbeat_from_proto(req: pb.HeartbeatRequest) -> Heartbeat:
+    return Heartbeat(
+        name=req.name, incarnation_id=req.incarnation_id,
+        waiting=req.load_metrics.waiting_requests_num,
+        running=req.load_metrics.running_requests_num,
+        kv_usage=req.load_metrics.gpu_cache_usage_perc,
+        recent_max_ttft_ms=req.latency_metrics.recent_max_ttft,
+        recent_max_tbt_ms=req.latency_metrics.recent_max_tbt,
+        stored_cache=list(req.cache_event.stored_cache),
+        removed_cache=list(req.cache_event.removed_cache),
+        full_cache=req.cache_event.full_snapshot)
+
+
+def heartbeat_reply(ok: bool, message: str) -> pb.Status:
+    """409: refused (unknown instance or stale incarnation: register again)."""
+    return pb.Status(ok=ok, message=message, code=200 if ok else 409)
+
+
+def registered_reply(incarnation_id: str) -> pb.StatusCode:
+    return pb.StatusCode(status_code=200, message=f"incarnation_id={incarnation_id}")
+
+
+def instance_ids(names: list[str]) -> pb.InstanceIDs:
+    return pb.InstanceIDs(names=names)
+
+
+def unknown_generations_reply(num: int) -> pb.StatusSet:
+    """Every one of `num` generations is unknown (no router attached): engines cancel."""
+    return pb.StatusSet(all_status=[pb.Status(ok=False, code=404, message="unknown request")
+                                    for _ in range(num)])
