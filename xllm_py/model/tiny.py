@@ -6,6 +6,10 @@ from a fixed seed), and a byte-level BPE tokenizer (tokenizer.json, tokenizer_co
 with a ChatML chat template) trained on a built-in English corpus. It is written to a temp
 folder and renamed into place, so concurrent processes are safe. Load it with
 ``load_model`` / ``Tokenizer.from_dir`` like any other model.
+
+This module imports no torch: the weights are written by ``tiny_weights.py``, imported
+only when they are built. ``model_files_dir`` gives the master the tokenizer and config
+of a tiny model without building (or importing) anything heavier.
 """
 
 from __future__ import annotations
