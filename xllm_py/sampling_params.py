@@ -74,6 +74,20 @@ class SamplingParams:
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self.validate()
 
+    @classmethod
+    def from_request(cls, req: object) -> "SamplingParams":
+        """SamplingParams from any object with these field names (the HTTP layer's
+        GenerateRequest, ...): every field in `REQUEST_FIELDS` it has and is not None;
+        `best_of` <= n means none."""
+        kwargs = {}
+        for name in REQUEST_FIELDS:
+            value = getattr(req, name, None)
+            if value is not None:
+                kwargs[name] = list(value) if isinstance(value, (list, tuple)) else value
+        if kwargs.get("best_of") is not None and kwargs["best_of"] <= kwargs.get("n", 1):
+            kwargs["best_of"] = None
+        return cls(**kwargs)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS

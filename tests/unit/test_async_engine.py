@@ -7,7 +7,8 @@ import pytest
 
 from xllm_py.api.backend import GenerateRequest
 from xllm_py.api.errors import BackendBusyError
-from xllm_py.engine.async_engine import AsyncEngine, sampling_params_from
+from xllm_py.engine.async_engine import AsyncEngine
+from xllm_py.sampling_params import SamplingParams
 
 
 def stub_engine(num_waiting: int):
@@ -29,12 +30,12 @@ async def test_full_queue_answers_busy_and_submits_nothing():
 
 
 def test_generate_request_maps_to_sampling_params():
-    p = sampling_params_from(GenerateRequest(
+    p = SamplingParams.from_request(GenerateRequest(
         request_id="r", prompt_token_ids=[1], n=2, best_of=1, temperature=0.0, top_k=5,
         stop=["x"], logprobs=3, seed=9, max_tokens=7))
     assert (p.n, p.best_of, p.temperature, p.top_k, p.stop, p.logprobs, p.seed, p.max_tokens) == \
         (2, None, 0.0, 5, ["x"], 3, 9, 7)
-    assert sampling_params_from(GenerateRequest(request_id="r", prompt_token_ids=[1], n=1,
+    assert SamplingParams.from_request(GenerateRequest(request_id="r", prompt_token_ids=[1], n=1,
                                                 best_of=3)).best_of == 3
 
 
@@ -49,7 +50,7 @@ def test_every_request_field_reaches_sampling_params():
                   logprobs=2, prompt_logprobs=1, echo=True, skip_special_tokens=False,
                   include_stop_str_in_output=True, logit_bias={5: 2.5})
     assert set(values) == set(REQUEST_FIELDS), "give the new field a value here"
-    p = sampling_params_from(GenerateRequest(request_id="r", prompt_token_ids=[1], **values))
+    p = SamplingParams.from_request(GenerateRequest(request_id="r", prompt_token_ids=[1], **values))
     assert {name: getattr(p, name) for name in REQUEST_FIELDS} == values
 
 

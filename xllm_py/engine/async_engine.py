@@ -18,21 +18,9 @@ from prometheus_client import CollectorRegistry
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.metrics import EngineStatsCollector
 from xllm_py.outputs import RequestOutput
-from xllm_py.sampling_params import REQUEST_FIELDS, SamplingParams
+from xllm_py.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-def sampling_params_from(req) -> SamplingParams:
-    """SamplingParams from any object with the GenerateRequest field names: the fields of
-    REQUEST_FIELDS it has and sets (None: SamplingParams' default)."""
-    kwargs = {}
-    for name in REQUEST_FIELDS:
-        value = getattr(req, name, None)
-        if value is not None:
-            kwargs[name] = list(value) if isinstance(value, (list, tuple)) else value
-    if kwargs.get("best_of") is not None and kwargs["best_of"] <= kwargs.get("n", 1):
-        kwargs["best_of"] = None
-    return SamplingParams(**kwargs)
 
 
 class _LoopBridge:
@@ -134,7 +122,7 @@ class AsyncEngine:
         if self.engine.scheduler.num_waiting >= self.max_waiting:
             raise BackendBusyError(
                 f"engine has {self.engine.scheduler.num_waiting} waiting requests; try again later")
-        params = sampling_params_from(req)
+        params = SamplingParams.from_request(req)
         sink = QueueSink(asyncio.get_running_loop(), final_only=not getattr(req, "stream", True))
         self.engine.submit(EngineRequest(req.request_id, list(req.prompt_token_ids), params, sink))
         finished = False
