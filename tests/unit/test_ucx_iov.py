@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.unit.ucx_utils import linked, storage
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
 
@@ -52,9 +53,7 @@ async def test_iov_path_is_used_and_moves_every_byte() -> None:
         assert torch.equal(b.kv[:, :, [0, 1, 2]], a.kv[:, :, [3, 2, 1]])
         # the owner counts a request once its own sends completed, which may be just
         # after the puller has the bytes
-        deadline = time.monotonic() + 5
-        while ba.stats()["served"] < served0 + 4 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: ba.stats()["served"] >= served0 + 4, 5, 0.01)
         assert ba.stats()["served"] == served0 + 4
 
 
@@ -202,14 +201,11 @@ def test_scratch_pull_lands_in_the_scratch_buffer_in_the_cache_pieces() -> None:
 
 
 async def test_link_warms_up_without_touching_the_cache() -> None:
-    from xllm_py.kv_transfer.ucx import backend as ucx_backend
-
     a, b = storage(seed=9), storage()
     async with linked(a, b) as (ba, bb):
-        deadline = time.monotonic() + 5
-        while ba.stats()["served"] < ucx_backend._WARMUP_PULLS and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert ba.stats()["served"] == ucx_backend._WARMUP_PULLS  # the owner served the warm-up pulls
+        warmup_pulls = bb.config.warmup_pulls
+        await wait_until(lambda: ba.stats()["served"] >= warmup_pulls, 5, 0.01)
+        assert ba.stats()["served"] == warmup_pulls  # the owner served the warm-up pulls
         assert torch.count_nonzero(b.kv) == 0  # into scratch, not into the puller's cache
         assert bb.stats()["pulls"] == 0
         await _pull_every_byte(ba, a, bb, b, 10, 1)
@@ -286,16 +282,14 @@ async def test_late_answer_to_a_timed_out_pull_is_drained_not_written() -> None:
             # (straight to the worker: the public pull also drops the link after a timeout,
             # and the owner then ignores the request instead of answering it late)
             with pytest.raises(TimeoutError):
-                await asyncio.wrap_future(bb._iov_start(p, "pull", [(0, 0, 40)], 0.3))
+                await asyncio.wrap_future(bb._iov_path.start(p, "pull", [(0, 0, 40)], 0.3))
         assert len(held) == 1
         assert (puller.num_draining, puller.num_drained) == (2, 0)  # its DATA and STATUS receives
         puller.disconnect(p.iov_key)  # as after a failure: the drains outlive the endpoint
         assert puller.call(lambda: puller.num_draining).result(10) == 2
 
         owner.call(owner._serve, *held[0])  # the real owner answers now: 40 blocks of DATA
-        deadline = time.monotonic() + 10
-        while (puller.num_drained < 1 or ba.stats()["served"] == served) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: puller.num_drained >= 1 and ba.stats()["served"] != served, 10, 0.01)
         assert ba.stats()["served"] == served + 1  # the DATA went out
         assert (puller.num_drained, puller.num_draining) == (1, 1)  # taken by a drain; STATUS's still waits
         assert torch.count_nonzero(b.kv) == 0  # nothing written into the cache
@@ -317,11 +311,9 @@ async def test_drain_receives_expire_and_refusals_need_none() -> None:
         puller.drain_s = 0.2
         async with _late_owner(ba) as held:  # the owner never answers
             with pytest.raises(TimeoutError):
-                await asyncio.wrap_future(bb._iov_start(p, "pull", [(0, 0, 4)], 0.3))
+                await asyncio.wrap_future(bb._iov_path.start(p, "pull", [(0, 0, 4)], 0.3))
         assert len(held) == 1
-        deadline = time.monotonic() + 10
-        while puller.num_draining and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: not puller.num_draining, 10, 0.01)
         assert (puller.num_draining, puller.num_drains_expired, puller.num_drained) == (0, 2, 0)
         await _pull_every_byte(ba, a, bb, b, 12, 3)  # later requests use fresh tags
 
@@ -336,9 +328,7 @@ async def test_a_pull_in_flight_fails_when_the_owner_goes_away() -> None:
     async with linked(a, b) as (ba, bb):
         async with _late_owner(ba) as held:
             pull = asyncio.ensure_future(bb.pull(ba.address, [0, 1, 2], [0, 1, 2], timeout=30))
-            deadline = time.monotonic() + 10
-            while not held and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: held, 10, 0.01)
             assert len(held) == 1 and not pull.done()
             await ba.close()
             with pytest.raises(TransferError) as err:
