@@ -12,6 +12,8 @@ from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.utils.grpc_channels import PipelinedStream, StreamBroken
 
+pytestmark = pytest.mark.integration  # gRPC servers
+
 
 class Echo(pb_grpc.XllmRpcServiceServicer):
     async def GenerationsStream(self, request_iterator, context):

@@ -40,6 +40,7 @@ async def _pull_every_byte(ba, a, bb, b, n: int, seed: int) -> None:
     assert torch.equal(b.kv[:, :, rest], before[:, :, rest])
 
 
+@pytest.mark.integration
 async def test_iov_path_is_used_and_moves_every_byte() -> None:
     a, b = storage(256, seed=1), storage(200)
     async with linked(a, b) as (ba, bb):
@@ -57,6 +58,7 @@ async def test_iov_path_is_used_and_moves_every_byte() -> None:
         assert ba.stats()["served"] == served0 + 4
 
 
+@pytest.mark.integration
 async def test_unreachable_iov_worker_falls_back_to_the_tag_path(monkeypatch) -> None:
     monkeypatch.setenv("XLLM_UCX_IOV_TLS", "self")  # reaches no other worker
     a, b = storage(seed=3), storage()
@@ -68,6 +70,7 @@ async def test_unreachable_iov_worker_falls_back_to_the_tag_path(monkeypatch) ->
         assert torch.equal(a.kv[:, :, [60, 61]], b.kv[:, :, [1, 2]])
 
 
+@pytest.mark.integration
 async def test_pull_timeout_fails_and_relinks() -> None:
     a, b = storage(seed=5), storage()
     async with linked(a, b) as (ba, bb):
@@ -200,6 +203,7 @@ def test_scratch_pull_lands_in_the_scratch_buffer_in_the_cache_pieces() -> None:
         IovRequest.scratch_pull(layout, 1, 2, 1.0, runs, scratch[:-1])
 
 
+@pytest.mark.integration
 async def test_link_warms_up_without_touching_the_cache() -> None:
     a, b = storage(seed=9), storage()
     async with linked(a, b) as (ba, bb):
@@ -211,6 +215,7 @@ async def test_link_warms_up_without_touching_the_cache() -> None:
         await _pull_every_byte(ba, a, bb, b, 10, 1)
 
 
+@pytest.mark.integration
 async def test_failed_warm_up_keeps_the_link(monkeypatch) -> None:
     from xllm_py.kv_transfer.ucx import iov_protocol
 
@@ -269,6 +274,7 @@ async def _late_owner(ba):
         owner._on_request = serve
 
 
+@pytest.mark.integration
 async def test_late_answer_to_a_timed_out_pull_is_drained_not_written() -> None:
     from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
     from xllm_py.kv_transfer.ucx.iov_protocol import decode_request
@@ -298,6 +304,7 @@ async def test_late_answer_to_a_timed_out_pull_is_drained_not_written() -> None:
         assert puller.call(ffi.probe_recv, puller.handle, tag(KIND_DATA, req_id), ffi.FULL_MASK).result(10) is None
 
 
+@pytest.mark.integration
 async def test_drain_receives_expire_and_refusals_need_none() -> None:
     from xllm_py.kv_transfer import TransferError
 
@@ -318,6 +325,7 @@ async def test_drain_receives_expire_and_refusals_need_none() -> None:
         await _pull_every_byte(ba, a, bb, b, 12, 3)  # later requests use fresh tags
 
 
+@pytest.mark.integration
 async def test_a_pull_in_flight_fails_when_the_owner_goes_away() -> None:
     """The owner holds the request, then closes: the puller's pending pull ends with a
     transfer error (the link's close cancels its tasks), not at its 30 s deadline, and
