@@ -146,6 +146,11 @@ def env_with_prefix(*prefixes: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
 
 
+def child_env(**overrides: str) -> dict[str, str]:
+    """This process's environment with ``overrides``: what a child process is started with."""
+    return {**os.environ, **overrides}
+
+
 def apply_env_defaults(defaults: dict[str, str]) -> None:
     """For libraries that read their settings from the environment only (UCX, at init): set
     each variable that is not set already (one the user set wins)."""

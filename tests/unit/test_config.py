@@ -1,4 +1,6 @@
 """Config dataclasses: validation, env overrides, advertised addresses."""
+import pathlib
+import re
 import socket
 
 import pytest
@@ -58,6 +60,16 @@ def test_ucx_kernel_and_model_settings_from_env(monkeypatch):
     assert KernelConfig.from_env() == KernelConfig(enabled=False, cache_dir="/tmp/k", cc="clang")
     monkeypatch.setenv("XLLM_CACHE_DIR", "/tmp/m")
     assert model_cache_dir_from_env() == "/tmp/m"
+
+
+def test_environment_is_read_in_config_only():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    readers = [f"{path.relative_to(root)}:{n}"
+               for pkg in ("xllm_py", "xllm_service") for path in sorted((root / pkg).rglob("*.py"))
+               if path != root / "xllm_py" / "config.py"
+               for n, line in enumerate(path.read_text().splitlines(), 1)
+               if re.search(r"os\.environ|getenv", line)]
+    assert readers == [], "environment variables are read in xllm_py/config.py only"
 
 
 def test_cli_accepts_xllm_spellings():
