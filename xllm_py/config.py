@@ -104,10 +104,9 @@ class UCXConfig:
     progress_mode: str = "thread"
     python_future: bool = True
     # Tag path (CUDA pools, modes direct/gather): ``direct`` (zero-copy, one message per slice)
-    # only for at most this many messages of at least this average slice size, else ``gather``.
-    # 16 KiB slices, 4 layers: per-message overhead dominates small slices: fragmented 64 MB
-    # direct 743 ms vs gather 68 ms; contiguous 64 MB (8 MB slices) direct 33 ms vs gather
-    # 60 ms; contiguous 1 MB: equal within noise.
+    # only for at most this many messages of at least this average slice size, else ``gather``
+    # (the measurements are in ucx/path_tag.py TagPath.choose_mode: fragmented 64 MB direct
+    # 743 ms vs gather 68 ms; contiguous 64 MB, 8 MB slices, direct 33 ms vs gather 60 ms).
     direct_max_msgs: int = 1024
     direct_min_slice_bytes: int = 256 << 10
     # Mapped-pool transfers up to this size are copied on the caller's thread (~0.1 ms at

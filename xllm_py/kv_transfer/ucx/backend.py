@@ -148,7 +148,7 @@ class UcxKVTransferBackend(KVTransferBackend):
                 err = str(e)
             data = await self._create_data_ep(hello["worker_addr"])
             iov_key = None
-            if self._iov_path is not None and hello.get("iov_addr") and not err:
+            if self._iov is not None and hello.get("iov_addr") and not err:
                 iov_key = await self._iov_path.connect(("in", int(hello["token"])), hello["iov_addr"])
             peer = Peer(ep, data, iov_key, self._iov)
             self._server_eps.add(peer)
@@ -210,7 +210,7 @@ class UcxKVTransferBackend(KVTransferBackend):
             self._check_meta(rep["meta"], peer_addr)
             data = await self._create_data_ep(rep["worker_addr"])
             iov_key = None
-            if self._iov_path is not None and rep.get("iov_addr"):
+            if self._iov is not None and rep.get("iov_addr"):
                 iov_key = await self._iov_path.connect(("out", peer_addr), rep["iov_addr"])
             mapped = None
             if iov_key is not None and rep.get("pool") and self.mode == "auto":
