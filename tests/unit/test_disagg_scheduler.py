@@ -20,8 +20,6 @@ from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.rpc.convert import EngineRequestSpec, spec_to_proto
 from xllm_py.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.integration  # real engines
-
 PROMPT = list(range(5, 45))  # 40 tokens: 3 blocks of 16
 
 
