@@ -6,6 +6,7 @@ import argparse
 from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode,
                             SchedulerConfig, TransferConfig, transfer_config_from_env)
 from xllm_py.utils.cli import add_flag, parse_bool
+from xllm_py.utils.security_cli import add_security_flags, security_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--transfer-timeout", type=float, default=30.0,
              help="deadline of one KV transfer (s); past it the request fails")
     add_flag(g, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_security_flags(p)
     return p
 
 
@@ -98,4 +100,5 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         etcd_addr=args.etcd, etcd_namespace=args.etcd_namespace, etcd_ttl_s=args.etcd_ttl,
         heartbeat_interval_s=args.heart_beat_interval, instance_name=args.instance_name,
         disagg_pd_port=args.disagg_pd_port, worker_port=args.worker_port,
-        rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout)
+        rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout,
+        security=security_from_args(args))

@@ -222,8 +222,10 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
         return xllm_pb2.CacheInfo(**dataclasses.asdict(self.worker.cache_info()))
 
 
-async def create_worker_server(servicer: WorkerServicer, host: str = "127.0.0.1",
-                               port: int = 0) -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server with the WorkerService; returns (server, bound port)."""
+async def create_worker_server(servicer: WorkerServicer, host: str = "127.0.0.1", port: int = 0,
+                               credentials: grpc.ServerCredentials | None = None,
+                               ) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server with the WorkerService (mutual TLS with `credentials`);
+    returns (server, bound port)."""
     return await start_grpc_server(xllm_pb2_grpc.add_WorkerServiceServicer_to_server, servicer,
-                                   host, port, "the worker service")
+                                   host, port, "the worker service", credentials=credentials)
