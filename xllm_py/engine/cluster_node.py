@@ -96,7 +96,8 @@ class ClusterNode:
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             num_blocks=self.engine.storage.num_blocks,
             http_address=f"{self.addr_host}:{cfg.port}",
-            worker_rpc_addrs=[worker_addr] if worker_addr else [])
+            worker_rpc_addrs=[worker_addr] if worker_addr else [],
+            transfer_keys=[self.worker.transfer_key] if transfer_addr else [])
         self.agent = InstanceAgent(cfg.etcd_addr, self.meta, ttl_s=cfg.etcd_ttl_s,
                                    namespace=cfg.etcd_namespace,
                                    heartbeat_interval_s=cfg.heartbeat_interval_s,

@@ -1,9 +1,13 @@
 """The engine's KV worker (TP=1: it lives in the engine process, behind a real gRPC
-WorkerService): transfer backend listener + WorkerService server. Stop closes both."""
+WorkerService): transfer backend listener + WorkerService server. Stop closes both.
+
+The listener serves only peers that show `transfer_key`, a random secret made here at
+start and published in the instance's registration (kv_transfer/base.py)."""
 from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 
 import grpc
 
@@ -22,6 +26,7 @@ class KVWorkerNode:
     server: object
     transfer_addr: str
     rpc_addr: str
+    transfer_key: str = dataclasses.field(default="", repr=False)
 
     async def stop(self) -> None:
         await self.server.stop(1.0)
@@ -32,11 +37,12 @@ async def start_kv_worker(storage: KVCacheStorage, transfer: TransferConfig, hos
                           port: int, cluster_id: int, meta: pb.InstanceMetaInfo,
                           credentials: grpc.ServerCredentials | None = None) -> KVWorkerNode:
     """`credentials`: the WorkerService serves mutual TLS only."""
-    backend = create_backend(transfer.backend, storage, transfer)
+    transfer_key = secrets.token_hex(16)
+    backend = create_backend(transfer.backend, storage, transfer, access_key=transfer_key)
     transfer_addr = backend.start()
     worker = KVWorker(storage, backend, cluster_id, model=meta.model)
     server, bound = await create_worker_server(WorkerServicer(worker, transfer.timeout_s),
                                                host, port, credentials)
     logger.info("KV worker %x: %s transfer at %s, WorkerService at %s:%d", cluster_id,
                 transfer.backend, transfer_addr, host, bound)
-    return KVWorkerNode(worker, server, transfer_addr, f"{host}:{bound}")
+    return KVWorkerNode(worker, server, transfer_addr, f"{host}:{bound}", transfer_key)
