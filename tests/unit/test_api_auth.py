@@ -102,3 +102,25 @@ def test_tls_flags_need_all_three_files(tmp_path) -> None:
     with pytest.raises(ValueError, match="missing --tls-ca"):
         engine_cli.config_from_args(parser.parse_args(
             ["--tls-cert", issued.cert, "--tls-key", issued.key]))
+
+
+def test_launch_security_args_make_certs_and_a_private_key_file(tmp_path) -> None:
+    import stat
+
+    from xllm_py.launch import build_parser as launch_parser
+    from xllm_py.launch import security_args
+
+    assert launch_parser().parse_args(["--tls", "--api-key", "k1"]).tls
+    assert security_args(tmp_path / "plain", False, None, "127.0.0.1") == {
+        "service": [], "engine": [], "etcd": []}
+    flags = security_args(tmp_path, True, ["sk-a", "sk-b"], "10.1.2.3")
+    key_file = tmp_path / "api-keys"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    service = service_cli.config_from_args(service_cli.build_parser().parse_args(
+        ["--etcd", "127.0.0.1:2379", *flags["service"]]))
+    engine = engine_cli.config_from_args(engine_cli.build_parser().parse_args(flags["engine"]))
+    for config in (service, engine):
+        assert config.security.api_keys == ("sk-a", "sk-b")
+        assert config.security.tls.ca == str(tmp_path / "certs" / "ca.pem")
+    assert flags["etcd"][1::2] == [str(tmp_path / "certs" / f) for f in ("etcd.pem", "etcd-key.pem", "ca.pem")]
+    assert not any("sk-" in f for fl in flags.values() for f in fl)  # keys travel in the file only
