@@ -91,6 +91,7 @@ class ServiceBackend:
         self.config = config
         self.subs = subs if subs is not None else SubRequests()
         self.metrics = metrics or ServiceMetrics(self.subs.inflight_by_instance)
+        self.metrics_registry = self.metrics.registry  # the process's one (GenerateBackend)
         self._tasks: set[asyncio.Task] = set()  # Cancel and migration RPCs, until done
 
     # ------------------------------------------------------------------ GenerateBackend

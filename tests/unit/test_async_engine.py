@@ -87,7 +87,6 @@ async def test_engine_metrics_page_is_one_registry_with_the_old_names():
     engine.stats = lambda: dict(running=2, waiting=3, kv_blocks_used=5, kv_blocks_total=64,
                                 prefix_hit_tokens=7, generated_tokens=11)
     backend = AsyncEngine(engine)
-    backend.extra_metrics.append(lambda: "# TYPE legacy_gauge gauge\nlegacy_gauge 1\n")
     app = build_app(backend)
     assert app.state.metrics.registry is backend.metrics_registry
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -97,7 +96,7 @@ async def test_engine_metrics_page_is_one_registry_with_the_old_names():
     for name, value in (("xllm_requests_running", 2), ("xllm_requests_waiting", 3),
                         ("xllm_kv_cache_blocks_used", 5), ("xllm_kv_cache_blocks_total", 64),
                         ("xllm_prefix_cache_hit_tokens_total", 7),
-                        ("xllm_generation_tokens_total", 11), ("legacy_gauge", 1)):
+                        ("xllm_generation_tokens_total", 11)):
         assert samples[(name, ())] == value, name
     assert ("xllm_e2e_request_latency_seconds_count", ()) in samples  # the HTTP layer's
     assert "# TYPE xllm_requests_running gauge" in text

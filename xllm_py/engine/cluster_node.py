@@ -100,10 +100,10 @@ class ClusterNode:
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
             peers = GrpcPeers(worker_addr, cfg.rpc_timeout_s, cfg.transfer.timeout_s)
             self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter, peers,
-                                        self.metas.get, self._list_decodes)
+                                        self.metas.get, self._list_decodes,
+                                        registry=self.backend.metrics_registry)
             self.pd.start()
             servicer.pd = self.pd
-            self.backend.extra_metrics.append(self.pd.metrics_text)
         await self.agent.start()
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")
