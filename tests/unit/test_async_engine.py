@@ -102,20 +102,22 @@ async def test_engine_metrics_page_is_one_registry_with_the_old_names():
     assert "# TYPE xllm_requests_running gauge" in text
 
 
-def test_kv_transfer_collector_exposes_what_the_kv_worker_counts():
-    """The same samples (names, labels, values) as KVTransferMetrics' own text."""
+def test_kv_transfer_metrics_register_into_the_engine_registry_under_their_names():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from xllm_py.engine.metrics import KVTransferCollector
     from xllm_py.kv_transfer.metrics import KVTransferMetrics
 
     m = KVTransferMetrics()
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(KVTransferCollector(m))
+    registry.register(m)
     m.observe_success("pull", 1000, 2, 0.003)
     m.observe_success("pull", 500, 1, 0.02)
     m.observe_success("push", 64, 1, 20.0)
     m.observe_failure("push", "timeout")
     ours = _samples(generate_latest(registry).decode())
-    assert ours == _samples(m.render())
+    assert ours[("xllm_kv_transfer_bytes_total", (("op", "pull"),))] == 1500
+    assert ours[("xllm_kv_transfer_blocks_total", (("op", "push"),))] == 1
+    assert ours[("xllm_kv_transfer_failures_total", (("op", "push"), ("reason", "timeout")))] == 1
     assert ours[("xllm_kv_transfer_seconds_bucket", (("le", "0.005"), ("op", "pull")))] == 1
+    assert ours[("xllm_kv_transfer_seconds_bucket", (("le", "+Inf"), ("op", "push")))] == 1
+    assert ours[("xllm_kv_transfer_seconds_count", (("op", "pull"),))] == 2
