@@ -403,13 +403,14 @@ class ServiceBackend:
     def _forget(self, sub: SubRequest, cancel: bool) -> None:
         if cancel and not sub.phase.is_done:
             sub.transition(SubPhase.CANCELLED)
-            self._spawn(self._cancel(sub.engine_request_id, sub.route))
+            self._spawn(self._cancel(sub, "the client went away"))
         self.subs.forget(sub)
 
-    async def _cancel(self, engine_request_id: str, route: Route) -> None:
-        for info in (route.target, route.decode):
+    async def _cancel(self, sub: SubRequest, reason: str) -> None:
+        for info in (sub.route.target, sub.route.decode):
             if info is not None:
-                await self.engines.cancel(info.meta.rpc_address, engine_request_id)
+                await self.engines.cancel(info.meta.rpc_address, sub.engine_request_id,
+                                          sub.request_id, reason)
 
     def _spawn(self, coro) -> None:
         try:
