@@ -128,7 +128,7 @@ async def test_internal_services_refuse_callers_without_a_cluster_certificate(se
         "XllmRpcService": (master, lambda ch: pb_grpc.XllmRpcServiceStub(ch).GetStaticDecodeList(
             pb.InstanceID(name="x"), timeout=5)),
         "DisaggPDService": (metas[0].rpc_address, lambda ch: pb_grpc.DisaggPDServiceStub(ch).Cancel(
-            pb.PullSignal(req_id="nobody"), timeout=5)),
+            pb.CancelRequest(req_id="nobody"), timeout=5)),
         "WorkerService": (worker, lambda ch: pb_grpc.WorkerServiceStub(ch).GetCacheInfo(
             pb.Empty(), timeout=5)),
         "WorkerService.PullKVCache": (worker, lambda ch: pb_grpc.WorkerServiceStub(ch).PullKVCache(
