@@ -113,6 +113,9 @@ class EngineConfig:
     # SIGTERM: stop taking requests and finish the ones in flight for up to this long
     # before leaving the cluster (0: leave at once). A second signal cuts it short.
     drain_timeout_s: float = 30.0
+    # A time-model profile (JSON, xllm_py/sim/profile.py): run the simulated engine, whose
+    # forward is a sleep of the modelled step time (no torch), instead of the model.
+    simulate: str | None = None
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:

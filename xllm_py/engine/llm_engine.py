@@ -17,18 +17,9 @@ import threading
 import time
 from typing import Any, Callable
 
-import torch
-
 from xllm_py.config import EngineConfig
-from xllm_py.engine.model_runner import ModelRunner
 from xllm_py.engine.output_processor import OutputProcessor, OutputSink, child_id, parent_of
-from xllm_py.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from xllm_py.engine.scheduler import ContinuousScheduler
-from xllm_py.kv_transfer.factory import pool_allocator
-from xllm_py.kv_transfer.kv_storage import KVCacheStorage, parse_dtype
-from xllm_py.model.loader import load_model
-from xllm_py.model.packed import pack_linears
-from xllm_py.model.tiny import ensure_tiny_model
 from xllm_py.model.tokenizer import Tokenizer
 from xllm_py.request import Request, RequestStatus, prompt_token_error
 from xllm_py.sampling_params import SamplingParams
@@ -55,6 +46,8 @@ class EngineRequest:
 
 def resolve_model_dir(model: str) -> str:
     if model.startswith("tiny"):
+        from xllm_py.model.tiny import ensure_tiny_model
+
         return str(ensure_tiny_model(model))
     return model
 
@@ -72,12 +65,52 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        t0 = time.monotonic()
+        num_blocks = self._load_model(config)
+        mc = self.model_config
+        block_size = config.cache.block_size
+        max_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
+        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
+        self.scheduler = ContinuousScheduler(sched_cfg, config.cache, num_blocks)
+        # The scheduler caps the context at what the KV pool can hold for one request.
+        self.max_model_len = self.scheduler.max_model_len
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = list(dict.fromkeys(
+            list(mc.eos_token_ids or []) + list(self.tokenizer.eos_token_ids or [])))
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Hooks run on the engine thread at the end of every step (e.g. flush Generations).
+        self.step_listeners: list[Callable[[], None]] = []
+        # PD prefill: called on the engine thread with (update, delta, block_ids) when a
+        # remote-decode request has sampled its first token (KV held or request ended).
+        self.on_remote_decode_update: Callable[[Any, Any, list[int]], None] | None = None
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.recent_max_ttft_ms = 0.0
+        self.recent_max_tbt_ms = 0.0
+        logger.info("engine ready: model %s, %d layers, %d KV blocks of %d tokens, loaded in %.2fs",
+                    self.model_dir, mc.num_layers, num_blocks, block_size, time.monotonic() - t0)
+
+    def _load_model(self, config: EngineConfig) -> int:
+        """Load the model and tokenizer, allocate the KV pool; set model_dir, model,
+        model_config, tokenizer, storage, runner and sampler. Returns the number of KV
+        blocks. (The seam of the simulated engine, xllm_py/sim/engine.py: torch is
+        imported here, not by the engine module.)"""
+        import torch
+
+        from xllm_py.engine.model_runner import ModelRunner
+        from xllm_py.engine.sampler import Sampler
+        from xllm_py.kv_transfer.factory import pool_allocator
+        from xllm_py.kv_transfer.kv_storage import KVCacheStorage, parse_dtype
+        from xllm_py.model.loader import load_model
+        from xllm_py.model.packed import pack_linears
+
         torch.manual_seed(config.seed)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         model_dir = resolve_model_dir(config.model)
         self.model_dir = model_dir
-        t0 = time.monotonic()
         self.model, self.model_config = load_model(model_dir, dtype=config.dtype,
                                                    device=config.device)
         if config.pack_weights:
@@ -96,29 +129,8 @@ class LLMEngine:
                                       allocator=pool_allocator(config))
         self.runner = ModelRunner(self.model, self.storage.layer_caches(), block_size,
                                   config.device)
-        max_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
-        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
-        self.scheduler = ContinuousScheduler(sched_cfg, config.cache, num_blocks)
-        # The scheduler caps the context at what the KV pool can hold for one request.
-        self.max_model_len = self.scheduler.max_model_len
         self.sampler = Sampler()
-        self.outputs = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = list(dict.fromkeys(
-            list(mc.eos_token_ids or []) + list(self.tokenizer.eos_token_ids or [])))
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-        # Hooks run on the engine thread at the end of every step (e.g. flush Generations).
-        self.step_listeners: list[Callable[[], None]] = []
-        # PD prefill: called on the engine thread with (update, delta, block_ids) when a
-        # remote-decode request has sampled its first token (KV held or request ended).
-        self.on_remote_decode_update: Callable[[Any, Any, list[int]], None] | None = None
-        self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.recent_max_ttft_ms = 0.0
-        self.recent_max_tbt_ms = 0.0
-        logger.info("engine ready: model %s, %d layers, %d KV blocks of %d tokens, loaded in %.2fs",
-                    model_dir, mc.num_layers, num_blocks, block_size, time.monotonic() - t0)
+        return num_blocks
 
     # ------------------------------------------------------------------ threading
     def start(self) -> None:
@@ -296,6 +308,8 @@ class LLMEngine:
     def _record_prompt_logprobs(self, seq, logits: torch.Tensor) -> None:
         """Logits rows at positions start_pos.. of a prefill chunk score the prompt tokens
         after them (float32 log_softmax of the raw logits, no bias or penalty)."""
+        from xllm_py.engine.sampler import prompt_logprobs
+
         request = self.scheduler.requests[seq.request_id]
         first = seq.start_pos + 1
         targets = request.prompt_token_ids[first:first + logits.shape[0]]
@@ -348,7 +362,7 @@ class LLMEngine:
             return  # PD prefill: the hand-over sees the stop and releases the KV itself
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_str)
 
-    def _sampling_row(self, request: Request) -> SamplingRow:
+    def _sampling_row(self, request: Request) -> "SamplingRow":
         """The request's row, built (and validated) once; its output count kept current.
         The penalties read the request's own token lists, which grow in place."""
         row = request.sampling_row
@@ -356,6 +370,8 @@ class LLMEngine:
             p = request.sampling_params
             needs_history = (p.frequency_penalty != 0 or p.presence_penalty != 0
                              or p.repetition_penalty != 1.0)
+            from xllm_py.engine.sampler import SamplingRow
+
             row = SamplingRow(
                 temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                 frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,

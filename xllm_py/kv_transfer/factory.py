@@ -5,8 +5,6 @@ import enum
 import logging
 from collections.abc import Callable
 
-import torch
-
 from xllm_py.config import EngineConfig, InstanceRole, TransferConfig
 from xllm_py.kv_transfer.base import KVTransferBackend
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, huge_page_allocator
@@ -18,6 +16,7 @@ class BackendKind(str, enum.Enum):
     UCX = "ucx"
     TCP = "tcp"
     FAKE = "fake"
+    SIM = "sim"  # the simulated engine's (xllm_py/sim): a small payload per block, no torch
 
     @classmethod
     def parse(cls, value: str) -> "BackendKind":
@@ -35,6 +34,9 @@ def create_backend(name: str | BackendKind, storage: KVCacheStorage,
     if kind is BackendKind.FAKE:
         from xllm_py.kv_transfer.fake import FakeKVTransferBackend
         return FakeKVTransferBackend(storage, cfg.timeout_s, **kwargs)  # type: ignore[arg-type]
+    if kind is BackendKind.SIM:
+        from xllm_py.sim.transfer import SimKVTransferBackend
+        return SimKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)  # type: ignore[arg-type]
     if kind is BackendKind.TCP:
         from xllm_py.kv_transfer.tcp import TcpKVTransferBackend
         return TcpKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)  # type: ignore[arg-type]
@@ -69,6 +71,8 @@ def mappable_host_allocator() -> Callable[[int], torch.Tensor] | None:
         return None
 
     def allocate(nbytes: int) -> torch.Tensor:
+        import torch
+
         try:
             return shared_memory.allocate(nbytes, iov_worker_config())
         except Exception as e:  # noqa: BLE001 - fall back to private memory (the iov path)
