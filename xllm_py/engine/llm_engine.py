@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from xllm_py.config import EngineConfig
 from xllm_py.engine.output_processor import OutputProcessor, OutputSink, child_id, parent_of
@@ -23,6 +23,9 @@ from xllm_py.engine.scheduler import ContinuousScheduler
 from xllm_py.model.tokenizer import Tokenizer
 from xllm_py.request import Request, RequestStatus, prompt_token_error
 from xllm_py.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (torch: imported by _load_model, not with the engine loop)
+    from xllm_py.engine.sampler import SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -362,7 +365,7 @@ class LLMEngine:
             return  # PD prefill: the hand-over sees the stop and releases the KV itself
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_str)
 
-    def _sampling_row(self, request: Request) -> "SamplingRow":
+    def _sampling_row(self, request: Request) -> SamplingRow:
         """The request's row, built (and validated) once; its output count kept current.
         The penalties read the request's own token lists, which grow in place."""
         row = request.sampling_row

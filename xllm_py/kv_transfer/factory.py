@@ -4,10 +4,14 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from xllm_py.config import EngineConfig, InstanceRole, TransferConfig
 from xllm_py.kv_transfer.base import KVTransferBackend
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, huge_page_allocator
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import sys
 import time
 
 from xllm_py.engine.cli import build_parser as engine_parser, config_from_args
-from xllm_py.sim.time_model import StepShape, TimeModel, fit
+from xllm_py.sim.time_model import StepShape, fit
 
 logger = logging.getLogger(__name__)
 
