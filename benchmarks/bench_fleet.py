@@ -160,8 +160,9 @@ async def run_event(fleet: Fleet, name: str, args: argparse.Namespace) -> dict[s
     task = asyncio.create_task(load.run())
     await asyncio.sleep(args.event_lead_s)
     old_master = await fleet.master()
+    before = await fleet.incarnations() if name == "engines restarted" else None
     t0 = time.monotonic()
-    takeover = None
+    takeover = etcd_up = None
     if name == "master killed":
         old_master.kill()
         while (m := await fleet.master()) is None or m is old_master:
@@ -174,22 +175,28 @@ async def run_event(fleet: Fleet, name: str, args: argparse.Namespace) -> dict[s
 
             shutil.rmtree(fleet.etcd._data_dir, ignore_errors=True)  # (its own temp dir)
         fleet.etcd.start()
+        etcd_up = time.monotonic() - t0
     elif name == "engines restarted":
         fleet.kill_engines()
         fleet.restart_engines()
     await asyncio.sleep(0.2)  # (let the master notice before polling its view)
-    recovered, lowest = await fleet.wait_all_active(args.start_timeout)
-    recovered += 0.2
+    recovered, lowest = await fleet.wait_all_active(args.start_timeout, since=t0,
+                                                    replacing=before)
     await asyncio.sleep(args.event_tail_s)
     load.stop()
     await task
-    during = [(s, r) for s, r in load.results]
+    during = load.results
     lost = [r for _, r in during if not r.ok]
+    by_service: dict[str, int] = {}
+    for svc, r in during:
+        if not r.ok:
+            by_service[svc] = by_service.get(svc, 0) + 1
     if name == "master killed":
-        fleet.add_service()  # back to two for the next event
+        fleet.add_service().wait_ready(60, path="/readiness")  # two again, for the next
     return {"event": name, "fleet": f"{fleet.num_engines} instances",
-            "takeover_s": takeover, "all_active_s": recovered, "lowest_active": lowest,
-            "requests": len(during), "lost": len(lost),
+            "takeover_s": takeover, "etcd_up_s": etcd_up, "all_active_s": recovered,
+            "lowest_active": lowest, "requests": len(during), "lost": len(lost),
+            "lost_by_service": by_service, "killed_master": old_master.name,
             "errors": sorted({r.error[:120] for r in lost})[:4]}
 
 
@@ -205,12 +212,18 @@ def _table(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> str:
                    f" | {r['tpot_ms'][50]:.1f}/{r['tpot_ms'][99]:.1f} | "
                    f"{r['failed']}/{r['requests']} | {r['rss_mb_per_engine']:.0f} |")
     if events:
-        out += ["", "| event | fleet | master takeover s | all ACTIVE again s | fewest ACTIVE |"
-                " requests lost |", "|" + "---|" * 6]
+        out += ["", "| event | fleet | master takeover s | etcd up s | all ACTIVE again s | "
+                "fewest ACTIVE | requests lost |", "|" + "---|" * 7]
         for e in events:
-            take = "-" if e["takeover_s"] is None else f"{e['takeover_s']:.1f}"
-            out.append(f"| {e['event']} | {e['fleet']} | {take} | {e['all_active_s']:.1f} | "
-                       f"{e['lowest_active']} | {e['lost']}/{e['requests']} |")
+            take, up = (("-" if v is None else f"{v:.1f}")
+                        for v in (e["takeover_s"], e["etcd_up_s"]))
+            out.append(f"| {e['event']} | {e['fleet']} | {take} | {up} | "
+                       f"{e['all_active_s']:.1f} | {e['lowest_active']} | "
+                       f"{e['lost']}/{e['requests']} |")
+        for e in events:
+            if e["errors"]:
+                out.append(f"{e['event']}: lost by service {e['lost_by_service']} "
+                           f"(master was {e['killed_master']}): {e['errors']}")
     return "\n".join(out)
 
 

@@ -139,16 +139,38 @@ class Fleet:
         m = re.search(r'^xllm_service_instances\{state="ACTIVE"\} (\d+)$', text, re.M)
         return int(m.group(1)) if m else 0
 
-    async def wait_all_active(self, timeout_s: float, step_s: float = 0.1) -> tuple[float, int]:
-        """Seconds until a master sees every engine ACTIVE, and the fewest ACTIVE seen on
-        the way (how far the fleet fell). Raises TimeoutError."""
+    async def incarnations(self) -> dict[str, str]:
+        """Engine name -> the incarnation id registered in etcd now."""
+        from xllm_py.cluster.etcd_client import parse_instance_key
+        from xllm_py.cluster.instance_meta import InstanceMeta
+
+        try:
+            async with EtcdClient(self.etcd.endpoint, namespace=self.namespace) as etcd:
+                kvs, _ = await etcd.get_prefix("XLLM:")
+        except Exception:
+            return {}
+        metas = [InstanceMeta.from_json(kv.value) for kv in kvs
+                 if parse_instance_key(kv.key) is not None]
+        return {m.name: m.incarnation_id for m in metas}
+
+    async def wait_all_active(self, timeout_s: float, step_s: float = 0.1,
+                              since: float | None = None,
+                              replacing: dict[str, str] | None = None) -> tuple[float, int]:
+        """Seconds (from `since`, monotonic; default now) until a master sees every engine
+        ACTIVE, each in an incarnation other than the one `replacing` names (engines
+        restarted: the old keys stay until their leases expire), and the fewest ACTIVE
+        seen on the way. Raises TimeoutError."""
         t0, lowest = time.monotonic(), self.num_engines
+        since = t0 if since is None else since
         while True:
             master = await self.master()
             n = self.active(master) if master is not None else 0
+            if replacing and n > 0:
+                now = await self.incarnations()
+                n = min(n, sum(1 for k, v in now.items() if replacing.get(k) not in (None, v)))
             lowest = min(lowest, max(n, 0))
             if n == self.num_engines:
-                return time.monotonic() - t0, lowest
+                return time.monotonic() - since, lowest
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"{n} of {self.num_engines} engines ACTIVE after "
                                    f"{timeout_s:.0f}s (master: {master and master.name})")
