@@ -171,6 +171,11 @@ def test_host_gives_each_instance_its_name_and_port(profile) -> None:
                         "--etcd", "127.0.0.1:2379"])
     assert [c.instance_name for c in configs] == ["d-4", "d-5", "d-6"]
     assert len({c.port for c in configs}) == 3
+    _, configs = parse(["--count", "2", "--name-prefix", "p", "--ports", "9001,9002",
+                        "--simulate", profile])
+    assert [(c.instance_name, c.port) for c in configs] == [("p-0", 9001), ("p-1", 9002)]
+    with pytest.raises(SystemExit):
+        parse(["--count", "2", "--name-prefix", "p", "--ports", "9001", "--simulate", profile])
     assert {c.transfer.backend for c in configs} == {"sim"}
     with pytest.raises(SystemExit):
         parse(["--count", "2", "--name-prefix", "d"])  # no --simulate

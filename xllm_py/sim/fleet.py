@@ -80,8 +80,9 @@ class Fleet:
 
     def _spawn_host(self, role: str, first: int, count: int) -> ChildProcess:
         name = f"{role.lower()}-{first}-{first + count - 1}"
+        ports = ",".join(str(free_port()) for _ in range(count))  # (unique in this process)
         args = ["--count", str(count), "--name-prefix", role.lower(), "--first-index",
-                str(first), "--simulate", self.profile, "--model", self.model_dir,
+                str(first), "--ports", ports, "--simulate", self.profile, "--model", self.model_dir,
                 "--instance-role", role, "--etcd", self.etcd.endpoint,
                 "--etcd-namespace", self.namespace, "--etcd-ttl", str(self.ttl_s),
                 "--heart-beat-interval", str(self.heartbeat_s), "--log-level", self.log_level,

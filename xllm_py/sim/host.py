@@ -25,16 +25,23 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list]:
     p.add_argument("--count", type=int, required=True, help="simulated engines to run")
     p.add_argument("--name-prefix", required=True, help="instance i registers as PREFIX-i")
     p.add_argument("--first-index", type=int, default=0, help="i of the first instance")
+    p.add_argument("--ports", default=None,
+                   help="comma-separated HTTP ports, one per instance (default: free ports "
+                        "picked here; a launcher of several hosts should pick them, so that "
+                        "two hosts never pick the same)")
     args, rest = p.parse_known_args(argv)
     if args.count < 1:
         p.error("--count must be >= 1")
+    ports = [int(x) for x in args.ports.split(",")] if args.ports else None
+    if ports is not None and len(ports) != args.count:
+        p.error(f"--ports lists {len(ports)} ports for --count {args.count}")
     engine_args = build_parser().parse_args(rest)
     if not engine_args.simulate:
         p.error("--simulate PROFILE is required (a host runs simulated engines only)")
     base = config_from_args(engine_args)
-    configs = [dataclasses.replace(base, instance_name=f"{args.name_prefix}-{i}",
-                                   port=free_port(base.host))
-               for i in range(args.first_index, args.first_index + args.count)]
+    ports = ports or [free_port(base.host) for _ in range(args.count)]
+    configs = [dataclasses.replace(base, instance_name=f"{args.name_prefix}-{args.first_index + k}",
+                                   port=port) for k, port in enumerate(ports)]
     return engine_args, configs
 
 
