@@ -25,6 +25,8 @@ from xllm_py.request import Request, RequestStatus, prompt_token_error
 from xllm_py.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # (torch: imported by _load_model, not with the engine loop)
+    import torch
+
     from xllm_py.engine.sampler import SamplingRow
 
 logger = logging.getLogger(__name__)

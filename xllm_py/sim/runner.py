@@ -1,11 +1,12 @@
 """SimulatedRunner and SimulatedSampler: the ModelRunner / Sampler seams of the engine
 step (LLMEngine.step) with the forward replaced by a time model.
 
-execute(seqs): write each computed token's payload into the KV pool -> check that a
+execute_step(seqs): write each computed token's payload into the KV pool -> check that a
 decoding sequence's previous position is in the pool (a lost KV transfer shows here) ->
 the next token of each sampled sequence, a function of (last token, position) only, so
 PD and MIX give the same tokens and reruns the same -> sleep for the rest of the
-modelled step time. The sampler passes those tokens through (no logprobs).
+modelled step time. The sampler passes those tokens through (no logprobs, no prompt
+logprobs: a request that asks for them gets none).
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ class SimulatedRunner:
         self.num_kv_misses = 0  # decode steps that found their previous position missing
         self.busy_s = 0.0  # modelled forward time, summed
 
+    def execute_step(self, seqs: Sequence) -> SimulatedStepLogits:
+        """ModelRunner.execute_step: `sample` holds the sampled seqs' next tokens."""
+        return SimulatedStepLogits(self.execute(seqs))
+
     def execute(self, seqs: Sequence) -> list[int] | None:
         if not seqs:
             return None
@@ -59,6 +64,12 @@ class SimulatedRunner:
         if left > 0:
             time.sleep(left)
         return sampled or None
+
+
+@dataclasses.dataclass
+class SimulatedStepLogits:  # (model_runner.StepLogits: tokens instead of logits)
+    sample: list[int] | None
+    prompt: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
