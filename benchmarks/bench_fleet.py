@@ -144,6 +144,8 @@ async def measure_fleet(fleet: Fleet, spec: str, args: argparse.Namespace) -> di
         "fleet": spec, "instances": fleet.num_engines, "start_s": start_s,
         "requests": len(load.results), "failed": len(load.results) - len(ok),
         "req_per_s": len(ok) / wall, "master_cpu_ms_per_req": cpu * 1000 / max(1, len(ok)),
+        # the same less what the master spends idle (heartbeats, registry) meanwhile
+        "master_net_cpu_ms_per_req": (cpu - idle_cpu * wall) * 1000 / max(1, len(ok)),
         "master_idle_cpu_pct": idle_cpu * 100,
         "route_us": {"n": len(routes), "p50": percentile(routes, 50),
                      "p99": percentile(routes, 99)},
@@ -200,13 +202,44 @@ async def run_event(fleet: Fleet, name: str, args: argparse.Namespace) -> dict[s
             "errors": sorted({r.error[:120] for r in lost})[:4]}
 
 
+def route_micro(sizes: list[int], calls: int = 2000) -> list[dict[str, Any]]:
+    """CPU time (thread time) of Router.route over an instance table of n instances, in
+    this process: the routing decision's own cost, without the scheduling delays of a
+    loaded machine that the in-service timing includes."""
+    from xllm_py.cluster.instance_meta import InstanceMeta
+    from xllm_py.config import InstanceRole
+    from xllm_service.instance_table import InstanceTable
+    from xllm_service.router import Router, make_policy
+
+    out = []
+    for kind in ("MIX", "PD"):
+        for n in sizes:
+            if kind == "PD" and n < 2:
+                continue
+            table = InstanceTable()
+            for i in range(n):
+                role = (InstanceRole.MIX if kind == "MIX" else
+                        (InstanceRole.PREFILL, InstanceRole.DECODE)[i % 2])
+                table.key_put(InstanceMeta(name=f"i{i}", type=role, incarnation_id="x"), 0.0)
+            router = Router(table.schedulable, make_policy("LEAST_LOAD", lambda name: 0))
+            times = []
+            for _ in range(calls):
+                t0 = time.thread_time_ns()
+                router.route(None)
+                times.append((time.thread_time_ns() - t0) / 1000)
+            out.append({"fleet": f"{kind}:{n}", "route_cpu_us_p50": percentile(times, 50),
+                        "route_cpu_us_p99": percentile(times, 99)})
+    return out
+
+
 def _table(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> str:
-    out = ["| fleet | instances | start s | req/s | master CPU ms/req | master idle CPU % | "
-           "route p50 us | route p99 us | TTFT p50/p99 ms | TPOT p50/p99 ms | failed | "
-           "RSS MB/engine |", "|" + "---|" * 12]
+    out = ["| fleet | instances | start s | req/s | master CPU ms/req (net of idle) | "
+           "master idle CPU % | route p50 us | route p99 us | TTFT p50/p99 ms | "
+           "TPOT p50/p99 ms | failed | RSS MB/engine |", "|" + "---|" * 12]
     for r in rows:
         out.append(f"| {r['fleet']} | {r['instances']} | {r['start_s']:.1f} | "
-                   f"{r['req_per_s']:.1f} | {r['master_cpu_ms_per_req']:.2f} | "
+                   f"{r['req_per_s']:.1f} | {r['master_cpu_ms_per_req']:.2f} "
+                   f"({r['master_net_cpu_ms_per_req']:.2f}) | "
                    f"{r['master_idle_cpu_pct']:.1f} | {r['route_us']['p50']:.0f} | "
                    f"{r['route_us']['p99']:.0f} | {r['ttft_ms'][50]:.0f}/{r['ttft_ms'][99]:.0f}"
                    f" | {r['tpot_ms'][50]:.1f}/{r['tpot_ms'][99]:.1f} | "
@@ -256,7 +289,10 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                         "--model", "tiny", "--num-threads", "1"], check=True)
     model_dir = sim_model_dir("tiny")
     result: dict[str, Any] = {"machine": machine(), "profile": json.loads(
-        pathlib.Path(profile).read_text()), "args": vars(args), "fleets": [], "events": []}
+        pathlib.Path(profile).read_text()), "args": vars(args), "fleets": [], "events": [],
+        "route_micro": route_micro([1, 8, 64, 128, 256])}
+    for r in result["route_micro"]:
+        print(json.dumps(r), flush=True)
     specs = [s for s in args.fleets.split(",") if s]
     if args.events and args.events not in specs:
         specs.append(args.events)
@@ -287,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\npython {m['python']}, {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB, "
           f"load average at start {m['load_avg_at_start'][0]:.1f}")
     print(_table(result["fleets"], result["events"]))
+    print("\nRouter.route CPU us p50/p99 (in-process table): " + ", ".join(
+        f"{r['fleet']} {r['route_cpu_us_p50']:.0f}/{r['route_cpu_us_p99']:.0f}"
+        for r in result["route_micro"]))
     if args.json:
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.json).write_text(json.dumps(result, indent=2, default=str))
