@@ -1,12 +1,14 @@
 """TimeModel: how long one engine step takes, from what the step computes.
 
-    step_ms = base_ms(kind) + prefill_ms_per_token * prefill tokens
+    step_ms = base_ms(kind) + prefill_ms_per_token * prompt tokens computed
               + decode_ms_per_seq * decoding sequences
               + decode_ms_per_ctx_token * context tokens the decoding sequences attend to
 
 (base: `prefill_base_ms` for a step without decodes, else `decode_base_ms`.) The
-coefficients are fitted by least squares on step times measured from a real engine
-(profile.py) and stored as JSON with what they were measured on.
+coefficients are fitted by non-negative least squares on the steps of a real engine
+serving workloads (profile.py), mixed steps included, and stored as JSON with what they
+were measured on. (A term in prompt tokens squared, for large prompt batches, was tried:
+on the shared 2-core machine its fit followed the noise, not the batches.)
 """
 from __future__ import annotations
 
@@ -99,16 +101,15 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit(samples: Sequence[tuple[StepShape, float]], source: dict | None = None) -> TimeModel:
-    """Fit the coefficients to (shape, measured ms) pairs: prefill-only steps give the
-    prefill terms, the steps with decodes the decode terms."""
-    pre = [(s, ms) for s, ms in samples if not s.num_decode_seqs]
-    dec = [(s, ms) for s, ms in samples if s.num_decode_seqs and not s.num_prefill_tokens]
-    if len(pre) < 2 or len(dec) < 3:
-        raise ValueError("need >= 2 prefill-only and >= 3 decode-only step samples to fit")
-    xp = np.array([[1.0, s.num_prefill_tokens] for s, _ in pre])
-    cp = _nonneg_lstsq(xp, np.array([ms for _, ms in pre]))
-    xd = np.array([[1.0, s.num_decode_seqs, s.num_decode_ctx_tokens] for s, _ in dec])
-    cd = _nonneg_lstsq(xd, np.array([ms for _, ms in dec]))
-    return TimeModel(prefill_base_ms=float(cp[0]), prefill_ms_per_token=float(cp[1]),
-                     decode_base_ms=float(cd[0]), decode_ms_per_seq=float(cd[1]),
-                     decode_ms_per_ctx_token=float(cd[2]), source=dict(source or {}))
+    """Fit the coefficients to (shape, measured ms) pairs, all steps at once (a mixed
+    step's time is the sum of its prompt and decode terms)."""
+    kinds = {(bool(s.num_prefill_tokens), bool(s.num_decode_seqs)) for s, _ in samples}
+    if not {(True, False), (False, True)} <= kinds or len(samples) < 6:
+        raise ValueError("need >= 6 step samples, prefill-only and decode-only among them")
+    x = np.array([[0.0 if s.num_decode_seqs else 1.0, 1.0 if s.num_decode_seqs else 0.0,
+                   s.num_prefill_tokens, s.num_decode_seqs, s.num_decode_ctx_tokens]
+                  for s, _ in samples])
+    c = _nonneg_lstsq(x, np.array([ms for _, ms in samples]))
+    return TimeModel(prefill_base_ms=float(c[0]), decode_base_ms=float(c[1]),
+                     prefill_ms_per_token=float(c[2]), decode_ms_per_seq=float(c[3]),
+                     decode_ms_per_ctx_token=float(c[4]), source=dict(source or {}))
