@@ -129,6 +129,10 @@ def test_runner_sleeps_the_modelled_time() -> None:
     runner.execute([Seq("a", [1] * 300, 0, list(range(1, 20)))])
     assert time.monotonic() - t0 >= MODEL.step_ms(StepShape(300, 0, 0)) / 1000
     assert runner.busy_s == pytest.approx(MODEL.step_ms(StepShape(300, 0, 0)) / 1000)
+    runner.burn_cpu = True  # the same time, spent on the CPU
+    c0 = time.thread_time()
+    runner.execute([Seq("b", [1] * 300, 0, list(range(20, 39)))])
+    assert time.thread_time() - c0 >= MODEL.step_ms(StepShape(300, 0, 0)) / 1000
 
 
 # --------------------------------------------------------------------------- transfer

@@ -5,12 +5,15 @@ execute_step(seqs): write each computed token's payload into the KV pool -> chec
 decoding sequence's previous position is in the pool (a lost KV transfer shows here) ->
 the next token of each sampled sequence, a function of (last token, position) only, so
 PD and MIX give the same tokens and reruns the same -> sleep for the rest of the
-modelled step time. The sampler passes those tokens through (no logprobs, no prompt
+modelled step time (or, with `burn_cpu`, spend it on the CPU: the modelled time is the
+real step's CPU time, so a burning simulator waits for a shared core as the real engine
+does; validate.py compares them that way). The sampler passes those tokens through (no logprobs, no prompt
 logprobs: a request that asks for them gets none).
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 from typing import Sequence
@@ -19,6 +22,8 @@ from xllm_py.sim.storage import SimKVStorage
 from xllm_py.sim.time_model import StepShape, TimeModel
 
 logger = logging.getLogger(__name__)
+
+_BURN = bytes(16 * 1024)  # ~10 us of CPU per hash
 
 
 def next_token(last_token: int, position: int, vocab: Sequence[int]) -> int:
@@ -37,6 +42,7 @@ class SimulatedRunner:
         self.vocab = list(vocab)
         self.num_kv_misses = 0  # decode steps that found their previous position missing
         self.busy_s = 0.0  # modelled forward time, summed
+        self.burn_cpu = False
 
     def execute_step(self, seqs: Sequence) -> SimulatedStepLogits:
         """ModelRunner.execute_step: `sample` holds the sampled seqs' next tokens."""
@@ -45,7 +51,7 @@ class SimulatedRunner:
     def execute(self, seqs: Sequence) -> list[int] | None:
         if not seqs:
             return None
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.thread_time()
         step_s = self.time_model.step_ms(StepShape.of(seqs)) / 1000
         sampled: list[int] = []
         for s in seqs:
@@ -60,9 +66,13 @@ class SimulatedRunner:
                 sampled.append(next_token(s.token_ids[-1],
                                           s.start_pos + len(s.token_ids) - 1, self.vocab))
         self.busy_s += step_s
-        left = step_s - (time.monotonic() - t0)
-        if left > 0:
-            time.sleep(left)
+        if self.burn_cpu:  # (hashing a buffer releases the GIL, as a torch forward does)
+            while time.thread_time() - c0 < step_s:
+                hashlib.sha256(_BURN)
+        else:
+            left = step_s - (time.monotonic() - t0)
+            if left > 0:
+                time.sleep(left)
         return sampled or None
 
 

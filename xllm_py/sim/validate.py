@@ -2,7 +2,8 @@
 engine its time model was fitted to, on one workload, in this process.
 
 Stages: build the real engine -> profile it (profile.measure: other workloads) and fit
-the time model -> the workload on a real engine and on a simulated one, in turn,
+the time model -> the workload on a real engine and on a simulated one (spending its
+modelled CPU time, --burn-cpu) in turn,
 --trials times (the machine's load drifts) -> per run: mean TTFT, mean TPOT, makespan ->
 the simulator's error: the median of its runs against the median of the real runs; and
 the time model against the CPU time of the steps the real engine ran (profile.py: the
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="profile.measure: requests per "
                    "workload / in flight")
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--burn-cpu", type=lambda v: v.lower() in ("1", "true", "yes"),
+                   default=True, help="the simulator spends its modelled step time on the "
+                   "CPU instead of sleeping, so that it waits for a shared core as the real "
+                   "engine does (true/false)")
     p.add_argument("--json", default=None)
     args, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -61,9 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     trials: dict[str, list[dict[str, float]]] = {"real": [], "simulated": []}
     for t in range(args.trials):
         for name in ("real", "simulated"):
-            engine = (LLMEngine(config) if name == "real" else
-                      SimulatedEngine(dataclasses.replace(config, simulate=f.name,
-                                                          model=profiled.model_dir)))
+            if name == "real":
+                engine = LLMEngine(config)
+            else:
+                engine = SimulatedEngine(dataclasses.replace(config, simulate=f.name,
+                                                             model=profiled.model_dir))
+                engine.runner.burn_cpu = args.burn_cpu
             engine.start()
             warmup = [[rng.randrange(16, vocab) for _ in range(args.input_len)]
                       for _ in range(args.concurrency)]  # (a fresh engine's first steps)
