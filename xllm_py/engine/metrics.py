@@ -1,0 +1,55 @@
+"""The engine's Prometheus metrics on prometheus_client: one CollectorRegistry per engine
+process (`AsyncEngine.metrics_registry`) that every component registers into, rendered by
+`generate_latest` at GET /metrics. No exposition text is written by hand.
+
+Registered into it:
+  - the HTTP layer's request metrics (`xllm_py.api.metrics.APIMetrics`, by `build_app`);
+  - the engine's own gauges and counters, read from `LLMEngine.stats()` at scrape time
+    (`EngineStatsCollector`, by `AsyncEngine`);
+  - in a cluster, the KV worker's transfer metrics (`KVTransferMetrics` is a collector,
+    registered by the ClusterNode) and the PD scheduler's (it registers into the same registry).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+
+# name, kind, key of LLMEngine.stats(), help. Names as they have always been exposed.
+_ENGINE_STATS = (
+    ("xllm_requests_running", "gauge", "running", "Requests in the running batch"),
+    ("xllm_requests_waiting", "gauge", "waiting", "Requests waiting to be scheduled"),
+    ("xllm_kv_cache_blocks_used", "gauge", "kv_blocks_used",
+     "KV blocks referenced by live requests"),
+    ("xllm_kv_cache_blocks_total", "gauge", "kv_blocks_total", "KV blocks in the pool"),
+    ("xllm_prefix_cache_hit_tokens_total", "counter", "prefix_hit_tokens",
+     "Prompt tokens served from the prefix cache"),
+    ("xllm_generation_tokens_total", "counter", "generated_tokens", "Tokens generated"),
+)
+
+
+class EngineStatsCollector(Collector):
+    """The engine's scheduler and KV cache state, read at scrape time from `engine.stats()`
+    (a dict; read from the HTTP loop while the engine thread runs, as before)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without reading the engine (it may not be running yet)."""
+        return self._families({})
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self._engine.stats())
+
+    @staticmethod
+    def _families(stats: dict) -> Iterator[Metric]:
+        for name, kind, key, help_ in _ENGINE_STATS:
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            yield family(name, help_, value=stats.get(key, 0))
