@@ -137,8 +137,8 @@ class Fleet:
                              trust_env=False).text
         except httpx.HTTPError:
             return -1
-        m = re.search(r'^xllm_service_instances\{state="ACTIVE"\} (\d+)$', text, re.M)
-        return int(m.group(1)) if m else 0
+        m = re.search(r'^xllm_service_instances\{state="ACTIVE"\} ([0-9.e+]+)$', text, re.M)
+        return int(float(m.group(1))) if m else 0
 
     async def incarnations(self) -> dict[str, str]:
         """Engine name -> the incarnation id registered in etcd now."""
