@@ -8,16 +8,14 @@ from __future__ import annotations
 import pathlib
 import re
 
+import kubernetes_validate  # the [test] extra (scripts/test.sh installs it): no skip
 import pytest
 
-yaml = pytest.importorskip("yaml")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
-
-from tests.unit.k8s_render import apply_json_patch, pod_spec, render  # noqa: E402
-from tests.unit.test_docker_compose import _etcd_flags, _parse  # noqa: E402
-from xllm_py.config import InstanceRole  # noqa: E402
-from xllm_py.engine.cli import build_parser as engine_parser, config_from_args  # noqa: E402
-from xllm_service.cli import build_parser as service_parser  # noqa: E402
+from tests.unit.k8s_render import apply_json_patch, pod_spec, render
+from tests.unit.test_docker_compose import _etcd_flags, _parse
+from xllm_py.config import InstanceRole
+from xllm_py.engine.cli import build_parser as engine_parser, config_from_args
+from xllm_service.cli import build_parser as service_parser
 
 K8S_VERSION = "1.34.0"
 K8S_DIR = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "k8s"
