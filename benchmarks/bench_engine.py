@@ -58,7 +58,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch  # noqa: E402
 
 from benchmarks.common import (engine_process, get_model_id, median,  # noqa: E402
-                               process_cpu_seconds, random_token_prompts, run_load)
+                               process_cpu_seconds, random_token_prompts, report_environment,
+                               run_load)
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads, "repeat": repeat, "torch": torch.__version__,
         "cpu_count": os.cpu_count(), "concurrency": {},
     }
+    report_environment(result, file=sys.stderr if args.json else sys.stdout)
     engine_flags = ["--enable-prefix-cache", "false", "--log-level", "WARNING",
                     "--max-num-seqs", str(max(64, max(args.concurrency)))]
     engine_flags += shlex.split(args.engine_args)

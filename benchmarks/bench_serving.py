@@ -39,6 +39,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import report_environment  # noqa: E402
+
 logger = logging.getLogger(__name__)
 
 PERCENTILES = (50, 90, 99)
@@ -493,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                         seed=args.seed)
     # SIGTERM unwinds like Ctrl-C, so clusters started by --compare are stopped
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    environment = report_environment()
     if args.compare:
         out = run_compare(args, spec)
         summaries, runs = out["summaries"], out["runs"]
@@ -512,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         pathlib.Path(args.json).write_text(json.dumps(_finite({
             "args": vars(args),
             "workload": dataclasses.asdict(spec),
+            "environment": environment,
             "summaries": summaries,
             "requests": {n: _result_rows(r) for n, r in runs.items()},
         }), indent=1, allow_nan=False))
