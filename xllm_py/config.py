@@ -157,3 +157,97 @@ def etcd_credentials_from_env() -> tuple[str, str] | None:
     if bool(user) != bool(password):
         raise ValueError("set both ETCD_USERNAME and ETCD_PASSWORD, or neither")
     return (user, password) if user else None
+
+
+# ---------------------------------------------------------------- the master (xllm_service)
+@dataclasses.dataclass(frozen=True)
+class RegistryConfig:
+    """The service's view of the instances (xllm_service.registry)."""
+    # A dead instance stays SUSPECT (not schedulable) this long before it is evicted.
+    evict_grace_s: float = 3.0
+    # Instances whose etcd key is gone are probed on /health this often, with this deadline.
+    health_interval_s: float = 0.25
+    health_timeout_s: float = 0.5
+    # How often the watch is checked against the store (replaced etcd, missed events).
+    identity_check_s: float = 1.0
+    # Waits before successive re-syncs after the watch broke (the last one repeats).
+    resync_backoff_s: tuple[float, ...] = (0.1, 0.2, 0.5, 1.0)
+
+    def __post_init__(self) -> None:
+        if self.evict_grace_s < 0:
+            raise ValueError(f"evict_grace_s must be >= 0, got {self.evict_grace_s}")
+        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
+            raise ValueError("health_interval_s and health_timeout_s must be > 0")
+        if not self.resync_backoff_s:
+            raise ValueError("resync_backoff_s must not be empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """How the service picks instances (xllm_service.router)."""
+    # RR, LEAST_LOAD or CACHE_AWARE (see `xllm_service.router.make_policy`).
+    load_balance_policy: str = "LEAST_LOAD"
+    # LEAST_LOAD's load: in flight here + waiting + kv_usage_weight * KV usage (0..1).
+    kv_usage_weight: float = 4.0
+    # CACHE_AWARE: only instances whose load is within this of the least loaded compete on
+    # cached prefix length.
+    max_imbalance: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.load_balance_policy.upper() not in ("RR", "ROUND_ROBIN", "LEAST_LOAD", "LL",
+                                                    "CACHE_AWARE", "PREFIX"):
+            raise ValueError(f"unknown load balance policy {self.load_balance_policy!r}; "
+                             "expected RR, LEAST_LOAD or CACHE_AWARE")
+        if self.max_imbalance < 0:
+            raise ValueError(f"max_imbalance must be >= 0, got {self.max_imbalance}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RelayConfig:
+    """The service's requests to the engines (xllm_service.backend)."""
+    # Deadline of Generate and MultiGenerations.
+    rpc_timeout_s: float = 5.0
+    # Deadline of the Cancel sent when a client goes away (best effort).
+    cancel_timeout_s: float = 1.0
+    # A request whose engine sends nothing for this long fails with 504.
+    idle_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("rpc_timeout_s", "cancel_timeout_s", "idle_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig:
+    """The master process (`python -m xllm_service`); built by xllm_service.cli."""
+    etcd_addr: str = "127.0.0.1:2379"
+    etcd_namespace: str = ""
+    # Lease TTL of the service's keys (its address, the master key, proxy registrations).
+    etcd_ttl_s: float = 3.0
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    http_port: int = 8888
+    rpc_port: int = 8889
+    # Model directory (tokenizer, chat template, config) or a tiny preset ("tiny").
+    model: str = "tiny"
+    served_model_name: str | None = None
+    # Context limit for validation; None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # How long shutdown waits for the HTTP server, then for each other component.
+    http_shutdown_s: float = 10.0
+    component_shutdown_s: float = 5.0
+    registry: RegistryConfig = dataclasses.field(default_factory=RegistryConfig)
+    router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+    relay: RelayConfig = dataclasses.field(default_factory=RelayConfig)
+
+    def __post_init__(self) -> None:
+        if self.etcd_ttl_s <= 0:
+            raise ValueError(f"etcd_ttl_s must be > 0, got {self.etcd_ttl_s}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def model_name(self) -> str:
+        """The model id in the API: --served-model-name, else the model path's last part."""
+        return self.served_model_name or (self.model.rstrip("/").rsplit("/", 1)[-1] or self.model)

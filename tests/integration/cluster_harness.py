@@ -115,7 +115,7 @@ def labelled(url: str, name: str, labels: str) -> int:
     """A labelled counter or gauge from a process's /metrics (-1 when absent), e.g.
     labelled(svc, "xllm_service_instances", 'state="ACTIVE"')."""
     text = httpx.get(url + "/metrics", timeout=5, trust_env=False).text
-    m = re.search(rf"^{name}{{{re.escape(labels)}}} (\d+)$", text, re.M)
+    m = re.search(rf"^{name}{{{re.escape(labels)}}} (\d+)(?:\.0)?$", text, re.M)
     return int(m.group(1)) if m else -1
 
 

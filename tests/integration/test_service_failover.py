@@ -19,7 +19,7 @@ def test_no_instances_gives_503_with_reason(etcd_server, tmp_path):
     h = Harness(etcd_server.endpoint, "empty/", tmp_path)
     try:
         svc = h.service()
-        svc.wait_ready(60, path="/v1/models")  # /health is 503 without instances
+        svc.wait_ready(60)  # /health is liveness: 200 without instances
         r = httpx.get(svc.http_url + "/readiness", trust_env=False)
         assert r.status_code == 503 and "no engine instance" in r.text
         with pytest.raises(openai.APIStatusError) as e:

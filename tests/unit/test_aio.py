@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from xllm_py.api.serving import _Generations
+from xllm_py.api.generations import Generations
 from xllm_py.outputs import RequestOutput
 from xllm_py.utils.aio import cancel_and_wait, wait_for
 
@@ -85,7 +85,7 @@ class _StubbornStream:
 
 async def test_generations_pump_stops_after_cancel_even_if_the_cancel_is_lost():
     stream = _StubbornStream()
-    gens = _Generations([stream])
+    gens = Generations([stream])
     assert await gens.next() is not None
     gens.cancel()
     await asyncio.wait(gens._tasks, timeout=1.0)

@@ -20,8 +20,12 @@ from collections.abc import AsyncIterator
 
 import aetcd
 import aetcd.exceptions
+import aetcd.rpc
+import aetcd.watcher
+import grpc
 
 from xllm_py.config import InstanceRole, etcd_credentials_from_env
+from xllm_py.tls import TLSConfig, channel_credentials
 from xllm_py.utils.aio import cancel_and_wait, wait_for
 
 logger = logging.getLogger(__name__)
@@ -81,8 +85,46 @@ def lease_ttl_seconds(ttl_s: float) -> int:
     return max(1, math.ceil(ttl_s))
 
 
+class _TLSClient(aetcd.Client):
+    """aetcd opens only plaintext channels: this one opens a mutual-TLS channel and then
+    sets up the same stubs as `aetcd.Client.connect` (aetcd 1.0.0a4; a unit test starts a
+    TLS etcd and does a round trip through it, so a changed aetcd fails loudly)."""
+
+    def __init__(self, credentials: grpc.ChannelCredentials, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._channel_credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            target = f"{self._host}:{self._port}"
+            self.channel = aetcd.rpc.secure_channel(target, self._channel_credentials,
+                                                    options=self._options.items())
+            if self._username is not None and self._password is not None:
+                self.auth_stub = aetcd.rpc.AuthStub(self.channel)
+                resp = await self.auth_stub.Authenticate(
+                    aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password),
+                    timeout=self._timeout)
+                self.metadata = (("token", resp.token),)
+            self.kvstub = aetcd.rpc.KVStub(self.channel)
+            self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+            self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+            self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel),
+                                                  timeout=self._timeout, metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
 class EtcdClient:
-    """Async etcd client. `credentials=None` takes ETCD_USERNAME/ETCD_PASSWORD from the env."""
+    """Async etcd client. `credentials=None` takes ETCD_USERNAME/ETCD_PASSWORD from the env;
+    `tls` reaches an etcd that serves https and asks for client certificates."""
 
     def __init__(
         self,
@@ -90,6 +132,7 @@ class EtcdClient:
         namespace: str = "",
         credentials: tuple[str, str] | None = None,
         timeout_s: float = 2.0,
+        tls: TLSConfig | None = None,
     ) -> None:
         host, sep, port = endpoint.rpartition(":")
         if not sep or not port.isdigit():
@@ -101,7 +144,7 @@ class EtcdClient:
         if credentials is None:
             credentials = etcd_credentials_from_env()
         user, password = credentials if credentials else (None, None)
-        self._client = aetcd.Client(
+        kwargs = dict(
             host=host,
             port=int(port),
             username=user,
@@ -109,6 +152,8 @@ class EtcdClient:
             timeout=timeout_s,  # aetcd passes it as the deadline of every unary call
             connect_wait_timeout=max(1, math.ceil(timeout_s)),
         )
+        self._client = (aetcd.Client(**kwargs) if tls is None
+                        else _TLSClient(channel_credentials(tls), **kwargs))
 
     # ------------------------------------------------------------------ keys
 

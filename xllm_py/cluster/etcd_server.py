@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from types import TracebackType
 
+from xllm_py.tls import TLSConfig, client_ssl_context
 from xllm_py.utils.procs import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -69,8 +70,12 @@ class EmbeddedEtcd:
         peer_port: int = 0,
         startup_timeout_s: float = 15.0,
         unsafe_no_fsync: bool = True,
+        tls: TLSConfig | None = None,
     ) -> None:
+        """With `tls`, clients reach etcd over https and must present a certificate
+        signed by `tls.ca` (etcd's --client-cert-auth); `tls.cert` is etcd's own."""
         self.host = host
+        self.tls = tls
         self._requested_client_port = client_port
         self._requested_peer_port = peer_port
         self._user_data_dir = data_dir
@@ -127,7 +132,7 @@ class EmbeddedEtcd:
         raise RuntimeError(f"etcd did not become healthy: {last_error[-2000:]}")
 
     def _command(self, binary: str) -> list[str]:
-        client_url = f"http://{self.host}:{self.client_port}"
+        client_url = f"{self._scheme}://{self.host}:{self.client_port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         cmd = [
             binary,
@@ -144,17 +149,25 @@ class EmbeddedEtcd:
         ]
         if self._unsafe_no_fsync:
             cmd.append("--unsafe-no-fsync")
+        if self.tls is not None:
+            cmd += ["--cert-file", self.tls.cert, "--key-file", self.tls.key,
+                    "--trusted-ca-file", self.tls.ca, "--client-cert-auth"]
         return cmd
+
+    @property
+    def _scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
 
     def _wait_healthy(self) -> bool:
         assert self._proc is not None
-        url = f"http://{self.host}:{self.client_port}/health"
+        url = f"{self._scheme}://{self.host}:{self.client_port}/health"
+        context = client_ssl_context(self.tls) if self.tls is not None else None
         deadline = time.monotonic() + self._startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 return False
             try:
-                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                with urllib.request.urlopen(url, timeout=1.0, context=context) as resp:
                     if resp.status == 200 and b"true" in resp.read():
                         return True
             except (urllib.error.URLError, OSError):
@@ -227,7 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=2379, help="client port (0: pick one)")
     parser.add_argument("--peer-port", type=int, default=0)
     parser.add_argument("--data-dir", default=None, help="default: a temp dir removed on exit")
+    parser.add_argument("--tls-cert", default=None, help="etcd's certificate (PEM): serve https")
+    parser.add_argument("--tls-key", default=None)
+    parser.add_argument("--tls-ca", default=None, help="CA that client certificates must chain to")
     args = parser.parse_args(argv)
+    try:
+        tls = TLSConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     etcd = EmbeddedEtcd(
         data_dir=args.data_dir,
@@ -235,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         client_port=args.port,
         peer_port=args.peer_port,
         unsafe_no_fsync=args.data_dir is None,
+        tls=tls,
     )
     etcd.start()
     print(f"etcd listening on {etcd.endpoint}", flush=True)

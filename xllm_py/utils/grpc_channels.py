@@ -25,14 +25,23 @@ CHANNEL_OPTIONS = (
 )
 
 
+def open_channel(addr: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    """A channel with the cluster's keepalive options; mutual TLS with `credentials`
+    (xllm_py.tls.channel_credentials)."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(addr, credentials, options=CHANNEL_OPTIONS)
+
+
 class ChannelPool:
-    def __init__(self) -> None:
+    def __init__(self, credentials: grpc.ChannelCredentials | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._credentials = credentials
 
     def get(self, addr: str) -> grpc.aio.Channel:
         channel = self._channels.get(addr)
         if channel is None:
-            channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+            channel = open_channel(addr, self._credentials)
             self._channels[addr] = channel
         return channel
 

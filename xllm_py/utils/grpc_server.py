@@ -17,11 +17,15 @@ SERVER_OPTIONS = (
 
 
 async def start_grpc_server(add_servicer: Callable[[Any, grpc.aio.Server], None], servicer: Any,
-                            host: str, port: int, what: str) -> tuple[grpc.aio.Server, int]:
-    """Returns (started server, bound port). Stop it with `await server.stop(grace)`."""
+                            host: str, port: int, what: str,
+                            credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+    """Returns (started server, bound port). Stop it with `await server.stop(grace)`.
+    With `credentials` (xllm_py.tls.server_credentials) the port serves mutual TLS only."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (server.add_insecure_port(address) if credentials is None
+             else server.add_secure_port(address, credentials))
     if bound == 0:
         raise OSError(f"could not bind {what} on {host}:{port}")
     await server.start()
