@@ -27,7 +27,7 @@ average). On the 2-core VM, HF ``generate`` (2 OpenMP threads, many small parall
 per token) loses far more to other processes than the engine (one native parallel region
 per decode step): tiny-25m at concurrency 1, same versions (torch 2.13.0, transformers
 5.24.0), engine/HF was 1.02x idle (issue 16), 2.6x at a load average of 2.5 and 10-30x at
-5-16, HF falling from 124 to 3-57 tok/s while the engine stayed at 50-150.
+5-16, HF falling from 124 to 3-57 tok/s while the engine stayed at 50-190.
 
 Tokens/s = generated tokens / wall time. Engine and HF runs alternate within every
 repeat and the median over repeats is reported (the machine is shared), with the ratio of
