@@ -193,6 +193,10 @@ class EngineConfig:
     # oneDNN pre-packed linear weights (xllm_py/model/packed.py).
     num_threads: int | None = None
     pack_weights: bool = True
+    # Packed CPU linear weights: "auto" keeps a weight in bfloat16 when every value is one
+    # (a bf16 checkpoint: half the bytes per decode step, float32 math, same results),
+    # else float32; "float32" / "bfloat16" force it (bfloat16 rounds).
+    weight_dtype: str = "auto"
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)

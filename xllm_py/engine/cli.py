@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
              help="torch compute threads (default: torch's, one per core)")
     add_flag(g, "--pack-weights", type=parse_bool, default=True,
              help="CPU float32: pre-pack linear weights for oneDNN at load (true/false)")
+    add_flag(g, "--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+             help="packed CPU linear weights: auto = bfloat16 when every value is one "
+                  "(bf16 checkpoints; computed in float32), else float32")
     g = p.add_argument_group("serving")
     add_flag(g, "--instance-role", default="MIX", type=InstanceRole.parse,
              help="MIX (whole requests), PREFILL or DECODE (PD disaggregation)")
@@ -103,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         host=args.host, advertise_host=args.advertise_host, port=args.port,
         served_model_name=args.served_model_name,
         seed=args.seed, num_threads=args.num_threads, pack_weights=args.pack_weights,
+        weight_dtype=args.weight_dtype,
         cache=cache, scheduler=sched, transfer=transfer,
         etcd_addr=args.etcd, etcd_namespace=args.etcd_namespace, etcd_ttl_s=args.etcd_ttl,
         heartbeat_interval_s=args.heart_beat_interval, instance_name=args.instance_name,

@@ -124,7 +124,7 @@ class LLMEngine:
         self.model, self.model_config = load_model(model_dir, dtype=config.dtype,
                                                    device=config.device)
         if config.pack_weights:
-            pack_linears(self.model)
+            pack_linears(self.model, weight_dtype=config.weight_dtype)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         mc = self.model_config
         block_size = config.cache.block_size
