@@ -23,6 +23,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import report_environment  # noqa: E402
 from xllm_py.cluster.certs import make_cluster_certs  # noqa: E402
 from xllm_py.proto import xllm_pb2 as pb  # noqa: E402
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc  # noqa: E402
@@ -114,6 +115,7 @@ def main() -> int:
         result = asyncio.run(_measure(q.get(timeout=60), client_tls, args.calls))
     finally:
         proc.kill()
+    report_environment(result, file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
         return 0

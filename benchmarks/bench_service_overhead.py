@@ -22,6 +22,7 @@ import httpx
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import report_environment  # noqa: E402
 from xllm_py.cluster.certs import make_cluster_certs  # noqa: E402
 from xllm_py.cluster.etcd_server import EmbeddedEtcd  # noqa: E402
 from xllm_py.tls import TLSConfig  # noqa: E402
@@ -111,6 +112,7 @@ def main() -> int:
             result["tls_overhead_p50_ms"] = result["tls_service_p50_ms"] - result["tls_direct_p50_ms"]
             result["tls_cost_p50_ms"] = result["tls_overhead_p50_ms"] - result["overhead_p50_ms"]
             result["tls_service_vs_plain_p50"] = result["tls_service_p50_ms"] / result["service_p50_ms"]
+        report_environment(result, file=sys.stderr if args.json else sys.stdout)
         if args.json:
             print(json.dumps(result))
         else:
