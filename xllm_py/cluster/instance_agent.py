@@ -26,7 +26,8 @@ import grpc
 
 from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError, LeasedKey, instance_key
 from xllm_py.cluster.instance_meta import InstanceMeta, new_incarnation_id, now_ms
-from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+from xllm_py.proto import xllm_pb2_grpc
+from xllm_py.rpc import cluster as wire
 from xllm_py.utils.aio import cancel_and_wait
 from xllm_py.tls import TLSConfig, channel_credentials
 from xllm_py.utils.grpc_channels import open_channel
@@ -65,24 +66,6 @@ def _as_report(value: "LoadReport | tuple") -> LoadReport:
     waiting, running, kv_usage, ttft, tbt, *rest = value
     stored, removed = (rest[0] if rest and rest[0] else ([], []))
     return LoadReport(int(waiting), int(running), float(kv_usage), int(ttft), int(tbt), list(stored), list(removed))
-
-
-def heartbeat_request(name: str, incarnation_id: str, report: LoadReport,
-                      full_cache: bool = False) -> xllm_pb2.HeartbeatRequest:
-    return xllm_pb2.HeartbeatRequest(
-        name=name,
-        incarnation_id=incarnation_id,
-        load_metrics=xllm_pb2.LoadMetrics(
-            waiting_requests_num=report.waiting,
-            gpu_cache_usage_perc=report.kv_usage,
-            running_requests_num=report.running,
-        ),
-        latency_metrics=xllm_pb2.LatencyMetrics(
-            recent_max_ttft=report.recent_max_ttft_ms, recent_max_tbt=report.recent_max_tbt_ms
-        ),
-        cache_event=xllm_pb2.KvCacheEvent(stored_cache=report.stored_cache, removed_cache=report.removed_cache,
-                                          full_snapshot=full_cache),
-    )
 
 
 class InstanceAgent:
@@ -196,7 +179,10 @@ class InstanceAgent:
             full = (synced is None or synced[0] != addr
                     or time.monotonic() - synced[1] > self.cache_resync_s)
             report.stored_cache, report.removed_cache = self.cache_fn(full)
-        req = heartbeat_request(self.meta.name, self.incarnation_id, report, full_cache=full)
+        req = wire.heartbeat_to_proto(
+            self.meta.name, self.incarnation_id, report.waiting, report.running, report.kv_usage,
+            report.recent_max_ttft_ms, report.recent_max_tbt_ms, report.stored_cache,
+            report.removed_cache, full_cache=full)
         try:
             reply = await self._stub(addr).Heartbeat(req, timeout=HEARTBEAT_DEADLINE_S)
         except grpc.aio.AioRpcError as e:
@@ -205,11 +191,12 @@ class InstanceAgent:
             self._cache_synced = None
             await self._resolve_master(force=True)
             return False
-        if not reply.ok:
+        ok, why = wire.heartbeat_reply_from_proto(reply)
+        if not ok:
             # Usually the master has not seen our key yet (watch lag) or a new master is
             # still syncing; the key keeps us registered, so just try again next time.
-            self.last_heartbeat_error = reply.message
-            logger.info("heartbeat refused by %s: %s", addr, reply.message)
+            self.last_heartbeat_error = why
+            logger.info("heartbeat refused by %s: %s", addr, why)
             self._cache_synced = None
             await self._resolve_master(force=True)
             return False

@@ -15,6 +15,7 @@ from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.engine.pd.messages import HandOver, KVMove, PeerLink, Placement
 from xllm_py.outputs import TokenLogprob
 from xllm_py.proto import xllm_pb2 as pb
+from xllm_py.rpc.cluster import instance_meta_from_proto, instance_meta_to_proto
 from xllm_py.rpc.convert import EngineRequestSpec, spec_from_proto, spec_to_proto
 from xllm_py.rpc.status import Status
 
@@ -48,12 +49,12 @@ def link_info_to_proto(prefill: InstanceMeta) -> pb.InstanceClusterInfo:
                                   addrs=prefill.addrs, ports=prefill.ports,
                                   dp_size=prefill.dp_size,
                                   worker_rpc_addrs=prefill.worker_rpc_addrs,
-                                  meta=prefill.to_proto())
+                                  meta=instance_meta_to_proto(prefill))
 
 
 def peer_link_from_proto(info: pb.InstanceClusterInfo) -> PeerLink:
     """Raises ValueError (InstanceMetaError) on a meta that cannot be read."""
-    meta = InstanceMeta.from_proto(info.meta) if info.HasField("meta") else None
+    meta = instance_meta_from_proto(info.meta) if info.HasField("meta") else None
     return PeerLink(instance_name=info.instance_name, cluster_ids=list(info.cluster_ids),
                     addrs=list(info.addrs), meta=meta)
 
@@ -64,7 +65,7 @@ def unlink_name_from_proto(info: pb.InstanceClusterInfo) -> str:
 
 def cluster_link_to_proto(link: PeerLink) -> pb.ClusterLink:
     return pb.ClusterLink(cluster_ids=link.cluster_ids, addrs=link.addrs,
-                          meta=link.meta.to_proto() if link.meta is not None else None)
+                          meta=instance_meta_to_proto(link.meta) if link.meta is not None else None)
 
 
 # ---------------------------------------------------------------- AddNewRequests

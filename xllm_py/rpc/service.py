@@ -71,6 +71,15 @@ def generations_from_proto(msg: pb.DisaggStreamGenerations) -> Generations:
                    on_prefill=g.finished_on_prefill_instance) for g in msg.gens])
 
 
+def num_generations(msg: pb.DisaggStreamGenerations) -> int:
+    return len(msg.gens)
+
+
+def reply_fits(msg: pb.DisaggStreamGenerations, reply: pb.StatusSet) -> bool:
+    """The reply has one status per generation of `msg`."""
+    return len(reply.all_status) == len(msg.gens)
+
+
 _UNKNOWN = "unknown or cancelled request"
 
 
