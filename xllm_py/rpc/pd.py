@@ -9,6 +9,7 @@ version.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from xllm_py.cluster.instance_meta import InstanceMeta
@@ -148,6 +149,36 @@ def handover_from_proto(gen: pb.DisaggGenerationsRequest) -> HandOver:
 
 def handovers_from_proto(msg: pb.DisaggGenerationsRequests) -> list[HandOver]:
     return [handover_from_proto(g) for g in msg.gens]
+
+
+@dataclasses.dataclass(frozen=True)
+class MigrationItem:
+    """One MultiGenerations item as read (engine side); engine/migration.py checks it."""
+    request_id: str
+    spec: EngineRequestSpec | None  # None: unreadable, see `problem`
+    problem: str
+    generated: list[int]
+    num_unread: int | None  # None: the sender did not say
+    has_kv: bool  # the item says where its KV lives (DECODE pulls it)
+    num_kv_blocks: int
+    message: object  # the item's wire form (rpc.pd.migration_kv_from_proto reads it)
+
+
+def migration_items_from_proto(msg: pb.MultiGenerationsRequests) -> list[MigrationItem]:
+    return [migration_item_from_proto(item) for item in msg.reqs]
+
+
+def migration_item_from_proto(item: pb.MultiGenerationsRequest) -> MigrationItem:
+    try:
+        spec, problem = spec_from_proto(item.request), ""
+    except ValueError as exc:
+        spec, problem = None, str(exc)
+    has_kv = item.HasField("kv")
+    return MigrationItem(
+        request_id=item.request.req_id, spec=spec, problem=problem,
+        generated=list(item.generated_token_ids),
+        num_unread=item.num_unread_tokens if item.has_num_unread_tokens else None,
+        has_kv=has_kv, num_kv_blocks=len(item.kv.block_ids) if has_kv else 0, message=item)
 
 
 def migration_kv_from_proto(item: pb.MultiGenerationsRequest) -> HandOver:

@@ -115,7 +115,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         """Migration: DECODE pulls the KV when the item says where it is, else recomputes;
         MIX always recomputes (it has no KV transfer, so an item with kv is refused)."""
         if self.role in (InstanceRole.MIX, InstanceRole.DEFAULT):
-            status = await multi_generations(self.engine, self.reporter, request.reqs,
+            status = await multi_generations(self.engine, self.reporter, wire.migration_items_from_proto(request),
                                              None, self.role.value)
         elif self.role == InstanceRole.PREFILL:
             await context.abort(Status.FAILED_PRECONDITION.grpc_code,
@@ -126,7 +126,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
                 pd = self._decode_pd("MultiGenerations")
             except StatusError as exc:
                 await self._abort(context, exc)
-            status = await multi_generations(self.engine, self.reporter, request.reqs,
+            status = await multi_generations(self.engine, self.reporter, wire.migration_items_from_proto(request),
                                              pd.resume_with_kv, self.role.value)
         ok, message = wire.status_from_proto(status)
         if not ok:
