@@ -25,8 +25,8 @@ from xllm_py.engine.pd.grpc_peers import GrpcPeers
 from xllm_py.engine.pd.scheduler import DisaggPDScheduler
 from xllm_py.engine.pd.service import DisaggPDServicer
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
-from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
+from xllm_py.rpc import cluster as wire
 from xllm_py.tls import channel_credentials, server_credentials
 from xllm_py.utils.aio import wait_for
 from xllm_py.utils.grpc_channels import ChannelPool
@@ -66,7 +66,7 @@ class ClusterNode:
 
             self.worker = await start_kv_worker(self.engine.storage, cfg.transfer, cfg.host,
                                                 cfg.worker_port, cluster_id,
-                                                self._kv_meta_proto(cluster_id),
+                                                self._kv_meta(cluster_id),
                                                 self._server_credentials)
             # Publish reachable addresses (the backends report their bind host).
             transfer_addr = f"{self.addr_host}:{self.worker.transfer_addr.rsplit(':', 1)[1]}"
@@ -115,12 +115,12 @@ class ClusterNode:
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")
 
-    def _kv_meta_proto(self, cluster_id: int) -> pb.InstanceMetaInfo:
+    def _kv_meta(self, cluster_id: int) -> InstanceMeta:
         mc = self.engine.model_config
-        return pb.InstanceMetaInfo(name=self.name, model=self.backend.model_name,
-                                   block_size=self.config.cache.block_size, kv_layout=KV_LAYOUT,
-                                   kv_dtype=self.config.dtype, num_layers=mc.num_layers,
-                                   num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+        return InstanceMeta(name=self.name, model=self.backend.model_name,
+                            block_size=self.config.cache.block_size, kv_layout=KV_LAYOUT,
+                            kv_dtype=self.config.dtype, num_layers=mc.num_layers,
+                            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
 
     def _load(self) -> LoadReport:
         s = self.engine.stats()
@@ -143,9 +143,9 @@ class ClusterNode:
         if not addr:
             return []
         stub = pb_grpc.XllmRpcServiceStub(self._channels.get(addr))
-        reply = await stub.GetStaticDecodeList(pb.InstanceID(name=self.name),
+        reply = await stub.GetStaticDecodeList(wire.instance_id_to_proto(self.name),
                                                timeout=self.config.rpc_timeout_s)
-        return list(reply.names)
+        return wire.instance_ids_from_proto(reply)
 
     async def stop(self) -> None:
         steps = []

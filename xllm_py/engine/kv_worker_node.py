@@ -11,11 +11,11 @@ import secrets
 
 import grpc
 
+from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import TransferConfig
 from xllm_py.kv_transfer.factory import create_backend
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.worker_service import KVWorker, WorkerServicer, create_worker_server
-from xllm_py.proto import xllm_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class KVWorkerNode:
 
 
 async def start_kv_worker(storage: KVCacheStorage, transfer: TransferConfig, host: str,
-                          port: int, cluster_id: int, meta: pb.InstanceMetaInfo,
+                          port: int, cluster_id: int, meta: InstanceMeta,
                           credentials: grpc.ServerCredentials | None = None) -> KVWorkerNode:
     """`credentials`: the WorkerService serves mutual TLS only."""
     transfer_key = secrets.token_hex(16)

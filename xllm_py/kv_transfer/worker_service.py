@@ -29,6 +29,7 @@ from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.metrics import KVTransferMetrics
 from xllm_py.kv_compat import kv_compat_differences
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+from xllm_py.rpc import worker as wire
 from xllm_py.utils.grpc_server import start_grpc_server
 
 logger = logging.getLogger(__name__)
@@ -49,11 +50,6 @@ class PeerMeta:
     num_layers: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
-
-    @classmethod
-    def from_proto(cls, m: xllm_pb2.InstanceMetaInfo) -> "PeerMeta":
-        return cls(model=m.model, block_size=m.block_size, kv_dtype=m.kv_dtype, kv_layout=m.kv_layout,
-                   num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
 
 
 def compatibility_errors(ours: PeerMeta, theirs: PeerMeta) -> list[str]:
@@ -165,10 +161,6 @@ class KVWorker:
         return result
 
 
-def _ok() -> xllm_pb2.Status:
-    return xllm_pb2.Status(ok=True, code=200)
-
-
 async def _abort_for(context: grpc.aio.ServicerContext, e: Exception) -> None:
     if isinstance(e, IncompatiblePeerError):
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -200,43 +192,45 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
 
     async def PullKVCache(self, request: xllm_pb2.PullKVCacheRequest,
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
+        t = wire.transfer_from_proto(request)
         try:
-            await self.worker.pull_kv_blocks(request.addr, list(request.src_blocks), list(request.dst_blocks),
-                                             request.req_id, self._timeout(context),
-                                             request.transfer_key)
+            await self.worker.pull_kv_blocks(t.addr, t.src_blocks, t.dst_blocks,
+                                             t.req_id, self._timeout(context),
+                                             t.transfer_key)
         except (ValueError, TransferError) as e:
             await _abort_for(context, e)
-        return _ok()
+        return wire.ok_to_proto()
 
     async def PushKVCache(self, request: xllm_pb2.PushKVCacheRequest,
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
+        t = wire.transfer_from_proto(request)
         try:
-            await self.worker.push_kv_blocks(request.addr, list(request.src_blocks), list(request.dst_blocks),
-                                             request.req_id, self._timeout(context),
-                                             request.transfer_key)
+            await self.worker.push_kv_blocks(t.addr, t.src_blocks, t.dst_blocks,
+                                             t.req_id, self._timeout(context),
+                                             t.transfer_key)
         except (ValueError, TransferError) as e:
             await _abort_for(context, e)
-        return _ok()
+        return wire.ok_to_proto()
 
     async def LinkCluster(self, request: xllm_pb2.ClusterLink,
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
-        meta = PeerMeta.from_proto(request.meta) if request.HasField("meta") else None
-        keys = list(request.meta.transfer_keys) if request.HasField("meta") else []
+        link = wire.link_from_proto(request)
         try:
-            await self.worker.link_cluster(list(request.cluster_ids), list(request.addrs), meta,
-                                           self._timeout(context), keys)
+            await self.worker.link_cluster(link.cluster_ids, link.addrs, link.peer_meta,
+                                           self._timeout(context), link.keys)
         except (ValueError, TransferError) as e:
             await _abort_for(context, e)
-        return _ok()
+        return wire.ok_to_proto()
 
     async def UnlinkCluster(self, request: xllm_pb2.ClusterLink,
                             context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
-        await self.worker.unlink_cluster(list(request.cluster_ids), list(request.addrs))
-        return _ok()
+        link = wire.link_from_proto(request)
+        await self.worker.unlink_cluster(link.cluster_ids, link.addrs)
+        return wire.ok_to_proto()
 
     async def GetCacheInfo(self, request: xllm_pb2.Empty,
                            context: grpc.aio.ServicerContext) -> xllm_pb2.CacheInfo:
-        return xllm_pb2.CacheInfo(**dataclasses.asdict(self.worker.cache_info()))
+        return wire.cache_info_to_proto(self.worker.cache_info())
 
 
 async def create_worker_server(servicer: WorkerServicer, host: str = "127.0.0.1", port: int = 0,
