@@ -1,6 +1,7 @@
 """The service's (master's) messages to and from the engines: proto <-> domain for
-Generate, MultiGenerations (migration), Cancel and the Generations stream. The service
-builds and reads no pb message anywhere else.
+Generate, MultiGenerations (migration), Cancel and the Generations stream (both of its
+ends: the engine's GenerationsReporter builds it here too). The service builds and reads
+no pb message anywhere else.
 """
 from __future__ import annotations
 
