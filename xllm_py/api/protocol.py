@@ -2,12 +2,15 @@
 
 Parsing is two steps: `parse_request(cls, body)` checks JSON and types (strict: a string
 where a number belongs is a 400), then `req.check_values()` checks value ranges. Both raise
-`InvalidRequestError` with the offending `param`. Unknown fields are ignored. vLLM's
-extensions (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, ...) are accepted.
+`InvalidRequestError` with the offending `param`. Unknown fields are ignored, except
+the OpenAI / vLLM parameters this server knows it does not implement (`UNSUPPORTED`:
+response_format other than text, tools, functions, guided decoding, ...), which are a 400
+naming the parameter rather than silently ignored. vLLM's extensions (top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids, prompt_logprobs, ...) are accepted.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Callable, Literal, TypeVar, Union
 
 import pydantic
 from pydantic import BaseModel, ConfigDict
@@ -17,6 +20,43 @@ from xllm_py.api.errors import InvalidRequestError
 from xllm_py.sampling_params import MAX_LOGPROBS, REQUEST_FIELDS
 
 MAX_N = 128
+MAX_LOGIT_BIAS = 100.0
+
+
+def _absent(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+# Parameters of the OpenAI / vLLM APIs this server does not implement: name -> "this value
+# asks for nothing", e.g. response_format {"type": "text"} is plain generation. Any other
+# value is a 400 naming the parameter (never silently ignored).
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": _absent,
+    "tool_choice": lambda v: v is None or v == "none",
+    "parallel_tool_calls": lambda v: v is None or v is False,
+    "functions": _absent,
+    "function_call": lambda v: v is None or v == "none",
+    "audio": _absent,
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": _absent,
+    "web_search_options": _absent,
+    "reasoning_effort": _absent,
+    "structured_outputs": _absent,
+    "guided_json": _absent,
+    "guided_regex": _absent,
+    "guided_choice": _absent,
+    "guided_grammar": _absent,
+    "guided_decoding_backend": _absent,
+    "bad_words": _absent,
+    "allowed_token_ids": _absent,
+    "use_beam_search": lambda v: v is None or v is False,
+    "prompt_embeds": _absent,
+    "truncate_prompt_tokens": _absent,
+    "chat_template": _absent,
+    "documents": _absent,
+    "lora_request": _absent,
+}
 
 # Re-exported for callers that import everything request-shaped from here.
 __all__ = [
@@ -32,6 +72,7 @@ __all__ = [
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
 class _CommonRequest(BaseModel):
@@ -61,6 +102,36 @@ class _CommonRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # token id (a JSON object key: a string) -> bias added to its logit, in [-100, 100]
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM: top-k logprobs of every prompt token
+
+    # Known but not implemented (see UNSUPPORTED): typed loosely, checked by value.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    use_beam_search: Any = None
+    prompt_embeds: Any = None
+    truncate_prompt_tokens: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    lora_request: Any = None
 
     # -- value checks -------------------------------------------------------------------
 
@@ -70,8 +141,16 @@ class _CommonRequest(BaseModel):
     def num_logprobs(self) -> int | None:
         raise NotImplementedError
 
+    def scores_prompt(self) -> bool:
+        """True if the request asks for something of the prompt itself (echo, prompt
+        logprobs), so that max_tokens 0 (generate nothing) makes sense."""
+        return self.prompt_logprobs is not None
+
     def check_values(self) -> None:
         """Raise InvalidRequestError for out-of-range values (types are already checked)."""
+        for name, asks_nothing in UNSUPPORTED.items():
+            _check(asks_nothing(getattr(self, name)), name,
+                   f"{name} is not supported by this server")
         _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
         _check(self.n <= MAX_N, "n", f"n must be at most {MAX_N}, got {self.n}")
         if self.best_of is not None:
@@ -101,9 +180,12 @@ class _CommonRequest(BaseModel):
             _check(self.repetition_penalty > 0, "repetition_penalty",
                    f"repetition_penalty must be positive, got {self.repetition_penalty}")
         max_tokens = self.requested_max_tokens()
-        if max_tokens is not None:
+        if max_tokens is not None and not self.scores_prompt():
             _check(max_tokens >= 1, self._max_tokens_param(),
                    f"max_tokens must be at least 1, got {max_tokens}")
+        elif max_tokens is not None:
+            _check(max_tokens >= 0, self._max_tokens_param(),
+                   f"max_tokens must be non-negative, got {max_tokens}")
         _check(self.min_tokens >= 0, "min_tokens",
                f"min_tokens must be non-negative, got {self.min_tokens}")
         if max_tokens is not None:
@@ -113,6 +195,24 @@ class _CommonRequest(BaseModel):
             _check(token_id >= 0, "stop_token_ids", "stop_token_ids must be non-negative")
         _check(self.stream or self.stream_options is None, "stream_options",
                "stream_options is only allowed when stream is true")
+        _check(not (self.stream and self.prompt_logprobs is not None), "prompt_logprobs",
+               "prompt_logprobs is not supported with stream (as in vLLM)")
+        if self.prompt_logprobs is not None:
+            _check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+                   f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        self.logit_bias_ids()
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """logit_bias with integer token ids; 400 (param logit_bias) for a key that is not
+        a non-negative integer or a bias outside [-100, 100]."""
+        out: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            _check(key.strip().isdigit(), "logit_bias",
+                   f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            _check(-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
+                   f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+            out[int(key)] = float(bias)
+        return out
 
     def _max_tokens_param(self) -> str:
         return "max_tokens"
@@ -128,6 +228,15 @@ class _CommonRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: usage on every chunk."""
+        return bool(self.stream and self.stream_options
+                    and self.stream_options.continuous_usage_stats)
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Top-k of the prompt logprobs the engine must compute (None: none)."""
+        return self.prompt_logprobs
+
     def sampling_fields(self) -> dict[str, Any]:
         """The client's sampling values under SamplingParams' names (REQUEST_FIELDS), less
         max_tokens (the endpoint resolves it against the prompt). A field the client left
@@ -142,6 +251,8 @@ class _CommonRequest(BaseModel):
             stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=self.num_logprobs(),
+            prompt_logprobs=self.num_prompt_logprobs(),
+            logit_bias=self.logit_bias_ids() or None,
         )
         return {name: value for name, value in fields.items() if value is not None}
 
@@ -178,6 +289,15 @@ class CompletionRequest(_CommonRequest):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def scores_prompt(self) -> bool:
+        return self.echo or super().scores_prompt()
+
+    def num_prompt_logprobs(self) -> int | None:
+        """echo + logprobs needs the prompt tokens' logprobs (with logprobs alternatives)."""
+        wanted = [k for k in (self.prompt_logprobs,
+                              self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
     def check_values(self) -> None:
         super().check_values()
@@ -270,12 +390,20 @@ _R = TypeVar("_R", bound=_CommonRequest)
 
 def parse_request(cls: type[_R], body: bytes) -> _R:
     """JSON body -> request model; malformed JSON and wrong types -> InvalidRequestError."""
-    try:
-        req = cls.model_validate_json(body or b"", strict=True)
-    except pydantic.ValidationError as e:
-        raise _validation_error(e) from None
+    req = parse_model(cls, body)
     req.check_values()
     return req
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def parse_model(cls: type[_M], body: bytes) -> _M:
+    """JSON body -> any pydantic model, strictly typed; errors -> InvalidRequestError."""
+    try:
+        return cls.model_validate_json(body or b"", strict=True)
+    except pydantic.ValidationError as e:
+        raise _validation_error(e) from None
 
 
 def _validation_error(e: pydantic.ValidationError) -> InvalidRequestError:
