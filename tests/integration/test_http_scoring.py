@@ -143,3 +143,38 @@ def test_logit_bias_changes_greedy_output(family, path):
     resp = httpx.post(url + "/v1/completions", json={"prompt": [prompt], "logit_bias": {"5": 101}},
                       timeout=30, trust_env=False)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "logit_bias"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_stop_reason_and_routes_on_real_processes(family, path):
+    """stop_reason crosses the proto (PD: decode's output relayed by the service); the
+    model, tokenizer and version routes answer on an engine and on the service alike."""
+    _, urls = family
+    url = urls[path]
+    for seed in range(16, 40):  # a prompt whose greedy run has a new token after the first
+        body = {"prompt": [_prompt(7, seed=seed)], "max_tokens": 6, "temperature": 0,
+                "return_token_ids": True, "ignore_eos": True}
+        free = _post(url, body)["choices"][0]
+        assert (free["finish_reason"], free["stop_reason"]) == ("length", None)
+        tokens = free["token_ids"]
+        # a token generated after the first (on decode in PD) that did not come before
+        k = next((i for i in range(1, 6) if tokens[i] not in tokens[:i]), None)
+        if k is not None:
+            break
+    assert k is not None, "every greedy run repeats its first token"
+    stopped = _post(url, {**body, "stop_token_ids": [tokens[k]]})["choices"][0]
+    assert stopped["token_ids"] == tokens[:k + 1]
+    assert (stopped["finish_reason"], stopped["stop_reason"]) == ("stop", tokens[k])
+
+    with httpx.Client(base_url=url, timeout=30, trust_env=False) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        assert http.get(f"/v1/models/{model}").json()["id"] == model
+        missing = http.get("/v1/models/no-such-model")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "model_not_found"
+        ids = http.post("/tokenize", json={"prompt": "hello world"}).json()["tokens"]
+        assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"].endswith(
+            "hello world")
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 200 and chat.json()["count"] > 1
+        assert http.get("/version").json()["version"]

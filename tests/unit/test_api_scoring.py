@@ -205,7 +205,7 @@ def test_tokenize_errors(http):
     assert _error(http.post("/tokenize", json={"prompt": "a", "model": "m2"}), 404)
     assert _error(http.post("/detokenize", json={"tokens": ["a"]}))["param"].startswith("tokens")
     assert _error(http.post("/detokenize", json={"tokens": [-1]}))["param"] == "tokens"
-    assert _error(http.post("/detokenize", data=b"{"))["message"].startswith("malformed JSON")
+    assert _error(http.post("/detokenize", content=b"{"))["message"].startswith("malformed JSON")
 
 
 def test_version(http):
