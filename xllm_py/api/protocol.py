@@ -3,60 +3,25 @@
 Parsing is two steps: `parse_request(cls, body)` checks JSON and types (strict: a string
 where a number belongs is a 400), then `req.check_values()` checks value ranges. Both raise
 `InvalidRequestError` with the offending `param`. Unknown fields are ignored, except
-the OpenAI / vLLM parameters this server knows it does not implement (`UNSUPPORTED`:
+the OpenAI / vLLM parameters this server knows it does not implement (unsupported.py:
 response_format other than text, tools, functions, guided decoding, ...), which are a 400
 naming the parameter rather than silently ignored. vLLM's extensions (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, prompt_logprobs, ...) are accepted.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union
 
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
 from xllm_py.api.backend import GenerateRequest
 from xllm_py.api.errors import InvalidRequestError
+from xllm_py.api.unsupported import UnsupportedFields
 from xllm_py.sampling_params import MAX_LOGPROBS, REQUEST_FIELDS
 
 MAX_N = 128
 MAX_LOGIT_BIAS = 100.0
-
-
-def _absent(value: Any) -> bool:
-    return value is None or value == [] or value == {}
-
-
-# Parameters of the OpenAI / vLLM APIs this server does not implement: name -> "this value
-# asks for nothing", e.g. response_format {"type": "text"} is plain generation. Any other
-# value is a 400 naming the parameter (never silently ignored).
-UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "tools": _absent,
-    "tool_choice": lambda v: v is None or v == "none",
-    "parallel_tool_calls": lambda v: v is None or v is False,
-    "functions": _absent,
-    "function_call": lambda v: v is None or v == "none",
-    "audio": _absent,
-    "modalities": lambda v: v is None or v == ["text"],
-    "prediction": _absent,
-    "web_search_options": _absent,
-    "reasoning_effort": _absent,
-    "structured_outputs": _absent,
-    "guided_json": _absent,
-    "guided_regex": _absent,
-    "guided_choice": _absent,
-    "guided_grammar": _absent,
-    "guided_decoding_backend": _absent,
-    "bad_words": _absent,
-    "allowed_token_ids": _absent,
-    "use_beam_search": lambda v: v is None or v is False,
-    "prompt_embeds": _absent,
-    "truncate_prompt_tokens": _absent,
-    "chat_template": _absent,
-    "documents": _absent,
-    "lora_request": _absent,
-}
 
 # Re-exported for callers that import everything request-shaped from here.
 __all__ = [
@@ -75,7 +40,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class _CommonRequest(BaseModel):
+class _CommonRequest(UnsupportedFields):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -106,33 +71,6 @@ class _CommonRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM: top-k logprobs of every prompt token
 
-    # Known but not implemented (see UNSUPPORTED): typed loosely, checked by value.
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    reasoning_effort: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    bad_words: Any = None
-    allowed_token_ids: Any = None
-    use_beam_search: Any = None
-    prompt_embeds: Any = None
-    truncate_prompt_tokens: Any = None
-    chat_template: Any = None
-    documents: Any = None
-    lora_request: Any = None
-
     # -- value checks -------------------------------------------------------------------
 
     def requested_max_tokens(self) -> int | None:
@@ -148,9 +86,7 @@ class _CommonRequest(BaseModel):
 
     def check_values(self) -> None:
         """Raise InvalidRequestError for out-of-range values (types are already checked)."""
-        for name, asks_nothing in UNSUPPORTED.items():
-            _check(asks_nothing(getattr(self, name)), name,
-                   f"{name} is not supported by this server")
+        self.check_unsupported()
         _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
         _check(self.n <= MAX_N, "n", f"n must be at most {MAX_N}, got {self.n}")
         if self.best_of is not None:
