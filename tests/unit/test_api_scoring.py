@@ -245,3 +245,14 @@ def test_values_that_ask_for_nothing_are_accepted(http, param, value):
     resp = http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "a"}], "max_tokens": 1, param: value})
     assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("param,value", [("echo", True), ("continue_final_message", True),
+                                         ("add_generation_prompt", False)])
+def test_unimplemented_chat_extensions_are_a_400(http, backend, param, value):
+    body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1}
+    err = _error(http.post("/v1/chat/completions", json={**body, param: value}))
+    assert err["param"] == param
+    resp = http.post("/v1/chat/completions", json={**body, param: not value})
+    assert resp.status_code == 200, resp.text
+    assert backend.requests[-1].echo is False

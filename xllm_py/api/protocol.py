@@ -294,6 +294,10 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM chat extensions not implemented: a 400 unless left at their default
+    echo: bool | None = None
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -311,6 +315,11 @@ class ChatCompletionRequest(_CommonRequest):
     def check_values(self) -> None:
         super().check_values()
         _check(len(self.messages) > 0, "messages", "messages must not be empty")
+        for name, default in (("echo", False), ("continue_final_message", False),
+                              ("add_generation_prompt", True)):
+            value = getattr(self, name)
+            _check(value is None or value == default, name,
+                   f"{name}={value} is not supported on chat completions")
         if self.top_logprobs is not None:
             _check(0 <= self.top_logprobs <= MAX_LOGPROBS, "top_logprobs",
                    f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
