@@ -7,6 +7,7 @@ import dataclasses
 from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode,
                             SchedulerConfig, TransferConfig, transfer_config_from_env)
 from xllm_py.utils.cli import add_flag, parse_bool
+from xllm_py.utils.security_cli import add_security_flags, security_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "are deterministic, no torch is loaded; the KV transfer moves a small "
                   "payload per block (backend 'sim')")
     add_flag(g, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_security_flags(p)
     return p
 
 
@@ -112,4 +114,4 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         heartbeat_interval_s=args.heart_beat_interval, instance_name=args.instance_name,
         disagg_pd_port=args.disagg_pd_port, worker_port=args.worker_port,
         rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout,
-        simulate=args.simulate)
+        simulate=args.simulate, security=security_from_args(args))

@@ -158,10 +158,10 @@ def migration_kv_from_proto(item: pb.MultiGenerationsRequest) -> HandOver:
 def pull_to_proto(move: KVMove) -> pb.PullKVCacheRequest:
     return pb.PullKVCacheRequest(cluster_id=move.cluster_id, addr=move.addr,
                                  src_blocks=move.src_blocks, dst_blocks=move.dst_blocks,
-                                 req_id=move.request_id)
+                                 req_id=move.request_id, transfer_key=move.transfer_key)
 
 
 def push_to_proto(move: KVMove) -> pb.PushKVCacheRequest:
     return pb.PushKVCacheRequest(cluster_id=move.cluster_id, addr=move.addr,
                                  src_blocks=move.src_blocks, dst_blocks=move.dst_blocks,
-                                 req_id=move.request_id)
+                                 req_id=move.request_id, transfer_key=move.transfer_key)
