@@ -113,6 +113,15 @@ class EngineConfig:
     # SIGTERM: stop taking requests and finish the ones in flight for up to this long
     # before leaving the cluster (0: leave at once). A second signal cuts it short.
     drain_timeout_s: float = 30.0
+    # Tensor parallelism (xllm_py/parallel/): ranks of this instance, and the bound on one
+    # collective of a step (a rank that hangs fails the instance after this long).
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:
