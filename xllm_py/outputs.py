@@ -35,6 +35,10 @@ class RequestOutput:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_token_ids: list[int] | None = None
+    # With SamplingParams.prompt_logprobs, on the first output only: one entry per prompt
+    # token, None for the first (nothing precedes it); each the token's logprob under the
+    # raw logits of the position before it, with the top-k alternatives.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # Set when the request failed: (HTTP-like status code, message for the client).
     error_code: int = 0
     error_message: str = ""

@@ -11,6 +11,7 @@ import math
 # Below this temperature sampling is greedy (argmax).
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 
 
 class SamplingParamsError(ValueError):
@@ -42,17 +43,24 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    max_tokens: int | None = None  # None: up to the model's context length
+    # None: up to the model's context length. 0: score the prompt, generate nothing (only
+    # with prompt_logprobs or echo); the request ends after its prefill with "length".
+    max_tokens: int | None = None
     min_tokens: int = 0
     stop: list[str] = dataclasses.field(default_factory=list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     # None: no logprobs; k in 0..20: the chosen token's logprob plus the top k.
     logprobs: int | None = None
+    # None: none; k in 0..20: each prompt token's logprob (after the first) plus the top k.
     prompt_logprobs: int | None = None
     echo: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> bias in [-100, 100] added to that token's logit before sampling (the
+    # returned logprobs stay those of the raw logits). Decimal-string keys (JSON) are
+    # accepted and made ints; the engine checks the ids against its vocabulary.
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     # Filled by the engine from the model's generation config, not by clients.
     eos_token_ids: list[int] = dataclasses.field(default_factory=list)
 
@@ -62,6 +70,7 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self.eos_token_ids = list(self.eos_token_ids)
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self.validate()
 
     @property
@@ -95,9 +104,13 @@ class SamplingParams:
             )
         if self.seed is not None and not _is_int(self.seed):
             raise SamplingParamsError("seed", f"seed must be an integer or null, got {self.seed!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
             raise SamplingParamsError(
-                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+                "max_tokens", f"max_tokens must be an integer >= 0, got {self.max_tokens!r}"
+            )
+        if self.max_tokens == 0 and self.prompt_logprobs is None and not self.echo:
+            raise SamplingParamsError(
+                "max_tokens", "max_tokens 0 (generate nothing) needs echo or prompt_logprobs"
             )
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise SamplingParamsError(
@@ -120,6 +133,21 @@ class SamplingParams:
                 raise SamplingParamsError(
                     name, f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
                 )
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise SamplingParamsError(
+                "logit_bias", f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}")
+        for token_id, bias in self.logit_bias.items():
+            if not _is_int(token_id) or token_id < 0:
+                raise SamplingParamsError(
+                    "logit_bias", f"logit_bias keys must be token ids >= 0, got {token_id!r}")
+            if (not _is_number(bias) or math.isnan(bias)
+                    or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise SamplingParamsError(
+                    "logit_bias", f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token_id}")
 
     @staticmethod
     def _check_float(
@@ -130,3 +158,16 @@ class SamplingParams:
         if (low is not None and value < low) or (high is not None and value > high):
             bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
             raise SamplingParamsError(name, f"{name} must be in {bounds}, got {value!r}")
+
+
+def _normalize_logit_bias(value: object) -> object:
+    """Keys given as decimal strings (JSON objects have string keys) become ints; anything
+    else is left for validate() to reject."""
+    if not isinstance(value, dict):
+        return value
+    out: dict = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        out[key] = bias
+    return out

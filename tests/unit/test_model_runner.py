@@ -184,3 +184,48 @@ def test_kept_rows_equal_the_full_forward_and_store_every_kv(model, keep):
         assert (kept - full[keep]).abs().max().item() < 1e-5
     for (k0, v0), (k1, v1) in zip(full_kv, kept_kv):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+@dataclasses.dataclass
+class ScoringSeq(Seq):
+    num_prompt_logprob_rows: int = 0
+
+
+def _logits_per_position(m, cfg, tokens: list[int], table: list[int]) -> torch.Tensor:
+    """Reference: one token a step, every step sampled -> logits [len(tokens), vocab]."""
+    runner = _runner(m, cfg)
+    return torch.cat([runner.execute([Seq("r", [t], p, table, True)])
+                      for p, t in enumerate(tokens)])
+
+
+def test_prompt_rows_come_back_per_seq_in_order(model):
+    """Prompt-scoring rows of prefill chunks (next to a sampled chunk and a decode step),
+    and of one-token chunks in a decode-only step, equal the logits of those positions."""
+    m, cfg = model
+    tokens = _prompts(cfg.vocab_size)
+    tables = _tables()
+    ref_a = _logits_per_position(m, cfg, tokens["a"][:12], tables["a"])
+    ref_b = _logits_per_position(m, cfg, tokens["b"][:3], tables["b"])
+    ref_d = _logits_per_position(m, cfg, tokens["d"][:10], tables["d"])
+    runner = _runner(m, cfg)
+    a, b, d = tokens["a"], tokens["b"], tokens["d"]
+    out = runner.execute_step([
+        ScoringSeq("b", b[:2], 0, tables["b"], True),
+        ScoringSeq("a", a[:5], 0, tables["a"], False, 5),
+        ScoringSeq("d", d[:8], 0, tables["d"], True, 7)])
+    assert [(i, rows.shape[0]) for i, rows in out.prompt] == [(1, 5), (2, 7)]
+    assert (out.sample - torch.stack([ref_b[1], ref_d[7]])).abs().max().item() < TOL
+    assert (out.prompt[0][1] - ref_a[:5]).abs().max().item() < TOL
+    assert (out.prompt[1][1] - ref_d[:7]).abs().max().item() < TOL
+    # decode-only step: a one-token scoring chunk of "a" next to decode steps of b and d
+    out = runner.execute_step([
+        ScoringSeq("d", d[8:9], 8, tables["d"], True),
+        ScoringSeq("a", a[5:6], 5, tables["a"], False, 1),
+        ScoringSeq("b", b[2:3], 2, tables["b"], True)])
+    assert [(i, rows.shape[0]) for i, rows in out.prompt] == [(1, 1)]
+    assert (out.sample - torch.stack([ref_d[8], ref_b[2]])).abs().max().item() < TOL
+    assert (out.prompt[0][1][0] - ref_a[5]).abs().max().item() < TOL
+    # only scoring rows, nothing sampled: the last chunk of "a" but its final token
+    out = runner.execute_step([ScoringSeq("a", a[6:11], 6, tables["a"], False, 5)])
+    assert out.sample is None
+    assert (out.prompt[0][1] - ref_a[6:11]).abs().max().item() < TOL

@@ -223,3 +223,48 @@ def test_migration_after_a_multi_token_step_needs_the_unread_count(tok):
     assert _moved_text(tok, prompt, steps, 2, num_unread=2) == " xaé y"
     assert _moved_text(tok, prompt, steps, 1, num_unread=0) == " xaé y"
     assert _moved_text(tok, prompt, steps, 3, num_unread=0) == " xaé y"
+
+
+def _entries(first: int, tokens: list[int]) -> list[TokenLogprob]:
+    return [TokenLogprob(t, -0.5 * (first + i), [(t, -0.5 * (first + i))])
+            for i, t in enumerate(tokens)]
+
+
+def test_prompt_logprobs_go_out_once_with_the_first_output(tok):
+    proc, sink = OutputProcessor(tok), Sink()
+    prompt = [11, 12, 13, 14, 15]
+    add(proc, sink, prompt, want_prompt_logprobs=True)
+    rid = child_id("r", 0)
+    proc.add_prompt_logprobs(rid, 1, _entries(1, prompt[1:3]))  # two prefill chunks
+    proc.add_prompt_logprobs(rid, 3, _entries(3, prompt[3:]))
+    with pytest.raises(ValueError, match="outside the prompt"):
+        proc.add_prompt_logprobs(rid, 4, _entries(4, [1, 2]))
+    proc.emit_step([proc.process(rid, [20], None, None, None, None)], "r")
+    proc.emit_step([proc.process(rid, [21], None, "length", None, None)], "r")
+    first, last = sink.outputs
+    assert first.prompt_logprobs == [None] + _entries(1, prompt[1:])
+    assert last.prompt_logprobs is None
+
+
+def test_prompt_logprobs_of_a_scoring_request_with_n_2_and_no_tokens(tok):
+    proc, sink = OutputProcessor(tok), Sink()
+    prompt = [11, 12, 13]
+    add(proc, sink, prompt, n=2, best_of=2, want_prompt_logprobs=True)
+    for i in (0, 1):
+        proc.add_prompt_logprobs(child_id("r", i), 1, _entries(1, prompt[1:]))
+    # max_tokens 0: each sequence ends after its prefill with no token
+    deltas = [proc.process(child_id("r", i), [], None, "length", None, None) for i in (0, 1)]
+    proc.emit_step(deltas, "r")
+    (out,) = sink.outputs
+    assert out.finished and out.num_generated_tokens == 0
+    assert [(d.index, d.token_ids, d.text, d.finish_reason) for d in out.outputs] == [
+        (0, [], "", "length"), (1, [], "", "length")]
+    assert out.prompt_logprobs == [None] + _entries(1, prompt[1:])
+
+
+def test_no_prompt_logprobs_unless_wanted(tok):
+    proc, sink = OutputProcessor(tok), Sink()
+    add(proc, sink, [11, 12, 13])
+    proc.add_prompt_logprobs(child_id("r", 0), 1, _entries(1, [12, 13]))  # ignored
+    proc.emit_step([proc.process(child_id("r", 0), [20], None, "length", None, None)], "r")
+    assert sink.outputs[0].prompt_logprobs is None

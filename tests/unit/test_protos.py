@@ -54,7 +54,7 @@ _NON_DEFAULT = {
     "seed": 1234, "max_tokens": 40, "min_tokens": 5, "stop": ["END", "\n\n"],
     "stop_token_ids": [3, 9], "ignore_eos": True, "logprobs": 4, "prompt_logprobs": 0,
     "echo": True, "skip_special_tokens": False, "include_stop_str_in_output": True,
-    "eos_token_ids": [2, 11],
+    "eos_token_ids": [2, 11], "logit_bias": {5: 100.0, 7: -2.5},
 }
 
 
@@ -85,6 +85,44 @@ def test_every_sampling_param_survives_the_wire():
         assert getattr(_round_trip(params), name) == value, f"{name} is dropped by convert.py"
     everything = SamplingParams(**_NON_DEFAULT)
     assert _round_trip(everything) == everything
+
+
+def test_max_tokens_zero_and_unset_stay_apart_on_the_wire():
+    from xllm_py.sampling_params import SamplingParams
+
+    zero = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    assert _round_trip(zero).max_tokens == 0
+    assert _round_trip(SamplingParams(prompt_logprobs=1)).max_tokens is None
+
+
+def test_max_tokens_zero_from_a_sender_without_the_flag_means_unset():
+    from xllm_py.proto import xllm_pb2
+    from xllm_py.rpc.convert import params_from_proto
+
+    assert params_from_proto(xllm_pb2.DisaggRequest(max_tokens=0)).max_tokens is None
+    assert params_from_proto(xllm_pb2.DisaggRequest(max_tokens=7)).max_tokens == 7
+
+
+def test_request_output_with_prompt_logprobs_round_trips():
+    import dataclasses
+
+    from xllm_py.outputs import CompletionDelta, RequestOutput, TokenLogprob
+    from xllm_py.proto import xllm_pb2
+    from xllm_py.rpc.convert import output_from_proto, output_to_proto
+
+    out = RequestOutput(
+        request_id="r1", finished=False, num_prompt_tokens=3, num_generated_tokens=1,
+        prompt_token_ids=[4, 9, 2],
+        prompt_logprobs=[None, TokenLogprob(9, -1.5, [(3, -0.25), (9, -1.5)]),
+                         TokenLogprob(2, -0.75, [])],
+        outputs=[CompletionDelta(index=0, text="x", token_ids=[8],
+                                 logprobs=[TokenLogprob(8, -0.5, [(8, -0.5)])])])
+    wire = output_to_proto(out, "r1").SerializeToString()
+    back = output_from_proto(xllm_pb2.DisaggStreamGeneration.FromString(wire))
+    assert back == out
+    later = dataclasses.replace(out, prompt_token_ids=None, prompt_logprobs=None)
+    wire = output_to_proto(later, "r1").SerializeToString()
+    assert output_from_proto(xllm_pb2.DisaggStreamGeneration.FromString(wire)) == later
 
 
 def test_pyproject_requires_what_the_generated_stubs_check_at_import():

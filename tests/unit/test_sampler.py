@@ -216,3 +216,65 @@ def test_sampling_stays_inside_top_k():
     logits = random_logits(1, seed=6).expand(500, VOCAB).contiguous()
     tokens = Sampler(seed=1)(logits, [SamplingRow(temperature=2.0, top_k=3)] * 500).token_ids
     assert set(tokens) == set(logits[0].topk(3).indices.tolist())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logit_bias_plus_100_forces_a_token_and_minus_100_removes_one(temperature):
+    logits = random_logits(6, seed=7)
+    best = logits.argmax(dim=-1).tolist()
+    worst = logits.argmin(dim=-1).tolist()
+    sampler = Sampler(seed=3)
+    forced = sampler(logits, [SamplingRow(temperature=temperature, logit_bias={w: 100.0})
+                              for w in worst])
+    assert forced.token_ids == worst
+    # every row but the untouched last one loses its best token
+    rows = [SamplingRow(temperature=temperature, logit_bias={b: -100.0}) for b in best[:-1]]
+    rows.append(SamplingRow(temperature=0.0))
+    for _ in range(20 if temperature else 1):
+        removed = sampler(logits, rows).token_ids
+        assert all(t != b for t, b in zip(removed[:-1], best[:-1]))
+        assert removed[-1] == best[-1]
+    if not temperature:
+        second = logits.topk(2, dim=-1).indices[:, 1].tolist()
+        assert removed[:-1] == second[:-1]
+
+
+def test_logit_bias_comes_before_penalties_and_leaves_logprobs_raw():
+    logits = torch.zeros((1, VOCAB))
+    logits[0, 4] = 2.0
+    # +1 on token 5 (0 -> 1), then repetition penalty 2 on it (1 -> 0.5): token 4 stays best
+    row = SamplingRow(temperature=0.0, logit_bias={5: 1.0}, repetition_penalty=2.0,
+                      prompt_token_ids=[5], num_logprobs=1)
+    out = Sampler()(logits, [row])
+    assert out.token_ids == [4]
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert out.logprobs[0].logprob == pytest.approx(raw[4].item(), abs=1e-6)
+    row = SamplingRow(temperature=0.0, logit_bias={5: 3.0}, num_logprobs=1)
+    out = Sampler()(logits, [row])
+    assert out.token_ids == [5]
+    assert out.logprobs[0].logprob == pytest.approx(raw[5].item(), abs=1e-6)
+
+
+def test_logit_bias_outside_the_vocabulary_raises():
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        Sampler()(random_logits(1), [SamplingRow(temperature=0.0, logit_bias={VOCAB: 1.0})])
+
+
+def test_prompt_logprobs_are_log_softmax_with_top_k(monkeypatch):
+    from xllm_py.engine import sampler as sampler_module
+
+    logits = random_logits(5, seed=11)
+    targets = [3, 0, 31, 7, 7]
+    expected = torch.log_softmax(logits, dim=-1)
+    for k in (0, 3):
+        got = sampler_module.prompt_logprobs(logits, targets, k)
+        assert [e.token_id for e in got] == targets
+        for row, entry in enumerate(got):
+            assert entry.logprob == pytest.approx(expected[row, targets[row]].item(), abs=1e-6)
+            values, ids = expected[row].topk(k)
+            assert [t for t, _ in entry.top] == ids.tolist()
+            assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-6)
+    # more rows than one pass takes: the same result
+    whole = sampler_module.prompt_logprobs(logits, targets, 3)
+    monkeypatch.setattr(sampler_module, "_PROMPT_ROWS_PER_PASS", 2)
+    assert sampler_module.prompt_logprobs(logits, targets, 3) == whole

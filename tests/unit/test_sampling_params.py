@@ -34,7 +34,15 @@ def test_stop_string_is_wrapped_in_a_list():
         ({"presence_penalty": -2.5}, "presence_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"seed": 1.5}, "seed"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),  # generating nothing needs echo or prompt_logprobs
+        ({"max_tokens": -1, "echo": True}, "max_tokens"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {5: -101}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: "1"}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"stop": ["ok", ""]}, "stop"),
@@ -59,6 +67,8 @@ def test_invalid_values_name_the_parameter(kwargs, param):
         {"top_k": -1}, {"top_k": 0}, {"top_k": 1}, {"top_p": 1.0}, {"min_p": 0.0},
         {"frequency_penalty": -2.0}, {"presence_penalty": 2.0}, {"logprobs": 0},
         {"logprobs": 20}, {"n": 2, "best_of": 2}, {"seed": -5}, {"max_tokens": 1, "min_tokens": 1},
+        {"max_tokens": 0, "echo": True}, {"max_tokens": 0, "prompt_logprobs": 0},
+        {"logit_bias": {0: -100, 5: 100.0}},
     ],
 )
 def test_boundary_values_are_accepted(kwargs):
@@ -73,3 +83,7 @@ def test_validate_catches_later_mutation():
     with pytest.raises(SamplingParamsError) as info:
         params.validate()
     assert info.value.param == "top_p"
+
+
+def test_logit_bias_string_keys_become_token_ids():
+    assert SamplingParams(logit_bias={"5": 100, "12": -1.5}).logit_bias == {5: 100, 12: -1.5}

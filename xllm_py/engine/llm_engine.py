@@ -22,7 +22,7 @@ import torch
 from xllm_py.config import EngineConfig
 from xllm_py.engine.model_runner import ModelRunner
 from xllm_py.engine.output_processor import OutputProcessor, OutputSink, child_id, parent_of
-from xllm_py.engine.sampler import Sampler, SamplingRow
+from xllm_py.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from xllm_py.engine.scheduler import ContinuousScheduler
 from xllm_py.kv_transfer.factory import pool_allocator
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, parse_dtype
@@ -240,6 +240,15 @@ class LLMEngine:
                 f"prompt has {len(req.prompt_token_ids)} tokens; this model's context is "
                 f"{self.max_model_len} tokens")))
             return
+        bad_bias = [t for t in params.logit_bias if t >= self.model_config.vocab_size]
+        if bad_bias:
+            req.sink.emit(_error_output(req, 400, (
+                f"logit_bias token id {bad_bias[0]} is out of range: the vocabulary has "
+                f"{self.model_config.vocab_size} tokens")))
+            return
+        if req.usage_prompt_tokens is not None and params.prompt_logprobs is not None:
+            # migrated: its prompt logprobs went out with its first output elsewhere
+            params = dataclasses.replace(params, prompt_logprobs=None)
         want_logprobs = params.logprobs is not None
         self.outputs.add_parent(
             req.request_id, req.prompt_token_ids, req.sink, n=params.n, best_of=best_of,
@@ -247,7 +256,8 @@ class LLMEngine:
             skip_special_tokens=params.skip_special_tokens, want_logprobs=want_logprobs,
             first_index=req.first_index, num_prompt_tokens=req.usage_prompt_tokens,
             generated_offset=req.generated_offset, num_unread=req.num_unread,
-            arrival_time=req.arrival_time)
+            arrival_time=req.arrival_time,
+            want_prompt_logprobs=params.prompt_logprobs is not None)
         for i in range(req.first_index, req.first_index + best_of):
             cp = child_params(params, i)
             if best_of > params.n and cp.logprobs is None:
@@ -274,7 +284,10 @@ class LLMEngine:
         if not seqs:
             return
         t0 = time.monotonic()
-        logits = self.runner.execute(seqs)
+        step_logits = self.runner.execute_step(seqs)
+        logits = step_logits.sample
+        for i, rows in step_logits.prompt:
+            self._record_prompt_logprobs(seqs[i], rows)
         sampled: dict[str, int] = {}
         logprobs: dict[str, Any] = {}
         if logits is not None:
@@ -291,6 +304,15 @@ class LLMEngine:
         step_ms = (time.monotonic() - t0) * 1000
         self._process_updates(updates, logprobs)
         self.recent_max_tbt_ms = max(self.recent_max_tbt_ms * 0.98, step_ms)
+
+    def _record_prompt_logprobs(self, seq, logits: torch.Tensor) -> None:
+        """Logits rows at positions start_pos.. of a prefill chunk score the prompt tokens
+        after them (float32 log_softmax of the raw logits, no bias or penalty)."""
+        request = self.scheduler.requests[seq.request_id]
+        first = seq.start_pos + 1
+        targets = request.prompt_token_ids[first:first + logits.shape[0]]
+        entries = prompt_logprobs(logits, targets, request.sampling_params.prompt_logprobs)
+        self.outputs.add_prompt_logprobs(seq.request_id, first, entries)
 
     def _process_updates(self, updates, logprobs: dict[str, Any]) -> None:
         by_parent: dict[str, list] = {}
@@ -352,7 +374,7 @@ class LLMEngine:
                 repetition_penalty=p.repetition_penalty, seed=p.seed,
                 output_token_ids=request.output_token_ids if needs_history else (),
                 prompt_token_ids=request.prompt_token_ids if needs_history else (),
-                num_logprobs=p.logprobs)
+                num_logprobs=p.logprobs, logit_bias=p.logit_bias or None)
             request.sampling_row = row
         row.num_output_tokens_so_far = len(request.output_token_ids)
         return row

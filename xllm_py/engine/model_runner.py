@@ -1,10 +1,16 @@
 """ModelRunner: SchedulerOutput -> input tensors -> model forward -> logits of the sampled rows.
 
 The only module of the engine that touches the model and torch tensors for the forward pass.
+Logits rows: the last token of each sequence that samples, plus, for a prefill chunk that
+scores its prompt (ScheduledSeq.num_prompt_logprob_rows > 0), its leading tokens whose
+next token is a prompt token. The model computes the last layer and the LM head for those
+rows only, so a step without prompt logprobs does exactly what it did before.
 """
 from __future__ import annotations
 
 import array
+import dataclasses
+import itertools
 import logging
 from typing import Sequence
 
@@ -13,6 +19,20 @@ import torch
 from xllm_py.model.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class StepLogits:
+    """Float32 logits of one step."""
+
+    sample: torch.Tensor | None  # [num_sampled, vocab], in the order of the sampled seqs
+    # (index of the seq in the step, [num_prompt_logprob_rows, vocab]): row i is the
+    # logits at position start_pos + i of that seq, in the order of the seqs
+    prompt: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+
+def _num_prompt_rows(seq) -> int:
+    return getattr(seq, "num_prompt_logprob_rows", 0)
 
 
 class ModelRunner:
@@ -24,25 +44,45 @@ class ModelRunner:
         self.device = torch.device(device)
         self._arange: dict[int, torch.Tensor] = {}  # query_start_loc of n one-token seqs
 
-    @torch.inference_mode()
     def execute(self, seqs: Sequence) -> torch.Tensor | None:
         """Run one step over `seqs` (ScheduledSeq-like: token_ids, start_pos, block_table,
         sample). Returns float32 logits [num_sampled, vocab] in the order of the sampled
         seqs, or None when nothing is sampled this step."""
+        return self.execute_step(seqs).sample
+
+    @torch.inference_mode()
+    def execute_step(self, seqs: Sequence) -> StepLogits:
+        """`execute`, plus the logits of the prompt-scoring rows of seqs that ask for them
+        (optional attribute `num_prompt_logprob_rows`)."""
         if not seqs:
-            return None
+            return StepLogits(None)
         if all(len(s.token_ids) == 1 for s in seqs):
             ids_t, pos_t, meta, sample_idx = self._prepare_decode(seqs)
         else:
             ids_t, pos_t, meta, sample_idx = self._prepare_mixed(seqs)
+        # (seq index, number of rows) of the seqs that score their prompt
+        prompt_seqs = [(i, n) for i, s in enumerate(seqs) if (n := _num_prompt_rows(s))]
+        prompt_rows: list[int] = []
+        if prompt_seqs:
+            starts = list(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
+            for i, n in prompt_seqs:
+                prompt_rows.extend(range(starts[i], starts[i] + n))
+        rows = sample_idx + prompt_rows
         keep = None
-        if len(sample_idx) < ids_t.shape[0]:  # only the sampled rows reach the logits
-            keep = torch.tensor(sample_idx, dtype=torch.long, device=self.device)
-        if not sample_idx:
+        if prompt_rows or len(sample_idx) < ids_t.shape[0]:  # only these rows reach the logits
+            keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if not rows:
             self.model(ids_t, pos_t, meta, self.kv_caches, keep_rows=keep)
-            return None
-        return self.model.forward_logits(ids_t, pos_t, meta, self.kv_caches,
-                                         keep_rows=keep).float()
+            return StepLogits(None)
+        logits = self.model.forward_logits(ids_t, pos_t, meta, self.kv_caches,
+                                           keep_rows=keep).float()
+        num_sampled = len(sample_idx)
+        out = StepLogits(logits[:num_sampled] if num_sampled else None)
+        offset = num_sampled
+        for i, n in prompt_seqs:
+            out.prompt.append((i, logits[offset:offset + n]))
+            offset += n
+        return out
 
     def _prepare_decode(self, seqs: Sequence) -> tuple[torch.Tensor, torch.Tensor,
                                                        AttentionMetadata, list[int]]:

@@ -7,6 +7,9 @@ Sequences are scheduled as independent requests `<parent>#<index>`; their prompt
 are shared through the prefix cache. A sink with `final_only` set (a non-streaming client)
 gets the first output that carries tokens (it stamps the time to first token) and then one
 output at the end: the deltas in between are held here, not built into an output a step.
+Prompt logprobs (wanted at add_parent): every sequence of the parent scores the prompt
+during its prefill (add_prompt_logprobs, chunk by chunk); the first sequence to produce
+an output hands its complete list to the parent, which sends it with its first output.
 """
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ class _SeqState:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # Filled during the prefill when the parent wants prompt logprobs; None afterwards.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass
@@ -70,6 +75,8 @@ class _ParentState:
     final_only: bool = False  # the sink wants the first tokens and the end only
     sent_tokens: bool = False
     held: list[CompletionDelta] = dataclasses.field(default_factory=list)
+    # A sequence's complete prompt logprobs, until the first output carries them.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -98,7 +105,7 @@ class OutputProcessor:
                    skip_special_tokens: bool, want_logprobs: bool,
                    first_index: int = 0, num_prompt_tokens: int | None = None,
                    generated_offset: int = 0, num_unread: int | None = None,
-                   arrival_time: float = 0.0) -> None:
+                   arrival_time: float = 0.0, want_prompt_logprobs: bool = False) -> None:
         seqs = {}
         for i in range(first_index, first_index + best_of):
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
@@ -113,6 +120,8 @@ class OutputProcessor:
                     skip_special_tokens=skip_special_tokens))
             seqs[i] = _SeqState(index=i, detokenizer=detokenizer, stop_checker=stop_checker,
                                 want_logprobs=want_logprobs)
+            if want_prompt_logprobs:
+                seqs[i].prompt_logprobs = [None] * len(prompt_token_ids)
         self._parents[request_id] = _ParentState(
             request_id=request_id, sink=sink, prompt_token_ids=list(prompt_token_ids), n=n,
             seqs=seqs, buffered=best_of > n, num_prompt_tokens=num_prompt_tokens,
@@ -123,6 +132,21 @@ class OutputProcessor:
         state = self._parents.get(parent_id)
         if state is not None:
             state.num_cached_tokens = max(state.num_cached_tokens, num_cached)
+
+    def add_prompt_logprobs(self, request_id: str, first_token: int,
+                            entries: list[TokenLogprob]) -> None:
+        """Record the logprobs of prompt tokens first_token .. first_token + len - 1 of one
+        sequence (a prefill chunk's; a recompute after preemption writes them again)."""
+        parent_id, index = parent_of(request_id)
+        parent = self._parents.get(parent_id)
+        seq = parent.seqs.get(index) if parent is not None else None
+        if seq is None or seq.prompt_logprobs is None:
+            return
+        if first_token < 1 or first_token + len(entries) > len(seq.prompt_logprobs):
+            raise ValueError(f"prompt logprobs for tokens {first_token}.."
+                             f"{first_token + len(entries) - 1} outside the prompt of "
+                             f"{len(seq.prompt_logprobs)} tokens")
+        seq.prompt_logprobs[first_token:first_token + len(entries)] = entries
 
     def process(self, request_id: str, new_token_ids: list[int],
                 logprobs: list[TokenLogprob | None] | None, finish_reason: str | None,
@@ -137,6 +161,10 @@ class OutputProcessor:
         seq = parent.seqs[index]
         if seq.finished:
             return None
+        if seq.prompt_logprobs is not None:  # its prefill is done: the list is complete
+            if parent.prompt_logprobs is None:
+                parent.prompt_logprobs = seq.prompt_logprobs
+            seq.prompt_logprobs = None
         seq.num_tokens += len(new_token_ids)
         text = seq.detokenizer.add_tokens(new_token_ids) if new_token_ids else ""
         emit, stop_str = seq.stop_checker.add(text)
@@ -198,10 +226,12 @@ class OutputProcessor:
             num_prompt_tokens=parent.usage_prompt_tokens,
             num_generated_tokens=parent.num_generated,
             num_cached_tokens=parent.num_cached_tokens,
-            prompt_token_ids=None if parent.sent_first else parent.prompt_token_ids)
+            prompt_token_ids=None if parent.sent_first else parent.prompt_token_ids,
+            prompt_logprobs=None if parent.sent_first else parent.prompt_logprobs)
         ttft = None if parent.sent_first or not parent.arrival_time else (
             time.monotonic() - parent.arrival_time)
         parent.sent_first = True
+        parent.prompt_logprobs = None
         if finished:
             del self._parents[parent_id]
         try:

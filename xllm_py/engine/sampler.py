@@ -1,14 +1,18 @@
 """Sampler: logits [N, V] -> one token id (and optionally logprobs) per row.
 
 Stages, each skipped when no row of the batch needs it:
-  1. penalties     repetition (HF: prompt + output), frequency and presence (OpenAI: output)
-  2. greedy rows   temperature 0 or top_k 1: argmax of the penalised logits
-  3. random rows   temperature, top_k, top_p, min_p -> probs; inverse-CDF draw of one uniform
+  1. logit bias    the request's token id -> bias added to the logits (vLLM v1 order:
+                   before the penalties)
+  2. penalties     repetition (HF: prompt + output), frequency and presence (OpenAI: output)
+  3. greedy rows   temperature 0 or top_k 1: argmax of the biased, penalised logits
+  4. random rows   temperature, top_k, top_p, min_p -> probs; inverse-CDF draw of one uniform
                    seeded rows draw their uniform from (seed, step) only, so a request's
                    tokens do not depend on which other requests share the batch
-  4. logprobs      log_softmax of the raw model logits (before penalties and temperature)
+  5. logprobs      log_softmax of the raw model logits (before bias, penalties and
+                   temperature: vLLM v1's default logprobs_mode "raw_logprobs")
 
-The all-greedy batch without penalties or logprobs is a single argmax.
+The all-greedy batch without bias, penalties or logprobs is a single argmax.
+`prompt_logprobs` scores prompt tokens from the raw logits of the positions before them.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class SamplingRow:
     output_token_ids: Sequence[int] = ()  # frequency / presence penalties
     prompt_token_ids: Sequence[int] = ()  # repetition penalty covers prompt + output
     num_logprobs: int | None = None  # None: no logprobs; k: chosen token's logprob + top-k
+    logit_bias: dict[int, float] | None = None  # token id -> bias; None or empty: none
 
     def __post_init__(self) -> None:
         if self.temperature < 0.0:
@@ -91,9 +96,10 @@ class Sampler:
             raise ValueError(
                 f"logits must be [num_rows, vocab] with num_rows={len(rows)}, "
                 f"got shape {tuple(logits.shape)}")
-        # Hot path: greedy, no penalties, no logprobs.
+        # Hot path: greedy, no bias, no penalties, no logprobs.
         for row in rows:
-            if not row.is_greedy or row.has_penalties or row.num_logprobs is not None:
+            if (not row.is_greedy or row.has_penalties or row.num_logprobs is not None
+                    or row.logit_bias):
                 break
         else:
             if (logits.device.type == "cpu" and logits.dtype == torch.float32
@@ -107,6 +113,8 @@ class Sampler:
     def _sample_general(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         raw_logits = logits
         logits = logits.float()
+        if any(row.logit_bias for row in rows):
+            logits = apply_logit_bias(logits, rows)
         if any(row.has_penalties for row in rows):
             logits = apply_penalties(logits, rows)
         device = logits.device
@@ -164,6 +172,31 @@ class Sampler:
             else:
                 self._shared_gen.manual_seed(self._seed & _MASK64)
         return self._shared_gen
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Returns a copy of `logits` [N, V] (float32) with each row's logit_bias added."""
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(
+            f"logits must be [num_rows, vocab] with num_rows={len(rows)}, "
+            f"got shape {tuple(logits.shape)}")
+    vocab_size = logits.shape[1]
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    biases: list[float] = []
+    for i, row in enumerate(rows):
+        for token_id, bias in (row.logit_bias or {}).items():
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary "
+                                 f"of {vocab_size} tokens")
+            row_idx.append(i)
+            token_idx.append(token_id)
+            biases.append(float(bias))
+    out = logits.float().clone()
+    device = out.device
+    out[torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device)] += (
+        torch.tensor(biases, dtype=out.dtype, device=device))
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -278,6 +311,37 @@ def _compute_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
         k = min(rows[i].num_logprobs or 0, max_k)
         top = list(zip(top_ids_list[j][:k], top_values_list[j][:k])) if k else []
         result.append(TokenLogprob(token_id=chosen_ids_list[j], logprob=chosen[j], top=top))
+    return result
+
+
+# Prompt rows scored per log_softmax: bounds the float32 copy of a long prompt's logits.
+_PROMPT_ROWS_PER_PASS = 512
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: Sequence[int],
+                    num_top: int) -> list[TokenLogprob]:
+    """Row i of `logits` [R, V] (raw model logits at one position) scores `target_ids[i]`,
+    the prompt token after that position: its float32 log_softmax value and the `num_top`
+    most likely tokens, best first."""
+    if logits.dim() != 2 or logits.shape[0] != len(target_ids):
+        raise ValueError(
+            f"logits must be [num_targets, vocab] with num_targets={len(target_ids)}, "
+            f"got shape {tuple(logits.shape)}")
+    num_top = min(num_top, logits.shape[1])
+    result: list[TokenLogprob] = []
+    for lo in range(0, len(target_ids), _PROMPT_ROWS_PER_PASS):
+        hi = min(lo + _PROMPT_ROWS_PER_PASS, len(target_ids))
+        logprobs = torch.log_softmax(logits[lo:hi].float(), dim=-1)
+        targets = torch.tensor(target_ids[lo:hi], dtype=torch.long, device=logprobs.device)
+        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        if num_top > 0:
+            top_values, top_ids = logprobs.topk(num_top, dim=-1)  # sorted, best first
+            tops = [list(zip(ids, values))
+                    for ids, values in zip(top_ids.tolist(), top_values.tolist())]
+        else:
+            tops = [[] for _ in range(hi - lo)]
+        result.extend(TokenLogprob(token_id=t, logprob=lp, top=top)
+                      for t, lp, top in zip(target_ids[lo:hi], chosen, tops))
     return result
 
 

@@ -9,8 +9,10 @@ Request stages (see xllm_py/request.py for the state machine):
     add_request -> waiting queue -> admitted when its KV fits (prefix hits skip compute)
     -> running: decode tokens first, then prefill chunks, under a per-step token budget
     -> preempted (blocks freed, recomputed later from prompt + outputs) or finished
-    (blocks freed at once). PD hooks: allocate_for_remote / finish_remote_kvs /
-    fail_remote_kvs (decode side), remote_decode requests and finish_sending (prefill).
+    (blocks freed at once); max_tokens 0 ends right after the prefill. Prompt logprobs:
+    computed from scratch (cached blocks have KV, no logits; see _scores_prompt). PD hooks:
+    allocate_for_remote / finish_remote_kvs / fail_remote_kvs (decode side),
+    remote_decode requests and finish_sending (prefill).
 
 Pure Python: no torch, no grpc.
 """
@@ -37,6 +39,7 @@ class ScheduledSeq:
     start_pos: int  # = num_computed_tokens before the step
     block_table: list[int]  # the full table after allocation
     sample: bool  # this step reaches the last known token: sample one
+    num_prompt_logprob_rows: int = 0  # leading tokens whose logits score a prompt token
 
 
 @dataclasses.dataclass
@@ -219,7 +222,8 @@ class ContinuousScheduler:
             and len(scheduled) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            computed_blocks, num_cached = (  # cached blocks have no logits: recompute
+                ([], 0) if _scores_prompt(request) else self.kv.get_computed_blocks(request))
             num_new = self._num_new_tokens(request, num_cached, budget)
             if num_new == 0:
                 break
@@ -250,6 +254,10 @@ class ContinuousScheduler:
             request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             self.kv.cache_full_blocks(request)
             if not seq.sample:
+                if (request.sampling_params.max_tokens == 0
+                        and request.num_computed_tokens >= request.num_tokens):
+                    self._end(request, S.FINISHED_LENGTH_CAPPED)  # prompt scored: done
+                    updates.append(RequestUpdate(request.request_id, [], True, "length"))
                 continue
             token_id = sampled.get(seq.request_id)
             if token_id is None:
@@ -380,12 +388,15 @@ class ContinuousScheduler:
 
     def _make_seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
+        end = start + num_new  # rows at positions < num_prompt - 1 score the next prompt token
+        num_prompt_rows = max(0, min(end, request.num_prompt_tokens - 1) - start)
         return ScheduledSeq(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.all_token_ids[start:end],
             start_pos=start,
             block_table=list(request.block_ids),
-            sample=start + num_new == request.num_tokens,
+            sample=end == request.num_tokens and request.sampling_params.max_tokens != 0,
+            num_prompt_logprob_rows=num_prompt_rows if _scores_prompt(request) else 0,
         )
 
     def _preempt(
@@ -430,3 +441,9 @@ class ContinuousScheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+
+
+def _scores_prompt(request: Request) -> bool:
+    """Wants prompt logprobs and has no output yet (they go out with the first output).
+    Such a request takes no prefix-cache hit: exact, and a hit saves compute only."""
+    return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids

@@ -167,7 +167,14 @@ class RoutingInfo(_message.Message):
     def __init__(self, prefill_name: _Optional[str] = ..., decode_name: _Optional[str] = ...) -> None: ...
 
 class DisaggRequest(_message.Message):
-    __slots__ = ("req_id", "service_req_id", "tokens_num", "prompt", "prompt_tokens", "stream", "x_request_id", "x_request_time", "max_tokens", "max_context_len", "seq_capacity", "ignore_eos", "eos_token_id", "stop_token_ids", "stop_sequences", "n", "best_of", "frequency_penalty", "presence_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "logprobs", "top_logprobs", "echo", "skip_special_tokens", "offline", "priority", "ttft_slo", "tpot_slo", "source_xservice_addr", "min_p", "has_seed", "seed", "routing", "eos_token_ids", "include_stop_str_in_output", "schema_version", "has_temperature", "prompt_logprobs", "min_tokens", "has_prompt_logprobs")
+    __slots__ = ("req_id", "service_req_id", "tokens_num", "prompt", "prompt_tokens", "stream", "x_request_id", "x_request_time", "max_tokens", "max_context_len", "seq_capacity", "ignore_eos", "eos_token_id", "stop_token_ids", "stop_sequences", "n", "best_of", "frequency_penalty", "presence_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "logprobs", "top_logprobs", "echo", "skip_special_tokens", "offline", "priority", "ttft_slo", "tpot_slo", "source_xservice_addr", "min_p", "has_seed", "seed", "routing", "eos_token_ids", "include_stop_str_in_output", "schema_version", "has_temperature", "prompt_logprobs", "min_tokens", "has_prompt_logprobs", "logit_bias", "has_max_tokens")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     SERVICE_REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_NUM_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +218,8 @@ class DisaggRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    HAS_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     service_req_id: str
     tokens_num: int
@@ -254,7 +263,9 @@ class DisaggRequest(_message.Message):
     prompt_logprobs: int
     min_tokens: int
     has_prompt_logprobs: bool
-    def __init__(self, req_id: _Optional[str] = ..., service_req_id: _Optional[str] = ..., tokens_num: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., stream: _Optional[bool] = ..., x_request_id: _Optional[str] = ..., x_request_time: _Optional[str] = ..., max_tokens: _Optional[int] = ..., max_context_len: _Optional[int] = ..., seq_capacity: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., eos_token_id: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_sequences: _Optional[_Iterable[_Union[StopSequence, _Mapping]]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., offline: _Optional[bool] = ..., priority: _Optional[int] = ..., ttft_slo: _Optional[int] = ..., tpot_slo: _Optional[int] = ..., source_xservice_addr: _Optional[str] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., routing: _Optional[_Union[RoutingInfo, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., schema_version: _Optional[int] = ..., has_temperature: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    logit_bias: _containers.ScalarMap[int, float]
+    has_max_tokens: bool
+    def __init__(self, req_id: _Optional[str] = ..., service_req_id: _Optional[str] = ..., tokens_num: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., stream: _Optional[bool] = ..., x_request_id: _Optional[str] = ..., x_request_time: _Optional[str] = ..., max_tokens: _Optional[int] = ..., max_context_len: _Optional[int] = ..., seq_capacity: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., eos_token_id: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_sequences: _Optional[_Iterable[_Union[StopSequence, _Mapping]]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., offline: _Optional[bool] = ..., priority: _Optional[int] = ..., ttft_slo: _Optional[int] = ..., tpot_slo: _Optional[int] = ..., source_xservice_addr: _Optional[str] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., routing: _Optional[_Union[RoutingInfo, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., schema_version: _Optional[int] = ..., has_temperature: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., has_max_tokens: _Optional[bool] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
     __slots__ = ("cluster_ids", "addrs", "ports", "dp_size", "worker_rpc_addrs")
@@ -417,7 +428,7 @@ class GenStatus(_message.Message):
     def __init__(self, status_code: _Optional[int] = ..., status_msg: _Optional[str] = ...) -> None: ...
 
 class DisaggStreamGeneration(_message.Message):
-    __slots__ = ("req_id", "service_req_id", "gen_status", "outputs", "usage", "finished", "finished_on_prefill_instance", "prompt_token_ids", "unreachable_instance")
+    __slots__ = ("req_id", "service_req_id", "gen_status", "outputs", "usage", "finished", "finished_on_prefill_instance", "prompt_token_ids", "unreachable_instance", "prompt_logprobs")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     SERVICE_REQ_ID_FIELD_NUMBER: _ClassVar[int]
     GEN_STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +438,7 @@ class DisaggStreamGeneration(_message.Message):
     FINISHED_ON_PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     service_req_id: str
     gen_status: GenStatus
@@ -436,7 +448,8 @@ class DisaggStreamGeneration(_message.Message):
     finished_on_prefill_instance: bool
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     unreachable_instance: str
-    def __init__(self, req_id: _Optional[str] = ..., service_req_id: _Optional[str] = ..., gen_status: _Optional[_Union[GenStatus, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., finished: _Optional[bool] = ..., finished_on_prefill_instance: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., unreachable_instance: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[LogProb]
+    def __init__(self, req_id: _Optional[str] = ..., service_req_id: _Optional[str] = ..., gen_status: _Optional[_Union[GenStatus, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., finished: _Optional[bool] = ..., finished_on_prefill_instance: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., unreachable_instance: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[LogProb, _Mapping]]] = ...) -> None: ...
 
 class DisaggStreamGenerations(_message.Message):
     __slots__ = ("gens", "instance_name")

@@ -1,7 +1,8 @@
 """proto <-> domain conversions at the gRPC boundary (no pb2 objects beyond this module).
 
-Proto3 scalars have no "unset": zero means "default" for top_p, repetition_penalty and
-max_tokens; temperature, seed and prompt_logprobs carry explicit has_* flags.
+Proto3 scalars have no "unset": zero means "default" for top_p and repetition_penalty;
+temperature, seed, prompt_logprobs and max_tokens (0 is valid: score the prompt only)
+carry explicit has_* flags (a sender without has_max_tokens: 0 means unset).
 tests/unit/test_protos.py round-trips every SamplingParams field, so a new field that is
 not carried here fails there.
 """
@@ -47,6 +48,7 @@ def params_to_proto(params: SamplingParams, msg: pb.DisaggRequest) -> None:
         msg.has_seed = True
         msg.seed = params.seed
     msg.max_tokens = params.max_tokens or 0
+    msg.has_max_tokens = params.max_tokens is not None
     msg.min_tokens = params.min_tokens
     msg.ignore_eos = params.ignore_eos
     msg.stop_token_ids.extend(params.stop_token_ids or [])
@@ -61,6 +63,8 @@ def params_to_proto(params: SamplingParams, msg: pb.DisaggRequest) -> None:
     msg.skip_special_tokens = params.skip_special_tokens
     msg.include_stop_str_in_output = params.include_stop_str_in_output
     msg.eos_token_ids.extend(params.eos_token_ids or [])
+    for token_id, bias in params.logit_bias.items():
+        msg.logit_bias[token_id] = bias
 
 
 def params_from_proto(msg: pb.DisaggRequest) -> SamplingParams:
@@ -76,7 +80,7 @@ def params_from_proto(msg: pb.DisaggRequest) -> SamplingParams:
         presence_penalty=msg.presence_penalty,
         repetition_penalty=msg.repetition_penalty if msg.repetition_penalty > 0 else 1.0,
         seed=msg.seed if msg.has_seed else None,
-        max_tokens=msg.max_tokens or None,
+        max_tokens=msg.max_tokens if msg.has_max_tokens else (msg.max_tokens or None),
         min_tokens=msg.min_tokens,
         stop=[s.text for s in msg.stop_sequences if s.text],
         stop_token_ids=list(msg.stop_token_ids),
@@ -86,6 +90,7 @@ def params_from_proto(msg: pb.DisaggRequest) -> SamplingParams:
         echo=msg.echo,
         skip_special_tokens=msg.skip_special_tokens,
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        logit_bias=dict(msg.logit_bias),
     )
     if msg.eos_token_ids:
         kwargs["eos_token_ids"] = list(msg.eos_token_ids)
@@ -136,11 +141,23 @@ def output_to_proto(out: RequestOutput, service_request_id: str = "",
         so = gen.outputs.add(index=d.index, text=d.text, finish_reason=d.finish_reason or "")
         so.token_ids.extend(d.token_ids)
         for lp in d.logprobs or []:
-            entry = so.logprobs.add(data=pb.LogProbData(token_id=lp.token_id,
-                                                        logprob=lp.logprob))
-            for tid, tlp in lp.top:
-                entry.top_logprobs.add(token_id=tid, logprob=tlp)
+            _logprob_to_proto(lp, so.logprobs.add())
+    for plp in out.prompt_logprobs or []:
+        entry = gen.prompt_logprobs.add()  # no data: null (the first prompt token)
+        if plp is not None:
+            _logprob_to_proto(plp, entry)
     return gen
+
+
+def _logprob_to_proto(lp: TokenLogprob, entry: pb.LogProb) -> None:
+    entry.data.token_id, entry.data.logprob = lp.token_id, lp.logprob
+    for tid, tlp in lp.top:
+        entry.top_logprobs.add(token_id=tid, logprob=tlp)
+
+
+def _logprob_from_proto(entry: pb.LogProb) -> TokenLogprob:
+    return TokenLogprob(token_id=entry.data.token_id, logprob=entry.data.logprob,
+                        top=[(t.token_id, t.logprob) for t in entry.top_logprobs])
 
 
 def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
@@ -149,9 +166,7 @@ def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
     for so in gen.outputs:
         lps = None
         if len(so.logprobs):
-            lps = [TokenLogprob(token_id=e.data.token_id, logprob=e.data.logprob,
-                                top=[(t.token_id, t.logprob) for t in e.top_logprobs])
-                   for e in so.logprobs]
+            lps = [_logprob_from_proto(e) for e in so.logprobs]
         outputs.append(CompletionDelta(index=so.index, text=so.text,
                                        token_ids=list(so.token_ids), logprobs=lps,
                                        finish_reason=so.finish_reason or None))
@@ -162,4 +177,6 @@ def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
         num_cached_tokens=gen.usage.num_cached_tokens,
         prompt_token_ids=list(gen.prompt_token_ids) if len(gen.prompt_token_ids) else None,
         error_code=0 if code in (0, 200) else code, error_message=gen.gen_status.status_msg,
-        unreachable_instance=gen.unreachable_instance)
+        unreachable_instance=gen.unreachable_instance,
+        prompt_logprobs=[_logprob_from_proto(e) if e.HasField("data") else None
+                         for e in gen.prompt_logprobs] if len(gen.prompt_logprobs) else None)
