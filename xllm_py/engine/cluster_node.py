@@ -66,6 +66,17 @@ class ClusterNode:
             transfer_addr = f"{self.addr_host}:{self.worker.transfer_addr.rsplit(':', 1)[1]}"
             worker_addr = f"{self.addr_host}:{self.worker.rpc_addr.rsplit(':', 1)[1]}"
             self.backend.extra_metrics.append(self.worker.worker.metrics.render)
+        # TP > 1: every rank its own KV worker, registered in rank order (xLLM's worker list).
+        cluster_ids, transfer_addrs, worker_addrs = (
+            ([cluster_id], [transfer_addr], [worker_addr]) if transfer_addr else ([], [], []))
+        if transfer_addr and self.engine.tp is not None:
+            from xllm_py.parallel.kv_workers import start_rank_kv_workers
+
+            for w in await start_rank_kv_workers(self.engine.tp, cfg, cluster_id,
+                                                 self._kv_meta_proto(cluster_id)):
+                cluster_ids.append(w.cluster_id)
+                transfer_addrs.append(f"{self.addr_host}:{w.transfer_addr.rsplit(':', 1)[1]}")
+                worker_addrs.append(f"{self.addr_host}:{w.rpc_addr.rsplit(':', 1)[1]}")
         self.reporter = GenerationsReporter(loop, self.name, self.engine.abort,
                                             timeout_s=cfg.rpc_timeout_s)
         self.engine.step_listeners.append(self.reporter.flush)
@@ -80,15 +91,15 @@ class ClusterNode:
         mc = self.engine.model_config
         self.meta = InstanceMeta(
             name=self.name, type=self.role, rpc_address=f"{self.addr_host}:{port}",
-            cluster_ids=[cluster_id] if transfer_addr else [],
-            addrs=[transfer_addr] if transfer_addr else [],
-            ports=[int(transfer_addr.rsplit(":", 1)[1])] if transfer_addr else [],
+            cluster_ids=cluster_ids, addrs=transfer_addrs,
+            ports=[int(a.rsplit(":", 1)[1]) for a in transfer_addrs],
             dp_size=1, model=self.backend.model_name, block_size=cfg.cache.block_size,
-            kv_layout=KV_LAYOUT, kv_dtype=cfg.dtype, tp_size=1, num_layers=mc.num_layers,
+            kv_layout=KV_LAYOUT, kv_dtype=cfg.dtype, tp_size=cfg.tensor_parallel_size,
+            num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             num_blocks=self.engine.storage.num_blocks,
             http_address=f"{self.addr_host}:{cfg.port}",
-            worker_rpc_addrs=[worker_addr] if worker_addr else [])
+            worker_rpc_addrs=worker_addrs)
         self.agent = InstanceAgent(cfg.etcd_addr, self.meta, ttl_s=cfg.etcd_ttl_s,
                                    namespace=cfg.etcd_namespace,
                                    heartbeat_interval_s=cfg.heartbeat_interval_s,

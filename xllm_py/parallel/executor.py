@@ -2,7 +2,8 @@
 
 Stages: open the rendezvous store -> start ranks 1..N-1 (``python -m
 xllm_py.parallel.worker``) -> join the group -> load rank 0's shard -> barrier "every rank
-loaded" -> ``init_kv`` (every rank allocates its KV pool of the same blocks) -> per step:
+loaded" -> ``init_kv`` (every rank allocates its KV pool of the same blocks) -> (PD roles)
+``start_kv_workers`` (every rank its own transfer endpoint and WorkerService) -> per step:
 broadcast the step's inputs, run rank 0's shard (all-reduces inside), rank 0 alone
 computes the logits -> ``shutdown`` (STOP, wait, kill what is left).
 
@@ -29,6 +30,7 @@ from xllm_py.config import EngineConfig
 from xllm_py.model.attention import AttentionMetadata
 from xllm_py.model.config import ModelConfig
 from xllm_py.parallel.group import TPGroup
+from xllm_py.parallel.kv_workers import SPEC_KEY, KVWorkerSpec, RankKVWorker, collect_answers
 from xllm_py.parallel.protocol import Command, StepInputs, encode_step, header
 from xllm_py.parallel.sharding import TPShard
 from xllm_py.parallel.worker import load_rank, rank_device, threads_per_rank
@@ -102,6 +104,15 @@ class TPExecutor:
         with self._lock:
             self._check()
             self._send(header(Command.INIT_KV, num_blocks))
+
+    def start_kv_workers(self, spec: KVWorkerSpec) -> list[RankKVWorker]:
+        """Ranks > 0 start their KV workers (PD roles); -> their addresses, rank order.
+        Blocks (up to kv_workers.START_TIMEOUT_S): call it off the event loop."""
+        with self._lock:
+            self._check()
+            self.group.store.set(SPEC_KEY, pickle.dumps(spec))
+            self._send(header(Command.START_KV_WORKER))
+        return collect_answers(self.group.store, self.group.world_size)
 
     def step(self, inputs: StepInputs, kv_caches: list) -> torch.Tensor:
         with self._lock:

@@ -26,6 +26,7 @@ class Command(enum.IntEnum):
     STEP = 1
     INIT_KV = 2  # header[1]: num_blocks; every rank allocates its KV pool
     NOOP = 3  # keep-alive of an idle instance
+    START_KV_WORKER = 4  # every rank > 0 starts its KV worker (parallel/kv_workers.py)
 
 
 @dataclasses.dataclass

@@ -2,8 +2,9 @@
 
 Stages: read (EngineConfig, model dir, parent pid, log level) from stdin -> join the group
 -> load the rank's shard (same code as rank 0: ``load_rank``) -> barrier "loaded" ->
-command loop: INIT_KV allocates the rank's KV pool (its own heads), STEP runs the same
-forward as rank 0 on the broadcast inputs, NOOP keeps the idle group alive, STOP ends it.
+command loop: INIT_KV allocates the rank's KV pool (its own heads), START_KV_WORKER
+starts the rank's KV worker over it (PD roles), STEP runs the same forward as rank 0 on
+the broadcast inputs, NOOP keeps the idle group alive, STOP ends it.
 Any error, or rank 0's death (the group's collectives fail; a watchdog also polls the
 parent pid), ends the process: a rank that cannot follow the steps must not linger.
 """
@@ -25,6 +26,7 @@ from xllm_py.kv_transfer.kv_storage import KVCacheStorage, parse_dtype
 from xllm_py.model.config import ModelConfig
 from xllm_py.model.packed import pack_linears
 from xllm_py.parallel.group import TPGroup
+from xllm_py.parallel.kv_workers import RankKVWorkerHost, serve_start_request
 from xllm_py.parallel.loader import load_model_shard
 from xllm_py.parallel.protocol import HEADER_LEN, Command, decode_step, payload_len
 from xllm_py.parallel.sharding import TPShard
@@ -70,6 +72,7 @@ def serve(config: EngineConfig, model: torch.nn.Module, mc: ModelConfig, shard: 
     """The command loop of a rank > 0 (see module doc)."""
     storage: KVCacheStorage | None = None
     caches: list = []
+    kv_worker: RankKVWorkerHost | None = None
     hdr = torch.empty(HEADER_LEN, dtype=torch.int64)
     with torch.inference_mode():
         while True:
@@ -83,6 +86,9 @@ def serve(config: EngineConfig, model: torch.nn.Module, mc: ModelConfig, shard: 
             if cmd == Command.INIT_KV:
                 storage = make_storage(config, mc, shard, int(hdr[1]), group.device)
                 caches = storage.layer_caches()
+                continue
+            if cmd == Command.START_KV_WORKER:
+                kv_worker = serve_start_request(group.store, group.rank, storage, kv_worker)
                 continue
             payload = group.broadcast(torch.empty(payload_len(hdr), dtype=torch.int64))
             step = decode_step(hdr, payload, group.device)
