@@ -174,8 +174,13 @@ class InstanceMeta:
     def compatibility_problems(self, other: "InstanceMeta") -> list[str]:
         """Each difference that stops `self` and `other` from exchanging KV blocks
         (empty: compatible; unset fields are not compared)."""
-        return [f"{field} differs: {self.name} has {mine!r}, {other.name} has {theirs!r}"
-                for field, mine, theirs in kv_compat_differences(self, other)]
+        problems = [f"{field} differs: {self.name} has {mine!r}, {other.name} has {theirs!r}"
+                    for field, mine, theirs in kv_compat_differences(self, other)]
+        if self.tp_size > 1 or other.tp_size > 1:  # each rank holds only some KV heads
+            problems.append(f"tp_size: {self.name} has {self.tp_size}, {other.name} has "
+                            f"{other.tp_size}; KV transfer between tensor-parallel instances "
+                            "(head slices per rank) is not implemented yet")
+        return problems
 
     def with_new_incarnation(self) -> "InstanceMeta":
         """A copy stamped for a fresh process start (new uuid, register time now)."""
