@@ -2,7 +2,8 @@
 
 RPCs (xLLM WorkerService):
 - PullKVCache(cluster_id, addr, src_blocks, dst_blocks, req_id): this worker pulls the
-  peer's ``src_blocks`` (peer at ``addr``) into its own ``dst_blocks``.
+  peer's ``src_blocks`` (peer at ``addr``) into its own ``dst_blocks``; with ``num_heads``
+  only that KV head slice (peers of different TP, kv_transfer/head_slices.py).
 - PushKVCache: this worker sends its ``src_blocks`` into the peer's ``dst_blocks``.
 - LinkCluster(cluster_ids, addrs, meta): refuse an incompatible peer (FAILED_PRECONDITION,
   the message names every difference), then connect to each address.
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 import grpc
 
 from xllm_py.kv_transfer.base import KVTransferBackend, TransferError, TransferResult
+from xllm_py.kv_transfer.head_slices import Heads
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.metrics import KVTransferMetrics
 from xllm_py.kv_compat import kv_compat_differences
@@ -123,19 +125,24 @@ class KVWorker:
             await self.backend.unlink(addr)
 
     async def pull_kv_blocks(self, addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                             req_id: str = "", timeout: float | None = None) -> TransferResult:
-        return await self._transfer("pull", addr, src_blocks, dst_blocks, req_id, timeout)
+                             req_id: str = "", timeout: float | None = None,
+                             heads: Heads | None = None) -> TransferResult:
+        """``heads`` (src_start, dst_start, count): only those KV heads (peers of different TP)."""
+        return await self._transfer("pull", addr, src_blocks, dst_blocks, req_id, timeout, heads)
 
     async def push_kv_blocks(self, addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                             req_id: str = "", timeout: float | None = None) -> TransferResult:
-        return await self._transfer("push", addr, src_blocks, dst_blocks, req_id, timeout)
+                             req_id: str = "", timeout: float | None = None,
+                             heads: Heads | None = None) -> TransferResult:
+        return await self._transfer("push", addr, src_blocks, dst_blocks, req_id, timeout, heads)
 
     async def _transfer(self, op: str, addr: str, src: Sequence[int], dst: Sequence[int],
-                        req_id: str, timeout: float | None) -> TransferResult:
+                        req_id: str, timeout: float | None,
+                        heads: Heads | None = None) -> TransferResult:
         t0 = time.perf_counter()
         fn = self.backend.pull if op == "pull" else self.backend.push
         try:
-            result = await fn(addr, src, dst, timeout)
+            result = (await fn(addr, src, dst, timeout) if heads is None
+                      else await fn(addr, src, dst, timeout, heads=heads))
         except ValueError as e:
             self.metrics.observe_failure(op, "invalid_argument")
             logger.warning("kv %s req=%s peer=%s refused: %s", op, req_id, addr, e)
@@ -151,6 +158,13 @@ class KVWorker:
                     op, req_id, addr, result.num_blocks, result.num_runs, result.num_bytes,
                     result.seconds * 1e3, result.gbps, f" path={result.path}" if result.path else "")
         return result
+
+
+def _heads(request) -> Heads | None:
+    """The request's KV head slice, None for whole blocks (num_heads 0)."""
+    if not request.num_heads:
+        return None
+    return request.src_head_start, request.dst_head_start, request.num_heads
 
 
 def _ok() -> xllm_pb2.Status:
@@ -188,7 +202,7 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
         try:
             await self.worker.pull_kv_blocks(request.addr, list(request.src_blocks), list(request.dst_blocks),
-                                             request.req_id, self._timeout(context))
+                                             request.req_id, self._timeout(context), _heads(request))
         except (ValueError, TransferError) as e:
             await _abort_for(context, e)
         return _ok()
@@ -197,7 +211,7 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
         try:
             await self.worker.push_kv_blocks(request.addr, list(request.src_blocks), list(request.dst_blocks),
-                                             request.req_id, self._timeout(context))
+                                             request.req_id, self._timeout(context), _heads(request))
         except (ValueError, TransferError) as e:
             await _abort_for(context, e)
         return _ok()
