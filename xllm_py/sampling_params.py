@@ -62,7 +62,8 @@ class SamplingParams:
     # accepted and made ints; the engine checks the ids against its vocabulary.
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     # Filled by the engine from the model's generation config, not by clients.
-    eos_token_ids: list[int] = dataclasses.field(default_factory=list)
+    eos_token_ids: list[int] = dataclasses.field(
+        default_factory=list, metadata={"engine_only": True})
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +73,20 @@ class SamplingParams:
         self.eos_token_ids = list(self.eos_token_ids)
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self.validate()
+
+    @classmethod
+    def from_request(cls, req: object) -> "SamplingParams":
+        """SamplingParams from any object with these field names (the HTTP layer's
+        GenerateRequest, ...): every field in `REQUEST_FIELDS` it has and is not None;
+        `best_of` <= n means none."""
+        kwargs = {}
+        for name in REQUEST_FIELDS:
+            value = getattr(req, name, None)
+            if value is not None:
+                kwargs[name] = list(value) if isinstance(value, (list, tuple)) else value
+        if kwargs.get("best_of") is not None and kwargs["best_of"] <= kwargs.get("n", 1):
+            kwargs["best_of"] = None
+        return cls(**kwargs)
 
     @property
     def is_greedy(self) -> bool:
@@ -171,3 +186,9 @@ def _normalize_logit_bias(value: object) -> object:
             key = int(key)
         out[key] = bias
     return out
+
+
+# The fields a request sets (the HTTP layer's GenerateRequest carries exactly these): every
+# field but the ones the engine fills itself. The one list of sampling fields.
+REQUEST_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(SamplingParams) if not f.metadata.get("engine_only"))

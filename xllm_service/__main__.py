@@ -4,16 +4,21 @@ from __future__ import annotations
 import sys
 
 from xllm_py.utils.cli import run_async, setup_logging
-from xllm_service.cli import build_parser
+from xllm_service.cli import build_parser, config_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     setup_logging(args.log_level)
     from xllm_service.server import run_service
 
     try:
-        run_async(run_service(args))
+        run_async(run_service(config))
     except KeyboardInterrupt:
         pass
     return 0

@@ -9,17 +9,18 @@ Stages of one client request:
   merged RequestOutputs to the client -> finished, migrated (below), failed (engine
   error, instance evicted: on a PD pair the prefill only until decode's first output is
   relayed, idle timeout) or cancelled (client gone: the next Generations reply says
-  ok=false for it and the engine frees its blocks).
+  ok=false for it and the engine frees its blocks). The phases of one engine request
+  (a sub-request) are in sub_request.py; SubRequests keeps the book of them.
 
 Migration off an evicted decode or MIX instance. A PD sub-request is single-sequence,
 and so is a MIX request with n == 1 and best_of <= 1: the service knows its generated
-token ids, the ones it relayed to the client (`_Sub.generated`). Once one is relayed
+token ids, the ones it relayed to the client (`SubRequest.generated`). Once one is relayed
 (PD: prefill's first token; decode took the sub over, or is still pulling its KV:
 recomputing does not need that KV), the eviction of the instance generating it (its
 decode, or its MIX instance) does not fail it:
   1. pick another instance of that kind through `Router.route_decode` or
      `Router.route_mix` (the dead one excluded);
-  2. re-key the sub under a fresh engine request id (`_subs`, `_by_instance`) and point
+  2. re-key the sub under a fresh engine request id (`SubRequests.rekey`) and point
      its route at the new instance, so Cancel goes there, and an instance that lost its
      lease but still runs gets ok=false for its late outputs under the old id and
      aborts: no token reaches the client twice, none is lost (outputs dropped that way
@@ -49,7 +50,6 @@ yet (PD: prefill's first token).
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import time
@@ -59,49 +59,19 @@ from typing import AsyncIterator
 import grpc
 
 from xllm_py.api.errors import InvalidRequestError, ServiceUnavailableError
-from xllm_py.config import InstanceRole
-from xllm_py.engine.async_engine import sampling_params_from
+from xllm_py.config import InstanceRole, RelayConfig
 from xllm_py.outputs import RequestOutput
-from xllm_py.proto import xllm_pb2 as pb
-from xllm_py.proto import xllm_pb2_grpc as pb_grpc
-from xllm_py.rpc.convert import EngineRequestSpec, output_from_proto, spec_to_proto
+from xllm_py.rpc import service as wire
+from xllm_py.rpc.convert import EngineRequestSpec
+from xllm_py.sampling_params import SamplingParams
 from xllm_py.utils.aio import wait_for
-from xllm_py.utils.grpc_channels import ChannelPool, PipelinedStream, StreamBroken
+from xllm_service.engine_client import SEND_ERRORS, Engines
 from xllm_service.instance_table import InstanceInfo
+from xllm_service.metrics import ServiceMetrics
 from xllm_service.router import NoInstanceError, Route, Router
+from xllm_service.sub_request import SubPhase, SubRequest, SubRequests
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Sub:
-    """One engine request of a client request."""
-    engine_request_id: str
-    index_offset: int  # its sequence indices are shifted by this (PD n-split)
-    route: Route
-    queue: asyncio.Queue
-    spec: EngineRequestSpec | None = None  # what the engine got (migration resends it)
-    request_id: str = ""  # the client request's id (engine ids are made from it)
-    first_seen: bool = False  # PD: prefill's first output arrived
-    held: list = dataclasses.field(default_factory=list)  # decode outputs before that
-    generated: list[int] = dataclasses.field(default_factory=list)  # relayed token ids
-    num_read: int = 0  # of those, how many the client has the text of
-    finished: bool = False
-    cancelled: bool = False
-
-    @property
-    def single_sequence(self) -> bool:
-        """Its outputs are one sequence, so `generated` can resume it elsewhere. PD subs
-        always are (n is split); a MIX sub when n == 1 and best_of <= 1."""
-        if self.route.is_pd:
-            return True
-        params = self.spec.params if self.spec is not None else None
-        return params is not None and params.n == 1 and (params.best_of or 1) <= 1
-
-    @property
-    def serving(self) -> str:
-        """The instance generating its tokens (the one whose death migrates it)."""
-        return self.route.decode.name if self.route.is_pd else self.route.target.name
 
 
 def _engine_id(request_id: str, offset: int) -> str:
@@ -110,44 +80,43 @@ def _engine_id(request_id: str, offset: int) -> str:
 
 class ServiceBackend:
     def __init__(self, tokenizer, model_name: str, max_model_len: int, router: Router,
-                 my_rpc_addr: str, rpc_timeout_s: float = 5.0, idle_timeout_s: float = 120.0,
-                 instance_counts=None, prefix_index=None) -> None:
+                 engines: Engines, my_rpc_addr: str, config: RelayConfig = RelayConfig(),
+                 subs: SubRequests | None = None, metrics: ServiceMetrics | None = None) -> None:
         self._tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.router = router
+        self.engines = engines
         self.my_rpc_addr = my_rpc_addr
-        self.rpc_timeout_s = rpc_timeout_s
-        self.idle_timeout_s = idle_timeout_s
-        self.instance_counts = instance_counts  # () -> {state: count}
-        self.prefix_index = prefix_index  # PrefixIndex of the engines' cached blocks, or None
-        self._subs: dict[str, _Sub] = {}
-        self._by_instance: dict[str, set[str]] = collections.defaultdict(set)
-        self._channels = ChannelPool()
-        self._gen_streams: dict[str, PipelinedStream] = {}
+        self.config = config
+        self.subs = subs if subs is not None else SubRequests()
+        self.metrics = metrics or ServiceMetrics(self.subs.inflight_by_instance)
         self._tasks: set[asyncio.Task] = set()  # Cancel and migration RPCs, until done
-        self.outcomes: collections.Counter = collections.Counter()
-        self.migrations: collections.Counter = collections.Counter()  # "ok" / "failed"
-        # (instance, outcome) -> requests; an instance counts every request it served
-        self.instance_outcomes: collections.Counter = collections.Counter()
 
     # ------------------------------------------------------------------ GenerateBackend
     def tokenizer(self):
         return self._tokenizer
+
+    def check_live(self) -> tuple[bool, str]:
+        """/health: the process serves HTTP (with or without engines)."""
+        return True, "ok"
 
     def check_ready(self) -> tuple[bool, str]:
         reason = self.router.unavailable_reason()
         return (False, reason) if reason else (True, "ok")
 
     def inflight(self, name: str) -> int:
-        return len(self._by_instance.get(name, ()))
+        return self.subs.inflight(name)
+
+    def metrics_text(self) -> str:
+        return self.metrics.render()
 
     async def generate(self, req) -> AsyncIterator[RequestOutput]:
         try:
             route = self.router.route(req)
         except NoInstanceError as exc:
             raise ServiceUnavailableError(str(exc)) from None
-        params = sampling_params_from(req)
+        params = SamplingParams.from_request(req)
         if route.is_pd and params.n > 1 or route.is_pd and (params.best_of or 0) > params.n:
             if (params.best_of or 0) > params.n:
                 raise InvalidRequestError("best_of > n is not supported on prefill/decode pairs",
@@ -158,7 +127,7 @@ class ServiceBackend:
         else:
             parts = [(0, params)]
         queue: asyncio.Queue = asyncio.Queue()
-        subs: list[_Sub] = []
+        subs: list[SubRequest] = []
         try:
             for offset, p in parts:
                 sub_route = route if offset == 0 else self._route_or(route, req)
@@ -168,7 +137,7 @@ class ServiceBackend:
                 yield out
         finally:
             for sub in subs:
-                self._forget(sub, cancelled=not sub.finished)
+                self._forget(sub, cancel=not sub.finished)
 
     def _route_or(self, fallback: Route, req) -> Route:
         try:
@@ -176,7 +145,8 @@ class ServiceBackend:
         except NoInstanceError:
             return fallback
 
-    async def _start(self, req, params, offset: int, route: Route, queue) -> _Sub:
+    async def _start(self, req, params: SamplingParams, offset: int, route: Route,
+                     queue: asyncio.Queue) -> SubRequest:
         tried: list[str] = []
         while True:
             # A fresh id per attempt: a late copy of a failed attempt is unknown here, so
@@ -189,15 +159,12 @@ class ServiceBackend:
                 source_xservice_addr=self.my_rpc_addr,
                 prefill_name=route.target.name if route.is_pd else "",
                 decode_name=route.decode.name if route.is_pd else "")
-            sub = _Sub(engine_id, offset, route, queue, spec, request_id=req.request_id)
-            self._subs[engine_id] = sub
-            for name in route.instance_names:
-                self._by_instance[name].add(engine_id)
+            sub = SubRequest(engine_id, offset, route, queue, spec, request_id=req.request_id)
+            self.subs.add(sub)
             try:
-                status = await self._send_generate(route.target.meta.rpc_address,
-                                                   spec_to_proto(spec))
-            except (grpc.aio.AioRpcError, StreamBroken, asyncio.TimeoutError) as exc:
-                self._forget(sub, cancelled=True)
+                status = await self.engines.generate(route.target.meta.rpc_address, spec)
+            except SEND_ERRORS as exc:
+                self._forget(sub, cancel=True)
                 logger.warning("Generate on %s failed (%s); trying another instance",
                                route.target.name, type(exc).__name__)
                 tried.append(route.target.name)
@@ -209,46 +176,27 @@ class ServiceBackend:
                 continue
             if status.ok:
                 return sub
-            self._forget(sub, cancelled=False)
+            self._forget(sub, cancel=False)
             if status.code == 400:
                 raise InvalidRequestError(status.message or "invalid request")
             raise ServiceUnavailableError(f"instance {route.target.name} refused the request: "
                                           f"{status.message}")
 
-    async def _send_generate(self, addr: str, msg: pb.DisaggRequest) -> pb.Status:
-        """Generate over the engine's long-lived GenerateStream (unary if it broke before
-        the message went out)."""
-        stream = self._gen_streams.get(addr)
-        if stream is None:
-            stub = pb_grpc.DisaggPDServiceStub(self._channels.get(addr))
-            stream = PipelinedStream(lambda: stub.GenerateStream())
-            self._gen_streams[addr] = stream
-        try:
-            return await stream.request(msg, self.rpc_timeout_s)
-        except StreamBroken as exc:
-            if exc.maybe_delivered:
-                raise
-        try:
-            return await self._stub(addr).Generate(msg, timeout=self.rpc_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                return pb.Status(ok=False, code=400, message=exc.details() or "invalid request")
-            raise
-
-    async def _merge(self, request_id: str, subs: list[_Sub],
+    async def _merge(self, request_id: str, subs: list[SubRequest],
                      queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """Merge the sub-requests' outputs into one stream with global choice indices."""
         remaining = len(subs)
         generated = {s.index_offset: 0 for s in subs}  # engine ids change on migration
         prompt_sent = False
+        idle_timeout_s = self.config.idle_timeout_s
         while remaining:
             try:
-                sub, out = await wait_for(queue.get(), self.idle_timeout_s)
+                sub, out = await wait_for(queue.get(), idle_timeout_s)
             except asyncio.TimeoutError:
                 self._count_outcome(subs, "timeout")
                 yield RequestOutput(request_id=request_id, finished=True, error_code=504,
                                     error_message=f"no output from the engine for "
-                                                  f"{self.idle_timeout_s:.0f}s")
+                                                  f"{idle_timeout_s:.0f}s")
                 return
             if out.failed:
                 self._count_outcome(subs, "error")
@@ -273,46 +221,59 @@ class ServiceBackend:
                 prompt_sent = True
             yield merged
 
-    def _count_outcome(self, subs: list[_Sub], outcome: str) -> None:
-        self.outcomes[outcome] += 1
-        for name in {n for sub in subs for n in sub.route.instance_names}:
-            self.instance_outcomes[(name, outcome)] += 1
+    def _count_outcome(self, subs: list[SubRequest], outcome: str) -> None:
+        self.metrics.count_outcome({n for sub in subs for n in sub.route.instance_names},
+                                   outcome)
 
     # ------------------------------------------------------------------ Generations
-    async def on_generations(self, msg: pb.DisaggStreamGenerations) -> pb.StatusSet:
-        reply = pb.StatusSet()
-        for gen in msg.gens:
-            sub = self._subs.get(gen.service_req_id)
-            if sub is None or sub.cancelled:
-                reply.all_status.add(ok=False, message="unknown or cancelled request")
-                continue
-            reply.all_status.add(ok=True)
-            out = output_from_proto(gen)
-            if (sub.route.is_pd and msg.instance_name and not gen.finished_on_prefill_instance
-                    and msg.instance_name != sub.route.decode.name):
-                self._follow_decode(sub, msg.instance_name)
-            if out.failed and self._resumable(sub, out):
-                self._migrate(sub, out.unreachable_instance, why=(
-                    f"decode instance {out.unreachable_instance} could not be reached "
-                    f"({out.error_message})"))
-            elif out.failed or not sub.route.is_pd:
-                self._deliver(sub, out)
-            elif gen.finished_on_prefill_instance:
-                sub.first_seen = True
-                self._deliver(sub, out)
-                for held in sub.held:
-                    self._deliver(sub, held)
-                if sub.held:
-                    self._release_prefill(sub)
-                sub.held.clear()
-            elif sub.first_seen:
-                self._deliver(sub, out)
-                self._release_prefill(sub)
-            else:
-                sub.held.append(out)
-        return reply
+    async def on_generations(self, msg) -> object:
+        """XllmRpcService.Generations: relay each output to its client; the reply says
+        ok=false for the ones no client waits for (the engine aborts them)."""
+        batch = wire.generations_from_proto(msg)
+        return wire.generations_reply([self._on_generation(batch.instance_name, g)
+                                       for g in batch.gens])
 
-    def _follow_decode(self, sub: _Sub, name: str) -> None:
+    def _on_generation(self, instance_name: str, gen: wire.Generation) -> bool:
+        sub = self.subs.get(gen.service_request_id)
+        if sub is None or sub.phase is SubPhase.CANCELLED:
+            return False
+        out = gen.output
+        if (sub.route.is_pd and instance_name and not gen.on_prefill
+                and instance_name != sub.route.decode.name):
+            self._follow_decode(sub, instance_name)
+        if out.failed and self._resumable(sub, out):
+            self._migrate(sub, out.unreachable_instance, why=(
+                f"decode instance {out.unreachable_instance} could not be reached "
+                f"({out.error_message})"))
+        elif out.failed:
+            self._deliver(sub, out)
+        elif not sub.route.is_pd:
+            self._advance(sub, SubPhase.STREAMING)
+            self._deliver(sub, out)
+        elif gen.on_prefill:
+            held, sub.held = sub.held, []
+            self._advance(sub, SubPhase.STREAMING if held else SubPhase.FIRST_RELAYED)
+            self._deliver(sub, out)
+            for h in held:
+                self._deliver(sub, h)
+            if held:
+                self._release_prefill(sub)
+        elif sub.phase in (SubPhase.FIRST_RELAYED, SubPhase.STREAMING):
+            self._advance(sub, SubPhase.STREAMING)
+            self._deliver(sub, out)
+            self._release_prefill(sub)
+        else:
+            self._advance(sub, SubPhase.HOLDING)
+            sub.held.append(out)
+        return True
+
+    @staticmethod
+    def _advance(sub: SubRequest, phase: SubPhase) -> None:
+        """On to `phase`, unless the sub is there or past it already."""
+        if sub.phase < phase and not sub.phase.is_done:
+            sub.transition(phase)
+
+    def _follow_decode(self, sub: SubRequest, name: str) -> None:
         """The prefill handed the sub to another decode than the one chosen here (that one
         was full, or unreachable): from now on eviction, Cancel and the counts go to the
         decode that runs it."""
@@ -323,22 +284,20 @@ class ServiceBackend:
                            sub.engine_request_id, name)
             return
         old = sub.route.decode.name
-        self._by_instance.get(old, set()).discard(sub.engine_request_id)
-        self._by_instance[name].add(sub.engine_request_id)
-        sub.route = Route(sub.route.target, info)
+        self.subs.move(sub, info)
         logger.info("request %s: prefill handed it to decode %s instead of %s",
                     sub.engine_request_id, name, old)
 
-    def _resumable(self, sub: _Sub, out: RequestOutput) -> bool:
+    def _resumable(self, sub: SubRequest, out: RequestOutput) -> bool:
         """A PD sub whose prefill could not reach its decode to hand it over (the decode
         died, or hangs) after its first token was relayed, and before any decode output:
         it moves to another decode like one whose decode was evicted, rather than
         failing. (After a decode output the decode has it: its eviction decides.)"""
         return (sub.route.is_pd and out.unreachable_instance == sub.route.decode.name
                 and len(sub.generated) == 1 and not sub.held and sub.spec is not None
-                and sub.single_sequence and not sub.finished)
+                and sub.single_sequence and not sub.phase.is_done)
 
-    def _release_prefill(self, sub: _Sub) -> None:
+    def _release_prefill(self, sub: SubRequest) -> None:
         """PD: the request no longer depends on its prefill instance, so that instance's
         eviction must not fail it. Called once the service holds both prefill's first
         token and a decode output: a decode output means decode has the KV and is
@@ -349,13 +308,13 @@ class ServiceBackend:
         both instances."""
         prefill, decode = sub.route.target.name, sub.route.decode.name
         if prefill != decode:
-            self._by_instance.get(prefill, set()).discard(sub.engine_request_id)
+            self.subs.release(sub, prefill)
 
-    def _deliver(self, sub: _Sub, out: RequestOutput) -> None:
-        if sub.finished:
+    def _deliver(self, sub: SubRequest, out: RequestOutput) -> None:
+        if sub.phase.is_done:
             return
         if out.finished:
-            sub.finished = True
+            sub.transition(SubPhase.FINISHED)
         if sub.single_sequence and out.outputs:
             sub.generated.extend(out.outputs[0].token_ids)
             if out.outputs[0].text:  # the engine emits text only up to a whole character
@@ -363,13 +322,12 @@ class ServiceBackend:
         sub.queue.put_nowait((sub, out))
 
     def on_evict(self, info: InstanceInfo) -> None:
-        """An instance is gone: the requests that still depend on it (`_by_instance`, see
+        """An instance is gone: the requests that still depend on it (see
         `_release_prefill`) move to another instance of its kind if it was generating them
         (their decode, or their MIX instance), they are single-sequence and a token was
         relayed (see the module docstring), else end with an error now."""
-        for engine_id in list(self._by_instance.pop(info.name, ())):
-            sub = self._subs.get(engine_id)
-            if sub is None or sub.finished:
+        for sub in self.subs.pop_instance(info.name):
+            if sub.phase.is_done:
                 continue
             why = f"instance {info.name} left the cluster while serving the request"
             if sub.serving == info.name and sub.generated and sub.spec is not None:
@@ -379,14 +337,15 @@ class ServiceBackend:
                 p = sub.spec.params
                 why += (f"; it cannot be migrated: only a single-sequence request can resume "
                         f"elsewhere, and it asked for n={p.n}, best_of={p.best_of or p.n}")
-            logger.warning("instance %s evicted: failing request %s", info.name, engine_id)
+            logger.warning("instance %s evicted: failing request %s", info.name,
+                           sub.engine_request_id)
             self._fail(sub, why)
 
-    def _fail(self, sub: _Sub, message: str) -> None:
+    def _fail(self, sub: SubRequest, message: str) -> None:
         self._deliver(sub, RequestOutput(request_id=sub.engine_request_id, finished=True,
                                          error_code=503, error_message=message))
 
-    def _migrate(self, sub: _Sub, dead: str, why: str = "") -> None:
+    def _migrate(self, sub: SubRequest, dead: str, why: str = "") -> None:
         """Re-key `sub` and hand it to another instance of the dead one's kind (DECODE for
         a PD sub, MIX for a MIX one) with MultiGenerations (async)."""
         spec, k = sub.spec, len(sub.generated)
@@ -403,41 +362,34 @@ class ServiceBackend:
         if target is None:
             logger.warning("instance %s lost: cannot migrate request %s (%s)", dead,
                            sub.engine_request_id, reason)
-            self.migrations["failed"] += 1
+            self.metrics.migrations["failed"] += 1
             self._fail(sub, f"{why}; could not migrate it: {reason}")
             return
         old_id, new_id = sub.engine_request_id, _engine_id(sub.request_id, sub.index_offset)
-        self._subs.pop(old_id, None)
-        for name in sub.route.instance_names:
-            self._by_instance.get(name, set()).discard(old_id)
-        sub.engine_request_id = new_id
-        sub.route = Route(sub.route.target, target) if sub.route.is_pd else Route(target)
-        self._subs[new_id] = sub
-        self._by_instance[target.name].add(new_id)
+        route = Route(sub.route.target, target) if sub.route.is_pd else Route(target)
+        self.subs.rekey(sub, new_id, route)
+        self._advance(sub, SubPhase.STREAMING)  # no longer waits for its prefill
         logger.warning("instance %s lost: migrating request %s (%d tokens generated) to %s "
                        "as %s", dead, old_id, k, target.name, new_id)
         params = dataclasses.replace(spec.params, prompt_logprobs=None, echo=False)
-        item = pb.MultiGenerationsRequest(
-            request=spec_to_proto(dataclasses.replace(
-                spec, request_id=new_id, service_request_id=new_id, params=params,
-                decode_name=target.name if sub.route.is_pd else "")),
-            generated_token_ids=list(sub.generated),
-            num_unread_tokens=k - sub.num_read, has_num_unread_tokens=True)
-        self._spawn(self._send_migration(sub, item, target, why))
+        resumed = dataclasses.replace(spec, request_id=new_id, service_request_id=new_id,
+                                      params=params,
+                                      decode_name=target.name if route.is_pd else "")
+        self._spawn(self._send_migration(sub, resumed, k - sub.num_read, target, why))
 
-    async def _send_migration(self, sub: _Sub, item: pb.MultiGenerationsRequest,
+    async def _send_migration(self, sub: SubRequest, spec: EngineRequestSpec, num_unread: int,
                               target: InstanceInfo, why: str) -> None:
-        new_id, t0 = item.request.service_req_id, time.monotonic()
+        new_id, t0 = spec.service_request_id, time.monotonic()
         try:
-            status = await self._stub(target.meta.rpc_address).MultiGenerations(
-                pb.MultiGenerationsRequests(reqs=[item]), timeout=self.rpc_timeout_s)
+            status = await self.engines.migrate(target.meta.rpc_address, spec,
+                                                list(sub.generated), num_unread)
             error = "" if status.ok else status.message or "refused"
         except grpc.aio.AioRpcError as exc:
             error = f"{exc.code().name}: {exc.details()}"
         except Exception as exc:  # the client must hear of it, not wait out the idle timeout
             logger.exception("MultiGenerations of %s on %s failed", new_id, target.name)
             error = repr(exc)
-        self.migrations["failed" if error else "ok"] += 1
+        self.metrics.migrations["failed" if error else "ok"] += 1
         if error:
             logger.warning("MultiGenerations of %s on %s failed after %.2fs: %s", new_id,
                            target.name, time.monotonic() - t0, error)
@@ -447,25 +399,16 @@ class ServiceBackend:
         if error and sub.engine_request_id == new_id:  # else re-keyed again or forgotten
             self._fail(sub, f"{why}; migrating it to {target.name} failed: {error}")
 
-    def _forget(self, sub: _Sub, cancelled: bool) -> None:
-        if cancelled:
-            sub.cancelled = True
-            self._spawn_cancel(sub)
-        self._subs.pop(sub.engine_request_id, None)
-        for name in sub.route.instance_names:
-            self._by_instance.get(name, set()).discard(sub.engine_request_id)
+    def _forget(self, sub: SubRequest, cancel: bool) -> None:
+        if cancel and not sub.phase.is_done:
+            sub.transition(SubPhase.CANCELLED)
+            self._spawn(self._cancel(sub.engine_request_id, sub.route))
+        self.subs.forget(sub)
 
-    def _spawn_cancel(self, sub: _Sub) -> None:
-        async def cancel() -> None:
-            for info in (sub.route.target, sub.route.decode):
-                if info is None:
-                    continue
-                try:
-                    await self._stub(info.meta.rpc_address).Cancel(
-                        pb.PullSignal(req_id=sub.engine_request_id), timeout=1.0)
-                except grpc.aio.AioRpcError:
-                    pass
-        self._spawn(cancel())
+    async def _cancel(self, engine_request_id: str, route: Route) -> None:
+        for info in (route.target, route.decode):
+            if info is not None:
+                await self.engines.cancel(info.meta.rpc_address, engine_request_id)
 
     def _spawn(self, coro) -> None:
         try:
@@ -476,43 +419,5 @@ class ServiceBackend:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _stub(self, addr: str) -> pb_grpc.DisaggPDServiceStub:
-        return pb_grpc.DisaggPDServiceStub(self._channels.get(addr))
-
-    def metrics_text(self) -> str:
-        lines = ["# HELP xllm_service_requests_total Requests by outcome",
-                 "# TYPE xllm_service_requests_total counter"]
-        for outcome, n in sorted(self.outcomes.items()):
-            lines.append(f'xllm_service_requests_total{{outcome="{outcome}"}} {n}')
-        lines += ["# HELP xllm_service_instance_requests_total Finished requests by instance and outcome",
-                  "# TYPE xllm_service_instance_requests_total counter"]
-        for (name, outcome), n in sorted(self.instance_outcomes.items()):
-            lines.append(f'xllm_service_instance_requests_total{{instance="{name}",'
-                         f'outcome="{outcome}"}} {n}')
-        lines += ["# HELP xllm_service_migrations_total Requests moved off an evicted decode "
-                  "or MIX instance by MultiGenerations, by outcome",
-                  "# TYPE xllm_service_migrations_total counter"]
-        for outcome in ("failed", "ok"):
-            lines.append(f'xllm_service_migrations_total{{outcome="{outcome}"}} '
-                         f'{self.migrations[outcome]}')
-        lines += ["# HELP xllm_service_inflight_requests In-flight requests by instance",
-                  "# TYPE xllm_service_inflight_requests gauge"]
-        for name, ids in sorted(self._by_instance.items()):
-            lines.append(f'xllm_service_inflight_requests{{instance="{name}"}} {len(ids)}')
-        if self.prefix_index is not None:
-            lines += ["# HELP xllm_service_prefix_cached_blocks Prefix-cache blocks an instance "
-                      "holds, as its heartbeats reported them",
-                      "# TYPE xllm_service_prefix_cached_blocks gauge"]
-            for name, n in self.prefix_index.sizes():
-                lines.append(f'xllm_service_prefix_cached_blocks{{instance="{name}"}} {n}')
-        if self.instance_counts is not None:
-            lines += ["# HELP xllm_service_instances Registered instances by state",
-                      "# TYPE xllm_service_instances gauge"]
-            for state, n in sorted(self.instance_counts().items()):
-                lines.append(f'xllm_service_instances{{state="{state}"}} {n}')
-        return "\n".join(lines) + "\n"
-
     async def close(self) -> None:
-        for stream in self._gen_streams.values():
-            await stream.close()
-        await self._channels.close()
+        await self.engines.close()

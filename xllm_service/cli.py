@@ -1,8 +1,10 @@
-"""Command line of the master: `python -m xllm_service --help`."""
+"""Command line of the master: `python -m xllm_service --help`; `config_from_args` turns
+the flags into a ServiceConfig."""
 from __future__ import annotations
 
 import argparse
 
+from xllm_py.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
 from xllm_py.utils.cli import add_flag
 
 
@@ -37,3 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
              help="fail a request when its engine sends nothing for this long (s)")
     add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    """The ServiceConfig of parsed flags (the only place flags become configuration)."""
+    return ServiceConfig(
+        etcd_addr=args.etcd, etcd_namespace=args.etcd_namespace, etcd_ttl_s=args.etcd_ttl,
+        host=args.host, advertise_host=args.advertise_host, http_port=args.http_port,
+        rpc_port=args.rpc_port, model=args.model, served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        registry=RegistryConfig(evict_grace_s=args.evict_grace_s),
+        router=RouterConfig(load_balance_policy=args.load_balance_policy),
+        relay=RelayConfig(rpc_timeout_s=args.rpc_timeout,
+                          idle_timeout_s=args.request_idle_timeout))

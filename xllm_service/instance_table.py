@@ -25,11 +25,11 @@ import enum
 import logging
 
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.config import InstanceRole
+from xllm_py.config import InstanceRole, RegistryConfig
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_EVICT_GRACE_S = 3.0
+DEFAULT_EVICT_GRACE_S = RegistryConfig.evict_grace_s
 
 
 class InstanceState(str, enum.Enum):

@@ -25,10 +25,9 @@ import httpx
 
 from xllm_py.cluster.etcd_client import INSTANCE_PREFIX, EtcdClient, EtcdError, EventKind, parse_instance_key
 from xllm_py.cluster.instance_meta import InstanceMeta, InstanceMetaError
-from xllm_py.config import InstanceRole
+from xllm_py.config import InstanceRole, RegistryConfig
 from xllm_py.utils.aio import cancel_and_wait, wait_for
 from xllm_service.instance_table import (
-    DEFAULT_EVICT_GRACE_S,
     Change,
     ChangeKind,
     HeartbeatResult,
@@ -43,25 +42,17 @@ EvictCallback = Callable[[InstanceInfo, str], "None | Awaitable[None]"]  # (old 
 ChangeCallback = Callable[[Change], "None | Awaitable[None]"]
 CacheEventCallback = Callable[[str, list[bytes], list[bytes], bool], "None | Awaitable[None]"]
 
-_RESYNC_BACKOFF_S = (0.1, 0.2, 0.5, 1.0)
-
-
 class Registry:
     def __init__(
         self,
         etcd: EtcdClient,
-        evict_grace_s: float = DEFAULT_EVICT_GRACE_S,
-        health_interval_s: float = 0.25,
-        health_timeout_s: float = 0.5,
+        config: RegistryConfig = RegistryConfig(),
         clock: Callable[[], float] = time.monotonic,
-        identity_check_s: float = 1.0,
     ) -> None:
         self.etcd = etcd
-        self.table = InstanceTable(evict_grace_s=evict_grace_s)
-        self.health_interval_s = health_interval_s
-        self.health_timeout_s = health_timeout_s
+        self.config = config
+        self.table = InstanceTable(evict_grace_s=config.evict_grace_s)
         self._clock = clock
-        self.identity_check_s = identity_check_s
         self._cluster_id = 0
         self._last_revision = 0
         self._seen: dict[str, int] = {}  # instance key -> mod_revision, as the watch saw it
@@ -131,7 +122,7 @@ class Registry:
 
     async def start(self, wait_synced_s: float | None = 5.0) -> None:
         """Start watching; waits (up to `wait_synced_s`) for the first full listing."""
-        self._http = httpx.AsyncClient(timeout=self.health_timeout_s, trust_env=False)
+        self._http = httpx.AsyncClient(timeout=self.config.health_timeout_s, trust_env=False)
         self._tasks = [
             asyncio.create_task(self._watch_loop(), name="registry-watch"),
             asyncio.create_task(self._probe_loop(), name="registry-probe"),
@@ -226,14 +217,15 @@ class Registry:
                 attempt = 0
                 watch = asyncio.create_task(self._consume(revision + 1), name="registry-watch-stream")
                 while True:
-                    done, _ = await asyncio.wait({watch}, timeout=self.identity_check_s)
+                    done, _ = await asyncio.wait({watch}, timeout=self.config.identity_check_s)
                     if done:
                         watch.result()  # raises what broke the stream
                         raise EtcdError("watch ended")
                     if await self._store_replaced():
                         break
             except EtcdError as e:
-                delay = _RESYNC_BACKOFF_S[min(attempt, len(_RESYNC_BACKOFF_S) - 1)]
+                backoff = self.config.resync_backoff_s
+                delay = backoff[min(attempt, len(backoff) - 1)]
                 attempt += 1
                 logger.warning("registry: etcd watch interrupted (%s); resync in %.1fs", e, delay)
                 await asyncio.sleep(delay)
@@ -264,7 +256,7 @@ class Registry:
         if not addr or self._http is None:
             return False
         try:
-            resp = await self._http.get(f"http://{addr}/health", timeout=self.health_timeout_s)
+            resp = await self._http.get(f"http://{addr}/health", timeout=self.config.health_timeout_s)
             return resp.status_code == 200
         except httpx.HTTPError:
             return False
@@ -281,7 +273,7 @@ class Registry:
 
     async def _probe_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.health_interval_s)
+            await asyncio.sleep(self.config.health_interval_s)
             try:
                 await self.probe_once()
             except asyncio.CancelledError:

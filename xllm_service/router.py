@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 from typing import Callable, Sequence
 
-from xllm_py.config import InstanceRole
+from xllm_py.config import InstanceRole, RouterConfig
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
 
@@ -42,11 +42,13 @@ class LeastLoadPolicy(LoadBalancePolicy):
     instance's last heartbeat (waiting queue, KV usage) for load that other services sent."""
     name = "LEAST_LOAD"
 
-    def __init__(self, inflight: Callable[[str], int]) -> None:
+    def __init__(self, inflight: Callable[[str], int], kv_usage_weight: float = 4.0) -> None:
         self.inflight = inflight
+        self.kv_usage_weight = kv_usage_weight
 
     def load(self, info: InstanceInfo) -> float:
-        return self.inflight(info.name) + info.load.waiting + 4.0 * info.load.kv_usage
+        return (self.inflight(info.name) + info.load.waiting
+                + self.kv_usage_weight * info.load.kv_usage)
 
     def select(self, candidates: Sequence[InstanceInfo], request: object = None) -> InstanceInfo:
         return min(candidates, key=lambda info: (self.load(info), info.name))
@@ -59,8 +61,8 @@ class CacheAwarePolicy(LeastLoadPolicy):
     name = "CACHE_AWARE"
 
     def __init__(self, inflight: Callable[[str], int], index: PrefixIndex,
-                 max_imbalance: float = 4.0) -> None:
-        super().__init__(inflight)
+                 max_imbalance: float = 4.0, kv_usage_weight: float = 4.0) -> None:
+        super().__init__(inflight, kv_usage_weight)
         self.index = index
         self.max_imbalance = max_imbalance
 
@@ -82,17 +84,25 @@ class CacheAwarePolicy(LeastLoadPolicy):
         return min(eligible, key=lambda i: (-hits(i), loads[i.name], i.name))
 
 
-def make_policy(name: str, inflight: Callable[[str], int],
-                index: PrefixIndex | None = None) -> LoadBalancePolicy:
+def make_policy(name: str, inflight: Callable[[str], int], index: PrefixIndex | None = None,
+                config: RouterConfig = RouterConfig()) -> LoadBalancePolicy:
+    """The policy called `name`; its tuning from `config` (its load_balance_policy is
+    not read: see `policy_from_config`)."""
     name = name.upper()
     if name in ("RR", "ROUND_ROBIN"):
         return RoundRobinPolicy()
     if name in ("LEAST_LOAD", "LL"):
-        return LeastLoadPolicy(inflight)
+        return LeastLoadPolicy(inflight, config.kv_usage_weight)
     if name in ("CACHE_AWARE", "PREFIX"):
-        return CacheAwarePolicy(inflight, index or PrefixIndex())
+        return CacheAwarePolicy(inflight, index or PrefixIndex(), config.max_imbalance,
+                                config.kv_usage_weight)
     raise ValueError(f"unknown load balance policy {name!r}; expected RR, LEAST_LOAD or "
                      "CACHE_AWARE")
+
+
+def policy_from_config(config: RouterConfig, inflight: Callable[[str], int],
+                       index: PrefixIndex | None = None) -> LoadBalancePolicy:
+    return make_policy(config.load_balance_policy, inflight, index, config)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,8 +24,9 @@ from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, LeasedKey, instan
 from xllm_py.cluster.instance_meta import InstanceMeta, InstanceMetaError, new_incarnation_id, now_ms
 from xllm_py.config import InstanceRole
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+from xllm_py.rpc import service as wire
 from xllm_py.utils.aio import cancel_and_wait
-from xllm_py.utils.grpc_server import start_grpc_server
+from xllm_py.utils.grpc_server import SERVER_OPTIONS, start_grpc_server
 from xllm_service.instance_table import LoadInfo
 from xllm_service.registry import Registry
 
@@ -36,19 +37,13 @@ OnGenerations = Callable[[xllm_pb2.DisaggStreamGenerations], Awaitable[xllm_pb2.
 
 async def unknown_generations(msg: xllm_pb2.DisaggStreamGenerations) -> xllm_pb2.StatusSet:
     """Default before a router is attached: no request is known, every engine should cancel."""
-    return xllm_pb2.StatusSet(
-        all_status=[xllm_pb2.Status(ok=False, code=404, message="unknown request") for _ in msg.gens]
-    )
+    return wire.unknown_generations_reply(len(msg.gens))
 
 
-def load_from_heartbeat(req: xllm_pb2.HeartbeatRequest) -> LoadInfo:
-    return LoadInfo(
-        waiting=req.load_metrics.waiting_requests_num,
-        running=req.load_metrics.running_requests_num,
-        kv_usage=req.load_metrics.gpu_cache_usage_perc,
-        recent_max_ttft_ms=req.latency_metrics.recent_max_ttft,
-        recent_max_tbt_ms=req.latency_metrics.recent_max_tbt,
-    )
+def load_from_heartbeat(hb: wire.Heartbeat) -> LoadInfo:
+    return LoadInfo(waiting=hb.waiting, running=hb.running, kv_usage=hb.kv_usage,
+                    recent_max_ttft_ms=hb.recent_max_ttft_ms,
+                    recent_max_tbt_ms=hb.recent_max_tbt_ms)
 
 
 class ProxyRegistrations:
@@ -140,7 +135,7 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
             await self.proxy.register(meta)
         except EtcdError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"registering {meta.name} in etcd failed: {e}")
-        return xllm_pb2.StatusCode(status_code=200, message=f"incarnation_id={meta.incarnation_id}")
+        return wire.registered_reply(meta.incarnation_id)
 
     async def GetInstanceInfo(
         self, request: xllm_pb2.InstanceID, context: grpc.aio.ServicerContext
@@ -151,27 +146,28 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
         return info.meta.to_proto()
 
     async def Heartbeat(self, request: xllm_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
-        if not request.name or not request.incarnation_id:
+        hb = wire.heartbeat_from_proto(request)
+        if not hb.name or not hb.incarnation_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "heartbeat needs name and incarnation_id")
         result = self.registry.heartbeat(
-            request.name,
-            request.incarnation_id,
-            load_from_heartbeat(request),
-            stored_cache=list(request.cache_event.stored_cache),
-            removed_cache=list(request.cache_event.removed_cache),
-            full_cache=request.cache_event.full_snapshot,
+            hb.name,
+            hb.incarnation_id,
+            load_from_heartbeat(hb),
+            stored_cache=hb.stored_cache,
+            removed_cache=hb.removed_cache,
+            full_cache=hb.full_cache,
         )
-        return xllm_pb2.Status(ok=result.ok, message=result.message, code=200 if result.ok else 409)
+        return wire.heartbeat_reply(result.ok, result.message)
 
     async def GetStaticDecodeList(
         self, request: xllm_pb2.InstanceID, context: grpc.aio.ServicerContext
     ) -> xllm_pb2.InstanceIDs:
-        return xllm_pb2.InstanceIDs(names=[i.name for i in self.registry.schedulable(InstanceRole.DECODE)])
+        return wire.instance_ids([i.name for i in self.registry.schedulable(InstanceRole.DECODE)])
 
     async def GetStaticPrefillList(
         self, request: xllm_pb2.InstanceID, context: grpc.aio.ServicerContext
     ) -> xllm_pb2.InstanceIDs:
-        return xllm_pb2.InstanceIDs(names=[i.name for i in self.registry.schedulable(InstanceRole.PREFILL)])
+        return wire.instance_ids([i.name for i in self.registry.schedulable(InstanceRole.PREFILL)])
 
     async def Generations(
         self, request: xllm_pb2.DisaggStreamGenerations, context: grpc.aio.ServicerContext
@@ -201,3 +197,20 @@ async def create_server(
     """Start a grpc.aio server for `servicer`; returns (server, bound port)."""
     return await start_grpc_server(xllm_pb2_grpc.add_XllmRpcServiceServicer_to_server, servicer,
                                    host, port, "XllmRpcService")
+
+
+def bind_server(host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """A server bound to host:port (0: any free port), not serving yet: the service knows
+    its own address before it builds the components that advertise it."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind XllmRpcService on {host}:{port}")
+    return server, bound
+
+
+async def start_serving(server: grpc.aio.Server,
+                        servicer: xllm_pb2_grpc.XllmRpcServiceServicer) -> None:
+    """Serve `servicer` on a server from `bind_server`."""
+    xllm_pb2_grpc.add_XllmRpcServiceServicer_to_server(servicer, server)
+    await server.start()

@@ -1,79 +1,78 @@
 """The master process.
 
-Stages: connect etcd -> registry watch (instance table) -> XllmRpcService (gRPC) ->
-master election -> OpenAI HTTP API -> serve until SIGTERM -> resign, stop, close.
+Stages: tokenizer + model config (no weights, no torch) -> connect etcd -> bind the gRPC
+port (the service's own address) -> build the components from ServiceConfig -> serve
+XllmRpcService -> registry watch (instance table) -> master election -> OpenAI HTTP API
+-> serve until SIGTERM -> resign, stop, close.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
 
-from xllm_py.config import advertised_host, etcd_credentials_from_env
-from xllm_py.model.config import ModelConfig
+from xllm_py.config import ServiceConfig, advertised_host, etcd_credentials_from_env
 from xllm_py.utils.aio import wait_for
 
 logger = logging.getLogger(__name__)
 
 
-async def run_service(args: argparse.Namespace) -> None:
+async def run_service(config: ServiceConfig) -> None:
     from xllm_py.api.app import build_app
     from xllm_py.api.server import serve
     from xllm_py.cluster.etcd_client import EtcdClient
-    from xllm_py.engine.llm_engine import resolve_model_dir
+    from xllm_py.model.config import ModelConfig
+    from xllm_py.model.tiny import model_files_dir
     from xllm_py.model.tokenizer import Tokenizer
     from xllm_service.backend import ServiceBackend
     from xllm_service.election import MasterElection
+    from xllm_service.engine_client import EngineClient
+    from xllm_service.metrics import ServiceMetrics
     from xllm_service.prefix_index import PrefixIndex
     from xllm_service.registry import Registry
-    from xllm_service.router import Router, make_policy
-    from xllm_service.rpc_service import ProxyRegistrations, XllmRpcServicer, create_server
+    from xllm_service.router import Router, policy_from_config
+    from xllm_service.rpc_service import (ProxyRegistrations, XllmRpcServicer, bind_server,
+                                          start_serving)
+    from xllm_service.sub_request import SubRequests
 
-    model_dir = resolve_model_dir(args.model)
+    model_dir = model_files_dir(config.model)
     tokenizer = Tokenizer.from_dir(model_dir)
-    model_config = ModelConfig.from_dir(model_dir)
-    max_len = args.max_model_len or model_config.max_position_embeddings
-    name = args.served_model_name or (args.model.rstrip("/").rsplit("/", 1)[-1] or args.model)
+    max_len = config.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
 
-    etcd = EtcdClient(args.etcd, namespace=args.etcd_namespace,
+    etcd = EtcdClient(config.etcd_addr, namespace=config.etcd_namespace,
                       credentials=etcd_credentials_from_env())
     await etcd.connect()
-    registry = Registry(etcd, evict_grace_s=args.evict_grace_s)
-    addr_host = advertised_host(args.host, args.advertise_host)
-    rpc_addr = f"{addr_host}:{args.rpc_port}"
-    backend_ref: list[ServiceBackend] = []
+    server, port = bind_server(config.host, config.rpc_port)
+    rpc_addr = f"{advertised_host(config.host, config.advertise_host)}:{port}"
+
+    registry = Registry(etcd, config.registry)
     prefix_index = PrefixIndex()
-    registry.on_cache_event(prefix_index.update)
+    subs = SubRequests()
     router = Router(registry.schedulable,
-                    make_policy(args.load_balance_policy, lambda n: backend_ref[0].inflight(n),
-                                prefix_index))
-    backend = ServiceBackend(tokenizer, name, max_len, router, rpc_addr,
-                             rpc_timeout_s=args.rpc_timeout,
-                             idle_timeout_s=args.request_idle_timeout,
-                             instance_counts=registry.counts, prefix_index=prefix_index)
-    backend_ref.append(backend)
+                    policy_from_config(config.router, subs.inflight, prefix_index))
+    metrics = ServiceMetrics(subs.inflight_by_instance, prefix_index.sizes, registry.counts)
+    backend = ServiceBackend(tokenizer, config.model_name, max_len, router,
+                             EngineClient(config.relay), rpc_addr, config.relay, subs, metrics)
+    registry.on_cache_event(prefix_index.update)
     registry.on_evict(lambda info, reason: backend.on_evict(info))
     registry.on_evict(lambda info, reason: prefix_index.forget(info.name))
-    proxy = ProxyRegistrations(etcd, registry, ttl_s=args.etcd_ttl)
-    servicer = XllmRpcServicer(registry, proxy=proxy, on_generations=backend.on_generations)
-    server, port = await create_server(servicer, args.host, args.rpc_port)
-    rpc_addr = f"{addr_host}:{port}"
-    backend.my_rpc_addr = rpc_addr
+    proxy = ProxyRegistrations(etcd, registry, ttl_s=config.etcd_ttl_s)
+    await start_serving(server, XllmRpcServicer(registry, proxy=proxy,
+                                                on_generations=backend.on_generations))
     await registry.start()
-    election = MasterElection(etcd, rpc_addr, ttl_s=args.etcd_ttl)
+    election = MasterElection(etcd, rpc_addr, ttl_s=config.etcd_ttl_s)
     election.on_change(lambda is_master, addr: logger.info(
         "master is now %s%s", addr, " (this service)" if is_master else ""))
     await election.start()
 
-    app = build_app(backend, served_model_name=name)
+    app = build_app(backend, served_model_name=config.model_name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    http_task = asyncio.create_task(serve(app, args.host, args.http_port, stop_event=stop))
-    logger.info("xllm_service on http://%s:%d (rpc %s), etcd %s", args.host, args.http_port,
-                rpc_addr, args.etcd)
+    http_task = asyncio.create_task(serve(app, config.host, config.http_port, stop_event=stop))
+    logger.info("xllm_service on http://%s:%d (rpc %s), etcd %s", config.host,
+                config.http_port, rpc_addr, config.etcd_addr)
     stop_task = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     if http_task in done and http_task.exception():
@@ -81,13 +80,13 @@ async def run_service(args: argparse.Namespace) -> None:
     logger.info("shutting down")
     stop.set()
     try:
-        await wait_for(http_task, 10)
+        await wait_for(http_task, config.http_shutdown_s)
     except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
         pass
     for coro in (election.stop(), proxy.stop(), registry.stop(), server.stop(1.0),
                  backend.close()):
         try:
-            await wait_for(coro, 5.0)
+            await wait_for(coro, config.component_shutdown_s)
         except Exception as exc:
             logger.warning("shutdown step failed: %s", exc)
     await etcd.close()

@@ -95,7 +95,7 @@ async def test_multi_generations_continues_like_mix(etcd_server, tmp_path):
             # Bad RPCs get a status with a message, and the instance keeps serving.
             replies = await stub.AddNewRequests(pb.DisaggRequests(
                 prefill_name="p", reqs=[pb.DisaggRequest(req_id="bad")]), timeout=10)
-            assert replies.reqs[0].status_code == 500
+            assert replies.reqs[0].status_code == 400  # INVALID_ARGUMENT: a bad request
             assert "prompt_tokens is empty" in replies.reqs[0].status_msg
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Generate(req, timeout=10)

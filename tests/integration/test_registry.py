@@ -21,7 +21,7 @@ from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, instance_key
 from xllm_py.cluster.etcd_server import EmbeddedEtcd
 from xllm_py.cluster.instance_agent import InstanceAgent, LoadReport
 from xllm_py.cluster.instance_meta import InstanceMeta, new_incarnation_id, now_ms
-from xllm_py.config import InstanceRole
+from xllm_py.config import InstanceRole, RegistryConfig
 from xllm_py.engine.cache_events import CacheEvents
 from xllm_py.utils.procs import free_port
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
@@ -94,7 +94,7 @@ async def test_key_deleted_by_hand_comes_back(etcd_endpoint, etcd_namespace, etc
 
 
 async def test_registry_sees_agent_crash_then_evicts(etcd_endpoint, etcd_namespace, etcd_client):
-    registry = Registry(etcd_client, evict_grace_s=1.0, health_interval_s=0.1)
+    registry = Registry(etcd_client, RegistryConfig(evict_grace_s=1.0, health_interval_s=0.1))
     evicted: list[tuple[str, str, float]] = []
     registry.on_evict(lambda info, reason: evicted.append((info.name, reason, time.monotonic())))
     await registry.start()
@@ -125,7 +125,7 @@ async def test_registry_sees_agent_crash_then_evicts(etcd_endpoint, etcd_namespa
 
 
 async def test_restart_same_name_new_incarnation_within_ttl(etcd_endpoint, etcd_namespace, etcd_client):
-    registry = Registry(etcd_client, evict_grace_s=1.0, health_interval_s=0.1)
+    registry = Registry(etcd_client, RegistryConfig(evict_grace_s=1.0, health_interval_s=0.1))
     reasons: list[tuple[str, str]] = []
     registry.on_evict(lambda info, reason: reasons.append((info.incarnation_id, reason)))
     await registry.start()
@@ -161,7 +161,7 @@ async def _health_server(status: int):
 
 
 async def test_lease_lost_but_healthy_stays_schedulable_then_suspect(etcd_endpoint, etcd_namespace, etcd_client):
-    registry = Registry(etcd_client, evict_grace_s=0.5, health_interval_s=0.1)
+    registry = Registry(etcd_client, RegistryConfig(evict_grace_s=0.5, health_interval_s=0.1))
     await registry.start()
     server, http_addr = await _health_server(200)
     a = agent(etcd_endpoint, etcd_namespace, "d:1", http_address=http_addr)
@@ -196,7 +196,7 @@ async def test_agent_killed_9_in_subprocess(etcd_endpoint, etcd_namespace, etcd_
             await asyncio.sleep(60)
         asyncio.run(main())
     """)
-    registry = Registry(etcd_client, evict_grace_s=1.0, health_interval_s=0.1)
+    registry = Registry(etcd_client, RegistryConfig(evict_grace_s=1.0, health_interval_s=0.1))
     await registry.start()
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=os.getcwd())
     try:
@@ -223,7 +223,7 @@ async def test_agent_reregisters_after_etcd_loses_its_data():
     etcd.start()
     client = EtcdClient(etcd.endpoint, timeout_s=1.0)
     a = InstanceAgent(etcd.endpoint, make_meta("d:1"), ttl_s=TTL_S, heartbeat_interval_s=HB_S, etcd_timeout_s=1.0)
-    registry = Registry(client, evict_grace_s=5.0, health_interval_s=0.1)
+    registry = Registry(client, RegistryConfig(evict_grace_s=5.0, health_interval_s=0.1))
     try:
         await a.start()
         await registry.start()
@@ -250,7 +250,7 @@ async def test_agent_reregisters_after_etcd_loses_its_data():
 
 @pytest.fixture
 async def rpc(etcd_client):
-    registry = Registry(etcd_client, evict_grace_s=1.0, health_interval_s=0.1)
+    registry = Registry(etcd_client, RegistryConfig(evict_grace_s=1.0, health_interval_s=0.1))
     await registry.start()
     proxy = ProxyRegistrations(etcd_client, registry, ttl_s=TTL_S)
     server, port = await create_server(XllmRpcServicer(registry, proxy), "127.0.0.1", 0)
@@ -417,7 +417,7 @@ async def test_cache_index_recovers_lost_heartbeats_and_a_new_master(
         await wait_until(lambda: held(index) == {1, 3, 4}, 5.0)
         assert fulls[0] and not all(fulls)  # the first is full, then deltas
         # A new master (another service) learns the whole cache from the first heartbeat.
-        registry_b = Registry(etcd_client, evict_grace_s=1.0, health_interval_s=0.1)
+        registry_b = Registry(etcd_client, RegistryConfig(evict_grace_s=1.0, health_interval_s=0.1))
         await registry_b.start()
         index_b = PrefixIndex()
         registry_b.on_cache_event(index_b.update)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from xllm_py.api.serving import _Generations
+from xllm_py.api.generations import Generations
 from xllm_py.outputs import RequestOutput
 from xllm_py.utils.aio import cancel_and_wait, wait_for
 
@@ -85,12 +85,12 @@ class _StubbornStream:
 
 async def test_generations_pump_stops_after_cancel_even_if_the_cancel_is_lost():
     stream = _StubbornStream()
-    gens = _Generations([stream])
+    gens = Generations([stream])
     assert await gens.next() is not None
     gens.cancel()
     await asyncio.wait(gens._tasks, timeout=1.0)
     assert all(t.done() for t in gens._tasks)
     assert stream.closed
     produced = stream.produced
-    await asyncio.sleep(0.02)
+    await asyncio.sleep(0.02)  # (a deliberate gap: a pump still running would produce in it)
     assert stream.produced == produced  # nothing pulls it any more

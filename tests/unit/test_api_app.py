@@ -10,6 +10,8 @@ from xllm_py.api.app import build_app
 from xllm_py.api.server import serve_in_thread
 from xllm_py.api.testing import BOS_ID, FakeTokenizer, ScriptedBackend
 
+pytestmark = pytest.mark.integration  # uvicorn
+
 MODEL = "fake-model"
 
 
@@ -142,6 +144,17 @@ def test_completion_logprobs_format_and_echo(client):
     assert lp.text_offset == [0, 3, 4, 5, 6, 7]
     # top-2 plus the sampled token (which is also the best one here)
     assert lp.top_logprobs[3] == {"a": -0.5, "b": -1.0}
+
+
+def test_completion_stream_echo_logprobs_match_non_stream(client):
+    kwargs = dict(model=MODEL, prompt="xy", max_tokens=3, logprobs=1, echo=True)
+    full = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+    assert "".join(c.text for c in chunks) == full.text
+    with_lp = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for lp in with_lp for t in lp.tokens] == full.logprobs.tokens
+    assert [o for lp in with_lp for o in lp.text_offset] == full.logprobs.text_offset
+    assert [v for lp in with_lp for v in lp.token_logprobs] == full.logprobs.token_logprobs
 
 
 def test_chat_logprobs_format(client):
@@ -320,12 +333,26 @@ def test_dropped_stream_cancels_backend(client, backend):
     assert backend.cancelled == [backend.requests[-1].request_id]
 
 
+def _cancelled_count(base_url) -> float:
+    import re
+
+    m = re.search(r'^xllm_requests_total\{outcome="cancelled"\} ([0-9.]+)$',
+                  httpx.get(f"{base_url}/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_dropped_non_stream_request_cancels_backend(base_url, backend):
     backend.token_delay = 0.02
+    before = _cancelled_count(base_url)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base_url}/v1/completions", timeout=0.3,
                    json={"model": MODEL, "prompt": "x", "max_tokens": 200})
     assert backend.cancelled_event.wait(1.0), "backend never saw the cancellation"
+    # Counted as cancelled (it used to end in InvalidStateError, an unhandled 500).
+    deadline = time.monotonic() + 2.0
+    while _cancelled_count(base_url) != before + 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _cancelled_count(base_url) == before + 1
 
 
 # -- metrics -------------------------------------------------------------------------------

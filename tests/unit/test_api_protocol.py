@@ -23,8 +23,39 @@ def test_unknown_fields_ignored_and_defaults_converted():
     gen = req.to_generate_request(
         "cmpl-1", [1, 2], prompt_text="SECRET", max_tokens=5, x_request_id="t", arrival_time=0.0
     )
-    assert (gen.top_k, gen.stop, gen.logprobs, gen.best_of, gen.temperature) == (-1, ["s"], 2, 1, 1.0)
+    assert (gen.top_k, gen.stop, gen.logprobs, gen.best_of, gen.temperature) == (-1, ["s"], 2, None, 1.0)
     assert "SECRET" not in gen.anon_repr()
+
+
+def test_generate_request_carries_exactly_the_request_fields_with_sampling_defaults():
+    """The one list of sampling fields (REQUEST_FIELDS, from SamplingParams) is the one the
+    HTTP layer's GenerateRequest carries, with SamplingParams' defaults."""
+    import dataclasses
+
+    from xllm_py.api.backend import GenerateRequest
+    from xllm_py.sampling_params import REQUEST_FIELDS, SamplingParams
+
+    own = {"request_id", "prompt_token_ids", "prompt_text", "x_request_id", "stream", "arrival_time"}
+    names = {f.name for f in dataclasses.fields(GenerateRequest)}
+    assert names - own == set(REQUEST_FIELDS)
+    assert "eos_token_ids" not in REQUEST_FIELDS  # the engine's own
+    gen, default = GenerateRequest("r", [1]), SamplingParams()
+    for name in REQUEST_FIELDS:
+        if name != "max_tokens":  # always resolved by the HTTP layer
+            assert getattr(gen, name) == getattr(default, name), name
+
+
+def test_sampling_fields_name_only_what_the_client_set():
+    req = _parse(CompletionRequest, prompt="x", temperature=0.0, top_k=4, echo=True, n=2,
+                 stop=["a", ""], stop_token_ids=[7], logprobs=0, max_tokens=9)
+    assert req.sampling_fields() == {
+        "n": 2, "temperature": 0.0, "top_k": 4, "min_tokens": 0, "stop": ["a"],
+        "stop_token_ids": [7], "ignore_eos": False, "logprobs": 0, "echo": True,
+        "skip_special_tokens": True, "include_stop_str_in_output": False}
+    chat = _parse(ChatCompletionRequest, messages=[{"role": "user", "content": "a"}],
+                  logprobs=True, top_logprobs=3, best_of=2)
+    fields = chat.sampling_fields()
+    assert (fields["logprobs"], fields["best_of"], "echo" in fields) == (3, 2, False)
 
 
 def test_chat_max_completion_tokens_and_logprobs():

@@ -7,7 +7,8 @@ import pytest
 
 from xllm_py.api.backend import GenerateRequest
 from xllm_py.api.errors import BackendBusyError
-from xllm_py.engine.async_engine import AsyncEngine, sampling_params_from
+from xllm_py.engine.async_engine import AsyncEngine
+from xllm_py.sampling_params import SamplingParams
 
 
 def stub_engine(num_waiting: int):
@@ -29,13 +30,28 @@ async def test_full_queue_answers_busy_and_submits_nothing():
 
 
 def test_generate_request_maps_to_sampling_params():
-    p = sampling_params_from(GenerateRequest(
+    p = SamplingParams.from_request(GenerateRequest(
         request_id="r", prompt_token_ids=[1], n=2, best_of=1, temperature=0.0, top_k=5,
         stop=["x"], logprobs=3, seed=9, max_tokens=7))
     assert (p.n, p.best_of, p.temperature, p.top_k, p.stop, p.logprobs, p.seed, p.max_tokens) == \
         (2, None, 0.0, 5, ["x"], 3, 9, 7)
-    assert sampling_params_from(GenerateRequest(request_id="r", prompt_token_ids=[1], n=1,
+    assert SamplingParams.from_request(GenerateRequest(request_id="r", prompt_token_ids=[1], n=1,
                                                 best_of=3)).best_of == 3
+
+
+def test_every_request_field_reaches_sampling_params():
+    """GenerateRequest -> SamplingParams carries every field of REQUEST_FIELDS (the copies
+    of the list had drifted: echo and prompt_logprobs were dropped)."""
+    from xllm_py.sampling_params import REQUEST_FIELDS
+
+    values = dict(n=2, best_of=3, temperature=0.5, top_p=0.75, top_k=7, min_p=0.125,
+                  frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.25, seed=11,
+                  max_tokens=9, min_tokens=2, stop=["x"], stop_token_ids=[5], ignore_eos=True,
+                  logprobs=2, prompt_logprobs=1, echo=True, skip_special_tokens=False,
+                  include_stop_str_in_output=True, logit_bias={5: 2.5})
+    assert set(values) == set(REQUEST_FIELDS), "give the new field a value here"
+    p = SamplingParams.from_request(GenerateRequest(request_id="r", prompt_token_ids=[1], **values))
+    assert {name: getattr(p, name) for name in REQUEST_FIELDS} == values
 
 
 async def test_non_streaming_requests_get_a_final_only_sink():
@@ -50,3 +66,57 @@ async def test_non_streaming_requests_get_a_final_only_sink():
             await asyncio.wait_for(gen.__anext__(), 0.05)
         await gen.aclose()
     assert [r.sink.final_only for r in engine.submitted] == [True, False]
+
+
+# -- metrics: one registry per engine process, rendered by prometheus_client -----------------
+
+
+def _samples(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+async def test_engine_metrics_page_is_one_registry_with_the_old_names():
+    import httpx
+
+    from xllm_py.api.app import build_app
+
+    engine = stub_engine(num_waiting=0)
+    engine.stats = lambda: dict(running=2, waiting=3, kv_blocks_used=5, kv_blocks_total=64,
+                                prefix_hit_tokens=7, generated_tokens=11)
+    backend = AsyncEngine(engine)
+    backend.extra_metrics.append(lambda: "# TYPE legacy_gauge gauge\nlegacy_gauge 1\n")
+    app = build_app(backend)
+    assert app.state.metrics.registry is backend.metrics_registry
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://test") as c:
+        text = (await c.get("/metrics")).text
+    samples = _samples(text)
+    for name, value in (("xllm_requests_running", 2), ("xllm_requests_waiting", 3),
+                        ("xllm_kv_cache_blocks_used", 5), ("xllm_kv_cache_blocks_total", 64),
+                        ("xllm_prefix_cache_hit_tokens_total", 7),
+                        ("xllm_generation_tokens_total", 11), ("legacy_gauge", 1)):
+        assert samples[(name, ())] == value, name
+    assert ("xllm_e2e_request_latency_seconds_count", ()) in samples  # the HTTP layer's
+    assert "# TYPE xllm_requests_running gauge" in text
+
+
+def test_kv_transfer_collector_exposes_what_the_kv_worker_counts():
+    """The same samples (names, labels, values) as KVTransferMetrics' own text."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from xllm_py.engine.metrics import KVTransferCollector
+    from xllm_py.kv_transfer.metrics import KVTransferMetrics
+
+    m = KVTransferMetrics()
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(KVTransferCollector(m))
+    m.observe_success("pull", 1000, 2, 0.003)
+    m.observe_success("pull", 500, 1, 0.02)
+    m.observe_success("push", 64, 1, 20.0)
+    m.observe_failure("push", "timeout")
+    ours = _samples(generate_latest(registry).decode())
+    assert ours == _samples(m.render())
+    assert ours[("xllm_kv_transfer_seconds_bucket", (("le", "0.005"), ("op", "pull")))] == 1

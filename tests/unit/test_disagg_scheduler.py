@@ -1,326 +1,226 @@
-"""DisaggPDScheduler on a real engine: a cancel never frees blocks a KV transfer may still
-touch, and never leaves blocks held for good; a restarted decode is linked afresh.
-
-The peers are left out: the KV transfer is the scheduler's own `_worker_transfer`,
-replaced by one the test opens and closes, and the decode a prefill would notify sits
-at an address nothing listens on."""
+"""DisaggPDScheduler on a real engine (the tiny model), its peers faked (FakePeers: the
+decode engines and the KV worker are in the test's process): a request is placed,
+prefilled and handed over; a cancel never frees blocks a KV transfer may still touch,
+and never leaves blocks held for good; refusals keep decode's status; a restarted
+decode is linked afresh. Only public methods and the PDPeers interface are used."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import pytest
 
+from tests.unit.pd_fakes import FakePeers, Reporter, blocks_used, on_engine, until, until_free
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.config import CacheConfig, EngineConfig, InstanceRole
-from xllm_py.engine.disagg_scheduler import DisaggPDScheduler, _PrefillState
+from xllm_py.config import CacheConfig, EngineConfig, InstanceRole, KVTransferMode, TransferConfig
 from xllm_py.engine.llm_engine import LLMEngine
-from xllm_py.proto import xllm_pb2 as pb
-from xllm_py.rpc.convert import EngineRequestSpec, spec_to_proto
+from xllm_py.engine.pd.config import PDSchedulerConfig
+from xllm_py.engine.pd.messages import HandOver
+from xllm_py.engine.pd.phases import DecodePhase, PrefillPhase
+from xllm_py.engine.pd.scheduler import DisaggPDScheduler
+from xllm_py.rpc.convert import EngineRequestSpec
+from xllm_py.rpc.status import Status, StatusError
 from xllm_py.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.integration  # starts the tiny model
+
 PROMPT = list(range(5, 45))  # 40 tokens: 3 blocks of 16
+DECODE = InstanceRole.DECODE
 
 
-class _Sink:
-    def __init__(self) -> None:
-        self.outputs = []
-
-    def emit(self, output) -> None:
-        self.outputs.append(output)
-
-
-class _Reporter:
-    """Collects what the scheduler would send to the service."""
-
-    def __init__(self) -> None:
-        self.sinks: list[_Sink] = []
-
-    def sink(self, *args, **kwargs) -> _Sink:
-        self.sinks.append(_Sink())
-        return self.sinks[-1]
-
-    def flush(self) -> None:
-        pass
-
-
-async def _on_engine(engine: LLMEngine, fn):
-    return await asyncio.wrap_future(engine.call(fn))
-
-
-async def _blocks_used(engine: LLMEngine) -> int:
-    return await _on_engine(engine, lambda: engine.scheduler.kv.block_pool.num_used_blocks)
-
-
-async def _still_held(engine: LLMEngine, blocks: list[int]) -> None:
-    """A while later, the request's blocks are still in use (not freed under a transfer)."""
-    await asyncio.sleep(0.2)
-    assert await _blocks_used(engine) == len(blocks)
-
-
-async def _until_free(engine: LLMEngine, timeout_s: float = 20.0) -> None:
-    t0 = time.monotonic()
-    while await _blocks_used(engine) or await _on_engine(engine, lambda: engine.scheduler.requests):
-        assert time.monotonic() - t0 < timeout_s, "blocks still held"
-        await asyncio.sleep(0.02)
+def _decode_meta(name: str, **kw) -> InstanceMeta:
+    return InstanceMeta(name=name, type=DECODE, block_size=16, rpc_address="127.0.0.1:1",
+                        addrs=["127.0.0.1:7"], cluster_ids=[7], **kw)
 
 
 @pytest.fixture
-async def node(request):
-    role = request.param
-    config = EngineConfig(model="tiny", role=role, rpc_timeout_s=2.0,
-                          cache=CacheConfig(enable_prefix_caching=False))
-    engine = LLMEngine(config)
-    engine.start()
-    meta = InstanceMeta(name=f"{role.value.lower()}:1", type=role, block_size=16)
-    pd = DisaggPDScheduler(engine, config, meta, _Reporter(), resolve_meta=None,
-                           list_decodes=None, worker_rpc_addr="127.0.0.1:1")
-    pd.start()
-    yield engine, pd
-    await pd.stop()
-    engine.stop()
+async def make_node():
+    made = []
+
+    async def make(role: InstanceRole, mode: KVTransferMode = KVTransferMode.PULL,
+                   list_decodes=None, **pd_overrides):
+        config = EngineConfig(model="tiny", role=role, rpc_timeout_s=2.0,
+                              cache=CacheConfig(enable_prefix_caching=False),
+                              transfer=TransferConfig(mode=mode))
+        engine = LLMEngine(config)
+        engine.start()
+        meta = InstanceMeta(name=f"{role.value.lower()}:1", type=role, block_size=16,
+                            addrs=["127.0.0.1:3"], cluster_ids=[3])
+        peers = FakePeers()
+
+        async def resolve_meta(name: str) -> InstanceMeta:
+            return _decode_meta(name)
+
+        async def one_decode() -> list[str]:
+            return ["decode:1"]
+
+        pd = DisaggPDScheduler(engine, config, meta, Reporter(), peers, resolve_meta,
+                               list_decodes or one_decode, PDSchedulerConfig(**pd_overrides))
+        pd.start()
+        made.append((engine, pd))
+        return engine, pd, peers
+
+    yield make
+    for engine, pd in made:
+        await pd.stop()
+        engine.stop()
 
 
-def _spec(rid: str = "r1") -> EngineRequestSpec:
+def _spec(rid: str = "r1", **kw) -> EngineRequestSpec:
+    kw.setdefault("decode_name", "decode:1")
     return EngineRequestSpec(request_id=rid, service_request_id=rid, prompt_token_ids=PROMPT,
                              params=SamplingParams(max_tokens=8, temperature=0.0,
                                                    ignore_eos=True),
-                             source_xservice_addr="127.0.0.1:2")
+                             source_xservice_addr="127.0.0.1:2", **kw)
 
 
 # ---------------------------------------------------------------------------- prefill
-class _DecodeStub:
-    """Records the FirstGeneration messages prefill sends to its decode peer."""
+async def test_prefill_places_prefills_and_hands_over(make_node):
+    engine, pd, peers = await make_node(InstanceRole.PREFILL)
+    pd.add_request(_spec())
+    await until(lambda: peers.handovers, what="FirstGeneration")
+    [(decode, h)] = peers.handovers
+    assert decode == "decode:1" and peers.placements == [("r1", "decode:1")]
+    assert not h.failed and h.mode == "PULL" and len(h.token_ids) == 1
+    assert len(h.block_ids) == 3 and h.addrs == ["127.0.0.1:3"] and h.cluster_ids == [3]
+    await until_free(engine)  # FirstGeneration answered: the held KV is freed
+    [first] = pd.reporter.outputs("r1")  # the first token went to the service
+    assert first.outputs[0].token_ids == h.token_ids and not first.error_code
+    assert pd.prefill.phase("r1") is None and pd.num_pending() == 0
 
-    def __init__(self) -> None:
-        self.first_generations: list[pb.DisaggGenerationsRequest] = []
 
-    async def FirstGeneration(self, msg, timeout=None):
-        assert timeout is not None
-        self.first_generations.extend(msg.gens)
-        return pb.Status(ok=True)
+async def test_prefill_push_writes_decodes_blocks_before_first_generation(make_node):
+    engine, pd, peers = await make_node(InstanceRole.PREFILL, KVTransferMode.PUSH)
+    pd.add_request(_spec())
+    await until(lambda: peers.handovers, what="FirstGeneration")
+    [(op, move)] = peers.moves
+    [(_, h)] = peers.handovers
+    assert op == "push" and move.dst_blocks == peers.block_ids
+    assert move.src_blocks == h.block_ids and move.addr == "127.0.0.1:7"
+    assert h.mode == "PUSH" and not h.failed
+    await until_free(engine)
 
 
-@pytest.mark.parametrize("node", [InstanceRole.PREFILL], indirect=True)
-async def test_prefill_cancel_racing_the_first_token_frees_the_held_kv(node, monkeypatch):
-    engine, pd = node
-    decode_stub = _DecodeStub()
-    monkeypatch.setattr(pd, "_pd_stub", lambda addr: decode_stub)
-    spec = _spec()
-    decode = InstanceMeta(name="decode:1", type=InstanceRole.DECODE, rpc_address="127.0.0.1:1")
-    state = _PrefillState(spec, decode, decode_blocks=[0, 1, 2], num_cached_on_decode=0)
-    pd._prefill[spec.request_id] = state
-    pd._submit_prefill(spec, state)
+async def test_prefill_failed_push_fails_the_request_and_frees_both_sides(make_node):
+    engine, pd, peers = await make_node(InstanceRole.PREFILL, KVTransferMode.PUSH)
+    peers.transfer_error = StatusError(Status.BAD_GATEWAY, "KV push failed: boom")
+    pd.add_request(_spec())
+    await until(lambda: pd.reporter.errors(), what="the error report")
+    assert pd.reporter.errors() == [("r1", 502, "KV push failed: boom")]
+    [(_, h)] = peers.handovers  # decode heard of it, to free its blocks
+    assert h.failed and h.status_msg == "KV push failed: boom"
+    assert pd.metrics.registry.get_sample_value("xllm_pd_transfer_failures_total") == 1
+    await until_free(engine)
+
+
+@pytest.mark.parametrize("status", [Status.INVALID_ARGUMENT, Status.INTERNAL])
+async def test_prefill_reports_decodes_refusal_with_decodes_status(make_node, status):
+    """A decode that refuses a request (400: it cannot hold the prompt; 500: it broke)
+    fails it with that same status, not another one."""
+    engine, pd, peers = await make_node(InstanceRole.PREFILL)
+    peers.refuse["decode:1"] = status
+    pd.add_request(_spec())
+    await until(lambda: pd.reporter.errors(), what="the error report")
+    assert pd.reporter.errors() == [("r1", status.http_status, "decode:1 refuses it")]
+    assert await blocks_used(engine) == 0 and pd.num_pending() == 0
+
+
+async def test_prefill_cancel_racing_the_first_token_frees_the_held_kv(make_node):
+    engine, pd, peers = await make_node(InstanceRole.PREFILL)
+    held = threading.Event()
+    engine.call(lambda: held.wait(10))  # the engine thread is busy: the step waits
+    pd.add_request(_spec())
+    await until(lambda: pd.prefill.phase("r1") is PrefillPhase.PREFILLING, what="placement")
     # The service's Cancel lands while the step that samples the first token runs: its
     # engine abort comes after that step and finds nothing to abort (here: no abort).
-    assert pd.cancel(spec.request_id) is False
-    await _until_free(engine)  # the hand-over hook frees the KV it would have held
-    # ... and decode was told to drop the blocks it set aside.
-    assert [(g.req_id, g.failed) for g in decode_stub.first_generations] == [("r1", True)]
+    assert pd.cancel("r1") is False
+    assert pd.prefill.phase("r1") is None and pd.num_pending() == 0
+    held.set()
+    await until_free(engine)  # the hand-over hook frees the KV it would have held
+    # ... and decode was told to drop the blocks it set aside, and nothing else.
+    assert [(h.request_id, h.failed, h.status_msg) for _, h in peers.handovers] == [
+        ("r1", True, "cancelled")]
 
 
-@pytest.mark.parametrize("node", [InstanceRole.PREFILL], indirect=True)
-async def test_prefill_cancel_before_dispatch_is_the_engines(node):
-    engine, pd = node
+async def test_prefill_cancel_while_placing_never_reaches_the_engine(make_node):
+    engine, pd, peers = await make_node(InstanceRole.PREFILL)
+    peers.place_gate = asyncio.Event()
+    pd.add_request(_spec())
+    await asyncio.wait_for(peers.place_started.wait(), 5)
+    assert pd.prefill.phase("r1") is PrefillPhase.DISPATCHING and pd.num_pending() == 1
+    assert pd.cancel("r1") is False
+    peers.place_gate.set()  # decode placed it meanwhile: it is told to drop it
+    await until(lambda: peers.handovers, what="the drop")
+    assert [(h.request_id, h.failed) for _, h in peers.handovers] == [("r1", True)]
+    assert pd.num_pending() == 0 and not pd.reporter.outputs("r1")
+    assert await on_engine(engine, lambda: engine.num_generated_tokens) == 0
+
+
+async def test_prefill_cancel_of_an_unknown_request_is_the_engines(make_node):
+    engine, pd, peers = await make_node(InstanceRole.PREFILL)
     assert pd.cancel("never-seen") is False  # nothing PD-side: the engine aborts it
 
 
-# ---------------------------------------------------------------------------- decode
-async def _add_on_decode(pd: DisaggPDScheduler, rid: str = "r1") -> list[int]:
-    msg = pb.DisaggRequests(prefill_name="prefill:1")
-    msg.reqs.append(spec_to_proto(_spec(rid)))
-    reply = await pd.add_new_requests(msg)
-    assert reply.reqs[0].status_code == 200
-    return list(reply.reqs[0].blocks_ids)
-
-
-def _first_generation(rid: str, blocks: list[int]) -> pb.DisaggGenerationsRequests:
-    gen = pb.DisaggGenerationsRequest(req_id=rid, kv_cache_transfer_mode="PULL",
-                                      addrs=["127.0.0.1:3"], cluster_ids=[7],
-                                      block_ids=blocks, prefill_name="prefill:1")
-    gen.tokens.add(token_id=11)
-    return pb.DisaggGenerationsRequests(gens=[gen])
-
-
-class _HeldPull:
-    """A KV pull that runs until the test lets it end."""
-
-    def __init__(self) -> None:
-        self.started = asyncio.Event()
-        self.release = asyncio.Event()
-
-    async def __call__(self, op: str, req) -> None:
-        self.started.set()
-        await self.release.wait()
-
-
-async def _take_over_with_a_held_pull(pd: DisaggPDScheduler, monkeypatch):
-    """Request r1 placed on decode and its FirstGeneration in flight, its pull running
-    until the test releases it. Returns (pull, blocks, the FirstGeneration task)."""
-    pull = _HeldPull()
-    monkeypatch.setattr(pd, "_worker_transfer", pull)
-    blocks = await _add_on_decode(pd)
-    call = asyncio.create_task(pd.first_generation(_first_generation("r1", blocks)))
-    await asyncio.wait_for(pull.started.wait(), 5)
-    return pull, blocks, call
-
-
-@pytest.mark.parametrize("node", [InstanceRole.DECODE], indirect=True)
-async def test_decode_caller_gone_mid_pull_frees_the_blocks_after_the_pull(node, monkeypatch):
-    engine, pd = node
-    pull, blocks, call = await _take_over_with_a_held_pull(pd, monkeypatch)
-    call.cancel()  # the FirstGeneration RPC's deadline passed, or prefill went away
-    await _still_held(engine, blocks)  # the pull may still write into them
-    pull.release.set()
-    await _until_free(engine)
-    assert all(not o.outputs for o in pd.reporter.sinks)  # it never started decoding
-
-
-@pytest.mark.parametrize("node", [InstanceRole.DECODE], indirect=True)
-async def test_decode_cancel_mid_pull_frees_the_blocks_after_the_pull(node, monkeypatch):
-    engine, pd = node
-    pull, blocks, call = await _take_over_with_a_held_pull(pd, monkeypatch)
-    assert pd.cancel("r1") is True  # not the engine's to abort yet
-    await _still_held(engine, blocks)
-    pull.release.set()
-    status = await asyncio.wait_for(call, 5)
-    assert not status.ok and "cancelled" in status.message
-    await _until_free(engine)
-    assert all(not o.outputs for o in pd.reporter.sinks)
-
-
-@pytest.mark.parametrize("node", [InstanceRole.DECODE], indirect=True)
-async def test_decode_cancel_before_first_generation_waits_for_it(node):
-    engine, pd = node
-    blocks = await _add_on_decode(pd)
-    assert pd.cancel("r1") is True  # a PUSH may be writing into its blocks
-    await _still_held(engine, blocks)
-    # Prefill hands over (its push has ended): the blocks go, nothing is decoded.
-    status = await pd.first_generation(_first_generation("r1", blocks))
-    assert status.ok
-    await _until_free(engine)
-    assert all(not o.outputs for o in pd.reporter.sinks)
-
-
-@pytest.mark.parametrize("node", [InstanceRole.DECODE], indirect=True)
-async def test_decode_cancelled_request_without_first_generation_is_reaped(node):
-    engine, pd = node
-    blocks = await _add_on_decode(pd)
-    assert pd.cancel("r1") is True
-    now = time.monotonic()
-    assert pd.reap_orphans(now) == []  # within the grace
-    assert pd.reap_orphans(now + pd.cancel_grace_s + 1) == ["r1"]
-    await _until_free(engine)
-    assert len(blocks) == 3
-
-
-@pytest.mark.parametrize("node", [InstanceRole.DECODE], indirect=True)
-async def test_decode_take_over_then_cancel_is_the_engines(node, monkeypatch):
-    engine, pd = node
-    pull = _HeldPull()
-    pull.release.set()
-    monkeypatch.setattr(pd, "_worker_transfer", pull)
-    blocks = await _add_on_decode(pd)
-    status = await pd.first_generation(_first_generation("r1", blocks))
-    assert status.ok
-    assert pd.cancel("r1") is False  # decoding: the engine aborts it and frees its blocks
-    engine.abort("r1")
-    await _until_free(engine)
-
-
-# ---------------------------------------------------------------------------- linking
-class _LinkStub:
-    def __init__(self) -> None:
-        self.links: list[str] = []
-
-    async def LinkInstance(self, info, timeout=None):
-        assert timeout is not None
-        self.links.append(info.instance_name)
-        return pb.Status(ok=True)
-
-
-@pytest.mark.parametrize("node", [InstanceRole.PREFILL], indirect=True)
-async def test_prefill_links_each_decode_incarnation_once(node, monkeypatch):
-    engine, pd = node
-    stub = _LinkStub()
-    monkeypatch.setattr(pd, "_pd_stub", lambda addr: stub)
-    first = InstanceMeta(name="decode:1", type=InstanceRole.DECODE, block_size=16,
-                         incarnation_id="a")
-    await pd._link(first)
-    await pd._link(first)
-    assert len(stub.links) == 1
-    restarted = InstanceMeta(name="decode:1", type=InstanceRole.DECODE, block_size=16,
-                             incarnation_id="b")
-    await pd._link(restarted)
-    assert len(stub.links) == 2
-
-
 # ---------------------------------------------------------------------------- dispatch
-@pytest.mark.parametrize("node", [InstanceRole.PREFILL], indirect=True)
-async def test_dispatch_takes_online_first_and_offline_without_delay(node, monkeypatch):
-    engine, pd = node
-    order: list[str] = []
-
-    async def dispatch(spec) -> None:
-        order.append(spec.request_id)
-
-    monkeypatch.setattr(pd, "_dispatch", dispatch)
+async def test_dispatch_takes_online_first_and_offline_without_delay(make_node):
+    engine, pd, peers = await make_node(InstanceRole.PREFILL)
+    peers.refuse["decode:1"] = Status.INVALID_ARGUMENT  # no prefill work: order only
     for i in range(3):
-        await pd.add_request(dataclasses.replace(_spec(f"off{i}"), offline=True))
-    await pd.add_request(_spec("on0"))
-    for _ in range(50):  # a few loop turns, no timer: nothing waits for a poll
+        pd.add_request(_spec(f"off{i}", offline=True))
+    pd.add_request(_spec("on0"))
+    for _ in range(100):  # a few loop turns, no timer: nothing waits for a poll
         await asyncio.sleep(0)
-    assert order[0] == "on0" and sorted(order[1:]) == ["off0", "off1", "off2"]
-    await pd.add_request(dataclasses.replace(_spec("off3"), offline=True))
-    for _ in range(50):
+    assert peers.asked[0] == "on0" and sorted(peers.asked[1:]) == ["off0", "off1", "off2"]
+    pd.add_request(_spec("off3", offline=True))
+    for _ in range(100):
         await asyncio.sleep(0)
-    assert order[-1] == "off3"
+    assert peers.asked[-1] == "off3"
 
 
-@pytest.mark.parametrize("node", [InstanceRole.PREFILL], indirect=True)
-async def test_dispatch_asks_the_master_for_decodes_only_if_the_chosen_one_fails(
-        node, monkeypatch):
-    engine, pd = node
+async def test_dispatch_asks_the_master_for_decodes_only_if_the_chosen_one_fails(make_node):
     listed: list[int] = []
-    placed: list[tuple[str, str]] = []
-    full = {"d1"}
 
     async def list_decodes() -> list[str]:
         listed.append(1)
         return ["d1", "d2"]
 
-    async def resolve(name: str) -> InstanceMeta:
-        return InstanceMeta(name=name, type=InstanceRole.DECODE, block_size=16)
-
-    async def link(decode) -> None:
-        pass
-
-    async def add_on_decode(spec, decode):
-        return None if decode.name in full else pb.DisaggResponse(status_code=200)
-
-    pd.list_decodes, pd.resolve_meta = list_decodes, resolve
-    monkeypatch.setattr(pd, "_link", link)
-    monkeypatch.setattr(pd, "_add_on_decode", add_on_decode)
-    monkeypatch.setattr(pd, "_submit_prefill",
-                        lambda spec, state: placed.append((spec.request_id, state.decode.name)))
-    await pd._dispatch(dataclasses.replace(_spec("a"), decode_name="d2"))
-    assert placed == [("a", "d2")] and listed == []  # no master round trip
-    await pd._dispatch(dataclasses.replace(_spec("b"), decode_name="d1"))
-    assert placed[-1] == ("b", "d2") and listed == [1]  # d1 full: the master's list
-    full.add("d2")
-    with pytest.raises(Exception, match="no KV space"):
-        await pd._dispatch(dataclasses.replace(_spec("c"), decode_name="d1"))
+    engine, pd, peers = await make_node(InstanceRole.PREFILL, list_decodes=list_decodes,
+                                        attempts_per_decode=1, backoff_s=0.0,
+                                        prelink_interval_s=3600)
+    await until(lambda: listed, what="the first prelink round")
+    listed.clear()
+    peers.full.add("d1")
+    pd.add_request(_spec("a", decode_name="d2"))
+    await until(lambda: peers.placements, what="placement of a")
+    assert peers.placements == [("a", "d2")] and listed == []  # no master round trip
+    pd.add_request(_spec("b", decode_name="d1"))
+    await until(lambda: len(peers.placements) == 2, what="placement of b")
+    assert peers.placements[-1] == ("b", "d2") and listed == [1]  # d1 full: the list
+    peers.full.add("d2")
+    pd.add_request(_spec("c", decode_name="d1"))
+    await until(lambda: pd.reporter.errors(), what="the error report")
+    [(rid, code, message)] = pd.reporter.errors()
+    assert (rid, code) == ("c", 503) and "no KV space" in message
+    await until_free(engine)
 
 
-@pytest.mark.parametrize("node", [InstanceRole.PREFILL], indirect=True)
-async def test_prelink_links_new_decodes_once_and_skips_incompatible_ones(node, monkeypatch,
-                                                                          caplog):
-    engine, pd = node
-    decode = InstanceRole.DECODE
-    metas = {"d1": InstanceMeta(name="d1", type=decode, incarnation_id="a", block_size=16),
-             "d2": InstanceMeta(name="d2", type=decode, incarnation_id="b", block_size=32)}
-    stub = _LinkStub()
+# ---------------------------------------------------------------------------- linking
+async def test_prefill_links_each_decode_incarnation_once(make_node):
+    engine, pd, peers = await make_node(InstanceRole.PREFILL)
+    first = _decode_meta("decode:1", incarnation_id="a")
+    await pd.links.link(first)
+    await pd.links.link(first)
+    assert len(peers.links) == 1
+    await pd.links.link(_decode_meta("decode:1", incarnation_id="b"))  # restarted
+    assert len(peers.links) == 2
+
+
+async def test_prelink_links_new_decodes_once_and_skips_incompatible_ones(make_node, caplog):
+    engine, pd, peers = await make_node(InstanceRole.PREFILL)
+    metas = {"d1": _decode_meta("d1", incarnation_id="a"),
+             "d2": dataclasses.replace(_decode_meta("d2", incarnation_id="b"), block_size=32)}
 
     async def list_decodes():
         return list(metas)
@@ -328,15 +228,151 @@ async def test_prelink_links_new_decodes_once_and_skips_incompatible_ones(node, 
     async def resolve_meta(name):
         return metas.get(name)
 
-    monkeypatch.setattr(pd, "list_decodes", list_decodes)
-    monkeypatch.setattr(pd, "resolve_meta", resolve_meta)
-    monkeypatch.setattr(pd, "_pd_stub", lambda addr: stub)
+    pd.links.list_decodes, pd.links.resolve_meta = list_decodes, resolve_meta
+    linked = lambda: pd.metrics.registry.get_sample_value("xllm_pd_linked_instances")  # noqa: E731
     assert await pd.prelink_once() == ["d1"]  # d2's block size differs: refused
     assert await pd.prelink_once() == []  # nothing new; d2 neither retried nor re-warned
     assert [r.message for r in caplog.records if "incompatible" in r.message] == [
         "prelink: decode d2 is incompatible: block_size differs: prefill:1 has 16, d2 has 32"]
     metas["d1"] = dataclasses.replace(metas["d1"], incarnation_id="c")  # d1 restarted
     assert await pd.prelink_once() == ["d1"]
-    assert stub.links == ["prefill:1"] * 2 and "xllm_pd_linked_instances 1" in pd.metrics_text()
+    assert peers.links == [("d1", "prefill:1")] * 2 and linked() == 1
+    assert "xllm_pd_linked_instances 1.0" in pd.metrics_text()
     del metas["d1"]  # gone from the master's list: forgotten
-    assert await pd.prelink_once() == [] and "xllm_pd_linked_instances 0" in pd.metrics_text()
+    assert await pd.prelink_once() == [] and linked() == 0
+
+
+# ---------------------------------------------------------------------------- decode
+async def _add_on_decode(pd: DisaggPDScheduler, rid: str = "r1") -> list[int]:
+    [placement] = await pd.add_new_requests("prefill:1", [_spec(rid)])
+    assert placement.status is Status.OK, placement
+    return placement.block_ids
+
+
+def _first_generation(rid: str, blocks: list[int], **kw) -> HandOver:
+    return HandOver(rid, prefill_name="prefill:1", mode="PULL", token_ids=[11],
+                    logprobs=[None], addrs=["127.0.0.1:3"], cluster_ids=[7],
+                    block_ids=blocks, **kw)
+
+
+async def _take_over_with_a_held_pull(pd: DisaggPDScheduler, peers: FakePeers):
+    """Request r1 placed on decode and its FirstGeneration in flight, its pull running
+    until the test sets peers.transfer_gate. Returns (blocks, the FirstGeneration task)."""
+    peers.transfer_gate = asyncio.Event()
+    blocks = await _add_on_decode(pd)
+    call = asyncio.create_task(pd.first_generation([_first_generation("r1", blocks)]))
+    await asyncio.wait_for(peers.transfer_started.wait(), 5)
+    assert pd.decode.phase("r1") is DecodePhase.PULLING
+    return blocks, call
+
+
+async def _still_held(engine: LLMEngine, blocks: list[int]) -> None:
+    """A while later, the request's blocks are still in use (not freed under a transfer)."""
+    await asyncio.sleep(0.2)
+    assert await blocks_used(engine) == len(blocks)
+
+
+async def test_decode_takes_over_pulls_and_decodes(make_node):
+    engine, pd, peers = await make_node(DECODE)
+    blocks = await _add_on_decode(pd)
+    assert pd.decode.phase("r1") is DecodePhase.ALLOCATED and len(blocks) == 3
+    assert await pd.first_generation([_first_generation("r1", blocks)]) == [""]
+    [(op, move)] = peers.moves
+    assert (op, move.src_blocks, move.dst_blocks, move.addr) == ("pull", blocks, blocks,
+                                                                 "127.0.0.1:3")
+    await until_free(engine)  # decoded to max_tokens
+    outputs = pd.reporter.outputs("r1")
+    assert outputs[-1].finished and outputs[-1].num_generated_tokens == 8
+    assert sum(len(d.token_ids) for o in outputs for d in o.outputs) == 7  # + prefill's
+
+
+async def test_decode_refuses_a_prompt_it_cannot_hold_with_invalid_argument(make_node):
+    engine, pd, peers = await make_node(DECODE)
+    too_long = dataclasses.replace(_spec(), prompt_token_ids=[5] * (engine.max_model_len + 1))
+    [placement] = await pd.add_new_requests("prefill:1", [too_long])
+    assert placement.status is Status.INVALID_ARGUMENT and "decode can hold" in placement.message
+    assert await blocks_used(engine) == 0
+
+
+async def test_decode_failed_pull_fails_the_request(make_node):
+    engine, pd, peers = await make_node(DECODE)
+    peers.transfer_error = StatusError(Status.BAD_GATEWAY, "KV pull failed: boom")
+    blocks = await _add_on_decode(pd)
+    assert await pd.first_generation([_first_generation("r1", blocks)]) == [
+        "KV pull failed: boom"]
+    await until_free(engine)  # never decoded on KV that did not arrive
+    [out] = pd.reporter.outputs("r1")
+    assert (out.error_code, out.error_message) == (502, "KV pull failed: boom")
+    assert pd.metrics.registry.get_sample_value("xllm_pd_transfer_failures_total") == 1
+
+
+async def test_decode_caller_gone_mid_pull_frees_the_blocks_after_the_pull(make_node):
+    engine, pd, peers = await make_node(DECODE)
+    blocks, call = await _take_over_with_a_held_pull(pd, peers)
+    call.cancel()  # the FirstGeneration RPC's deadline passed, or prefill went away
+    await _still_held(engine, blocks)  # the pull may still write into them
+    assert pd.decode.phase("r1") is DecodePhase.GONE
+    peers.transfer_gate.set()
+    await until_free(engine)
+    assert not pd.reporter.outputs("r1")  # it never started decoding
+
+
+async def test_decode_cancel_mid_pull_frees_the_blocks_after_the_pull(make_node):
+    engine, pd, peers = await make_node(DECODE)
+    blocks, call = await _take_over_with_a_held_pull(pd, peers)
+    assert pd.cancel("r1") is True  # not the engine's to abort yet
+    await _still_held(engine, blocks)
+    peers.transfer_gate.set()
+    [problem] = await asyncio.wait_for(call, 5)
+    assert "cancelled" in problem
+    await until_free(engine)
+    assert not pd.reporter.outputs("r1")
+
+
+async def test_decode_cancel_before_first_generation_waits_for_it(make_node):
+    engine, pd, peers = await make_node(DECODE)
+    blocks = await _add_on_decode(pd)
+    assert pd.cancel("r1") is True  # a PUSH may be writing into its blocks
+    assert pd.decode.phase("r1") is DecodePhase.CANCELLED
+    await _still_held(engine, blocks)
+    # Prefill hands over (its push has ended): the blocks go, nothing is decoded.
+    assert await pd.first_generation([_first_generation("r1", blocks)]) == [""]
+    await until_free(engine)
+    assert not pd.reporter.outputs("r1") and not peers.moves
+
+
+async def test_decode_cancelled_request_without_first_generation_is_reaped(make_node):
+    engine, pd, peers = await make_node(DECODE)
+    blocks = await _add_on_decode(pd)
+    assert pd.cancel("r1") is True
+    now = time.monotonic()
+    assert pd.reap_orphans(now) == []  # within the grace
+    assert pd.reap_orphans(now + pd.decode.cancel_grace_s + 1) == ["r1"]
+    await until_free(engine)
+    assert len(blocks) == 3 and not pd.reporter.outputs("r1")
+
+
+async def test_decode_request_whose_first_generation_never_comes_fails(make_node):
+    engine, pd, peers = await make_node(DECODE, orphan_timeout_s=5.0)
+    await _add_on_decode(pd)
+    assert pd.reap_orphans(time.monotonic() + 6) == ["r1"]
+    await until_free(engine)
+    [out] = pd.reporter.outputs("r1")
+    assert out.error_code == 502 and "never handed the request over" in out.error_message
+
+
+async def test_decode_take_over_then_cancel_is_the_engines(make_node):
+    engine, pd, peers = await make_node(DECODE)
+    blocks = await _add_on_decode(pd)
+    assert await pd.first_generation([_first_generation("r1", blocks)]) == [""]
+    assert pd.cancel("r1") is False  # decoding: the engine aborts it and frees its blocks
+    engine.abort("r1")
+    await until_free(engine)
+    # A second FirstGeneration for it finds nothing to take over.
+    assert await pd.first_generation([_first_generation("r1", blocks)]) == ["unknown request r1"]
+
+
+async def test_only_a_prefill_engine_hands_requests_over(make_node):
+    engine, pd, peers = await make_node(DECODE)
+    with pytest.raises(ValueError, match="only a PREFILL engine"):
+        engine.set_hand_over(lambda upd, delta, block_ids: None)

@@ -13,9 +13,11 @@ from xllm_py.api.backend import GenerateRequest
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import InstanceRole
 from xllm_py.proto import xllm_pb2 as pb
-from xllm_service.backend import ServiceBackend, _Sub
+from xllm_py.rpc import service as wire
+from xllm_service.backend import ServiceBackend
 from xllm_service.instance_table import InstanceInfo, InstanceState
 from xllm_service.router import RoundRobinPolicy, Route, Router
+from xllm_service.sub_request import SubPhase, SubRequest
 
 
 def info(name: str, role: InstanceRole, addr: str = "127.0.0.1:1") -> InstanceInfo:
@@ -25,7 +27,7 @@ def info(name: str, role: InstanceRole, addr: str = "127.0.0.1:1") -> InstanceIn
 
 def backend() -> ServiceBackend:
     return ServiceBackend(None, "tiny", 2048, Router(lambda role: [], RoundRobinPolicy()),
-                          "127.0.0.1:0")
+                          FakeEngines(), "127.0.0.1:0")
 
 
 def gen(rid: str, tokens: list[int], finished=False, on_prefill=False, code=200, text=""):
@@ -38,9 +40,7 @@ def gen(rid: str, tokens: list[int], finished=False, on_prefill=False, code=200,
 
 def register(b: ServiceBackend, rid: str, route: Route) -> asyncio.Queue:
     q: asyncio.Queue = asyncio.Queue()
-    b._subs[rid] = _Sub(rid, 0, route, q)
-    for name in route.instance_names:
-        b._by_instance[name].add(rid)
+    b.subs.add(SubRequest(rid, 0, route, q))
     return q
 
 
@@ -65,7 +65,7 @@ async def test_pd_decode_outputs_wait_for_prefill_first_token():
 async def test_unknown_or_cancelled_requests_get_ok_false():
     b = backend()
     q = register(b, "r2", Route(info("m", InstanceRole.MIX)))
-    b._subs["r2"].cancelled = True
+    b.subs.get("r2").transition(SubPhase.CANCELLED)
     reply = await b.on_generations(pb.DisaggStreamGenerations(
         gens=[gen("r2", [1]), gen("nope", [1])]))
     assert [s.ok for s in reply.all_status] == [False, False]
@@ -87,7 +87,7 @@ async def test_engine_error_passes_through_and_eviction_fails_inflight():
 def test_readiness_checks_do_not_shift_round_robin():
     mixes = [info("a", InstanceRole.MIX), info("b", InstanceRole.MIX)]
     router = Router(lambda role: [i for i in mixes if i.role == role], RoundRobinPolicy())
-    b = ServiceBackend(None, "tiny", 2048, router, "127.0.0.1:0")
+    b = ServiceBackend(None, "tiny", 2048, router, FakeEngines(), "127.0.0.1:0")
     assert router.route().target.name == "a"
     for _ in range(3):
         assert b.check_ready() == (True, "ok")
@@ -104,9 +104,10 @@ DECODE2 = info("d2", InstanceRole.DECODE, "10.0.0.3:1")
 
 
 class FakeEngines:
-    """The engines as the service's RPCs see them: Generate accepts, Cancel and
-    MultiGenerations are recorded; MultiGenerations answers `migrate_reply` (a Status, or
-    an exception to raise)."""
+    """The engines as the service's RPCs see them (xllm_service.engine_client.Engines):
+    Generate accepts, Cancel and MultiGenerations are recorded (MultiGenerations as the
+    wire message the service's rpc layer builds); MultiGenerations answers
+    `migrate_reply` (a Status, or an exception to raise)."""
 
     def __init__(self) -> None:
         self.sent: list[str] = []  # engine request ids, in Generate order
@@ -114,36 +115,31 @@ class FakeEngines:
         self.migrated: list[tuple[str, pb.MultiGenerationsRequest]] = []  # (address, item)
         self.migrate_reply: pb.Status | Exception = pb.Status(ok=True)
 
-    async def send_generate(self, addr: str, msg: pb.DisaggRequest) -> pb.Status:
-        self.sent.append(msg.service_req_id)
-        return pb.Status(ok=True)
+    async def generate(self, addr: str, spec) -> wire.SubmitStatus:
+        self.sent.append(wire.generate_request(spec).service_req_id)
+        return wire.SubmitStatus(ok=True)
 
-    def stub(self, addr: str):
-        engines = self
+    async def migrate(self, addr: str, spec, generated_token_ids: list[int],
+                      num_unread_tokens: int) -> wire.SubmitStatus:
+        msg = wire.migration_request(spec, generated_token_ids, num_unread_tokens)
+        self.migrated += [(addr, item) for item in msg.reqs]
+        if isinstance(self.migrate_reply, Exception):
+            raise self.migrate_reply
+        return wire.submit_status(self.migrate_reply)
 
-        class Stub:
-            async def Cancel(self, msg: pb.PullSignal, timeout: float) -> pb.Status:
-                engines.cancels.append((addr, msg.req_id))
-                return pb.Status(ok=True)
+    async def cancel(self, addr: str, engine_request_id: str) -> None:
+        self.cancels.append((addr, wire.cancel_request(engine_request_id).req_id))
 
-            async def MultiGenerations(self, msg: pb.MultiGenerationsRequests,
-                                       timeout: float) -> pb.Status:
-                assert timeout > 0
-                engines.migrated += [(addr, item) for item in msg.reqs]
-                if isinstance(engines.migrate_reply, Exception):
-                    raise engines.migrate_reply
-                return engines.migrate_reply
-        return Stub()
+    async def close(self) -> None:
+        pass
 
 
 def backend_over(roles: dict) -> tuple[ServiceBackend, FakeEngines]:
     """A ServiceBackend routing (round robin) over `roles` (role -> instances), its RPCs
     going to FakeEngines."""
-    b = ServiceBackend(None, "tiny", 2048, Router(lambda role: roles.get(role, []),
-                                                  RoundRobinPolicy()), "127.0.0.1:0")
     engines = FakeEngines()
-    b._send_generate = engines.send_generate
-    b._stub = engines.stub
+    b = ServiceBackend(None, "tiny", 2048, Router(lambda role: roles.get(role, []),
+                                                  RoundRobinPolicy()), engines, "127.0.0.1:0")
     return b, engines
 
 
@@ -195,8 +191,8 @@ async def test_prefill_eviction_spares_a_request_streaming_from_decode(decode_fi
     assert await take(anext(stream)) == [3]
     last = await asyncio.wait_for(anext(stream), 1.0)
     assert last.finished and not last.failed and last.outputs[0].token_ids == [4]
-    assert b.outcomes == {"ok": 1}
-    assert b.instance_outcomes == {("p", "ok"): 1, ("d", "ok"): 1}  # both still count it
+    assert b.metrics.outcomes == {"ok": 1}
+    assert b.metrics.instance_outcomes == {("p", "ok"): 1, ("d", "ok"): 1}  # both still count it
 
 
 @pytest.mark.parametrize("seen", ["prefill-only", "decode-held"])
@@ -216,7 +212,7 @@ async def test_prefill_eviction_fails_a_request_before_decode_output(seen):
     assert code == 503 and "instance p left the cluster" in message
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
-    assert b.instance_outcomes == {("p", "error"): 1, ("d", "error"): 1}
+    assert b.metrics.instance_outcomes == {("p", "error"): 1, ("d", "error"): 1}
     assert (b.inflight("p"), b.inflight("d")) == (0, 0)
 
 
@@ -235,7 +231,7 @@ async def test_decode_eviction_fails_a_pd_request_with_nowhere_to_go(decode_star
     code, message = await take(anext(stream))
     assert code == 503 and "instance d left the cluster" in message
     assert "could not migrate it: no other decode instance is registered" in message
-    assert b.migrations == {"failed": 1} and engines.migrated == []
+    assert b.metrics.migrations == {"failed": 1} and engines.migrated == []
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
     assert 'xllm_service_migrations_total{outcome="failed"} 1' in b.metrics_text()
@@ -248,7 +244,7 @@ async def test_decode_eviction_before_any_token_fails_the_request():
     b.on_evict(DECODE)
     code, message = await take(first)
     assert code == 503 and "instance d left the cluster" in message
-    assert b.migrations == {} and engines.migrated == []
+    assert b.metrics.migrations == {} and engines.migrated == []
 
 
 async def test_decode_eviction_before_decode_output_migrates_and_frees_prefill():
@@ -300,7 +296,7 @@ async def test_decode_eviction_migrates_to_another_decode(end):
     assert new_id != rid and new_id.startswith("cmpl-1-0-") and item.request.req_id == new_id
     assert list(item.request.prompt_tokens) == [5, 6, 7] and item.request.max_tokens == 8
     assert item.request.source_xservice_addr == "127.0.0.1:0"
-    assert b.migrations == {"ok": 1}
+    assert b.metrics.migrations == {"ok": 1}
     assert (b.inflight("d"), b.inflight("d2")) == (0, 1)
 
     # The old decode, if still alive, is told to stop; tokens are never delivered twice.
@@ -314,7 +310,7 @@ async def test_decode_eviction_migrates_to_another_decode(end):
         assert last.finished and not last.failed and last.outputs[0].token_ids == [6, 7, 8]
         with pytest.raises(StopAsyncIteration):
             await anext(stream)
-        assert b.outcomes == {"ok": 1}
+        assert b.metrics.outcomes == {"ok": 1}
         assert engines.cancels == []
     else:  # Cancel goes to the new decode, under the new id
         await stream.aclose()
@@ -348,7 +344,7 @@ async def test_decode_eviction_fails_the_request_when_multi_generations_fails(re
     assert code == 503 and "instance d left the cluster" in message
     assert "migrating it to d2 failed" in message
     assert ("no KV space" if isinstance(reply, pb.Status) else "DEADLINE_EXCEEDED") in message
-    assert b.migrations == {"failed": 1}
+    assert b.metrics.migrations == {"failed": 1}
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
     assert (b.inflight("d"), b.inflight("d2")) == (0, 0)
@@ -376,7 +372,7 @@ async def test_migrated_request_migrates_again_and_counts_usage_once():
     await feed(b, g)
     last = await asyncio.wait_for(anext(stream), 1.0)
     assert last.finished and not last.failed and last.num_generated_tokens == 8
-    assert b.migrations == {"ok": 2}
+    assert b.metrics.migrations == {"ok": 2}
 
 
 async def test_client_gone_after_prefill_released_cancels_on_both_instances():
@@ -438,7 +434,7 @@ async def test_mix_eviction_migrates_to_another_mix():
     assert new_id != rid and new_id.startswith("cmpl-1-0-") and item.request.req_id == new_id
     assert list(item.request.prompt_tokens) == [5, 6, 7] and item.request.max_tokens == 8
     assert item.request.routing.decode_name == "" and item.request.n == 1
-    assert b.migrations == {"ok": 1}
+    assert b.metrics.migrations == {"ok": 1}
     assert (b.inflight("m"), b.inflight("m2")) == (0, 1)
     assert 'xllm_service_migrations_total{outcome="ok"} 1' in b.metrics_text()
 
@@ -452,8 +448,8 @@ async def test_mix_eviction_migrates_to_another_mix():
     assert last.finished and not last.failed and last.outputs[0].token_ids == [6, 7, 8]
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
-    assert b.outcomes == {"ok": 1} and engines.cancels == []
-    assert b.instance_outcomes == {("m2", "ok"): 1}
+    assert b.metrics.outcomes == {"ok": 1} and engines.cancels == []
+    assert b.metrics.instance_outcomes == {("m2", "ok"): 1}
     assert (b.inflight("m"), b.inflight("m2")) == (0, 0)
 
 
@@ -463,7 +459,7 @@ async def test_mix_eviction_fails_a_request_with_n_sequences_and_says_why():
     code, message = await take(pending)
     assert code == 503 and "instance m left the cluster" in message
     assert "cannot be migrated" in message and "n=2" in message
-    assert engines.migrated == [] and b.migrations == {}
+    assert engines.migrated == [] and b.metrics.migrations == {}
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
 
@@ -474,7 +470,7 @@ async def test_mix_eviction_fails_the_request_with_no_other_mix():
     code, message = await take(pending)
     assert code == 503 and "instance m left the cluster" in message
     assert "could not migrate it: no other MIX instance is registered" in message
-    assert engines.migrated == [] and b.migrations == {"failed": 1}
+    assert engines.migrated == [] and b.metrics.migrations == {"failed": 1}
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
     assert 'xllm_service_migrations_total{outcome="failed"} 1' in b.metrics_text()
@@ -486,7 +482,7 @@ async def test_mix_eviction_before_any_token_fails_the_request():
     stream, rid, pending = await mix_migrate_after(b, engines, [], [])
     code, message = await take(pending)
     assert code == 503 and message == "instance m left the cluster while serving the request"
-    assert engines.migrated == [] and b.migrations == {}
+    assert engines.migrated == [] and b.metrics.migrations == {}
 
 
 @pytest.mark.parametrize("decodes", [2, 1], ids=["another-decode", "no-other-decode"])
@@ -510,7 +506,7 @@ async def test_prefill_that_cannot_reach_its_decode_gets_the_request_moved(decod
         return
     (addr, item), = engines.migrated
     assert addr == "10.0.0.3:1" and list(item.generated_token_ids) == [1]
-    assert item.num_unread_tokens == 0 and b.migrations == {"ok": 1}
+    assert item.num_unread_tokens == 0 and b.metrics.migrations == {"ok": 1}
     new_id = item.request.service_req_id
     await feed(b, gen(new_id, [2, 3], finished=True))
     last = await asyncio.wait_for(anext(stream), 1.0)

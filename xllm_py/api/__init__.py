@@ -3,6 +3,21 @@
 Light imports only (no FastAPI here): backends import the contract and errors from this
 package; the app lives in `xllm_py.api.app.build_app`, the server helpers in
 `xllm_py.api.server`.
+
+Layout (one file per thing it owns):
+  protocol.py            OpenAI request models; `sampling_fields()` maps them onto
+                         SamplingParams' names (sampling_params.REQUEST_FIELDS)
+  backend.py             GenerateBackend / GenerateRequest: the contract with the producer
+  serving_base.py        request intake, stream and non-stream responses, errors, metrics
+  serving_completions.py /v1/completions: prompts, echo, rendering of its choices
+  serving_chat.py        /v1/chat/completions: chat template, rendering of its choices
+  logprobs.py            the two OpenAI logprobs formats
+  context.py             per-request state: prompts, choices, the fold of backend outputs
+  generations.py         backend stream pumps and the client-disconnect race
+  app.py                 routes (generation endpoints, models, probes, /metrics)
+  errors.py, sse.py, metrics.py, server.py, testing.py
+A new generation endpoint subclasses serving_base.OpenAIServing; a new plain route (a
+tokenizer or model endpoint) goes in app.py or, once it has logic, its own serving_*.py.
 """
 from xllm_py.api.backend import GenerateBackend, GenerateRequest, TokenizerLike
 from xllm_py.api.errors import (

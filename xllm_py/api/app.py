@@ -11,13 +11,15 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from xllm_py.api.backend import GenerateBackend
 from xllm_py.api.errors import APIError, error_body
 from xllm_py.api.metrics import APIMetrics
-from xllm_py.api.serving import OpenAIServing
+from xllm_py.api.serving_chat import OpenAIServingChat
+from xllm_py.api.serving_completions import OpenAIServingCompletion
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +27,16 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def build_app(backend: GenerateBackend, *, served_model_name: str | None = None) -> FastAPI:
-    """The OpenAI-compatible app; `app.state.serving` / `app.state.metrics` for introspection."""
-    metrics = APIMetrics()
-    serving = OpenAIServing(backend, metrics, served_model_name)
+    """The OpenAI-compatible app; `app.state.completions` / `.chat` / `.metrics` for
+    introspection."""
+    metrics = APIMetrics(getattr(backend, "metrics_registry", None))
+    completions = OpenAIServingCompletion(backend, metrics, served_model_name)
+    chat = OpenAIServingChat(backend, metrics, served_model_name)
+    model_name = completions.model_name
     created = int(time.time())
     app = FastAPI(title="xllm-py", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.serving = serving
+    app.state.completions = completions
+    app.state.chat = chat
     app.state.metrics = metrics
     app.state.backend = backend
 
@@ -57,20 +63,15 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None)
             status_code=500,
         )
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serving.create_completion(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serving.create_chat_completion(request)
+    app.add_api_route("/v1/completions", completions.handle, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat.handle, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Response:
         return JSONResponse({
             "object": "list",
             "data": [{
-                "id": serving.model_name,
+                "id": model_name,
                 "object": "model",
                 "created": created,
                 "owned_by": "xllm-py",
@@ -95,14 +96,16 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        text = metrics.render()
-        try:
-            extra = backend.metrics_text()
-        except Exception:
-            logger.warning("backend.metrics_text() failed", exc_info=True)
-            extra = ""
-        if extra:
-            text = text + (extra if extra.endswith("\n") else extra + "\n")
+        text = generate_latest(metrics.registry).decode()
+        legacy = getattr(backend, "metrics_text", None)  # transitional: see GenerateBackend
+        if legacy is not None:
+            try:
+                extra = legacy()
+            except Exception:
+                logger.warning("backend.metrics_text() failed", exc_info=True)
+                extra = ""
+            if extra:
+                text = text + (extra if extra.endswith("\n") else extra + "\n")
         return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
     return app

@@ -5,6 +5,11 @@ The engine (MIX instance, `AsyncEngine`) and the master service both implement
 either. The HTTP layer tokenizes, validates and mints ids; it hands the backend one
 `GenerateRequest` per prompt and renders the `RequestOutput` deltas it yields.
 
+Metrics: a backend with a `metrics_registry` (prometheus_client CollectorRegistry, one per
+process) gets the HTTP layer's metrics registered there, and /metrics renders it; a backend
+without one gets a registry of the app's own. Transitional: `metrics_text()`, if a backend
+has it, is appended as is (hand-written text of components not on a registry yet).
+
 Cancellation: when the HTTP client goes away the layer closes the iterator returned by
 `generate` (`aclose()`) or cancels the task awaiting it; the backend must then abort the
 request and free its resources.
@@ -33,14 +38,20 @@ class TokenizerLike(Protocol):
 
 @dataclasses.dataclass
 class GenerateRequest:
-    """One prompt to generate `n` choices for; sampling params are plain fields."""
+    """One prompt to generate `n` choices for. The sampling fields are exactly
+    `xllm_py.sampling_params.REQUEST_FIELDS`, with SamplingParams' names and defaults
+    (except max_tokens, which the HTTP layer always resolves); backends turn them into
+    SamplingParams by that list (tests/unit/test_api_protocol.py keeps the two in step)."""
 
     request_id: str  # unique, minted by the HTTP layer ("cmpl-<hex>", "chatcmpl-<hex>-<i>")
     prompt_token_ids: list[int]
     prompt_text: str | None = None  # for echo only; never log it
     x_request_id: str | None = None  # the client's X-Request-Id header (tracing)
+    stream: bool = False
+    arrival_time: float = dataclasses.field(default_factory=time.time)
+    # -- sampling (REQUEST_FIELDS) --
     n: int = 1
-    best_of: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: disabled
@@ -55,11 +66,11 @@ class GenerateRequest:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token; None = off
+    prompt_logprobs: int | None = None
     echo: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stream: bool = False
-    arrival_time: float = dataclasses.field(default_factory=time.time)
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def anon_repr(self) -> str:
         """A log-safe description: ids and sizes, no prompt content."""
@@ -82,5 +93,3 @@ class GenerateBackend(Protocol):
         ...
 
     def check_ready(self) -> tuple[bool, str]: ...
-
-    def metrics_text(self) -> str: ...

@@ -1,8 +1,9 @@
-"""Prometheus metrics of the HTTP layer, in a per-app registry (two apps in one process
-do not collide). `/metrics` renders these followed by `backend.metrics_text()`."""
+"""Prometheus metrics of the HTTP layer, registered into the process's registry (the
+backend's `metrics_registry`) or, for a backend without one, a registry of the app's own
+(two apps in one process do not collide). `/metrics` renders that registry."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -22,8 +23,8 @@ OUTCOME_CANCELLED = "cancelled"  # client went away
 
 
 class APIMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.ttft = Histogram(
             "xllm_time_to_first_token_seconds", "Time from arrival to the first output token.",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
@@ -55,6 +56,3 @@ class APIMetrics:
 
     def count(self, outcome: str) -> None:
         self.requests.labels(outcome=outcome).inc()
-
-    def render(self) -> str:
-        return generate_latest(self.registry).decode()

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict
 
 from xllm_py.api.backend import GenerateRequest
 from xllm_py.api.errors import InvalidRequestError
+from xllm_py.sampling_params import MAX_LOGPROBS, REQUEST_FIELDS
 
-MAX_LOGPROBS = 20
 MAX_N = 128
 
 # Re-exported for callers that import everything request-shaped from here.
@@ -128,6 +128,23 @@ class _CommonRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def sampling_fields(self) -> dict[str, Any]:
+        """The client's sampling values under SamplingParams' names (REQUEST_FIELDS), less
+        max_tokens (the endpoint resolves it against the prompt). A field the client left
+        unset is left out, so its default is SamplingParams' own. Fields with the OpenAI
+        name of a sampling field are copied; the others are converted here."""
+        fields: dict[str, Any] = {
+            name: getattr(self, name) for name in REQUEST_FIELDS if name in type(self).model_fields
+        }
+        fields.update(
+            max_tokens=None,
+            top_k=self.top_k or None,  # 0: off, as the default -1
+            stop=self.stop_list(),
+            stop_token_ids=list(self.stop_token_ids or []),
+            logprobs=self.num_logprobs(),
+        )
+        return {name: value for name, value in fields.items() if value is not None}
+
     def to_generate_request(
         self,
         request_id: str,
@@ -137,34 +154,16 @@ class _CommonRequest(BaseModel):
         max_tokens: int,
         x_request_id: str | None,
         arrival_time: float,
-        echo: bool = False,
     ) -> GenerateRequest:
         return GenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             prompt_text=prompt_text,
             x_request_id=x_request_id,
-            n=self.n,
-            best_of=self.best_of if self.best_of is not None else self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if not self.top_k else self.top_k,
-            min_p=self.min_p or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            seed=self.seed,
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=self.stop_list(),
-            stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos,
-            logprobs=self.num_logprobs(),
-            echo=echo,
-            skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
             stream=self.stream,
             arrival_time=arrival_time,
+            max_tokens=max_tokens,
+            **self.sampling_fields(),
         )
 
 

@@ -11,6 +11,8 @@ import asyncio
 import threading
 from typing import AsyncIterator, Sequence
 
+from prometheus_client import CollectorRegistry, Gauge
+
 from xllm_py.api.backend import GenerateRequest
 from xllm_py.api.errors import BackendBusyError
 from xllm_py.outputs import CompletionDelta, RequestOutput, TokenLogprob
@@ -60,6 +62,9 @@ class ScriptedBackend:
         self.cancelled_event = threading.Event()
         self._lock = threading.Lock()
         self._tokenizer = FakeTokenizer()
+        self.metrics_registry = CollectorRegistry(auto_describe=True)
+        Gauge("fake_backend_waiting", "Requests waiting (always 0).",
+              registry=self.metrics_registry).set(0)
 
     def reset(self) -> None:
         with self._lock:
@@ -78,9 +83,6 @@ class ScriptedBackend:
 
     def check_ready(self) -> tuple[bool, str]:
         return self.ready
-
-    def metrics_text(self) -> str:
-        return "# TYPE fake_backend_waiting gauge\nfake_backend_waiting 0\n"
 
     @staticmethod
     def token_for(step: int, choice: int) -> int:

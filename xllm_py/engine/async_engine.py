@@ -8,36 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import threading
 import weakref
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
+
+from prometheus_client import CollectorRegistry
 
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
+from xllm_py.engine.metrics import EngineStatsCollector
 from xllm_py.outputs import RequestOutput
 from xllm_py.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_PARAM_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-                 "presence_penalty", "repetition_penalty", "seed", "max_tokens", "min_tokens",
-                 "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens",
-                 "include_stop_str_in_output")
-
-
-def sampling_params_from(req) -> SamplingParams:
-    """SamplingParams from any object with the GenerateRequest field names."""
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    kwargs = {}
-    for name in _PARAM_FIELDS:
-        if name in fields and hasattr(req, name):
-            value = getattr(req, name)
-            if value is not None:
-                kwargs[name] = list(value) if isinstance(value, (list, tuple)) else value
-    if kwargs.get("best_of") is not None and kwargs["best_of"] <= kwargs.get("n", 1):
-        kwargs["best_of"] = None
-    return SamplingParams(**kwargs)
 
 
 class _LoopBridge:
@@ -105,8 +88,12 @@ class AsyncEngine:
         self.model_name = served_model_name or _default_name(engine.config.model)
         self.max_model_len = engine.max_model_len
         self.max_waiting = max_waiting
-        # More Prometheus text to append to /metrics (e.g. the KV worker's transfer metrics).
-        self.extra_metrics: list = []
+        # The process's one metrics registry: /metrics renders it (engine/metrics.py).
+        self.metrics_registry = CollectorRegistry(auto_describe=True)
+        self.metrics_registry.register(EngineStatsCollector(engine))
+        # Transitional: Prometheus text of components not on the registry yet (the PD
+        # scheduler until it registers into metrics_registry); appended to /metrics.
+        self.extra_metrics: list[Callable[[], str]] = []
         self.draining = False  # shutting down: new requests get a 503 (see server.drain)
 
     def tokenizer(self):
@@ -135,7 +122,7 @@ class AsyncEngine:
         if self.engine.scheduler.num_waiting >= self.max_waiting:
             raise BackendBusyError(
                 f"engine has {self.engine.scheduler.num_waiting} waiting requests; try again later")
-        params = sampling_params_from(req)
+        params = SamplingParams.from_request(req)
         sink = QueueSink(asyncio.get_running_loop(), final_only=not getattr(req, "stream", True))
         self.engine.submit(EngineRequest(req.request_id, list(req.prompt_token_ids), params, sink))
         finished = False
@@ -149,24 +136,8 @@ class AsyncEngine:
                 self.engine.abort(req.request_id)
 
     def metrics_text(self) -> str:
-        return render_engine_metrics(self.engine) + "".join(m() for m in self.extra_metrics)
-
-
-def render_engine_metrics(engine: LLMEngine) -> str:
-    s = engine.stats()
-    lines = []
-    for name, kind, value, help_ in (
-        ("xllm_requests_running", "gauge", s["running"], "Requests in the running batch"),
-        ("xllm_requests_waiting", "gauge", s["waiting"], "Requests waiting to be scheduled"),
-        ("xllm_kv_cache_blocks_used", "gauge", s["kv_blocks_used"],
-         "KV blocks referenced by live requests"),
-        ("xllm_kv_cache_blocks_total", "gauge", s["kv_blocks_total"], "KV blocks in the pool"),
-        ("xllm_prefix_cache_hit_tokens_total", "counter", s["prefix_hit_tokens"],
-         "Prompt tokens served from the prefix cache"),
-        ("xllm_generation_tokens_total", "counter", s["generated_tokens"], "Tokens generated"),
-    ):
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
-    return "\n".join(lines) + "\n"
+        """Transitional: the text of `extra_metrics` (empty once every component registers)."""
+        return "".join(m() for m in self.extra_metrics)
 
 
 def _default_name(model: str) -> str:

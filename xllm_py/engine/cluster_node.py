@@ -19,10 +19,11 @@ from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.cluster.meta_cache import MetaCache
 from xllm_py.config import EngineConfig, InstanceRole, advertised_host, etcd_credentials_from_env
 from xllm_py.engine.cache_events import CacheEvents
-from xllm_py.engine.disagg_scheduler import DisaggPDScheduler
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import LLMEngine
-from xllm_py.engine.pd_service import DisaggPDServicer
+from xllm_py.engine.pd.grpc_peers import GrpcPeers
+from xllm_py.engine.pd.scheduler import DisaggPDScheduler
+from xllm_py.engine.pd.service import DisaggPDServicer
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
@@ -58,6 +59,7 @@ class ClusterNode:
         transfer_addr, worker_addr = "", ""
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
             from xllm_py.engine.kv_worker_node import start_kv_worker
+            from xllm_py.engine.metrics import KVTransferCollector
 
             self.worker = await start_kv_worker(self.engine.storage, cfg.transfer, cfg.host,
                                                 cfg.worker_port, cluster_id,
@@ -65,7 +67,7 @@ class ClusterNode:
             # Publish reachable addresses (the backends report their bind host).
             transfer_addr = f"{self.addr_host}:{self.worker.transfer_addr.rsplit(':', 1)[1]}"
             worker_addr = f"{self.addr_host}:{self.worker.rpc_addr.rsplit(':', 1)[1]}"
-            self.backend.extra_metrics.append(self.worker.worker.metrics.render)
+            self.backend.metrics_registry.register(KVTransferCollector(self.worker.worker.metrics))
         # TP > 1: every rank its own KV worker, registered in rank order (xLLM's worker list).
         cluster_ids, transfer_addrs, worker_addrs = (
             ([cluster_id], [transfer_addr], [worker_addr]) if transfer_addr else ([], [], []))
@@ -107,8 +109,9 @@ class ClusterNode:
                                    cache_fn=self.cache_events.drain)
         self.meta = self.agent.meta  # with its incarnation id
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
-            self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter,
-                                        self.metas.get, self._list_decodes, worker_addr)
+            peers = GrpcPeers(worker_addr, cfg.rpc_timeout_s, cfg.transfer.timeout_s)
+            self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter, peers,
+                                        self.metas.get, self._list_decodes)
             self.pd.start()
             servicer.pd = self.pd
             self.backend.extra_metrics.append(self.pd.metrics_text)

@@ -19,11 +19,11 @@ from typing import Any, Callable
 
 import torch
 
-from xllm_py.config import EngineConfig
+from xllm_py.config import EngineConfig, InstanceRole
 from xllm_py.engine.model_runner import ModelRunner
 from xllm_py.engine.output_processor import OutputProcessor, OutputSink, child_id, parent_of
 from xllm_py.engine.sampler import Sampler, SamplingRow, prompt_logprobs
-from xllm_py.engine.scheduler import ContinuousScheduler
+from xllm_py.engine.scheduler import ContinuousScheduler, RemoteAllocation, RequestUpdate
 from xllm_py.kv_transfer.factory import pool_allocator
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, parse_dtype
 from xllm_py.model.loader import load_model
@@ -51,6 +51,10 @@ class EngineRequest:
     usage_prompt_tokens: int | None = None
     generated_offset: int = 0
     num_unread: int | None = None
+
+
+# PD prefill's hand-over hook (LLMEngine.set_hand_over): (update, delta, block_ids).
+HandOverHook = Callable[[RequestUpdate, Any, list[int]], None]
 
 
 def resolve_model_dir(model: str) -> str:
@@ -120,9 +124,10 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         # Hooks run on the engine thread at the end of every step (e.g. flush Generations).
         self.step_listeners: list[Callable[[], None]] = []
-        # PD prefill: called on the engine thread with (update, delta, block_ids) when a
-        # remote-decode request has sampled its first token (KV held or request ended).
-        self.on_remote_decode_update: Callable[[Any, Any, list[int]], None] | None = None
+        # PD role (set_hand_over): a PREFILL engine hands every request over at its first
+        # token; None: requests run to the end here.
+        self.role = config.role
+        self._hand_over: HandOverHook | None = None
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.recent_max_ttft_ms = 0.0
@@ -163,6 +168,17 @@ class LLMEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("call", (fn, fut)))
         return fut
+
+    def set_hand_over(self, hand_over: HandOverHook) -> None:
+        """Make this PREFILL engine a PD prefill: every request ends here at its first
+        sampled token, its KV held (SENDING_KV) until `scheduler.finish_sending`, and
+        `hand_over(update, delta, block_ids)` is called on the engine thread with that
+        step's RequestUpdate, its CompletionDelta (None if nothing was emitted) and the
+        request's block table. Call before requests arrive; raises ValueError on another
+        role."""
+        if self.role != InstanceRole.PREFILL:
+            raise ValueError(f"only a PREFILL engine hands requests over, not {self.role.value}")
+        self._hand_over = hand_over
 
     def _run(self) -> None:
         while not self._stopped.is_set():
@@ -227,25 +243,53 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def _add(self, req: EngineRequest) -> None:
+        requests = self._admit(req)
+        if isinstance(requests, str):  # it would fail the whole step it joined
+            req.sink.emit(_error_output(req, 400, requests))
+            return
+        for request in requests:
+            self.scheduler.add_request(request)
+
+    def add_remote(self, req: EngineRequest) -> RemoteAllocation | str | None:
+        """Engine thread. PD decode (and migration with KV): admit `req` as one sequence
+        whose prompt KV comes from a peer, its blocks allocated now (prefix aware) and
+        the request waiting for that KV (`scheduler.finish_remote_kvs`). Returns the
+        allocation, None when there is no KV space now, or why it cannot be served."""
+        # The prompt's logprobs (if asked for) come from the prefill: decode computes none.
+        req = dataclasses.replace(req, params=dataclasses.replace(
+            req.params, n=1, best_of=None, prompt_logprobs=None))
+        requests = self._admit(req, limit_what="decode can hold at most {} tokens per request")
+        if isinstance(requests, str):
+            return requests
+        try:
+            alloc = self.scheduler.allocate_for_remote(requests[0])
+        except ValueError as exc:
+            alloc = str(exc)
+        if alloc is None or isinstance(alloc, str):
+            self.outputs.drop_parent(req.request_id)
+            return alloc
+        self.outputs.set_cached_tokens(req.request_id, alloc.num_cached_tokens)
+        return alloc
+
+    def _admit(self, req: EngineRequest,
+               limit_what: str = "this model's context is {} tokens") -> list[Request] | str:
+        """The one intake of a request: its params completed (EOS ids), checked (token
+        ids, length), its outputs registered, and its sequences as Requests for the
+        scheduler. Returns those, or why it is refused (nothing registered then)."""
         params = req.params
         if not params.eos_token_ids:
             params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))
         best_of = params.best_of or params.n
         error = prompt_token_error(req.prompt_token_ids, self.model_config.vocab_size)
-        if error is not None:  # it would fail the whole step it joined
-            req.sink.emit(_error_output(req, 400, error))
-            return
+        if error is not None:
+            return error
         if len(req.prompt_token_ids) + 1 > self.max_model_len:
-            req.sink.emit(_error_output(req, 400, (
-                f"prompt has {len(req.prompt_token_ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens")))
-            return
+            return (f"prompt has {len(req.prompt_token_ids)} tokens; "
+                    + limit_what.format(self.max_model_len))
         bad_bias = [t for t in params.logit_bias if t >= self.model_config.vocab_size]
         if bad_bias:
-            req.sink.emit(_error_output(req, 400, (
-                f"logit_bias token id {bad_bias[0]} is out of range: the vocabulary has "
-                f"{self.model_config.vocab_size} tokens")))
-            return
+            return (f"logit_bias token id {bad_bias[0]} is out of range: the vocabulary has "
+                    f"{self.model_config.vocab_size} tokens")
         if req.usage_prompt_tokens is not None and params.prompt_logprobs is not None:
             # migrated: its prompt logprobs went out with its first output elsewhere
             params = dataclasses.replace(params, prompt_logprobs=None)
@@ -258,13 +302,14 @@ class LLMEngine:
             generated_offset=req.generated_offset, num_unread=req.num_unread,
             arrival_time=req.arrival_time,
             want_prompt_logprobs=params.prompt_logprobs is not None)
+        requests = []
         for i in range(req.first_index, req.first_index + best_of):
             cp = child_params(params, i)
             if best_of > params.n and cp.logprobs is None:
                 cp = dataclasses.replace(cp, logprobs=0)  # cumulative logprob ranks best_of
-            request = Request(child_id(req.request_id, i), list(req.prompt_token_ids), cp,
-                              remote_decode=req.remote_decode)
-            self.scheduler.add_request(request)
+            requests.append(Request(child_id(req.request_id, i), list(req.prompt_token_ids), cp,
+                                    remote_decode=req.remote_decode))
+        return requests
 
     def _abort(self, parent_id: str) -> None:
         for cid in self.outputs.child_ids(parent_id):
@@ -332,8 +377,7 @@ class LLMEngine:
                     self.recent_max_ttft_ms = max(self.recent_max_ttft_ms * 0.98, ttft * 1000)
         for upd, delta, block_ids, parent_id in handovers:
             self.outputs.drop_parent(parent_id)
-            if self.on_remote_decode_update is not None:
-                self.on_remote_decode_update(upd, delta, block_ids)
+            self._hand_over(upd, delta, block_ids)
 
     def _process_update(self, upd, logprobs: dict[str, Any], by_parent: dict[str, list],
                         handovers: list) -> None:
@@ -350,7 +394,7 @@ class LLMEngine:
             finish_reason, upd.stop_reason, self._finish_by_stop_string)
         if delta is not None:
             by_parent.setdefault(parent_id, []).append(delta)
-        if self.on_remote_decode_update is not None:  # PREFILL role: every request
+        if self._hand_over is not None:  # PD prefill: every request, at its first token
             block_ids = list(request.block_ids) if request is not None else []
             handovers.append((upd, delta, block_ids, parent_id))
 

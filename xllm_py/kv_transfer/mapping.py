@@ -1,5 +1,9 @@
 """xLLM's TP/DP worker mapping for KV transfer (pure functions).
 
+Not used yet: every instance has one worker today, and the PD code (xllm_py/engine/pd/)
+moves KV between worker 0 of each side. Kept for tensor parallelism (issue 14), where
+each destination worker pulls from the source worker this module names.
+
 Workers of an instance are numbered ``dp_rank * tp + tp_rank``. A decode (destination)
 worker ``dst_worker_rank = dst_dp_rank * dst_tp + tp_rank`` pulls from the prefill
 (source) worker ``src_dp_rank * src_tp + (dst_worker_rank % src_tp)`` (xLLM

@@ -6,6 +6,10 @@ from a fixed seed), and a byte-level BPE tokenizer (tokenizer.json, tokenizer_co
 with a ChatML chat template) trained on a built-in English corpus. It is written to a temp
 folder and renamed into place, so concurrent processes are safe. Load it with
 ``load_model`` / ``Tokenizer.from_dir`` like any other model.
+
+This module imports no torch: the weights are written by ``tiny_weights.py``, imported
+only when they are built. ``model_files_dir`` gives the master the tokenizer and config
+of a tiny model without building (or importing) anything heavier.
 """
 
 from __future__ import annotations
@@ -18,8 +22,6 @@ import random
 import shutil
 import tempfile
 from typing import Any
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -176,15 +178,14 @@ def build_model_dir(path: str | pathlib.Path, *, family: str = "qwen3", hidden_s
                     intermediate_size: int = 704, head_dim: int | None = None,
                     max_position_embeddings: int = 2048, tie_word_embeddings: bool = True,
                     rope_theta: float = 10000.0, seed: int = 0,
-                    init_std: float = 0.05) -> pathlib.Path:
+                    init_std: float = 0.05, with_weights: bool = True) -> pathlib.Path:
     """Write a complete HF-format model directory with random weights; returns the path.
 
     The vocabulary comes from the tiny tokenizer (written alongside). Only torch,
     safetensors and tokenizers are needed. ``init_std`` 0.05: at 0.02 greedy decoding
-    of these random models repeats a single token.
+    of these random models repeats a single token. ``with_weights=False`` writes every
+    file but model.safetensors, without importing torch (what the master needs).
     """
-    from safetensors.torch import save_file
-
     if family not in _ARCH:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(_ARCH)}")
     if hidden_size % num_heads and head_dim is None:
@@ -223,58 +224,49 @@ def build_model_dir(path: str | pathlib.Path, *, family: str = "qwen3", hidden_s
     (path / "generation_config.json").write_text(
         json.dumps({"eos_token_id": eos, "pad_token_id": eos[1]}, indent=2))
 
-    gen = torch.Generator().manual_seed(seed)
+    if with_weights:
+        from xllm_py.model.tiny_weights import write_random_weights
 
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * init_std
-
-    q, kv = num_heads * hd, num_kv_heads * hd
-    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, hidden_size)}
-    for i in range(num_layers):
-        p = f"model.layers.{i}."
-        tensors[p + "self_attn.q_proj.weight"] = normal(q, hidden_size)
-        tensors[p + "self_attn.k_proj.weight"] = normal(kv, hidden_size)
-        tensors[p + "self_attn.v_proj.weight"] = normal(kv, hidden_size)
-        tensors[p + "self_attn.o_proj.weight"] = normal(hidden_size, q)
-        if family == "qwen2":
-            tensors[p + "self_attn.q_proj.bias"] = normal(q)
-            tensors[p + "self_attn.k_proj.bias"] = normal(kv)
-            tensors[p + "self_attn.v_proj.bias"] = normal(kv)
-        if family == "qwen3":
-            tensors[p + "self_attn.q_norm.weight"] = torch.ones(hd)
-            tensors[p + "self_attn.k_norm.weight"] = torch.ones(hd)
-        tensors[p + "mlp.gate_proj.weight"] = normal(intermediate_size, hidden_size)
-        tensors[p + "mlp.up_proj.weight"] = normal(intermediate_size, hidden_size)
-        tensors[p + "mlp.down_proj.weight"] = normal(hidden_size, intermediate_size)
-        tensors[p + "input_layernorm.weight"] = torch.ones(hidden_size)
-        tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden_size)
-    tensors["model.norm.weight"] = torch.ones(hidden_size)
-    if not tie_word_embeddings:
-        tensors["lm_head.weight"] = normal(vocab, hidden_size)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        write_random_weights(path, family=family, vocab=vocab, hidden_size=hidden_size,
+                             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=hd,
+                             num_heads=num_heads, intermediate_size=intermediate_size,
+                             tie_word_embeddings=tie_word_embeddings, seed=seed,
+                             init_std=init_std)
     return path
 
 
 def default_cache_dir() -> pathlib.Path:
-    env = os.environ.get("XLLM_CACHE_DIR")
+    from xllm_py.config import model_cache_dir_from_env
+
+    env = model_cache_dir_from_env()
     if env:
         return pathlib.Path(env)
     return pathlib.Path.home() / ".cache" / "xllm_py" / "models"
 
 
-def ensure_tiny_model(name: str = "tiny",
-                      cache_dir: str | pathlib.Path | None = None) -> pathlib.Path:
-    """Return the directory of the named tiny model, building it on first use."""
+def ensure_tiny_model(name: str = "tiny", cache_dir: str | pathlib.Path | None = None,
+                      *, with_weights: bool = True) -> pathlib.Path:
+    """Return the directory of the named tiny model, building it on first use.
+
+    ``with_weights=False`` (the master: tokenizer, chat template and config only, no
+    torch): the full model's directory when it is built, else ``<name>.noweights``, the
+    same files but model.safetensors (the tokenizer training is deterministic, so both
+    hold the same tokenizer).
+    """
     if name not in PRESETS:
         raise ValueError(f"unknown tiny model {name!r}; choose from {', '.join(PRESETS)}")
     root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / name
     if _is_current(target):
         return target
+    if not with_weights:
+        target = root / f"{name}.noweights"
+        if _is_current(target):
+            return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
-        build_model_dir(tmp, **PRESETS[name])
+        build_model_dir(tmp, **PRESETS[name], with_weights=with_weights)
         (tmp / ".complete").write_text(str(_FORMAT_VERSION))
         if target.exists() and not _is_current(target):
             # interrupted build or older format: move it aside, then replace it
@@ -295,6 +287,14 @@ def ensure_tiny_model(name: str = "tiny",
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def model_files_dir(model: str) -> str:
+    """Where `model`'s tokenizer and config are, without importing torch: the directory
+    as given, or for a tiny preset ("tiny...") its files (see `ensure_tiny_model`)."""
+    if model.startswith("tiny"):
+        return str(ensure_tiny_model(model, with_weights=False))
+    return model
 
 
 def _is_current(target: pathlib.Path) -> bool:

@@ -1,10 +1,10 @@
 """proto <-> domain conversions at the gRPC boundary (no pb2 objects beyond this module).
 
-Proto3 scalars have no "unset": zero means "default" for top_p and repetition_penalty;
-temperature, seed, prompt_logprobs and max_tokens (0 is valid: score the prompt only)
-carry explicit has_* flags (a sender without has_max_tokens: 0 means unset).
-tests/unit/test_protos.py round-trips every SamplingParams field, so a new field that is
-not carried here fails there.
+Proto3 scalars have no "unset": zero means "default" for n, best_of, top_p and
+repetition_penalty; temperature, seed and prompt_logprobs carry explicit has_* flags, and
+so does max_tokens (0 is valid: score the prompt only; a sender without has_max_tokens
+means unset by 0). See the rules above params_to_proto. tests/unit/test_protos.py
+round-trips every SamplingParams field, so a new field that is not carried here fails there.
 """
 from __future__ import annotations
 
@@ -33,67 +33,80 @@ class EngineRequestSpec:
     priority: int = 0
 
 
+# How SamplingParams travels in a DisaggRequest, field by field. A field of the same name
+# in the proto carries it as it is, unless it is listed here: for _ZERO_UNSET the proto
+# zero means "unset" (SamplingParams' default), _FLAGGED ones say so in has_<name>, and
+# top_k, stop, logprobs, max_tokens and logit_bias are converted by hand below. A
+# SamplingParams field with no proto field of its name and no rule here fails at import
+# (_SAME_NAME).
+_ZERO_UNSET = ("n", "best_of", "top_p", "repetition_penalty")
+_FLAGGED = ("temperature", "seed", "prompt_logprobs")
+_OWN = ("top_k", "stop", "logprobs", "max_tokens", "logit_bias")
+
+
+def _same_name_fields() -> tuple[str, ...]:
+    proto_fields = pb.DisaggRequest.DESCRIPTOR.fields_by_name
+    special = set(_ZERO_UNSET + _FLAGGED + _OWN)
+    names = []
+    for f in dataclasses.fields(SamplingParams):
+        if f.name in special:
+            continue
+        if f.name not in proto_fields:
+            raise RuntimeError(f"SamplingParams.{f.name} has no DisaggRequest field: add one "
+                               f"to xllm.proto or a rule in rpc/convert.py")
+        names.append(f.name)
+    return tuple(names)
+
+
+_SAME_NAME = _same_name_fields()
+
+
 def params_to_proto(params: SamplingParams, msg: pb.DisaggRequest) -> None:
-    msg.n = params.n
-    msg.best_of = params.best_of or 0
-    msg.has_temperature = True
-    msg.temperature = params.temperature
-    msg.top_p = params.top_p
+    for name in _SAME_NAME:
+        value = getattr(params, name)
+        if isinstance(value, list):
+            getattr(msg, name).extend(value)
+        else:
+            setattr(msg, name, value)
+    for name in _ZERO_UNSET:
+        value = getattr(params, name)
+        setattr(msg, name, 0 if value is None else value)
+    for name in _FLAGGED:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, "has_" + name, True)
+            setattr(msg, name, value)
     msg.top_k = params.top_k if params.top_k and params.top_k > 0 else 0
-    msg.min_p = params.min_p
-    msg.frequency_penalty = params.frequency_penalty
-    msg.presence_penalty = params.presence_penalty
-    msg.repetition_penalty = params.repetition_penalty
-    if params.seed is not None:
-        msg.has_seed = True
-        msg.seed = params.seed
-    msg.max_tokens = params.max_tokens or 0
-    msg.has_max_tokens = params.max_tokens is not None
-    msg.min_tokens = params.min_tokens
-    msg.ignore_eos = params.ignore_eos
-    msg.stop_token_ids.extend(params.stop_token_ids or [])
     for s in params.stop or []:
         msg.stop_sequences.add(text=s)
     msg.logprobs = params.logprobs is not None
     msg.top_logprobs = params.logprobs or 0
-    if params.prompt_logprobs is not None:
-        msg.has_prompt_logprobs = True
-        msg.prompt_logprobs = params.prompt_logprobs
-    msg.echo = params.echo
-    msg.skip_special_tokens = params.skip_special_tokens
-    msg.include_stop_str_in_output = params.include_stop_str_in_output
-    msg.eos_token_ids.extend(params.eos_token_ids or [])
+    if params.max_tokens is not None:
+        msg.has_max_tokens = True
+        msg.max_tokens = params.max_tokens
     for token_id, bias in params.logit_bias.items():
         msg.logit_bias[token_id] = bias
 
 
 def params_from_proto(msg: pb.DisaggRequest) -> SamplingParams:
     """Raises ValueError (SamplingParamsError) on invalid values."""
-    kwargs = dict(
-        n=msg.n or 1,
-        best_of=msg.best_of or None,
-        temperature=msg.temperature if msg.has_temperature else 1.0,
-        top_p=msg.top_p if msg.top_p > 0 else 1.0,
-        top_k=msg.top_k if msg.top_k > 0 else -1,
-        min_p=msg.min_p,
-        frequency_penalty=msg.frequency_penalty,
-        presence_penalty=msg.presence_penalty,
-        repetition_penalty=msg.repetition_penalty if msg.repetition_penalty > 0 else 1.0,
-        seed=msg.seed if msg.has_seed else None,
-        max_tokens=msg.max_tokens if msg.has_max_tokens else (msg.max_tokens or None),
-        min_tokens=msg.min_tokens,
-        stop=[s.text for s in msg.stop_sequences if s.text],
-        stop_token_ids=list(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        logprobs=msg.top_logprobs if msg.logprobs else None,
-        prompt_logprobs=msg.prompt_logprobs if msg.has_prompt_logprobs else None,
-        echo=msg.echo,
-        skip_special_tokens=msg.skip_special_tokens,
-        include_stop_str_in_output=msg.include_stop_str_in_output,
-        logit_bias=dict(msg.logit_bias),
-    )
-    if msg.eos_token_ids:
-        kwargs["eos_token_ids"] = list(msg.eos_token_ids)
+    kwargs = {}
+    for name in _SAME_NAME:
+        value = getattr(msg, name)
+        kwargs[name] = list(value) if not isinstance(value, (bool, int, float)) else value
+    for name in _ZERO_UNSET:
+        value = getattr(msg, name)
+        if value != 0:  # a negative value reaches validation and is refused
+            kwargs[name] = value
+    for name in _FLAGGED:
+        if getattr(msg, "has_" + name):
+            kwargs[name] = getattr(msg, name)
+    kwargs["top_k"] = msg.top_k if msg.top_k > 0 else -1
+    kwargs["stop"] = [s.text for s in msg.stop_sequences if s.text]
+    kwargs["logprobs"] = msg.top_logprobs if msg.logprobs else None
+    if msg.has_max_tokens or msg.max_tokens:
+        kwargs["max_tokens"] = msg.max_tokens
+    kwargs["logit_bias"] = dict(msg.logit_bias)
     return SamplingParams(**kwargs)
 
 

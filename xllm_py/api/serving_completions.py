@@ -1,0 +1,84 @@
+"""POST /v1/completions: prompts as text or token ids (several per request), echo, and
+logprobs in the completions format (parallel lists with text offsets)."""
+from __future__ import annotations
+
+from typing import Any
+
+from xllm_py.api.backend import TokenizerLike
+from xllm_py.api.context import Choice, Prompt, RequestContext
+from xllm_py.api.errors import InvalidRequestError
+from xllm_py.api.logprobs import completion_logprobs, entries_for
+from xllm_py.api.protocol import CompletionRequest
+from xllm_py.api.serving_base import OpenAIServing
+from xllm_py.outputs import CompletionDelta, TokenLogprob
+from xllm_py.request import prompt_token_error
+
+_DEFAULT_MAX_TOKENS = 16  # OpenAI legacy completions default
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    request_cls = CompletionRequest
+    id_prefix = "cmpl"
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+    prompt_param = "prompt"
+
+    def _prompts(self, req: CompletionRequest, tokenizer: TokenizerLike) -> list[Prompt]:
+        prompts = []
+        for p in req.prompt_list():
+            if isinstance(p, str):
+                prompts.append(Prompt(list(tokenizer.encode(p, add_special_tokens=True)), p))
+                continue
+            error = prompt_token_error(p, getattr(tokenizer, "vocab_size", None))
+            if error is not None:
+                raise InvalidRequestError(error, param="prompt")
+            prompts.append(Prompt(list(p), tokenizer.decode(p) if req.echo else None))
+        return prompts
+
+    def _default_max_tokens(self, num_prompt_tokens: int, max_model_len: int) -> int:
+        return min(max_model_len - num_prompt_tokens, _DEFAULT_MAX_TOKENS)
+
+    def _render_choice(self, ctx: RequestContext, choice: Choice) -> dict[str, Any]:
+        lp, _ = self._logprobs(ctx, choice, choice.token_ids, choice.logprobs, echo=ctx.req.echo,
+                                allow_empty=True)
+        text = choice.text
+        if ctx.req.echo:
+            text = (ctx.prompts[choice.prompt_index].text or "") + text
+        return {"index": choice.index, "text": text, "logprobs": lp}
+
+    def _opens_with_prompt(self, ctx: RequestContext) -> bool:
+        return ctx.req.echo
+
+    def _render_delta(
+        self, ctx: RequestContext, choice: Choice, delta: CompletionDelta, first: bool
+    ) -> dict[str, Any]:
+        echo_now = ctx.req.echo and first
+        lp, offset = self._logprobs(ctx, choice, delta.token_ids, delta.logprobs, echo=echo_now,
+                                    text_offset=choice.text_offset, allow_empty=False)
+        if lp is not None:
+            choice.text_offset = offset
+        text = delta.text
+        if echo_now:
+            text = (ctx.prompts[choice.prompt_index].text or "") + text
+        return {"index": choice.index, "text": text, "logprobs": lp}
+
+    @staticmethod
+    def _logprobs(
+        ctx: RequestContext, choice: Choice, token_ids: list[int],
+        logprobs: list[TokenLogprob] | None, *, echo: bool, allow_empty: bool, text_offset: int = 0,
+    ) -> tuple[dict[str, Any] | None, int]:
+        """Completions logprobs of `token_ids`, after the prompt's tokens (logprob null) if
+        `echo`; None when the client asked for none (or, for a stream chunk, when the chunk
+        has no token)."""
+        num_top = ctx.num_logprobs
+        if num_top is None:
+            return None, text_offset
+        ids = list(token_ids)
+        entries: list[TokenLogprob | None] = list(entries_for(ids, logprobs))
+        if echo:
+            prompt_ids = ctx.prompts[choice.prompt_index].token_ids
+            ids = prompt_ids + ids
+            entries = [None] * len(prompt_ids) + entries
+        if not ids and not allow_empty:
+            return None, text_offset
+        return completion_logprobs(entries, num_top, ctx.token_text, ids, text_offset)

@@ -1,0 +1,261 @@
+"""DecodeSide: the decode role of a PD pair, on top of LLMEngine.
+
+Stages of a request (its DecodePhase, see phases.py):
+  AddNewRequests -> the engine admits it with blocks for prompt + 1 (prefix aware,
+  `LLMEngine.add_remote`) -> ALLOCATED: the block ids prefill must fill go back
+  (RESOURCE_EXHAUSTED: no KV space now; INVALID_ARGUMENT: it cannot be served here)
+  -> FirstGeneration -> PULLING: our worker pulls prefill's KV (PUSH: it is already in
+  our blocks) -> DECODING: finish_remote_kvs puts it in the decode batch with prefill's
+  first token; every later token goes to the service through Generations.
+  A failed pull ends it FAILED (fail_remote_kvs: never decode on KV that did not
+  arrive); a FirstGeneration that says `failed` DROPs it; one that never comes FAILs it
+  after `orphan_timeout_s` so its blocks cannot leak.
+Cancel (the service's): ALLOCATED -> CANCELLED: freed when FirstGeneration comes (a
+PUSH may be writing into its blocks until then) or after `cancel_grace_s`; PULLING ->
+GONE: freed when the pull ends; DECODING: the engine aborts it. A FirstGeneration whose
+caller gives up (deadline, prefill gone) moves its pulls to GONE the same way: the
+take-overs run shielded, so a pull is never cut short under its blocks.
+MultiGenerations with KV (migration) takes the same path from ALLOCATED on.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Callable, Coroutine
+
+from xllm_py.config import EngineConfig, KVTransferMode
+from xllm_py.engine.generations_reporter import GenerationsReporter
+from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
+from xllm_py.engine.migration import Resumption
+from xllm_py.engine.output_processor import child_id
+from xllm_py.engine.pd.config import PDSchedulerConfig, maybe_inject_fault
+from xllm_py.engine.pd.messages import HandOver, KVMove, Placement
+from xllm_py.engine.pd.metrics import PDMetrics
+from xllm_py.engine.pd.peers import PDPeers
+from xllm_py.engine.pd.phases import DecodePhase, DecodeRequest
+from xllm_py.engine.scheduler import RemoteAllocation
+from xllm_py.rpc import pd as wire
+from xllm_py.rpc.convert import EngineRequestSpec
+from xllm_py.rpc.status import Status, StatusError
+
+logger = logging.getLogger(__name__)
+
+D = DecodePhase
+
+
+class DecodeSide:
+    def __init__(self, engine: LLMEngine, config: EngineConfig, pd_config: PDSchedulerConfig,
+                 reporter: GenerationsReporter, peers: PDPeers, metrics: PDMetrics,
+                 spawn: Callable[[Coroutine], asyncio.Task]) -> None:
+        self.engine = engine
+        self.config = config
+        self.pd_config = pd_config
+        self.reporter = reporter
+        self.peers = peers
+        self.metrics = metrics
+        self.spawn = spawn
+        self._requests: dict[str, DecodeRequest] = {}  # until a final phase
+        # How long a request cancelled before its FirstGeneration keeps its blocks when
+        # no FirstGeneration comes (a push into them has ended by then).
+        self.cancel_grace_s = config.transfer.timeout_s + config.rpc_timeout_s
+
+    def phase(self, request_id: str) -> DecodePhase | None:
+        rec = self._requests.get(request_id)
+        return rec.phase if rec is not None else None
+
+    def _end(self, rec: DecodeRequest, phase: DecodePhase) -> None:
+        rec.transition(phase)
+        if phase.is_final():
+            self._requests.pop(rec.request_id, None)
+
+    async def _on_engine(self, fn):
+        return await asyncio.wrap_future(self.engine.call(fn))
+
+    # ------------------------------------------------------------------ AddNewRequests
+    async def add_new_requests(self, prefill_name: str,
+                               items: list[EngineRequestSpec | Placement]) -> list[Placement]:
+        """One Placement per item (a Placement item is a request that could not be read)."""
+        replies = []
+        for spec in items:
+            if isinstance(spec, Placement):
+                replies.append(spec)
+                continue
+            rid = spec.request_id
+            if rid in self._requests:
+                replies.append(Placement(rid, Status.INVALID_ARGUMENT,
+                                         message="duplicate request id"))
+                continue
+            alloc = await self._on_engine(lambda spec=spec: self._admit(spec))
+            if isinstance(alloc, str):
+                replies.append(Placement(rid, Status.INVALID_ARGUMENT, message=alloc))
+            elif alloc is None:
+                replies.append(Placement(rid, Status.RESOURCE_EXHAUSTED,
+                                         message="no KV space on decode"))
+            else:
+                self._requests[rid] = DecodeRequest(spec, prefill_name, alloc.new_block_ids,
+                                                    alloc.num_cached_tokens)
+                replies.append(Placement(rid, Status.OK, alloc.new_block_ids,
+                                         alloc.num_cached_tokens))
+        return replies
+
+    def _admit(self, spec: EngineRequestSpec, usage_prompt_tokens: int | None = None,
+               generated_offset: int = 0,
+               num_unread: int | None = None) -> RemoteAllocation | str | None:
+        """Engine thread: LLMEngine.add_remote with a sink to the service."""
+        sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
+                                  spec.request_id)
+        return self.engine.add_remote(EngineRequest(
+            spec.request_id, spec.prompt_token_ids, spec.params, sink, arrival_time=0.0,
+            usage_prompt_tokens=usage_prompt_tokens, generated_offset=generated_offset,
+            num_unread=num_unread))
+
+    # ------------------------------------------------------------------ FirstGeneration
+    async def first_generation(self, handovers: list[HandOver]) -> list[str]:
+        """Take the requests over; one problem per hand-over ("" when taken or dropped)."""
+        # The take-overs run in tasks of their own: a caller that gives up must not cut a
+        # pull short (its blocks would be freed while the transfer writes into them).
+        tasks = [self.spawn(self._take_over(h)) for h in handovers]
+        try:
+            return list(await asyncio.shield(asyncio.gather(*tasks)))
+        except asyncio.CancelledError:
+            for h in handovers:  # dropped once their pulls end; prefill reports the error
+                rec = self._requests.get(h.request_id)
+                if rec is not None and rec.phase is D.PULLING:
+                    rec.transition(D.GONE)
+            raise
+
+    async def _take_over(self, h: HandOver) -> str:
+        rid = h.request_id
+        rec = self._requests.get(rid)
+        if rec is None:
+            return f"unknown request {rid}"
+        if rec.phase not in (D.ALLOCATED, D.CANCELLED):
+            return f"request {rid} is {rec.phase.value}: FirstGeneration came twice"
+        child = child_id(rid, 0)
+        if h.failed or rec.phase is D.CANCELLED:
+            self._end(rec, D.DROPPED)
+            await self._on_engine(lambda: self._drop(rid, child))
+            return ""
+        t0 = time.monotonic()
+        rec.transition(D.PULLING)
+        try:
+            if h.mode != KVTransferMode.PUSH.value:
+                await self._pull(h, rec)
+        except StatusError as exc:
+            self.metrics.transfer_failures.inc()
+            self._end(rec, D.FAILED)
+            message = exc.message
+            await self._on_engine(lambda: self._fail(rid, child, message))
+            return message
+        except BaseException:  # stopping: the blocks must not stay held
+            self._end(rec, D.FAILED)
+            self.engine.call(lambda: self._fail(rid, child, "decode instance stopped"))
+            raise
+        if rec.phase is D.GONE:
+            self._end(rec, D.DROPPED)
+            await self._on_engine(lambda: self._drop(rid, child))
+            return f"request {rid} was cancelled during its KV transfer"
+        self._end(rec, D.DECODING)
+        await self._on_engine(lambda: self._start_decoding(rid, child, h))
+        logger.info("PD decode took over request %s from %s: %d blocks, %d bytes (%d cached "
+                    "tokens) in %.1f ms (%s)", rid, rec.prefill_name, len(rec.new_block_ids),
+                    len(rec.new_block_ids) * self.engine.storage.block_bytes,
+                    rec.num_cached_tokens, (time.monotonic() - t0) * 1000, h.mode or "PULL")
+        return ""
+
+    async def _pull(self, h: HandOver, rec: DecodeRequest) -> None:
+        if len(h.block_ids) != len(rec.new_block_ids):
+            raise StatusError(Status.INTERNAL, f"prefill sent {len(h.block_ids)} blocks, "
+                                               f"decode expects {len(rec.new_block_ids)}")
+        if not rec.new_block_ids:
+            return
+        maybe_inject_fault(self.config.transfer.fault_rate, "pull")
+        if not h.addrs:
+            raise StatusError(Status.INTERNAL, "FirstGeneration carries no transfer address")
+        await self.peers.pull_kv(KVMove(rec.request_id, h.cluster_ids[0] if h.cluster_ids else 0,
+                                        h.addrs[0], h.block_ids, rec.new_block_ids))
+
+    # ------------------------------------------------------------------ migration with KV
+    async def resume_with_kv(self, item, r: Resumption) -> str:
+        """MultiGenerations item with kv (migration.KVPuller): allocate for prompt +
+        generated[:-1] and pull their KV like a FirstGeneration; "" or the problem."""
+        kv = wire.migration_kv_from_proto(item)
+        rid, k, unread = r.spec.request_id, len(r.generated), r.num_unread
+        ext = dataclasses.replace(r.spec, prompt_token_ids=r.spec.prompt_token_ids
+                                  + r.generated[:-1], params=r.params)
+        # generated[-1] comes as a first token, fed silently: what was unread before it
+        # is one less (none if its text completed everything).
+        alloc = await self._on_engine(lambda: self._admit(
+            ext, r.num_prompt_tokens, k - 1, None if unread is None else max(0, unread - 1)))
+        if alloc is None or isinstance(alloc, str):
+            return f"{rid}: {alloc or 'no KV space on decode'}"
+        self._requests[rid] = DecodeRequest(ext, kv.prefill_name or "migration source",
+                                            alloc.new_block_ids, alloc.num_cached_tokens)
+        return await self._take_over(dataclasses.replace(
+            kv, request_id=rid, token_ids=[r.generated[-1]], logprobs=[None]))
+
+    # ------------------------------------------------------------------ engine thread
+    def _drop(self, parent_id: str, child: str) -> None:
+        self.engine.scheduler.abort_request(child)
+        self.engine.outputs.drop_parent(parent_id)
+
+    def _fail(self, parent_id: str, child: str, message: str) -> None:
+        self.engine.scheduler.fail_remote_kvs(child, message)
+        self.engine.outputs.fail_parent(parent_id, Status.BAD_GATEWAY.http_status, message)
+
+    def _start_decoding(self, parent_id: str, child: str, h: HandOver) -> None:
+        engine = self.engine
+        if engine.scheduler.get_request(child) is None:
+            engine.outputs.drop_parent(parent_id)
+            return
+        upd = engine.scheduler.finish_remote_kvs(child, h.token_ids)
+        # The first token was reported by prefill: feed it to the detokenizer silently.
+        engine.outputs.process(child, h.token_ids, h.logprobs or None, None, None,
+                               lambda rid, s: None)
+        if upd is not None:  # the first token already ends the request
+            engine.outputs.process(child, [], None, upd.finish_reason, upd.stop_reason,
+                                   lambda rid, s: None)
+            engine.outputs.drop_parent(parent_id)
+
+    # ------------------------------------------------------------------ reaping, cancel
+    async def reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.pd_config.reap_interval_s)
+            self.reap_orphans(time.monotonic())
+
+    def reap_orphans(self, now: float) -> list[str]:
+        """Free the requests whose FirstGeneration never came (cancelled ones after
+        cancel_grace_s). Returns their ids."""
+        timeout = self.pd_config.orphan_timeout_s
+        stale = [rec for rec in self._requests.values()
+                 if rec.phase in (D.ALLOCATED, D.CANCELLED) and (
+                     now - rec.created > timeout or (
+                         rec.cancelled_at is not None
+                         and now - rec.cancelled_at > self.cancel_grace_s))]
+        for rec in stale:
+            rid, child = rec.request_id, child_id(rec.request_id, 0)
+            if rec.phase is D.CANCELLED:
+                self._end(rec, D.DROPPED)
+                self.engine.call(lambda rid=rid, child=child: self._drop(rid, child))
+                continue
+            logger.warning("request %s: no FirstGeneration within %.0fs; freeing its blocks",
+                           rid, timeout)
+            self._end(rec, D.FAILED)
+            self.engine.call(lambda rid=rid, child=child: self._fail(
+                rid, child, "prefill instance never handed the request over"))
+        return [rec.request_id for rec in stale]
+
+    def cancel(self, request_id: str) -> bool:
+        """The service cancelled the request. True: its blocks are freed here once no
+        transfer can touch them; False: the engine may abort it now."""
+        rec = self._requests.get(request_id)
+        if rec is None:  # decoding (the engine's) or unknown
+            return False
+        if rec.phase is D.ALLOCATED:  # a PUSH may be writing into its blocks right now
+            rec.transition(D.CANCELLED)
+            rec.cancelled_at = time.monotonic()
+        elif rec.phase is D.PULLING:
+            rec.transition(D.GONE)
+        return True

@@ -1,0 +1,347 @@
+"""PrefillSide: the prefill role of a PD pair, on top of LLMEngine.
+
+Stages of a request (its PrefillPhase, see phases.py):
+  add_request -> QUEUED (online queue, or offline: taken only when no online one waits)
+  -> DISPATCHING: the service's decode first, then the master's list (round robin), up
+  to `max_decodes_per_request`: link it (links.py), AddNewRequests (RESOURCE_EXHAUSTED:
+  bounded retry with backoff, then the next decode; a refusal or an incompatible decode
+  fails the request with decode's status)
+  -> PREFILLING: the engine computes the prompt and samples the first token, which goes
+  to the service (finished_on_prefill_instance); the engine holds the KV (SENDING_KV)
+  and calls the hand-over hook
+  -> HANDING_OVER: PUSH mode: our worker writes the KV into decode's blocks; then
+  FirstGeneration to decode (PULL: where our KV is); decode confirms or fails; our
+  blocks are freed (finish_sending) either way
+  -> FINISHED, or FAILED (reported to the service with its status; a decode that could
+  not be reached is named so the service can migrate).
+Cancel (the service's): QUEUED/DISPATCHING stop before reaching the engine (a decode
+that placed it meanwhile is told to drop it); PREFILLING: decode is told to drop the
+blocks it set aside and the engine aborts the request (if the step sampling its first
+token already ran, the hook finds it cancelled and frees the held KV); HANDING_OVER:
+nothing to do, the hand-over ends as usual.
+Phases change on the event loop only; the engine thread's hook hands over to it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from typing import AsyncIterator, Callable, Coroutine
+
+from xllm_py.cluster.instance_meta import InstanceMeta
+from xllm_py.config import EngineConfig, KVTransferMode
+from xllm_py.engine.generations_reporter import GenerationsReporter
+from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
+from xllm_py.engine.output_processor import parent_of
+from xllm_py.engine.pd.config import PDSchedulerConfig, maybe_inject_fault
+from xllm_py.engine.pd.links import Links
+from xllm_py.engine.pd.messages import HandOver, KVMove, Placement
+from xllm_py.engine.pd.metrics import PDMetrics
+from xllm_py.engine.pd.peers import PDPeers
+from xllm_py.engine.pd.phases import PrefillPhase, PrefillRequest
+from xllm_py.outputs import RequestOutput, TokenLogprob
+from xllm_py.rpc.convert import EngineRequestSpec
+from xllm_py.rpc.status import Status, StatusError
+
+logger = logging.getLogger(__name__)
+
+P = PrefillPhase
+_PENDING = (P.QUEUED, P.DISPATCHING, P.PREFILLING)  # not handed over yet
+
+
+class PrefillSide:
+    def __init__(self, engine: LLMEngine, config: EngineConfig, pd_config: PDSchedulerConfig,
+                 meta: InstanceMeta, reporter: GenerationsReporter, links: Links,
+                 peers: PDPeers, metrics: PDMetrics,
+                 spawn: Callable[[Coroutine], asyncio.Task]) -> None:
+        self.engine = engine
+        self.config = config
+        self.pd_config = pd_config
+        self.meta = meta
+        self.reporter = reporter
+        self.links = links
+        self.peers = peers
+        self.metrics = metrics
+        self.spawn = spawn
+        self.loop = asyncio.get_running_loop()
+        self._requests: dict[str, PrefillRequest] = {}  # until a final phase
+        self._online: asyncio.Queue[PrefillRequest] = asyncio.Queue()
+        self._offline: asyncio.Queue[PrefillRequest] = asyncio.Queue()
+        self._queued = asyncio.Event()  # set when either queue may hold work
+        self._dispatch_sem = asyncio.Semaphore(pd_config.max_dispatching)
+        self._rr = itertools.count()
+        engine.set_hand_over(self._on_first_token)
+
+    def phase(self, request_id: str) -> PrefillPhase | None:
+        rec = self._requests.get(request_id)
+        return rec.phase if rec is not None else None
+
+    def num_pending(self) -> int:
+        """Requests not handed over yet (queued, finding a decode, prefilling)."""
+        return sum(1 for r in self._requests.values() if r.phase in _PENDING)
+
+    def _end(self, rec: PrefillRequest, phase: PrefillPhase) -> None:
+        rec.transition(phase)
+        self._requests.pop(rec.request_id, None)
+
+    # ------------------------------------------------------------------ queue, dispatch
+    def add_request(self, spec: EngineRequestSpec) -> None:
+        if spec.request_id in self._requests:
+            self._report_error(spec, Status.INVALID_ARGUMENT,
+                               f"request id {spec.request_id} is already live here")
+            return
+        rec = self._requests[spec.request_id] = PrefillRequest(spec)
+        (self._offline if spec.offline else self._online).put_nowait(rec)
+        self._queued.set()
+
+    async def dispatch_loop(self) -> None:
+        """Online requests first; offline ones whenever no online one is queued."""
+        while True:
+            if self._online.empty() and self._offline.empty():
+                self._queued.clear()
+                await self._queued.wait()
+                continue
+            queue = self._online if not self._online.empty() else self._offline
+            rec = queue.get_nowait()
+            if rec.phase is not P.QUEUED:  # cancelled while queued
+                continue
+            rec.transition(P.DISPATCHING)
+            try:
+                await self._dispatch_sem.acquire()
+            except BaseException:
+                self._requests.pop(rec.request_id, None)
+                raise
+            self.spawn(self._dispatch_guarded(rec))
+
+    async def _dispatch_guarded(self, rec: PrefillRequest) -> None:
+        try:
+            await self._dispatch(rec)
+        except StatusError as exc:
+            self._fail_dispatch(rec, exc.status, exc.message)
+        except Exception as exc:
+            logger.exception("dispatch of request %s failed", rec.request_id)
+            self._fail_dispatch(rec, Status.INTERNAL, f"dispatch failed: {exc}")
+        finally:
+            self._dispatch_sem.release()
+
+    def _fail_dispatch(self, rec: PrefillRequest, status: Status, message: str) -> None:
+        if rec.phase is not P.DISPATCHING:  # cancelled meanwhile: nobody waits for it
+            return
+        logger.warning("request %s failed before prefill: %s", rec.request_id, message)
+        self._end(rec, P.FAILED)
+        self._report_error(rec.spec, status, message)
+
+    async def _decode_candidates(self, spec: EngineRequestSpec) -> AsyncIterator[str]:
+        """The service's choice first; the master's list (one RPC) only if that fails."""
+        if spec.decode_name:
+            yield spec.decode_name
+        try:
+            others = await self.links.list_decodes()
+        except Exception as exc:  # the master may be switching over
+            logger.warning("could not list decode instances: %s", exc)
+            others = []
+        start = next(self._rr)
+        rotated = others[start % len(others):] + others[: start % len(others)] if others else []
+        for name in rotated:
+            if name != spec.decode_name:
+                yield name
+
+    async def _dispatch(self, rec: PrefillRequest) -> None:
+        last_error = "no decode instance is available"
+        async with contextlib.aclosing(self._decode_candidates(rec.spec)) as names:
+            tried = 0
+            async for name in names:
+                if rec.phase is not P.DISPATCHING:
+                    return
+                last_error = await self._try_decode(rec, name)
+                if last_error is None:
+                    return
+                tried += 1
+                if tried == self.pd_config.max_decodes_per_request:
+                    break
+        raise StatusError(Status.UNAVAILABLE, last_error)
+
+    async def _try_decode(self, rec: PrefillRequest, name: str) -> str | None:
+        """Place the request on decode `name` and start its prefill; None when done, else
+        why not (StatusError for what another decode would not change)."""
+        decode = await self.links.resolve_meta(name)
+        if decode is None:
+            return f"decode instance {name} is not registered"
+        try:
+            await self.links.link(decode)
+        except StatusError as exc:
+            if exc.status is Status.FAILED_PRECONDITION:  # incompatible: no point retrying
+                raise
+            return exc.message
+        placement = await self._place(rec.spec, decode)
+        if placement is None:
+            return f"decode instance {name} has no KV space"
+        if not placement.status.ok:  # decode's status, as it said it
+            raise StatusError(placement.status, placement.message or "decode refused the request")
+        if rec.phase is not P.DISPATCHING:  # cancelled while being placed
+            self.spawn(self._tell_decode_to_drop(rec.request_id, decode))
+            return None
+        rec.decode, rec.decode_blocks = decode, placement.block_ids
+        rec.num_cached_on_decode = placement.num_cached_tokens
+        rec.transition(P.PREFILLING)
+        self._submit_prefill(rec)
+        return None
+
+    async def _place(self, spec: EngineRequestSpec, decode: InstanceMeta) -> Placement | None:
+        """AddNewRequests with bounded retries while decode has no KV space; None when it
+        stays full or cannot be reached."""
+        cfg = self.pd_config
+        backoff = cfg.backoff_s
+        for _ in range(cfg.attempts_per_decode):
+            try:
+                placement = await self.peers.add_new_request(decode, self.meta, spec)
+            except StatusError as exc:
+                logger.warning("AddNewRequests to %s failed: %s", decode.name, exc.message)
+                self.links.forget(decode.name)
+                return None
+            if placement.status is not Status.RESOURCE_EXHAUSTED:
+                return placement
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, cfg.max_backoff_s)
+        return None
+
+    def _submit_prefill(self, rec: PrefillRequest) -> None:
+        spec = rec.spec
+        sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
+                                  spec.request_id)
+        sink.finished_on_prefill = True
+        self.engine.submit(EngineRequest(spec.request_id, spec.prompt_token_ids, spec.params,
+                                         sink, remote_decode=True))
+
+    # ------------------------------------------------------------------ hand-over
+    def _on_first_token(self, upd, delta, block_ids: list[int]) -> None:
+        """Engine thread: a request sampled its first token (KV held, or it ended)."""
+        finished_here = delta is not None and delta.finish_reason is not None
+        first = delta.token_ids[0] if delta and delta.token_ids else None
+        lp = delta.logprobs[0] if delta and delta.logprobs else None
+        self.loop.call_soon_threadsafe(self._first_token, upd.request_id, block_ids, first,
+                                       lp, finished_here, upd.kv_held)
+
+    def _first_token(self, child: str, block_ids: list[int], first: int | None,
+                     lp: TokenLogprob | None, finished_here: bool, kv_held: bool) -> None:
+        rec = self._requests.get(parent_of(child)[0])
+        if rec is None or rec.phase is not P.PREFILLING:  # cancelled while the step ran:
+            if kv_held:                                     # its abort found nothing
+                self.engine.call(lambda: self.engine.scheduler.finish_sending(child))
+            return
+        rec.transition(P.HANDING_OVER)
+        self.spawn(self._hand_over(rec, child, block_ids, first, lp, finished_here, kv_held))
+
+    async def _hand_over(self, rec: PrefillRequest, child: str, block_ids: list[int],
+                         first_token: int | None, lp: TokenLogprob | None,
+                         finished_here: bool, kv_held: bool) -> None:
+        """Move the KV (PUSH) and tell decode to take over (or to drop its blocks)."""
+        spec, decode = rec.spec, rec.decode
+        mode = self.config.transfer.mode
+        handover = HandOver(spec.request_id, prefill_name=self.meta.name, mode=mode.value,
+                            dp_size=self.meta.dp_size,
+                            num_computed_tokens=len(spec.prompt_token_ids))
+        error: StatusError | None = None
+        unreachable = ""  # decode, when FirstGeneration could not reach it
+        t0 = time.monotonic()
+        if finished_here or first_token is None:
+            handover.failed, handover.status_msg = True, "finished on prefill"
+        else:
+            try:
+                self._fill_handover(handover, rec, block_ids, first_token, lp)
+                if mode == KVTransferMode.PUSH:
+                    await self._push(rec, handover.block_ids)
+            except StatusError as exc:  # decode must still hear of it to free its blocks
+                error = exc
+                handover.failed, handover.status_msg = True, exc.message
+        try:
+            problem = await self.peers.first_generation(
+                decode, handover, self.config.rpc_timeout_s + self.config.transfer.timeout_s)
+            if error is None and problem and not handover.failed:
+                error = StatusError(Status.BAD_GATEWAY, f"decode could not take over: {problem}")
+        except StatusError as exc:
+            logger.warning("FirstGeneration for %s to %s failed: %s", spec.request_id,
+                           decode.name, exc.message)
+            if error is None and not handover.failed:
+                error = StatusError(Status.BAD_GATEWAY,
+                                    f"decode instance {decode.name} failed: {exc.message}")
+            if error is not None and exc.status in (Status.UNAVAILABLE,
+                                                    Status.DEADLINE_EXCEEDED):
+                unreachable = decode.name  # (PUSH: the push into it failed first)
+        finally:
+            if kv_held:
+                self.engine.call(lambda: self.engine.scheduler.finish_sending(child))
+        if error is not None:
+            self.metrics.transfer_failures.inc()
+            self._end(rec, P.FAILED)
+            self._report_error(spec, error.status, error.message, unreachable)
+            return
+        self._end(rec, P.FINISHED)
+        if not handover.failed:
+            logger.info("PD prefill handed request %s to %s: %d blocks, %d bytes in %.1f ms (%s)",
+                        spec.request_id, decode.name, len(handover.block_ids),
+                        len(handover.block_ids) * self.engine.storage.block_bytes,
+                        (time.monotonic() - t0) * 1000, handover.mode)
+
+    def _fill_handover(self, handover: HandOver, rec: PrefillRequest, block_ids: list[int],
+                       first_token: int, lp: TokenLogprob | None) -> None:
+        """First token (with logprobs) and where our KV is: the blocks decode lacks."""
+        bs = self.config.cache.block_size
+        first_block = rec.num_cached_on_decode // bs
+        num_prompt_blocks = -(-len(rec.spec.prompt_token_ids) // bs)
+        src = block_ids[first_block:num_prompt_blocks]
+        if len(src) != len(rec.decode_blocks):
+            raise StatusError(Status.INTERNAL, f"block count mismatch: prefill {len(src)}, "
+                                               f"decode {len(rec.decode_blocks)}")
+        handover.token_ids, handover.logprobs = [first_token], [lp]
+        handover.cluster_ids = list(self.meta.cluster_ids)
+        handover.addrs = list(self.meta.addrs)
+        handover.worker_rpc_addrs = list(self.meta.worker_rpc_addrs)
+        handover.block_ids = src
+
+    async def _push(self, rec: PrefillRequest, src: list[int]) -> None:
+        decode = rec.decode
+        maybe_inject_fault(self.config.transfer.fault_rate, "push")
+        if not decode.addrs:
+            raise StatusError(Status.BAD_GATEWAY,
+                              f"decode {decode.name} publishes no transfer address")
+        await self.peers.push_kv(KVMove(
+            rec.request_id, decode.cluster_ids[0] if decode.cluster_ids else 0,
+            decode.addrs[0], src, rec.decode_blocks))
+
+    def _report_error(self, spec: EngineRequestSpec, status: Status, message: str,
+                      unreachable_instance: str = "") -> None:
+        if not spec.source_xservice_addr:
+            return
+        out = RequestOutput(request_id=spec.request_id, finished=True,
+                            num_prompt_tokens=len(spec.prompt_token_ids),
+                            error_code=status.http_status, error_message=message,
+                            unreachable_instance=unreachable_instance)
+        sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
+                                  spec.request_id)
+        sink.emit(out)
+        self.reporter.flush()
+
+    # ------------------------------------------------------------------ cancel
+    def cancel(self, request_id: str) -> bool:
+        """The service cancelled the request. Always False: the engine may abort it now
+        (what the engine holds for a hand-over is freed by the hand-over)."""
+        rec = self._requests.get(request_id)
+        if rec is None or rec.phase is P.HANDING_OVER:
+            return False
+        was = rec.phase
+        self._end(rec, P.CANCELLED)
+        if was is P.PREFILLING:  # decode drops the blocks it set aside
+            self.spawn(self._tell_decode_to_drop(request_id, rec.decode))
+        return False
+
+    async def _tell_decode_to_drop(self, request_id: str, decode: InstanceMeta) -> None:
+        handover = HandOver(request_id, prefill_name=self.meta.name, failed=True,
+                            status_msg="cancelled")
+        try:
+            await self.peers.first_generation(decode, handover, self.config.rpc_timeout_s)
+        except StatusError as exc:  # decode's reaper frees them in the end
+            logger.info("could not tell %s to drop cancelled request %s: %s",
+                        decode.name, request_id, exc.message)

@@ -1,0 +1,132 @@
+"""The service's (master's) messages to and from the engines: proto <-> domain for
+Generate, MultiGenerations (migration), Cancel and the Generations stream. The service
+builds and reads no pb message anywhere else.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from xllm_py.outputs import RequestOutput
+from xllm_py.proto import xllm_pb2 as pb
+from xllm_py.rpc.convert import EngineRequestSpec, output_from_proto, spec_to_proto
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmitStatus:
+    """An engine's answer to Generate or MultiGenerations. `code` 400: the request is
+    invalid (the client gets a 400); anything else not ok: refused (503)."""
+    ok: bool
+    code: int = 200
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One engine output for a service request."""
+    service_request_id: str
+    output: RequestOutput
+    on_prefill: bool  # PD: the prefill instance's output (the first token)
+
+
+@dataclasses.dataclass(frozen=True)
+class Generations:
+    """One Generations message: the outputs an engine (`instance_name`, may be "") sends."""
+    instance_name: str
+    gens: list[Generation]
+
+
+def generate_request(spec: EngineRequestSpec) -> pb.DisaggRequest:
+    return spec_to_proto(spec)
+
+
+def submit_status(status: pb.Status) -> SubmitStatus:
+    return SubmitStatus(ok=status.ok, code=status.code, message=status.message)
+
+
+def invalid_argument(message: str) -> SubmitStatus:
+    """An engine that rejected the request with INVALID_ARGUMENT."""
+    return SubmitStatus(ok=False, code=400, message=message or "invalid request")
+
+
+def migration_request(spec: EngineRequestSpec, generated_token_ids: list[int],
+                      num_unread_tokens: int) -> pb.MultiGenerationsRequests:
+    """MultiGenerations of one request that resumes after `generated_token_ids` (no KV:
+    the engine recomputes); the text of the last `num_unread_tokens` of them is still
+    owed to the client."""
+    item = pb.MultiGenerationsRequest(
+        request=spec_to_proto(spec), generated_token_ids=list(generated_token_ids),
+        num_unread_tokens=num_unread_tokens, has_num_unread_tokens=True)
+    return pb.MultiGenerationsRequests(reqs=[item])
+
+
+def cancel_request(engine_request_id: str) -> pb.PullSignal:
+    return pb.PullSignal(req_id=engine_request_id)
+
+
+def generations_from_proto(msg: pb.DisaggStreamGenerations) -> Generations:
+    return Generations(instance_name=msg.instance_name, gens=[
+        Generation(service_request_id=g.service_req_id, output=output_from_proto(g),
+                   on_prefill=g.finished_on_prefill_instance) for g in msg.gens])
+
+
+_UNKNOWN = "unknown or cancelled request"
+
+
+def generations_reply(accepted: list[bool]) -> pb.StatusSet:
+    """One status per generation: ok, or ok=false for an id the service does not know
+    (the engine then aborts that request)."""
+    reply = pb.StatusSet()
+    for ok in accepted:
+        if ok:
+            reply.all_status.add(ok=True)
+        else:
+            reply.all_status.add(ok=False, message=_UNKNOWN)
+    return reply
+
+
+# ---------------------------------------------------------------- XllmRpcService (engines -> service)
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """An engine's heartbeat: who, its load, and its prefix-cache changes."""
+    name: str
+    incarnation_id: str
+    waiting: int
+    running: int
+    kv_usage: float
+    recent_max_ttft_ms: int
+    recent_max_tbt_ms: int
+    stored_cache: list[bytes]
+    removed_cache: list[bytes]
+    full_cache: bool  # stored_cache is a full snapshot
+
+
+def heartbeat_from_proto(req: pb.HeartbeatRequest) -> Heartbeat:
+    return Heartbeat(
+        name=req.name, incarnation_id=req.incarnation_id,
+        waiting=req.load_metrics.waiting_requests_num,
+        running=req.load_metrics.running_requests_num,
+        kv_usage=req.load_metrics.gpu_cache_usage_perc,
+        recent_max_ttft_ms=req.latency_metrics.recent_max_ttft,
+        recent_max_tbt_ms=req.latency_metrics.recent_max_tbt,
+        stored_cache=list(req.cache_event.stored_cache),
+        removed_cache=list(req.cache_event.removed_cache),
+        full_cache=req.cache_event.full_snapshot)
+
+
+def heartbeat_reply(ok: bool, message: str) -> pb.Status:
+    """409: refused (unknown instance or stale incarnation: register again)."""
+    return pb.Status(ok=ok, message=message, code=200 if ok else 409)
+
+
+def registered_reply(incarnation_id: str) -> pb.StatusCode:
+    return pb.StatusCode(status_code=200, message=f"incarnation_id={incarnation_id}")
+
+
+def instance_ids(names: list[str]) -> pb.InstanceIDs:
+    return pb.InstanceIDs(names=names)
+
+
+def unknown_generations_reply(num: int) -> pb.StatusSet:
+    """Every one of `num` generations is unknown (no router attached): engines cancel."""
+    return pb.StatusSet(all_status=[pb.Status(ok=False, code=404, message="unknown request")
+                                    for _ in range(num)])
