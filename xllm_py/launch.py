@@ -118,9 +118,10 @@ def tp_error(args: argparse.Namespace) -> str | None:
     """Why the requested TP sizes cannot run (checked before anything starts)."""
     if min(args.prefill_tp, args.decode_tp, args.mix_tp) < 1:
         return "tensor-parallel sizes must be >= 1"
-    if not args.mix and max(args.prefill_tp, args.decode_tp) > 1:
-        return ("PD between tensor-parallel instances is not implemented yet (KV head slices "
-                "per rank); use --mix K --mix-tp N")
+    if (not args.mix and args.prefill_tp != args.decode_tp
+            and args.kv_transfer_backend != "tcp"):
+        return ("prefill and decode of different TP move KV head slices, which only the tcp "
+                "transfer backend does: add --kv-transfer-backend tcp")
     return None
 
 

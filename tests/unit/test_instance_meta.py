@@ -118,13 +118,18 @@ def test_compatibility_problems_name_each_difference():
     assert "'tiny-llama'" in joined and "'other'" in joined
 
 
-@pytest.mark.parametrize("ours,theirs", [(2, 1), (1, 2), (2, 2)])
-def test_tensor_parallel_peers_are_refused_until_head_slices_exist(ours, theirs):
-    problems = make_meta(tp_size=ours).compatibility_problems(
-        make_meta(name="b:2", tp_size=theirs))
-    assert len(problems) == 1
-    assert f"tp_size: 127.0.0.1:9001 has {ours}, b:2 has {theirs}" in problems[0]
-    assert "not implemented yet" in problems[0]
+@pytest.mark.parametrize("heads,ours,theirs,ok", [
+    (2, 2, 1, True), (2, 1, 2, True), (2, 2, 2, True), (2, 4, 1, True), (6, 4, 2, False),
+    (6, 2, 4, False), (6, 4, 4, True)])
+def test_tensor_parallel_pairs_are_refused_only_when_heads_cannot_map(heads, ours, theirs, ok):
+    problems = make_meta(tp_size=ours, num_kv_heads=heads).compatibility_problems(
+        make_meta(name="b:2", tp_size=theirs, num_kv_heads=heads))
+    if ok:
+        assert problems == []
+    else:
+        assert len(problems) == 1
+        assert f"tp_size: 127.0.0.1:9001 has {ours}, b:2 has {theirs}" in problems[0]
+        assert "6 KV heads cannot be split over the" in problems[0]
 
 
 def test_compatibility_skips_fields_unknown_to_either_side():

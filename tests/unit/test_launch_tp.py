@@ -8,10 +8,12 @@ def _args(*argv: str):
     return build_parser().parse_args(list(argv))
 
 
-def test_mix_tp_is_accepted_and_pd_tp_refused_until_head_slices_exist(capsys):
+def test_tp_combinations(capsys):
     assert tp_error(_args("--mix", "2", "--mix-tp", "2")) is None
     assert tp_error(_args()) is None
-    assert tp_error(_args("--prefill_tp", "2")) is not None  # (xLLM's underscore spelling)
+    assert tp_error(_args("--prefill-tp", "2", "--decode-tp", "2")) is None  # rank to rank
+    assert tp_error(_args("--prefill_tp", "2", "--kv-transfer-backend", "tcp")) is None
+    assert "tcp" in tp_error(_args("--prefill_tp", "2"))  # (xLLM's underscore spelling)
     assert main(["--prefill-tp", "2", "--decode-tp", "1"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+    assert "--kv-transfer-backend tcp" in capsys.readouterr().err
     assert "must be >= 1" in tp_error(_args("--mix", "1", "--mix-tp", "0"))

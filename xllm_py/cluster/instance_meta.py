@@ -176,10 +176,13 @@ class InstanceMeta:
         (empty: compatible; unset fields are not compared)."""
         problems = [f"{field} differs: {self.name} has {mine!r}, {other.name} has {theirs!r}"
                     for field, mine, theirs in kv_compat_differences(self, other)]
-        if self.tp_size > 1 or other.tp_size > 1:  # each rank holds only some KV heads
-            problems.append(f"tp_size: {self.name} has {self.tp_size}, {other.name} has "
-                            f"{other.tp_size}; KV transfer between tensor-parallel instances "
-                            "(head slices per rank) is not implemented yet")
+        if self.tp_size != other.tp_size and self.num_kv_heads and other.num_kv_heads:
+            from xllm_py.kv_transfer.mapping import head_mapping_error
+
+            error = head_mapping_error(self.num_kv_heads, self.tp_size, other.tp_size)
+            if error is not None:  # each rank holds some KV heads: they must map
+                problems.append(f"tp_size: {self.name} has {self.tp_size}, {other.name} has "
+                                f"{other.tp_size}: {error}")
         return problems
 
     def with_new_incarnation(self) -> "InstanceMeta":

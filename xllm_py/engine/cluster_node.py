@@ -21,10 +21,10 @@ from xllm_py.config import EngineConfig, InstanceRole, advertised_host, etcd_cre
 from xllm_py.engine.cache_events import CacheEvents
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import LLMEngine
-from xllm_py.engine.pd.grpc_peers import GrpcPeers
 from xllm_py.engine.pd.scheduler import DisaggPDScheduler
 from xllm_py.engine.pd.service import DisaggPDServicer
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
+from xllm_py.parallel.tp_peers import TPGrpcPeers  # GrpcPeers + the TP ranks' fan-out
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.utils.aio import wait_for
@@ -109,7 +109,7 @@ class ClusterNode:
                                    cache_fn=self.cache_events.drain)
         self.meta = self.agent.meta  # with its incarnation id
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
-            peers = GrpcPeers(worker_addr, cfg.rpc_timeout_s, cfg.transfer.timeout_s)
+            peers = TPGrpcPeers(self.meta, cfg.rpc_timeout_s, cfg.transfer.timeout_s)
             self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter, peers,
                                         self.metas.get, self._list_decodes)
             self.pd.start()
