@@ -66,8 +66,8 @@ def test_pd_across_tp_equals_mix(etcd_server, tmp_path, p_tp, d_tp, mode):
             for rank, _, _, nbytes in _moves(dlog, "pull"):
                 received[rank] += nbytes
         else:  # the prefill ranks' workers logged what they pushed, per decode address
-            addrs = re.findall(r"\[tp(\d+)\].*KV worker \w+: tcp transfer at (\S+)|"
-                               r"KV worker \w+: tcp transfer at (\S+)", dlog)
+            addrs = re.findall(r"\[tp(\d+)\].*KV worker \w+: tcp transfer at ([\w.]+:\d+)|"
+                               r"KV worker \w+: tcp transfer at ([\w.]+:\d+)", dlog)
             port_rank = {}
             for tp_rank, addr_r, addr0 in addrs:
                 port_rank[(addr_r or addr0).rsplit(":", 1)[1]] = int(tp_rank or 0)

@@ -74,22 +74,22 @@ def serve(config: EngineConfig, model: torch.nn.Module, mc: ModelConfig, shard: 
     caches: list = []
     kv_worker: RankKVWorkerHost | None = None
     hdr = torch.empty(HEADER_LEN, dtype=torch.int64)
-    with torch.inference_mode():
-        while True:
-            group.broadcast(hdr, wait=True)
-            cmd = Command(int(hdr[0]))
-            if cmd == Command.STOP:
-                logger.info("rank %d: stop", group.rank)
-                return
-            if cmd == Command.NOOP:
-                continue
-            if cmd == Command.INIT_KV:
-                storage = make_storage(config, mc, shard, int(hdr[1]), group.device)
-                caches = storage.layer_caches()
-                continue
-            if cmd == Command.START_KV_WORKER:
-                kv_worker = serve_start_request(group.store, group.rank, storage, kv_worker)
-                continue
+    while True:
+        group.broadcast(hdr, wait=True)
+        cmd = Command(int(hdr[0]))
+        if cmd == Command.STOP:
+            logger.info("rank %d: stop", group.rank)
+            return
+        if cmd == Command.NOOP:
+            continue
+        if cmd == Command.INIT_KV:  # (not an inference tensor: the KV worker writes it too)
+            storage = make_storage(config, mc, shard, int(hdr[1]), group.device)
+            caches = storage.layer_caches()
+            continue
+        if cmd == Command.START_KV_WORKER:
+            kv_worker = serve_start_request(group.store, group.rank, storage, kv_worker)
+            continue
+        with torch.inference_mode():
             payload = group.broadcast(torch.empty(payload_len(hdr), dtype=torch.int64))
             step = decode_step(hdr, payload, group.device)
             model(step.input_ids, step.positions, step.meta, caches, keep_rows=step.keep_rows)
