@@ -1,5 +1,5 @@
 """PD between instances of different TP (service + PREFILL + DECODE processes, real etcd,
-tcp transfer): P TP 2 + D TP 1, P TP 1 + D TP 2 and P TP 2 + D TP 2, in PULL and PUSH,
+tcp transfer; equal TP over UCX too): P TP 2 + D TP 1, P TP 1 + D TP 2 and P TP 2 + D TP 2, in PULL and PUSH,
 give the greedy tokens of a MIX TP 1 engine on the same prompts (crossing KV blocks);
 each decode rank received exactly the bytes of its own KV heads (transfer logs of its
 worker, or of the prefill workers that pushed into it); every pool returns to 0 blocks."""
@@ -33,12 +33,13 @@ def _moves(log: str, op: str) -> list[tuple[int, str, int, int]]:
 
 
 @pytest.mark.parametrize("mode", ["PULL", "PUSH"])
-@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (2, 2)])
-def test_pd_across_tp_equals_mix(etcd_server, tmp_path, p_tp, d_tp, mode):
+@pytest.mark.parametrize("p_tp,d_tp,backend", [(2, 1, "tcp"), (1, 2, "tcp"), (2, 2, "tcp"),
+                                               (2, 2, "ucx")])  # (equal TP: whole blocks)
+def test_pd_across_tp_equals_mix(etcd_server, tmp_path, p_tp, d_tp, backend, mode):
     ref, _ = _generate_tiny(PROMPTS)  # MIX TP 1, in this process
-    h = Harness(etcd_server.endpoint, f"pd-tp-{p_tp}{d_tp}{mode}/", tmp_path)
+    h = Harness(etcd_server.endpoint, f"pd-tp-{p_tp}{d_tp}{backend}{mode}/", tmp_path)
     common = ["--block-size", str(BLOCK), "--kv-cache-transfer-mode", mode,
-              "--kv-transfer-backend", "tcp", "--num-blocks", "128"]
+              "--kv-transfer-backend", backend, "--num-blocks", "128"]
     try:
         svc = h.service()
         prefill = h.engine("PREFILL", "prefill", extra=[*common, "--tp", str(p_tp)])
@@ -66,8 +67,8 @@ def test_pd_across_tp_equals_mix(etcd_server, tmp_path, p_tp, d_tp, mode):
             for rank, _, _, nbytes in _moves(dlog, "pull"):
                 received[rank] += nbytes
         else:  # the prefill ranks' workers logged what they pushed, per decode address
-            addrs = re.findall(r"\[tp(\d+)\].*KV worker \w+: tcp transfer at ([\w.]+:\d+)|"
-                               r"KV worker \w+: tcp transfer at ([\w.]+:\d+)", dlog)
+            addrs = re.findall(r"\[tp(\d+)\].*KV worker \w+: \w+ transfer at ([\w.]+:\d+)|"
+                               r"KV worker \w+: \w+ transfer at ([\w.]+:\d+)", dlog)
             port_rank = {}
             for tp_rank, addr_r, addr0 in addrs:
                 port_rank[(addr_r or addr0).rsplit(":", 1)[1]] = int(tp_rank or 0)
