@@ -56,3 +56,12 @@ def test_unsplittable_models_are_refused(heads, kv, inter, tp, word):
 def test_rank_out_of_range():
     with pytest.raises(ValueError, match="rank 2"):
         shard_for(_config(), 2, 2)
+
+
+def test_rank_moves_of_each_pd_pair():
+    from xllm_py.parallel.tp_peers import RankMove, rank_moves
+
+    assert rank_moves(4, 2, 2) == [RankMove(0, 0, None), RankMove(1, 1, None)]
+    assert rank_moves(4, 2, 1) == [RankMove(0, 0, (0, 0, 2)), RankMove(1, 0, (0, 2, 2))]
+    assert rank_moves(4, 1, 2) == [RankMove(0, 0, (0, 0, 2)), RankMove(0, 1, (2, 0, 2))]
+    assert rank_moves(2, 1, 1) == [RankMove(0, 0, None)]
