@@ -18,6 +18,7 @@ from typing import Any
 
 from xllm_py.config import InstanceRole
 from xllm_py.kv_compat import kv_compat_differences
+from xllm_py.parallel.sharding import head_mapping_error
 from xllm_py.proto import xllm_pb2
 
 SCHEMA_VERSION = 1
@@ -177,9 +178,8 @@ class InstanceMeta:
         problems = [f"{field} differs: {self.name} has {mine!r}, {other.name} has {theirs!r}"
                     for field, mine, theirs in kv_compat_differences(self, other)]
         if self.tp_size != other.tp_size and self.num_kv_heads and other.num_kv_heads:
-            from xllm_py.kv_transfer.mapping import head_mapping_error
-
-            error = head_mapping_error(self.num_kv_heads, self.tp_size, other.tp_size)
+            p, d = (other, self) if self.type is InstanceRole.DECODE else (self, other)
+            error = head_mapping_error(self.num_kv_heads, p.tp_size, d.tp_size)
             if error is not None:  # each rank holds some KV heads: they must map
                 problems.append(f"tp_size: {self.name} has {self.tp_size}, {other.name} has "
                                 f"{other.tp_size}: {error}")

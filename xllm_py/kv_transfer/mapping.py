@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from xllm_py.parallel.sharding import kv_head_range
+from xllm_py.parallel.sharding import head_mapping_error, kv_head_range
 
 
 def worker_rank(dp_rank: int, tp: int, tp_rank: int) -> int:
@@ -68,19 +68,6 @@ class HeadSlice:
     src_start: int
     dst_start: int
     count: int
-
-
-def head_mapping_error(num_kv_heads: int, src_tp: int, dst_tp: int) -> str | None:
-    """Why the KV heads of a ``src_tp`` instance cannot be read by a ``dst_tp`` one."""
-    if num_kv_heads <= 0:
-        return f"num_kv_heads must be positive, got {num_kv_heads}"
-    for side, tp in (("prefill", src_tp), ("decode", dst_tp)):
-        if tp <= 0:
-            return f"{side} tp_size must be positive, got {tp}"
-        if num_kv_heads % tp and tp % num_kv_heads:
-            return (f"{num_kv_heads} KV heads cannot be split over the {side}'s {tp} ranks "
-                    f"(nor replicated)")
-    return None
 
 
 def kv_head_plan(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> list[HeadSlice]:
