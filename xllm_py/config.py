@@ -8,6 +8,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the paths only; config imports no grpc
+    from xllm_py.tls import TLSConfig
 
 
 class InstanceRole(str, enum.Enum):
@@ -177,6 +181,18 @@ def model_cache_dir_from_env() -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class SecurityConfig:
+    """Who may call a process (xllm_py.api.auth, xllm_py.tls): API keys on its OpenAI HTTP
+    API and the cluster TLS identity of its gRPC servers, channels and etcd client."""
+    # Accepted `Authorization: Bearer` keys; empty: the HTTP API is open. Never logged.
+    api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    # /metrics needs a key too (default: open, like /health and /readiness).
+    protect_metrics: bool = False
+    # xllm_py.tls.TLSConfig (cert, key, CA paths), or None: plaintext gRPC and etcd.
+    tls: TLSConfig | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny"
     dtype: str = "float32"
@@ -193,6 +209,10 @@ class EngineConfig:
     # oneDNN pre-packed linear weights (xllm_py/model/packed.py).
     num_threads: int | None = None
     pack_weights: bool = True
+    # Packed CPU linear weights: "auto" keeps a weight in bfloat16 when every value is one
+    # (a bf16 checkpoint: half the bytes per decode step, float32 math, same results),
+    # else float32; "float32" / "bfloat16" force it (bfloat16 rounds).
+    weight_dtype: str = "auto"
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
@@ -208,6 +228,10 @@ class EngineConfig:
     # SIGTERM: stop taking requests and finish the ones in flight for up to this long
     # before leaving the cluster (0: leave at once). A second signal cuts it short.
     drain_timeout_s: float = 30.0
+    # A time-model profile (JSON, xllm_py/sim/profile.py): run the simulated engine, whose
+    # forward is a sleep of the modelled step time (no torch), instead of the model.
+    simulate: str | None = None
+    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
     # Tensor parallelism (xllm_py/parallel/): ranks of this instance, and the bound on one
     # collective of a step (a rank that hangs fails the instance after this long).
     tensor_parallel_size: int = 1
@@ -347,6 +371,7 @@ class ServiceConfig:
     registry: RegistryConfig = dataclasses.field(default_factory=RegistryConfig)
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
     relay: RelayConfig = dataclasses.field(default_factory=RelayConfig)
+    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if self.etcd_ttl_s <= 0:

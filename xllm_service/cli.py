@@ -6,6 +6,7 @@ import argparse
 
 from xllm_py.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
 from xllm_py.utils.cli import add_flag
+from xllm_py.utils.security_cli import add_security_flags, security_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--request-idle-timeout", type=float, default=120.0,
              help="fail a request when its engine sends nothing for this long (s)")
     add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_security_flags(p)
     return p
 
 
@@ -51,4 +53,5 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         registry=RegistryConfig(evict_grace_s=args.evict_grace_s),
         router=RouterConfig(load_balance_policy=args.load_balance_policy),
         relay=RelayConfig(rpc_timeout_s=args.rpc_timeout,
-                          idle_timeout_s=args.request_idle_timeout))
+                          idle_timeout_s=args.request_idle_timeout),
+        security=security_from_args(args))

@@ -64,6 +64,9 @@ class InstanceMeta:
     http_address: str = ""
     worker_rpc_addrs: list[str] = dataclasses.field(default_factory=list)
     draining: bool = False  # shutting down: finishing what it runs, takes no new requests
+    # One per worker (with addrs): what a peer's transfer hello must carry (kv_transfer/base.py).
+    # Secret: in etcd (TLS) and LinkInstance only, never in a repr or a log.
+    transfer_keys: list[str] = dataclasses.field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -137,6 +140,7 @@ class InstanceMeta:
             http_address=self.http_address,
             worker_rpc_addrs=self.worker_rpc_addrs,
             draining=self.draining,
+            transfer_keys=self.transfer_keys,
         )
 
     @classmethod
@@ -168,6 +172,7 @@ class InstanceMeta:
             http_address=msg.http_address,
             worker_rpc_addrs=list(msg.worker_rpc_addrs),
             draining=msg.draining,
+            transfer_keys=list(msg.transfer_keys),
         )
 
     # ------------------------------------------------------------------ peers
@@ -191,7 +196,7 @@ class InstanceMeta:
 
 
 _LIST_INT = {"cluster_ids", "ports"}
-_LIST_STR = {"addrs", "worker_rpc_addrs"}
+_LIST_STR = {"addrs", "worker_rpc_addrs", "transfer_keys"}
 _INT = {
     "dp_size", "register_ts_ms", "kv_split_size", "schema_version", "block_size",
     "tp_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks",

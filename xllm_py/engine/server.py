@@ -30,26 +30,25 @@ from xllm_py.utils.aio import wait_for
 logger = logging.getLogger(__name__)
 
 
-async def run_engine_server(config: EngineConfig) -> None:
+async def run_engine_server(config: EngineConfig, stop: asyncio.Event | None = None,
+                            force: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (a second one: `force`), or until `stop` is set where the
+    caller passes its events (several engines in one process: xllm_py/sim/host.py)."""
     from xllm_py.api.app import build_app
     from xllm_py.api.server import serve
 
-    engine = LLMEngine(config)
+    engine = create_engine(config)
     engine.start()
     backend = AsyncEngine(engine, config.served_model_name)
-    app = build_app(backend)
+    app = build_app(backend, api_keys=config.security.api_keys,
+                    protect_metrics=config.security.protect_metrics)
     freeze_startup_heap()
-    stop, force = asyncio.Event(), asyncio.Event()  # a first signal, a second one
-
-    def on_signal() -> None:
-        if stop.is_set():
-            force.set()
-        stop.set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    lost_rank = watch_tp_ranks(engine, loop, stop, force, in_cluster=bool(config.etcd_addr))
+    if stop is None:
+        stop, force = asyncio.Event(), asyncio.Event()  # a first signal, a second one
+        install_signal_handlers(stop, force)
+    force = force or asyncio.Event()
+    lost_rank = watch_tp_ranks(engine, asyncio.get_running_loop(), stop, force,
+                               in_cluster=bool(config.etcd_addr))
     cluster = None
     if config.etcd_addr:
         from xllm_py.engine.cluster_node import ClusterNode
@@ -90,7 +89,8 @@ def watch_tp_ranks(engine: LLMEngine, loop: asyncio.AbstractEventLoop, stop: asy
     error naming the cause, then the server stops (no drain) and exits with 1. Returns the
     list the cause lands in."""
     lost: list[str] = []
-    if engine.tp is None:
+    tp = getattr(engine, "tp", None)  # (None: TP 1, or the simulated engine)
+    if tp is None:
         return lost
 
     def on_lost(reason: str) -> None:
@@ -105,8 +105,29 @@ def watch_tp_ranks(engine: LLMEngine, loop: asyncio.AbstractEventLoop, stop: asy
             os._exit(1)
         loop.call_soon_threadsafe(on_lost, reason)
 
-    engine.tp.on_broken.append(on_broken)
+    tp.on_broken.append(on_broken)
     return lost
+
+
+def install_signal_handlers(stop: asyncio.Event, force: asyncio.Event) -> None:
+    """SIGTERM/SIGINT set `stop`; one more sets `force` too."""
+    def on_signal() -> None:
+        if stop.is_set():
+            force.set()
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+
+
+def create_engine(config: EngineConfig) -> LLMEngine:
+    """The engine loop over the model, or over a time model with --simulate (no torch)."""
+    if config.simulate:
+        from xllm_py.sim.engine import SimulatedEngine
+
+        return SimulatedEngine(config)
+    return LLMEngine(config)
 
 
 # The engine counts as drained once nothing was in flight for this long: a request the

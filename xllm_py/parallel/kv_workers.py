@@ -55,6 +55,7 @@ class RankKVWorker:
     cluster_id: int
     transfer_addr: str
     rpc_addr: str
+    transfer_key: str = dataclasses.field(default="", repr=False)  # peers show it to link
 
 
 class RankKVWorkerHost:
@@ -67,21 +68,25 @@ class RankKVWorkerHost:
         self._thread.start()
         self.node = None
 
-    def start(self, spec: KVWorkerSpec, rank: int, storage: KVCacheStorage) -> RankKVWorker:
+    def start(self, spec: KVWorkerSpec, rank: int, storage: KVCacheStorage,
+              tls=None) -> RankKVWorker:
+        """``tls``: the engine's TLSConfig (the WorkerService then serves mutual TLS only)."""
         from xllm_py.engine.kv_worker_node import start_kv_worker
         from xllm_py.proto import xllm_pb2 as pb
+        from xllm_py.tls import server_credentials
 
         transfer, port = spec.for_rank(rank)
         meta = pb.InstanceMetaInfo.FromString(spec.meta)
+        creds = server_credentials(tls) if tls is not None else None
         self.node = asyncio.run_coroutine_threadsafe(
-            start_kv_worker(storage, transfer, spec.host, port, spec.cluster_ids[rank], meta),
-            self.loop).result(START_TIMEOUT_S)
+            start_kv_worker(storage, transfer, spec.host, port, spec.cluster_ids[rank], meta,
+                            creds), self.loop).result(START_TIMEOUT_S)
         return RankKVWorker(rank, spec.cluster_ids[rank], self.node.transfer_addr,
-                            self.node.rpc_addr)
+                            self.node.rpc_addr, self.node.transfer_key)
 
 
 def serve_start_request(store, rank: int, storage: KVCacheStorage | None,
-                        host: RankKVWorkerHost | None) -> RankKVWorkerHost | None:
+                        host: RankKVWorkerHost | None, tls=None) -> RankKVWorkerHost | None:
     """Rank > 0, on START_KV_WORKER: start the worker, answer in the store (never raises:
     rank 0 reports the error)."""
     try:
@@ -91,9 +96,9 @@ def serve_start_request(store, rank: int, storage: KVCacheStorage | None,
             raise RuntimeError("the KV worker is already running")
         spec: KVWorkerSpec = pickle.loads(store.get(SPEC_KEY))
         host = RankKVWorkerHost()
-        w = host.start(spec, rank, storage)
+        w = host.start(spec, rank, storage, tls)
         answer = {"cluster_id": w.cluster_id, "transfer_addr": w.transfer_addr,
-                  "rpc_addr": w.rpc_addr}
+                  "rpc_addr": w.rpc_addr, "transfer_key": w.transfer_key}
     except Exception as exc:  # noqa: BLE001 - sent to rank 0, which fails the start-up
         logger.exception("rank %d: KV worker did not start", rank)
         answer = {"error": f"{type(exc).__name__}: {exc}"}
@@ -113,7 +118,7 @@ def collect_answers(store, world_size: int, timeout_s: float = START_TIMEOUT_S
             raise RuntimeError(f"the KV worker of tensor-parallel rank {rank} did not start: "
                                f"{answer['error']}")
         out.append(RankKVWorker(rank, int(answer["cluster_id"]), answer["transfer_addr"],
-                                answer["rpc_addr"]))
+                                answer["rpc_addr"], answer.get("transfer_key", "")))
     return out
 
 

@@ -17,6 +17,8 @@ import asyncio
 import dataclasses
 import logging
 
+import grpc
+
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.engine.pd.grpc_peers import GrpcPeers
 from xllm_py.engine.pd.messages import KVMove, PeerLink
@@ -47,14 +49,14 @@ def rank_moves(num_kv_heads: int, src_tp: int, dst_tp: int) -> list[RankMove]:
 
 
 class TPGrpcPeers(GrpcPeers):
-    def __init__(self, meta: InstanceMeta, rpc_timeout_s: float,
-                 transfer_timeout_s: float) -> None:
+    def __init__(self, meta: InstanceMeta, rpc_timeout_s: float, transfer_timeout_s: float,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         super().__init__(meta.worker_rpc_addrs[0] if meta.worker_rpc_addrs else "",
-                         rpc_timeout_s, transfer_timeout_s)
+                         rpc_timeout_s, transfer_timeout_s, credentials)
         self.meta = meta
         self._peers: dict[int, InstanceMeta] = {}  # rank 0's cluster id -> linked peer
         # One GrpcPeers per rank's worker (rank 0's is this one).
-        self._ranks = [self] + [GrpcPeers(a, rpc_timeout_s, transfer_timeout_s)
+        self._ranks = [self] + [GrpcPeers(a, rpc_timeout_s, transfer_timeout_s, credentials)
                                 for a in meta.worker_rpc_addrs[1:]]
 
     def _rank_worker(self, rank: int) -> pb_grpc.WorkerServiceStub:
@@ -94,7 +96,8 @@ class TPGrpcPeers(GrpcPeers):
         await asyncio.gather(*(self._transfer(
             "push", self._rank_worker(m.src_rank).PushKVCache, wire.push_to_proto(
                 dataclasses.replace(move, cluster_id=decode.cluster_ids[m.dst_rank],
-                                    addr=decode.addrs[m.dst_rank]), m.heads))
+                                    addr=decode.addrs[m.dst_rank],
+                                    transfer_key=_key(decode, m.dst_rank)), m.heads))
             for m in moves))
 
     # ---- decode: a prefill links; PULL
@@ -111,10 +114,12 @@ class TPGrpcPeers(GrpcPeers):
         for m in rank_moves(self.meta.num_kv_heads, prefill.tp_size, self.meta.tp_size):
             reads.setdefault(m.dst_rank, set()).add(m.src_rank)
         # Each worker holds some heads: the instances' head counts were compared already.
-        meta = dataclasses.replace(prefill, num_kv_heads=0)
         for rank, srcs in sorted(reads.items()):
-            sub = PeerLink(link.instance_name, [prefill.cluster_ids[s] for s in sorted(srcs)],
-                           [prefill.addrs[s] for s in sorted(srcs)], meta)
+            ranks = sorted(srcs)
+            meta = dataclasses.replace(prefill, num_kv_heads=0,
+                                       transfer_keys=[_key(prefill, s) for s in ranks])
+            sub = PeerLink(link.instance_name, [prefill.cluster_ids[s] for s in ranks],
+                           [prefill.addrs[s] for s in ranks], meta)
             if rank == 0:  # (this object is rank 0's GrpcPeers)
                 await super().link_cluster(sub)
             else:
@@ -129,5 +134,11 @@ class TPGrpcPeers(GrpcPeers):
         await asyncio.gather(*(self._transfer(
             "pull", self._rank_worker(m.dst_rank).PullKVCache, wire.pull_to_proto(
                 dataclasses.replace(move, cluster_id=prefill.cluster_ids[m.src_rank],
-                                    addr=prefill.addrs[m.src_rank]), m.heads))
+                                    addr=prefill.addrs[m.src_rank],
+                                    transfer_key=_key(prefill, m.src_rank)), m.heads))
             for m in moves))
+
+
+def _key(peer: InstanceMeta, rank: int) -> str:
+    """The transfer key of the peer's rank ``rank`` worker ("" from a peer without keys)."""
+    return peer.transfer_keys[rank] if rank < len(peer.transfer_keys) else ""

@@ -55,7 +55,7 @@ def load_rank(config: EngineConfig, model_dir: str, group: TPGroup
     model, mc, shard = load_model_shard(model_dir, group, dtype=config.dtype,
                                         device=group.device)
     if config.pack_weights:
-        pack_linears(model)
+        pack_linears(model, weight_dtype=config.weight_dtype)
     return model, mc, shard
 
 
@@ -87,7 +87,8 @@ def serve(config: EngineConfig, model: torch.nn.Module, mc: ModelConfig, shard: 
             caches = storage.layer_caches()
             continue
         if cmd == Command.START_KV_WORKER:
-            kv_worker = serve_start_request(group.store, group.rank, storage, kv_worker)
+            kv_worker = serve_start_request(group.store, group.rank, storage, kv_worker,
+                                            config.security.tls)
             continue
         with torch.inference_mode():
             payload = group.broadcast(torch.empty(payload_len(hdr), dtype=torch.int64))

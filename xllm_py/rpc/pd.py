@@ -37,9 +37,9 @@ def status_from_proto(reply: pb.Status) -> tuple[bool, str]:
     return reply.ok, reply.message
 
 
-def cancel_from_proto(msg: pb.PullSignal) -> str:
-    """Cancel: the request id."""
-    return msg.req_id
+def cancel_from_proto(msg: pb.CancelRequest) -> tuple[str, str]:
+    """Cancel: (the engine's request id, why; "" from a peer that does not say)."""
+    return msg.req_id, msg.reason
 
 
 # ---------------------------------------------------------------- linking
@@ -160,14 +160,16 @@ def pull_to_proto(move: KVMove, heads: tuple[int, int, int] | None = None
     """``heads`` (src_start, dst_start, count): only those KV heads (TP pairs, issue 14)."""
     return pb.PullKVCacheRequest(cluster_id=move.cluster_id, addr=move.addr,
                                  src_blocks=move.src_blocks, dst_blocks=move.dst_blocks,
-                                 req_id=move.request_id, **_head_fields(heads))
+                                 req_id=move.request_id, transfer_key=move.transfer_key,
+                                 **_head_fields(heads))
 
 
 def push_to_proto(move: KVMove, heads: tuple[int, int, int] | None = None
                   ) -> pb.PushKVCacheRequest:
     return pb.PushKVCacheRequest(cluster_id=move.cluster_id, addr=move.addr,
                                  src_blocks=move.src_blocks, dst_blocks=move.dst_blocks,
-                                 req_id=move.request_id, **_head_fields(heads))
+                                 req_id=move.request_id, transfer_key=move.transfer_key,
+                                 **_head_fields(heads))
 
 
 def _head_fields(heads: tuple[int, int, int] | None) -> dict[str, int]:
