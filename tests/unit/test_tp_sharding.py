@@ -65,3 +65,13 @@ def test_rank_moves_of_each_pd_pair():
     assert rank_moves(4, 2, 1) == [RankMove(0, 0, (0, 0, 2)), RankMove(1, 0, (0, 2, 2))]
     assert rank_moves(4, 1, 2) == [RankMove(0, 0, (0, 0, 2)), RankMove(0, 1, (2, 0, 2))]
     assert rank_moves(2, 1, 1) == [RankMove(0, 0, None)]
+
+
+def test_executor_refuses_an_unsplittable_model_before_starting_ranks():
+    from xllm_py.config import EngineConfig
+    from xllm_py.model.tiny import ensure_tiny_model
+    from xllm_py.parallel.executor import TPExecutor
+
+    with pytest.raises(ValueError, match="4 attention heads cannot be split over 3 ranks"):
+        TPExecutor.start(EngineConfig(model="tiny", tensor_parallel_size=3),
+                         str(ensure_tiny_model("tiny")))

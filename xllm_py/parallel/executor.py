@@ -32,7 +32,7 @@ from xllm_py.model.config import ModelConfig
 from xllm_py.parallel.group import TPGroup
 from xllm_py.parallel.kv_workers import SPEC_KEY, KVWorkerSpec, RankKVWorker, collect_answers
 from xllm_py.parallel.protocol import Command, StepInputs, encode_step, header
-from xllm_py.parallel.sharding import TPShard
+from xllm_py.parallel.sharding import TPShard, tp_error
 from xllm_py.parallel.worker import load_rank, rank_device, threads_per_rank
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,10 @@ class TPExecutor:
     @classmethod
     def start(cls, config: EngineConfig, model_dir: str) -> "TPExecutor":
         tp = config.tensor_parallel_size
+        mc = ModelConfig.from_dir(model_dir)  # refuse an unsplittable model before any process
+        error = tp_error(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, tp)
+        if error is not None:
+            raise ValueError(f"--tensor-parallel-size {tp}: {error}")
         torch.set_num_threads(threads_per_rank(config))
         device = rank_device(config.device, 0)
         store = TPGroup.listen(tp)
