@@ -232,6 +232,15 @@ class EngineConfig:
     # forward is a sleep of the modelled step time (no torch), instead of the model.
     simulate: str | None = None
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+    # Tensor parallelism (xllm_py/parallel/): ranks of this instance, and the bound on one
+    # collective of a step (a rank that hangs fails the instance after this long).
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:
