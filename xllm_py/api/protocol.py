@@ -61,6 +61,9 @@ class _CommonRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Extension: latency targets for xllm_service's SLO_AWARE routing (ms).
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
 
     # -- value checks -------------------------------------------------------------------
 
@@ -111,6 +114,10 @@ class _CommonRequest(BaseModel):
                    f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})")
         for token_id in self.stop_token_ids or []:
             _check(token_id >= 0, "stop_token_ids", "stop_token_ids must be non-negative")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(value > 0, name, f"{name} must be positive, got {value}")
         _check(self.stream or self.stream_options is None, "stream_options",
                "stream_options is only allowed when stream is true")
 
@@ -162,6 +169,8 @@ class _CommonRequest(BaseModel):
             x_request_id=x_request_id,
             stream=self.stream,
             arrival_time=arrival_time,
+            ttft_slo_ms=self.ttft_slo_ms,
+            tpot_slo_ms=self.tpot_slo_ms,
             max_tokens=max_tokens,
             **self.sampling_fields(),
         )

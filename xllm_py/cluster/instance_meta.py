@@ -63,6 +63,9 @@ class InstanceMeta:
     http_address: str = ""
     worker_rpc_addrs: list[str] = dataclasses.field(default_factory=list)
     draining: bool = False  # shutting down: finishing what it runs, takes no new requests
+    # Step costs for SLO_AWARE routing (xllm_py.cluster.latency_profile; JSON only, not in
+    # the proto); empty: none registered.
+    latency_profile: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -203,6 +206,10 @@ def _coerce(name: str, value: Any) -> Any:
             if not isinstance(value, bool):
                 raise ValueError("must be true or false")
             return value
+        if name == "latency_profile":
+            if not isinstance(value, dict):
+                raise ValueError("must be a JSON object")
+            return dict(value)
         if name == "type":
             if isinstance(value, int):  # a writer that sent the proto enum number
                 return InstanceRole(xllm_pb2.InstanceType.Name(value))
