@@ -165,6 +165,7 @@ class ServiceBackend:
             sub = SubRequest(engine_id, offset, route, queue, spec, request_id=req.request_id)
             self.subs.add(sub)
             self._log_route(engine_id, route, len(spec.prompt_token_ids))
+            sub.sent_s = time.monotonic()
             try:
                 status = await self.engines.generate(route.target.meta.rpc_address, spec)
             except SEND_ERRORS as exc:
@@ -327,11 +328,24 @@ class ServiceBackend:
             return
         if out.finished:
             sub.transition(SubPhase.FINISHED)
+        self._measure(sub, out)
         if sub.single_sequence and out.outputs:
             sub.generated.extend(out.outputs[0].token_ids)
             if out.outputs[0].text:  # the engine emits text only up to a whole character
                 sub.num_read = len(sub.generated)
         sub.queue.put_nowait((sub, out))
+
+    def _measure(self, sub: SubRequest, out: RequestOutput) -> None:
+        """TTFT and TPOT as the service sees them, for SLO_AWARE's correction."""
+        n = sum(len(o.token_ids) for o in out.outputs)
+        if n:
+            now = time.monotonic()
+            sub.first_s = sub.first_s or now
+            sub.last_s, sub.num_tokens = now, sub.num_tokens + n
+        if out.finished and sub.first_s is not None and not out.failed:
+            tpot = ((sub.last_s - sub.first_s) * 1000 / (sub.num_tokens - 1)
+                    if sub.num_tokens > 1 else None)
+            self.router.observe(sub.route, (sub.first_s - sub.sent_s) * 1000, tpot)
 
     def on_evict(self, info: InstanceInfo) -> None:
         """An instance is gone: the requests that still depend on it (see

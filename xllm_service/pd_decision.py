@@ -25,6 +25,8 @@ their context). For each candidate, the decode path on each decode and PD on eac
   TPOT  = one decode step of the decode's sequences plus this one, with their context
           + the prompt tokens the decode computes while this request runs (queued ones and
           its own on the DECODE path), spread over its max_tokens steps,
+each scaled by a moving average of measured / predicted per instance (`observe`: the
+profile is a step's cost on a core of its own; on a shared machine the clock runs slower),
 and picks, in order: the DECODE path when the prompt's uncached part is short (as above)
 and it meets both targets; else the PD pair meeting both with the lowest TTFT; else the
 DECODE path meeting both (prefill overloaded); else the candidate that misses least
@@ -45,6 +47,10 @@ from xllm_service.instance_table import InstanceInfo
 from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
 from xllm_service.router import LoadBalancePolicy, Path, Route, Router, policy_from_config
 from xllm_service.sub_request import InstanceWork
+
+# Measured/predicted correction: weight of a new observation, and its bounds (1/x .. x).
+SCALE_ALPHA = 0.2
+SCALE_MAX = 50.0
 
 # Context assumed per sequence an instance reports running that the service did not send
 # (another service's): the profile's context term needs a number.
@@ -124,6 +130,27 @@ class SloPredictor:
         self.config = config
         self.work = work
         self._profiles: dict[tuple[str, str], LatencyProfile | None] = {}
+        # (instance, "ttft" | "tpot") -> measured / predicted, a moving average
+        self._scale: dict[tuple[str, str], float] = {}
+
+    def scale(self, name: str, what: str) -> float:
+        return self._scale.get((name, what), 1.0)
+
+    def observe(self, route: Route, ttft_ms: float | None, tpot_ms: float | None) -> None:
+        """Correct the instances' predictions by what a request measured: the profile is
+        the cost of a step on a core of its own; a shared machine, or a model the profile
+        under-fits, runs slower. TTFT corrects the instance that computed the prompt,
+        TPOT the one that decoded it."""
+        pred_ttft, pred_tpot = route.predicted
+        for name, what, pred, meas in ((route.target.name, "ttft", pred_ttft, ttft_ms),
+                                       (route.serving.name, "tpot", pred_tpot, tpot_ms)):
+            if meas is None or pred <= 0:
+                continue
+            ratio = meas / (pred / self.scale(name, what))  # against the raw profile
+            ratio = min(SCALE_MAX, max(1.0 / SCALE_MAX, ratio))
+            old = self._scale.get((name, what))
+            self._scale[(name, what)] = ratio if old is None else (
+                old + SCALE_ALPHA * (ratio - old))
 
     def profile(self, info: InstanceInfo) -> LatencyProfile | None:
         key = (info.name, info.incarnation_id)
@@ -161,7 +188,9 @@ class SloPredictor:
             local = queued_d + uncached
         tpot = (pd.decode_step_ms(seqs_d + 1, ctx_d + prompt_len)
                 + pd.prefill_ms_per_token * local / max(1, max_tokens))
-        return Prediction(route, ttft, tpot)
+        ttft *= self.scale(route.target.name, "ttft")
+        tpot *= self.scale(decode.name, "tpot")
+        return Prediction(dataclasses.replace(route, predicted=(ttft, tpot)), ttft, tpot)
 
 
 class SloRouter:

@@ -124,6 +124,8 @@ class Route:
     decode: InstanceInfo | None = None  # PD: the decode instance
     on_decode: bool = False           # DECODE path: `target` is a decode serving it whole
     reason: str = ""                  # why this path (the request log line)
+    # SLO_AWARE: the predicted (TTFT, TPOT) in ms, which the measured ones correct
+    predicted: tuple[float, float] | None = None
 
     @property
     def is_pd(self) -> bool:
@@ -206,6 +208,11 @@ class Router:
         if mixes:
             return Route(self.policy.select(mixes, request))
         raise NoInstanceError(self.unavailable_reason(exclude))
+
+    def observe(self, route: Route, ttft_ms: float | None, tpot_ms: float | None) -> None:
+        """A request's measured TTFT/TPOT (SLO_AWARE corrects its predictions by them)."""
+        if self.slo is not None and route.predicted is not None:
+            self.slo.predictor.observe(route, ttft_ms, tpot_ms)
 
     def route_decode(self, request: object = None, exclude: Sequence[str] = ()) -> InstanceInfo:
         """A DECODE instance to take over a PD request that already generated tokens

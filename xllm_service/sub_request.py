@@ -83,6 +83,11 @@ class SubRequest:
     held: list[RequestOutput] = dataclasses.field(default_factory=list)  # PD, HOLDING
     generated: list[int] = dataclasses.field(default_factory=list)  # relayed token ids
     num_read: int = 0  # of those, how many the client has the text of
+    # monotonic times: Generate sent, first and last token relayed (SLO_AWARE measures)
+    sent_s: float = 0.0
+    first_s: float | None = None
+    last_s: float | None = None
+    num_tokens: int = 0  # tokens relayed (all sequences)
 
     def transition(self, phase: SubPhase) -> None:
         if phase not in _ALLOWED[self.phase]:

@@ -322,3 +322,34 @@ async def test_a_request_prefilled_on_a_decode_migrates_to_another_decode():
     assert last.finished and last.outputs[0].token_ids == [2, 3]
     reply = await b.on_generations(pb.DisaggStreamGenerations(gens=[gen(rid, [9])]))
     assert [s.ok for s in reply.all_status] == [False]
+
+
+def test_measured_latencies_correct_the_predictions_per_instance():
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    pred = SloPredictor(RouterConfig(pd_overhead_ms=0), no_work)
+    first = pred.predict(Route(p, d), 100, 100, 10)
+    assert first.route.predicted == (first.ttft_ms, first.tpot_ms) == (pytest.approx(11), 3)
+    pred.observe(first.route, 55.0, 6.0)  # a machine 5x / 2x slower than the profile
+    again = pred.predict(Route(p, d), 100, 100, 10)
+    assert (again.ttft_ms, again.tpot_ms) == (pytest.approx(55), pytest.approx(6))
+    # the TTFT scale is the prefill's, the TPOT scale the decode's
+    local = pred.predict(Route(d, on_decode=True), 100, 100, 10)
+    assert local.ttft_ms == pytest.approx(1 + 10 + 0)  # prefill-only step: d unscaled
+    assert local.tpot_ms == pytest.approx(2 * (3 + 0.1 * 100 / 10))
+    pred.observe(again.route, 11.0, None)  # back to the profile: the average moves 20%
+    assert pred.scale("p", "ttft") == pytest.approx(5 + 0.2 * (1 - 5))
+    assert pred.scale("d", "tpot") == pytest.approx(2)
+
+
+async def test_the_backend_reports_what_a_request_measured():
+    b, engines = cond_backend()
+    seen = []
+    b.router.observe = lambda route, ttft, tpot: seen.append((route.path, ttft, tpot))
+    stream, first = await started(b, engines, [5, 6, 7])
+    (rid,) = engines.sent
+    await feed(b, gen(rid, [1]))
+    await take(first)
+    await feed(b, gen(rid, [2, 3], finished=True))
+    await asyncio.wait_for(anext(stream), 1)
+    (path, ttft, tpot), = seen
+    assert path is Path.DECODE and ttft >= 0 and tpot >= 0
