@@ -30,7 +30,8 @@ profile is a step's cost on a core of its own; on a shared machine the clock run
 and picks, in order: the DECODE path when the prompt's uncached part is short (as above)
 and it meets both targets; else the PD pair meeting both with the lowest TTFT; else the
 DECODE path meeting both (prefill overloaded); else the candidate that misses least
-(sum of the relative overshoots). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else
+(sum of the relative overshoots), the DECODE path only for a short prompt (or without a
+prefill instance). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else
 the service's `--ttft-slo-ms`/`--tpot-slo-ms`; 0: none. Without a profile from every
 instance it falls back to `PDDecider` with LEAST_LOAD.
 
@@ -244,8 +245,11 @@ class SloRouter:
             return self._chosen(by_ttft(ok), "long prompt", ttft_slo, tpot_slo)
         if ok := [x for x in local if meets(x)]:
             return self._chosen(by_ttft(ok), "prefill busy", ttft_slo, tpot_slo)
-        best = min((*local, *remote), key=lambda x: (x.miss(ttft_slo, tpot_slo), x.ttft_ms,
-                                                      x.route.instance_names))
+        # Missing anyway: a long prompt stays off the decode (its prefill would stall the
+        # streams there, and their TPOT, which then misses more targets: a spiral).
+        fallback = [*remote, *(x for x in local if uncached[x.route.target.name] <= limit)]
+        best = min(fallback or local, key=lambda x: (x.miss(ttft_slo, tpot_slo), x.ttft_ms,
+                                                     x.route.instance_names))
         return self._chosen(best, "no candidate meets the targets", ttft_slo, tpot_slo)
 
     @staticmethod

@@ -188,6 +188,14 @@ def test_slo_aware_falls_back_to_the_decode_when_the_prefill_misses_the_ttft():
     # 1020 ms (13% over 900)
     route = r.route(req(900, max_tokens=64, ttft_slo_ms=900, tpot_slo_ms=3.2), [p], [d])
     assert route.path is Path.PD and "no candidate meets" in route.reason
+    # ... but a long prompt stays off the decode even where it would miss less there
+    # (TPOT 26% over 3.5 against PD's TTFT 104% over 500): its stall would spiral
+    route = r.route(req(900, max_tokens=64, tpot_slo_ms=3.5), [p], [d])
+    assert route.path is Path.PD and "no candidate meets" in route.reason
+    # a short one may go there
+    r.config = RouterConfig(load_balance_policy="SLO_AWARE", local_prefill_max_tokens=900,
+                            ttft_slo_ms=500, tpot_slo_ms=3.5)
+    assert r.route(req(900, max_tokens=64), [p], [d]).path is Path.DECODE
     # the request's own targets win over the service's: a lax TTFT keeps PD
     assert r.route(req(900, max_tokens=64, ttft_slo_ms=5000), [p], [d]).path is Path.PD
 
