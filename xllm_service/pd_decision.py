@@ -24,7 +24,8 @@ their context). For each candidate, the decode path on each decode and PD on eac
           pull and the hand-over];
   TPOT  = one decode step of the decode's sequences plus this one, with their context
           + the prompt tokens the decode computes while this request runs (queued ones and
-          its own on the DECODE path), spread over its max_tokens steps,
+          its own on the DECODE path), spread over half its max_tokens steps (a stream
+          running there, halfway through its output, takes that stall too),
 each scaled by a moving average of measured / predicted per instance (`observe`: the
 profile is a step's cost on a core of its own; on a shared machine the clock runs slower),
 and picks, in order: the DECODE path when the prompt's uncached part is short (as above)
@@ -187,8 +188,10 @@ class SloPredictor:
         else:
             ttft = pd.prefill_ms(queued_d + uncached, seqs_d, ctx_d)
             local = queued_d + uncached
+        # The prompt tokens the decode computes stall every stream it runs; a stream halfway
+        # through its output absorbs the stall over the half it has left.
         tpot = (pd.decode_step_ms(seqs_d + 1, ctx_d + prompt_len)
-                + pd.prefill_ms_per_token * local / max(1, max_tokens))
+                + pd.prefill_ms_per_token * local / max(1, max_tokens // 2))
         ttft *= self.scale(route.target.name, "ttft")
         tpot *= self.scale(decode.name, "tpot")
         return Prediction(dataclasses.replace(route, predicted=(ttft, tpot)), ttft, tpot)

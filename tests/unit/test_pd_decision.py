@@ -87,10 +87,10 @@ def test_predictor_adds_queued_prompts_pd_overhead_and_prefill_interference():
     assert pd.tpot_ms == pytest.approx(2 + 4)  # a step of 3 + 1 sequences
     local = pred.predict(Route(d, on_decode=True), prompt_len=200, uncached=200, max_tokens=10)
     assert local.ttft_ms == pytest.approx(2 + 20 + 3)  # one chunk in a step with 3 decodes
-    assert local.tpot_ms == pytest.approx(6 + 0.1 * 200 / 10)  # its prompt spread over 10
+    assert local.tpot_ms == pytest.approx(6 + 0.1 * 200 / 5)  # its prompt over half of 10
     # a running count from the heartbeat above the service's own adds sequences
     busy = inst("d", InstanceRole.DECODE, running=7)
-    assert pred.predict(Route(busy, on_decode=True), 200, 200, 10).tpot_ms == pytest.approx(10 + 2)
+    assert pred.predict(Route(busy, on_decode=True), 200, 200, 10).tpot_ms == pytest.approx(10 + 4)
     # an instance without a profile: no prediction
     assert pred.predict(Route(inst("p0", InstanceRole.PREFILL, None), d), 200, 200, 10) is None
 
@@ -184,12 +184,12 @@ def test_slo_aware_falls_back_to_the_decode_when_the_prefill_misses_the_ttft():
     route = r.route(req(900, max_tokens=64), [p], [d])
     assert route.path is Path.DECODE and "prefill busy" in route.reason
     # When neither meets its targets: the one that misses least. Its prompt would slow the
-    # decode to 3 + 0.1 * 900 / 64 = 4.4 ms a token (37% over 3.2); PD's TTFT is
+    # decode to 3 + 0.1 * 900 / 32 = 5.8 ms a token (81% over 3.2); PD's TTFT is
     # 1020 ms (13% over 900)
     route = r.route(req(900, max_tokens=64, ttft_slo_ms=900, tpot_slo_ms=3.2), [p], [d])
     assert route.path is Path.PD and "no candidate meets" in route.reason
     # ... but a long prompt stays off the decode even where it would miss less there
-    # (TPOT 26% over 3.5 against PD's TTFT 104% over 500): its stall would spiral
+    # (TPOT 66% over 3.5 against PD's TTFT 104% over 500): its stall would spiral
     route = r.route(req(900, max_tokens=64, tpot_slo_ms=3.5), [p], [d])
     assert route.path is Path.PD and "no candidate meets" in route.reason
     # a short one may go there
@@ -343,7 +343,7 @@ def test_measured_latencies_correct_the_predictions_per_instance():
     # the TTFT scale is the prefill's, the TPOT scale the decode's
     local = pred.predict(Route(d, on_decode=True), 100, 100, 10)
     assert local.ttft_ms == pytest.approx(1 + 10 + 0)  # prefill-only step: d unscaled
-    assert local.tpot_ms == pytest.approx(2 * (3 + 0.1 * 100 / 10))
+    assert local.tpot_ms == pytest.approx(2 * (3 + 0.1 * 100 / 5))
     pred.observe(again.route, 11.0, None)  # back to the profile: the average moves 20%
     assert pred.scale("p", "ttft") == pytest.approx(5 + 0.2 * (1 - 5))
     assert pred.scale("d", "tpot") == pytest.approx(2)
