@@ -22,6 +22,13 @@ bfloat16-valued weights), half the bytes streamed per decode step. The greedy to
 match HF's all the same (``greedy==HF``), and the matmul floors are also given with
 bfloat16 panels, at one row and at the largest concurrency.
 
+Load: run it on an otherwise idle machine and quote the ``ran with`` line (its load
+average). On the 2-core VM, HF ``generate`` (2 OpenMP threads, many small parallel regions
+per token) loses far more to other processes than the engine (one native parallel region
+per decode step): tiny-25m at concurrency 1, same versions (torch 2.13.0, transformers
+5.24.0), engine/HF was 1.02x idle (issue 16), 2.6x at a load average of 2.5 and 10-30x at
+5-16, HF falling from 124 to 3-57 tok/s while the engine stayed at 50-190.
+
 Tokens/s = generated tokens / wall time. Engine and HF runs alternate within every
 repeat and the median over repeats is reported (the machine is shared), with the ratio of
 the two medians and the median of each repeat's own engine/HF ("paired": the two runs of a

@@ -199,11 +199,14 @@ async def create_server(
                                    host, port, "XllmRpcService")
 
 
-def bind_server(host: str, port: int) -> tuple[grpc.aio.Server, int]:
+def bind_server(host: str, port: int,
+                credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
     """A server bound to host:port (0: any free port), not serving yet: the service knows
-    its own address before it builds the components that advertise it."""
+    its own address before it builds the components that advertise it. With
+    `credentials` (xllm_py.tls.server_credentials) it serves mutual TLS only."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = (server.add_insecure_port(f"{host}:{port}") if credentials is None
+             else server.add_secure_port(f"{host}:{port}", credentials))
     if bound == 0:
         raise OSError(f"could not bind XllmRpcService on {host}:{port}")
     return server, bound

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from xllm_py.api.auth import APIKeyMiddleware, APIKeys
 from xllm_py.api.backend import GenerateBackend
 from xllm_py.api.errors import APIError, error_body
 from xllm_py.api.metrics import APIMetrics
@@ -26,9 +27,11 @@ logger = logging.getLogger(__name__)
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def build_app(backend: GenerateBackend, *, served_model_name: str | None = None) -> FastAPI:
+def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
+              api_keys: Sequence[str] = (), protect_metrics: bool = False) -> FastAPI:
     """The OpenAI-compatible app; `app.state.completions` / `.chat` / `.metrics` for
-    introspection."""
+    introspection. With `api_keys`, every route but the probes (and /metrics unless
+    `protect_metrics`) needs `Authorization: Bearer <key>` (xllm_py.api.auth)."""
     metrics = APIMetrics(getattr(backend, "metrics_registry", None))
     completions = OpenAIServingCompletion(backend, metrics, served_model_name)
     chat = OpenAIServingChat(backend, metrics, served_model_name)
@@ -39,6 +42,8 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None)
     app.state.chat = chat
     app.state.metrics = metrics
     app.state.backend = backend
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=APIKeys(api_keys), protect_metrics=protect_metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> Response:
@@ -96,16 +101,7 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        text = generate_latest(metrics.registry).decode()
-        legacy = getattr(backend, "metrics_text", None)  # transitional: see GenerateBackend
-        if legacy is not None:
-            try:
-                extra = legacy()
-            except Exception:
-                logger.warning("backend.metrics_text() failed", exc_info=True)
-                extra = ""
-            if extra:
-                text = text + (extra if extra.endswith("\n") else extra + "\n")
-        return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
+        return PlainTextResponse(generate_latest(metrics.registry).decode(),
+                                 media_type=PROMETHEUS_CONTENT_TYPE)
 
     return app

@@ -28,7 +28,8 @@ from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError, Lease
 from xllm_py.cluster.instance_meta import InstanceMeta, new_incarnation_id, now_ms
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
 from xllm_py.utils.aio import cancel_and_wait
-from xllm_py.utils.grpc_channels import CHANNEL_OPTIONS
+from xllm_py.tls import TLSConfig, channel_credentials
+from xllm_py.utils.grpc_channels import open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,9 @@ class InstanceAgent:
         etcd_timeout_s: float = 2.0,
         cache_fn: CacheFn | None = None,
         cache_resync_s: float = 30.0,
+        tls: TLSConfig | None = None,
     ) -> None:
+        """`tls`: etcd and the heartbeat channel to the master over mutual TLS."""
         # A new incarnation per process start: the service tells restarts apart by it.
         self.meta = dataclasses.replace(meta, incarnation_id=new_incarnation_id(), register_ts_ms=now_ms())
         self.ttl_s = ttl_s
@@ -106,7 +109,9 @@ class InstanceAgent:
         self.cache_fn = cache_fn
         self.cache_resync_s = cache_resync_s
         self._cache_synced: tuple[str, float] | None = None  # (master, when) of the last full one
-        self.etcd = EtcdClient(etcd_endpoint, namespace=namespace, credentials=credentials, timeout_s=etcd_timeout_s)
+        self.etcd = EtcdClient(etcd_endpoint, namespace=namespace, credentials=credentials,
+                               timeout_s=etcd_timeout_s, tls=tls)
+        self._channel_credentials = channel_credentials(tls) if tls is not None else None
         self.key = instance_key(self.meta.type, self.meta.name)
         self._leased = LeasedKey(self.etcd, self.key, self.meta.to_json(), ttl_s, interval_s=heartbeat_interval_s)
         self._task: asyncio.Task[None] | None = None
@@ -174,7 +179,7 @@ class InstanceAgent:
         if self._channel is None or self._channel_addr != addr:
             if self._channel is not None:
                 asyncio.ensure_future(self._channel.close())
-            self._channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+            self._channel = open_channel(addr, self._channel_credentials)
             self._channel_addr = addr
         return xllm_pb2_grpc.XllmRpcServiceStub(self._channel)
 

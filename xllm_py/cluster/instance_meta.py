@@ -66,6 +66,9 @@ class InstanceMeta:
     # Step costs for SLO_AWARE routing (xllm_py.cluster.latency_profile; JSON only, not in
     # the proto); empty: none registered.
     latency_profile: dict = dataclasses.field(default_factory=dict)
+    # One per worker (with addrs): what a peer's transfer hello must carry (kv_transfer/base.py).
+    # Secret: in etcd (TLS) and LinkInstance only, never in a repr or a log.
+    transfer_keys: list[str] = dataclasses.field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -139,6 +142,7 @@ class InstanceMeta:
             http_address=self.http_address,
             worker_rpc_addrs=self.worker_rpc_addrs,
             draining=self.draining,
+            transfer_keys=self.transfer_keys,
         )
 
     @classmethod
@@ -170,6 +174,7 @@ class InstanceMeta:
             http_address=msg.http_address,
             worker_rpc_addrs=list(msg.worker_rpc_addrs),
             draining=msg.draining,
+            transfer_keys=list(msg.transfer_keys),
         )
 
     # ------------------------------------------------------------------ peers
@@ -186,7 +191,7 @@ class InstanceMeta:
 
 
 _LIST_INT = {"cluster_ids", "ports"}
-_LIST_STR = {"addrs", "worker_rpc_addrs"}
+_LIST_STR = {"addrs", "worker_rpc_addrs", "transfer_keys"}
 _INT = {
     "dp_size", "register_ts_ms", "kv_split_size", "schema_version", "block_size",
     "tp_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks",

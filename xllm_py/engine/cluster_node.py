@@ -29,6 +29,7 @@ from xllm_py.engine.pd.service import DisaggPDServicer
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
+from xllm_py.tls import channel_credentials, server_credentials
 from xllm_py.utils.aio import wait_for
 from xllm_py.utils.grpc_channels import ChannelPool
 from xllm_py.utils.grpc_server import start_grpc_server
@@ -50,7 +51,10 @@ class ClusterNode:
         self.reporter: GenerationsReporter | None = None
         self.worker = None
         self._server: grpc.aio.Server | None = None
-        self._channels = ChannelPool()
+        tls = config.security.tls
+        self._client_credentials = channel_credentials(tls) if tls is not None else None
+        self._server_credentials = server_credentials(tls) if tls is not None else None
+        self._channels = ChannelPool(self._client_credentials)
         self.metas = MetaCache(self._fetch_meta)
         self.cache_events = CacheEvents()  # for the service's cache-aware routing
 
@@ -61,17 +65,18 @@ class ClusterNode:
         transfer_addr, worker_addr = "", ""
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
             from xllm_py.engine.kv_worker_node import start_kv_worker
-            from xllm_py.engine.metrics import KVTransferCollector
 
             self.worker = await start_kv_worker(self.engine.storage, cfg.transfer, cfg.host,
                                                 cfg.worker_port, cluster_id,
-                                                self._kv_meta_proto(cluster_id))
+                                                self._kv_meta_proto(cluster_id),
+                                                self._server_credentials)
             # Publish reachable addresses (the backends report their bind host).
             transfer_addr = f"{self.addr_host}:{self.worker.transfer_addr.rsplit(':', 1)[1]}"
             worker_addr = f"{self.addr_host}:{self.worker.rpc_addr.rsplit(':', 1)[1]}"
-            self.backend.metrics_registry.register(KVTransferCollector(self.worker.worker.metrics))
+            self.backend.metrics_registry.register(self.worker.worker.metrics)
         self.reporter = GenerationsReporter(loop, self.name, self.engine.abort,
-                                            timeout_s=cfg.rpc_timeout_s)
+                                            timeout_s=cfg.rpc_timeout_s,
+                                            credentials=self._client_credentials)
         self.engine.step_listeners.append(self.reporter.flush)
         pool = self.engine.scheduler.kv.block_pool
         self.engine.step_listeners.append(lambda: self.cache_events.collect(pool))
@@ -80,7 +85,7 @@ class ClusterNode:
         servicer = DisaggPDServicer(self.engine, self.role, self.reporter, None)
         self._server, port = await start_grpc_server(
             pb_grpc.add_DisaggPDServiceServicer_to_server, servicer, cfg.host,
-            cfg.disagg_pd_port, "DisaggPDService")
+            cfg.disagg_pd_port, "DisaggPDService", credentials=self._server_credentials)
         mc = self.engine.model_config
         self.meta = InstanceMeta(
             name=self.name, type=self.role, rpc_address=f"{self.addr_host}:{port}",
@@ -93,27 +98,30 @@ class ClusterNode:
             num_blocks=self.engine.storage.num_blocks,
             http_address=f"{self.addr_host}:{cfg.port}",
             worker_rpc_addrs=[worker_addr] if worker_addr else [],
-            latency_profile=self._latency_profile())
+            latency_profile=self._latency_profile(),
+            transfer_keys=[self.worker.transfer_key] if transfer_addr else [])
         self.agent = InstanceAgent(cfg.etcd_addr, self.meta, ttl_s=cfg.etcd_ttl_s,
                                    namespace=cfg.etcd_namespace,
                                    heartbeat_interval_s=cfg.heartbeat_interval_s,
                                    load_fn=self._load, credentials=etcd_credentials_from_env(),
-                                   cache_fn=self.cache_events.drain)
+                                   cache_fn=self.cache_events.drain, tls=cfg.security.tls)
         self.meta = self.agent.meta  # with its incarnation id
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
-            peers = GrpcPeers(worker_addr, cfg.rpc_timeout_s, cfg.transfer.timeout_s)
+            peers = GrpcPeers(worker_addr, cfg.rpc_timeout_s, cfg.transfer.timeout_s,
+                              self._client_credentials)
             self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter, peers,
-                                        self.metas.get, self._list_decodes)
+                                        self.metas.get, self._list_decodes,
+                                        registry=self.backend.metrics_registry)
             self.pd.start()
             servicer.pd = self.pd
-            self.backend.extra_metrics.append(self.pd.metrics_text)
         await self.agent.start()
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")
 
     def _latency_profile(self) -> dict:
-        """--latency-profile, with this instance's step budget (its prompt chunk size)."""
-        path = self.config.latency_profile_path
+        """--latency-profile (else a simulated engine's own time model, --simulate), with
+        this instance's step budget (its prompt chunk size)."""
+        path = self.config.latency_profile_path or self.config.simulate
         if not path:
             return {}
         profile = LatencyProfile.load(path)

@@ -49,7 +49,8 @@ class ReporterSink:
 
 class GenerationsReporter:
     def __init__(self, loop: asyncio.AbstractEventLoop, instance_name: str,
-                 abort: Callable[[str], None], timeout_s: float = 5.0) -> None:
+                 abort: Callable[[str], None], timeout_s: float = 5.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.loop = loop
         self.instance_name = instance_name
         self.abort = abort  # abort(engine_request_id), thread-safe
@@ -59,7 +60,7 @@ class GenerationsReporter:
         self._queues: dict[str, list[pb.DisaggStreamGeneration]] = {}
         self._senders: dict[str, asyncio.Task] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
-        self._channels = ChannelPool()
+        self._channels = ChannelPool(credentials)
         self._streams: dict[str, PipelinedStream] = {}
         self.num_calls = 0
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-
-from xllm_py.config import EngineConfig, InstanceRole, TransferConfig
+from xllm_py.config import EngineConfig, InstanceRole, TransferConfig, UCXConfig
 from xllm_py.kv_transfer.base import KVTransferBackend
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, huge_page_allocator
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +20,7 @@ class BackendKind(str, enum.Enum):
     UCX = "ucx"
     TCP = "tcp"
     FAKE = "fake"
+    SIM = "sim"  # the simulated engine's (xllm_py/sim): a small payload per block, no torch
 
     @classmethod
     def parse(cls, value: str) -> "BackendKind":
@@ -35,11 +38,15 @@ def create_backend(name: str | BackendKind, storage: KVCacheStorage,
     if kind is BackendKind.FAKE:
         from xllm_py.kv_transfer.fake import FakeKVTransferBackend
         return FakeKVTransferBackend(storage, cfg.timeout_s, **kwargs)  # type: ignore[arg-type]
+    if kind is BackendKind.SIM:
+        from xllm_py.sim.transfer import SimKVTransferBackend
+        return SimKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)  # type: ignore[arg-type]
     if kind is BackendKind.TCP:
         from xllm_py.kv_transfer.tcp import TcpKVTransferBackend
         return TcpKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)  # type: ignore[arg-type]
     from xllm_py.kv_transfer.ucx.backend import UcxKVTransferBackend
-    return UcxKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)  # type: ignore[arg-type]
+    return UcxKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port,  # type: ignore[arg-type]
+                                config=cfg.ucx, **kwargs)
 
 
 def pool_allocator(config: EngineConfig) -> Callable[[int], torch.Tensor] | None:
@@ -51,13 +58,14 @@ def pool_allocator(config: EngineConfig) -> Callable[[int], torch.Tensor] | None
         return None
     if (config.role in (InstanceRole.PREFILL, InstanceRole.DECODE)
             and BackendKind.parse(config.transfer.backend) is BackendKind.UCX):
-        return mappable_host_allocator()
+        return mappable_host_allocator(config.transfer.ucx)
     return huge_page_allocator
 
 
-def mappable_host_allocator() -> Callable[[int], torch.Tensor] | None:
+def mappable_host_allocator(ucx: UCXConfig | None = None) -> Callable[[int], torch.Tensor] | None:
     """An allocator of host memory that UCX peers on this host can map, or None when the
-    UCX backend is not installed or mapping is off (``XLLM_UCX_MAP=0``)."""
+    UCX backend is not installed or mapping is off (``XLLM_UCX_MAP=0``; ``ucx`` None: the
+    settings from the environment)."""
     try:
         from xllm_py.kv_transfer.ucx import shared_memory
         from xllm_py.kv_transfer.ucx.env import import_ucxx, iov_worker_config
@@ -65,12 +73,15 @@ def mappable_host_allocator() -> Callable[[int], torch.Tensor] | None:
         import_ucxx()
     except ImportError:
         return None
-    if not shared_memory.mapping_enabled():
+    ucx = ucx if ucx is not None else UCXConfig.from_env()
+    if not shared_memory.mapping_enabled(ucx):
         return None
 
     def allocate(nbytes: int) -> torch.Tensor:
+        import torch
+
         try:
-            return shared_memory.allocate(nbytes, iov_worker_config())
+            return shared_memory.allocate(nbytes, iov_worker_config(ucx))
         except Exception as e:  # noqa: BLE001 - fall back to private memory (the iov path)
             logger.warning("KV pool: UCX could not allocate %d mappable bytes (%s); using private memory",
                            nbytes, e)

@@ -37,9 +37,9 @@ def status_from_proto(reply: pb.Status) -> tuple[bool, str]:
     return reply.ok, reply.message
 
 
-def cancel_from_proto(msg: pb.PullSignal) -> str:
-    """Cancel: the request id."""
-    return msg.req_id
+def cancel_from_proto(msg: pb.CancelRequest) -> tuple[str, str]:
+    """Cancel: (the engine's request id, why; "" from a peer that does not say)."""
+    return msg.req_id, msg.reason
 
 
 # ---------------------------------------------------------------- linking
@@ -158,10 +158,10 @@ def migration_kv_from_proto(item: pb.MultiGenerationsRequest) -> HandOver:
 def pull_to_proto(move: KVMove) -> pb.PullKVCacheRequest:
     return pb.PullKVCacheRequest(cluster_id=move.cluster_id, addr=move.addr,
                                  src_blocks=move.src_blocks, dst_blocks=move.dst_blocks,
-                                 req_id=move.request_id)
+                                 req_id=move.request_id, transfer_key=move.transfer_key)
 
 
 def push_to_proto(move: KVMove) -> pb.PushKVCacheRequest:
     return pb.PushKVCacheRequest(cluster_id=move.cluster_id, addr=move.addr,
                                  src_blocks=move.src_blocks, dst_blocks=move.dst_blocks,
-                                 req_id=move.request_id)
+                                 req_id=move.request_id, transfer_key=move.transfer_key)
