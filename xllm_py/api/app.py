@@ -1,7 +1,8 @@
 """FastAPI app serving the OpenAI API over a GenerateBackend (engine MIX instance or service).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /readiness, GET /metrics.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's shapes), GET /version,
+GET /health, GET /readiness, GET /metrics.
 """
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+import xllm_py
 from xllm_py.api.auth import APIKeyMiddleware, APIKeys
 from xllm_py.api.backend import GenerateBackend
-from xllm_py.api.errors import APIError, error_body
+from xllm_py.api.errors import APIError, ModelNotFoundError, error_body
 from xllm_py.api.metrics import APIMetrics
 from xllm_py.api.serving_chat import OpenAIServingChat
 from xllm_py.api.serving_completions import OpenAIServingCompletion
+from xllm_py.api.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -71,19 +74,38 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
     app.add_api_route("/v1/completions", completions.handle, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat.handle, methods=["POST"])
 
+    model_card = {
+        "id": model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "xllm-py",
+        "root": backend.model_name,
+        "max_model_len": backend.max_model_len,
+    }
+
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse({
-            "object": "list",
-            "data": [{
-                "id": model_name,
-                "object": "model",
-                "created": created,
-                "owned_by": "xllm-py",
-                "root": backend.model_name,
-                "max_model_len": backend.max_model_len,
-            }],
-        })
+        return JSONResponse({"object": "list", "data": [model_card]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id not in (model_name, backend.model_name):
+            raise ModelNotFoundError(model_id)
+        return JSONResponse(model_card)
+
+    tokenization = OpenAIServingTokenization(backend, completions.check_model)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        return JSONResponse(tokenization.tokenize(await raw.body()))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        return JSONResponse(tokenization.detokenize(await raw.body()))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": xllm_py.__version__})
 
     def probe(check) -> Callable[[], Awaitable[Response]]:
         async def answer() -> Response:

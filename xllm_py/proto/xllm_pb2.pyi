@@ -396,18 +396,24 @@ class LogProb(_message.Message):
     def __init__(self, data: _Optional[_Union[LogProbData, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[LogProbData, _Mapping]]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs")
+    __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs", "stop_str", "has_stop_token", "stop_token")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STR_FIELD_NUMBER: _ClassVar[int]
+    HAS_STOP_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     logprobs: _containers.RepeatedCompositeFieldContainer[LogProb]
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[LogProb, _Mapping]]] = ...) -> None: ...
+    stop_str: str
+    has_stop_token: bool
+    stop_token: int
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[LogProb, _Mapping]]] = ..., stop_str: _Optional[str] = ..., has_stop_token: _Optional[bool] = ..., stop_token: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("num_prompt_tokens", "num_generated_tokens", "num_total_tokens", "num_cached_tokens")
