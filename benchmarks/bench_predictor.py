@@ -4,13 +4,15 @@ from what an engine on this machine does.
 Stages: load the profile (--profile, the JSON of `python -m xllm_py.sim.profile`) -> build
 the real engine from the engine flags that follow -> for each case (B background streams
 decoding, then one probe prompt of U tokens): start the B streams, wait until each has a
-token, submit the probe; measure its TTFT and TPOT (wall clock) and the engine thread's
-CPU time over the probe's life -> the prediction for the same state, as the service makes
-it (`SloPredictor`'s formulas: the probe prefilled on an instance decoding B streams, then
-decoding with B + 1) -> table of measured vs predicted and the relative errors; the
-versions it ran with and the load average.
+token, submit the probe; measure its TTFT and TPOT (wall clock) and the process's CPU
+time over the probe's life -> the prediction for the same state, as the service makes it
+(`SloPredictor`'s formulas: the probe prefilled on an instance decoding B streams, then
+decoding with B + 1) -> table of measured vs predicted and the relative errors, raw and
+after the service's correction (one measured/predicted factor per instance: here, for
+each case, the median factor of the other cases); the versions and the load average.
 
-    python benchmarks/bench_predictor.py --profile /tmp/profile.json --model tiny-25m \\
+    python -m xllm_py.sim.profile --out /tmp/profile.json --model tiny --num-threads 1
+    python benchmarks/bench_predictor.py --profile /tmp/profile.json --model tiny \
         --num-threads 1 --json bench_out/predictor.json
 
 The profile is fitted to CPU time per step; on a machine whose cores are shared the wall
@@ -139,7 +141,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['pred_ttft_ms']:>8.1f} {rel(r['pred_ttft_ms'], r['ttft_ms']):>+6.0%} "
               f"{r['tpot_ms']:>8.2f} {r['pred_tpot_ms']:>7.2f} "
               f"{rel(r['pred_tpot_ms'], r['tpot_ms']):>+6.0%} {r['cpu_share']:>8.2f}")
-    errs = {"ttft_median_abs_rel_err": statistics.median(
+    # What the service does on top (SloPredictor.observe): one measured/predicted factor
+    # per instance. Here leave-one-out: each case scaled by the median factor of the others.
+    def corrected(key: str) -> list[float]:
+        out = []
+        for i, r in enumerate(rows):
+            others = [o[key] / o["pred_" + key] for j, o in enumerate(rows) if j != i]
+            out.append(abs(rel(r["pred_" + key] * statistics.median(others), r[key])))
+        return out
+
+    errs = {"ttft_corrected_median_abs_rel_err": statistics.median(corrected("ttft_ms")),
+            "tpot_corrected_median_abs_rel_err": statistics.median(corrected("tpot_ms")),
+            "ttft_median_abs_rel_err": statistics.median(
                 abs(rel(r["pred_ttft_ms"], r["ttft_ms"])) for r in rows),
             "tpot_median_abs_rel_err": statistics.median(
                 abs(rel(r["pred_tpot_ms"], r["tpot_ms"])) for r in rows),
