@@ -248,6 +248,9 @@ def run_compare(args: argparse.Namespace, spec: WorkloadSpec) -> dict[str, Any]:
     runs: dict[str, list[RequestResult]] = {}
     for name in args.setups:
         label, shape = SETUPS[name]
+        if name == "pd-slo":  # the service aims at the SLO the goodput is measured at
+            shape = shape + [f"--service-arg=--{flag}={value:g}" for flag, value in (
+                ("ttft-slo-ms", args.slo_ttft_ms), ("tpot-slo-ms", args.slo_tpot_ms)) if value]
         log_dir = root / name
         cluster = Cluster(launch_parser().parse_args(_launch_args(args, shape, log_dir)))
         try:

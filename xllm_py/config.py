@@ -228,6 +228,9 @@ class EngineConfig:
     # SIGTERM: stop taking requests and finish the ones in flight for up to this long
     # before leaving the cluster (0: leave at once). A second signal cuts it short.
     drain_timeout_s: float = 30.0
+    # Step-cost profile (JSON, xllm_py.cluster.latency_profile) registered in the
+    # instance's meta for SLO_AWARE routing; None: none.
+    latency_profile_path: str | None = None
     # A time-model profile (JSON, xllm_py/sim/profile.py): run the simulated engine, whose
     # forward is a sleep of the modelled step time (no torch), instead of the model.
     simulate: str | None = None
@@ -313,24 +316,60 @@ class RegistryConfig:
             raise ValueError("resync_backoff_s must not be empty")
 
 
+POLICIES = ("RR", "ROUND_ROBIN", "LEAST_LOAD", "LL", "CACHE_AWARE", "PREFIX", "SLO_AWARE")
+
+
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
-    """How the service picks instances (xllm_service.router)."""
-    # RR, LEAST_LOAD or CACHE_AWARE (see `xllm_service.router.make_policy`).
+    """How the service picks instances (xllm_service.router, xllm_service.pd_decision)."""
+    # RR, LEAST_LOAD, CACHE_AWARE or SLO_AWARE (see `xllm_service.router.make_policy`).
     load_balance_policy: str = "LEAST_LOAD"
     # LEAST_LOAD's load: in flight here + waiting + kv_usage_weight * KV usage (0..1).
     kv_usage_weight: float = 4.0
     # CACHE_AWARE: only instances whose load is within this of the least loaded compete on
     # cached prefix length.
     max_imbalance: float = 4.0
+    # Over prefill and decode instances: ALWAYS (every prompt on a prefill instance) or
+    # CONDITIONAL (per request, pd_decision.py); None: CONDITIONAL with SLO_AWARE, else
+    # ALWAYS.
+    disagg_decision: str | None = None
+    # CONDITIONAL: a prompt with at most this many tokens not in the decode's prefix cache
+    # is prefilled on the decode itself.
+    local_prefill_max_tokens: int = 256
+    # CONDITIONAL: longer prompts go to the decode too while the least busy prefill has
+    # this many prompt tokens queued (0: never).
+    prefill_busy_tokens: int = 4096
+    # SLO_AWARE: PD's TTFT on top of the prefill (KV pull, hand-over RPCs).
+    pd_overhead_ms: float = 20.0
+    # SLO_AWARE: targets of a request that sets none (ttft_slo_ms / tpot_slo_ms); 0: none.
+    ttft_slo_ms: float = 1000.0
+    tpot_slo_ms: float = 50.0
 
     def __post_init__(self) -> None:
-        if self.load_balance_policy.upper() not in ("RR", "ROUND_ROBIN", "LEAST_LOAD", "LL",
-                                                    "CACHE_AWARE", "PREFIX"):
+        if self.load_balance_policy.upper() not in POLICIES:
             raise ValueError(f"unknown load balance policy {self.load_balance_policy!r}; "
-                             "expected RR, LEAST_LOAD or CACHE_AWARE")
+                             "expected RR, LEAST_LOAD, CACHE_AWARE or SLO_AWARE")
         if self.max_imbalance < 0:
             raise ValueError(f"max_imbalance must be >= 0, got {self.max_imbalance}")
+        if self.disagg_decision is not None and self.disagg_decision.upper() not in (
+                "ALWAYS", "CONDITIONAL"):
+            raise ValueError(f"disagg_decision must be ALWAYS or CONDITIONAL, got "
+                             f"{self.disagg_decision!r}")
+        for name in ("local_prefill_max_tokens", "prefill_busy_tokens", "pd_overhead_ms",
+                     "ttft_slo_ms", "tpot_slo_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def slo_aware(self) -> bool:
+        return self.load_balance_policy.upper() == "SLO_AWARE"
+
+    @property
+    def conditional(self) -> bool:
+        """Whether the path (PD or prefill on the decode) is decided per request."""
+        if self.disagg_decision is None:
+            return self.slo_aware
+        return self.disagg_decision.upper() == "CONDITIONAL"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,10 @@
 and relays the engine's `Generations` back to the HTTP client, in order.
 
 Stages of one client request:
-  route (MIX instance, or a (prefill, decode) pair; n > 1 on a PD pair is split into n
-  single-sequence sub-requests with seed + i) -> Generate RPC to the engine (retried on
+  route (MIX instance, a (prefill, decode) pair, or a decode that prefills the prompt
+  itself: the DECODE path of conditional disaggregation, pd_decision.py; counted in
+  xllm_service_pd_decisions_total{path} and logged with why; n > 1 on a decode is split
+  into n single-sequence sub-requests with seed + i) -> Generate RPC to the engine (retried on
   another instance when the RPC itself fails) -> Generations arrive (first token from
   prefill, the rest from decode; decode outputs wait until prefill's first one is in) ->
   merged RequestOutputs to the client -> finished, migrated (below), failed (engine
@@ -18,8 +20,8 @@ token ids, the ones it relayed to the client (`SubRequest.generated`). Once one 
 (PD: prefill's first token; decode took the sub over, or is still pulling its KV:
 recomputing does not need that KV), the eviction of the instance generating it (its
 decode, or its MIX instance) does not fail it:
-  1. pick another instance of that kind through `Router.route_decode` or
-     `Router.route_mix` (the dead one excluded);
+  1. pick another instance of that kind through `Router.route_decode` (PD and
+     DECODE-path subs) or `Router.route_mix` (the dead one excluded);
   2. re-key the sub under a fresh engine request id (`SubRequests.rekey`) and point
      its route at the new instance, so Cancel goes there, and an instance that lost its
      lease but still runs gets ok=false for its late outputs under the old id and
@@ -68,7 +70,7 @@ from xllm_py.utils.aio import wait_for
 from xllm_service.engine_client import SEND_ERRORS, Engines
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.metrics import ServiceMetrics
-from xllm_service.router import NoInstanceError, Route, Router
+from xllm_service.router import NoInstanceError, Path, Route, Router
 from xllm_service.sub_request import SubPhase, SubRequest, SubRequests
 
 logger = logging.getLogger(__name__)
@@ -118,10 +120,11 @@ class ServiceBackend:
         except NoInstanceError as exc:
             raise ServiceUnavailableError(str(exc)) from None
         params = SamplingParams.from_request(req)
-        if route.is_pd and params.n > 1 or route.is_pd and (params.best_of or 0) > params.n:
+        split = route.on_decode_role  # generated on a decode: single-sequence subs
+        if split and (params.n > 1 or (params.best_of or 0) > params.n):
             if (params.best_of or 0) > params.n:
-                raise InvalidRequestError("best_of > n is not supported on prefill/decode pairs",
-                                          param="best_of")
+                raise InvalidRequestError("best_of > n is not supported on prefill/decode "
+                                          "instances", param="best_of")
             parts = [(i, dataclasses.replace(
                 params, n=1, best_of=None, seed=None if params.seed is None else params.seed + i))
                 for i in range(params.n)]
@@ -162,6 +165,8 @@ class ServiceBackend:
                 decode_name=route.decode.name if route.is_pd else "")
             sub = SubRequest(engine_id, offset, route, queue, spec, request_id=req.request_id)
             self.subs.add(sub)
+            self._log_route(engine_id, route, len(spec.prompt_token_ids))
+            sub.sent_s = time.monotonic()
             try:
                 status = await self.engines.generate(route.target.meta.rpc_address, spec)
             except SEND_ERRORS as exc:
@@ -182,6 +187,14 @@ class ServiceBackend:
                 raise InvalidRequestError(status.message or "invalid request")
             raise ServiceUnavailableError(f"instance {route.target.name} refused the request: "
                                           f"{status.message}")
+
+    def _log_route(self, engine_id: str, route: Route, num_prompt_tokens: int) -> None:
+        """The request log line: where it went and why; PD decisions are counted."""
+        if route.path is not Path.MIX:
+            self.metrics.pd_decisions[route.path.value] += 1
+        logger.info("request %s: %d prompt tokens, path %s on %s%s", engine_id,
+                    num_prompt_tokens, route.path.value, "/".join(route.instance_names),
+                    f" ({route.reason})" if route.reason else "")
 
     async def _merge(self, request_id: str, subs: list[SubRequest],
                      queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -319,11 +332,24 @@ class ServiceBackend:
             return
         if out.finished:
             sub.transition(SubPhase.FINISHED)
+        self._measure(sub, out)
         if sub.single_sequence and out.outputs:
             sub.generated.extend(out.outputs[0].token_ids)
             if out.outputs[0].text:  # the engine emits text only up to a whole character
                 sub.num_read = len(sub.generated)
         sub.queue.put_nowait((sub, out))
+
+    def _measure(self, sub: SubRequest, out: RequestOutput) -> None:
+        """TTFT and TPOT as the service sees them, for SLO_AWARE's correction."""
+        n = sum(len(o.token_ids) for o in out.outputs)
+        if n:
+            now = time.monotonic()
+            sub.first_s = sub.first_s or now
+            sub.last_s, sub.num_tokens = now, sub.num_tokens + n
+        if out.finished and sub.first_s is not None and not out.failed:
+            tpot = ((sub.last_s - sub.first_s) * 1000 / (sub.num_tokens - 1)
+                    if sub.num_tokens > 1 else None)
+            self.router.observe(sub.route, (sub.first_s - sub.sent_s) * 1000, tpot)
 
     def on_evict(self, info: InstanceInfo) -> None:
         """An instance is gone: the requests that still depend on it (see
@@ -358,7 +384,8 @@ class ServiceBackend:
         if spec.params.max_tokens is not None and k >= spec.params.max_tokens:
             reason = "it had generated max_tokens but its last output was lost"
         else:
-            pick = self.router.route_decode if sub.route.is_pd else self.router.route_mix
+            pick = (self.router.route_decode if sub.route.on_decode_role
+                    else self.router.route_mix)
             try:
                 target = pick(spec, exclude=[dead])
             except NoInstanceError as exc:
@@ -370,7 +397,10 @@ class ServiceBackend:
             self._fail(sub, f"{why}; could not migrate it: {reason}")
             return
         old_id, new_id = sub.engine_request_id, _engine_id(sub.request_id, sub.index_offset)
-        route = Route(sub.route.target, target) if sub.route.is_pd else Route(target)
+        if sub.route.is_pd:
+            route = Route(sub.route.target, target)
+        else:  # a DECODE-path sub migrates to another decode, a MIX one to a MIX
+            route = Route(target, on_decode=sub.route.on_decode)
         self.subs.rekey(sub, new_id, route)
         self._advance(sub, SubPhase.STREAMING)  # no longer waits for its prefill
         logger.warning("instance %s lost: migrating request %s (%d tokens generated) to %s "

@@ -29,10 +29,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--max-model-len", type=int, default=None,
              help="context limit for validation (default: the model's max_position_embeddings)")
     add_flag(p, "--load-balance-policy", default="LEAST_LOAD", type=str.upper,
-             choices=["RR", "LEAST_LOAD", "CACHE_AWARE"],
+             choices=["RR", "LEAST_LOAD", "CACHE_AWARE", "SLO_AWARE"],
              help="RR: round robin; LEAST_LOAD: fewest in-flight + waiting requests; "
                   "CACHE_AWARE: the longest cached prompt prefix (engines' heartbeat cache "
-                  "events) among instances within 4 requests of the least loaded")
+                  "events) among instances within 4 requests of the least loaded; "
+                  "SLO_AWARE: over prefill/decode instances, the path and instances whose "
+                  "predicted TTFT/TPOT (the engines' --latency-profile) meet the request's "
+                  "targets (else miss least); CACHE_AWARE over MIX instances")
+    add_flag(p, "--disagg-decision", default=None, type=str.upper,
+             choices=["ALWAYS", "CONDITIONAL"],
+             help="over prefill/decode instances: ALWAYS send the prompt to a prefill "
+                  "instance, or decide per request (CONDITIONAL: short or cached prompts, "
+                  "or all while prefill is busy, are prefilled on the decode). Default: "
+                  "CONDITIONAL with SLO_AWARE, else ALWAYS")
+    add_flag(p, "--local-prefill-max-tokens", type=int, default=256,
+             help="CONDITIONAL: prefill on the decode when at most this many prompt tokens "
+                  "are not in its prefix cache")
+    add_flag(p, "--prefill-busy-tokens", type=int, default=4096,
+             help="CONDITIONAL: also prefill longer prompts on the decode while the least "
+                  "busy prefill instance has this many prompt tokens queued (0: never)")
+    add_flag(p, "--pd-overhead-ms", type=float, default=20.0,
+             help="SLO_AWARE: TTFT added by disaggregation (KV pull, hand-over RPCs)")
+    add_flag(p, "--ttft-slo-ms", type=float, default=1000.0,
+             help="SLO_AWARE: TTFT target of a request without ttft_slo_ms (0: none)")
+    add_flag(p, "--tpot-slo-ms", type=float, default=50.0,
+             help="SLO_AWARE: TPOT target of a request without tpot_slo_ms (0: none)")
     add_flag(p, "--evict-grace-s", type=float, default=3.0,
              help="seconds a dead instance stays SUSPECT before it is evicted")
     add_flag(p, "--rpc-timeout", type=float, default=5.0, help="deadline of service RPCs (s)")
@@ -51,7 +72,12 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         rpc_port=args.rpc_port, model=args.model, served_model_name=args.served_model_name,
         max_model_len=args.max_model_len,
         registry=RegistryConfig(evict_grace_s=args.evict_grace_s),
-        router=RouterConfig(load_balance_policy=args.load_balance_policy),
+        router=RouterConfig(load_balance_policy=args.load_balance_policy,
+                            disagg_decision=args.disagg_decision,
+                            local_prefill_max_tokens=args.local_prefill_max_tokens,
+                            prefill_busy_tokens=args.prefill_busy_tokens,
+                            pd_overhead_ms=args.pd_overhead_ms, ttft_slo_ms=args.ttft_slo_ms,
+                            tpot_slo_ms=args.tpot_slo_ms),
         relay=RelayConfig(rpc_timeout_s=args.rpc_timeout,
                           idle_timeout_s=args.request_idle_timeout),
         security=security_from_args(args))

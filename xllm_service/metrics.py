@@ -4,6 +4,9 @@ which the HTTP layer registers into too: `ServiceBackend.metrics_registry`):
   xllm_service_requests_total{outcome}            client requests: ok, error, timeout
   xllm_service_instance_requests_total{instance,outcome}  the same, per instance served
   xllm_service_migrations_total{outcome}          moves off an evicted instance: ok, failed
+  xllm_service_pd_decisions_total{path}           engine requests over prefill/decode
+                                                  instances: pd (prompt on a prefill),
+                                                  decode (prefilled on the decode)
   xllm_service_inflight_requests{instance}        sub-requests depending on an instance
   xllm_service_prefix_cached_blocks{instance}     from the engines' heartbeat cache events
   xllm_service_instances{state}                   registered instances by state
@@ -20,6 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 MIGRATION_OUTCOMES = ("failed", "ok")
+PD_PATHS = ("decode", "pd")
 
 
 class ServiceMetrics:
@@ -30,6 +34,7 @@ class ServiceMetrics:
         # (instance, outcome) -> requests; an instance counts every request it served
         self.instance_outcomes: collections.Counter = collections.Counter()
         self.migrations: collections.Counter = collections.Counter()  # "ok" / "failed"
+        self.pd_decisions: collections.Counter = collections.Counter()  # "pd" / "decode"
         self._inflight = inflight
         self._prefix_blocks = prefix_blocks
         self._instance_counts = instance_counts
@@ -63,6 +68,13 @@ class ServiceMetrics:
         for outcome in MIGRATION_OUTCOMES:
             migrations.add_metric([outcome], self.migrations[outcome])
         yield migrations
+        decisions = CounterMetricFamily(
+            "xllm_service_pd_decisions", "Engine requests over prefill and decode instances "
+            "by path: pd (prompt on a prefill instance), decode (prefilled on the decode)",
+            labels=["path"])
+        for path in PD_PATHS:
+            decisions.add_metric([path], self.pd_decisions[path])
+        yield decisions
         inflight = GaugeMetricFamily("xllm_service_inflight_requests",
                                      "In-flight requests by instance", labels=["instance"])
         for name, n in self._inflight():

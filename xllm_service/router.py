@@ -2,12 +2,16 @@
 
 Policies plug in behind `LoadBalancePolicy.select`: RR, LEAST_LOAD and CACHE_AWARE (the
 longest cached prompt prefix, from the engines' heartbeat cache events, within a load
-bound); an SLO-aware one would take the same interface (it gets the request).
+bound). Over prefill and decode instances the Router also decides the path (`Path`): PD
+always (--disagg-decision ALWAYS), or per request (CONDITIONAL: a `decider`, see
+pd_decision.py); SLO_AWARE (an `slo` router, pd_decision.py) picks path and instances from
+predicted TTFT and TPOT, and CACHE_AWARE picks among MIX instances.
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 import itertools
 from typing import Callable, Sequence
 
@@ -93,11 +97,11 @@ def make_policy(name: str, inflight: Callable[[str], int], index: PrefixIndex | 
         return RoundRobinPolicy()
     if name in ("LEAST_LOAD", "LL"):
         return LeastLoadPolicy(inflight, config.kv_usage_weight)
-    if name in ("CACHE_AWARE", "PREFIX"):
+    if name in ("CACHE_AWARE", "PREFIX", "SLO_AWARE"):  # SLO_AWARE: over MIX instances
         return CacheAwarePolicy(inflight, index or PrefixIndex(), config.max_imbalance,
                                 config.kv_usage_weight)
-    raise ValueError(f"unknown load balance policy {name!r}; expected RR, LEAST_LOAD or "
-                     "CACHE_AWARE")
+    raise ValueError(f"unknown load balance policy {name!r}; expected RR, LEAST_LOAD, "
+                     "CACHE_AWARE or SLO_AWARE")
 
 
 def policy_from_config(config: RouterConfig, inflight: Callable[[str], int],
@@ -105,14 +109,42 @@ def policy_from_config(config: RouterConfig, inflight: Callable[[str], int],
     return make_policy(config.load_balance_policy, inflight, index, config)
 
 
+class Path(str, enum.Enum):
+    """How a request is served (xllm_service_pd_decisions_total{path} counts PD and
+    DECODE, the two outcomes of the disaggregation decision)."""
+    MIX = "mix"        # one MIX instance
+    PD = "pd"          # prompt on a prefill instance, KV to the decode instance
+    DECODE = "decode"  # a decode instance prefills the prompt itself (chunked, in its
+    #                    decode batches) and generates: served whole, as MIX serves
+
+
 @dataclasses.dataclass(frozen=True)
 class Route:
-    target: InstanceInfo              # where the request is sent (MIX or PREFILL)
+    target: InstanceInfo              # where the request is sent (MIX, PREFILL or DECODE)
     decode: InstanceInfo | None = None  # PD: the decode instance
+    on_decode: bool = False           # DECODE path: `target` is a decode serving it whole
+    reason: str = ""                  # why this path (the request log line)
+    # SLO_AWARE: the predicted (TTFT, TPOT) in ms, which the measured ones correct
+    predicted: tuple[float, float] | None = None
 
     @property
     def is_pd(self) -> bool:
         return self.decode is not None
+
+    @property
+    def path(self) -> Path:
+        return Path.PD if self.is_pd else Path.DECODE if self.on_decode else Path.MIX
+
+    @property
+    def on_decode_role(self) -> bool:
+        """Generated on a DECODE instance (PD or DECODE path): it is split into
+        single-sequence subs and migrates to another decode."""
+        return self.is_pd or self.on_decode
+
+    @property
+    def serving(self) -> InstanceInfo:
+        """The instance generating the tokens."""
+        return self.decode if self.decode is not None else self.target
 
     @property
     def instance_names(self) -> tuple[str, ...]:
@@ -124,10 +156,22 @@ class NoInstanceError(Exception):
 
 
 class Router:
+    """`decider`: conditional disaggregation (None: PD always); `slo`: SLO_AWARE's choice
+    over prefill and decode instances (it decides the path itself). Either lets a decode
+    serve requests whole when no prefill instance is registered."""
+
     def __init__(self, schedulable: Callable[[InstanceRole], list[InstanceInfo]],
-                 policy: LoadBalancePolicy) -> None:
+                 policy: LoadBalancePolicy, decider=None, slo=None) -> None:
         self.schedulable = schedulable
         self.policy = policy
+        self.decider = decider
+        self.slo = slo
+
+    @property
+    def conditional(self) -> bool:
+        """The path is decided per request (a decode may serve a request whole)."""
+        return self.decider is not None or (self.slo is not None
+                                            and self.slo.config.conditional)
 
     def _candidates(self, exclude: Sequence[str]) -> tuple[list[InstanceInfo], ...]:
         def of(*roles: InstanceRole) -> list[InstanceInfo]:
@@ -139,7 +183,7 @@ class Router:
         """Why no request could be routed now, or None. Selects nothing (a readiness probe
         must not advance round robin)."""
         prefills, decodes, mixes = self._candidates(exclude)
-        if (prefills and decodes) or mixes:
+        if (prefills and decodes) or mixes or (decodes and self.conditional):
             return None
         if prefills:
             return "a prefill instance is registered but no decode instance is"
@@ -149,12 +193,26 @@ class Router:
 
     def route(self, request: object = None, exclude: Sequence[str] = ()) -> Route:
         prefills, decodes, mixes = self._candidates(exclude)
-        if prefills and decodes:
-            return Route(self.policy.select(prefills, request),
-                         self.policy.select(decodes, request))
+        if decodes and (prefills or (self.conditional and not mixes)):
+            if self.slo is not None:
+                return self.slo.route(request, prefills, decodes)
+            decode = self.policy.select(decodes, request)
+            if self.decider is not None:
+                prompt = getattr(request, "prompt_token_ids", None) or []
+                decision = self.decider.decide(prompt, decode, prefills)
+                if decision.on_decode:
+                    return Route(decode, on_decode=True, reason=decision.reason)
+                return Route(self.policy.select(prefills, request), decode,
+                             reason=decision.reason)
+            return Route(self.policy.select(prefills, request), decode, reason="PD always")
         if mixes:
             return Route(self.policy.select(mixes, request))
         raise NoInstanceError(self.unavailable_reason(exclude))
+
+    def observe(self, route: Route, ttft_ms: float | None, tpot_ms: float | None) -> None:
+        """A request's measured TTFT/TPOT (SLO_AWARE corrects its predictions by them)."""
+        if self.slo is not None and route.predicted is not None:
+            self.slo.predictor.observe(route, ttft_ms, tpot_ms)
 
     def route_decode(self, request: object = None, exclude: Sequence[str] = ()) -> InstanceInfo:
         """A DECODE instance to take over a PD request that already generated tokens

@@ -31,7 +31,7 @@ async def run_service(config: ServiceConfig) -> None:
     from xllm_service.metrics import ServiceMetrics
     from xllm_service.prefix_index import PrefixIndex
     from xllm_service.registry import Registry
-    from xllm_service.router import Router, policy_from_config
+    from xllm_service.pd_decision import build_router
     from xllm_service.rpc_service import (ProxyRegistrations, XllmRpcServicer, bind_server,
                                           start_serving)
     from xllm_service.sub_request import SubRequests
@@ -51,8 +51,8 @@ async def run_service(config: ServiceConfig) -> None:
     registry = Registry(etcd, config.registry)
     prefix_index = PrefixIndex()
     subs = SubRequests()
-    router = Router(registry.schedulable,
-                    policy_from_config(config.router, subs.inflight, prefix_index))
+    router = build_router(config.router, registry.schedulable, subs.inflight, subs.work,
+                          prefix_index)
     metrics = ServiceMetrics(subs.inflight_by_instance, prefix_index.sizes, registry.counts)
     backend = ServiceBackend(tokenizer, config.model_name, max_len, router,
                              EngineClient(config.relay, channel_credentials(tls) if tls is not None else None), rpc_addr, config.relay, subs, metrics)

@@ -4,7 +4,7 @@ book of them (by engine request id, and by the instances each depends on).
 Phases of a sub-request (every change goes through `SubRequest.transition`, checked
 against `_ALLOWED`):
 
-    MIX:  DISPATCHED -> STREAMING -> FINISHED
+    MIX:  DISPATCHED -> STREAMING -> FINISHED     (DECODE path too: a decode serving it whole)
     PD:   DISPATCHED -> FIRST_RELAYED -> STREAMING -> FINISHED   (prefill's token first)
           DISPATCHED -> HOLDING -> STREAMING -> FINISHED         (a decode output first:
                                                                   held until prefill's)
@@ -57,6 +57,15 @@ _ALLOWED: dict[SubPhase, set[SubPhase]] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class InstanceWork:
+    """The service's own requests on one instance: prompt tokens not yet computed there,
+    and the sequences it generates (or will, once their prompt is in) with their context."""
+    pending_prefill_tokens: int = 0
+    decoding_seqs: int = 0
+    decoding_ctx_tokens: int = 0
+
+
 class InvalidSubTransition(RuntimeError):
     pass
 
@@ -74,6 +83,11 @@ class SubRequest:
     held: list[RequestOutput] = dataclasses.field(default_factory=list)  # PD, HOLDING
     generated: list[int] = dataclasses.field(default_factory=list)  # relayed token ids
     num_read: int = 0  # of those, how many the client has the text of
+    # monotonic times: Generate sent, first and last token relayed (SLO_AWARE measures)
+    sent_s: float = 0.0
+    first_s: float | None = None
+    last_s: float | None = None
+    num_tokens: int = 0  # tokens relayed (all sequences)
 
     def transition(self, phase: SubPhase) -> None:
         if phase not in _ALLOWED[self.phase]:
@@ -88,8 +102,9 @@ class SubRequest:
     @property
     def single_sequence(self) -> bool:
         """Its outputs are one sequence, so `generated` can resume it elsewhere. PD subs
-        always are (n is split); a MIX sub when n == 1 and best_of <= 1."""
-        if self.route.is_pd:
+        always are (n is split), so are DECODE-path ones; a MIX sub when n == 1 and
+        best_of <= 1."""
+        if self.route.on_decode_role:
             return True
         params = self.spec.params if self.spec is not None else None
         return params is not None and params.n == 1 and (params.best_of or 1) <= 1
@@ -97,7 +112,13 @@ class SubRequest:
     @property
     def serving(self) -> str:
         """The instance generating its tokens (the one whose death migrates it)."""
-        return self.route.decode.name if self.route.is_pd else self.route.target.name
+        return self.route.serving.name
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt is still being computed: nothing relayed yet (the prefill's, or the
+        instance serving it whole, first token)."""
+        return self.phase is SubPhase.DISPATCHED
 
     def __repr__(self) -> str:  # no prompt, no tokens
         return (f"SubRequest({self.engine_request_id}, {self.phase.name}, "
@@ -159,6 +180,21 @@ class SubRequests:
 
     def inflight(self, name: str) -> int:
         return len(self._by_instance.get(name, ()))
+
+    def work(self, name: str) -> InstanceWork:
+        """What the subs here ask of instance `name` now (SLO_AWARE predicts from it)."""
+        pending = seqs = ctx = 0
+        for i in self._by_instance.get(name, ()):
+            sub = self._subs.get(i)
+            if sub is None or sub.spec is None or sub.phase.is_done:
+                continue
+            prompt = len(sub.spec.prompt_token_ids)
+            if sub.prefilling and sub.route.target.name == name:
+                pending += prompt
+            if sub.serving == name:
+                seqs += 1
+                ctx += prompt + len(sub.generated)
+        return InstanceWork(pending, seqs, ctx)
 
     def inflight_by_instance(self) -> list[tuple[str, int]]:
         return sorted((name, len(ids)) for name, ids in self._by_instance.items())

@@ -97,10 +97,16 @@ async def test_multi_generations_continues_like_mix(etcd_server, tmp_path):
                 prefill_name="p", reqs=[pb.DisaggRequest(req_id="bad")]), timeout=10)
             assert replies.reqs[0].status_code == 400  # INVALID_ARGUMENT: a bad request
             assert "prompt_tokens is empty" in replies.reqs[0].status_msg
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await stub.Generate(req, timeout=10)
-            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "prefill instance only" in e.value.details()
+            # A DECODE serves a whole request as MIX does (the service's conditional
+            # disaggregation prefills short prompts there): the MIX tokens.
+            req3 = pb.DisaggRequest()
+            req3.CopyFrom(req)
+            req3.req_id = req3.service_req_id = "whole-1"
+            assert (await stub.Generate(req3, timeout=10)).ok
+            await asyncio.wait_for(
+                collector.done.setdefault("whole-1", asyncio.Event()).wait(), 30)
+            gens = collector.gens["whole-1"]
+            assert [t for g in gens for o in g.outputs for t in o.token_ids] == ref_ids
             status = await stub.FirstGeneration(pb.DisaggGenerationsRequests(
                 gens=[pb.DisaggGenerationsRequest(req_id="nope")]), timeout=10)
             assert not status.ok and "unknown request nope" in status.message

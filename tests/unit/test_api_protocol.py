@@ -35,7 +35,8 @@ def test_generate_request_carries_exactly_the_request_fields_with_sampling_defau
     from xllm_py.api.backend import GenerateRequest
     from xllm_py.sampling_params import REQUEST_FIELDS, SamplingParams
 
-    own = {"request_id", "prompt_token_ids", "prompt_text", "x_request_id", "stream", "arrival_time"}
+    own = {"request_id", "prompt_token_ids", "prompt_text", "x_request_id", "stream", "arrival_time",
+           "ttft_slo_ms", "tpot_slo_ms"}
     names = {f.name for f in dataclasses.fields(GenerateRequest)}
     assert names - own == set(REQUEST_FIELDS)
     assert "eos_token_ids" not in REQUEST_FIELDS  # the engine's own

@@ -49,6 +49,9 @@ class GenerateRequest:
     x_request_id: str | None = None  # the client's X-Request-Id header (tracing)
     stream: bool = False
     arrival_time: float = dataclasses.field(default_factory=time.time)
+    # Latency targets for the service's SLO_AWARE routing (None: the service's defaults).
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
     # -- sampling (REQUEST_FIELDS) --
     n: int = 1
     best_of: int | None = None

@@ -70,6 +70,9 @@ class _CommonRequest(UnsupportedFields):
     # token id (a JSON object key: a string) -> bias added to its logit, in [-100, 100]
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM: top-k logprobs of every prompt token
+    # Extension: latency targets for xllm_service's SLO_AWARE routing (ms).
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
 
     # -- value checks -------------------------------------------------------------------
 
@@ -129,6 +132,10 @@ class _CommonRequest(UnsupportedFields):
                    f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})")
         for token_id in self.stop_token_ids or []:
             _check(token_id >= 0, "stop_token_ids", "stop_token_ids must be non-negative")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(value > 0, name, f"{name} must be positive, got {value}")
         _check(self.stream or self.stream_options is None, "stream_options",
                "stream_options is only allowed when stream is true")
         _check(not (self.stream and self.prompt_logprobs is not None), "prompt_logprobs",
@@ -209,6 +216,8 @@ class _CommonRequest(UnsupportedFields):
             x_request_id=x_request_id,
             stream=self.stream,
             arrival_time=arrival_time,
+            ttft_slo_ms=self.ttft_slo_ms,
+            tpot_slo_ms=self.tpot_slo_ms,
             max_tokens=max_tokens,
             **self.sampling_fields(),
         )

@@ -64,6 +64,9 @@ class InstanceMeta:
     http_address: str = ""
     worker_rpc_addrs: list[str] = dataclasses.field(default_factory=list)
     draining: bool = False  # shutting down: finishing what it runs, takes no new requests
+    # Step costs for SLO_AWARE routing (xllm_py.cluster.latency_profile; JSON only, not in
+    # the proto); empty: none registered.
+    latency_profile: dict = dataclasses.field(default_factory=dict)
     # One per worker (with addrs): what a peer's transfer hello must carry (kv_transfer/base.py).
     # Secret: in etcd (TLS) and LinkInstance only, never in a repr or a log.
     transfer_keys: list[str] = dataclasses.field(default_factory=list, repr=False)
@@ -154,6 +157,10 @@ def _coerce(name: str, value: Any) -> Any:
             if not isinstance(value, bool):
                 raise ValueError("must be true or false")
             return value
+        if name == "latency_profile":
+            if not isinstance(value, dict):
+                raise ValueError("must be a JSON object")
+            return dict(value)
         if name == "type":
             if isinstance(value, int):  # a writer that sent the proto enum number
                 from xllm_py.rpc.cluster import role_from_proto  # (rpc imports this module)

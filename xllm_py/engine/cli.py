@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--instance-name", default=None, help="registry name (default host:port)")
     add_flag(g, "--disagg-pd-port", type=int, default=0, help="DisaggPDService gRPC port (0: free)")
     add_flag(g, "--rpc-timeout", type=float, default=10.0, help="deadline of engine RPCs (s)")
+    add_flag(g, "--latency-profile", default=None,
+             help="JSON step-cost profile registered for the service's SLO_AWARE routing "
+                  "(the simulator's time model: python -m xllm_py.sim.profile --out FILE); "
+                  "none: the service routes this instance by load and prefix cache only")
     add_flag(g, "--drain-timeout", type=float, default=30.0,
              help="on SIGTERM, seconds to finish the requests in flight (taking no new ones, "
                   "marked draining in etcd) before leaving; 0: leave at once; a second "
@@ -117,5 +121,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         heartbeat_interval_s=args.heart_beat_interval, instance_name=args.instance_name,
         disagg_pd_port=args.disagg_pd_port, worker_port=args.worker_port,
         rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout,
+        latency_profile_path=args.latency_profile,
         simulate=args.simulate, security=security_from_args(args),
         tensor_parallel_size=args.tensor_parallel_size)

@@ -8,6 +8,7 @@ Stop: deregister, stop the PD scheduler, the gRPC servers, the worker, the repor
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 
@@ -16,6 +17,7 @@ import grpc
 from xllm_py.cluster.etcd_client import instance_key
 from xllm_py.cluster.instance_agent import InstanceAgent, LoadReport
 from xllm_py.cluster.instance_meta import InstanceMeta
+from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.cluster.meta_cache import MetaCache
 from xllm_py.config import EngineConfig, InstanceRole, advertised_host, etcd_credentials_from_env
 from xllm_py.engine.cache_events import CacheEvents
@@ -108,7 +110,8 @@ class ClusterNode:
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             num_blocks=self.engine.storage.num_blocks,
             http_address=f"{self.addr_host}:{cfg.port}",
-            worker_rpc_addrs=worker_addrs, transfer_keys=keys)
+            worker_rpc_addrs=worker_addrs, transfer_keys=keys,
+            latency_profile=self._latency_profile())
         self.agent = InstanceAgent(cfg.etcd_addr, self.meta, ttl_s=cfg.etcd_ttl_s,
                                    namespace=cfg.etcd_namespace,
                                    heartbeat_interval_s=cfg.heartbeat_interval_s,
@@ -126,6 +129,17 @@ class ClusterNode:
         await self.agent.start()
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")
+
+    def _latency_profile(self) -> dict:
+        """--latency-profile (else a simulated engine's own time model, --simulate), with
+        this instance's step budget (its prompt chunk size)."""
+        path = self.config.latency_profile_path or self.config.simulate
+        if not path:
+            return {}
+        profile = LatencyProfile.load(path)
+        return dataclasses.replace(
+            profile, max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens
+        ).to_dict()
 
     def _kv_meta(self, cluster_id: int) -> InstanceMeta:
         mc = self.engine.model_config

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+
+if TYPE_CHECKING:  # torch only where slices are moved: a simulated engine imports no torch
+    import torch
 
 Heads = tuple[int, int, int]  # (src_head_start, dst_head_start, num_heads)
 
@@ -35,6 +39,8 @@ def gather_heads(storage: KVCacheStorage, ids: Sequence[int] | np.ndarray, start
                  count: int) -> torch.Tensor:
     """Heads ``[start, start+count)`` of blocks ``ids``: a contiguous CPU tensor
     ``[2, L, n, block_size, count, head_dim]``."""
+    import torch
+
     check_heads(storage, start, count)
     idx = torch.from_numpy(storage.check_block_ids(ids)).to(storage.device)
     out = storage.kv.narrow(4, start, count).index_select(2, idx)
@@ -45,6 +51,8 @@ def scatter_heads(storage: KVCacheStorage, ids: Sequence[int] | np.ndarray, star
                   count: int, buf: torch.Tensor) -> None:
     """Write ``buf`` (from ``gather_heads``, or its raw bytes) into heads
     ``[start, start+count)`` of blocks ``ids``."""
+    import torch
+
     check_heads(storage, start, count)
     idx = torch.from_numpy(storage.check_block_ids(ids, unique=True)).to(storage.device)
     shape = (2, storage.num_layers, int(idx.numel()), storage.block_size, count,

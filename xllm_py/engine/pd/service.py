@@ -5,7 +5,10 @@ proto / gRPC status.
 MIX instances serve `Generate` (a whole request from the service) and MultiGenerations
 (a request migrated off a dead MIX instance, its KV recomputed); PREFILL instances serve
 `Generate` through the DisaggPDScheduler; DECODE instances serve AddNewRequests,
-FirstGeneration, LinkInstance/UnlinkInstance and MultiGenerations.
+FirstGeneration, LinkInstance/UnlinkInstance and MultiGenerations, and `Generate` as MIX
+does: the service's conditional disaggregation sends a prompt that is short, or mostly
+in the decode's prefix cache, to the decode itself, whose scheduler prefills it in
+chunks within the step budget alongside the running decodes (issue 16).
 """
 from __future__ import annotations
 
@@ -78,9 +81,6 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
                 raise StatusError(Status.FAILED_PRECONDITION, "prefill instance is starting")
             self.pd.add_request(spec)
             return
-        if self.role == InstanceRole.DECODE:
-            raise StatusError(Status.FAILED_PRECONDITION,
-                              "a DECODE instance takes requests from a prefill instance only")
         sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
                                   spec.request_id)
         self.engine.submit(EngineRequest(spec.request_id, spec.prompt_token_ids, spec.params, sink))

@@ -1,0 +1,98 @@
+"""Conditional disaggregation end to end (issue 16): service with SLO_AWARE + PREFILL +
+DECODE processes (each registering a latency profile) on a real etcd. Short prompts, and
+a long one once it is in the decode's prefix cache, are prefilled on the decode; long
+ones on the prefill. Greedy tokens equal a MIX engine's on both paths, and the service's
+decision counter shows both were taken."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.integration.cluster_harness import Harness, client, labelled
+from xllm_py.utils.procs import engine_args, free_port, spawn
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 8
+LOCAL_MAX = 24  # prompts with at most this many uncached tokens: prefilled on the decode
+PROFILE = {"prefill_base_ms": 1.0, "prefill_ms_per_token": 0.05, "decode_base_ms": 1.0,
+           "decode_ms_per_seq": 0.1, "decode_ms_per_ctx_token": 0.0,
+           "source": {"note": "test profile"}}
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd_server, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs-cond")
+    profile = logs / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    h = Harness(etcd_server.endpoint, "pd-cond/", logs)
+    common = ["--block-size", str(BLOCK), "--num-blocks", "1024"]
+    mix_port = free_port()
+    mix = spawn("mix-ref", "xllm_py.engine", engine_args("MIX", mix_port, extra=common), logs,
+                http_url=f"http://127.0.0.1:{mix_port}")
+    h.procs.append(mix)
+    try:
+        # Lax targets: the path follows the prompt's uncached length alone.
+        svc = h.service(extra=["--load-balance-policy", "SLO_AWARE", "--local-prefill-max-tokens",
+                               str(LOCAL_MAX), "--ttft-slo-ms", "100000", "--tpot-slo-ms",
+                               "100000"])
+        with_profile = common + ["--latency-profile", str(profile)]
+        prefill = h.engine("PREFILL", "prefill", extra=with_profile)
+        decode = h.engine("DECODE", "decode", extra=with_profile)
+        for p in (mix, prefill, decode):
+            p.wait_ready(180)
+        svc.wait_ready(60, path="/readiness")
+        yield h, svc, prefill, decode, mix
+    finally:
+        h.stop()
+
+
+def decisions(svc, path: str) -> int:
+    n = labelled(svc.http_url, "xllm_service_pd_decisions_total", f'path="{path}"')
+    assert n >= 0, "xllm_service_pd_decisions_total not in the service's /metrics"
+    return n
+
+
+def greedy(c, prompt: list[int], max_tokens: int = 12) -> list[int]:
+    out = c.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                               temperature=0,
+                               extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert out.usage.completion_tokens == max_tokens
+    return out.choices[0].model_extra["token_ids"]
+
+
+def test_both_paths_give_the_mix_tokens(cluster):
+    h, svc, prefill, decode, mix = cluster
+    via_svc, ref = client(svc), client(mix)
+    # no prompt shares a block with another (a cached prefix would shorten the uncached part)
+    short = [list(range(300 + 40 * i, 300 + 40 * i + n)) for i, n in enumerate((1, 7, 8, 9, 16, 24))]
+    long = [list(range(600 + 100 * i, 600 + 100 * i + n)) for i, n in enumerate((25, 40, 64, 80))]
+    d0, p0 = decisions(svc, "decode"), decisions(svc, "pd")
+    for prompt in short + long:
+        assert greedy(via_svc, prompt) == greedy(ref, prompt), f"prompt of {len(prompt)}"
+    assert decisions(svc, "decode") - d0 == len(short)
+    assert decisions(svc, "pd") - p0 == len(long)
+    log = svc.log_path.read_text(errors="replace")
+    assert "prompt tokens, path decode on " in log and "SLO_AWARE short prompt" in log
+    assert "prompt tokens, path pd on " in log and "SLO_AWARE long prompt" in log
+
+
+def test_a_long_prompt_cached_on_the_decode_is_prefilled_there(cluster):
+    h, svc, prefill, decode, mix = cluster
+    via_svc, ref = client(svc), client(mix)
+    prompt = list(range(20, 20 + 70))  # 70 tokens > LOCAL_MAX
+    p0 = decisions(svc, "pd")
+    expected = greedy(ref, prompt)
+    assert greedy(via_svc, prompt) == expected
+    assert decisions(svc, "pd") == p0 + 1
+    # Its KV is now in the decode's prefix cache; the service hears of it by heartbeat.
+    deadline = time.monotonic() + 20
+    while labelled(svc.http_url, "xllm_service_prefix_cached_blocks",
+                   f'instance="{decode.http_url.removeprefix("http://")}"') < 70 // BLOCK:
+        assert time.monotonic() < deadline, "the decode's cache events never reached the service"
+        time.sleep(0.1)
+    d0 = decisions(svc, "decode")
+    assert greedy(via_svc, prompt + [7, 8]) == greedy(ref, prompt + [7, 8])
+    assert decisions(svc, "decode") == d0 + 1 and decisions(svc, "pd") == p0 + 1

@@ -1,0 +1,363 @@
+"""Conditional disaggregation and SLO_AWARE routing (xllm_service/pd_decision.py): the
+latency profile, the predictor, the decider's thresholds, SLO_AWARE's order of choice,
+and the backend serving and migrating a request on the DECODE path."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+
+from xllm_py.api.backend import GenerateRequest
+from xllm_py.cluster.instance_meta import InstanceMeta
+from xllm_py.cluster.latency_profile import LatencyProfile
+from xllm_py.config import InstanceRole, RouterConfig
+from xllm_py.engine.block_pool import hash_block_tokens
+from xllm_py.engine.cache_events import hash_to_bytes
+from xllm_py.proto import xllm_pb2 as pb
+from xllm_service.backend import ServiceBackend
+from xllm_service.instance_table import InstanceInfo, InstanceState, LoadInfo
+from xllm_service.pd_decision import (PDDecider, PrefixCache, SloPredictor, SloRouter,
+                                      build_router)
+from xllm_service.prefix_index import PrefixIndex
+from xllm_service.router import LeastLoadPolicy, Path, Route
+from xllm_service.sub_request import InstanceWork, SubPhase, SubRequest, SubRequests
+from tests.unit.test_service_relay import FakeEngines, feed, gen, take
+
+# 1 ms a step + 0.1 ms a prompt token; a decode step 2 ms + 1 ms a sequence
+PROFILE = dict(prefill_base_ms=1.0, prefill_ms_per_token=0.1, decode_base_ms=2.0,
+               decode_ms_per_seq=1.0, decode_ms_per_ctx_token=0.0,
+               max_num_batched_tokens=1000)
+
+
+def inst(name: str, role: InstanceRole, profile: dict | None = PROFILE, running: int = 0,
+         addr: str = "127.0.0.1:1") -> InstanceInfo:
+    meta = InstanceMeta(name=name, type=role, rpc_address=addr, block_size=4,
+                        latency_profile=dict(profile or {}), incarnation_id="i-" + name)
+    return InstanceInfo(meta, InstanceState.ACTIVE, 0.0, load=LoadInfo(running=running))
+
+
+def no_work(name: str) -> InstanceWork:
+    return InstanceWork()
+
+
+# ---------------------------------------------------------------- the profile
+def test_profile_reads_the_simulator_time_model_json_and_predicts_chunked_prefill():
+    sim = {k: v for k, v in PROFILE.items() if k != "max_num_batched_tokens"}
+    sim["source"] = {"cpu": "x"}  # the simulator's provenance: ignored
+    p = LatencyProfile.from_dict(json.loads(json.dumps(sim)))
+    assert p.max_num_batched_tokens == 2048
+    p = LatencyProfile.from_dict(PROFILE)
+    assert p.prefill_ms(500) == pytest.approx(1 + 50)
+    # 2500 tokens with 10 decoding seqs: chunks of 990 (990, 990, 520), each a decode step
+    step = lambda n: 2 + 0.1 * n + 10  # noqa: E731
+    assert p.prefill_ms(2500, 10, 0) == pytest.approx(2 * step(990) + step(520))
+    assert p.decode_step_ms(4, 0) == pytest.approx(6)
+    assert p.prefill_ms(0) == 0 and p.step_ms(0, 0, 0) == 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"prefill_base_ms": 1}, "lacks"),
+    ({**PROFILE, "decode_ms_per_seq": -1}, "decode_ms_per_seq must be a number >= 0"),
+    ({**PROFILE, "prefill_ms_per_token": "x"}, "prefill_ms_per_token"),
+    ({**PROFILE, "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+    ([1, 2], "JSON object")])
+def test_bad_profiles_are_refused_with_the_reason(bad, match):
+    with pytest.raises(ValueError, match=match):
+        LatencyProfile.from_dict(bad)
+
+
+def test_profile_travels_in_the_instance_meta_json():
+    meta = inst("d", InstanceRole.DECODE).meta
+    assert InstanceMeta.from_json(meta.to_json()).latency_profile == PROFILE
+    with pytest.raises(ValueError, match="latency_profile"):
+        InstanceMeta.from_dict({"name": "a", "type": "DECODE", "latency_profile": [1]})
+
+
+# ---------------------------------------------------------------- the predictor
+def test_predictor_adds_queued_prompts_pd_overhead_and_prefill_interference():
+    work = {"p": InstanceWork(pending_prefill_tokens=1000),
+            "d": InstanceWork(pending_prefill_tokens=0, decoding_seqs=3, decoding_ctx_tokens=0)}
+    pred = SloPredictor(RouterConfig(pd_overhead_ms=20), lambda n: work.get(n, InstanceWork()))
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    pd = pred.predict(Route(p, d), prompt_len=200, uncached=200, max_tokens=10)
+    # prefill: 1200 tokens in chunks of 1000 with no decodes: (1 + 100) + (1 + 20); + 20
+    assert pd.ttft_ms == pytest.approx(101 + 21 + 20)
+    assert pd.tpot_ms == pytest.approx(2 + 4)  # a step of 3 + 1 sequences
+    local = pred.predict(Route(d, on_decode=True), prompt_len=200, uncached=200, max_tokens=10)
+    assert local.ttft_ms == pytest.approx(2 + 20 + 3)  # one chunk in a step with 3 decodes
+    assert local.tpot_ms == pytest.approx(6 + 0.1 * 200 / 5)  # its prompt over half of 10
+    # a running count from the heartbeat above the service's own adds sequences
+    busy = inst("d", InstanceRole.DECODE, running=7)
+    assert pred.predict(Route(busy, on_decode=True), 200, 200, 10).tpot_ms == pytest.approx(10 + 4)
+    # an instance without a profile: no prediction
+    assert pred.predict(Route(inst("p0", InstanceRole.PREFILL, None), d), 200, 200, 10) is None
+
+
+def test_instance_work_counts_prompts_not_yet_computed_and_the_sequences_decoding():
+    subs = SubRequests()
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    from xllm_py.rpc.convert import EngineRequestSpec
+    from xllm_py.sampling_params import SamplingParams
+
+    def add(rid: str, route: Route, prompt: int, phase: SubPhase | None = None) -> SubRequest:
+        spec = EngineRequestSpec(rid, rid, [1] * prompt, SamplingParams())
+        sub = SubRequest(rid, 0, route, asyncio.Queue(), spec)
+        subs.add(sub)
+        if phase is not None:
+            sub.transition(phase)
+        return sub
+
+    add("a", Route(p, d), 100)                                   # on the prefill
+    add("b", Route(p, d), 50, SubPhase.FIRST_RELAYED).generated.extend([1, 2])  # decoding
+    add("c", Route(d, on_decode=True), 30)                      # prefilled on d
+    assert subs.work("p") == InstanceWork(100, 0, 0)
+    assert subs.work("d") == InstanceWork(30, 3, 100 + 52 + 30)
+
+
+# ---------------------------------------------------------------- the decider
+def cached_index(name: str, prompt: list[int], blocks: int) -> PrefixIndex:
+    index, h = PrefixIndex(), None
+    stored = []
+    for i in range(blocks):
+        h = hash_block_tokens(h, prompt[4 * i:4 * i + 4])
+        stored.append(hash_to_bytes(h))
+    index.update(name, stored, [])
+    return index
+
+
+def test_decider_uses_the_uncached_part_on_the_decode_and_the_prefill_queue():
+    prompt = list(range(100, 140))  # 40 tokens, 10 blocks of 4
+    d, p = inst("d", InstanceRole.DECODE), inst("p", InstanceRole.PREFILL)
+    cfg = RouterConfig(local_prefill_max_tokens=16, prefill_busy_tokens=500)
+    queue = {"p": InstanceWork(pending_prefill_tokens=0)}
+    decider = PDDecider(cfg, PrefixCache(PrefixIndex()), lambda n: queue.get(n, InstanceWork()))
+    assert not decider.decide(prompt, d, [p]).on_decode  # 40 uncached > 16
+    assert decider.decide(prompt[:16], d, [p]).on_decode
+    # 6 of 10 blocks cached on d: 16 uncached
+    decider.cache = PrefixCache(cached_index("d", prompt, 6))
+    decision = decider.decide(prompt, d, [p])
+    assert decision.on_decode and decision.reason.startswith("16 uncached prompt tokens")
+    decider.cache = PrefixCache(PrefixIndex())
+    queue["p"] = InstanceWork(pending_prefill_tokens=500)  # prefill busy
+    decision = decider.decide(prompt, d, [p])
+    assert decision.on_decode and "prefill busy" in decision.reason
+    queue["d"] = InstanceWork(pending_prefill_tokens=1)  # ...unless d is prefilling too
+    assert not decider.decide(prompt, d, [p]).on_decode
+    assert decider.decide(prompt, d, []).on_decode  # no prefill instance
+
+
+# ---------------------------------------------------------------- SLO_AWARE
+def slo_router(work: dict, **cfg) -> SloRouter:
+    config = RouterConfig(load_balance_policy="SLO_AWARE", **cfg)
+    get = lambda n: work.get(n, InstanceWork())  # noqa: E731
+    return SloRouter(config, SloPredictor(config, get), PDDecider(config, PrefixCache(
+        PrefixIndex()), get), LeastLoadPolicy(lambda n: 0))
+
+
+def req(n_prompt: int, **kw) -> GenerateRequest:
+    return GenerateRequest("r", list(range(n_prompt)), max_tokens=kw.pop("max_tokens", 10), **kw)
+
+
+def test_slo_aware_short_prompts_on_the_decode_long_ones_on_the_prefill():
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    r = slo_router({}, local_prefill_max_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=50)
+    assert r.route(req(100), [p], [d]).path is Path.DECODE
+    route = r.route(req(900), [p], [d])
+    assert route.path is Path.PD and route.reason.startswith("SLO_AWARE long prompt")
+
+
+def test_slo_aware_prefers_the_pd_pair_with_the_lowest_ttft():
+    p1, p2 = inst("p1", InstanceRole.PREFILL), inst("p2", InstanceRole.PREFILL)
+    d = inst("d", InstanceRole.DECODE)
+    r = slo_router({"p1": InstanceWork(pending_prefill_tokens=3000)},
+                   local_prefill_max_tokens=0)
+    assert r.route(req(900), [p1, p2], [d]).instance_names == ("p2", "d")
+
+
+def test_slo_aware_falls_back_to_the_decode_when_the_prefill_misses_the_ttft():
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    # 9000 prompt tokens queued on p: ~910 ms before this one; the decode is idle
+    work = {"p": InstanceWork(pending_prefill_tokens=9000)}
+    r = slo_router(work, local_prefill_max_tokens=0, ttft_slo_ms=500, tpot_slo_ms=50)
+    route = r.route(req(900, max_tokens=64), [p], [d])
+    assert route.path is Path.DECODE and "prefill busy" in route.reason
+    # When neither meets its targets: the one that misses least. Its prompt would slow the
+    # decode to 3 + 0.1 * 900 / 32 = 5.8 ms a token (81% over 3.2); PD's TTFT is
+    # 1020 ms (13% over 900)
+    route = r.route(req(900, max_tokens=64, ttft_slo_ms=900, tpot_slo_ms=3.2), [p], [d])
+    assert route.path is Path.PD and "no candidate meets" in route.reason
+    # ... but a long prompt stays off the decode even where it would miss less there
+    # (TPOT 66% over 3.5 against PD's TTFT 104% over 500): its stall would spiral
+    route = r.route(req(900, max_tokens=64, tpot_slo_ms=3.5), [p], [d])
+    assert route.path is Path.PD and "no candidate meets" in route.reason
+    # a short one may go there
+    r.config = RouterConfig(load_balance_policy="SLO_AWARE", local_prefill_max_tokens=900,
+                            ttft_slo_ms=500, tpot_slo_ms=3.5)
+    assert r.route(req(900, max_tokens=64), [p], [d]).path is Path.DECODE
+    # the request's own targets win over the service's: a lax TTFT keeps PD
+    assert r.route(req(900, max_tokens=64, ttft_slo_ms=5000), [p], [d]).path is Path.PD
+
+
+def test_slo_aware_without_profiles_falls_back_to_the_thresholds():
+    p, d = inst("p", InstanceRole.PREFILL, None), inst("d", InstanceRole.DECODE)
+    r = slo_router({}, local_prefill_max_tokens=256)
+    assert r.route(req(100), [p], [d]).path is Path.DECODE
+    route = r.route(req(900), [p], [d])
+    assert route.path is Path.PD and route.reason.endswith("(no profile)")
+
+
+def test_always_never_prefills_on_the_decode_unless_no_prefill_is_there():
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    r = slo_router({}, disagg_decision="ALWAYS")
+    assert r.route(req(8), [p], [d]).path is Path.PD
+    config = RouterConfig(disagg_decision="ALWAYS")
+    router = build_router(config, lambda role: {InstanceRole.DECODE: [d]}.get(role, []),
+                          lambda n: 0, no_work, PrefixIndex())
+    assert router.unavailable_reason() == "a decode instance is registered but no prefill " \
+                                          "instance is"
+
+
+@pytest.mark.parametrize("policy, decision, conditional", [
+    ("LEAST_LOAD", None, False), ("LEAST_LOAD", "CONDITIONAL", True),
+    ("SLO_AWARE", None, True), ("SLO_AWARE", "ALWAYS", False), ("CACHE_AWARE", "always", False)])
+def test_the_decision_defaults_to_conditional_with_slo_aware_only(policy, decision, conditional):
+    config = RouterConfig(load_balance_policy=policy, disagg_decision=decision)
+    assert config.conditional is conditional
+    d = inst("d", InstanceRole.DECODE)
+    router = build_router(config, lambda role: {InstanceRole.DECODE: [d]}.get(role, []),
+                          lambda n: 0, no_work, PrefixIndex())
+    assert (router.unavailable_reason() is None) is conditional
+    with pytest.raises(ValueError, match="disagg_decision"):
+        RouterConfig(disagg_decision="SOMETIMES")
+
+
+def test_conditional_router_with_mix_instances_only_routes_to_mix():
+    m = inst("m", InstanceRole.MIX)
+    router = build_router(RouterConfig(disagg_decision="CONDITIONAL"),
+                          lambda role: {InstanceRole.MIX: [m]}.get(role, []), lambda n: 0,
+                          no_work, PrefixIndex())
+    assert router.route(req(4)).path is Path.MIX
+
+
+# ---------------------------------------------------------------- the backend, DECODE path
+D1 = inst("d", InstanceRole.DECODE, addr="10.0.0.2:1")
+D2 = inst("d2", InstanceRole.DECODE, addr="10.0.0.3:1")
+P1 = inst("p", InstanceRole.PREFILL, addr="10.0.0.1:1")
+
+
+def cond_backend(decodes=(D1,)) -> tuple[ServiceBackend, FakeEngines]:
+    engines = FakeEngines()
+    subs = SubRequests()
+    roles = {InstanceRole.PREFILL: [P1], InstanceRole.DECODE: list(decodes)}
+    config = RouterConfig(load_balance_policy="LEAST_LOAD", disagg_decision="CONDITIONAL",
+                          local_prefill_max_tokens=4)
+    router = build_router(config, lambda role: roles.get(role, []), subs.inflight, subs.work,
+                          PrefixIndex())
+    return ServiceBackend(None, "tiny", 2048, router, engines, "127.0.0.1:0", subs=subs), engines
+
+
+async def started(b, engines, prompt, n=1):
+    before = len(engines.sent)
+    stream = b.generate(GenerateRequest("cmpl-1", prompt, stream=True, max_tokens=8, n=n))
+    first = asyncio.ensure_future(anext(stream))
+    for _ in range(100):
+        if len(engines.sent) == before + n or first.done():
+            break
+        await asyncio.sleep(0)
+    return stream, first
+
+
+async def close(stream, first) -> None:
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await stream.aclose()
+
+
+async def test_both_paths_are_counted_logged_and_relayed(caplog):
+    b, engines = cond_backend()
+    caplog.set_level(logging.INFO, logger="xllm_service.backend")
+    stream, first = await started(b, engines, [5, 6, 7])
+    (rid,) = engines.sent
+    sub = b.subs.get(rid)
+    assert sub.route.path is Path.DECODE and sub.route.instance_names == ("d",)
+    assert sub.spec.prefill_name == "" and sub.spec.decode_name == ""
+    assert b.metrics.pd_decisions == {"decode": 1}
+    assert f"request {rid}: 3 prompt tokens, path decode on d (3 uncached prompt tokens " \
+           f"on d <= 4)" in caplog.text
+    await feed(b, gen(rid, [1]))  # a decode serving it whole: no prefill token to wait for
+    assert await take(first) == [1]
+    await feed(b, gen(rid, [2], finished=True))
+    assert (await asyncio.wait_for(anext(stream), 1)).finished
+    await stream.aclose()
+    stream, first = await started(b, engines, [5, 6, 7, 8, 9])
+    assert b.subs.get(engines.sent[-1]).route.path is Path.PD
+    assert b.metrics.pd_decisions == {"decode": 1, "pd": 1}
+    text = b.metrics_text()
+    assert 'xllm_service_pd_decisions_total{path="decode"} 1.0' in text
+    assert 'xllm_service_pd_decisions_total{path="pd"} 1.0' in text
+    await close(stream, first)
+
+
+async def test_n_is_split_on_the_decode_path():
+    b, engines = cond_backend()
+    stream, first = await started(b, engines, [5, 6], n=2)
+    assert len(engines.sent) == 2
+    assert all(b.subs.get(r).route.path is Path.DECODE for r in engines.sent)
+    await close(stream, first)
+
+
+async def test_a_request_prefilled_on_a_decode_migrates_to_another_decode():
+    b, engines = cond_backend(decodes=(D1, D2))
+    stream, first = await started(b, engines, [5, 6, 7])
+    (rid,) = engines.sent
+    dead = b.subs.get(rid).route.target
+    await feed(b, gen(rid, [1]))
+    assert await take(first) == [1]
+    b.on_evict(dead)
+    await asyncio.gather(*b._tasks)
+    (addr, item), = engines.migrated
+    other = D2 if dead is D1 else D1
+    assert addr == other.meta.rpc_address and list(item.generated_token_ids) == [1]
+    assert item.request.routing.decode_name == "" and not item.HasField("kv")
+    new_id = item.request.service_req_id
+    assert b.subs.get(new_id).route.path is Path.DECODE
+    assert b.metrics.migrations == {"ok": 1}
+    await feed(b, gen(new_id, [2, 3], finished=True))
+    last = await asyncio.wait_for(anext(stream), 1)
+    assert last.finished and last.outputs[0].token_ids == [2, 3]
+    reply = await b.on_generations(pb.DisaggStreamGenerations(gens=[gen(rid, [9])]))
+    assert [s.ok for s in reply.all_status] == [False]
+
+
+def test_measured_latencies_correct_the_predictions_per_instance():
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    pred = SloPredictor(RouterConfig(pd_overhead_ms=0), no_work)
+    first = pred.predict(Route(p, d), 100, 100, 10)
+    assert first.route.predicted == (first.ttft_ms, first.tpot_ms) == (pytest.approx(11), 3)
+    pred.observe(first.route, 55.0, 6.0)  # a machine 5x / 2x slower than the profile
+    again = pred.predict(Route(p, d), 100, 100, 10)
+    assert (again.ttft_ms, again.tpot_ms) == (pytest.approx(55), pytest.approx(6))
+    # the TTFT scale is the prefill's, the TPOT scale the decode's
+    local = pred.predict(Route(d, on_decode=True), 100, 100, 10)
+    assert local.ttft_ms == pytest.approx(1 + 10 + 0)  # prefill-only step: d unscaled
+    assert local.tpot_ms == pytest.approx(2 * (3 + 0.1 * 100 / 5))
+    pred.observe(again.route, 11.0, None)  # back to the profile: the average moves 20%
+    assert pred.scale("p", "ttft") == pytest.approx(5 + 0.2 * (1 - 5))
+    assert pred.scale("d", "tpot") == pytest.approx(2)
+
+
+async def test_the_backend_reports_what_a_request_measured():
+    b, engines = cond_backend()
+    seen = []
+    b.router.observe = lambda route, ttft, tpot: seen.append((route.path, ttft, tpot))
+    stream, first = await started(b, engines, [5, 6, 7])
+    (rid,) = engines.sent
+    await feed(b, gen(rid, [1]))
+    await take(first)
+    await feed(b, gen(rid, [2, 3], finished=True))
+    await asyncio.wait_for(anext(stream), 1)
+    (path, ttft, tpot), = seen
+    assert path is Path.DECODE and ttft >= 0 and tpot >= 0

@@ -1,0 +1,95 @@
+"""LatencyProfile: what one engine step costs on an instance, as the instance registers it
+(the `latency_profile` of its InstanceMeta) for the service's SLO_AWARE routing.
+
+    step_ms = base + prefill_ms_per_token * prompt tokens computed
+              + decode_ms_per_seq * decoding sequences
+              + decode_ms_per_ctx_token * context tokens those sequences attend to
+
+(base: `prefill_base_ms` for a step without decodes, else `decode_base_ms`.) The JSON is
+the simulator's time model (`xllm_py.sim.time_model.TimeModel`, written by
+`python -m xllm_py.sim.profile --out PROFILE.json`): the same five keys and an optional
+`source`, so one profile file serves both; an engine loads it with `--latency-profile`.
+From it, TTFT as a function of uncached prompt tokens (`prefill_ms`: the prompt's chunks,
+each riding a step with the running decodes) and TPOT as a function of the running
+batch and its context (`decode_step_ms`).
+
+Torch-free and numpy-free: the service (xllm_service) reads it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Any
+
+KEYS = ("prefill_base_ms", "prefill_ms_per_token", "decode_base_ms", "decode_ms_per_seq",
+        "decode_ms_per_ctx_token")
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyProfile:
+    prefill_base_ms: float
+    prefill_ms_per_token: float
+    decode_base_ms: float
+    decode_ms_per_seq: float
+    decode_ms_per_ctx_token: float
+    # Step token budget of the instance (its --max-num-batched-tokens): prompt chunk size.
+    max_num_batched_tokens: int = 2048
+
+    def step_ms(self, prefill_tokens: int, decode_seqs: int, decode_ctx_tokens: int) -> float:
+        if prefill_tokens <= 0 and decode_seqs <= 0:
+            return 0.0
+        base = self.decode_base_ms if decode_seqs > 0 else self.prefill_base_ms
+        return (base + self.prefill_ms_per_token * max(0, prefill_tokens)
+                + self.decode_ms_per_seq * max(0, decode_seqs)
+                + self.decode_ms_per_ctx_token * max(0, decode_ctx_tokens))
+
+    def prefill_ms(self, tokens: int, decode_seqs: int = 0, decode_ctx_tokens: int = 0) -> float:
+        """Time to compute `tokens` prompt tokens in chunks of the step budget (less the
+        running decodes' tokens), each chunk in a step with the running decodes."""
+        if tokens <= 0:
+            return 0.0
+        chunk = max(1, self.max_num_batched_tokens - decode_seqs)
+        full, last = divmod(tokens, chunk)
+        ms = full * self.step_ms(chunk, decode_seqs, decode_ctx_tokens)
+        if last:
+            ms += self.step_ms(last, decode_seqs, decode_ctx_tokens)
+        return ms
+
+    def decode_step_ms(self, decode_seqs: int, decode_ctx_tokens: int) -> float:
+        """One decode step of `decode_seqs` sequences attending to `decode_ctx_tokens`."""
+        return self.step_ms(0, max(1, decode_seqs), decode_ctx_tokens)
+
+    # ------------------------------------------------------------------ wire
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LatencyProfile":
+        """From the JSON of a profile (a TimeModel's keys; `source` and unknown keys are
+        ignored); ValueError naming what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError(f"latency profile must be a JSON object, got {type(data).__name__}")
+        missing = [k for k in KEYS if k not in data]
+        if missing:
+            raise ValueError(f"latency profile lacks {missing}")
+        values: dict[str, Any] = {}
+        for key in KEYS:
+            v = data[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
+                    or math.isinf(v):
+                raise ValueError(f"latency profile {key} must be a number >= 0, got {v!r}")
+            values[key] = float(v)
+        budget = data.get("max_num_batched_tokens", 2048)
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"latency profile max_num_batched_tokens must be an integer >= 1, "
+                             f"got {budget!r}")
+        return cls(**values, max_num_batched_tokens=budget)
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path) -> "LatencyProfile":
+        try:
+            return cls.from_dict(json.loads(pathlib.Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read latency profile {str(path)!r}: {exc}") from None

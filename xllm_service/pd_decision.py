@@ -1,0 +1,289 @@
+"""Conditional disaggregation and SLO-aware routing of a request over prefill and decode
+instances (issue 16).
+
+Per request, one of two paths:
+  PD      the prompt is computed on a prefill instance, its KV pulled by the decode;
+  DECODE  the decode instance computes the prompt itself: its scheduler runs decode
+          tokens first and prompt chunks in the rest of each step's token budget, so the
+          streams it runs keep going while it prefills (a long chunk still lengthens the
+          steps it rides in: that is what the thresholds bound).
+
+`PDDecider` (--disagg-decision CONDITIONAL, any policy): the uncached part of the prompt
+on the chosen decode (its prefix cache, from heartbeat cache events) at most
+`local_prefill_max_tokens` -> DECODE; else, when the least busy prefill instance still has
+`prefill_busy_tokens` prompt tokens queued (the service's own requests there) and the
+decode has none queued -> DECODE (prefill overloaded); else PD.
+
+`SloRouter` (--load-balance-policy SLO_AWARE): every instance registered a latency profile
+(xllm_py.cluster.latency_profile: step cost from prompt tokens, decoding sequences and
+their context). For each candidate, the decode path on each decode and PD on each
+(prefill, decode) pair, it predicts
+  TTFT  = the prompt tokens queued ahead on the instance computing it + the prompt's
+          uncached tokens there, in chunks of its step budget, each chunk in a step with
+          the sequences it decodes (none on a prefill) [+ `pd_overhead_ms` for PD: KV
+          pull and the hand-over];
+  TPOT  = one decode step of the decode's sequences plus this one, with their context
+          + the prompt tokens the decode computes while this request runs (queued ones and
+          its own on the DECODE path), spread over half its max_tokens steps (a stream
+          running there, halfway through its output, takes that stall too),
+each scaled by a moving average of measured / predicted per instance (`observe`: the
+profile is a step's cost on a core of its own; on a shared machine the clock runs slower),
+and picks, in order: the DECODE path when the prompt's uncached part is short (as above)
+and it meets both targets; else the PD pair meeting both with the lowest TTFT; else the
+DECODE path meeting both (prefill overloaded); else the candidate that misses least
+(sum of the relative overshoots), the DECODE path only for a short prompt (or without a
+prefill instance). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else
+the service's `--ttft-slo-ms`/`--tpot-slo-ms`; 0: none. Without a profile from every
+instance it falls back to `PDDecider` with LEAST_LOAD.
+
+Torch-free: the master imports it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+from xllm_py.cluster.latency_profile import LatencyProfile
+from xllm_py.config import RouterConfig
+from xllm_service.instance_table import InstanceInfo
+from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
+from xllm_service.router import LoadBalancePolicy, Path, Route, Router, policy_from_config
+from xllm_service.sub_request import InstanceWork
+
+# Measured/predicted correction: weight of a new observation, and its bounds (1/x .. x).
+SCALE_ALPHA = 0.2
+SCALE_MAX = 50.0
+
+# Context assumed per sequence an instance reports running that the service did not send
+# (another service's): the profile's context term needs a number.
+DEFAULT_CTX_PER_SEQ = 512
+
+
+class PrefixCache:
+    """Cached prompt tokens per instance, from the heartbeat cache events (PrefixIndex),
+    hashing the prompt once per block size."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    def cached_tokens(self, info: InstanceInfo, prompt: Sequence[int],
+                      chains: dict[int, list[int]]) -> int:
+        bs = info.meta.block_size
+        if not prompt or bs <= 0 or not self.index.num_cached_blocks(info.name):
+            return 0
+        if bs not in chains:
+            chains[bs] = prompt_block_hashes(prompt, bs)
+        # The engine computes the last prompt token even on a full hit (its logits).
+        return min(self.index.matched_blocks(info.name, chains[bs]) * bs, len(prompt) - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    on_decode: bool
+    reason: str
+
+
+class PDDecider:
+    """The thresholds of conditional disaggregation (module docstring)."""
+
+    def __init__(self, config: RouterConfig, cache: PrefixCache,
+                 work: Callable[[str], InstanceWork]) -> None:
+        self.config = config
+        self.cache = cache
+        self.work = work
+
+    def decide(self, prompt: Sequence[int], decode: InstanceInfo,
+               prefills: Sequence[InstanceInfo]) -> Decision:
+        uncached = len(prompt) - self.cache.cached_tokens(decode, prompt, {})
+        limit = self.config.local_prefill_max_tokens
+        if uncached <= limit:
+            return Decision(True, f"{uncached} uncached prompt tokens on {decode.name} "
+                                  f"<= {limit}")
+        if not prefills:
+            return Decision(True, "no prefill instance")
+        queued = min(self.work(p.name).pending_prefill_tokens for p in prefills)
+        busy = self.config.prefill_busy_tokens
+        if busy and queued >= busy and not self.work(decode.name).pending_prefill_tokens:
+            return Decision(True, f"prefill busy ({queued} prompt tokens queued >= {busy})")
+        return Decision(False, f"{uncached} uncached prompt tokens on {decode.name} > {limit}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    route: Route
+    ttft_ms: float
+    tpot_ms: float
+
+    def miss(self, ttft_slo_ms: float, tpot_slo_ms: float) -> float:
+        """Relative overshoot of the targets (0: meets both; a 0 target: none)."""
+        m = 0.0
+        if ttft_slo_ms > 0:
+            m += max(0.0, self.ttft_ms / ttft_slo_ms - 1.0)
+        if tpot_slo_ms > 0:
+            m += max(0.0, self.tpot_ms / tpot_slo_ms - 1.0)
+        return m
+
+
+class SloPredictor:
+    """TTFT and TPOT of a request on a candidate, from the instances' profiles and what
+    they are doing now (the service's requests there; heartbeat running count)."""
+
+    def __init__(self, config: RouterConfig, work: Callable[[str], InstanceWork]) -> None:
+        self.config = config
+        self.work = work
+        self._profiles: dict[tuple[str, str], LatencyProfile | None] = {}
+        # (instance, "ttft" | "tpot") -> measured / predicted, a moving average
+        self._scale: dict[tuple[str, str], float] = {}
+
+    def scale(self, name: str, what: str) -> float:
+        return self._scale.get((name, what), 1.0)
+
+    def observe(self, route: Route, ttft_ms: float | None, tpot_ms: float | None) -> None:
+        """Correct the instances' predictions by what a request measured: the profile is
+        the cost of a step on a core of its own; a shared machine, or a model the profile
+        under-fits, runs slower. TTFT corrects the instance that computed the prompt,
+        TPOT the one that decoded it."""
+        pred_ttft, pred_tpot = route.predicted
+        for name, what, pred, meas in ((route.target.name, "ttft", pred_ttft, ttft_ms),
+                                       (route.serving.name, "tpot", pred_tpot, tpot_ms)):
+            if meas is None or pred <= 0:
+                continue
+            ratio = meas / (pred / self.scale(name, what))  # against the raw profile
+            ratio = min(SCALE_MAX, max(1.0 / SCALE_MAX, ratio))
+            old = self._scale.get((name, what))
+            self._scale[(name, what)] = ratio if old is None else (
+                old + SCALE_ALPHA * (ratio - old))
+
+    def profile(self, info: InstanceInfo) -> LatencyProfile | None:
+        key = (info.name, info.incarnation_id)
+        if key not in self._profiles:
+            try:
+                self._profiles[key] = (LatencyProfile.from_dict(info.meta.latency_profile)
+                                       if info.meta.latency_profile else None)
+            except ValueError:
+                self._profiles[key] = None
+        return self._profiles[key]
+
+    def _state(self, info: InstanceInfo) -> tuple[int, int, int]:
+        """(prompt tokens queued, decoding sequences, their context tokens)."""
+        w = self.work(info.name)
+        seqs, ctx = w.decoding_seqs, w.decoding_ctx_tokens
+        others = max(0, info.load.running - seqs)
+        ctx += others * (ctx // seqs if seqs else DEFAULT_CTX_PER_SEQ)
+        return w.pending_prefill_tokens, seqs + others, ctx
+
+    def predict(self, route: Route, prompt_len: int, uncached: int,
+                max_tokens: int) -> Prediction | None:
+        decode = route.serving
+        pd = self.profile(decode)
+        pp = self.profile(route.target)
+        if pd is None or pp is None:
+            return None
+        queued_d, seqs_d, ctx_d = self._state(decode)
+        if route.is_pd:
+            queued_p, seqs_p, ctx_p = self._state(route.target)
+            ttft = (pp.prefill_ms(queued_p + uncached, seqs_p, ctx_p)
+                    + self.config.pd_overhead_ms)
+            local = queued_d
+        else:
+            ttft = pd.prefill_ms(queued_d + uncached, seqs_d, ctx_d)
+            local = queued_d + uncached
+        # The prompt tokens the decode computes stall every stream it runs; a stream halfway
+        # through its output absorbs the stall over the half it has left.
+        tpot = (pd.decode_step_ms(seqs_d + 1, ctx_d + prompt_len)
+                + pd.prefill_ms_per_token * local / max(1, max_tokens // 2))
+        ttft *= self.scale(route.target.name, "ttft")
+        tpot *= self.scale(decode.name, "tpot")
+        return Prediction(dataclasses.replace(route, predicted=(ttft, tpot)), ttft, tpot)
+
+
+class SloRouter:
+    """SLO_AWARE's choice of path and instances over prefill and decode instances
+    (module docstring); `policy` picks when predictions are missing."""
+
+    def __init__(self, config: RouterConfig, predictor: SloPredictor, decider: PDDecider,
+                 policy: LoadBalancePolicy) -> None:
+        self.config = config
+        self.predictor = predictor
+        self.decider = decider
+        self.policy = policy
+
+    def targets(self, request: object) -> tuple[float, float]:
+        ttft = getattr(request, "ttft_slo_ms", None)
+        tpot = getattr(request, "tpot_slo_ms", None)
+        return (self.config.ttft_slo_ms if ttft is None else float(ttft),
+                self.config.tpot_slo_ms if tpot is None else float(tpot))
+
+    def route(self, request: object, prefills: Sequence[InstanceInfo],
+              decodes: Sequence[InstanceInfo]) -> Route:
+        prompt = list(getattr(request, "prompt_token_ids", None) or [])
+        max_tokens = int(getattr(request, "max_tokens", None) or 16)
+        ttft_slo, tpot_slo = self.targets(request)
+        chains: dict[int, list[int]] = {}
+        uncached = {i.name: len(prompt) - self.decider.cache.cached_tokens(i, prompt, chains)
+                    for i in (*prefills, *decodes)}
+        local: list[Prediction] = []
+        remote: list[Prediction] = []
+        for d in decodes:
+            if self.config.conditional or not prefills:
+                local.append(self.predictor.predict(Route(d, on_decode=True), len(prompt),
+                                                    uncached[d.name], max_tokens))
+            for p in prefills:
+                remote.append(self.predictor.predict(Route(p, d), len(prompt),
+                                                     uncached[p.name], max_tokens))
+        if any(x is None for x in (*local, *remote)):
+            return self._fallback(request, prompt, prefills, decodes)
+
+        def meets(x: Prediction) -> bool:
+            return x.miss(ttft_slo, tpot_slo) == 0.0
+
+        def by_ttft(xs: list[Prediction]) -> Prediction:
+            return min(xs, key=lambda x: (x.ttft_ms, x.tpot_ms, x.route.instance_names))
+
+        limit = self.config.local_prefill_max_tokens
+        short = [x for x in local if uncached[x.route.target.name] <= limit and meets(x)]
+        if short:
+            return self._chosen(by_ttft(short), "short prompt", ttft_slo, tpot_slo)
+        if ok := [x for x in remote if meets(x)]:
+            return self._chosen(by_ttft(ok), "long prompt", ttft_slo, tpot_slo)
+        if ok := [x for x in local if meets(x)]:
+            return self._chosen(by_ttft(ok), "prefill busy", ttft_slo, tpot_slo)
+        # Missing anyway: a long prompt stays off the decode (its prefill would stall the
+        # streams there, and their TPOT, which then misses more targets: a spiral).
+        fallback = [*remote, *(x for x in local if uncached[x.route.target.name] <= limit)]
+        best = min(fallback or local, key=lambda x: (x.miss(ttft_slo, tpot_slo), x.ttft_ms,
+                                                     x.route.instance_names))
+        return self._chosen(best, "no candidate meets the targets", ttft_slo, tpot_slo)
+
+    @staticmethod
+    def _chosen(x: Prediction, why: str, ttft_slo: float, tpot_slo: float) -> Route:
+        reason = (f"SLO_AWARE {why}: predicted TTFT {x.ttft_ms:.0f} ms, TPOT "
+                  f"{x.tpot_ms:.1f} ms (targets {ttft_slo:.0f}/{tpot_slo:.0f} ms)")
+        return dataclasses.replace(x.route, reason=reason)
+
+    def _fallback(self, request: object, prompt: list[int], prefills: Sequence[InstanceInfo],
+                  decodes: Sequence[InstanceInfo]) -> Route:
+        decode = self.policy.select(decodes, request)
+        if self.config.conditional or not prefills:
+            decision = self.decider.decide(prompt, decode, prefills)
+        else:
+            decision = Decision(False, "PD always")
+        if decision.on_decode:
+            return Route(decode, on_decode=True, reason=decision.reason + " (no profile)")
+        return Route(self.policy.select(prefills, request), decode,
+                     reason=decision.reason + " (no profile)")
+
+
+def build_router(config: RouterConfig, schedulable: Callable, inflight: Callable[[str], int],
+                 work: Callable[[str], InstanceWork], index: PrefixIndex) -> Router:
+    """The service's Router for `config`: its policy, and the path decision it asks for."""
+    policy = policy_from_config(config, inflight, index)
+    decider = PDDecider(config, PrefixCache(index), work)
+    slo = (SloRouter(config, SloPredictor(config, work), decider, policy)
+           if config.slo_aware else None)
+    return Router(schedulable, policy, decider if config.conditional and slo is None else None,
+                  slo)
+
+
+__all__ = ["Decision", "PDDecider", "Path", "Prediction", "PrefixCache", "SloPredictor",
+           "SloRouter", "build_router"]
