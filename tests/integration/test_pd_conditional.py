@@ -84,13 +84,27 @@ def test_a_long_prompt_cached_on_the_decode_is_prefilled_there(cluster):
     via_svc, ref = client(svc), client(mix)
     prompt = list(range(20, 20 + 70))  # 70 tokens > LOCAL_MAX
     p0 = decisions(svc, "pd")
+
+    def cached_on_decode() -> float:
+        return labelled(svc.http_url, "xllm_service_prefix_cached_blocks",
+                        f'instance="{decode.http_url.removeprefix("http://")}"')
+
+    # Other tests' prompts may be cached there, their last blocks still on the way in a
+    # heartbeat (every 0.3 s): start from a count that has settled.
+    c0, deadline = cached_on_decode(), time.monotonic() + 20
+    while True:
+        time.sleep(1.0)  # > 3 heartbeats
+        c1 = cached_on_decode()
+        if c1 == c0:
+            break
+        assert time.monotonic() < deadline, "the decode's cached block count never settled"
+        c0 = c1
     expected = greedy(ref, prompt)
     assert greedy(via_svc, prompt) == expected
     assert decisions(svc, "pd") == p0 + 1
     # Its KV is now in the decode's prefix cache; the service hears of it by heartbeat.
     deadline = time.monotonic() + 20
-    while labelled(svc.http_url, "xllm_service_prefix_cached_blocks",
-                   f'instance="{decode.http_url.removeprefix("http://")}"') < 70 // BLOCK:
+    while cached_on_decode() < c0 + 70 // BLOCK:
         assert time.monotonic() < deadline, "the decode's cache events never reached the service"
         time.sleep(0.1)
     d0 = decisions(svc, "decode")
