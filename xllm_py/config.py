@@ -82,6 +82,29 @@ class TransferConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class APILimits:
+    """Work one OpenAI HTTP server takes (engine's own API and the service; issue 15).
+
+    A body over `max_body_bytes` is refused with 413 before it is read whole. Beyond
+    `max_pending_requests` HTTP requests, or `max_pending_tokens` prompt tokens x
+    sequences, admitted and not finished yet (waiting or running), a new request gets 429
+    with `Retry-After: retry_after_s`. Defaults: 8 MiB is ~100x the longest prompt of a
+    32k-token context as JSON token ids; 1024 requests and 2M tokens are far above what
+    one engine runs at once (max_num_seqs 128) and keep a flood from queueing unbounded.
+    """
+    max_body_bytes: int = 8 << 20
+    max_pending_requests: int = 1024
+    max_pending_tokens: int = 2 << 20
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_pending_requests", "max_pending_tokens",
+                     "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny"
     dtype: str = "float32"
@@ -113,6 +136,7 @@ class EngineConfig:
     # SIGTERM: stop taking requests and finish the ones in flight for up to this long
     # before leaving the cluster (0: leave at once). A second signal cuts it short.
     drain_timeout_s: float = 30.0
+    api: APILimits = dataclasses.field(default_factory=APILimits)
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:
@@ -240,6 +264,7 @@ class ServiceConfig:
     registry: RegistryConfig = dataclasses.field(default_factory=RegistryConfig)
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
     relay: RelayConfig = dataclasses.field(default_factory=RelayConfig)
+    api: APILimits = dataclasses.field(default_factory=APILimits)
 
     def __post_init__(self) -> None:
         if self.etcd_ttl_s <= 0:

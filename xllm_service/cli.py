@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from xllm_py.api.limits import add_limit_flags, limits_from_args
 from xllm_py.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
 from xllm_py.utils.cli import add_flag
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--rpc-timeout", type=float, default=5.0, help="deadline of service RPCs (s)")
     add_flag(p, "--request-idle-timeout", type=float, default=120.0,
              help="fail a request when its engine sends nothing for this long (s)")
+    add_limit_flags(p)
     add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
@@ -51,4 +53,5 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         registry=RegistryConfig(evict_grace_s=args.evict_grace_s),
         router=RouterConfig(load_balance_policy=args.load_balance_policy),
         relay=RelayConfig(rpc_timeout_s=args.rpc_timeout,
-                          idle_timeout_s=args.request_idle_timeout))
+                          idle_timeout_s=args.request_idle_timeout),
+        api=limits_from_args(args))

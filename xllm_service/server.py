@@ -65,7 +65,7 @@ async def run_service(config: ServiceConfig) -> None:
         "master is now %s%s", addr, " (this service)" if is_master else ""))
     await election.start()
 
-    app = build_app(backend, served_model_name=config.model_name)
+    app = build_app(backend, served_model_name=config.model_name, limits=config.api)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

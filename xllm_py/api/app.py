@@ -1,7 +1,8 @@
 """FastAPI app serving the OpenAI API over a GenerateBackend (engine MIX instance or service).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /readiness, GET /metrics.
+GET /readiness, GET /metrics, GET /openapi.json (the request bodies' real schemas).
+Limits (xllm_py.config.APILimits): body size (413) and admission (429), see limits.py.
 """
 from __future__ import annotations
 
@@ -17,24 +18,32 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from xllm_py.api.backend import GenerateBackend
 from xllm_py.api.errors import APIError, error_body
+from xllm_py.api.limits import Admission, BodyLimitMiddleware
+from xllm_py.api.openapi import body_schema, install_openapi
 from xllm_py.api.metrics import APIMetrics
 from xllm_py.api.serving_chat import OpenAIServingChat
 from xllm_py.api.serving_completions import OpenAIServingCompletion
+from xllm_py.config import APILimits
 
 logger = logging.getLogger(__name__)
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def build_app(backend: GenerateBackend, *, served_model_name: str | None = None) -> FastAPI:
-    """The OpenAI-compatible app; `app.state.completions` / `.chat` / `.metrics` for
-    introspection."""
+def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
+              limits: APILimits | None = None) -> FastAPI:
+    """The OpenAI-compatible app; `app.state.completions` / `.chat` / `.metrics` /
+    `.admission` for introspection."""
+    limits = limits or APILimits()
     metrics = APIMetrics(getattr(backend, "metrics_registry", None))
-    completions = OpenAIServingCompletion(backend, metrics, served_model_name)
-    chat = OpenAIServingChat(backend, metrics, served_model_name)
+    admission = Admission(limits)
+    completions = OpenAIServingCompletion(backend, metrics, served_model_name, admission)
+    chat = OpenAIServingChat(backend, metrics, served_model_name, admission)
     model_name = completions.model_name
     created = int(time.time())
-    app = FastAPI(title="xllm-py", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="xllm-py", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes)
+    app.state.admission = admission
     app.state.completions = completions
     app.state.chat = chat
     app.state.metrics = metrics
@@ -42,7 +51,7 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> Response:
-        return JSONResponse(e.to_dict(), status_code=e.status_code)
+        return JSONResponse(e.to_dict(), status_code=e.status_code, headers=e.headers())
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> Response:
@@ -63,8 +72,10 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None)
             status_code=500,
         )
 
-    app.add_api_route("/v1/completions", completions.handle, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat.handle, methods=["POST"])
+    app.add_api_route("/v1/completions", completions.handle, methods=["POST"],
+                      openapi_extra=body_schema(completions.request_cls))
+    app.add_api_route("/v1/chat/completions", chat.handle, methods=["POST"],
+                      openapi_extra=body_schema(chat.request_cls))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -108,4 +119,5 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None)
                 text = text + (extra if extra.endswith("\n") else extra + "\n")
         return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
+    install_openapi(app, [completions.request_cls, chat.request_cls])
     return app

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from xllm_py.api.limits import add_limit_flags, limits_from_args
 from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode,
                             SchedulerConfig, TransferConfig, transfer_config_from_env)
 from xllm_py.utils.cli import add_flag, parse_bool
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--batch-window-ms", type=float, default=50.0,
              help="an idle engine waits up to this long for the rest of a burst of requests "
                   "(arriving < 5 ms apart) to start them as one batch; 0: at once")
+    add_limit_flags(g)
     g = p.add_argument_group("KV cache")
     add_flag(g, "--block-size", type=int, default=16, help="tokens per KV block")
     add_flag(g, "--num-blocks", type=int, default=None,
@@ -98,4 +100,5 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         etcd_addr=args.etcd, etcd_namespace=args.etcd_namespace, etcd_ttl_s=args.etcd_ttl,
         heartbeat_interval_s=args.heart_beat_interval, instance_name=args.instance_name,
         disagg_pd_port=args.disagg_pd_port, worker_port=args.worker_port,
-        rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout)
+        rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout,
+        api=limits_from_args(args))

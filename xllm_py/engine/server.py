@@ -35,7 +35,7 @@ async def run_engine_server(config: EngineConfig) -> None:
     engine = LLMEngine(config)
     engine.start()
     backend = AsyncEngine(engine, config.served_model_name)
-    app = build_app(backend)
+    app = build_app(backend, limits=config.api)
     freeze_startup_heap()
     stop, force = asyncio.Event(), asyncio.Event()  # a first signal, a second one
 
