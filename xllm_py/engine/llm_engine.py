@@ -110,6 +110,9 @@ class LLMEngine:
         self.eos_token_ids = list(dict.fromkeys(
             list(mc.eos_token_ids or []) + list(self.tokenizer.eos_token_ids or [])))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Ids submitted through try_submit that the engine thread has not added yet.
+        self._submit_lock = threading.Lock()
+        self._admitting: set[str] = set()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         # Hooks run on the engine thread at the end of every step (e.g. flush Generations).
@@ -138,6 +141,17 @@ class LLMEngine:
 
     def submit(self, req: EngineRequest) -> None:
         self._commands.put(("add", req))
+
+    def try_submit(self, req: EngineRequest) -> bool:
+        """Submit unless a request of this id is queued or in flight here (any thread).
+        False: a duplicate, nothing submitted (its sink would be the first one's)."""
+        rid = req.request_id
+        with self._submit_lock:
+            if rid in self._admitting or rid in self.outputs:
+                return False
+            self._admitting.add(rid)
+        self._commands.put(("add", req))
+        return True
 
     @property
     def num_queued_commands(self) -> int:
@@ -231,7 +245,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def _add(self, req: EngineRequest) -> None:
-        requests = self._admit(req)
+        try:
+            if req.request_id in self.outputs:
+                requests: list[Request] | str = f"duplicate request id {req.request_id}"
+            else:
+                requests = self._admit(req)
+        except Exception as exc:  # a check _admit lacks: refuse this request only
+            logger.exception("admitting request %s failed", req.request_id)
+            self.outputs.drop_parent(req.request_id)
+            requests = f"request refused ({type(exc).__name__})"
+        finally:
+            with self._submit_lock:
+                self._admitting.discard(req.request_id)
         if isinstance(requests, str):  # it would fail the whole step it joined
             req.sink.emit(_error_output(req, 400, requests))
             return

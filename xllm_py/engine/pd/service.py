@@ -26,6 +26,10 @@ from xllm_py.rpc.status import Status, StatusError
 
 logger = logging.getLogger(__name__)
 
+# Items one AddNewRequests / FirstGeneration / MultiGenerations may carry (a prefill
+# batches at most its max_num_seqs; more is a hostile or broken caller).
+MAX_BATCH_ITEMS = 1024
+
 
 class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
     def __init__(self, engine: LLMEngine, role: InstanceRole, reporter: GenerationsReporter,
@@ -83,7 +87,10 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
                               "a DECODE instance takes requests from a prefill instance only")
         sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
                                   spec.request_id)
-        self.engine.submit(EngineRequest(spec.request_id, spec.prompt_token_ids, spec.params, sink))
+        if not self.engine.try_submit(EngineRequest(spec.request_id, spec.prompt_token_ids,
+                                                    spec.params, sink)):
+            raise StatusError(Status.INVALID_ARGUMENT,
+                              f"duplicate request id {spec.request_id}: it is running here")
 
     async def Cancel(self, request: pb.PullSignal, context) -> pb.Status:
         request_id = wire.cancel_from_proto(request)
@@ -94,6 +101,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
     async def AddNewRequests(self, request: pb.DisaggRequests, context) -> pb.DisaggResponses:
         try:
             pd = self._decode_pd("AddNewRequests")
+            _check_batch(len(request.reqs))
         except StatusError as exc:
             await self._abort(context, exc)
         prefill_name, items = wire.add_requests_from_proto(request)
@@ -102,6 +110,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
     async def FirstGeneration(self, request: pb.DisaggGenerationsRequests, context) -> pb.Status:
         try:
             pd = self._decode_pd("FirstGeneration")
+            _check_batch(len(request.gens))
         except StatusError as exc:
             await self._abort(context, exc)
         if self._fault_exit_on_first_generation:
@@ -113,6 +122,10 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
     async def MultiGenerations(self, request: pb.MultiGenerationsRequests, context) -> pb.Status:
         """Migration: DECODE pulls the KV when the item says where it is, else recomputes;
         MIX always recomputes (it has no KV transfer, so an item with kv is refused)."""
+        try:
+            _check_batch(len(request.reqs))
+        except StatusError as exc:
+            await self._abort(context, exc)
         if self.role in (InstanceRole.MIX, InstanceRole.DEFAULT):
             status = await multi_generations(self.engine, self.reporter, request.reqs,
                                              None, self.role.value)
@@ -152,3 +165,9 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         if self.pd is not None:
             self.pd.unlink_instance(wire.unlink_name_from_proto(request))
         return wire.status_to_proto()
+
+
+def _check_batch(num_items: int) -> None:
+    if num_items > MAX_BATCH_ITEMS:
+        raise StatusError(Status.INVALID_ARGUMENT,
+                          f"{num_items} items in one call; at most {MAX_BATCH_ITEMS}")
