@@ -32,6 +32,10 @@ from xllm_service.registry import Registry
 
 logger = logging.getLogger(__name__)
 
+# Outputs one Generations message may carry (an engine sends one per request it ran in a
+# step: at most its max_num_seqs).
+MAX_GENERATIONS = 4096
+
 OnGenerations = Callable[[xllm_pb2.DisaggStreamGenerations], Awaitable[xllm_pb2.StatusSet]]
 
 
@@ -147,8 +151,9 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
 
     async def Heartbeat(self, request: xllm_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
         hb = wire.heartbeat_from_proto(request)
-        if not hb.name or not hb.incarnation_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "heartbeat needs name and incarnation_id")
+        problem = wire.heartbeat_problem(hb)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         result = self.registry.heartbeat(
             hb.name,
             hb.incarnation_id,
@@ -172,6 +177,9 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
     async def Generations(
         self, request: xllm_pb2.DisaggStreamGenerations, context: grpc.aio.ServicerContext
     ) -> xllm_pb2.StatusSet:
+        if len(request.gens) > MAX_GENERATIONS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(request.gens)} generations in one call; at most {MAX_GENERATIONS}")
         result = await self.on_generations(request)
         if len(result.all_status) != len(request.gens):
             logger.error(
@@ -185,6 +193,9 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
     ) -> AsyncIterator[xllm_pb2.StatusSet]:
         """Generations over one long-lived stream: one StatusSet per message, in order."""
         async for request in request_iterator:
+            if len(request.gens) > MAX_GENERATIONS:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{len(request.gens)} generations in one message; at most {MAX_GENERATIONS}")
             result = await self.on_generations(request)
             if len(result.all_status) != len(request.gens):
                 await context.abort(grpc.StatusCode.INTERNAL, "generations handler returned a wrong number of statuses")

@@ -184,9 +184,18 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
             return self.timeout_s
         return min(remaining, self.timeout_s) if self.timeout_s else remaining
 
+    def _check_move(self, request) -> None:
+        """A move larger than the whole pool is refused before anything is touched (the
+        block ids themselves are checked by the backend: ours here, the peer's there)."""
+        num_blocks = self.worker.storage.meta.num_blocks
+        n = max(len(request.src_blocks), len(request.dst_blocks))
+        if n > num_blocks:
+            raise ValueError(f"{n} blocks in one move; the pool has {num_blocks}")
+
     async def PullKVCache(self, request: xllm_pb2.PullKVCacheRequest,
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
         try:
+            self._check_move(request)
             await self.worker.pull_kv_blocks(request.addr, list(request.src_blocks), list(request.dst_blocks),
                                              request.req_id, self._timeout(context))
         except (ValueError, TransferError) as e:
@@ -196,6 +205,7 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
     async def PushKVCache(self, request: xllm_pb2.PushKVCacheRequest,
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
         try:
+            self._check_move(request)
             await self.worker.push_kv_blocks(request.addr, list(request.src_blocks), list(request.dst_blocks),
                                              request.req_id, self._timeout(context))
         except (ValueError, TransferError) as e:
