@@ -18,6 +18,11 @@ from typing import Any, Awaitable, Callable
 from xllm_py.api.errors import RequestTooLargeError, TooManyRequestsError
 from xllm_py.config import APILimits
 
+# A refused body up to this size is read and dropped (never held) before the 413, so that
+# clients that send the whole body before reading get the answer; a larger one gets the
+# 413 at once and a closed connection.
+MAX_DRAIN_BYTES = 64 << 20
+
 Scope = dict[str, Any]
 Message = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]],
@@ -35,7 +40,10 @@ class BodyLimitMiddleware:
             return
         length = _content_length(scope)
         if length is not None and length > self.max_body_bytes:
-            await _send_error(send, RequestTooLargeError(self.max_body_bytes))
+            if length <= MAX_DRAIN_BYTES:
+                await _drain(receive)
+            await _send_error(send, RequestTooLargeError(self.max_body_bytes),
+                              close=length > MAX_DRAIN_BYTES)
             return
         received = 0
         started = False
@@ -59,7 +67,7 @@ class BodyLimitMiddleware:
             await self.app(scope, counting_receive, tracking_send)
         except RequestTooLargeError as e:  # read by a route that did not answer it itself
             if not started:
-                await _send_error(send, e)
+                await _send_error(send, e, close=True)
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -72,13 +80,27 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def _send_error(send, e: RequestTooLargeError) -> None:
+async def _send_error(send, e: RequestTooLargeError, close: bool) -> None:
     body = json.dumps(e.to_dict()).encode()
-    await send({"type": "http.response.start", "status": e.status_code,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": e.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _drain(receive) -> None:
+    """Read and drop a refused body (chunk by chunk, never held), so that a client still
+    sending it reads the 413 instead of a reset connection."""
+    drained = 0
+    while drained <= MAX_DRAIN_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        drained += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 class Ticket:

@@ -122,6 +122,7 @@ class LLMEngine:
         self.role = config.role
         self._hand_over: HandOverHook | None = None
         self.num_steps = 0
+        self.num_step_failures = 0  # steps that raised (their requests failed with them)
         self.num_generated_tokens = 0
         self.recent_max_ttft_ms = 0.0
         self.recent_max_tbt_ms = 0.0
@@ -194,6 +195,7 @@ class LLMEngine:
                 try:
                     self.step()
                 except Exception:
+                    self.num_step_failures += 1
                     logger.exception("engine step failed; failing the requests of this step")
                     self._fail_all_running("engine step failed")
             for listener in self.step_listeners:
@@ -446,6 +448,7 @@ class LLMEngine:
             "kv_blocks_total": pool.num_usable_blocks,
             "prefix_hit_tokens": pool.num_prefix_hit_tokens,
             "generated_tokens": self.num_generated_tokens,
+            "step_failures": self.num_step_failures,
         }
 
 
