@@ -106,8 +106,8 @@ async def start_collector() -> tuple[grpc.aio.Server, CollectingService, str]:
 
 def disagg_request(req_id: str, prompt: list[int], source: str, max_tokens: int = 8,
                    **fields) -> pb.DisaggRequest:
-    req = pb.DisaggRequest(req_id=req_id, service_req_id=req_id, has_max_tokens=True,
-                           max_tokens=max_tokens, ignore_eos=True, has_temperature=True,
+    req = pb.DisaggRequest(req_id=req_id, service_req_id=req_id, max_tokens=max_tokens,
+                           ignore_eos=True, has_temperature=True,
                            temperature=0.0, source_xservice_addr=source, n=1, **fields)
     req.prompt_tokens.extend(prompt)
     return req
@@ -130,3 +130,9 @@ def post(url: str, path: str, body, timeout: float = 30.0) -> httpx.Response:
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
     return httpx.post(url + path, content=content, timeout=timeout, trust_env=False,
                       headers={"Content-Type": "application/json"})
+
+
+def tiny_vocab_size() -> int:
+    from xllm_py.model.tiny import ensure_tiny_model
+
+    return json.loads((ensure_tiny_model("tiny") / "config.json").read_text())["vocab_size"]

@@ -29,6 +29,7 @@ from tests.integration.hostile_harness import (
     start_cluster,
     start_collector,
     step_failures,
+    tiny_vocab_size,
     wait_blocks_free,
 )
 from xllm_py.proto import xllm_pb2 as pb
@@ -49,9 +50,7 @@ def cluster(etcd_server, tmp_path_factory):
 
 
 def _vocab(cluster) -> int:
-    from xllm_py.model.tiny import ensure_tiny_model
-
-    return json.loads((ensure_tiny_model("tiny") / "config.json").read_text())["vocab_size"]
+    return tiny_vocab_size()
 
 
 def _assert_400(resp: httpx.Response, param: str) -> None:
