@@ -76,9 +76,104 @@ class TransferConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     timeout_s: float = 30.0
-    max_retries: int = 2
     # Tests only: probability that a KV transfer is failed on purpose (fault injection).
     fault_rate: float = 0.0
+    # The ucx backend's settings; None: UCXConfig.from_env() when the backend is built.
+    ucx: UCXConfig | None = None
+
+
+def _env_on(name: str) -> bool:
+    """A switch that is on unless set to 0 / false / no / off."""
+    return os.environ.get(name, "1").lower() not in ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class UCXConfig:
+    """The UCX KV transfer backend (xllm_py/kv_transfer/ucx/): which data paths it may take
+    and their tuning knobs, each with the measurement that chose it (2-core VM)."""
+
+    # XLLM_UCX_MAP=0: never map a same-host peer's KV pool (ucx/shared_memory.py); transfers
+    # with it then take the iov message path.
+    map_peer_pools: bool = True
+    # XLLM_UCX_IOV_<NAME>=value: overrides of the iov data path's UCP context settings
+    # (ucx/env.py UCX_IOV_DEFAULTS; UCX names without the UCX_ prefix), in (name, value) pairs.
+    iov_overrides: tuple[tuple[str, str], ...] = ()
+    # UCXPY_PROGRESS_MODE / UCXPY_ENABLE_PYTHON_FUTURE: how ucxx is initialised. Futures
+    # completed by ucxx's notifier thread: 4.0 - 4.8 GB/s vs 1.3 - 2.5 with the yield-polling
+    # loop, which steals the CPU (ucx/env.py has the table).
+    progress_mode: str = "thread"
+    python_future: bool = True
+    # Tag path (CUDA pools, modes direct/gather): ``direct`` (zero-copy, one message per slice)
+    # only for at most this many messages of at least this average slice size, else ``gather``
+    # (the measurements are in ucx/path_tag.py TagPath.choose_mode: fragmented 64 MB direct
+    # 743 ms vs gather 68 ms; contiguous 64 MB, 8 MB slices, direct 33 ms vs gather 60 ms).
+    direct_max_msgs: int = 1024
+    direct_min_slice_bytes: int = 256 << 10
+    # Mapped-pool transfers up to this size are copied on the caller's thread (~0.1 ms at
+    # 10 GB/s; a hop to the copy thread and back costs ~0.1 - 0.2 ms here).
+    inline_copy_bytes: int = 1 << 20
+    # Right after linking (iov path), this many pulls of about warmup_bytes of the peer's
+    # blocks into a scratch buffer (half one run, half one run per block): the first pulls
+    # over a new link cost 2 - 7 ms for 1 MB instead of ~0.5 (first touch of the shared-memory
+    # FIFO and receive buffers on both sides, UCX protocol selection per iov shape, cold
+    # Python paths), and it takes about ten to settle. The warm-up costs 10 - 40 ms.
+    warmup_pulls: int = 12
+    warmup_bytes: int = 1 << 20
+    warmup_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.direct_max_msgs <= 0 or self.direct_min_slice_bytes < 0:
+            raise ValueError("direct_max_msgs must be positive and direct_min_slice_bytes >= 0")
+        if self.inline_copy_bytes < 0 or self.warmup_pulls < 0 or self.warmup_bytes <= 0:
+            raise ValueError("inline_copy_bytes and warmup_pulls must be >= 0, warmup_bytes positive")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> "UCXConfig":
+        """The settings above from XLLM_UCX_MAP, XLLM_UCX_IOV_*, UCXPY_PROGRESS_MODE and
+        UCXPY_ENABLE_PYTHON_FUTURE; ``overrides`` set other fields."""
+        env = os.environ
+        return cls(map_peer_pools=_env_on("XLLM_UCX_MAP"),
+                   iov_overrides=tuple((k.removeprefix("XLLM_UCX_IOV_"), v) for k, v in env.items()
+                                       if k.startswith("XLLM_UCX_IOV_")),
+                   progress_mode=env.get("UCXPY_PROGRESS_MODE", "thread"),
+                   python_future=env.get("UCXPY_ENABLE_PYTHON_FUTURE", "1") != "0",
+                   **overrides)  # type: ignore[arg-type]
+
+
+def env_with_prefix(*prefixes: str) -> dict[str, str]:
+    """The environment variables whose names start with one of ``prefixes`` (e.g. UCX's own)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
+
+
+def child_env(**overrides: str) -> dict[str, str]:
+    """This process's environment with ``overrides``: what a child process is started with."""
+    return {**os.environ, **overrides}
+
+
+def apply_env_defaults(defaults: dict[str, str]) -> None:
+    """For libraries that read their settings from the environment only (UCX, at init): set
+    each variable that is not set already (one the user set wins)."""
+    for k, v in defaults.items():
+        os.environ.setdefault(k, v)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """The native CPU kernels (xllm_py/model/cpu_kernels.py)."""
+
+    enabled: bool = True  # XLLM_CPU_KERNELS=0: the torch path everywhere
+    cache_dir: str | None = None  # XLLM_KERNEL_CACHE (None: ~/.cache/xllm_py/kernels)
+    cc: str | None = None  # CC (None: cc, else gcc, on PATH)
+
+    @classmethod
+    def from_env(cls) -> "KernelConfig":
+        return cls(enabled=_env_on("XLLM_CPU_KERNELS"), cache_dir=os.environ.get("XLLM_KERNEL_CACHE") or None,
+                   cc=os.environ.get("CC") or None)
+
+
+def model_cache_dir_from_env() -> str | None:
+    """XLLM_CACHE_DIR: where tiny models are built (None: ~/.cache/xllm_py/models)."""
+    return os.environ.get("XLLM_CACHE_DIR") or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +255,8 @@ def fault_exit_on_first_generation() -> bool:
 
 
 def transfer_config_from_env(base: TransferConfig) -> TransferConfig:
-    """Overrides from XLLM_KV_TRANSFER_* variables (tests use them to inject settings)."""
+    """Overrides from XLLM_KV_TRANSFER_* variables (tests use them to inject settings); the
+    UCX settings from theirs (UCXConfig.from_env) unless ``base`` has them."""
     backend = os.environ.get("XLLM_KV_TRANSFER_BACKEND")
     timeout = os.environ.get("XLLM_KV_TRANSFER_TIMEOUT_S")
     fault_rate = os.environ.get("XLLM_KV_TRANSFER_FAULT_RATE")
@@ -171,7 +267,9 @@ def transfer_config_from_env(base: TransferConfig) -> TransferConfig:
         changes["backend"] = backend
     if timeout:
         changes["timeout_s"] = float(timeout)
-    return dataclasses.replace(base, **changes) if changes else base
+    if base.ucx is None:
+        changes["ucx"] = UCXConfig.from_env()
+    return dataclasses.replace(base, **changes)
 
 
 def etcd_credentials_from_env() -> tuple[str, str] | None:

@@ -91,6 +91,7 @@ class ServiceBackend:
         self.config = config
         self.subs = subs if subs is not None else SubRequests()
         self.metrics = metrics or ServiceMetrics(self.subs.inflight_by_instance)
+        self.metrics_registry = self.metrics.registry  # the process's one (GenerateBackend)
         self._tasks: set[asyncio.Task] = set()  # Cancel and migration RPCs, until done
 
     # ------------------------------------------------------------------ GenerateBackend
@@ -402,13 +403,14 @@ class ServiceBackend:
     def _forget(self, sub: SubRequest, cancel: bool) -> None:
         if cancel and not sub.phase.is_done:
             sub.transition(SubPhase.CANCELLED)
-            self._spawn(self._cancel(sub.engine_request_id, sub.route))
+            self._spawn(self._cancel(sub, "the client went away"))
         self.subs.forget(sub)
 
-    async def _cancel(self, engine_request_id: str, route: Route) -> None:
-        for info in (route.target, route.decode):
+    async def _cancel(self, sub: SubRequest, reason: str) -> None:
+        for info in (sub.route.target, sub.route.decode):
             if info is not None:
-                await self.engines.cancel(info.meta.rpc_address, engine_request_id)
+                await self.engines.cancel(info.meta.rpc_address, sub.engine_request_id,
+                                          sub.request_id, reason)
 
     def _spawn(self, coro) -> None:
         try:

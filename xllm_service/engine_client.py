@@ -32,7 +32,8 @@ class Engines(Protocol):
         """MultiGenerations: resume `spec` after `generated_token_ids`; raises
         grpc.aio.AioRpcError when the RPC failed."""
 
-    async def cancel(self, addr: str, engine_request_id: str) -> None:
+    async def cancel(self, addr: str, engine_request_id: str, service_request_id: str = "",
+                     reason: str = "") -> None:
         """Best effort: the engine aborts the request and frees its blocks."""
 
     async def close(self) -> None: ...
@@ -74,9 +75,11 @@ class EngineClient:
         status = await self._stub(addr).MultiGenerations(msg, timeout=self.config.rpc_timeout_s)
         return wire.submit_status(status)
 
-    async def cancel(self, addr: str, engine_request_id: str) -> None:
+    async def cancel(self, addr: str, engine_request_id: str, service_request_id: str = "",
+                     reason: str = "") -> None:
         try:
-            await self._stub(addr).Cancel(wire.cancel_request(engine_request_id),
+            await self._stub(addr).Cancel(wire.cancel_request(engine_request_id, service_request_id,
+                                                              reason),
                                           timeout=self.config.cancel_timeout_s)
         except grpc.aio.AioRpcError as exc:
             logger.debug("Cancel of %s on %s failed: %s", engine_request_id, addr, exc.code())

@@ -1,5 +1,5 @@
-"""The service's Prometheus metrics (on prometheus_client, in a registry of its own;
-`/metrics` serves them after the HTTP layer's):
+"""The service's Prometheus metrics (on prometheus_client, in the process's one registry,
+which the HTTP layer registers into too: `ServiceBackend.metrics_registry`):
 
   xllm_service_requests_total{outcome}            client requests: ok, error, timeout
   xllm_service_instance_requests_total{instance,outcome}  the same, per instance served

@@ -9,6 +9,7 @@ import time
 import httpx
 import openai
 
+from tests.waiting import wait_until  # noqa: F401  (re-exported: the cluster tests import it from here)
 from xllm_py.utils.procs import ChildProcess, engine_args, free_port, spawn
 
 
@@ -71,16 +72,6 @@ async def long_stream(c: openai.AsyncOpenAI, prompt: str, max_tokens: int = 1500
         return "completed", time.monotonic()
     except openai.APIError as exc:
         return f"error: {exc}", time.monotonic()
-
-
-async def wait_until(pred, timeout_s: float, step_s: float = 0.02) -> float:
-    """Seconds until pred() is true; fails the test on timeout."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        await asyncio.sleep(step_s)
-    return time.monotonic() - t0
 
 
 def metric(url: str, name: str) -> float:

@@ -149,7 +149,7 @@ async def test_concurrent_streams_and_blocks_freed(engine):
         if p in expected:
             assert text == expected[p]
         assert text
-    await asyncio.sleep(0.2)
+    await wait_drained([engine.http_url])
     assert metric(engine.http_url, "xllm_kv_cache_blocks_used") == 0
     assert metric(engine.http_url, "xllm_requests_running") == 0
 

@@ -149,7 +149,7 @@ async def test_64_concurrent_streams_and_pools_drain(pd):
 
     results = await asyncio.gather(*(one(i) for i in range(64)))
     assert results == [10] * 64
-    await asyncio.sleep(0.5)
+    await wait_drained([prefill.http_url, decode.http_url], timeout_s=10)
     for p in (prefill, decode):
         assert metric(p.http_url, "xllm_kv_cache_blocks_used") == 0
     # PULL: decode's worker moved the bytes; PUSH: prefill's.

@@ -10,7 +10,7 @@ import pytest
 
 from tests.integration.cluster_harness import (Harness, aclient,
                                                kill_mid_stream_and_check_migration,
-                                               long_stream, metric, migrations, wait_drained)
+                                               long_stream, metric, migrations, wait_drained, wait_until)
 from xllm_py.config import FAULT_EXIT_ON_FIRST_GENERATION
 
 pytestmark = pytest.mark.integration
@@ -57,7 +57,7 @@ async def test_decode_out_of_blocks_waits_retries_or_fails_cleanly(etcd_server, 
         with pytest.raises(openai.APIStatusError) as e:
             await c.completions.create(model="tiny", prompt=[7] * 100, max_tokens=10)
         assert e.value.status_code == 400 and "decode can hold" in e.value.message
-        await asyncio.sleep(0.5)
+        await wait_drained([prefill.http_url, decode.http_url], timeout_s=10)
         assert metric(prefill.http_url, "xllm_kv_cache_blocks_used") == 0
         assert metric(decode.http_url, "xllm_kv_cache_blocks_used") == 0
     finally:
@@ -73,7 +73,8 @@ async def test_decode_killed_mid_stream(etcd_server, tmp_path):
         c = aclient(svc)
 
         tasks = [asyncio.create_task(long_stream(c, f"story {i}")) for i in range(3)]
-        await asyncio.sleep(2.0)
+        # all three decoding when it dies
+        await wait_until(lambda: metric(decode.http_url, "xllm_requests_running") == 3, 60, 0.1)
         decode.kill()
         killed = time.monotonic()
         bound_s = h.ttl_s + 2.0 + 2.0  # lease TTL + eviction grace + probe slack
@@ -130,7 +131,7 @@ async def test_failed_transfer_fails_the_request_never_decodes(etcd_server, tmp_
             assert e.value.status_code == 502
             assert f"KV {mode.lower()} failed" in e.value.message
         assert metric(prefill.http_url, "xllm_pd_transfer_failures_total") == 3
-        await asyncio.sleep(0.5)
+        await wait_drained([prefill.http_url, decode.http_url], timeout_s=10)
         assert metric(prefill.http_url, "xllm_kv_cache_blocks_used") == 0
         assert metric(decode.http_url, "xllm_kv_cache_blocks_used") == 0
     finally:

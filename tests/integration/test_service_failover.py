@@ -9,7 +9,8 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.cluster_harness import Harness, aclient, client, long_stream, wait_drained
+from tests.integration.cluster_harness import (Harness, aclient, client, long_stream, metric, wait_drained,
+                                               wait_until)
 from xllm_py.cluster.etcd_client import EtcdClient
 
 pytestmark = pytest.mark.integration
@@ -53,7 +54,8 @@ async def test_master_failover_and_engine_restart(etcd_server, tmp_path):
         other = next(s for s in services if s is not master)
         streams = [asyncio.create_task(long_stream(aclient(master), f"orphan {i}"))
                    for i in range(2)]
-        await asyncio.sleep(1.0)  # both streaming through the master
+        # both streaming through the master
+        await wait_until(lambda: metric(engine.http_url, "xllm_requests_running") == 2, 60, 0.1)
         master.kill()
         killed = time.monotonic()
         results = await asyncio.gather(*streams)

@@ -13,7 +13,7 @@ import pytest
 from xllm_py.cluster.etcd_client import EtcdClient
 from tests.integration.cluster_harness import (Harness, aclient, client,
                                                drop_stream_after_first_chunk, long_stream,
-                                               metric, start_mix_cluster, wait_drained)
+                                               metric, start_mix_cluster, wait_drained, wait_until)
 
 pytestmark = pytest.mark.integration
 
@@ -137,7 +137,8 @@ async def test_kill_engine_fails_inflight_and_keeps_serving(cluster, etcd_server
     # n=2: two sequences cannot move to the other engine, so the killed engine's requests
     # end with an error (single-sequence ones would move: see test_mix_migration).
     tasks = [asyncio.create_task(long_stream(c, f"long {i}", n=2)) for i in range(4)]
-    await asyncio.sleep(1.5)
+    # the victim runs some of them when it dies
+    await wait_until(lambda: metric(victim.http_url, "xllm_requests_running") > 0, 60, 0.1)
     victim.kill()  # SIGKILL: no deregistration
     killed_at = time.monotonic()
     victim_name = victim.http_url.removeprefix("http://")

@@ -92,5 +92,5 @@ async def test_generations_pump_stops_after_cancel_even_if_the_cancel_is_lost():
     assert all(t.done() for t in gens._tasks)
     assert stream.closed
     produced = stream.produced
-    await asyncio.sleep(0.02)
+    await asyncio.sleep(0.02)  # (a deliberate gap: a pump still running would produce in it)
     assert stream.produced == produced  # nothing pulls it any more

@@ -10,6 +10,8 @@ from xllm_py.api.app import build_app
 from xllm_py.api.server import serve_in_thread
 from xllm_py.api.testing import BOS_ID, FakeTokenizer, ScriptedBackend
 
+pytestmark = pytest.mark.integration  # uvicorn
+
 MODEL = "fake-model"
 
 

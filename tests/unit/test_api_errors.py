@@ -1,5 +1,6 @@
 """Error paths of the HTTP layer driven in-process through httpx.ASGITransport."""
 import httpx
+import pytest
 
 from xllm_py.api.app import build_app
 from xllm_py.api.errors import BackendBusyError
@@ -82,6 +83,7 @@ async def test_chat_template_failure_is_400():
     assert "alternate" in r.json()["error"]["message"]
 
 
+@pytest.mark.integration
 async def test_serve_stops_on_event():
     import asyncio
     import socket

@@ -87,7 +87,6 @@ async def test_engine_metrics_page_is_one_registry_with_the_old_names():
     engine.stats = lambda: dict(running=2, waiting=3, kv_blocks_used=5, kv_blocks_total=64,
                                 prefix_hit_tokens=7, generated_tokens=11)
     backend = AsyncEngine(engine)
-    backend.extra_metrics.append(lambda: "# TYPE legacy_gauge gauge\nlegacy_gauge 1\n")
     app = build_app(backend)
     assert app.state.metrics.registry is backend.metrics_registry
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -97,26 +96,28 @@ async def test_engine_metrics_page_is_one_registry_with_the_old_names():
     for name, value in (("xllm_requests_running", 2), ("xllm_requests_waiting", 3),
                         ("xllm_kv_cache_blocks_used", 5), ("xllm_kv_cache_blocks_total", 64),
                         ("xllm_prefix_cache_hit_tokens_total", 7),
-                        ("xllm_generation_tokens_total", 11), ("legacy_gauge", 1)):
+                        ("xllm_generation_tokens_total", 11)):
         assert samples[(name, ())] == value, name
     assert ("xllm_e2e_request_latency_seconds_count", ()) in samples  # the HTTP layer's
     assert "# TYPE xllm_requests_running gauge" in text
 
 
-def test_kv_transfer_collector_exposes_what_the_kv_worker_counts():
-    """The same samples (names, labels, values) as KVTransferMetrics' own text."""
+def test_kv_transfer_metrics_register_into_the_engine_registry_under_their_names():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from xllm_py.engine.metrics import KVTransferCollector
     from xllm_py.kv_transfer.metrics import KVTransferMetrics
 
     m = KVTransferMetrics()
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(KVTransferCollector(m))
+    registry.register(m)
     m.observe_success("pull", 1000, 2, 0.003)
     m.observe_success("pull", 500, 1, 0.02)
     m.observe_success("push", 64, 1, 20.0)
     m.observe_failure("push", "timeout")
     ours = _samples(generate_latest(registry).decode())
-    assert ours == _samples(m.render())
+    assert ours[("xllm_kv_transfer_bytes_total", (("op", "pull"),))] == 1500
+    assert ours[("xllm_kv_transfer_blocks_total", (("op", "push"),))] == 1
+    assert ours[("xllm_kv_transfer_failures_total", (("op", "push"), ("reason", "timeout")))] == 1
     assert ours[("xllm_kv_transfer_seconds_bucket", (("le", "0.005"), ("op", "pull")))] == 1
+    assert ours[("xllm_kv_transfer_seconds_bucket", (("le", "+Inf"), ("op", "push")))] == 1
+    assert ours[("xllm_kv_transfer_seconds_count", (("op", "pull"),))] == 2

@@ -2,6 +2,8 @@
 PrefixIndex -> CacheAwarePolicy picks the instance holding the longest prompt prefix."""
 from __future__ import annotations
 
+import pytest
+
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import CacheConfig, EngineConfig, InstanceRole
 from xllm_py.engine.cache_events import CacheEvents, hash_from_bytes, hash_to_bytes
@@ -62,6 +64,7 @@ def test_a_full_drain_is_everything_held_and_the_next_delta_starts_there():
     assert index.num_cached_blocks("a") == 0
 
 
+@pytest.mark.integration
 def test_the_service_hashes_a_prompt_as_the_engine_caches_it():
     engine = LLMEngine(EngineConfig(model="tiny", cache=CacheConfig(block_size=8)))
     engine.start()

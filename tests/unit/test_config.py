@@ -1,10 +1,13 @@
 """Config dataclasses: validation, env overrides, advertised addresses."""
+import pathlib
+import re
 import socket
 
 import pytest
 
-from xllm_py.config import (CacheConfig, InstanceRole, SchedulerConfig, TransferConfig,
-                            advertised_host, etcd_credentials_from_env, transfer_config_from_env)
+from xllm_py.config import (CacheConfig, InstanceRole, KernelConfig, SchedulerConfig, TransferConfig,
+                            UCXConfig, advertised_host, etcd_credentials_from_env, model_cache_dir_from_env,
+                            transfer_config_from_env)
 from xllm_py.engine.cli import build_parser, config_from_args
 
 
@@ -37,6 +40,36 @@ def test_env_overrides(monkeypatch):
         etcd_credentials_from_env()
     monkeypatch.setenv("ETCD_PASSWORD", "p")
     assert etcd_credentials_from_env() == ("u", "p")
+
+
+def test_ucx_kernel_and_model_settings_from_env(monkeypatch):
+    assert UCXConfig.from_env().map_peer_pools and KernelConfig.from_env().enabled  # (unset: on)
+    monkeypatch.setenv("XLLM_UCX_MAP", "off")
+    monkeypatch.setenv("XLLM_UCX_IOV_TLS", "self")
+    monkeypatch.setenv("UCXPY_ENABLE_PYTHON_FUTURE", "0")
+    ucx = UCXConfig.from_env(warmup_pulls=3)
+    assert not ucx.map_peer_pools and dict(ucx.iov_overrides)["TLS"] == "self" and not ucx.python_future
+    assert ucx.warmup_pulls == 3 and ucx.progress_mode == "thread"
+    assert transfer_config_from_env(TransferConfig()).ucx == UCXConfig.from_env()
+    assert transfer_config_from_env(TransferConfig(ucx=UCXConfig())).ucx == UCXConfig()  # given: kept
+    with pytest.raises(ValueError, match="direct_max_msgs"):
+        UCXConfig(direct_max_msgs=0)
+    monkeypatch.setenv("XLLM_CPU_KERNELS", "0")
+    monkeypatch.setenv("XLLM_KERNEL_CACHE", "/tmp/k")
+    monkeypatch.setenv("CC", "clang")
+    assert KernelConfig.from_env() == KernelConfig(enabled=False, cache_dir="/tmp/k", cc="clang")
+    monkeypatch.setenv("XLLM_CACHE_DIR", "/tmp/m")
+    assert model_cache_dir_from_env() == "/tmp/m"
+
+
+def test_environment_is_read_in_config_only():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    readers = [f"{path.relative_to(root)}:{n}"
+               for pkg in ("xllm_py", "xllm_service") for path in sorted((root / pkg).rglob("*.py"))
+               if path != root / "xllm_py" / "config.py"
+               for n, line in enumerate(path.read_text().splitlines(), 1)
+               if re.search(r"os\.environ|getenv", line)]
+    assert readers == [], "environment variables are read in xllm_py/config.py only"
 
 
 def test_cli_accepts_xllm_spellings():

@@ -160,6 +160,7 @@ def test_kernels_decline_what_they_do_not_handle() -> None:
                                           torch.arange(5)) is None
 
 
+@pytest.mark.integration
 def test_disabled_by_environment() -> None:
     code = ("from xllm_py.model import cpu_kernels as c; "
             "print(c.available(), c.unavailable_reason())")
@@ -234,6 +235,7 @@ def test_pack_linears_replaces_every_linear_and_keeps_outputs() -> None:
 
 
 @pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.integration
 def test_engine_packs_weights_unless_told_not_to(pack: bool) -> None:
     from xllm_py.config import CacheConfig, EngineConfig
     from xllm_py.engine.llm_engine import LLMEngine

@@ -14,6 +14,8 @@ from xllm_py.engine.server import DRAIN_SETTLE_S, drain, in_flight
 from xllm_py.sampling_params import SamplingParams
 from tests.unit.sinks import DoneSink
 
+pytestmark = pytest.mark.integration  # a real engine
+
 
 @pytest.fixture(scope="module")
 def engine():

@@ -15,6 +15,8 @@ from xllm_py.engine import llm_engine
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.integration  # a real engine
+
 
 class _Sink:
     final_only = True

@@ -10,7 +10,7 @@ from xllm_py.config import EngineConfig
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]  # a real engine
 
 
 class _Sink:

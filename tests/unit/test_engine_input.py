@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from xllm_py.config import EngineConfig
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.integration  # a real engine
 
 
 class _Sink:

@@ -17,6 +17,8 @@ from xllm_py.model.loader import load_model
 from xllm_py.model.packed import pack_linears
 from xllm_py.model.tiny import build_model_dir
 
+pytestmark = pytest.mark.integration  # the real model (ModelRunner)
+
 needs_kernels = pytest.mark.skipif(not fused_decode.supported(),
                                    reason="no fused decode layer in the CPU kernels "
                                           f"({cpu_kernels.unavailable_reason() or 'no AVX2/FMA'})")

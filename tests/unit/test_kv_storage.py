@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from xllm_py.kv_transfer.base import KVPoll, group_contiguous, runs_to_ids
+from xllm_py.kv_transfer.base import group_contiguous, runs_to_ids
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT, KVCacheStorage, huge_page_allocator
 from xllm_py.kv_transfer.metrics import KVTransferMetrics
 
@@ -122,24 +122,19 @@ def test_group_contiguous_random_reassembles(seed: int) -> None:
         assert not (b[0] == a[0] + a[2] and b[1] == a[1] + a[2])
 
 
-def test_kvpoll_is_ordered() -> None:
-    assert min(KVPoll.Success, KVPoll.Transferring, KVPoll.Failed) is KVPoll.Failed
-    assert [int(p) for p in KVPoll] == [0, 1, 2, 3, 4] and KVPoll.Success == 4
-
-
 def test_metrics_render() -> None:
     m = KVTransferMetrics()
     m.observe_success("pull", 1000, 2, 0.003)
     m.observe_success("pull", 500, 1, 20.0)
     m.observe_failure("push", "timeout")
     text = m.render()
-    assert 'xllm_kv_transfer_bytes_total{op="pull"} 1500' in text
-    assert 'xllm_kv_transfer_blocks_total{op="pull"} 3' in text
-    assert 'xllm_kv_transfer_failures_total{op="push",reason="timeout"} 1' in text
-    assert 'xllm_kv_transfer_seconds_bucket{op="pull",le="0.0025"} 0' in text
-    assert 'xllm_kv_transfer_seconds_bucket{op="pull",le="0.005"} 1' in text
-    assert 'xllm_kv_transfer_seconds_bucket{op="pull",le="+Inf"} 2' in text
-    assert 'xllm_kv_transfer_seconds_count{op="pull"} 2' in text
+    assert 'xllm_kv_transfer_bytes_total{op="pull"} 1500.0' in text
+    assert 'xllm_kv_transfer_blocks_total{op="pull"} 3.0' in text
+    assert 'xllm_kv_transfer_failures_total{op="push",reason="timeout"} 1.0' in text
+    assert 'xllm_kv_transfer_seconds_bucket{le="0.0025",op="pull"} 0.0' in text
+    assert 'xllm_kv_transfer_seconds_bucket{le="0.005",op="pull"} 1.0' in text
+    assert 'xllm_kv_transfer_seconds_bucket{le="+Inf",op="pull"} 2.0' in text
+    assert 'xllm_kv_transfer_seconds_count{op="pull"} 2.0' in text
     assert "# TYPE xllm_kv_transfer_seconds histogram" in text
 
 

@@ -17,6 +17,8 @@ from xllm_py.kv_transfer.worker_service import (
 )
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
 
+pytestmark = pytest.mark.integration  # a gRPC server
+
 
 def storage(seed: int | None = None) -> KVCacheStorage:
     s = KVCacheStorage(num_layers=2, num_blocks=32, block_size=4, num_kv_heads=2, head_dim=8)

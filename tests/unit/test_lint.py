@@ -10,6 +10,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.integration  # (runs ruff in a subprocess)
 def test_ruff_pyflakes_clean():
     ruff = shutil.which("ruff") or str(pathlib.Path(sys.executable).parent / "ruff")
     if not pathlib.Path(ruff).exists():

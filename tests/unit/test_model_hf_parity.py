@@ -17,6 +17,8 @@ from xllm_py.model.loader import load_model  # noqa: E402
 from xllm_py.model.packed import pack_linears  # noqa: E402
 from xllm_py.model.tiny import build_tokenizer_files  # noqa: E402
 
+pytestmark = pytest.mark.integration  # the real model, against transformers
+
 VOCAB = 1024
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128

@@ -14,6 +14,8 @@ from xllm_py.model.attention import AttentionMetadata, allocate_kv_caches, build
 from xllm_py.model.loader import check_model_dir, load_model
 from xllm_py.model.tiny import build_model_dir
 
+pytestmark = pytest.mark.integration  # builds and loads models
+
 SHAPE = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48)
 
 

@@ -13,6 +13,8 @@ from xllm_py.model.attention import allocate_kv_caches
 from xllm_py.model.loader import load_model
 from xllm_py.model.tiny import ensure_tiny_model
 
+pytestmark = pytest.mark.integration  # the real model (ModelRunner)
+
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
 TOL = 1e-4  # float32 logits

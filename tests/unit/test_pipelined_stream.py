@@ -12,6 +12,8 @@ from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.utils.grpc_channels import PipelinedStream, StreamBroken
 
+pytestmark = pytest.mark.integration  # gRPC servers
+
 
 class Echo(pb_grpc.XllmRpcServiceServicer):
     async def GenerationsStream(self, request_iterator, context):
@@ -56,10 +58,13 @@ async def test_unimplemented_stream_is_reported_for_fallback():
 
 
 async def test_dead_peer_fails_pending_requests():
+    received = asyncio.Event()
+
     class Stuck(pb_grpc.XllmRpcServiceServicer):
         async def GenerationsStream(self, request_iterator, context):
             async for _ in request_iterator:
-                await asyncio.sleep(30)
+                received.set()
+                await asyncio.sleep(30)  # (a peer that never answers)
                 yield pb.StatusSet()
 
     server, addr = await start(Stuck())
@@ -68,7 +73,7 @@ async def test_dead_peer_fails_pending_requests():
         stream = PipelinedStream(lambda: stub.GenerationsStream())
         pending = asyncio.ensure_future(
             stream.request(pb.DisaggStreamGenerations(), timeout=10))
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(received.wait(), 5)  # the peer has it, then dies
         await server.stop(0)
         with pytest.raises(StreamBroken) as e:
             await asyncio.wait_for(pending, 5)
@@ -94,7 +99,7 @@ async def test_a_stream_that_missed_a_deadline_is_replaced():
             hang = FirstStreamHangs.streams == 1
             async for msg in request_iterator:
                 if hang:
-                    await asyncio.sleep(30)
+                    await asyncio.sleep(30)  # (a stream that hangs)
                 yield pb.StatusSet(all_status=[pb.Status(ok=True, message=msg.instance_name)])
 
     server, addr = await start(FirstStreamHangs())

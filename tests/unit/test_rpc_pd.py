@@ -80,3 +80,14 @@ def test_batch_status():
     assert wire.problems_to_proto(["", ""]).ok
     bad = wire.problems_to_proto(["", "unknown request r2"])
     assert not bad.ok and bad.message == "unknown request r2"
+
+
+def test_cancel_has_its_own_message_wire_compatible_with_the_old_pull_signal():
+    from xllm_py.rpc import service as service_wire
+
+    msg = service_wire.cancel_request("e1", "client-1", "the client went away")
+    assert wire.cancel_from_proto(msg) == ("e1", "the client went away")
+    # an engine of the previous version read Cancel as PullSignal: same req_id
+    assert pb.PullSignal.FromString(msg.SerializeToString()).req_id == "e1"
+    assert wire.cancel_from_proto(pb.CancelRequest.FromString(
+        pb.PullSignal(req_id="e2").SerializeToString())) == ("e2", "")

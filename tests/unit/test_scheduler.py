@@ -431,6 +431,7 @@ def test_finish_remote_kvs_wrong_state():
     assert_scheduler_empty(s)
 
 
+@pytest.mark.integration  # (a fresh interpreter)
 def test_core_modules_import_neither_torch_nor_grpc():
     import subprocess
     import sys

@@ -3,6 +3,8 @@ all), /readiness says whether a request could be routed, /metrics carries the
 service's series under their names."""
 from __future__ import annotations
 
+import weakref
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,8 +30,15 @@ def _backend(instances: list) -> ServiceBackend:
                           subs=subs, metrics=metrics)
 
 
+_apps: "weakref.WeakKeyDictionary[ServiceBackend, object]" = weakref.WeakKeyDictionary()
+
+
 async def _get(backend: ServiceBackend, path: str) -> httpx.Response:
-    transport = httpx.ASGITransport(app=build_app(backend))
+    # one app per backend, as a process has (its metrics live in the backend's registry)
+    if backend not in _apps:
+        _apps[backend] = build_app(backend)
+    app = _apps[backend]
+    transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://svc") as client:
         return await client.get(path)
 

@@ -127,8 +127,11 @@ class FakeEngines:
             raise self.migrate_reply
         return wire.submit_status(self.migrate_reply)
 
-    async def cancel(self, addr: str, engine_request_id: str) -> None:
-        self.cancels.append((addr, wire.cancel_request(engine_request_id).req_id))
+    async def cancel(self, addr: str, engine_request_id: str, service_request_id: str = "",
+                     reason: str = "") -> None:
+        msg = wire.cancel_request(engine_request_id, service_request_id, reason)
+        assert msg.reason, "the service says why it cancels"
+        self.cancels.append((addr, msg.req_id))
 
     async def close(self) -> None:
         pass

@@ -14,6 +14,8 @@ from xllm_py.model.loader import load_model
 from xllm_py.model.tiny import build_model_dir, ensure_tiny_model
 from xllm_py.model.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.integration  # builds and loads the tiny models
+
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
          "tokenizer_config.json"]
 

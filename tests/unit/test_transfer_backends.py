@@ -22,9 +22,10 @@ from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 
 HAS_UCXX = importlib.util.find_spec("ucxx") is not None
 _needs_ucxx = pytest.mark.skipif(not HAS_UCXX, reason="ucxx not installed")
+_ucx = [_needs_ucxx, pytest.mark.integration]  # the real transports listen on loopback ports
 # "ucx-direct" / "ucx-gather" force the UCX data path (auto picks gather for these small slices).
-BACKENDS = ["fake", "tcp", pytest.param("ucx", marks=_needs_ucxx), pytest.param("ucx-direct", marks=_needs_ucxx),
-            pytest.param("ucx-gather", marks=_needs_ucxx)]
+BACKENDS = ["fake", pytest.param("tcp", marks=pytest.mark.integration), pytest.param("ucx", marks=_ucx),
+            pytest.param("ucx-direct", marks=_ucx), pytest.param("ucx-gather", marks=_ucx)]
 NUM_BLOCKS = 64
 
 
@@ -205,6 +206,7 @@ def test_unknown_backend() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_UCXX, reason="needs CUDA and ucxx")
+@pytest.mark.integration
 async def test_ucx_cuda_pull_every_byte() -> None:
     a, b = make_storage(seed=1, device="cuda"), make_storage(device="cuda")
     ba: KVTransferBackend = create_backend("ucx", a)
@@ -224,6 +226,7 @@ async def test_ucx_cuda_pull_every_byte() -> None:
         await bb.close()
 
 
+@pytest.mark.integration
 def test_a_peer_process_that_cannot_start_is_reported_and_reaped() -> None:
     from xllm_py.kv_transfer._peer_main import peer_process
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.unit.ucx_utils import linked, storage
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
 
@@ -39,6 +40,7 @@ async def _pull_every_byte(ba, a, bb, b, n: int, seed: int) -> None:
     assert torch.equal(b.kv[:, :, rest], before[:, :, rest])
 
 
+@pytest.mark.integration
 async def test_iov_path_is_used_and_moves_every_byte() -> None:
     a, b = storage(256, seed=1), storage(200)
     async with linked(a, b) as (ba, bb):
@@ -52,12 +54,11 @@ async def test_iov_path_is_used_and_moves_every_byte() -> None:
         assert torch.equal(b.kv[:, :, [0, 1, 2]], a.kv[:, :, [3, 2, 1]])
         # the owner counts a request once its own sends completed, which may be just
         # after the puller has the bytes
-        deadline = time.monotonic() + 5
-        while ba.stats()["served"] < served0 + 4 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: ba.stats()["served"] >= served0 + 4, 5, 0.01)
         assert ba.stats()["served"] == served0 + 4
 
 
+@pytest.mark.integration
 async def test_unreachable_iov_worker_falls_back_to_the_tag_path(monkeypatch) -> None:
     monkeypatch.setenv("XLLM_UCX_IOV_TLS", "self")  # reaches no other worker
     a, b = storage(seed=3), storage()
@@ -69,6 +70,7 @@ async def test_unreachable_iov_worker_falls_back_to_the_tag_path(monkeypatch) ->
         assert torch.equal(a.kv[:, :, [60, 61]], b.kv[:, :, [1, 2]])
 
 
+@pytest.mark.integration
 async def test_pull_timeout_fails_and_relinks() -> None:
     a, b = storage(seed=5), storage()
     async with linked(a, b) as (ba, bb):
@@ -201,20 +203,19 @@ def test_scratch_pull_lands_in_the_scratch_buffer_in_the_cache_pieces() -> None:
         IovRequest.scratch_pull(layout, 1, 2, 1.0, runs, scratch[:-1])
 
 
+@pytest.mark.integration
 async def test_link_warms_up_without_touching_the_cache() -> None:
-    from xllm_py.kv_transfer.ucx import backend as ucx_backend
-
     a, b = storage(seed=9), storage()
     async with linked(a, b) as (ba, bb):
-        deadline = time.monotonic() + 5
-        while ba.stats()["served"] < ucx_backend._WARMUP_PULLS and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert ba.stats()["served"] == ucx_backend._WARMUP_PULLS  # the owner served the warm-up pulls
+        warmup_pulls = bb.config.warmup_pulls
+        await wait_until(lambda: ba.stats()["served"] >= warmup_pulls, 5, 0.01)
+        assert ba.stats()["served"] == warmup_pulls  # the owner served the warm-up pulls
         assert torch.count_nonzero(b.kv) == 0  # into scratch, not into the puller's cache
         assert bb.stats()["pulls"] == 0
         await _pull_every_byte(ba, a, bb, b, 10, 1)
 
 
+@pytest.mark.integration
 async def test_failed_warm_up_keeps_the_link(monkeypatch) -> None:
     from xllm_py.kv_transfer.ucx import iov_protocol
 
@@ -273,6 +274,7 @@ async def _late_owner(ba):
         owner._on_request = serve
 
 
+@pytest.mark.integration
 async def test_late_answer_to_a_timed_out_pull_is_drained_not_written() -> None:
     from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
     from xllm_py.kv_transfer.ucx.iov_protocol import decode_request
@@ -286,16 +288,14 @@ async def test_late_answer_to_a_timed_out_pull_is_drained_not_written() -> None:
             # (straight to the worker: the public pull also drops the link after a timeout,
             # and the owner then ignores the request instead of answering it late)
             with pytest.raises(TimeoutError):
-                await asyncio.wrap_future(bb._iov_start(p, "pull", [(0, 0, 40)], 0.3))
+                await asyncio.wrap_future(bb._iov_path.start(p, "pull", [(0, 0, 40)], 0.3))
         assert len(held) == 1
         assert (puller.num_draining, puller.num_drained) == (2, 0)  # its DATA and STATUS receives
         puller.disconnect(p.iov_key)  # as after a failure: the drains outlive the endpoint
         assert puller.call(lambda: puller.num_draining).result(10) == 2
 
         owner.call(owner._serve, *held[0])  # the real owner answers now: 40 blocks of DATA
-        deadline = time.monotonic() + 10
-        while (puller.num_drained < 1 or ba.stats()["served"] == served) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: puller.num_drained >= 1 and ba.stats()["served"] != served, 10, 0.01)
         assert ba.stats()["served"] == served + 1  # the DATA went out
         assert (puller.num_drained, puller.num_draining) == (1, 1)  # taken by a drain; STATUS's still waits
         assert torch.count_nonzero(b.kv) == 0  # nothing written into the cache
@@ -304,6 +304,7 @@ async def test_late_answer_to_a_timed_out_pull_is_drained_not_written() -> None:
         assert puller.call(ffi.probe_recv, puller.handle, tag(KIND_DATA, req_id), ffi.FULL_MASK).result(10) is None
 
 
+@pytest.mark.integration
 async def test_drain_receives_expire_and_refusals_need_none() -> None:
     from xllm_py.kv_transfer import TransferError
 
@@ -317,15 +318,14 @@ async def test_drain_receives_expire_and_refusals_need_none() -> None:
         puller.drain_s = 0.2
         async with _late_owner(ba) as held:  # the owner never answers
             with pytest.raises(TimeoutError):
-                await asyncio.wrap_future(bb._iov_start(p, "pull", [(0, 0, 4)], 0.3))
+                await asyncio.wrap_future(bb._iov_path.start(p, "pull", [(0, 0, 4)], 0.3))
         assert len(held) == 1
-        deadline = time.monotonic() + 10
-        while puller.num_draining and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: not puller.num_draining, 10, 0.01)
         assert (puller.num_draining, puller.num_drains_expired, puller.num_drained) == (0, 2, 0)
         await _pull_every_byte(ba, a, bb, b, 12, 3)  # later requests use fresh tags
 
 
+@pytest.mark.integration
 async def test_a_pull_in_flight_fails_when_the_owner_goes_away() -> None:
     """The owner holds the request, then closes: the puller's pending pull ends with a
     transfer error (the link's close cancels its tasks), not at its 30 s deadline, and
@@ -336,9 +336,7 @@ async def test_a_pull_in_flight_fails_when_the_owner_goes_away() -> None:
     async with linked(a, b) as (ba, bb):
         async with _late_owner(ba) as held:
             pull = asyncio.ensure_future(bb.pull(ba.address, [0, 1, 2], [0, 1, 2], timeout=30))
-            deadline = time.monotonic() + 10
-            while not held and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: held, 10, 0.01)
             assert len(held) == 1 and not pull.done()
             await ba.close()
             with pytest.raises(TransferError) as err:

@@ -98,6 +98,7 @@ def test_remote_pool_is_released_only_after_its_last_copy() -> None:
     assert destroyed == [True, True]
 
 
+@pytest.mark.integration
 async def test_pulls_and_pushes_are_memcpys_of_exactly_the_blocks() -> None:
     a, b = storage(1024, seed=1, mappable=True), storage(900, seed=2, mappable=True)
     async with linked(a, b) as (ba, bb):
@@ -122,6 +123,7 @@ async def test_pulls_and_pushes_are_memcpys_of_exactly_the_blocks() -> None:
         assert ba.stats()["served"] == served  # the owner took no part
 
 
+@pytest.mark.integration
 async def test_out_of_range_or_duplicate_blocks_are_refused_and_nothing_moves() -> None:
     a, b = storage(64, seed=4, mappable=True), storage(64, seed=5, mappable=True)
     async with linked(a, b) as (ba, bb):
@@ -140,6 +142,7 @@ async def test_out_of_range_or_duplicate_blocks_are_refused_and_nothing_moves() 
         assert torch.equal(b.kv[:, :, 0], a.kv[:, :, 63])
 
 
+@pytest.mark.integration
 async def test_private_pools_and_map_off_take_the_iov_path(monkeypatch) -> None:
     a, b = storage(64, seed=6, mappable=False), storage(64, mappable=True)
     async with linked(a, b) as (ba, bb):
@@ -153,6 +156,7 @@ async def test_private_pools_and_map_off_take_the_iov_path(monkeypatch) -> None:
         assert bb._peers[ba.address].mapped is None
 
 
+@pytest.mark.integration
 async def test_unlink_unmaps_and_a_relink_maps_again() -> None:
     a, b = storage(64, seed=8, mappable=True), storage(64, mappable=True)
     async with linked(a, b) as (ba, bb):
@@ -164,6 +168,7 @@ async def test_unlink_unmaps_and_a_relink_maps_again() -> None:
         assert torch.equal(b.kv[:, :, 9], a.kv[:, :, 9])
 
 
+@pytest.mark.integration
 async def test_mapped_pull_from_another_process_moves_every_byte() -> None:
     shape = dict(SHAPE, num_blocks=512)
     with peer_process("--backend", "ucx", "--seed", "11", "--dtype", "float32",

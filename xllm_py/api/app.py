@@ -107,17 +107,8 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        text = generate_latest(metrics.registry).decode()
-        legacy = getattr(backend, "metrics_text", None)  # transitional: see GenerateBackend
-        if legacy is not None:
-            try:
-                extra = legacy()
-            except Exception:
-                logger.warning("backend.metrics_text() failed", exc_info=True)
-                extra = ""
-            if extra:
-                text = text + (extra if extra.endswith("\n") else extra + "\n")
-        return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
+        return PlainTextResponse(generate_latest(metrics.registry).decode(),
+                                 media_type=PROMETHEUS_CONTENT_TYPE)
 
     install_openapi(app, [completions.request_cls, chat.request_cls])
     return app

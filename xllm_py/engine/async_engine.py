@@ -11,7 +11,7 @@ import collections
 import logging
 import threading
 import weakref
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 from prometheus_client import CollectorRegistry
 
@@ -91,9 +91,6 @@ class AsyncEngine:
         # The process's one metrics registry: /metrics renders it (engine/metrics.py).
         self.metrics_registry = CollectorRegistry(auto_describe=True)
         self.metrics_registry.register(EngineStatsCollector(engine))
-        # Transitional: Prometheus text of components not on the registry yet (the PD
-        # scheduler until it registers into metrics_registry); appended to /metrics.
-        self.extra_metrics: list[Callable[[], str]] = []
         self.draining = False  # shutting down: new requests get a 503 (see server.drain)
 
     def tokenizer(self):
@@ -135,9 +132,6 @@ class AsyncEngine:
             if not finished:
                 self.engine.abort(req.request_id)
 
-    def metrics_text(self) -> str:
-        """Transitional: the text of `extra_metrics` (empty once every component registers)."""
-        return "".join(m() for m in self.extra_metrics)
 
 
 def _default_name(model: str) -> str:

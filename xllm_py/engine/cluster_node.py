@@ -59,7 +59,6 @@ class ClusterNode:
         transfer_addr, worker_addr = "", ""
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
             from xllm_py.engine.kv_worker_node import start_kv_worker
-            from xllm_py.engine.metrics import KVTransferCollector
 
             self.worker = await start_kv_worker(self.engine.storage, cfg.transfer, cfg.host,
                                                 cfg.worker_port, cluster_id,
@@ -67,7 +66,7 @@ class ClusterNode:
             # Publish reachable addresses (the backends report their bind host).
             transfer_addr = f"{self.addr_host}:{self.worker.transfer_addr.rsplit(':', 1)[1]}"
             worker_addr = f"{self.addr_host}:{self.worker.rpc_addr.rsplit(':', 1)[1]}"
-            self.backend.metrics_registry.register(KVTransferCollector(self.worker.worker.metrics))
+            self.backend.metrics_registry.register(self.worker.worker.metrics)
         self.reporter = GenerationsReporter(loop, self.name, self.engine.abort,
                                             timeout_s=cfg.rpc_timeout_s)
         self.engine.step_listeners.append(self.reporter.flush)
@@ -100,10 +99,10 @@ class ClusterNode:
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
             peers = GrpcPeers(worker_addr, cfg.rpc_timeout_s, cfg.transfer.timeout_s)
             self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter, peers,
-                                        self.metas.get, self._list_decodes)
+                                        self.metas.get, self._list_decodes,
+                                        registry=self.backend.metrics_registry)
             self.pd.start()
             servicer.pd = self.pd
-            self.backend.extra_metrics.append(self.pd.metrics_text)
         await self.agent.start()
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")

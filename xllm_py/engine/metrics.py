@@ -6,8 +6,8 @@ Registered into it:
   - the HTTP layer's request metrics (`xllm_py.api.metrics.APIMetrics`, by `build_app`);
   - the engine's own gauges and counters, read from `LLMEngine.stats()` at scrape time
     (`EngineStatsCollector`, by `AsyncEngine`);
-  - in a cluster, the KV worker's transfer metrics (`KVTransferCollector`, by the
-    ClusterNode) and the PD scheduler's (it registers into the same registry).
+  - in a cluster, the KV worker's transfer metrics (`KVTransferMetrics` is a collector,
+    registered by the ClusterNode) and the PD scheduler's (it registers into the same registry).
 """
 from __future__ import annotations
 
@@ -16,13 +16,10 @@ from typing import Iterator
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
-from xllm_py.kv_transfer.metrics import KVTransferMetrics
 
 # name, kind, key of LLMEngine.stats(), help. Names as they have always been exposed.
 _ENGINE_STATS = (
@@ -58,45 +55,3 @@ class EngineStatsCollector(Collector):
         for name, kind, key, help_ in _ENGINE_STATS:
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(name, help_, value=stats.get(key, 0))
-
-
-class KVTransferCollector(Collector):
-    """The KV worker's transfer metrics (label `op` = pull | push), from its
-    KVTransferMetrics at scrape time. A bridge: once KVTransferMetrics registers
-    prometheus_client metrics itself (kv_transfer is another owner's), this goes."""
-
-    def __init__(self, metrics: KVTransferMetrics) -> None:
-        self._m = metrics
-
-    def collect(self) -> Iterator[Metric]:
-        m = self._m
-        with m._lock:  # a consistent snapshot of all four families
-            bytes_total = sorted(m.bytes_total.items())
-            blocks_total = sorted(m.blocks_total.items())
-            failures = sorted(m.failures_total.items())
-            hist = sorted((op, list(c), m._hist_sum[op]) for op, c in m._hist_counts.items())
-        b = CounterMetricFamily("xllm_kv_transfer_bytes",
-                                "Bytes of KV cache moved by successful transfers.", labels=["op"])
-        for op, v in bytes_total:
-            b.add_metric([op], v)
-        yield b
-        k = CounterMetricFamily("xllm_kv_transfer_blocks",
-                                "KV blocks moved by successful transfers.", labels=["op"])
-        for op, v in blocks_total:
-            k.add_metric([op], v)
-        yield k
-        f = CounterMetricFamily("xllm_kv_transfer_failures", "Failed KV transfers.",
-                                labels=["op", "reason"])
-        for (op, reason), v in failures:
-            f.add_metric([op, reason], v)
-        yield f
-        h = HistogramMetricFamily("xllm_kv_transfer_seconds",
-                                  "Duration of successful KV transfers.", labels=["op"])
-        for op, counts, total_seconds in hist:
-            buckets, cum = [], 0
-            for le, c in zip(m.buckets, counts):
-                cum += c
-                buckets.append((floatToGoString(le), cum))
-            buckets.append(("+Inf", cum + counts[-1]))
-            h.add_metric([op], buckets, total_seconds)
-        yield h

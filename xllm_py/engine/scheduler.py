@@ -51,10 +51,6 @@ class SchedulerOutput:
     # drop per-request state (seeded generators, penalties) for them.
     finished_ids: list[str] = dataclasses.field(default_factory=list)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
 
 @dataclasses.dataclass
 class RequestUpdate:

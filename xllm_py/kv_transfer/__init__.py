@@ -1,11 +1,10 @@
 """KV cache storage and transfer between workers (xLLM: link_cluster / pull_kv_blocks).
 
-Modules: kv_storage (the cache tensor), base (ABC, KVPoll, TransferError,
+Modules: kv_storage (the cache tensor), base (ABC, TransferError,
 group_contiguous), fake / tcp / ucx (backends), factory (create_backend), mapping (TP/DP
 worker mapping), metrics (Prometheus text counters), worker_service (KVWorker + gRPC).
 """
 from xllm_py.kv_transfer.base import (
-    KVPoll,
     KVTransferBackend,
     TransferError,
     TransferResult,
@@ -16,6 +15,6 @@ from xllm_py.kv_transfer.factory import create_backend
 from xllm_py.kv_transfer.kv_storage import KVCacheMeta, KVCacheStorage
 
 __all__ = [
-    "KVCacheMeta", "KVCacheStorage", "KVPoll", "KVTransferBackend", "TransferError",
+    "KVCacheMeta", "KVCacheStorage", "KVTransferBackend", "TransferError",
     "TransferResult", "TransferTimeout", "create_backend", "group_contiguous",
 ]

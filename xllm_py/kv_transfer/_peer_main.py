@@ -13,14 +13,13 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import torch
 
-from xllm_py.config import TransferConfig
+from xllm_py.config import TransferConfig, child_env
 from xllm_py.kv_transfer.factory import create_backend, mappable_host_allocator
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.worker_service import KVWorker, WorkerServicer, create_worker_server
@@ -45,7 +44,7 @@ def peer_process(*flags: str, **geometry: object) -> Iterator[tuple[subprocess.P
     cmd = [sys.executable, "-m", MODULE, *flags]
     cmd += [f"--{k.replace('_', '-')}={v}" for k, v in geometry.items()]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env=child_env(PYTHONUNBUFFERED="1"))
     try:
         line = proc.stdout.readline()
         if not line:

@@ -21,7 +21,6 @@ import abc
 import asyncio
 import concurrent.futures
 import dataclasses
-import enum
 import logging
 import threading
 import time
@@ -40,16 +39,6 @@ T = TypeVar("T")
 Run = tuple[int, int, int]  # (src_start, dst_start, length)
 
 
-class KVPoll(enum.IntEnum):
-    """Ordered transfer status: min() over TP ranks gives the least advanced state."""
-
-    Failed = 0
-    Bootstrapping = 1
-    WaitingForInput = 2
-    Transferring = 3
-    Success = 4
-
-
 class TransferError(RuntimeError):
     """A KV transfer failed. ``invalid_argument``: the request itself was wrong (bad ids)."""
 
@@ -57,7 +46,6 @@ class TransferError(RuntimeError):
         super().__init__(message)
         self.invalid_argument = invalid_argument
         self.timeout = timeout
-        self.status = KVPoll.Failed
 
 
 class TransferTimeout(TransferError):
@@ -138,9 +126,6 @@ class LoopThread:
         if threading.current_thread() is self._thread:
             raise RuntimeError("LoopThread.call from its own thread would deadlock")
         return self.submit(coro).result(timeout)
-
-    def in_loop(self) -> bool:
-        return threading.current_thread() is self._thread
 
     def stop(self) -> None:
         if self.loop.is_closed():

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from xllm_py.config import EngineConfig, InstanceRole, TransferConfig
+from xllm_py.config import EngineConfig, InstanceRole, TransferConfig, UCXConfig
 from xllm_py.kv_transfer.base import KVTransferBackend
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, huge_page_allocator
 
@@ -39,7 +39,8 @@ def create_backend(name: str | BackendKind, storage: KVCacheStorage,
         from xllm_py.kv_transfer.tcp import TcpKVTransferBackend
         return TcpKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)  # type: ignore[arg-type]
     from xllm_py.kv_transfer.ucx.backend import UcxKVTransferBackend
-    return UcxKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)  # type: ignore[arg-type]
+    return UcxKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port,  # type: ignore[arg-type]
+                                config=cfg.ucx, **kwargs)
 
 
 def pool_allocator(config: EngineConfig) -> Callable[[int], torch.Tensor] | None:
@@ -51,13 +52,14 @@ def pool_allocator(config: EngineConfig) -> Callable[[int], torch.Tensor] | None
         return None
     if (config.role in (InstanceRole.PREFILL, InstanceRole.DECODE)
             and BackendKind.parse(config.transfer.backend) is BackendKind.UCX):
-        return mappable_host_allocator()
+        return mappable_host_allocator(config.transfer.ucx)
     return huge_page_allocator
 
 
-def mappable_host_allocator() -> Callable[[int], torch.Tensor] | None:
+def mappable_host_allocator(ucx: UCXConfig | None = None) -> Callable[[int], torch.Tensor] | None:
     """An allocator of host memory that UCX peers on this host can map, or None when the
-    UCX backend is not installed or mapping is off (``XLLM_UCX_MAP=0``)."""
+    UCX backend is not installed or mapping is off (``XLLM_UCX_MAP=0``; ``ucx`` None: the
+    settings from the environment)."""
     try:
         from xllm_py.kv_transfer.ucx import shared_memory
         from xllm_py.kv_transfer.ucx.env import import_ucxx, iov_worker_config
@@ -65,12 +67,13 @@ def mappable_host_allocator() -> Callable[[int], torch.Tensor] | None:
         import_ucxx()
     except ImportError:
         return None
-    if not shared_memory.mapping_enabled():
+    ucx = ucx if ucx is not None else UCXConfig.from_env()
+    if not shared_memory.mapping_enabled(ucx):
         return None
 
     def allocate(nbytes: int) -> torch.Tensor:
         try:
-            return shared_memory.allocate(nbytes, iov_worker_config())
+            return shared_memory.allocate(nbytes, iov_worker_config(ucx))
         except Exception as e:  # noqa: BLE001 - fall back to private memory (the iov path)
             logger.warning("KV pool: UCX could not allocate %d mappable bytes (%s); using private memory",
                            nbytes, e)

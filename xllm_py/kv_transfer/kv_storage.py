@@ -232,10 +232,6 @@ class KVCacheStorage:
             raise ValueError(f"buffer must be contiguous with {n * self.block_bytes} bytes")
         return buf.view(torch.uint8).reshape(-1).view(self._wide.dtype).view(2 * self.num_layers, n, -1)
 
-    def block_run(self, kv: int, layer: int, start: int, length: int) -> torch.Tensor:
-        """The contiguous slice kv[kv, layer, start:start+length] (no bounds check here)."""
-        return self.kv[kv, layer, start:start + length]
-
     def byte_view(self) -> torch.Tensor:
         """The whole cache as uint8 (last dim scaled by the element size): buffer-protocol friendly."""
         return self.kv.view(torch.uint8)

@@ -1,7 +1,8 @@
-"""KV transfer metrics as plain thread-safe counters with Prometheus text rendering.
+"""KVTransferMetrics: a KV worker's transfer counters, a prometheus_client Collector.
 
-No prometheus_client dependency: the engine appends ``metrics.render()`` to its
-``/metrics`` output. Families (label ``op`` = pull | push):
+The worker counts under a lock (transfers finish on the transfer thread); the engine
+registers the object into its one registry and /metrics reads it at scrape time.
+Families (label ``op`` = pull | push):
 
 - ``xllm_kv_transfer_bytes_total``    counter
 - ``xllm_kv_transfer_blocks_total``   counter
@@ -13,11 +14,17 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import defaultdict
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 DEFAULT_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-class KVTransferMetrics:
+class KVTransferMetrics(Collector):
     def __init__(self, buckets: tuple[float, ...] = DEFAULT_BUCKETS) -> None:
         self.buckets = tuple(sorted(buckets))
         self._lock = threading.Lock()
@@ -39,28 +46,36 @@ class KVTransferMetrics:
         with self._lock:
             self.failures_total[(op, reason)] += 1
 
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:  # a consistent snapshot of all four families
+            bytes_total = sorted(self.bytes_total.items())
+            blocks_total = sorted(self.blocks_total.items())
+            failures = sorted(self.failures_total.items())
+            hist = sorted((op, list(c), self._hist_sum[op]) for op, c in self._hist_counts.items())
+        for name, doc, values in (
+                ("xllm_kv_transfer_bytes", "Bytes of KV cache moved by successful transfers.", bytes_total),
+                ("xllm_kv_transfer_blocks", "KV blocks moved by successful transfers.", blocks_total)):
+            family = CounterMetricFamily(name, doc, labels=["op"])
+            for op, v in values:
+                family.add_metric([op], v)
+            yield family
+        f = CounterMetricFamily("xllm_kv_transfer_failures", "Failed KV transfers.", labels=["op", "reason"])
+        for (op, reason), v in failures:
+            f.add_metric([op, reason], v)
+        yield f
+        h = HistogramMetricFamily("xllm_kv_transfer_seconds", "Duration of successful KV transfers.",
+                                  labels=["op"])
+        for op, counts, total_seconds in hist:
+            buckets, cum = [], 0
+            for le, c in zip(self.buckets, counts):
+                cum += c
+                buckets.append((floatToGoString(le), cum))
+            buckets.append(("+Inf", cum + counts[-1]))
+            h.add_metric([op], buckets, total_seconds)
+        yield h
+
     def render(self) -> str:
-        """Prometheus text exposition format (version 0.0.4)."""
-        with self._lock:
-            lines = ["# HELP xllm_kv_transfer_bytes_total Bytes of KV cache moved by successful transfers.",
-                     "# TYPE xllm_kv_transfer_bytes_total counter"]
-            lines += [f'xllm_kv_transfer_bytes_total{{op="{op}"}} {v}' for op, v in sorted(self.bytes_total.items())]
-            lines += ["# HELP xllm_kv_transfer_blocks_total KV blocks moved by successful transfers.",
-                      "# TYPE xllm_kv_transfer_blocks_total counter"]
-            lines += [f'xllm_kv_transfer_blocks_total{{op="{op}"}} {v}' for op, v in sorted(self.blocks_total.items())]
-            lines += ["# HELP xllm_kv_transfer_failures_total Failed KV transfers.",
-                      "# TYPE xllm_kv_transfer_failures_total counter"]
-            lines += [f'xllm_kv_transfer_failures_total{{op="{op}",reason="{r}"}} {v}'
-                      for (op, r), v in sorted(self.failures_total.items())]
-            lines += ["# HELP xllm_kv_transfer_seconds Duration of successful KV transfers.",
-                      "# TYPE xllm_kv_transfer_seconds histogram"]
-            for op, counts in sorted(self._hist_counts.items()):
-                cum = 0
-                for le, c in zip(self.buckets, counts):
-                    cum += c
-                    lines.append(f'xllm_kv_transfer_seconds_bucket{{op="{op}",le="{le}"}} {cum}')
-                cum += counts[-1]
-                lines.append(f'xllm_kv_transfer_seconds_bucket{{op="{op}",le="+Inf"}} {cum}')
-                lines.append(f'xllm_kv_transfer_seconds_sum{{op="{op}"}} {self._hist_sum[op]}')
-                lines.append(f'xllm_kv_transfer_seconds_count{{op="{op}"}} {cum}')
-            return "\n".join(lines) + "\n"
+        """These metrics alone as Prometheus text (tests, tools)."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        return generate_latest(registry).decode()

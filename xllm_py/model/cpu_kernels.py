@@ -6,7 +6,8 @@ of a forward. The C kernel reads the blocks in place (online softmax per block),
 measures 4-15x faster per layer (``benchmarks/bench_engine.py``, docs/DESIGN.md).
 
 The sources are plain C + OpenMP (no Python or torch headers): ``cc`` builds them in
-under a second into ``$XLLM_KERNEL_CACHE`` (default ``~/.cache/xllm_py/kernels``), one
+under a second into ``$XLLM_KERNEL_CACHE`` (default ``~/.cache/xllm_py/kernels``;
+``config.KernelConfig`` reads the variables), one
 file per source/flags hash, written atomically so concurrent processes can race safely.
 The library links to the OpenMP runtime torch has loaded, so it shares torch's threads.
 
@@ -29,6 +30,8 @@ import threading
 from typing import TYPE_CHECKING, Iterator
 
 import torch
+
+from xllm_py.config import KernelConfig
 
 if TYPE_CHECKING:
     import numpy as np
@@ -74,20 +77,20 @@ def _compile_flags() -> list[str]:
     return flags
 
 
-def _cache_dir() -> pathlib.Path:
-    env = os.environ.get("XLLM_KERNEL_CACHE")
-    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "xllm_py" / "kernels"
+def _cache_dir(config: KernelConfig) -> pathlib.Path:
+    d = config.cache_dir
+    return pathlib.Path(d) if d else pathlib.Path.home() / ".cache" / "xllm_py" / "kernels"
 
 
-def _build() -> pathlib.Path:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _build(config: KernelConfig) -> pathlib.Path:
+    cc = config.cc or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     flags = _compile_flags()
     # the main source and the files it includes (every file in csrc/)
     src = b"".join(f.read_bytes() for f in sorted(_SRC.parent.glob("*.c")))
     key = hashlib.sha256(src + " ".join([cc] + flags).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_kernels-{key}.so"
+    out = _cache_dir(config) / f"cpu_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -115,11 +118,12 @@ def _load() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         _tried = True
-        if os.environ.get("XLLM_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
+        config = KernelConfig.from_env()
+        if not config.enabled:
             _why_not = "disabled by XLLM_CPU_KERNELS"
             return None
         try:
-            path = _build()
+            path = _build(config)
             lib = ctypes.CDLL(str(path))
         except Exception as e:  # noqa: BLE001 - any failure means: use the torch path
             _why_not = str(e)

@@ -236,7 +236,9 @@ def build_model_dir(path: str | pathlib.Path, *, family: str = "qwen3", hidden_s
 
 
 def default_cache_dir() -> pathlib.Path:
-    env = os.environ.get("XLLM_CACHE_DIR")
+    from xllm_py.config import model_cache_dir_from_env
+
+    env = model_cache_dir_from_env()
     if env:
         return pathlib.Path(env)
     return pathlib.Path.home() / ".cache" / "xllm_py" / "models"

@@ -485,6 +485,16 @@ class PullSignal(_message.Message):
     req_id: str
     def __init__(self, req_id: _Optional[str] = ...) -> None: ...
 
+class CancelRequest(_message.Message):
+    __slots__ = ("req_id", "service_req_id", "reason")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    service_req_id: str
+    reason: str
+    def __init__(self, req_id: _Optional[str] = ..., service_req_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class InstanceClusterInfo(_message.Message):
     __slots__ = ("instance_name", "cluster_ids", "addrs", "ports", "dp_size", "worker_rpc_addrs", "meta")
     INSTANCE_NAME_FIELD_NUMBER: _ClassVar[int]

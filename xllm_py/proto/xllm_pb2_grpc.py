@@ -414,7 +414,7 @@ class DisaggPDServiceStub:
                 _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/xllm.proto.DisaggPDService/Cancel',
-                request_serializer=xllm__pb2.PullSignal.SerializeToString,
+                request_serializer=xllm__pb2.CancelRequest.SerializeToString,
                 response_deserializer=xllm__pb2.Status.FromString,
                 _registered_method=True)
 
@@ -523,7 +523,7 @@ def add_DisaggPDServiceServicer_to_server(servicer, server):
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
-                    request_deserializer=xllm__pb2.PullSignal.FromString,
+                    request_deserializer=xllm__pb2.CancelRequest.FromString,
                     response_serializer=xllm__pb2.Status.SerializeToString,
             ),
     }
@@ -768,7 +768,7 @@ class DisaggPDService:
             request,
             target,
             '/xllm.proto.DisaggPDService/Cancel',
-            xllm__pb2.PullSignal.SerializeToString,
+            xllm__pb2.CancelRequest.SerializeToString,
             xllm__pb2.Status.FromString,
             options,
             channel_credentials,

@@ -37,9 +37,9 @@ def status_from_proto(reply: pb.Status) -> tuple[bool, str]:
     return reply.ok, reply.message
 
 
-def cancel_from_proto(msg: pb.PullSignal) -> str:
-    """Cancel: the request id."""
-    return msg.req_id
+def cancel_from_proto(msg: pb.CancelRequest) -> tuple[str, str]:
+    """Cancel: (the engine's request id, why; "" from a peer that does not say)."""
+    return msg.req_id, msg.reason
 
 
 # ---------------------------------------------------------------- linking

@@ -59,8 +59,10 @@ def migration_request(spec: EngineRequestSpec, generated_token_ids: list[int],
     return pb.MultiGenerationsRequests(reqs=[item])
 
 
-def cancel_request(engine_request_id: str) -> pb.PullSignal:
-    return pb.PullSignal(req_id=engine_request_id)
+def cancel_request(engine_request_id: str, service_request_id: str = "",
+                   reason: str = "") -> pb.CancelRequest:
+    return pb.CancelRequest(req_id=engine_request_id, service_req_id=service_request_id,
+                            reason=reason)
 
 
 def generations_from_proto(msg: pb.DisaggStreamGenerations) -> Generations:

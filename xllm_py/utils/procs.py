@@ -18,6 +18,8 @@ import time
 
 import httpx
 
+from xllm_py.config import child_env
+
 logger = logging.getLogger(__name__)
 
 
@@ -135,7 +137,7 @@ def spawn(name: str, module: str, args: list[str], log_dir: pathlib.Path,
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     argv = [sys.executable, "-m", module, *args]
-    full_env = dict(os.environ)
+    full_env = child_env()
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:
         full_env.update(env)

@@ -4,8 +4,8 @@
                                             decode take-over)
   xllm_pd_linked_instances         gauge    peer instances linked for KV transfer
 
-They live in the registry given (the engine's, once it has one), or in their own; the
-engine's /metrics appends `render()`.
+They live in the registry given (the engine's: its /metrics renders them), or in their
+own (unit tests).
 """
 from __future__ import annotations
 

@@ -92,8 +92,9 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
             raise StatusError(Status.INVALID_ARGUMENT,
                               f"duplicate request id {spec.request_id}: it is running here")
 
-    async def Cancel(self, request: pb.PullSignal, context) -> pb.Status:
-        request_id = wire.cancel_from_proto(request)
+    async def Cancel(self, request: pb.CancelRequest, context) -> pb.Status:
+        request_id, reason = wire.cancel_from_proto(request)
+        logger.info("cancel %s: %s", request_id, reason or "no reason given")
         if self.pd is None or not self.pd.cancel(request_id):
             self.engine.abort(request_id)
         return wire.status_to_proto()

@@ -23,13 +23,15 @@ ucx_perftest tag_bw here: 32 MB sm (cma get) 3.3 - 3.5 GB/s, posix 6.1 - 6.4 GB/
 For the tag path (CUDA memory, modes direct/gather) the backend uses two endpoints per peer: a sockaddr control endpoint with error
 handling (tcp; detects a dead peer) and a data endpoint created from the peer's worker
 address without error handling, which lets UCX use shared memory (cma zero-copy get).
-Any variable already set in the environment wins (``os.environ.setdefault``).
+Any variable already set in the environment wins (``config.apply_env_defaults``; the
+environment itself is read and written in xllm_py/config.py only).
 """
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
+
+from xllm_py.config import UCXConfig, apply_env_defaults, env_with_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,8 @@ UCX_ENV_DEFAULTS_GPU: dict[str, str] = {
 
 
 # The host-memory data path (iov_worker.py) runs its own UCP context with these settings
-# (UCX config names without the UCX_ prefix). Override one with XLLM_UCX_IOV_<NAME>=value.
+# (UCX config names without the UCX_ prefix). Override one with XLLM_UCX_IOV_<NAME>=value
+# (UCXConfig.iov_overrides).
 UCX_IOV_DEFAULTS: dict[str, str] = {
     # Same-host peers only (shared memory; cma for rendezvous reads). With tcp in the list
     # every rendezvous send costs ~90 us more here (ucx_perftest-style loop, 1 MB: 120 vs 30 us).
@@ -65,23 +68,20 @@ UCX_IOV_DEFAULTS: dict[str, str] = {
 }
 
 
-def iov_worker_config() -> dict[str, str]:
-    cfg = dict(UCX_IOV_DEFAULTS)
-    for k, v in os.environ.items():
-        if k.startswith("XLLM_UCX_IOV_"):
-            cfg[k.removeprefix("XLLM_UCX_IOV_")] = v
-    return cfg
+def iov_worker_config(config: UCXConfig | None = None) -> dict[str, str]:
+    """The iov context's UCX settings: the defaults, then ``config``'s overrides (None: from the environment)."""
+    cfg = config if config is not None else UCXConfig.from_env()
+    return {**UCX_IOV_DEFAULTS, **dict(cfg.iov_overrides)}
 
 
 def apply_ucx_env_defaults(gpu: bool = False) -> dict[str, str]:
     """Set the defaults that are not already set; returns the effective UCX/UCXPY settings."""
-    for k, v in (UCX_ENV_DEFAULTS_GPU if gpu else UCX_ENV_DEFAULTS_CPU).items():
-        os.environ.setdefault(k, v)
+    apply_env_defaults(UCX_ENV_DEFAULTS_GPU if gpu else UCX_ENV_DEFAULTS_CPU)
     return ucx_env()
 
 
 def ucx_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "UCXPY_", "XLLM_UCX_"))}
+    return env_with_prefix("UCX_", "UCXPY_", "XLLM_UCX_")
 
 
 def import_ucxx(gpu: bool = False) -> ModuleType:
@@ -92,7 +92,7 @@ def import_ucxx(gpu: bool = False) -> ModuleType:
     import sys
 
     if gpu and "ucxx" in sys.modules:
-        tls = os.environ.get("UCX_TLS", "all")
+        tls = ucx_env().get("UCX_TLS", "all")
         if tls != "all" and "cuda" not in tls:
             raise RuntimeError(
                 f"ucxx was set up for host memory in this process (UCX_TLS={tls}); a CUDA KV "

@@ -27,7 +27,7 @@ import numpy as np
 from xllm_py.kv_transfer.base import Run, TransferError
 from xllm_py.kv_transfer.kv_storage import SMALL_LIST, KVCacheStorage
 from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
-from xllm_py.kv_transfer.ucx.iov_worker import KIND_DATA, KIND_DONE, KIND_REQ, KIND_STATUS, AnyOf, TaskGen, tag
+from xllm_py.kv_transfer.ucx.iov_task import KIND_DATA, KIND_DONE, KIND_REQ, KIND_STATUS, AnyOf, TaskGen, tag
 
 OP_PULL, OP_PUSH = 1, 2
 _HDR = struct.Struct("<QQdQB")

@@ -43,51 +43,19 @@ import secrets
 import select
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
+from xllm_py.kv_transfer.ucx.iov_task import (KIND_DATA, KIND_MASK, KIND_REQ, KIND_SHIFT,  # noqa: F401
+                                              KIND_STATUS, ID_MASK, AnyOf, MakeTask, TaskCancelled,
+                                              TaskGen, poll_ready, ready, tag)  # (tags, AnyOf: for tests)
 from xllm_py.kv_transfer.ucx.shared_memory import RemotePool, host_context
 
 logger = logging.getLogger(__name__)
 
-KIND_SHIFT = 60
-KIND_MASK = 0xF << KIND_SHIFT
-ID_MASK = (1 << KIND_SHIFT) - 1
-KIND_REQ, KIND_STATUS, KIND_DATA, KIND_DONE = 1, 2, 3, 4
-
 DRAIN_S = 60.0  # how long a drain receive waits for a late answer
 _DRAIN_BYTES = 64
-
-
-class AnyOf(tuple):
-    """Yielded by a task instead of a list: resume once any of these ops is done (not all)."""
-
-    __slots__ = ()
-
-
-TaskGen = Generator["list[ffi.Op] | AnyOf", None, Any]
-MakeTask = Callable[[list[ffi.Op]], TaskGen]
-
-
-def tag(kind: int, req_id: int) -> int:
-    return (kind << KIND_SHIFT) | (req_id & ID_MASK)
-
-
-def _ready(ops: list[ffi.Op] | AnyOf) -> bool:
-    if type(ops) is AnyOf:
-        return any(op.done for op in ops)
-    return all(op.done for op in ops)
-
-
-def _poll_ready(ops: list[ffi.Op] | AnyOf) -> bool:
-    if type(ops) is AnyOf:
-        return any([op.poll() for op in ops])  # (a list: poll every one)
-    return all(op.poll() for op in ops)
-
-
-class TaskCancelled(Exception):
-    pass
 
 
 class _Task:
@@ -303,7 +271,7 @@ class IovWorker:
         """Resume a task; returns True while it still waits on ops."""
         try:
             ops = t.gen.throw(err) if err is not None else t.gen.send(None)
-            while _ready(ops):  # completed immediately: resume at once
+            while ready(ops):  # completed immediately: resume at once
                 failed = next((op for op in ops if op.done and op.status != ffi.UCS_OK), None)
                 ops = (t.gen.throw(ffi.UcpError(failed.what, failed.status)) if failed
                        else t.gen.send(None))
@@ -349,7 +317,7 @@ class IovWorker:
             if t.fut.cancelled():
                 self._fail(t, TaskCancelled(f"ucx: {t.what} cancelled by the caller"))
                 continue
-            if _poll_ready(t.ops):
+            if poll_ready(t.ops):
                 busy = True
                 failed = next((op for op in t.ops if op.done and op.status != ffi.UCS_OK), None)
                 err = ffi.UcpError(failed.what, failed.status) if failed else None

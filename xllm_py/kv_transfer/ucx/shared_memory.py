@@ -12,7 +12,7 @@ them until decode confirms).
 
 Where it does not apply, nothing changes: a pool UCX could not allocate as shared memory
 (``rkey_ptr`` answers UNREACHABLE), peers in different IPC namespaces or on other hosts,
-CUDA pools, ``XLLM_UCX_MAP=0``: transfers take the iov message path.
+CUDA pools, ``XLLM_UCX_MAP=0`` (``UCXConfig.map_peer_pools``): transfers take the iov message path.
 
 Measured on the 2-core VM (256 MB): memcpy from a mapped System V segment runs at numpy
 memcpy speed (8.9 - 9.2 GB/s against 9.7 - 11) when both pools sit at the same offset in a
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 import weakref
 from typing import Any, Callable
@@ -32,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from xllm_py.config import UCXConfig
 from xllm_py.kv_transfer.kv_storage import prefault_pages
 from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
 
@@ -45,8 +45,9 @@ _ctx_lock = threading.Lock()
 _shared: "weakref.WeakValueDictionary[int, SharedHostMemory]" = weakref.WeakValueDictionary()
 
 
-def mapping_enabled() -> bool:
-    return os.environ.get("XLLM_UCX_MAP", "1").lower() not in ("0", "false", "no", "off")
+def mapping_enabled(config: UCXConfig | None = None) -> bool:
+    """Whether pools are allocated mappable and peers' pools mapped (None: from the environment)."""
+    return (config if config is not None else UCXConfig.from_env()).map_peer_pools
 
 
 def host_context(config: dict[str, str]) -> Any:
