@@ -103,6 +103,18 @@ def _bodies(model) -> st.SearchStrategy:
     ).map(lambda parts: {**parts[0], **parts[1]})
 
 
+def _near_valid(model) -> st.SearchStrategy:
+    """A request that would run (short), with one or two fields hostile."""
+    base = ({"prompt": "Hello there"} if model is CompletionRequest
+            else {"messages": [{"role": "user", "content": "Hi"}]})
+    base = {**base, "model": "tiny", "max_tokens": 3}
+    names = sorted(set(model.model_fields) - set(base))
+    return st.lists(st.sampled_from(names), min_size=0, max_size=2, unique=True).flatmap(
+        lambda chosen: st.fixed_dictionaries({f: _field_values(f) for f in chosen})).map(
+        lambda hostile: {**base, **{k: v for k, v in hostile.items()
+                                    if k not in ("max_tokens", "max_completion_tokens")}})
+
+
 _RAW = st.sampled_from([b"", b"{", b"[]", b"null", b'"x"', b"1e999999",
                         b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
                         b'{"messages": [{"role": "user", "content": "' + b"\\ud800" + b'"}]}',
@@ -135,6 +147,7 @@ def _http_fuzz(url: str) -> collections.Counter:
               suppress_health_check=list(HealthCheck))
     @given(st.one_of(
         st.sampled_from(list(_PATHS)).flatmap(lambda m: st.tuples(st.just(m), _bodies(m))),
+        st.sampled_from(list(_PATHS)).flatmap(lambda m: st.tuples(st.just(m), _near_valid(m))),
         st.tuples(st.sampled_from(list(_PATHS)), _RAW)))
     def one(case) -> None:
         if time.monotonic() > deadline:
@@ -316,8 +329,8 @@ async def _grpc_fuzz(cluster, fz: _GrpcFuzz, service_rpc: str) -> None:
         # What a prefill would do with the requests it placed and never handed over, and
         # a service with the ones that decode: end them.
         for rid in set(fz.ids) | set(placed):
-            await decode.Cancel(pb.PullSignal(req_id=rid), timeout=10)
-            await mix.Cancel(pb.PullSignal(req_id=rid), timeout=10)
+            await decode.Cancel(pb.CancelRequest(req_id=rid, reason="fuzz cleanup"), timeout=10)
+            await mix.Cancel(pb.CancelRequest(req_id=rid, reason="fuzz cleanup"), timeout=10)
         await decode.FirstGeneration(pb.DisaggGenerationsRequests(gens=[
             pb.DisaggGenerationsRequest(req_id=rid, failed=True) for rid in set(placed)]),
             timeout=30)
