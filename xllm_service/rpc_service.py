@@ -44,6 +44,29 @@ async def unknown_generations(msg: xllm_pb2.DisaggStreamGenerations) -> xllm_pb2
     return wire.unknown_generations_reply(len(msg.gens))
 
 
+MAX_NAME_CHARS = 256
+
+
+def registration_problem(meta: InstanceMeta) -> str:
+    """Why an instance cannot be registered as it says it is, or "" (checked before
+    anything is written to etcd)."""
+    if len(meta.name) > MAX_NAME_CHARS or len(meta.incarnation_id) > MAX_NAME_CHARS:
+        return f"name and incarnation_id have at most {MAX_NAME_CHARS} characters"
+    host, _, port = meta.rpc_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"rpc_address must be host:port, got {meta.rpc_address[:80]!r}"
+    numbers = {"dp_size": meta.dp_size, "block_size": meta.block_size,
+               "num_blocks": meta.num_blocks, "num_layers": meta.num_layers,
+               "num_kv_heads": meta.num_kv_heads, "head_dim": meta.head_dim,
+               "tp_size": meta.tp_size, "kv_split_size": meta.kv_split_size}
+    bad = [name for name, value in numbers.items() if value < 0]
+    if bad:
+        return f"{bad[0]} must be >= 0"
+    if len(meta.cluster_ids) != len(meta.addrs):
+        return "cluster_ids and addrs differ in length"
+    return ""
+
+
 def load_from_heartbeat(hb: wire.Heartbeat) -> LoadInfo:
     return LoadInfo(waiting=hb.waiting, running=hb.running, kv_usage=hb.kv_usage,
                     recent_max_ttft_ms=hb.recent_max_ttft_ms,
@@ -127,6 +150,9 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
     ) -> xllm_pb2.StatusCode:
         try:
             meta = InstanceMeta.from_proto(request)
+            problem = registration_problem(meta)
+            if problem:
+                raise ValueError(problem)
         except (InstanceMetaError, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad InstanceMetaInfo: {e}")
         if self.proxy is None:

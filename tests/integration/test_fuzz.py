@@ -8,8 +8,8 @@ and to the service. Properties: no 5xx, every error a JSON OpenAI error body, an
 afterwards the instance serves a normal request and holds 0 KV blocks.
 
 gRPC (seeded random): AddNewRequests, FirstGeneration, MultiGenerations (DECODE and
-MIX), PullKVCache / PushKVCache (the decode's KV worker) and Generations / Heartbeat
-(the service) with random and hostile field values. Properties: no UNKNOWN or INTERNAL
+MIX), PullKVCache / PushKVCache (the decode's KV worker) and Generations / Heartbeat /
+RegisterInstance (the service) with random and hostile field values. Properties: no UNKNOWN or INTERNAL
 status, no failed engine step, and 0 blocks held once the requests the fuzz placed are
 cancelled. Both print their counts (run with -s).
 """
@@ -278,7 +278,7 @@ async def _grpc_fuzz(cluster, fz: _GrpcFuzz, service_rpc: str) -> None:
         worker, service = pb_grpc.WorkerServiceStub(wch), pb_grpc.XllmRpcServiceStub(sch)
         while time.monotonic() < deadline:
             kind = r.choice(["add", "add", "first", "first", "multi", "pull", "push", "gens",
-                             "heartbeat"])
+                             "heartbeat", "register"])
             if kind == "add":
                 msg = pb.DisaggRequests(prefill_name=r.choice(["p", ""]),
                                         reqs=[fz.request() for _ in range(r.choice([1, 1, 3]))])
@@ -320,6 +320,15 @@ async def _grpc_fuzz(cluster, fz: _GrpcFuzz, service_rpc: str) -> None:
                     out = g.outputs.add(index=fz._int(), text=r.choice(["", "hi", "\ud7ff"]))
                     out.token_ids.extend(fz._tokens()[:3])
                 await fz.call("Generations", service.Generations(msg, timeout=10))
+            elif kind == "register":
+                meta = pb.InstanceMetaInfo(
+                    name=r.choice(["", "ghost", "x" * 1000]), type=r.choice([0, 1, 2, 3, 99]),
+                    rpc_address=r.choice(["", "nowhere", "127.0.0.1:1", "h:99999"]),
+                    incarnation_id=r.choice(["", "i"]), dp_size=fz._int(),
+                    block_size=fz._int(), num_blocks=fz._int())
+                meta.cluster_ids.extend(r.choice([[], [1], [1, 2]]))
+                meta.addrs.extend(r.choice([[], ["a:1"]]))
+                await fz.call("RegisterInstance", service.RegisterInstance(meta, timeout=10))
             else:
                 msg = pb.HeartbeatRequest(name=r.choice(["", "ghost"]),
                                           incarnation_id=r.choice(["", "i"]))
