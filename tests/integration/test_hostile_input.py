@@ -201,3 +201,36 @@ async def test_duplicate_request_id_to_generate_is_refused(cluster):
             await wait_blocks_free(cluster.mix)
     finally:
         await server.stop(0)
+
+
+async def test_full_engine_is_429_with_retry_after_through_the_service(etcd_server, tmp_path):
+    """An engine whose queue is full refuses Generate (RESOURCE_EXHAUSTED); with every
+    instance full the service answers 429 + Retry-After, and the requests it took finish."""
+    from tests.integration.cluster_harness import start_mix_cluster
+
+    h = Harness(etcd_server.endpoint, "full/", tmp_path)
+    h.engine = _with_extra(h.engine, ["--max-num-seqs", "1", "--max-pending-requests", "1"])
+    try:
+        svc, (mix,) = start_mix_cluster(h, num_engines=1)
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 48, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=svc.http_url, timeout=120, trust_env=False) as http:
+            resps = await asyncio.gather(*[http.post("/v1/completions", json=body)
+                                           for _ in range(8)])
+        codes = sorted(r.status_code for r in resps)
+        assert set(codes) == {200, 429}, codes
+        for r in resps:
+            if r.status_code == 429:
+                assert r.headers["Retry-After"] == "1"
+                assert r.json()["error"]["type"] == "rate_limit_exceeded"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 48
+        await wait_blocks_free(mix)
+    finally:
+        h.stop()
+
+
+def _with_extra(engine_fn, flags: list[str]):
+    """Harness.engine with `flags` added to every engine it starts."""
+    def engine(role, name, port=None, extra=None):
+        return engine_fn(role, name, port, extra=[*flags, *(extra or [])])
+    return engine

@@ -77,6 +77,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         if not spec.source_xservice_addr:
             raise StatusError(Status.INVALID_ARGUMENT,
                               "source_xservice_addr is required: tokens go back there")
+        self._admit_or_refuse()
         if self.role == InstanceRole.PREFILL:
             if self.pd is None:
                 raise StatusError(Status.FAILED_PRECONDITION, "prefill instance is starting")
@@ -91,6 +92,18 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
                                                     spec.params, sink)):
             raise StatusError(Status.INVALID_ARGUMENT,
                               f"duplicate request id {spec.request_id}: it is running here")
+
+    def _admit_or_refuse(self) -> None:
+        """RESOURCE_EXHAUSTED when this instance holds as many requests not started yet as
+        it takes (`APILimits.max_pending_requests`): the service tries another one, and
+        answers 429 when every one is full."""
+        queued = self.engine.scheduler.num_waiting + self.engine.num_queued_commands
+        if self.pd is not None and self.pd.prefill is not None:
+            queued += self.pd.prefill.num_pending()
+        limit = self.engine.config.api.max_pending_requests
+        if queued >= limit:
+            raise StatusError(Status.RESOURCE_EXHAUSTED,
+                              f"{queued} requests are waiting here (limit {limit}); retry later")
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.Status:
         request_id, reason = wire.cancel_from_proto(request)
