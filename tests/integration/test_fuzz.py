@@ -190,7 +190,8 @@ class _GrpcFuzz:
         self.source = source
         self.vocab = vocab
         self.ids: list[str] = []  # request ids used (cancelled at the end)
-        self.counts: collections.Counter = collections.Counter()
+        self.counts: collections.Counter = collections.Counter()  # (rpc, gRPC status)
+        self.answers: collections.Counter = collections.Counter()  # (rpc, code in the body)
 
     def _int(self) -> int:
         r = self.rng
@@ -263,6 +264,11 @@ class _GrpcFuzz:
             self.counts[(name, e.code().name)] += 1
             return None
         self.counts[(name, "OK")] += 1
+        if isinstance(reply, pb.Status):  # the answer in the body (batch RPCs)
+            self.answers[(name, reply.code if not reply.ok else 200)] += 1
+        elif isinstance(reply, pb.DisaggResponses):
+            for item in reply.reqs:
+                self.answers[(name, item.status_code)] += 1
         return reply
 
 
@@ -358,7 +364,8 @@ async def test_grpc_fuzz(cluster):
     for (_, code), n in fz.counts.items():
         statuses[code] += n
     print(f"\ngRPC fuzz: {sum(fz.counts.values())} calls, statuses {dict(statuses)}; per RPC "
-          f"{dict(sorted(fz.counts.items()))}")
+          f"{dict(sorted(fz.counts.items()))}; codes in OK replies "
+          f"{dict(sorted(fz.answers.items()))}")
     assert sum(fz.counts.values()) >= 50
     assert statuses["UNKNOWN"] == 0 and statuses["INTERNAL"] == 0, fz.counts
     await wait_blocks_free(cluster.decode, 60)
