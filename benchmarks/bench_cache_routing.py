@@ -28,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import run_load, summarize_load  # noqa: E402
+from benchmarks.common import report_environment, run_load, summarize_load  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    report_environment()
     prompts = workload(args)
     need = args.families * (args.prefix_len // args.block_size)
     print(f"{args.families} families x {args.prefix_len}-token prefix ({need} blocks in all), "

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_engine.py [--quick] [--json] [--threads 1] [--repeat 5]
                                       [--concurrency 1 32] [--profile]
+                                      [--model tiny-25m | tiny-25m-bf16 | DIR]
 
 Workload: ``c`` prompts of exactly ``--prompt-len`` random token ids (64), each generating
 ``--gen-len`` tokens (64) greedily with EOS ignored, sent at once (c = 1 and 32).
@@ -13,6 +14,20 @@ Workload: ``c`` prompts of exactly ``--prompt-len`` random token ids (64), each 
   returns, float32, ``torch.inference_mode``, ``generate(do_sample=False,
   min_new_tokens=max_new_tokens=gen_len)`` on the static batch (left padding; all
   prompts have the same length so there is none).
+
+``--model tiny-25m-bf16``: the same model stored in bfloat16, as real checkpoints are. HF
+runs it in float32 (upcast on load, exact); the engine computes in float32 too but keeps
+its linear weights as bfloat16 panels (``pack_linears``' ``auto``: exact for
+bfloat16-valued weights), half the bytes streamed per decode step. The greedy tokens must
+match HF's all the same (``greedy==HF``), and the matmul floors are also given with
+bfloat16 panels, at one row and at the largest concurrency.
+
+Load: run it on an otherwise idle machine and quote the ``ran with`` line (its load
+average). On the 2-core VM, HF ``generate`` (2 OpenMP threads, many small parallel regions
+per token) loses far more to other processes than the engine (one native parallel region
+per decode step): tiny-25m at concurrency 1, same versions (torch 2.13.0, transformers
+5.24.0), engine/HF was 1.02x idle (issue 16), 2.6x at a load average of 2.5 and 10-30x at
+5-16, HF falling from 124 to 3-57 tok/s while the engine stayed at 50-190.
 
 Tokens/s = generated tokens / wall time. Engine and HF runs alternate within every
 repeat and the median over repeats is reported (the machine is shared), with the ratio of
@@ -45,6 +60,7 @@ import io
 import json
 import logging
 import os
+import pathlib
 import pstats
 import shlex
 import sys
@@ -58,7 +74,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch  # noqa: E402
 
 from benchmarks.common import (engine_process, get_model_id, median,  # noqa: E402
-                               process_cpu_seconds, random_token_prompts, run_load)
+                               process_cpu_seconds, random_token_prompts, report_environment,
+                               run_load)
 
 logger = logging.getLogger(__name__)
 
@@ -117,13 +134,16 @@ def matmul_floor_s(model: torch.nn.Module, batch: int, iters: int) -> float:
         return _time_best(one_pass, iters)
 
 
-def packed_matmul_floor_s(model: torch.nn.Module, batch: int, iters: int) -> float:
-    """The same Linears with weights packed for oneDNN, as the engine runs them on CPU."""
+def packed_matmul_floor_s(model: torch.nn.Module, batch: int, iters: int,
+                          weight_dtype: torch.dtype = torch.float32) -> float:
+    """The same Linears with weights packed as the engine runs them on CPU (panels in
+    ``weight_dtype`` with the native kernels, else oneDNN's layout)."""
     from xllm_py.model.packed import PackedLinear, packing_supported
 
     if not packing_supported(model)[0]:
         return float("nan")
-    layers = [PackedLinear(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    layers = [PackedLinear(m, weight_dtype=weight_dtype)
+              for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = {m.in_features: torch.randn(batch, m.in_features) for m in layers}
 
     def one_pass() -> None:
@@ -235,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     floor_iters = 5 if args.quick else 20
     torch.set_num_threads(args.threads)
 
+    from xllm_py.model.packed import is_bfloat16_valued
     from xllm_py.model.tiny import ensure_tiny_model
 
     model_dir = str(ensure_tiny_model(args.model)) if args.model.startswith("tiny") else args.model
@@ -244,10 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
 
     result: dict[str, Any] = {
-        "model": args.model, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+        "model": args.model, "checkpoint_dtype": _checkpoint_dtype(model_dir),
+        # the engine's pack_linears(auto) keeps such weights as bfloat16 panels
+        "bf16_weights": all(is_bfloat16_valued(m.weight) for m in hf.modules()
+                            if isinstance(m, torch.nn.Linear)),
+        "prompt_len": args.prompt_len, "gen_len": args.gen_len,
         "threads": args.threads, "repeat": repeat, "torch": torch.__version__,
         "cpu_count": os.cpu_count(), "concurrency": {},
     }
+    report_environment(result, file=sys.stderr if args.json else sys.stdout)
     engine_flags = ["--enable-prefix-cache", "false", "--log-level", "WARNING",
                     "--max-num-seqs", str(max(64, max(args.concurrency)))]
     engine_flags += shlex.split(args.engine_args)
@@ -296,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     result["floor_batch"] = c
     result["floor_matmul_ms"] = matmul_floor_s(hf, c, floor_iters * 5) * 1e3
     result["floor_matmul_packed_ms"] = packed_matmul_floor_s(hf, c, floor_iters * 5) * 1e3
+    if result["bf16_weights"]:  # what bfloat16 panels save, at one row and at c rows
+        for rows in sorted({1, c}):
+            result[f"floor_matmul_packed_rows{rows}_ms"] = {
+                name: packed_matmul_floor_s(hf, rows, floor_iters * 5, dtype) * 1e3
+                for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
     result["floor_hf_forward_ms"] = hf_forward_floor_s(hf, c, args.prompt_len, floor_iters) * 1e3
     result["hf_decode_step_ms"] = median(result["concurrency"][str(c)]["hf_wall_s"]) \
         / args.gen_len * 1e3
@@ -306,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"\nmodel {args.model}, {args.prompt_len} prompt + {args.gen_len} generated tokens, "
+    print(f"\nmodel {args.model} (stored in {result['checkpoint_dtype']}; HF float32, engine "
+          f"float32 with {'bfloat16' if result['bf16_weights'] else 'float32'} linear weights), "
+          f"{args.prompt_len} prompt + {args.gen_len} generated tokens, "
           f"greedy, ignore_eos, {args.threads} torch thread(s) per process, "
           f"median of {repeat}")
     print(f"{'conc':>5} {'engine tok/s':>13} {'HF tok/s':>10} {'engine/HF':>10} {'paired':>7} "
@@ -329,9 +362,24 @@ def main(argv: list[str] | None = None) -> int:
               f"{step / result['floor_matmul_packed_ms']:.2f}x), bare HF forward "
               f"{result['floor_hf_forward_ms']:.1f} ms "
               f"(engine at {step / result['floor_hf_forward_ms']:.2f}x)")
+    for rows in sorted({1, c}):
+        f = result.get(f"floor_matmul_packed_rows{rows}_ms")
+        if f:
+            print(f"matmul-only, packed, {rows} row(s): float32 panels {f['float32']:.1f} ms, "
+                  f"bfloat16 panels {f['bfloat16']:.1f} ms "
+                  f"({f['bfloat16'] / f['float32']:.2f}x)")
     if args.profile:
         print("\n" + result["profile"])
     return 0
+
+
+def _checkpoint_dtype(model_dir: str) -> str:
+    """The dtype config.json gives for the stored weights."""
+    try:
+        cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "unknown"
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "unknown")
 
 
 if __name__ == "__main__":

@@ -24,9 +24,15 @@ import multiprocessing as mp
 import os
 import socket
 import struct
+import sys
 import time
 
 import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import report_environment  # noqa: E402
 
 # Geometry: float16, 4 layers, 16 slots, 8 heads x 64 dims -> 16 KiB per (kv, layer) slice, 128 KiB per block.
 GEOM = dict(num_layers=4, block_size=16, num_kv_heads=8, head_dim=64, dtype="float16")
@@ -170,6 +176,7 @@ def main() -> None:
         r["pct_of_memcpy"] = 100.0 * r["gbps"] / r["memcpy_gbps"]
     result = {"backend": args.backend, "mode": args.mode, "geometry": GEOM, "rows": rows, "ucx_env": env,
               "cpus": os.cpu_count()}
+    report_environment(result, file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
         return

@@ -23,7 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import random_token_prompts, run_load, summarize  # noqa: E402
+from benchmarks.common import (random_token_prompts, report_environment,  # noqa: E402
+                               run_load, summarize)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    report_environment()
     prompts = random_token_prompts(args.requests, args.input_len, vocab_size=1000,
                                    seed=args.seed)
     print(f"2 MIX engines, {args.requests} streaming requests at concurrency "

@@ -18,6 +18,7 @@ import httpx
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import report_environment  # noqa: E402
 from xllm_py.cluster.etcd_server import EmbeddedEtcd  # noqa: E402
 from xllm_py.utils.procs import engine_args, free_port, spawn  # noqa: E402
 
@@ -71,6 +72,7 @@ def main() -> int:
             "direct_p90_ms": pct(direct, 0.9), "service_p90_ms": pct(via, 0.9),
             "overhead_p50_ms": statistics.median(via) - statistics.median(direct),
         }
+        report_environment(result, file=sys.stderr if args.json else sys.stdout)
         if args.json:
             print(json.dumps(result))
         else:

@@ -12,6 +12,14 @@ TPOT, end-to-end latency -> percentiles, throughput, goodput under SLOs -> table
     # 1 prefill + 1 decode vs 2 MIX on this machine, same workload, side by side
     python benchmarks/bench_serving.py --compare --input-len 1024 --output-len 64 \\
         --request-rate 1 --num-requests 60 --json bench_out/pd_vs_mix.json --plot bench_out/pd_vs_mix.png
+    # mixed prompts: 70% of 128 tokens, 30% of 1024-2048 (Poisson arrivals at the rate)
+    python benchmarks/bench_serving.py --compare --workload mixed --output-len 64 \\
+        --request-rate 1 --num-requests 60 --setups pd mix
+
+Set-ups of --compare (``SETUPS``: name -> label and launcher flags): ``pd`` (1 prefill +
+1 decode, every prompt prefilled on the prefill engine), ``mix`` (2 MIX), ``pd-slo`` (1P+1D
+with the service's conditional disaggregation and SLO_AWARE routing, issue 16: runs once
+the service has those flags).
 
 Definitions (as vLLM's benchmark_serving): TTFT = first token received - request sent;
 ITL = gaps between successive token chunks; TPOT = (e2e - TTFT) / (output tokens - 1) per
@@ -26,7 +34,6 @@ import json
 import logging
 import math
 import pathlib
-import random
 import signal
 import sys
 import tempfile
@@ -39,69 +46,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import report_environment  # noqa: E402
+from benchmarks.serving_metrics import (PERCENTILES, format_table, percentile,  # noqa: E402,F401
+                                        plot_cdfs, summarize)
+from benchmarks.serving_workload import (BenchRequest, WorkloadSpec,  # noqa: E402,F401
+                                         arrival_offsets, build_requests)
+
 logger = logging.getLogger(__name__)
-
-PERCENTILES = (50, 90, 99)
-_WORDS = ("time person year way day thing man world life hand part child eye woman place "
-          "work week case point number group problem fact river mountain engine token "
-          "cache block prefill decode server cluster model layer batch stream").split()
-
-
-# ----------------------------------------------------------------------------- workload
-
-@dataclasses.dataclass(frozen=True)
-class WorkloadSpec:
-    num_requests: int
-    input_len: int
-    output_len: int
-    len_jitter: float = 0.0  # uniform +- fraction around both lengths
-    prompt_kind: str = "tokens"  # "tokens": random token ids; "words": random words (text)
-    vocab_size: int = 1024
-    min_token_id: int = 16  # keep clear of special tokens at the bottom of small vocabularies
-    seed: int = 0
-
-
-@dataclasses.dataclass
-class BenchRequest:
-    index: int
-    prompt: list[int] | str
-    input_len: int  # intended (exact for token prompts)
-    output_len: int
-
-
-def _jittered(n: int, jitter: float, rng: random.Random) -> int:
-    if jitter <= 0:
-        return n
-    return max(1, round(n * rng.uniform(1 - jitter, 1 + jitter)))
-
-
-def build_requests(spec: WorkloadSpec, num: int | None = None, seed_offset: int = 0) -> list[BenchRequest]:
-    """The same spec and seed always give the same prompts and lengths."""
-    rng = random.Random(spec.seed + seed_offset)
-    out = []
-    for i in range(spec.num_requests if num is None else num):
-        n_in = _jittered(spec.input_len, spec.len_jitter, rng)
-        n_out = _jittered(spec.output_len, spec.len_jitter, rng)
-        if spec.prompt_kind == "tokens":
-            prompt: list[int] | str = [rng.randrange(spec.min_token_id, spec.vocab_size)
-                                       for _ in range(n_in)]
-        else:
-            prompt = " ".join(rng.choice(_WORDS) for _ in range(n_in))
-        out.append(BenchRequest(i, prompt, n_in, n_out))
-    return out
-
-
-def arrival_offsets(num: int, request_rate: float, seed: int = 0) -> list[float]:
-    """Send times (s from the start) of a Poisson process; rate inf: all at 0."""
-    if math.isinf(request_rate):
-        return [0.0] * num
-    rng = random.Random(seed + 7919)
-    t, out = 0.0, []
-    for _ in range(num):
-        out.append(t)
-        t += rng.expovariate(request_rate)
-    return out
-
 
 # ----------------------------------------------------------------------------- client
 
@@ -243,128 +194,6 @@ async def resolve_model(base_url: str) -> str:
         return r.json()["data"][0]["id"]
 
 
-# ----------------------------------------------------------------------------- metrics
-
-def percentile(xs: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]; nan if empty."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def _dist_ms(xs: list[float]) -> dict[str, float]:
-    ms = [x * 1000.0 for x in xs]
-    d = {"mean": sum(ms) / len(ms) if ms else float("nan")}
-    for q in PERCENTILES:
-        d[f"p{q}"] = percentile(ms, q)
-    return d
-
-
-def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    tpots = [r.tpot for r in ok if r.tpot is not None]
-    itls = [x for r in ok for x in r.itl]
-    n_in = sum(r.input_len for r in ok)
-    n_out = sum(r.output_len for r in ok)
-
-    def meets(r: RequestResult) -> bool:
-        if slo_ttft_ms is not None and r.ttft * 1000 > slo_ttft_ms:
-            return False
-        tp = r.tpot
-        if slo_tpot_ms is not None and tp is not None and tp * 1000 > slo_tpot_ms:
-            return False
-        return True
-
-    good = [r for r in ok if meets(r)]
-    errors = [r.error for r in results if not r.ok]
-    return {
-        "completed": len(ok), "failed": len(results) - len(ok),
-        "errors": sorted(set(errors))[:5],
-        "duration_s": duration,
-        "total_input_tokens": n_in, "total_output_tokens": n_out,
-        "request_throughput": len(ok) / duration if duration else 0.0,
-        "output_throughput": n_out / duration if duration else 0.0,
-        "total_token_throughput": (n_in + n_out) / duration if duration else 0.0,
-        "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
-        "goodput": len(good) / duration if duration else 0.0,
-        "slo_attainment": len(good) / len(results) if results else 0.0,
-        "ttft_ms": _dist_ms([r.ttft for r in ok]),
-        "tpot_ms": _dist_ms(tpots),
-        "itl_ms": _dist_ms(itls),
-        "e2e_ms": _dist_ms([r.e2e for r in ok]),
-    }
-
-
-_ROWS: list[tuple[str, str, str]] = [  # (label, key path, format)
-    ("completed / failed", "completed/failed", "{}"),
-    ("duration (s)", "duration_s", "{:.1f}"),
-    ("request throughput (req/s)", "request_throughput", "{:.3f}"),
-    ("output throughput (tok/s)", "output_throughput", "{:.1f}"),
-    ("total token throughput (tok/s)", "total_token_throughput", "{:.1f}"),
-    ("goodput (req/s)", "goodput", "{:.3f}"),
-    ("SLO attainment", "slo_attainment", "{:.1%}"),
-] + [(f"{m.upper()} {s} (ms)", f"{m}_ms.{s}", "{:.1f}")
-     for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "p50", "p90", "p99")]
-
-
-def _cell(summary: dict[str, Any], key: str, fmt: str) -> str:
-    if key == "completed/failed":
-        return f"{summary['completed']} / {summary['failed']}"
-    v: Any = summary
-    for part in key.split("."):
-        v = v[part]
-    return fmt.format(v)
-
-
-def format_table(summaries: dict[str, dict[str, Any]]) -> str:
-    """Rows = metrics, one column per run."""
-    names = list(summaries)
-    width = max(len(r[0]) for r in _ROWS) + 2
-    cols = [max(12, len(n) + 2) for n in names]
-    lines = ["".ljust(width) + "".join(n.rjust(c) for n, c in zip(names, cols))]
-    lines.append("-" * (width + sum(cols)))
-    for label, key, fmt in _ROWS:
-        lines.append(label.ljust(width) + "".join(
-            _cell(summaries[n], key, fmt).rjust(c) for n, c in zip(names, cols)))
-    return "\n".join(lines)
-
-
-def plot_cdfs(runs: dict[str, list[RequestResult]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for name, results in runs.items():
-        ok = [r for r in results if r.ok]
-        series = {
-            "TTFT (ms)": [r.ttft * 1000 for r in ok],
-            "TPOT (ms)": [r.tpot * 1000 for r in ok if r.tpot is not None],
-            "ITL (ms)": [x * 1000 for r in ok for x in r.itl],
-        }
-        for ax, (title, xs) in zip(axes, series.items()):
-            xs = sorted(xs)
-            if xs:
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
-            ax.set_xlabel(title)
-            ax.set_ylabel("fraction of requests" if title != "ITL (ms)" else "fraction of gaps")
-            ax.grid(True, alpha=0.3)
-    axes[2].set_xscale("log")
-    for ax in axes:
-        ax.legend(loc="lower right")
-    fig.suptitle("latency CDFs")
-    fig.tight_layout()
-    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # ----------------------------------------------------------------------------- runs
 
 def _warmup_requests(spec: WorkloadSpec, n: int) -> list[BenchRequest]:
@@ -399,16 +228,27 @@ def _launch_args(args: argparse.Namespace, shape: list[str], log_dir: pathlib.Pa
     return argv
 
 
+# --compare set-ups: name -> (column label, launcher flags), on the same cores one after
+# the other. pd-slo needs the service's conditional disaggregation and SLO_AWARE policy.
+SETUPS: dict[str, tuple[str, list[str]]] = {
+    "pd": ("PD 1P+1D", ["--prefill", "1", "--decode", "1"]),
+    "mix": ("MIX x2", ["--mix", "2"]),
+    "pd-slo": ("PD cond+SLO", ["--prefill", "1", "--decode", "1",
+                               "--service-arg=--load-balance-policy=SLO_AWARE"]),
+}
+
+
 def run_compare(args: argparse.Namespace, spec: WorkloadSpec) -> dict[str, Any]:
-    """Same workload against 1 prefill + 1 decode and against 2 MIX, one after the other."""
+    """Same workload against each set-up of ``args.setups`` (``SETUPS``), one after the
+    other."""
     from xllm_py.launch import Cluster, build_parser as launch_parser
 
-    shapes = {"PD 1P+1D": ["--prefill", "1", "--decode", "1"], "MIX x2": ["--mix", "2"]}
     root = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="xllm-bench-"))
     summaries: dict[str, dict[str, Any]] = {}
     runs: dict[str, list[RequestResult]] = {}
-    for label, shape in shapes.items():
-        log_dir = root / label.split()[0].lower()
+    for name in args.setups:
+        label, shape = SETUPS[name]
+        log_dir = root / name
         cluster = Cluster(launch_parser().parse_args(_launch_args(args, shape, log_dir)))
         try:
             t0 = time.perf_counter()
@@ -442,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most this many requests in flight (alone: a closed loop)")
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--warmup", type=int, default=4, help="requests sent first, not measured")
+    p.add_argument("--workload", choices=["uniform", "mixed"], default="uniform",
+                   help="uniform: --input-len (jittered); mixed: --short-frac of the prompts "
+                        "--short-len tokens, the rest uniform in --long-len")
+    p.add_argument("--short-frac", type=float, default=0.7)
+    p.add_argument("--short-len", type=int, default=128)
+    p.add_argument("--long-len", type=int, nargs=2, default=[1024, 2048], metavar=("MIN", "MAX"))
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--len-jitter", type=float, default=0.0,
@@ -457,7 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="write CDFs of TTFT, TPOT and ITL here (.png)")
     g = p.add_argument_group("--compare (local clusters via xllm_py.launch)")
     g.add_argument("--compare", action="store_true",
-                   help="run the workload on 1 prefill + 1 decode, then on 2 MIX, side by side")
+                   help="run the workload on each of --setups, side by side")
+    g.add_argument("--setups", nargs="+", choices=list(SETUPS), default=["pd", "mix"],
+                   help="set-ups of --compare (default: pd mix)")
     g.add_argument("--launch-model", default="tiny", help="model for the local clusters")
     g.add_argument("--engine-arg", action="append", default=[],
                    help="extra engine flag, e.g. --engine-arg=--max-model-len=4096")
@@ -487,12 +335,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--request-rate must be positive")
     if not 0 <= args.len_jitter < 1:
         raise SystemExit("--len-jitter must be in [0, 1)")
+    if not 0 <= args.short_frac <= 1 or not 0 < args.long_len[0] <= args.long_len[1]:
+        raise SystemExit("--short-frac must be in [0, 1] and --long-len MIN <= MAX, both > 0")
     spec = WorkloadSpec(num_requests=args.num_requests, input_len=args.input_len,
                         output_len=args.output_len, len_jitter=args.len_jitter,
                         prompt_kind=args.prompt_kind, vocab_size=_default_vocab(args),
-                        seed=args.seed)
+                        seed=args.seed, workload=args.workload, short_frac=args.short_frac,
+                        short_len=args.short_len, long_len=tuple(args.long_len))
     # SIGTERM unwinds like Ctrl-C, so clusters started by --compare are stopped
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    environment = report_environment()
     if args.compare:
         out = run_compare(args, spec)
         summaries, runs = out["summaries"], out["runs"]
@@ -501,7 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         summaries, runs = {"run": summary}, {"run": results}
     load = (f"rate {args.request_rate:g} req/s" if not math.isinf(args.request_rate)
             else "all at once") + (f", concurrency {args.concurrency}" if args.concurrency else "")
-    print(f"\nworkload: {spec.num_requests} requests, input {spec.input_len}, output "
+    inputs = (f"input {spec.input_len}" if spec.workload == "uniform" else
+              f"input {spec.short_frac:.0%} x {spec.short_len}, the rest "
+              f"{spec.long_len[0]}-{spec.long_len[1]}")
+    print(f"\nworkload: {spec.num_requests} requests, {inputs}, output "
           f"{spec.output_len} (jitter {spec.len_jitter:g}, {spec.prompt_kind}), {load}")
     print(format_table(summaries))
     for name, s in summaries.items():
@@ -512,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         pathlib.Path(args.json).write_text(json.dumps(_finite({
             "args": vars(args),
             "workload": dataclasses.asdict(spec),
+            "environment": environment,
             "summaries": summaries,
             "requests": {n: _result_rows(r) for n, r in runs.items()},
         }), indent=1, allow_nan=False))

@@ -1,5 +1,5 @@
 """Helpers shared by the benchmarks: percentiles, a small OpenAI-endpoint load client,
-an engine-process launcher and torch thread settings.
+an engine-process launcher, torch thread settings and the environment a run reports.
 
 The load client talks to any OpenAI-compatible ``/v1/completions`` endpoint (the engine or
 the service) with ``httpx`` directly: it is cheaper on the CPU than the ``openai`` client,
@@ -15,15 +15,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import math
 import os
 import pathlib
+import platform
 import random
+import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import httpx
 
@@ -61,6 +64,56 @@ def summarize(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> di
 
 def median(values: Sequence[float]) -> float:
     return percentile(values, 50)
+
+
+# ---------------------------------------------------------------------------- environment
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_environment() -> dict[str, Any]:
+    """What a benchmark runs with: python, torch, transformers (None: not installed), the
+    CPU model, the cores this process may use and the machine's, and the 1-minute load
+    average now (other processes on the cores: engine-vs-HF ratios depend on it)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count() or 0
+    try:
+        load = round(os.getloadavg()[0], 2)
+    except OSError:
+        load = None
+    return {"python": platform.python_version(), "torch": _package_version("torch"),
+            "transformers": _package_version("transformers"), "cpu_model": _cpu_model(),
+            "num_cores": usable, "num_cores_machine": os.cpu_count(), "load_avg_1m": load}
+
+
+def report_environment(result: dict[str, Any] | None = None,
+                       file: TextIO | None = None) -> dict[str, Any]:
+    """``run_environment()``, printed as one ``ran with:`` line to ``file`` (default stdout;
+    stderr keeps a JSON stdout clean) and stored as ``result["environment"]`` when given."""
+    env = run_environment()
+    if result is not None:
+        result["environment"] = env
+    print(f"ran with: python {env['python']}, torch {env['torch']}, transformers "
+          f"{env['transformers']}, {env['cpu_model']}, {env['num_cores']} cores "
+          f"(machine {env['num_cores_machine']}), load average {env['load_avg_1m']} (1 min)",
+          file=file or sys.stdout, flush=True)
+    return env
 
 
 # ---------------------------------------------------------------------------- prompts

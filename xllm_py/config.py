@@ -216,6 +216,10 @@ class EngineConfig:
     # oneDNN pre-packed linear weights (xllm_py/model/packed.py).
     num_threads: int | None = None
     pack_weights: bool = True
+    # Packed CPU linear weights: "auto" keeps a weight in bfloat16 when every value is one
+    # (a bf16 checkpoint: half the bytes per decode step, float32 math, same results),
+    # else float32; "float32" / "bfloat16" force it (bfloat16 rounds).
+    weight_dtype: str = "auto"
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
@@ -231,6 +235,9 @@ class EngineConfig:
     # SIGTERM: stop taking requests and finish the ones in flight for up to this long
     # before leaving the cluster (0: leave at once). A second signal cuts it short.
     drain_timeout_s: float = 30.0
+    # A time-model profile (JSON, xllm_py/sim/profile.py): run the simulated engine, whose
+    # forward is a sleep of the modelled step time (no torch), instead of the model.
+    simulate: str | None = None
     api: APILimits = dataclasses.field(default_factory=APILimits)
 
 

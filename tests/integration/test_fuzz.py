@@ -215,7 +215,11 @@ class _GrpcFuzz:
         return rid
 
     def request(self) -> pb.DisaggRequest:
+        """Half the time a request that would run, with at most one field hostile; else
+        every field random."""
         r = self.rng
+        if r.random() < 0.5:
+            return self._near_valid()
         req = pb.DisaggRequest(
             req_id=self.req_id(), service_req_id=r.choice(["", "s"]),
             source_xservice_addr=r.choice([self.source, self.source, "", "nowhere:1"]),
@@ -238,6 +242,30 @@ class _GrpcFuzz:
             req.logit_bias[self._int()] = self._float()
         return req
 
+    def _near_valid(self) -> pb.DisaggRequest:
+        r = self.rng
+        req = pb.DisaggRequest(req_id=f"f-{len(self.ids)}", source_xservice_addr=self.source,
+                               max_tokens=r.choice([1, 4, 16]), ignore_eos=r.random() < 0.5,
+                               has_temperature=True, temperature=r.choice([0.0, 0.8]))
+        self.ids.append(req.req_id)
+        req.prompt_tokens.extend(r.randint(1, self.vocab - 1) for _ in range(r.randint(1, 30)))
+        hostile = self.request_fields()
+        name = r.choice([None, "prompt_tokens", "stop_token_ids", "logit_bias", "top_k", "n",
+                         "min_tokens", "repetition_penalty", "req_id"])
+        if name in ("prompt_tokens", "stop_token_ids"):
+            getattr(req, name).extend([self._int()])
+        elif name == "logit_bias":
+            req.logit_bias[self._int()] = self._float()
+        elif name is not None:
+            setattr(req, name, getattr(hostile, name))
+        return req
+
+    def request_fields(self) -> pb.DisaggRequest:
+        """Random scalar fields (for _near_valid to take one from)."""
+        return pb.DisaggRequest(req_id=self.rng.choice(["", "dup", "x" * 300]),
+                                top_k=self._int(), n=self._int(), min_tokens=self._int(),
+                                repetition_penalty=self._float())
+
     def handover(self, known: list[str]) -> pb.DisaggGenerationsRequest:
         r = self.rng
         gen = pb.DisaggGenerationsRequest(
@@ -245,7 +273,9 @@ class _GrpcFuzz:
             kv_cache_transfer_mode=r.choice(["PUSH", "PUSH", "PULL", "", "SIDEWAYS"]),
             failed=r.random() < 0.1, num_computed_tokens=self._int(),
             dp_size=r.choice([0, 1, self._int()]))
-        for t in self._tokens()[: r.choice([0, 1, 1, 1, 2])]:
+        tokens = ([r.randint(1, self.vocab - 1)] if r.random() < 0.5
+                  else self._tokens()[: r.choice([0, 1, 1, 2])])
+        for t in tokens:
             tok = gen.tokens.add(token_id=t)
             if r.random() < 0.2:
                 tok.has_logprob = True

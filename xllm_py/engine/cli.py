@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from xllm_py.api.limits import add_limit_flags, limits_from_args
 from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode,
@@ -26,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
              help="torch compute threads (default: torch's, one per core)")
     add_flag(g, "--pack-weights", type=parse_bool, default=True,
              help="CPU float32: pre-pack linear weights for oneDNN at load (true/false)")
+    add_flag(g, "--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+             help="packed CPU linear weights: auto = bfloat16 when every value is one "
+                  "(bf16 checkpoints; computed in float32), else float32")
     g = p.add_argument_group("serving")
     add_flag(g, "--instance-role", default="MIX", type=InstanceRole.parse,
              help="MIX (whole requests), PREFILL or DECODE (PD disaggregation)")
@@ -74,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--worker-port", type=int, default=0, help="worker gRPC port (0: free)")
     add_flag(g, "--transfer-timeout", type=float, default=30.0,
              help="deadline of one KV transfer (s); past it the request fails")
+    g = p.add_argument_group("simulation")
+    add_flag(g, "--simulate", default=None, metavar="PROFILE",
+             help="run a simulated engine: the model forward becomes a sleep of the step time "
+                  "modelled by PROFILE (JSON from `python -m xllm_py.sim.profile`), tokens "
+                  "are deterministic, no torch is loaded; the KV transfer moves a small "
+                  "payload per block (backend 'sim')")
     add_flag(g, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
@@ -91,14 +101,17 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         mode=KVTransferMode(args.kv_cache_transfer_mode), backend=args.kv_transfer_backend,
         listen_host=args.host, listen_port=args.transfer_listen_port,
         timeout_s=args.transfer_timeout))
+    if args.simulate:  # (its pool holds a small payload per block: only 'sim' moves it)
+        transfer = dataclasses.replace(transfer, backend="sim")
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, role=args.instance_role,
         host=args.host, advertise_host=args.advertise_host, port=args.port,
         served_model_name=args.served_model_name,
         seed=args.seed, num_threads=args.num_threads, pack_weights=args.pack_weights,
+        weight_dtype=args.weight_dtype,
         cache=cache, scheduler=sched, transfer=transfer,
         etcd_addr=args.etcd, etcd_namespace=args.etcd_namespace, etcd_ttl_s=args.etcd_ttl,
         heartbeat_interval_s=args.heart_beat_interval, instance_name=args.instance_name,
         disagg_pd_port=args.disagg_pd_port, worker_port=args.worker_port,
         rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout,
-        api=limits_from_args(args))
+        simulate=args.simulate, api=limits_from_args(args))

@@ -15,23 +15,19 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from xllm_py.config import EngineConfig, InstanceRole
-from xllm_py.engine.model_runner import ModelRunner
 from xllm_py.engine.output_processor import OutputProcessor, OutputSink, child_id, parent_of
-from xllm_py.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from xllm_py.engine.scheduler import ContinuousScheduler, RemoteAllocation, RequestUpdate
-from xllm_py.kv_transfer.factory import pool_allocator
-from xllm_py.kv_transfer.kv_storage import KVCacheStorage, parse_dtype
-from xllm_py.model.loader import load_model
-from xllm_py.model.packed import pack_linears
-from xllm_py.model.tiny import ensure_tiny_model
 from xllm_py.model.tokenizer import Tokenizer
 from xllm_py.request import Request, RequestStatus, prompt_token_error
 from xllm_py.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (torch: imported by _load_model, not with the engine loop)
+    import torch
+
+    from xllm_py.engine.sampler import SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +55,8 @@ HandOverHook = Callable[[RequestUpdate, Any, list[int]], None]
 
 def resolve_model_dir(model: str) -> str:
     if model.startswith("tiny"):
+        from xllm_py.model.tiny import ensure_tiny_model
+
         return str(ensure_tiny_model(model))
     return model
 
@@ -76,36 +74,15 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        torch.manual_seed(config.seed)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        model_dir = resolve_model_dir(config.model)
-        self.model_dir = model_dir
         t0 = time.monotonic()
-        self.model, self.model_config = load_model(model_dir, dtype=config.dtype,
-                                                   device=config.device)
-        if config.pack_weights:
-            pack_linears(self.model)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        num_blocks = self._load_model(config)
         mc = self.model_config
         block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks
-        dtype = parse_dtype(config.dtype)
-        if num_blocks is None:
-            block_bytes = (2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim
-                           * torch.finfo(dtype).bits // 8)
-            num_blocks = max(2, config.cache.kv_cache_memory_bytes // block_bytes)
-        self.storage = KVCacheStorage(mc.num_layers, num_blocks, block_size, mc.num_kv_heads,
-                                      mc.head_dim, dtype, device=config.device,
-                                      allocator=pool_allocator(config))
-        self.runner = ModelRunner(self.model, self.storage.layer_caches(), block_size,
-                                  config.device)
         max_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
         self.scheduler = ContinuousScheduler(sched_cfg, config.cache, num_blocks)
         # The scheduler caps the context at what the KV pool can hold for one request.
         self.max_model_len = self.scheduler.max_model_len
-        self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = list(dict.fromkeys(
             list(mc.eos_token_ids or []) + list(self.tokenizer.eos_token_ids or [])))
@@ -127,7 +104,47 @@ class LLMEngine:
         self.recent_max_ttft_ms = 0.0
         self.recent_max_tbt_ms = 0.0
         logger.info("engine ready: model %s, %d layers, %d KV blocks of %d tokens, loaded in %.2fs",
-                    model_dir, mc.num_layers, num_blocks, block_size, time.monotonic() - t0)
+                    self.model_dir, mc.num_layers, num_blocks, block_size, time.monotonic() - t0)
+
+    def _load_model(self, config: EngineConfig) -> int:
+        """Load the model and tokenizer, allocate the KV pool; set model_dir, model,
+        model_config, tokenizer, storage, runner and sampler. Returns the number of KV
+        blocks. (The seam of the simulated engine, xllm_py/sim/engine.py: torch is
+        imported here, not by the engine module.)"""
+        import torch
+
+        from xllm_py.engine.model_runner import ModelRunner
+        from xllm_py.engine.sampler import Sampler
+        from xllm_py.kv_transfer.factory import pool_allocator
+        from xllm_py.kv_transfer.kv_storage import KVCacheStorage, parse_dtype
+        from xllm_py.model.loader import load_model
+        from xllm_py.model.packed import pack_linears
+
+        torch.manual_seed(config.seed)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        model_dir = resolve_model_dir(config.model)
+        self.model_dir = model_dir
+        self.model, self.model_config = load_model(model_dir, dtype=config.dtype,
+                                                   device=config.device)
+        if config.pack_weights:
+            pack_linears(self.model, weight_dtype=config.weight_dtype)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        mc = self.model_config
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks
+        dtype = parse_dtype(config.dtype)
+        if num_blocks is None:
+            block_bytes = (2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim
+                           * torch.finfo(dtype).bits // 8)
+            num_blocks = max(2, config.cache.kv_cache_memory_bytes // block_bytes)
+        self.storage = KVCacheStorage(mc.num_layers, num_blocks, block_size, mc.num_kv_heads,
+                                      mc.head_dim, dtype, device=config.device,
+                                      allocator=pool_allocator(config))
+        self.runner = ModelRunner(self.model, self.storage.layer_caches(), block_size,
+                                  config.device)
+        self.sampler = Sampler()
+        return num_blocks
 
     # ------------------------------------------------------------------ threading
     def start(self) -> None:
@@ -368,6 +385,8 @@ class LLMEngine:
     def _record_prompt_logprobs(self, seq, logits: torch.Tensor) -> None:
         """Logits rows at positions start_pos.. of a prefill chunk score the prompt tokens
         after them (float32 log_softmax of the raw logits, no bias or penalty)."""
+        from xllm_py.engine.sampler import prompt_logprobs
+
         request = self.scheduler.requests[seq.request_id]
         first = seq.start_pos + 1
         targets = request.prompt_token_ids[first:first + logits.shape[0]]
@@ -427,6 +446,8 @@ class LLMEngine:
             p = request.sampling_params
             needs_history = (p.frequency_penalty != 0 or p.presence_penalty != 0
                              or p.repetition_penalty != 1.0)
+            from xllm_py.engine.sampler import SamplingRow
+
             row = SamplingRow(
                 temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                 frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,

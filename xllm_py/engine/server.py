@@ -28,25 +28,22 @@ from xllm_py.utils.aio import wait_for
 logger = logging.getLogger(__name__)
 
 
-async def run_engine_server(config: EngineConfig) -> None:
+async def run_engine_server(config: EngineConfig, stop: asyncio.Event | None = None,
+                            force: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (a second one: `force`), or until `stop` is set where the
+    caller passes its events (several engines in one process: xllm_py/sim/host.py)."""
     from xllm_py.api.app import build_app
     from xllm_py.api.server import serve
 
-    engine = LLMEngine(config)
+    engine = create_engine(config)
     engine.start()
     backend = AsyncEngine(engine, config.served_model_name)
     app = build_app(backend, limits=config.api)
     freeze_startup_heap()
-    stop, force = asyncio.Event(), asyncio.Event()  # a first signal, a second one
-
-    def on_signal() -> None:
-        if stop.is_set():
-            force.set()
-        stop.set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+    if stop is None:
+        stop, force = asyncio.Event(), asyncio.Event()  # a first signal, a second one
+        install_signal_handlers(stop, force)
+    force = force or asyncio.Event()
     cluster = None
     if config.etcd_addr:
         from xllm_py.engine.cluster_node import ClusterNode
@@ -74,6 +71,27 @@ async def run_engine_server(config: EngineConfig) -> None:
     except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
         pass
     engine.stop()
+
+
+def install_signal_handlers(stop: asyncio.Event, force: asyncio.Event) -> None:
+    """SIGTERM/SIGINT set `stop`; one more sets `force` too."""
+    def on_signal() -> None:
+        if stop.is_set():
+            force.set()
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+
+
+def create_engine(config: EngineConfig) -> LLMEngine:
+    """The engine loop over the model, or over a time model with --simulate (no torch)."""
+    if config.simulate:
+        from xllm_py.sim.engine import SimulatedEngine
+
+        return SimulatedEngine(config)
+    return LLMEngine(config)
 
 
 # The engine counts as drained once nothing was in flight for this long: a request the

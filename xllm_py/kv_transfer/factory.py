@@ -4,12 +4,14 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
-
-import torch
+from typing import TYPE_CHECKING
 
 from xllm_py.config import EngineConfig, InstanceRole, TransferConfig, UCXConfig
 from xllm_py.kv_transfer.base import KVTransferBackend
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, huge_page_allocator
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +20,7 @@ class BackendKind(str, enum.Enum):
     UCX = "ucx"
     TCP = "tcp"
     FAKE = "fake"
+    SIM = "sim"  # the simulated engine's (xllm_py/sim): a small payload per block, no torch
 
     @classmethod
     def parse(cls, value: str) -> "BackendKind":
@@ -35,6 +38,9 @@ def create_backend(name: str | BackendKind, storage: KVCacheStorage,
     if kind is BackendKind.FAKE:
         from xllm_py.kv_transfer.fake import FakeKVTransferBackend
         return FakeKVTransferBackend(storage, cfg.timeout_s, **kwargs)  # type: ignore[arg-type]
+    if kind is BackendKind.SIM:
+        from xllm_py.sim.transfer import SimKVTransferBackend
+        return SimKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)  # type: ignore[arg-type]
     if kind is BackendKind.TCP:
         from xllm_py.kv_transfer.tcp import TcpKVTransferBackend
         return TcpKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)  # type: ignore[arg-type]
@@ -72,6 +78,8 @@ def mappable_host_allocator(ucx: UCXConfig | None = None) -> Callable[[int], tor
         return None
 
     def allocate(nbytes: int) -> torch.Tensor:
+        import torch
+
         try:
             return shared_memory.allocate(nbytes, iov_worker_config(ucx))
         except Exception as e:  # noqa: BLE001 - fall back to private memory (the iov path)

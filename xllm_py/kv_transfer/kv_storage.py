@@ -13,9 +13,12 @@ import logging
 import mmap
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +28,9 @@ SMALL_LIST = 64
 
 KV_LAYOUT = "kv,layer,block,slot,head,dim"
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-}
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "uint8", "int8")
+# torch is imported where a pool is made or moved, not with this module: the simulated
+# engine (xllm_py/sim) runs the transfer layer, which imports this module, without torch.
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -40,12 +38,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"unsupported KV cache dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported KV cache dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    return getattr(torch, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +99,8 @@ def huge_page_allocator(nbytes: int) -> torch.Tensor:
     2-core VM (~23 ms): 0.3 - 0.4 ms faster than with a ``torch.zeros`` pool in 3 of 4 runs
     (paired medians of 60 interleaved steps, two engines in one process, both creation
     orders; the fourth: no difference)."""
+    import torch
+
     m = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE)
     try:
         m.madvise(mmap.MADV_HUGEPAGE)
@@ -127,6 +128,8 @@ class KVCacheStorage:
         """``allocator(nbytes)``: where the pool lives instead of a fresh ``torch.zeros``, a
         zero-filled contiguous uint8 tensor of exactly ``nbytes`` on ``device`` (e.g. host
         memory UCX can let a peer map, ``factory.pool_allocator``)."""
+        import torch
+
         for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks),
                         ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim)):
@@ -195,6 +198,8 @@ class KVCacheStorage:
         return arr
 
     def _index(self, ids: Sequence[int] | np.ndarray, unique: bool) -> torch.Tensor:
+        import torch
+
         arr = self.check_block_ids(ids, unique=unique)
         return torch.from_numpy(arr).to(self.device)
 
@@ -207,6 +212,8 @@ class KVCacheStorage:
         ``out``: optional preallocated contiguous buffer (any dtype) of exactly
         ``len(ids) * block_bytes`` bytes on the cache's device, reused to avoid page faults.
         """
+        import torch
+
         idx = self._index(ids, unique=False)
         n = idx.numel()
         if out is None:
@@ -219,6 +226,8 @@ class KVCacheStorage:
     def write_blocks(self, ids: Sequence[int] | np.ndarray, buffer: torch.Tensor) -> None:
         """Scatter a buffer produced by ``read_blocks`` (same dtype, any shape of that numel),
         or raw bytes (a uint8 tensor of ``len(ids) * block_bytes``)."""
+        import torch
+
         idx = self._index(ids, unique=True)
         n = idx.numel()
         if buffer.dtype != self.dtype and buffer.dtype != torch.uint8:
@@ -228,12 +237,16 @@ class KVCacheStorage:
         self._wide.index_copy_(1, idx, self._wide_view_of(buffer.to(self.device).contiguous(), n))
 
     def _wide_view_of(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        import torch
+
         if not buf.is_contiguous() or buf.numel() * buf.element_size() != n * self.block_bytes:
             raise ValueError(f"buffer must be contiguous with {n * self.block_bytes} bytes")
         return buf.view(torch.uint8).reshape(-1).view(self._wide.dtype).view(2 * self.num_layers, n, -1)
 
     def byte_view(self) -> torch.Tensor:
         """The whole cache as uint8 (last dim scaled by the element size): buffer-protocol friendly."""
+        import torch
+
         return self.kv.view(torch.uint8)
 
 
@@ -245,12 +258,16 @@ class StagingPool:
     """
 
     def __init__(self, device: str | torch.device = "cpu", max_buffers: int = 4) -> None:
+        import torch
+
         self.device = torch.device(device)
         self.max_buffers = max_buffers
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int) -> torch.Tensor:
+        import torch
+
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:

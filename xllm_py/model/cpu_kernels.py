@@ -54,6 +54,7 @@ MAX_BLOCK_SIZE = 256
 # oneDNN (4 shapes x 8 layers, interleaved, paired time ratio, median): 0.86 at 128 rows,
 # 0.92 at 512, 0.92 at 2048.
 PANEL_MAX_ROWS = 96
+PANEL_DTYPES = (torch.float32, torch.bfloat16)  # what the panels may hold
 
 
 def _cpu_flags() -> set[str]:
@@ -139,6 +140,8 @@ def _load() -> ctypes.CDLL | None:
             "xllm_silu_and_mul_f32": ([p, p, i64, i32], None),
             "xllm_linear_panels_f32": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
             "xllm_linear_large_f32": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
+            "xllm_linear_panels_bf16": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
+            "xllm_linear_large_bf16": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
             "xllm_copy_chunks": ([p, p, i64], None),
         }
         for name, (args, res) in signatures.items():
@@ -292,20 +295,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """nn.Linear's weight [N, K] -> panels [ceil(N/16), K, 16] for ``linear_panels``."""
+def pack_panels(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """nn.Linear's weight [N, K] -> panels [ceil(N/16), K, 16] for ``linear_panels``, in
+    ``dtype`` (float32 or bfloat16; default: the weight's)."""
     n, k = weight.shape
     num = (n + 15) // 16
-    padded = weight.new_zeros(num * 16, k)
+    padded = weight.new_zeros(num * 16, k, dtype=dtype or weight.dtype)
     padded[:n] = weight
     return padded.view(num, 16, k).transpose(1, 2).contiguous()
+
 
 
 def linear_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None) -> torch.Tensor | None:
     """``x @ W.T + bias`` for x [M <= PANEL_MAX_ROWS, K] float32 with W packed by
-    ``pack_panels``. None: not handled (take another path)."""
-    return _panel_linear("xllm_linear_panels_f32", x, panels, out_features, bias,
+    ``pack_panels`` (float32 or bfloat16 panels; the sums are float32 either way).
+    None: not handled (take another path)."""
+    return _panel_linear("xllm_linear_panels", x, panels, out_features, bias,
                          PANEL_MAX_ROWS)
 
 
@@ -313,16 +319,19 @@ def linear_large(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None) -> torch.Tensor | None:
     """``x @ W.T + bias`` for x [M, K] float32 (any M; meant for M > PANEL_MAX_ROWS, the
     prefill sizes) with W packed by ``pack_panels``. None: not handled (unsupported
-    tensors, no kernels, or the kernel declined, e.g. out of memory): take another path."""
-    return _panel_linear("xllm_linear_large_f32", x, panels, out_features, bias, 2**31 - 1)
+    tensors, no kernels, or the kernel declined, e.g. out of memory): take another path.
+    float32 or bfloat16 panels."""
+    return _panel_linear("xllm_linear_large", x, panels, out_features, bias, 2**31 - 1)
 
 
 def _panel_linear(fn: str, x: torch.Tensor, panels: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None, max_rows: int) -> torch.Tensor | None:
-    """One of the panel GEMM entry points on checked tensors; None when it does not apply
-    or the kernel declines."""
+    """One of the panel GEMM entry points (``fn`` + ``_f32`` / ``_bf16`` by the panels'
+    dtype) on checked tensors; None when it does not apply or the kernel declines."""
     if (x.dim() != 2 or not 0 < x.shape[0] <= max_rows or not x.is_contiguous()
-            or not _f32_cpu(x, panels) or not panels.is_contiguous() or _load() is None):
+            or not _f32_cpu(x) or panels.device.type != "cpu"
+            or panels.dtype not in PANEL_DTYPES or not panels.is_contiguous()
+            or _load() is None):
         return None
     if bias is not None and (not _f32_cpu(bias) or not bias.is_contiguous()):
         return None
@@ -330,6 +339,7 @@ def _panel_linear(fn: str, x: torch.Tensor, panels: torch.Tensor, out_features: 
     if x.shape[1] != k or panels.shape[0] * 16 < out_features:
         raise ValueError(f"linear: input has {x.shape[1]} features, weight expects {k}")
     y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    fn += "_bf16" if panels.dtype == torch.bfloat16 else "_f32"
     rc = getattr(_lib, fn)(x.data_ptr(), panels.data_ptr(),
                            0 if bias is None else bias.data_ptr(), y.data_ptr(),
                            x.shape[0], out_features, k)

@@ -8,10 +8,10 @@ of ~10 per layer, intermediates in one reused scratch buffer. The floats are tho
 per-op path (the same kernel bodies in the same order).
 
 It applies when every linear of the model is a ``PackedLinear`` with panels (the engine
-packs float32 CPU models), the kernels are loaded and the caches have the layout the
-kernels address; ``FusedDecoder.run`` / ``logits`` return None otherwise and the caller
-takes the per-op path. One caller at a time per model (the engine thread): the scratch
-is shared.
+packs float32 CPU models; float32 or bfloat16 panels, one dtype per layer), the kernels
+are loaded and the caches have the layout the kernels address; ``FusedDecoder.run`` /
+``logits`` return None otherwise and the caller takes the per-op path. One caller at a
+time per model (the engine thread): the scratch is shared.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class LayerArgs(ctypes.Structure):
         ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
         ("qkv_w", _p), ("qkv_b", _p), ("o_w", _p), ("o_b", _p),
         ("gate_up_w", _p), ("gate_up_b", _p), ("down_w", _p), ("down_b", _p),
-        ("k_cache", _p), ("v_cache", _p),
+        ("k_cache", _p), ("v_cache", _p), ("weight_bf16", _i32),
     ]
 
 
@@ -52,7 +52,7 @@ class StepArgs(ctypes.Structure):
         ("embed_rows", _i64), ("table_rows", _i64),
         ("residual", _p), ("out0", _p), ("out1", _p), ("scratch", _p),
         ("final_norm", _p), ("lm_w", _p), ("lm_b", _p), ("final_eps", _f32), ("vocab", _i32),
-        ("logits", _p),
+        ("logits", _p), ("lm_bf16", _i32),
     ]
 
 
@@ -63,6 +63,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def _f32_contiguous(*ts: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu"
                              and t.is_contiguous()) for t in ts)
+
+
+def _panels_ok(*ms: PackedLinear) -> bool:
+    """Contiguous CPU panels of one dtype the kernels read (float32 or bfloat16)."""
+    ps = [m._panels for m in ms]
+    return all(p.device.type == "cpu" and p.is_contiguous() and p.dtype == ps[0].dtype
+               for p in ps) and ps[0].dtype in cpu_kernels.PANEL_DTYPES
 
 
 def supported() -> bool:
@@ -113,8 +120,8 @@ class FusedDecoder:
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                      None if attn.q_norm is None else attn.q_norm.weight,
                      None if attn.k_norm is None else attn.k_norm.weight)
-            if not _f32_contiguous(*norms, *(m._panels for m in linears),
-                                   *(m.bias for m in linears)):
+            if not (_f32_contiguous(*norms, *(m.bias for m in linears))
+                    and _panels_ok(*linears)):
                 return None
             layers.append(LayerArgs(
                 hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
@@ -127,14 +134,15 @@ class FusedDecoder:
                 qkv_w=_ptr(attn.qkv_proj._panels), qkv_b=_ptr(attn.qkv_proj.bias),
                 o_w=_ptr(attn.o_proj._panels), o_b=_ptr(attn.o_proj.bias),
                 gate_up_w=_ptr(mlp.gate_up_proj._panels), gate_up_b=_ptr(mlp.gate_up_proj.bias),
-                down_w=_ptr(mlp.down_proj._panels), down_b=_ptr(mlp.down_proj.bias)))
+                down_w=_ptr(mlp.down_proj._panels), down_b=_ptr(mlp.down_proj.bias),
+                weight_bf16=int(attn.qkv_proj._panels.dtype == torch.bfloat16)))
             keep.append((norms, linears))
         head = None
         norm, lm_head = model.model.norm, model.lm_head
         embed = model.model.embed_tokens.weight
         if (_has_panels(lm_head) and lm_head.in_features == cfg.hidden_size
                 and embed.shape[1] == cfg.hidden_size
-                and _f32_contiguous(norm.weight, lm_head._panels, lm_head.bias, embed)):
+                and _f32_contiguous(norm.weight, lm_head.bias, embed) and _panels_ok(lm_head)):
             head = (norm.weight, norm.eps, lm_head._panels, lm_head.bias, lm_head.out_features,
                     embed)
         return cls(lib, (LayerArgs * len(layers))(*layers), keep, head)
@@ -210,7 +218,7 @@ class FusedDecoder:
                 s.ids = s.positions = s.embed = s.cos_table = s.sin_table = None
                 s.embed_rows = s.table_rows = 0
                 s.final_norm = s.lm_w = s.lm_b = s.logits = None
-                s.vocab = 0
+                s.vocab = s.lm_bf16 = 0
             else:
                 ids, positions, cos_t, sin_t = gather
                 norm_w, eps, panels, bias, vocab, embed = self._head
@@ -222,6 +230,7 @@ class FusedDecoder:
                 s.table_rows = cos_t.shape[0]
                 s.final_norm, s.final_eps = norm_w.data_ptr(), eps
                 s.lm_w, s.lm_b, s.vocab = panels.data_ptr(), _ptr(bias), vocab
+                s.lm_bf16 = int(panels.dtype == torch.bfloat16)
                 s.logits = logits.data_ptr()
             rc = self._lib.xllm_decode_stack_f32(layers, len(layers), ctypes.byref(s))
         if rc == -1:  # sizes the kernels do not take: nothing ran

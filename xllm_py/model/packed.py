@@ -19,6 +19,15 @@ decode-size matmuls 1.6-1.9x faster than sgemm and uses the second core
 Packing is used where it is known to be exact to float32 rounding and supported: CPU,
 float32 weights, a torch built with oneDNN. Elsewhere ``pack_linears`` leaves the model
 as it is and says so.
+
+Weight dtype of the panels (``weight_dtype``): a checkpoint stored in bfloat16 loads into
+float32 parameters whose values are all bfloat16 numbers; ``"auto"`` (the default) keeps
+such a weight as bfloat16 panels, which the kernels widen exactly as they load it and
+multiply in float32: the same sums as float32 panels, half the bytes in memory and
+streamed per decode step. A weight with any value that bfloat16 cannot hold keeps float32
+panels, so ``"auto"`` never changes a result. ``"float32"`` always keeps float32;
+``"bfloat16"`` rounds to it (and says how many weights it rounded). bfloat16 panels need
+the native kernels; without them the weights stay float32 (oneDNN).
 """
 from __future__ import annotations
 
@@ -54,7 +63,8 @@ class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held once, packed: as 16-column panels for the native
     kernels when they are available, else in oneDNN's blocked layout."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = DEFAULT_BATCH_HINT) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int = DEFAULT_BATCH_HINT,
+                 weight_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -63,8 +73,9 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         # Exactly one of the two layouts. Panels [ceil(out/16), in, 16]: every row count
         # (linear_panels up to PANEL_MAX_ROWS, linear_large past that).
-        self._panels = (cpu_kernels.pack_panels(weight) if cpu_kernels.linear_available()
-                        else None)
+        # bfloat16 panels: the kernels widen them exactly (module docstring)
+        self._panels = (cpu_kernels.pack_panels(weight, weight_dtype)
+                        if cpu_kernels.linear_available() else None)
         # oneDNN's packed weight, an opaque mkldnn tensor: kept as a plain attribute (not a
         # parameter/buffer, which state_dict and .to() would treat as a dense tensor).
         self._packed = None
@@ -91,34 +102,65 @@ class PackedLinear(nn.Module):
         """The same product in torch, reading the panels in place: [M, K] @ [np, K, 16] is a
         batched matmul to [np, M, 16], whose panels side by side are the columns of y."""
         m, num = x2.shape[0], self._panels.shape[0]
-        y = torch.matmul(x2, self._panels).transpose(0, 1).reshape(m, num * 16)
+        y = torch.matmul(x2, self._panels.to(x2.dtype)).transpose(0, 1).reshape(m, num * 16)
         y = y[:, :self.out_features]
         return y + self.bias if self.bias is not None else y.contiguous()
 
     def extra_repr(self) -> str:
-        layout = "panels" if self._panels is not None else "onednn"
+        layout = "onednn" if self._panels is None else (
+            "panels" if self._panels.dtype == torch.float32 else "panels-bf16")
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"bias={self.bias is not None}, packed={layout}"
 
 
-def pack_linears(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def is_bfloat16_valued(weight: torch.Tensor) -> bool:
+    """Whether every value of ``weight`` is a bfloat16 number (as in a checkpoint stored in
+    bfloat16 and loaded as float32): then bfloat16 panels hold it exactly."""
+    return weight.dtype == torch.bfloat16 or torch.equal(
+        weight.to(torch.bfloat16).to(weight.dtype), weight)
+
+
+def pack_linears(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT,
+                 weight_dtype: str = "auto") -> int:
     """Replace every ``nn.Linear`` in ``model`` by a ``PackedLinear``; returns how many.
+    ``weight_dtype``: ``WEIGHT_DTYPES``, the panels' dtype (module docstring).
 
     Returns 0 (and logs why) when packing is not supported for this model.
     """
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, "
+                         f"got {weight_dtype!r}")
     ok, why = packing_supported(model)
     if not ok:
         logger.info("linear weights not packed: %s", why)
         return 0
-    count = 0
+    panels = cpu_kernels.linear_available()
+    count = num_bf16 = num_rounded = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child, batch_hint))
+                dtype = torch.float32
+                if panels and weight_dtype != "float32":
+                    exact = is_bfloat16_valued(child.weight)
+                    if exact or weight_dtype == "bfloat16":
+                        dtype = torch.bfloat16
+                        num_rounded += not exact
+                setattr(parent, name, PackedLinear(child, batch_hint, dtype))
                 count += 1
-    if cpu_kernels.linear_available():
-        logger.info("packed %d linear layers as panels for the native kernels", count)
+                num_bf16 += dtype == torch.bfloat16
+    if num_rounded:
+        logger.warning("weight dtype bfloat16: %d of %d linear weights rounded to bfloat16",
+                       num_rounded, count)
+    if panels:
+        logger.info("packed %d linear layers as panels for the native kernels (%d in "
+                    "bfloat16, %d in float32)", count, num_bf16, count - num_bf16)
     else:
+        if weight_dtype == "bfloat16":
+            logger.warning("weight dtype bfloat16 needs the native kernels: weights kept "
+                           "in float32")
         logger.info("packed %d linear layers for oneDNN (batch hint %d; native linear "
                     "kernels unavailable: %s)", count, batch_hint,
                     cpu_kernels.unavailable_reason() or "no AVX2/FMA")

@@ -44,6 +44,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                      num_kv_heads=4, intermediate_size=1536, seed=0),
     "tiny-llama": dict(family="llama", hidden_size=256, num_layers=4, num_heads=4,
                        num_kv_heads=2, intermediate_size=704, seed=0),
+    # tiny-25m's weights rounded to bfloat16 and stored so, as real checkpoints are
+    "tiny-25m-bf16": dict(family="qwen3", hidden_size=512, num_layers=8, num_heads=8,
+                          num_kv_heads=4, intermediate_size=1536, seed=0, dtype="bfloat16"),
 }
 
 _ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
@@ -178,14 +181,19 @@ def build_model_dir(path: str | pathlib.Path, *, family: str = "qwen3", hidden_s
                     intermediate_size: int = 704, head_dim: int | None = None,
                     max_position_embeddings: int = 2048, tie_word_embeddings: bool = True,
                     rope_theta: float = 10000.0, seed: int = 0,
-                    init_std: float = 0.05, with_weights: bool = True) -> pathlib.Path:
+                    init_std: float = 0.05, with_weights: bool = True,
+                    dtype: str = "float32") -> pathlib.Path:
     """Write a complete HF-format model directory with random weights; returns the path.
 
     The vocabulary comes from the tiny tokenizer (written alongside). Only torch,
     safetensors and tokenizers are needed. ``init_std`` 0.05: at 0.02 greedy decoding
     of these random models repeats a single token. ``with_weights=False`` writes every
     file but model.safetensors, without importing torch (what the master needs).
+    ``dtype``: the stored weights' dtype, ``float32`` or ``bfloat16`` (the float32 draws
+    rounded).
     """
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     if family not in _ARCH:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(_ARCH)}")
     if hidden_size % num_heads and head_dim is None:
@@ -218,7 +226,7 @@ def build_model_dir(path: str | pathlib.Path, *, family: str = "qwen3", hidden_s
         "bos_token_id": None,
         "eos_token_id": eos[0],
         "pad_token_id": eos[1],
-        "dtype": "float32",
+        "dtype": dtype,
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "generation_config.json").write_text(
@@ -231,7 +239,7 @@ def build_model_dir(path: str | pathlib.Path, *, family: str = "qwen3", hidden_s
                              num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=hd,
                              num_heads=num_heads, intermediate_size=intermediate_size,
                              tie_word_embeddings=tie_word_embeddings, seed=seed,
-                             init_std=init_std)
+                             init_std=init_std, dtype=dtype)
     return path
 
 

@@ -13,8 +13,9 @@ from safetensors.torch import save_file
 def write_random_weights(path: pathlib.Path, *, family: str, vocab: int, hidden_size: int,
                          num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                          intermediate_size: int, tie_word_embeddings: bool, seed: int,
-                         init_std: float) -> None:
-    """model.safetensors: normal(0, init_std) from a fixed seed; norms are ones."""
+                         init_std: float, dtype: str = "float32") -> None:
+    """model.safetensors: normal(0, init_std) from a fixed seed; norms are ones. Stored in
+    ``dtype`` (float32, or bfloat16: the same draws rounded)."""
     hd = head_dim
     gen = torch.Generator().manual_seed(seed)
 
@@ -44,4 +45,5 @@ def write_random_weights(path: pathlib.Path, *, family: str, vocab: int, hidden_
     tensors["model.norm.weight"] = torch.ones(hidden_size)
     if not tie_word_embeddings:
         tensors["lm_head.weight"] = normal(vocab, hidden_size)
+    tensors = {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

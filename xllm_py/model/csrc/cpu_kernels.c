@@ -377,7 +377,14 @@ void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
  * P[ceil(N / 16)][K][16] (row n of W at panel n / 16, column n % 16; zero padded).
  * Each thread takes whole panels; a 6 x 16 tile of y lives in 12 AVX registers while the
  * panel streams through once per 6 rows of x (from L1/L2 after the first pass), so the
- * weights come from memory once per call. Returns -1 without AVX2/FMA (caller: oneDNN). */
+ * weights come from memory once per call. Returns -1 without AVX2/FMA (caller: oneDNN).
+ *
+ * The panels are float32 or bfloat16 (the ``_bf16`` entry points: a checkpoint stored in
+ * bfloat16 keeps its linear weights so, half the bytes streamed per decode step). bf16 is
+ * the top half of a float32, so a weight widens exactly (a zero-extend and a 16-bit
+ * shift) as it is loaded, and the sums are those of float32 panels holding the same
+ * values, bit for bit: one row widens in registers, several rows widen each 64-row chunk
+ * of the panel once into a 4 KB buffer that serves every tile. */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define XLLM_TILE_ROWS 6
@@ -404,6 +411,52 @@ static void panel_one_row(const float *x0, const float *pp, int32_t K, float *ti
     }
     _mm256_storeu_ps(tile, _mm256_add_ps(e0, o0));
     _mm256_storeu_ps(tile + 8, _mm256_add_ps(e1, o1));
+}
+
+/* 16 bfloat16 -> two float32 vectors (columns 0-7, 8-15): exact. */
+static inline __attribute__((always_inline)) void bf16x16_load(const uint16_t *p, __m256 *lo,
+                                                               __m256 *hi) {
+    const __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8)));
+    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+    *hi = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+}
+
+/* panel_one_row on a bfloat16 panel: the same fmas in the same order. */
+static void panel_one_row_bf16(const float *x0, const uint16_t *pp, int32_t K, float *tile) {
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0, w0, w1, w2, w3;
+    int32_t k = 0;
+    for (; k + 1 < K; k += 2) {
+        const __m256 a = _mm256_broadcast_ss(x0 + k), a2 = _mm256_broadcast_ss(x0 + k + 1);
+        bf16x16_load(pp + (int64_t)k * 16, &w0, &w1);
+        bf16x16_load(pp + (int64_t)k * 16 + 16, &w2, &w3);
+        e0 = _mm256_fmadd_ps(a, w0, e0);
+        e1 = _mm256_fmadd_ps(a, w1, e1);
+        o0 = _mm256_fmadd_ps(a2, w2, o0);
+        o1 = _mm256_fmadd_ps(a2, w3, o1);
+    }
+    if (k < K) {
+        const __m256 a = _mm256_broadcast_ss(x0 + k);
+        bf16x16_load(pp + (int64_t)k * 16, &w0, &w1);
+        e0 = _mm256_fmadd_ps(a, w0, e0);
+        e1 = _mm256_fmadd_ps(a, w1, e1);
+    }
+    _mm256_storeu_ps(tile, _mm256_add_ps(e0, o0));
+    _mm256_storeu_ps(tile + 8, _mm256_add_ps(e1, o1));
+}
+
+/* kn rows of a bfloat16 panel -> float32 rows dst[kn][16]; prefetches ``pf`` (the next
+ * chunk, NULL: none), one line per two rows. */
+static inline void bf16_panel_rows(const uint16_t *src, int32_t kn, float *dst,
+                                   const uint16_t *pf) {
+    for (int32_t i = 0; i < kn; i++) {
+        __m256 lo, hi;
+        if (pf != NULL && (i & 1) == 0)
+            _mm_prefetch((const char *)(pf + (int64_t)i * 16), _MM_HINT_T0);
+        bf16x16_load(src + (int64_t)i * 16, &lo, &hi);
+        _mm256_storeu_ps(dst + (int64_t)i * 16, lo);
+        _mm256_storeu_ps(dst + (int64_t)i * 16 + 8, hi);
+    }
 }
 
 /* acc[r] += xt[k0:k0+kn][r] @ panel[k0:k0+kn] for the first ``rows`` (1..6, a constant at
@@ -490,12 +543,32 @@ static size_t panel_pack_floats(int32_t M, int32_t K) {
     return M > 1 ? (size_t)((M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS) * K * XLLM_TILE_ROWS : 0;
 }
 
-/* The work sharing of linear_panels inside a parallel region; xt: panel_pack_floats. */
-static void linear_panels_body(const float *x, const float *P, const float *b, float *y,
-                               int32_t M, int32_t N, int32_t K, float *xt) {
-    const int32_t np = (N + 15) / 16;
+/* Every tile of x over kn rows of one panel: xt packed x from the chunk's first row
+ * (tile t at xt + t * K * 6), w the panel's rows [kn][16] (pf: in place in the panel,
+ * prefetch the next chunk). */
+static inline __attribute__((always_inline)) void panel_chunk(const float *xt, const float *w,
+                                                              int32_t kn, int32_t K, int32_t M,
+                                                              float (*acc)[16], const int pf) {
     const int32_t tiles = (M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS;
     const int32_t full = M / XLLM_TILE_ROWS; /* tiles of six rows */
+    if (full > 0)
+        panel_tile(xt, w, 0, kn, acc, pf, XLLM_TILE_ROWS);
+    else
+        panel_tile_rows(xt, w, 0, kn, acc, pf, M);
+    for (int32_t t = 1; t < full; t++)
+        panel_tile(xt + (int64_t)t * K * XLLM_TILE_ROWS, w, 0, kn, acc + t * XLLM_TILE_ROWS, 0,
+                   XLLM_TILE_ROWS);
+    if (full > 0 && full < tiles) /* the partial last tile */
+        panel_tile_rows(xt + (int64_t)full * K * XLLM_TILE_ROWS, w, 0, kn,
+                        acc + full * XLLM_TILE_ROWS, 0, M - full * XLLM_TILE_ROWS);
+}
+
+/* The work sharing of linear_panels inside a parallel region; xt: panel_pack_floats.
+ * P: float32 panels, or bfloat16 ones with ``bf16``. */
+static void linear_panels_body(const float *x, const void *P, const float *b, float *y,
+                               int32_t M, int32_t N, int32_t K, float *xt, int bf16) {
+    const int32_t np = (N + 15) / 16;
+    const int32_t tiles = (M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS;
     if (M > 1) {
 #pragma omp for schedule(static)
         for (int32_t t = 0; t < tiles; t++) {
@@ -517,27 +590,30 @@ static void linear_panels_body(const float *x, const float *P, const float *b, f
      * 3-18% faster for the matmuls alone on a noisy machine) */
 #pragma omp for schedule(static)
     for (int32_t p = 0; p < np; p++) {
-        const float *pp = P + (int64_t)p * K * 16;
+        const float *pp = (const float *)P + (int64_t)p * K * 16;
+        const uint16_t *pb = (const uint16_t *)P + (int64_t)p * K * 16;
         const int32_t n0 = p * 16, nv = N - n0 < 16 ? N - n0 : 16;
         float acc[XLLM_PANEL_MAX_ROWS + XLLM_TILE_ROWS][16];
+        float wide[XLLM_PANEL_KC * 16]; /* a bf16 chunk widened */
         if (M == 1) {
-            panel_one_row(x, pp, K, acc[0]);
+            if (bf16)
+                panel_one_row_bf16(x, pb, K, acc[0]);
+            else
+                panel_one_row(x, pp, K, acc[0]);
         } else {
             memset(acc, 0, sizeof(float) * 16 * (size_t)(tiles * XLLM_TILE_ROWS));
             /* k outer, tiles inner: each chunk of the panel comes from memory once and
              * serves every tile from L1 */
             for (int32_t k0 = 0; k0 < K; k0 += XLLM_PANEL_KC) {
                 const int32_t kn = K - k0 < XLLM_PANEL_KC ? K - k0 : XLLM_PANEL_KC;
-                if (full > 0)
-                    panel_tile(xt, pp, k0, kn, acc, 1, XLLM_TILE_ROWS);
-                else
-                    panel_tile_rows(xt, pp, k0, kn, acc, 1, M);
-                for (int32_t t = 1; t < full; t++)
-                    panel_tile(xt + (int64_t)t * K * XLLM_TILE_ROWS, pp, k0, kn,
-                               acc + t * XLLM_TILE_ROWS, 0, XLLM_TILE_ROWS);
-                if (full > 0 && full < tiles) /* the partial last tile */
-                    panel_tile_rows(xt + (int64_t)full * K * XLLM_TILE_ROWS, pp, k0, kn,
-                                    acc + full * XLLM_TILE_ROWS, 0, M - full * XLLM_TILE_ROWS);
+                const float *xk = xt + (int64_t)k0 * XLLM_TILE_ROWS;
+                if (bf16) {
+                    const uint16_t *src = pb + (int64_t)k0 * 16;
+                    bf16_panel_rows(src, kn, wide, k0 + kn < K ? src + (int64_t)kn * 16 : NULL);
+                    panel_chunk(xk, wide, kn, K, M, acc, 0);
+                } else {
+                    panel_chunk(xk, pp + (int64_t)k0 * 16, kn, K, M, acc, 1);
+                }
             }
         }
         for (int32_t m = 0; m < M; m++) {
@@ -548,8 +624,8 @@ static void linear_panels_body(const float *x, const float *P, const float *b, f
     }
 }
 
-int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
-                           int32_t N, int32_t K) {
+static int linear_panels(const float *x, const void *P, const float *b, float *y, int32_t M,
+                         int32_t N, int32_t K, int bf16) {
     if (M <= 0 || M > XLLM_PANEL_MAX_ROWS || K <= 0)
         return -1;
     const size_t need = panel_pack_floats(M, K);
@@ -557,8 +633,18 @@ int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float
     if (need && xt == NULL)
         return -1;
 #pragma omp parallel
-    linear_panels_body(x, P, b, y, M, N, K, xt);
+    linear_panels_body(x, P, b, y, M, N, K, xt, bf16);
     return 0;
+}
+
+int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
+                           int32_t N, int32_t K) {
+    return linear_panels(x, P, b, y, M, N, K, 0);
+}
+
+int xllm_linear_panels_bf16(const float *x, const uint16_t *P, const float *b, float *y,
+                            int32_t M, int32_t N, int32_t K) {
+    return linear_panels(x, P, b, y, M, N, K, 1);
 }
 
 #include "decode_layer.c"
@@ -571,6 +657,16 @@ int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float
 }
 int xllm_linear_large_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
                           int32_t N, int32_t K) {
+    (void)x; (void)P; (void)b; (void)y; (void)M; (void)N; (void)K;
+    return -1;
+}
+int xllm_linear_panels_bf16(const float *x, const uint16_t *P, const float *b, float *y,
+                            int32_t M, int32_t N, int32_t K) {
+    (void)x; (void)P; (void)b; (void)y; (void)M; (void)N; (void)K;
+    return -1;
+}
+int xllm_linear_large_bf16(const float *x, const uint16_t *P, const float *b, float *y,
+                           int32_t M, int32_t N, int32_t K) {
     (void)x; (void)P; (void)b; (void)y; (void)M; (void)N; (void)K;
     return -1;
 }

@@ -22,8 +22,17 @@ struct xllm_decode_layer {
     float rms_eps, qk_eps, scale;
     /* norms [hidden] / [head_dim] (q/k norm: NULL without), panels, biases or NULL */
     const float *input_norm, *post_norm, *q_norm, *k_norm;
-    const float *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
+    /* panels (float32, or bfloat16 with weight_bf16) and biases */
+    const void *qkv_w;
+    const float *qkv_b;
+    const void *o_w;
+    const float *o_b;
+    const void *gate_up_w;
+    const float *gate_up_b;
+    const void *down_w;
+    const float *down_b;
     float *k_cache, *v_cache; /* this layer's caches (block_stride apart blocks) */
+    int32_t weight_bf16; /* 1: the four panels hold bfloat16 (cpu_kernels.c), 0: float32 */
 };
 
 /* One step: the batch, its attention metadata and the buffers. */
@@ -43,10 +52,13 @@ struct xllm_decode_step {
     float *residual, *out0, *out1, *scratch;
     /* head (lm_w NULL: none, the last layer's output stays in out[(n - 1) % 2]):
      * final norm weight, its eps, LM head panels and bias (or NULL), logits [T, vocab] */
-    const float *final_norm, *lm_w, *lm_b;
+    const float *final_norm;
+    const void *lm_w;
+    const float *lm_b;
     float final_eps;
     int32_t vocab;
     float *logits;
+    int32_t lm_bf16; /* 1: the LM head panels hold bfloat16 */
 };
 
 static size_t decode_layer_pack_floats(const struct xllm_decode_layer *a, int64_t T) {
@@ -92,17 +104,18 @@ static void decode_layer_body(const struct xllm_decode_layer *a,
         add_rms_norm_body(s->residual, NULL, a->input_norm, h, s->T, a->hidden, a->rms_eps);
     else
         add_rms_norm_body(x, s->residual, a->input_norm, h, s->T, a->hidden, a->rms_eps);
-    linear_panels_body(h, a->qkv_w, a->qkv_b, qkv, M, qkv_n, a->hidden, xt);
+    linear_panels_body(h, a->qkv_w, a->qkv_b, qkv, M, qkv_n, a->hidden, xt, a->weight_bf16);
     qk_norm_rope_store_body(qkv, qr, a->k_cache, a->v_cache, s->slots, a->q_norm, a->k_norm,
                             a->qk_eps, s->cos, s->sin, s->T, H, KVH, D);
     decode_attention_body(qr, att, a->k_cache, a->v_cache, s->block_stride, s->tables,
                           s->table_stride, s->seq_lens, M, H, KVH, D, s->block_size, a->scale,
                           khc, failed);
-    linear_panels_body(att, a->o_w, a->o_b, out, M, a->hidden, q, xt);
+    linear_panels_body(att, a->o_w, a->o_b, out, M, a->hidden, q, xt, a->weight_bf16);
     add_rms_norm_body(out, s->residual, a->post_norm, h, s->T, a->hidden, a->rms_eps);
-    linear_panels_body(h, a->gate_up_w, a->gate_up_b, gu, M, 2 * I, a->hidden, xt);
+    linear_panels_body(h, a->gate_up_w, a->gate_up_b, gu, M, 2 * I, a->hidden, xt,
+                       a->weight_bf16);
     silu_and_mul_body(gu, act, s->T, I);
-    linear_panels_body(act, a->down_w, a->down_b, out, M, a->hidden, I, xt);
+    linear_panels_body(act, a->down_w, a->down_b, out, M, a->hidden, I, xt, a->weight_bf16);
 }
 
 /* 0, or -1 (nothing run) when a size is out of range; -2 when attention ran out of memory
@@ -157,7 +170,7 @@ int xllm_decode_stack_f32(const struct xllm_decode_layer *layers, int32_t n,
             add_rms_norm_body(outs[(n - 1) % 2], s->residual, s->final_norm, h, s->T, hidden,
                               s->final_eps);
             linear_panels_body(h, s->lm_w, s->lm_b, s->logits, (int32_t)s->T, s->vocab,
-                               hidden, xt);
+                               hidden, xt, s->lm_bf16);
         }
     }
     return failed ? -2 : 0;

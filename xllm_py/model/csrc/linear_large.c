@@ -14,7 +14,10 @@
  * is finished through the accumulator, which has room for 16 columns.
  *
  * Exact float32 (one fma per product), though not in the decode kernel's order:
- * its chunks are 64 rows of K, these 256. Against oneDNN on its own packed copy (the
+ * its chunks are 64 rows of K, these 256. With bfloat16 panels (``_bf16``) each thread widens
+ * the chunk of the panel it is about to use into a 16 KB float32 buffer (served to every
+ * tile of its block from L1), then runs the same tiles: the same sums as float32 panels
+ * holding the same values. Against oneDNN on its own packed copy (the
  * tiny-25m shapes, 8 layers, 2 threads): cpu_kernels.PANEL_MAX_ROWS, docs/DESIGN.md. */
 
 /* rows of x per block of one thread: 96 rows at K = 512 are 192 KB of packed x, which stay
@@ -160,8 +163,8 @@ static float *large_buffer(size_t need) {
     return buf;
 }
 
-int xllm_linear_large_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
-                          int32_t N, int32_t K) {
+static int linear_large(const float *x, const void *P, const float *b, float *y, int32_t M,
+                        int32_t N, int32_t K, int bf16) {
     if (M <= 0 || N <= 0 || K <= 0)
         return -1;
     const int32_t np = (N + 15) / 16;
@@ -169,7 +172,9 @@ int xllm_linear_large_f32(const float *x, const float *P, const float *b, float 
     /* packed x of a block, 16 floats (the packing's 2 of slack, then alignment), the
      * accumulator: XLLM_LARGE_MC * K * 4 bytes is a multiple of 64, so acc stays aligned */
     const size_t xt_floats = (size_t)XLLM_LARGE_MC * K;
-    const size_t need = xt_floats + 16 + (size_t)XLLM_LARGE_MC * 16;
+    const size_t acc_floats = (size_t)XLLM_LARGE_MC * 16;
+    /* then, with bf16 panels, the widened chunk (also 64-byte aligned) */
+    const size_t need = xt_floats + 16 + acc_floats + (bf16 ? XLLM_LARGE_KC * 16 : 0);
     int fail = 0;
     /* Blocks of up to XLLM_LARGE_TILES tiles taken dynamically (a thread the host slows
      * down takes fewer), at least two per thread so that small M still splits evenly. */
@@ -185,6 +190,7 @@ int xllm_linear_large_f32(const float *x, const float *P, const float *b, float 
             fail = 1;
         }
         float *acc = xt != NULL ? xt + xt_floats + 16 : NULL;
+        float *wide = acc != NULL ? acc + acc_floats : NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int32_t bi = 0; bi < nblocks; bi++) {
             const int32_t tb = bi * block_tiles;
@@ -201,7 +207,8 @@ int xllm_linear_large_f32(const float *x, const float *P, const float *b, float 
                                 xt + (int64_t)t * K * XLLM_TILE_ROWS);
             }
             for (int32_t p = 0; p < np; p++) {
-                const float *pp = P + (int64_t)p * K * 16;
+                const float *pp = (const float *)P + (int64_t)p * K * 16;
+                const uint16_t *pb = (const uint16_t *)P + (int64_t)p * K * 16;
                 const int32_t n0 = p * 16, nv = N - n0 < 16 ? N - n0 : 16;
                 const float *bias = b != NULL ? b + n0 : NULL;
                 for (int32_t k0 = 0; k0 < K; k0 += XLLM_LARGE_KC) {
@@ -211,6 +218,12 @@ int xllm_linear_large_f32(const float *x, const float *P, const float *b, float 
                     const float *w = pp + (int64_t)k0 * 16;
                     /* the next chunk (of this panel or the next), unless this is the end */
                     const float *pf = p + 1 < np || k0 + kn < K ? w + (int64_t)kn * 16 : NULL;
+                    if (bf16) {
+                        const uint16_t *src = pb + (int64_t)k0 * 16;
+                        bf16_panel_rows(src, kn, wide, pf != NULL ? src + (int64_t)kn * 16 : NULL);
+                        w = wide;
+                        pf = NULL;
+                    }
                     for (int32_t t = 0; t < full; t++) {
                         const int32_t m = m0 + t * XLLM_TILE_ROWS;
                         if (last) {
@@ -242,5 +255,15 @@ int xllm_linear_large_f32(const float *x, const float *P, const float *b, float 
         }
     }
     return fail ? -1 : 0;
+}
+
+int xllm_linear_large_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
+                          int32_t N, int32_t K) {
+    return linear_large(x, P, b, y, M, N, K, 0);
+}
+
+int xllm_linear_large_bf16(const float *x, const uint16_t *P, const float *b, float *y,
+                           int32_t M, int32_t N, int32_t K) {
+    return linear_large(x, P, b, y, M, N, K, 1);
 }
 #pragma GCC pop_options

@@ -1,0 +1,131 @@
+"""Metrics of benchmarks/bench_serving.py: percentiles, the per-run summary (throughput,
+goodput under SLOs, TTFT/TPOT/ITL/E2E), the side-by-side table and latency CDF plots."""
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from benchmarks.bench_serving import RequestResult
+
+PERCENTILES = (50, 90, 99)
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]; nan if empty."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _dist_ms(xs: list[float]) -> dict[str, float]:
+    ms = [x * 1000.0 for x in xs]
+    d = {"mean": sum(ms) / len(ms) if ms else float("nan")}
+    for q in PERCENTILES:
+        d[f"p{q}"] = percentile(ms, q)
+    return d
+
+
+def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float | None = None,
+              slo_tpot_ms: float | None = None) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    itls = [x for r in ok for x in r.itl]
+    n_in = sum(r.input_len for r in ok)
+    n_out = sum(r.output_len for r in ok)
+
+    def meets(r: RequestResult) -> bool:
+        if slo_ttft_ms is not None and r.ttft * 1000 > slo_ttft_ms:
+            return False
+        tp = r.tpot
+        if slo_tpot_ms is not None and tp is not None and tp * 1000 > slo_tpot_ms:
+            return False
+        return True
+
+    good = [r for r in ok if meets(r)]
+    errors = [r.error for r in results if not r.ok]
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted(set(errors))[:5],
+        "duration_s": duration,
+        "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": n_out / duration if duration else 0.0,
+        "total_token_throughput": (n_in + n_out) / duration if duration else 0.0,
+        "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
+        "goodput": len(good) / duration if duration else 0.0,
+        "slo_attainment": len(good) / len(results) if results else 0.0,
+        "ttft_ms": _dist_ms([r.ttft for r in ok]),
+        "tpot_ms": _dist_ms(tpots),
+        "itl_ms": _dist_ms(itls),
+        "e2e_ms": _dist_ms([r.e2e for r in ok]),
+    }
+
+
+_ROWS: list[tuple[str, str, str]] = [  # (label, key path, format)
+    ("completed / failed", "completed/failed", "{}"),
+    ("duration (s)", "duration_s", "{:.1f}"),
+    ("request throughput (req/s)", "request_throughput", "{:.3f}"),
+    ("output throughput (tok/s)", "output_throughput", "{:.1f}"),
+    ("total token throughput (tok/s)", "total_token_throughput", "{:.1f}"),
+    ("goodput (req/s)", "goodput", "{:.3f}"),
+    ("SLO attainment", "slo_attainment", "{:.1%}"),
+] + [(f"{m.upper()} {s} (ms)", f"{m}_ms.{s}", "{:.1f}")
+     for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "p50", "p90", "p99")]
+
+
+def _cell(summary: dict[str, Any], key: str, fmt: str) -> str:
+    if key == "completed/failed":
+        return f"{summary['completed']} / {summary['failed']}"
+    v: Any = summary
+    for part in key.split("."):
+        v = v[part]
+    return fmt.format(v)
+
+
+def format_table(summaries: dict[str, dict[str, Any]]) -> str:
+    """Rows = metrics, one column per run."""
+    names = list(summaries)
+    width = max(len(r[0]) for r in _ROWS) + 2
+    cols = [max(12, len(n) + 2) for n in names]
+    lines = ["".ljust(width) + "".join(n.rjust(c) for n, c in zip(names, cols))]
+    lines.append("-" * (width + sum(cols)))
+    for label, key, fmt in _ROWS:
+        lines.append(label.ljust(width) + "".join(
+            _cell(summaries[n], key, fmt).rjust(c) for n, c in zip(names, cols)))
+    return "\n".join(lines)
+
+
+def plot_cdfs(runs: dict[str, list[RequestResult]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name, results in runs.items():
+        ok = [r for r in results if r.ok]
+        series = {
+            "TTFT (ms)": [r.ttft * 1000 for r in ok],
+            "TPOT (ms)": [r.tpot * 1000 for r in ok if r.tpot is not None],
+            "ITL (ms)": [x * 1000 for r in ok for x in r.itl],
+        }
+        for ax, (title, xs) in zip(axes, series.items()):
+            xs = sorted(xs)
+            if xs:
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+            ax.set_xlabel(title)
+            ax.set_ylabel("fraction of requests" if title != "ITL (ms)" else "fraction of gaps")
+            ax.grid(True, alpha=0.3)
+    axes[2].set_xscale("log")
+    for ax in axes:
+        ax.legend(loc="lower right")
+    fig.suptitle("latency CDFs")
+    fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
