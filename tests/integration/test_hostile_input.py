@@ -25,6 +25,7 @@ from tests.integration.hostile_harness import (
     blocks_used,
     disagg_request,
     handover,
+    log_count,
     post,
     start_cluster,
     start_collector,
@@ -234,3 +235,17 @@ def _with_extra(engine_fn, flags: list[str]):
     def engine(role, name, port=None, extra=None):
         return engine_fn(role, name, port, extra=[*flags, *(extra or [])])
     return engine
+
+
+async def test_non_streaming_hang_up_cancels_cleanly(cluster):
+    """A client that hangs up on a non-streaming request: the engine aborts it, frees its
+    blocks and logs no InvalidStateError (before: `task.result()` on a cancelled task)."""
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1500,
+            "ignore_eos": True}
+    for proc in (cluster.mix, cluster.service):
+        async with httpx.AsyncClient(base_url=proc.http_url, trust_env=False) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/completions", json=body, timeout=1.5)
+        await wait_blocks_free(cluster.mix)
+        assert log_count(proc, "InvalidStateError") == 0
+        assert log_count(proc, "Result is not set") == 0
