@@ -75,6 +75,15 @@ def test_fan_out_is_bounded():
     assert info.value.param == "best_of"
 
 
+@pytest.mark.parametrize("value", [1e-300, 1e-5, 1e5])
+def test_repetition_penalty_that_would_overflow_the_logits_is_400(server, value):
+    """Found by the fuzz: 1e-300 is 0 in float32, logit / 0 is inf and sampling failed
+    the whole engine step. SamplingParams' range is checked at the HTTP edge."""
+    handle, _ = server
+    resp = _post(handle.base_url, {"prompt": "x", "max_tokens": 2, "repetition_penalty": value})
+    assert (resp.status_code, resp.json()["error"]["param"]) == (400, "repetition_penalty")
+
+
 def test_stop_list_limit_over_http(server):
     handle, _ = server
     resp = _post(handle.base_url, {"prompt": "x", "stop": ["s"] * 17})
