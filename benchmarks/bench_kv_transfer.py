@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kv_transfer.py [--backend ucx|tcp] [--sizes-mb 1 4 16 64 256]
                                            [--repeat 5] [--mode auto|iov|direct|gather] [--no-map] [--json]
+                                           [--keyed]
 
 A peer process (``xllm_py.kv_transfer._peer_main``) owns the source pool; this process
 pulls ``size`` bytes of blocks into its own pool through the backend, for a contiguous
@@ -14,6 +15,12 @@ two processes (``sendall`` / ``recv_into`` a preallocated buffer). Bandwidths ar
 With ucx both pools are allocated as engines in a PD role allocate theirs (UCX shared
 memory), so the puller maps the peer's pool and a pull is a memcpy (column ``path``:
 mapped); ``--no-map`` (private pools) or ``--mode iov`` measure UCX's message path instead.
+
+``--keyed``: the same pulls again from a peer that requires a transfer key (as every engine's
+worker does, kv_transfer/base.py), linked with that key; prints both bandwidths, their ratio
+and the time of each link. The key is checked once per connection (in the hello); the data
+path is the same, and cluster TLS covers the gRPC that links and starts transfers, not the
+KV bytes.
 """
 from __future__ import annotations
 
@@ -100,7 +107,8 @@ def bench_memcpy(n: int, repeat: int) -> float:
     return n / best / 1e9
 
 
-async def bench_backend(args: argparse.Namespace, sizes: list[int]) -> tuple[list[dict], dict]:
+async def bench_backend(args: argparse.Namespace, sizes: list[int],
+                        key: str | None = None) -> tuple[list[dict], dict]:
     import torch
 
     from xllm_py.config import TransferConfig
@@ -115,6 +123,7 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int]) -> tuple[lis
     peer_blocks = 2 * max_blocks  # room for "every other block"
     mappable = args.backend == "ucx" and args.mode == "auto" and not args.no_map
     flags = ["--backend", args.backend, "--no-fill"] + ([] if mappable else ["--private-pool"])
+    flags += ["--access-key", key] if key else []
     with peer_process(*flags, **{**GEOM, "num_blocks": peer_blocks}) as (_, info):
         store = KVCacheStorage(num_blocks=max_blocks, **GEOM,
                                allocator=mappable_host_allocator() if mappable else None)
@@ -125,7 +134,9 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int]) -> tuple[lis
         rng = np.random.default_rng(0)
         rows = []
         try:
-            await backend.link(info["transfer_addr"])
+            t0 = time.perf_counter()
+            await backend.link(info["transfer_addr"], key=key or "")
+            link_ms = (time.perf_counter() - t0) * 1e3
             for size in sizes:
                 n = size // block_bytes
                 for fragmented in (False, True):
@@ -142,7 +153,7 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int]) -> tuple[lis
                         paths.add(r.path or args.backend)
                         if i:
                             best = min(best, r.seconds)
-                    rows.append({"bytes": nbytes, "blocks": n, "fragmented": fragmented,
+                    rows.append({"bytes": nbytes, "blocks": n, "fragmented": fragmented, "link_ms": link_ms,
                                  "gbps": nbytes / best / 1e9, "ms": best * 1e3, "path": "+".join(sorted(paths))})
         finally:
             await backend.close()
@@ -162,6 +173,8 @@ def main() -> None:
     p.add_argument("--no-map", action="store_true",
                    help="ucx: private (torch) pools on both sides, so the iov message path runs (not the mapped one)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--keyed", action="store_true",
+                   help="also pull from a peer that requires a transfer key; report the ratio")
     args = p.parse_args()
     if args.backend == "ucx":
         from xllm_py.kv_transfer.ucx.env import apply_ucx_env_defaults
@@ -169,6 +182,10 @@ def main() -> None:
 
     sizes = [mb << 20 for mb in args.sizes_mb]
     rows, env = asyncio.run(bench_backend(args, sizes))
+    keyed = asyncio.run(bench_backend(args, sizes, key="bench-transfer-key"))[0] if args.keyed else []
+    for r, k in zip(rows, keyed):
+        r["keyed_gbps"], r["keyed_link_ms"] = k["gbps"], k["link_ms"]
+        r["keyed_vs_plain"] = k["gbps"] / r["gbps"]
     sock = bench_socket(sorted({r["bytes"] for r in rows}), args.repeat)
     for r in rows:
         r["socket_gbps"] = sock[r["bytes"]]
@@ -185,6 +202,12 @@ def main() -> None:
     for r in rows:
         print(f"{r['bytes'] / 2**20:>6.0f} {str(r['fragmented']):>5} {r['blocks']:>6} {r['ms']:>8.2f} "
               f"{r['gbps']:>6.2f} {r['socket_gbps']:>7.2f} {r['memcpy_gbps']:>7.2f} {r['pct_of_memcpy']:>7.0f}% {r['path']}")
+    if keyed:
+        print(f"keyed peer (transfer key in the hello): link {rows[0]['keyed_link_ms']:.1f} ms vs "
+              f"{rows[0]['link_ms']:.1f} ms plain")
+        for r in rows:
+            print(f"{r['bytes'] / 2**20:>6.0f} {str(r['fragmented']):>5} keyed {r['keyed_gbps']:>6.2f} GB/s "
+                  f"vs plain {r['gbps']:>6.2f} GB/s: {r['keyed_vs_plain']:.3f}x")
     if env:
         print("UCX settings: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))
 

@@ -8,6 +8,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the paths only; config imports no grpc
+    from xllm_py.tls import TLSConfig
 
 
 class InstanceRole(str, enum.Enum):
@@ -200,6 +204,18 @@ class APILimits:
 
 
 @dataclasses.dataclass(frozen=True)
+class SecurityConfig:
+    """Who may call a process (xllm_py.api.auth, xllm_py.tls): API keys on its OpenAI HTTP
+    API and the cluster TLS identity of its gRPC servers, channels and etcd client."""
+    # Accepted `Authorization: Bearer` keys; empty: the HTTP API is open. Never logged.
+    api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    # /metrics needs a key too (default: open, like /health and /readiness).
+    protect_metrics: bool = False
+    # xllm_py.tls.TLSConfig (cert, key, CA paths), or None: plaintext gRPC and etcd.
+    tls: TLSConfig | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny"
     dtype: str = "float32"
@@ -239,6 +255,7 @@ class EngineConfig:
     # forward is a sleep of the modelled step time (no torch), instead of the model.
     simulate: str | None = None
     api: APILimits = dataclasses.field(default_factory=APILimits)
+    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:
@@ -370,6 +387,7 @@ class ServiceConfig:
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
     relay: RelayConfig = dataclasses.field(default_factory=RelayConfig)
     api: APILimits = dataclasses.field(default_factory=APILimits)
+    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if self.etcd_ttl_s <= 0:

@@ -1,6 +1,7 @@
 """python -m xllm_py.launch: a whole PD cluster on this machine with one command.
 
-Stages: etcd (embedded binary, or --etcd) -> xllm_service -> N prefill + M decode engines
+Stages: (--tls: a CA and certificates in the log dir) -> etcd (embedded binary, or --etcd)
+-> xllm_service -> N prefill + M decode engines
 (or K MIX with --mix K) -> wait until the service is ready -> print the endpoint and a
 curl -> run until Ctrl-C / SIGTERM -> stop engines, service, etcd; no process left.
 """
@@ -43,8 +44,36 @@ def build_parser() -> argparse.ArgumentParser:
              help="extra flag for every engine, e.g. --engine-arg=--block-size=32")
     add_flag(p, "--service-arg", action="append", default=[],
              help="extra flag for the service, e.g. --service-arg=--load-balance-policy=CACHE_AWARE")
+    add_flag(p, "--tls", action="store_true",
+             help="mutual TLS inside the cluster: make a CA and certificates in LOG_DIR/certs "
+                  "(xllm_py.cluster.certs) and start etcd, the service and the engines with them")
+    add_flag(p, "--api-key", action="append", default=None,
+             help="API key the service and the engines' HTTP APIs require (repeatable); "
+                  "handed to them in a 0600 file in the log dir, not on their command lines")
     add_flag(p, "--log-level", default="INFO")
     return p
+
+
+def security_args(log_dir: pathlib.Path, tls: bool, api_keys: list[str] | None, host: str,
+                  names: tuple[str, ...] = ("service", "engine")) -> dict[str, list[str]]:
+    """name -> its security flags; makes the certificates (and etcd's, under "etcd") and
+    the key file. Empty lists without --tls and --api-key."""
+    flags: dict[str, list[str]] = {name: [] for name in (*names, "etcd")}
+    if tls:
+        from xllm_py.cluster.certs import LOCAL_HOSTS, make_cluster_certs
+
+        extra_hosts = [] if host in LOCAL_HOSTS else [host]
+        issued = make_cluster_certs(log_dir / "certs", (*names, "etcd"), extra_hosts)
+        for name, paths in issued.items():
+            flags[name] = ["--tls-cert", paths.cert, "--tls-key", paths.key, "--tls-ca", paths.ca]
+    if api_keys:
+        key_file = log_dir / "api-keys"
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{k}\n" for k in api_keys))
+        for name in names:
+            flags[name] += ["--api-key-file", str(key_file)]
+    return flags
 
 
 class Cluster:
@@ -55,6 +84,7 @@ class Cluster:
         self.etcd_addr = args.etcd
         self.children: list[ChildProcess] = []
         self.service: ChildProcess | None = None
+        self.security: dict[str, list[str]] = {}
 
     @property
     def url(self) -> str:
@@ -62,17 +92,22 @@ class Cluster:
 
     def start(self) -> None:
         a = self.args
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.security = security_args(self.log_dir, a.tls, a.api_key, a.host)
         if self.etcd_addr is None:
             from xllm_py.cluster.etcd_server import EmbeddedEtcd
+            from xllm_py.tls import TLSConfig
 
-            self.etcd = EmbeddedEtcd(host="127.0.0.1").start()
+            etcd_tls = self.security["etcd"]
+            tls = TLSConfig(*etcd_tls[1::2]) if etcd_tls else None
+            self.etcd = EmbeddedEtcd(host="127.0.0.1", tls=tls).start()
             self.etcd_addr = self.etcd.endpoint
             logger.info("etcd at %s", self.etcd_addr)
         rpc_port = a.rpc_port or free_port(a.host)
         self.service = spawn("service", "xllm_service",
                              ["--etcd", self.etcd_addr, "--host", a.host, "--http-port",
                               str(a.http_port), "--rpc-port", str(rpc_port), "--model", a.model,
-                              *a.service_arg],
+                              *self.security["service"], *a.service_arg],
                              self.log_dir, http_url=self.url)
         self.children.append(self.service)
         roles = [("MIX", i) for i in range(a.mix)] if a.mix else (
@@ -82,7 +117,8 @@ class Cluster:
         for n, (role, i) in enumerate(roles):
             port = free_port(a.host)
             extra = ["--kv-cache-transfer-mode", a.kv_cache_transfer_mode,
-                     "--kv-transfer-backend", a.kv_transfer_backend, *a.engine_arg]
+                     "--kv-transfer-backend", a.kv_transfer_backend, *self.security["engine"],
+                     *a.engine_arg]
             cpu = cores[n % len(cores)] if a.pin_cores and cores else None
             proc = spawn(f"{role.lower()}-{i}", "xllm_py.engine",
                          engine_args(role, port, etcd=self.etcd_addr, model=a.model,
@@ -126,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         starting[0] = False
         model = args.model.rstrip("/").rsplit("/", 1)[-1] or args.model
         shape = f"{args.mix} MIX" if args.mix else f"{args.prefill} prefill + {args.decode} decode"
+        auth = " -H 'Authorization: Bearer <your --api-key>'" if args.api_key else ""
         print(f"\nxllm-py cluster is up ({shape}, model {model})\n"
               f"  OpenAI endpoint: {cluster.url}/v1\n"
               f"  logs:            {cluster.log_dir}\n"
-              f"  etcd:            {cluster.etcd_addr}\n\n"
-              f"Try:\n  curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"  etcd:            {cluster.etcd_addr}{' (mutual TLS)' if args.tls else ''}\n"
+              + (f"  certificates:    {cluster.log_dir / 'certs'}\n" if args.tls else "") + "\n"
+              f"Try:\n  curl {cluster.url}/v1/chat/completions{auth} -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
               f"\"Hello!\"}}], \"max_tokens\": 32}}'\n\nCtrl-C stops everything.", flush=True)
         while not stop.wait(0.5):

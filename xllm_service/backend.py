@@ -203,7 +203,7 @@ class ServiceBackend:
         """Merge the sub-requests' outputs into one stream with global choice indices."""
         remaining = len(subs)
         generated = {s.index_offset: 0 for s in subs}  # engine ids change on migration
-        prompt_sent = False
+        prompt_sent = prompt_logprobs_sent = False
         idle_timeout_s = self.config.idle_timeout_s
         while remaining:
             try:
@@ -232,9 +232,12 @@ class ServiceBackend:
                 finished=remaining == 0, num_prompt_tokens=out.num_prompt_tokens,
                 num_generated_tokens=sum(generated.values()),
                 num_cached_tokens=out.num_cached_tokens,
-                prompt_token_ids=None if prompt_sent else out.prompt_token_ids)
+                prompt_token_ids=None if prompt_sent else out.prompt_token_ids,
+                prompt_logprobs=None if prompt_logprobs_sent else out.prompt_logprobs)
             if out.prompt_token_ids is not None:
                 prompt_sent = True
+            if out.prompt_logprobs is not None:  # each sub of a split n has them: once
+                prompt_logprobs_sent = True
             yield merged
 
     def _count_outcome(self, subs: list[SubRequest], outcome: str) -> None:

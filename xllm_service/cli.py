@@ -7,6 +7,7 @@ import argparse
 from xllm_py.api.limits import add_limit_flags, limits_from_args
 from xllm_py.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
 from xllm_py.utils.cli import add_flag
+from xllm_py.utils.security_cli import add_security_flags, security_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
              help="fail a request when its engine sends nothing for this long (s)")
     add_limit_flags(p)
     add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_security_flags(p)
     return p
 
 
@@ -54,4 +56,5 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         router=RouterConfig(load_balance_policy=args.load_balance_policy),
         relay=RelayConfig(rpc_timeout_s=args.rpc_timeout,
                           idle_timeout_s=args.request_idle_timeout),
+        security=security_from_args(args),
         api=limits_from_args(args))

@@ -40,9 +40,10 @@ class Engines(Protocol):
 
 
 class EngineClient:
-    def __init__(self, config: RelayConfig) -> None:
+    def __init__(self, config: RelayConfig,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.config = config
-        self._channels = ChannelPool()
+        self._channels = ChannelPool(credentials)
         self._gen_streams: dict[str, PipelinedStream] = {}
 
     def _stub(self, addr: str) -> pb_grpc.DisaggPDServiceStub:

@@ -24,6 +24,7 @@ from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, LeasedKey, instan
 from xllm_py.cluster.instance_meta import InstanceMeta, InstanceMetaError, new_incarnation_id, now_ms
 from xllm_py.config import InstanceRole
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+from xllm_py.rpc import cluster as cluster_wire
 from xllm_py.rpc import service as wire
 from xllm_py.utils.aio import cancel_and_wait
 from xllm_py.utils.grpc_server import SERVER_OPTIONS, start_grpc_server
@@ -41,7 +42,7 @@ OnGenerations = Callable[[xllm_pb2.DisaggStreamGenerations], Awaitable[xllm_pb2.
 
 async def unknown_generations(msg: xllm_pb2.DisaggStreamGenerations) -> xllm_pb2.StatusSet:
     """Default before a router is attached: no request is known, every engine should cancel."""
-    return wire.unknown_generations_reply(len(msg.gens))
+    return wire.unknown_generations_reply(wire.num_generations(msg))
 
 
 MAX_NAME_CHARS = 256
@@ -149,7 +150,7 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
         self, request: xllm_pb2.InstanceMetaInfo, context: grpc.aio.ServicerContext
     ) -> xllm_pb2.StatusCode:
         try:
-            meta = InstanceMeta.from_proto(request)
+            meta = cluster_wire.instance_meta_from_proto(request)
             problem = registration_problem(meta)
             if problem:
                 raise ValueError(problem)
@@ -170,10 +171,11 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
     async def GetInstanceInfo(
         self, request: xllm_pb2.InstanceID, context: grpc.aio.ServicerContext
     ) -> xllm_pb2.InstanceMetaInfo:
-        info = self.registry.get(request.name)
+        name = cluster_wire.instance_id_from_proto(request)
+        info = self.registry.get(name)
         if info is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown instance {request.name!r}")
-        return info.meta.to_proto()
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown instance {name!r}")
+        return cluster_wire.instance_meta_to_proto(info.meta)
 
     async def Heartbeat(self, request: xllm_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
         hb = wire.heartbeat_from_proto(request)
@@ -207,10 +209,9 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{len(request.gens)} generations in one call; at most {MAX_GENERATIONS}")
         result = await self.on_generations(request)
-        if len(result.all_status) != len(request.gens):
-            logger.error(
-                "generations handler answered %d statuses for %d generations", len(result.all_status), len(request.gens)
-            )
+        if not wire.reply_fits(request, result):
+            logger.error("generations handler answered a wrong number of statuses for %d generations",
+                         wire.num_generations(request))
             await context.abort(grpc.StatusCode.INTERNAL, "generations handler returned a wrong number of statuses")
         return result
 
@@ -223,7 +224,7 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"{len(request.gens)} generations in one message; at most {MAX_GENERATIONS}")
             result = await self.on_generations(request)
-            if len(result.all_status) != len(request.gens):
+            if not wire.reply_fits(request, result):
                 await context.abort(grpc.StatusCode.INTERNAL, "generations handler returned a wrong number of statuses")
             yield result
 
@@ -236,11 +237,14 @@ async def create_server(
                                    host, port, "XllmRpcService")
 
 
-def bind_server(host: str, port: int) -> tuple[grpc.aio.Server, int]:
+def bind_server(host: str, port: int,
+                credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
     """A server bound to host:port (0: any free port), not serving yet: the service knows
-    its own address before it builds the components that advertise it."""
+    its own address before it builds the components that advertise it. With
+    `credentials` (xllm_py.tls.server_credentials) it serves mutual TLS only."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = (server.add_insecure_port(f"{host}:{port}") if credentials is None
+             else server.add_secure_port(f"{host}:{port}", credentials))
     if bound == 0:
         raise OSError(f"could not bind XllmRpcService on {host}:{port}")
     return server, bound

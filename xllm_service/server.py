@@ -24,6 +24,7 @@ async def run_service(config: ServiceConfig) -> None:
     from xllm_py.model.config import ModelConfig
     from xllm_py.model.tiny import model_files_dir
     from xllm_py.model.tokenizer import Tokenizer
+    from xllm_py.tls import channel_credentials, server_credentials
     from xllm_service.backend import ServiceBackend
     from xllm_service.election import MasterElection
     from xllm_service.engine_client import EngineClient
@@ -39,10 +40,12 @@ async def run_service(config: ServiceConfig) -> None:
     tokenizer = Tokenizer.from_dir(model_dir)
     max_len = config.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
 
+    tls = config.security.tls
     etcd = EtcdClient(config.etcd_addr, namespace=config.etcd_namespace,
-                      credentials=etcd_credentials_from_env())
+                      credentials=etcd_credentials_from_env(), tls=tls)
     await etcd.connect()
-    server, port = bind_server(config.host, config.rpc_port)
+    server, port = bind_server(config.host, config.rpc_port,
+                               server_credentials(tls) if tls is not None else None)
     rpc_addr = f"{advertised_host(config.host, config.advertise_host)}:{port}"
 
     registry = Registry(etcd, config.registry)
@@ -52,7 +55,7 @@ async def run_service(config: ServiceConfig) -> None:
                     policy_from_config(config.router, subs.inflight, prefix_index))
     metrics = ServiceMetrics(subs.inflight_by_instance, prefix_index.sizes, registry.counts)
     backend = ServiceBackend(tokenizer, config.model_name, max_len, router,
-                             EngineClient(config.relay), rpc_addr, config.relay, subs, metrics)
+                             EngineClient(config.relay, channel_credentials(tls) if tls is not None else None), rpc_addr, config.relay, subs, metrics)
     registry.on_cache_event(prefix_index.update)
     registry.on_evict(lambda info, reason: backend.on_evict(info))
     registry.on_evict(lambda info, reason: prefix_index.forget(info.name))
@@ -65,14 +68,17 @@ async def run_service(config: ServiceConfig) -> None:
         "master is now %s%s", addr, " (this service)" if is_master else ""))
     await election.start()
 
-    app = build_app(backend, served_model_name=config.model_name, limits=config.api)
+    app = build_app(backend, served_model_name=config.model_name,
+                    api_keys=config.security.api_keys,
+                    protect_metrics=config.security.protect_metrics, limits=config.api)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     http_task = asyncio.create_task(serve(app, config.host, config.http_port, stop_event=stop))
-    logger.info("xllm_service on http://%s:%d (rpc %s), etcd %s", config.host,
-                config.http_port, rpc_addr, config.etcd_addr)
+    logger.info("xllm_service on http://%s:%d (rpc %s%s), etcd %s%s", config.host,
+                config.http_port, rpc_addr, ", mutual TLS" if tls else "", config.etcd_addr,
+                f", {len(config.security.api_keys)} API keys" if config.security.api_keys else "")
     stop_task = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     if http_task in done and http_task.exception():

@@ -2,6 +2,7 @@
 SIGTERM, and nothing left behind (engines, service, etcd)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pathlib
@@ -12,9 +13,11 @@ import sys
 import threading
 import time
 
+import grpc
 import openai
 import pytest
 
+from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
 from xllm_py.utils.procs import free_port
 
 pytestmark = pytest.mark.integration
@@ -99,14 +102,15 @@ def _log_tails(log_dir: pathlib.Path, n: int = 30) -> str:
 
 
 @pytest.fixture
-def launcher(tmp_path):
+def launcher(tmp_path, request):
+    extra = getattr(request, "param", [])  # more launcher flags (indirect parametrization)
     log_dir = tmp_path / "logs"
     http_port = free_port()
     stderr = open(tmp_path / "launcher.stderr", "wb")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "xllm_py.launch", "--http-port", str(http_port),
-         "--log-dir", str(log_dir)],
+         "--log-dir", str(log_dir), *extra],
         stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, text=True, env=env)
     reader = _StdoutReader(proc.stdout)
     reader.start()
@@ -194,3 +198,45 @@ def test_launch_serves_and_stops_cleanly(launcher, tmp_path) -> None:
     assert proc.returncode == 0
     assert not _related(proc.pid, markers)
     assert reader.wait_for(r"<EOF>", 5)
+
+
+@pytest.mark.parametrize("launcher", [["--tls", "--api-key", "sk-launch-test"]], indirect=True)
+def test_launch_tls_and_api_key(launcher, tmp_path) -> None:
+    """--tls: certificates in the log dir, etcd and every gRPC port refuse plaintext; the
+    API needs the key (the banner's curl says how), which is in no command line or log."""
+    proc, reader, log_dir, http_port, markers, seen = launcher
+    m = reader.wait_for(r"OpenAI endpoint:\s+(\S+)", READY_TIMEOUT_S)
+    assert m, ("no endpoint; stdout:\n" + "\n".join(reader.lines) + "\n" +
+               (tmp_path / "launcher.stderr").read_text(errors="replace"))
+    assert reader.wait_for(r"etcd:.*\(mutual TLS\)", 5)
+    assert reader.wait_for(r"curl .*Authorization: Bearer <your --api-key>", 5)
+    assert {p.name for p in (log_dir / "certs").iterdir()} >= {"ca.pem", "etcd.pem", "service.pem",
+                                                                 "engine.pem", "engine-key.pem"}
+    base_url = m.group(1)
+    denied = openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        denied.models.list()
+    client = openai.OpenAI(base_url=base_url, api_key="sk-launch-test", max_retries=0, timeout=60)
+    chat = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Hello!"}],
+        max_tokens=8, temperature=0)
+    assert chat.usage.completion_tokens >= 1  # through prefill and decode, over mutual TLS
+    seen.update(_related(proc.pid, markers))
+    cmds = list(seen.values())
+    assert all("sk-launch-test" not in c for c in cmds), cmds
+    service = next(c for c in cmds if "-m xllm_service" in c)
+    assert "--tls-cert" in service and "--api-key-file" in service
+    rpc = re.search(r"--rpc-port (\d+)", service).group(1)
+
+    async def plaintext_call() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rpc}") as ch:
+            try:
+                await xllm_pb2_grpc.XllmRpcServiceStub(ch).GetStaticDecodeList(
+                    xllm_pb2.InstanceID(name="x"), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+        return grpc.StatusCode.OK
+
+    assert asyncio.run(plaintext_call()) == grpc.StatusCode.UNAVAILABLE
+    for log in log_dir.glob("*.log"):
+        assert "sk-launch-test" not in log.read_text(errors="replace"), log.name

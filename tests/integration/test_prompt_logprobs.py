@@ -35,21 +35,27 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def checkpoint(request, tmp_path_factory):
-    """(hf model, checkpoint dir) of one family, random weights with non-trivial norms."""
+def build_checkpoint(family: str, path: pathlib.Path):
+    """The hf model of one family, random weights with non-trivial norms, saved (with a
+    tokenizer) in `path`. Also used by test_http_scoring.py."""
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(FAMILIES[request.param]()).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
             elif "bias" in name:
                 p.normal_(0, 0.1)
-    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     build_tokenizer_files(pathlib.Path(path))
-    return hf, str(path)
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    """(hf model, checkpoint dir) of one family."""
+    path = tmp_path_factory.mktemp(request.param)
+    return build_checkpoint(request.param, path), str(path)
 
 
 def _engine(path: str, max_num_batched_tokens: int = 256) -> LLMEngine:

@@ -25,6 +25,7 @@ from xllm_py.config import InstanceRole, RegistryConfig
 from xllm_py.engine.cache_events import CacheEvents
 from xllm_py.utils.procs import free_port
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+from xllm_py.rpc import cluster as wire
 from xllm_service.instance_table import InstanceState
 from xllm_service.prefix_index import PrefixIndex
 from xllm_service.registry import Registry
@@ -322,7 +323,7 @@ async def test_rpc_get_instance_info(rpc, etcd_endpoint, etcd_namespace):
     try:
         await wait_until(lambda: registry.get("p:1") is not None, 2.0)
         info = await stub.GetInstanceInfo(xllm_pb2.InstanceID(name="p:1"), timeout=1.0)
-        assert InstanceMeta.from_proto(info) == a.meta
+        assert wire.instance_meta_from_proto(info) == a.meta
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.GetInstanceInfo(xllm_pb2.InstanceID(name="nope:1"), timeout=1.0)
         assert err.value.code() is grpc.StatusCode.NOT_FOUND
@@ -344,7 +345,7 @@ async def test_rpc_register_instance_kept_alive_while_heartbeats_arrive(rpc, etc
     meta = make_meta("r:1", InstanceRole.DECODE)
     meta.incarnation_id = new_incarnation_id()
     meta.register_ts_ms = now_ms()
-    reply = await stub.RegisterInstance(meta.to_proto(), timeout=2.0)
+    reply = await stub.RegisterInstance(wire.instance_meta_to_proto(meta), timeout=2.0)
     assert reply.status_code == 200
     key = instance_key("DECODE", "r:1")
     assert (await etcd_client.get(key)) is not None

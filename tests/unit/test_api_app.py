@@ -139,7 +139,10 @@ def test_completion_logprobs_format_and_echo(client):
     assert c.text == "xy" + _letters(3)
     lp = c.logprobs
     assert lp.tokens == ["<s>", "x", "y"] + list(_letters(3))
-    assert lp.token_logprobs[:3] == [None, None, None]
+    # the prompt's own logprobs: null for the first token only (as vLLM)
+    p = ScriptedBackend.prompt_logprob_of
+    assert lp.token_logprobs[:3] == [None, p(1), p(2)]
+    assert lp.top_logprobs[:3] == [None, {"x": p(1), "A": p(1) - 1}, {"y": p(2), "A": p(2) - 1}]
     assert lp.token_logprobs[3:] == [-0.5] * 3
     assert lp.text_offset == [0, 3, 4, 5, 6, 7]
     # top-2 plus the sampled token (which is also the best one here)

@@ -51,7 +51,13 @@ def test_sampling_fields_name_only_what_the_client_set():
     assert req.sampling_fields() == {
         "n": 2, "temperature": 0.0, "top_k": 4, "min_tokens": 0, "stop": ["a"],
         "stop_token_ids": [7], "ignore_eos": False, "logprobs": 0, "echo": True,
-        "skip_special_tokens": True, "include_stop_str_in_output": False}
+        "skip_special_tokens": True, "include_stop_str_in_output": False,
+        "prompt_logprobs": 0}  # echo + logprobs: the prompt tokens' own logprobs
+    scored = _parse(CompletionRequest, prompt="x", logprobs=1, prompt_logprobs=3,
+                    logit_bias={"5": 100, " 7": -2.5})
+    fields = scored.sampling_fields()
+    assert (fields["logprobs"], fields["prompt_logprobs"]) == (1, 3)
+    assert fields["logit_bias"] == {5: 100.0, 7: -2.5}
     chat = _parse(ChatCompletionRequest, messages=[{"role": "user", "content": "a"}],
                   logprobs=True, top_logprobs=3, best_of=2)
     fields = chat.sampling_fields()

@@ -4,7 +4,6 @@ import pytest
 
 from xllm_py.cluster.instance_meta import SCHEMA_VERSION, InstanceMeta, InstanceMetaError
 from xllm_py.config import InstanceRole
-from xllm_py.proto import xllm_pb2
 
 
 def make_meta(**overrides) -> InstanceMeta:
@@ -45,16 +44,6 @@ def test_json_roundtrip_keeps_every_field():
     assert data["schema_version"] == SCHEMA_VERSION
 
 
-def test_proto_roundtrip_keeps_every_field():
-    meta = make_meta()
-    msg = meta.to_proto()
-    assert msg.type == xllm_pb2.DECODE
-    assert list(msg.cluster_ids) == [11, 12]
-    assert InstanceMeta.from_proto(msg) == meta
-    # Through the wire bytes too.
-    assert InstanceMeta.from_proto(xllm_pb2.InstanceMetaInfo.FromString(msg.SerializeToString())) == meta
-
-
 def test_json_unknown_keys_ignored_and_missing_optional_defaulted():
     data = {"name": "a:1", "type": "prefill", "from_the_future": {"x": 1}, "schema_version": 7}
     meta = InstanceMeta.from_json(json.dumps(data))
@@ -91,14 +80,6 @@ def test_json_missing_required_key_is_a_clear_error(missing):
 def test_json_bad_values_raise_instance_meta_error(text, match):
     with pytest.raises(InstanceMetaError, match=match):
         InstanceMeta.from_json(text)
-
-
-def test_from_proto_defaults_for_old_writers():
-    meta = InstanceMeta.from_proto(xllm_pb2.InstanceMetaInfo(name="a:1", type=xllm_pb2.MIX))
-    assert meta.type is InstanceRole.MIX
-    assert meta.schema_version == SCHEMA_VERSION and meta.dp_size == 1 and meta.tp_size == 1
-    with pytest.raises(InstanceMetaError):
-        InstanceMeta.from_proto(xllm_pb2.InstanceMetaInfo())
 
 
 def test_compatible_peers_have_no_problems():

@@ -123,6 +123,12 @@ def test_request_output_with_prompt_logprobs_round_trips():
     later = dataclasses.replace(out, prompt_token_ids=None, prompt_logprobs=None)
     wire = output_to_proto(later, "r1").SerializeToString()
     assert output_from_proto(xllm_pb2.DisaggStreamGeneration.FromString(wire)) == later
+    # stop_reason (vLLM's): a stop string, a stop token id (0 included), or none
+    for reason in ("\n\n", 0, 7, None):
+        ended = dataclasses.replace(later, finished=True, outputs=[CompletionDelta(
+            index=0, text="", token_ids=[8], finish_reason="stop", stop_reason=reason)])
+        wire = output_to_proto(ended, "r1").SerializeToString()
+        assert output_from_proto(xllm_pb2.DisaggStreamGeneration.FromString(wire)) == ended
 
 
 def test_pyproject_requires_what_the_generated_stubs_check_at_import():

@@ -91,3 +91,19 @@ def test_cancel_has_its_own_message_wire_compatible_with_the_old_pull_signal():
     assert pb.PullSignal.FromString(msg.SerializeToString()).req_id == "e1"
     assert wire.cancel_from_proto(pb.CancelRequest.FromString(
         pb.PullSignal(req_id="e2").SerializeToString())) == ("e2", "")
+
+
+def test_migration_items_read_what_the_service_sends_and_an_unreadable_request():
+    from xllm_py.rpc import service
+
+    spec = EngineRequestSpec("r1", "s1", [1, 2, 3], SamplingParams(max_tokens=4),
+                             source_xservice_addr="10.0.0.9:1")
+    msg = service.migration_request(spec, [7, 8], num_unread_tokens=1)
+    msg.reqs.add().request.req_id = "r2"  # no prompt
+    first, bad = wire.migration_items_from_proto(msg)
+    assert (first.request_id, first.spec, first.problem) == ("r1", spec, "")
+    assert (first.generated, first.num_unread, first.has_kv) == ([7, 8], 1, False)
+    assert bad.spec is None and "prompt_tokens" in bad.problem and bad.num_unread is None
+    msg.reqs[0].kv.block_ids.extend([4, 5])
+    first = wire.migration_items_from_proto(msg)[0]
+    assert first.has_kv and first.num_kv_blocks == 2 and first.message is msg.reqs[0]

@@ -7,14 +7,17 @@ package; the app lives in `xllm_py.api.app.build_app`, the server helpers in
 Layout (one file per thing it owns):
   protocol.py            OpenAI request models; `sampling_fields()` maps them onto
                          SamplingParams' names (sampling_params.REQUEST_FIELDS)
+  unsupported.py         the known parameters answered with a 400 (tools, response_format, ...)
   backend.py             GenerateBackend / GenerateRequest: the contract with the producer
   serving_base.py        request intake, stream and non-stream responses, errors, metrics
   serving_completions.py /v1/completions: prompts, echo, rendering of its choices
   serving_chat.py        /v1/chat/completions: chat template, rendering of its choices
-  logprobs.py            the two OpenAI logprobs formats
+  serving_tokenization.py  /tokenize and /detokenize (vLLM's shapes)
+  logprobs.py            the two OpenAI logprobs formats, and vLLM's prompt_logprobs
   context.py             per-request state: prompts, choices, the fold of backend outputs
   generations.py         backend stream pumps and the client-disconnect race
-  app.py                 routes (generation endpoints, models, probes, /metrics)
+  app.py                 routes (generation endpoints, models, tokenizer, /version, probes,
+                         /metrics)
   errors.py, sse.py, metrics.py, server.py, testing.py
 A new generation endpoint subclasses serving_base.OpenAIServing; a new plain route (a
 tokenizer or model endpoint) goes in app.py or, once it has logic, its own serving_*.py.

@@ -1,14 +1,17 @@
 """FastAPI app serving the OpenAI API over a GenerateBackend (engine MIX instance or service).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /readiness, GET /metrics, GET /openapi.json (the request bodies' real schemas).
-Limits (xllm_py.config.APILimits): body size (413) and admission (429), see limits.py.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's shapes), GET /version,
+GET /health, GET /readiness, GET /metrics, GET /openapi.json (the request bodies' real
+schemas). Limits (xllm_py.config.APILimits): body size (413) and admission (429), see
+limits.py.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,13 +19,17 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+import xllm_py
+from xllm_py.api.auth import APIKeyMiddleware, APIKeys
 from xllm_py.api.backend import GenerateBackend
-from xllm_py.api.errors import APIError, error_body
+from xllm_py.api.errors import APIError, ModelNotFoundError, error_body
 from xllm_py.api.limits import Admission, BodyLimitMiddleware
-from xllm_py.api.openapi import body_schema, install_openapi
 from xllm_py.api.metrics import APIMetrics
+from xllm_py.api.openapi import body_schema, install_openapi
+from xllm_py.api.serving_base import OFFLOOP_BODY_BYTES
 from xllm_py.api.serving_chat import OpenAIServingChat
 from xllm_py.api.serving_completions import OpenAIServingCompletion
+from xllm_py.api.serving_tokenization import OpenAIServingTokenization
 from xllm_py.config import APILimits
 
 logger = logging.getLogger(__name__)
@@ -31,9 +38,12 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
+              api_keys: Sequence[str] = (), protect_metrics: bool = False,
               limits: APILimits | None = None) -> FastAPI:
     """The OpenAI-compatible app; `app.state.completions` / `.chat` / `.metrics` /
-    `.admission` for introspection."""
+    `.admission` for introspection. With `api_keys`, every route but the probes (and
+    /metrics unless `protect_metrics`) needs `Authorization: Bearer <key>`
+    (xllm_py.api.auth)."""
     limits = limits or APILimits()
     metrics = APIMetrics(getattr(backend, "metrics_registry", None))
     admission = Admission(limits)
@@ -48,6 +58,8 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
     app.state.chat = chat
     app.state.metrics = metrics
     app.state.backend = backend
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=APIKeys(api_keys), protect_metrics=protect_metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> Response:
@@ -77,19 +89,43 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
     app.add_api_route("/v1/chat/completions", chat.handle, methods=["POST"],
                       openapi_extra=body_schema(chat.request_cls))
 
+    model_card = {
+        "id": model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "xllm-py",
+        "root": backend.model_name,
+        "max_model_len": backend.max_model_len,
+    }
+
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse({
-            "object": "list",
-            "data": [{
-                "id": model_name,
-                "object": "model",
-                "created": created,
-                "owned_by": "xllm-py",
-                "root": backend.model_name,
-                "max_model_len": backend.max_model_len,
-            }],
-        })
+        return JSONResponse({"object": "list", "data": [model_card]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id not in (model_name, backend.model_name):
+            raise ModelNotFoundError(model_id)
+        return JSONResponse(model_card)
+
+    tokenization = OpenAIServingTokenization(backend, completions.check_model)
+
+    async def off_loop_if_large(fn, body: bytes):  # (a large body never holds the loop)
+        if len(body) > OFFLOOP_BODY_BYTES:
+            return await asyncio.to_thread(fn, body)
+        return fn(body)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        return JSONResponse(await off_loop_if_large(tokenization.tokenize, await raw.body()))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        return JSONResponse(await off_loop_if_large(tokenization.detokenize, await raw.body()))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": xllm_py.__version__})
 
     def probe(check) -> Callable[[], Awaitable[Response]]:
         async def answer() -> Response:

@@ -20,6 +20,9 @@ class Prompt:
     token_ids: list[int]
     text: str | None  # for echo only; never log it
     num_cached_tokens: int = 0
+    # With prompt logprobs: one entry per prompt token, None for the first (the backend's
+    # first output carries them).
+    logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass
@@ -81,6 +84,8 @@ class RequestContext:
             raise BackendError(out.error_message, out.error_code)
         prompt = self.prompts[prompt_index]
         prompt.num_cached_tokens = max(prompt.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None and prompt.logprobs is None:
+            prompt.logprobs = out.prompt_logprobs
         if self.first_token_time is None and any(d.token_ids or d.text for d in out.outputs):
             self.first_token_time = time.time()
         emitted: list[tuple[Choice, CompletionDelta]] = []

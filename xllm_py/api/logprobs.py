@@ -3,7 +3,9 @@
 Completions (`completion_logprobs`): parallel lists `tokens`, `token_logprobs`,
 `top_logprobs` (a dict per token) and `text_offset`; an entry of None (an echoed prompt
 token without a logprob) renders as null. Chat (`chat_logprobs`): a list of
-`{token, logprob, bytes, top_logprobs: [...]}`. Token strings come from decoding the
+`{token, logprob, bytes, top_logprobs: [...]}`. vLLM's `prompt_logprobs`
+(`vllm_prompt_logprobs`): per prompt token null (the first) or `{"<id>": {logprob, rank,
+decoded_token}}` with the token itself and its top-k. Token strings come from decoding the
 single id (`TokenText`, cached per request). JSON has no -inf: values are clamped.
 """
 from __future__ import annotations
@@ -97,3 +99,28 @@ def chat_logprobs(
             ],
         })
     return content
+
+
+def vllm_prompt_logprobs(
+    entries: list[TokenLogprob | None], num_top: int, token_text: Callable[[int], str]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's format of prompt logprobs. A token's rank is its place among the top-k
+    (1 = most likely); a prompt token outside the top-k has rank null (the engine keeps
+    only the top-k)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        top = entry.top[:num_top]
+        ranks = {tid: i + 1 for i, (tid, _) in enumerate(entry.top)}
+        position: dict[str, dict[str, Any]] = {
+            str(entry.token_id): {"logprob": clamp(entry.logprob),
+                                  "rank": ranks.get(entry.token_id),
+                                  "decoded_token": token_text(entry.token_id)},
+        }
+        for i, (tid, value) in enumerate(top):
+            position.setdefault(str(tid), {"logprob": clamp(value), "rank": i + 1,
+                                           "decoded_token": token_text(tid)})
+        out.append(position)
+    return out

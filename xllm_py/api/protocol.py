@@ -2,8 +2,11 @@
 
 Parsing is two steps: `parse_request(cls, body)` checks JSON and types (strict: a string
 where a number belongs is a 400), then `req.check_values()` checks value ranges. Both raise
-`InvalidRequestError` with the offending `param`. Unknown fields are ignored. vLLM's
-extensions (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, ...) are accepted.
+`InvalidRequestError` with the offending `param`. Unknown fields are ignored, except
+the OpenAI / vLLM parameters this server knows it does not implement (unsupported.py:
+response_format other than text, tools, functions, guided decoding, ...), which are a 400
+naming the parameter rather than silently ignored. vLLM's extensions (top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids, prompt_logprobs, ...) are accepted.
 
 Everything accepted here can be held by the engine and by the wire (issue 15): every
 integer fits its proto field (`_WIRE_INT_BITS`: seed int64, the others int32), every
@@ -23,6 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from xllm_py.api.backend import GenerateRequest
 from xllm_py.api.errors import InvalidRequestError
+from xllm_py.api.unsupported import UnsupportedFields
 from xllm_py.sampling_params import MAX_LOGPROBS, REQUEST_FIELDS
 
 MAX_N = 128
@@ -38,6 +42,7 @@ MAX_PROMPT_TOKEN_IDS = 1 << 20  # prompt given as token ids, before the context 
 # named here is an int32.
 _WIRE_INT_BITS = {"seed": 64}
 _FLOAT32_MAX = 3.4028234663852886e38
+MAX_LOGIT_BIAS = 100.0
 
 # Re-exported for callers that import everything request-shaped from here.
 __all__ = [
@@ -54,9 +59,10 @@ __all__ = [
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class _CommonRequest(BaseModel):
+class _CommonRequest(UnsupportedFields):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -83,6 +89,9 @@ class _CommonRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # token id (a JSON object key: a string) -> bias added to its logit, in [-100, 100]
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM: top-k logprobs of every prompt token
 
     # -- value checks -------------------------------------------------------------------
 
@@ -92,9 +101,15 @@ class _CommonRequest(BaseModel):
     def num_logprobs(self) -> int | None:
         raise NotImplementedError
 
+    def scores_prompt(self) -> bool:
+        """True if the request asks for something of the prompt itself (echo, prompt
+        logprobs), so that max_tokens 0 (generate nothing) makes sense."""
+        return self.prompt_logprobs is not None
+
     def check_values(self) -> None:
         """Raise InvalidRequestError for out-of-range values (types are already checked)."""
         _check_wire_values(self)
+        self.check_unsupported()
         _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
         _check(self.n <= MAX_N, "n", f"n must be at most {MAX_N}, got {self.n}")
         if self.best_of is not None:
@@ -126,9 +141,12 @@ class _CommonRequest(BaseModel):
             _check(self.repetition_penalty > 0, "repetition_penalty",
                    f"repetition_penalty must be positive, got {self.repetition_penalty}")
         max_tokens = self.requested_max_tokens()
-        if max_tokens is not None:
+        if max_tokens is not None and not self.scores_prompt():
             _check(max_tokens >= 1, self._max_tokens_param(),
                    f"max_tokens must be at least 1, got {max_tokens}")
+        elif max_tokens is not None:
+            _check(max_tokens >= 0, self._max_tokens_param(),
+                   f"max_tokens must be non-negative, got {max_tokens}")
         _check(self.min_tokens >= 0, "min_tokens",
                f"min_tokens must be non-negative, got {self.min_tokens}")
         if max_tokens is not None:
@@ -144,6 +162,24 @@ class _CommonRequest(BaseModel):
             _check(token_id >= 0, "stop_token_ids", "stop_token_ids must be non-negative")
         _check(self.stream or self.stream_options is None, "stream_options",
                "stream_options is only allowed when stream is true")
+        _check(not (self.stream and self.prompt_logprobs is not None), "prompt_logprobs",
+               "prompt_logprobs is not supported with stream (as in vLLM)")
+        if self.prompt_logprobs is not None:
+            _check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+                   f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        self.logit_bias_ids()
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """logit_bias with integer token ids; 400 (param logit_bias) for a key that is not
+        a non-negative integer or a bias outside [-100, 100]."""
+        out: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            _check(key.strip().isdigit(), "logit_bias",
+                   f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            _check(-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
+                   f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+            out[int(key)] = float(bias)
+        return out
 
     def _max_tokens_param(self) -> str:
         return "max_tokens"
@@ -169,6 +205,15 @@ class _CommonRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: usage on every chunk."""
+        return bool(self.stream and self.stream_options
+                    and self.stream_options.continuous_usage_stats)
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Top-k of the prompt logprobs the engine must compute (None: none)."""
+        return self.prompt_logprobs
+
     def sampling_fields(self) -> dict[str, Any]:
         """The client's sampling values under SamplingParams' names (REQUEST_FIELDS), less
         max_tokens (the endpoint resolves it against the prompt). A field the client left
@@ -183,6 +228,8 @@ class _CommonRequest(BaseModel):
             stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=self.num_logprobs(),
+            prompt_logprobs=self.num_prompt_logprobs(),
+            logit_bias=self.logit_bias_ids() or None,
         )
         return {name: value for name, value in fields.items() if value is not None}
 
@@ -219,6 +266,15 @@ class CompletionRequest(_CommonRequest):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def scores_prompt(self) -> bool:
+        return self.echo or super().scores_prompt()
+
+    def num_prompt_logprobs(self) -> int | None:
+        """echo + logprobs needs the prompt tokens' logprobs (with logprobs alternatives)."""
+        wanted = [k for k in (self.prompt_logprobs,
+                              self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
     def check_values(self) -> None:
         super().check_values()
@@ -282,6 +338,10 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM chat extensions not implemented: a 400 unless left at their default
+    echo: bool | None = None
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -300,6 +360,11 @@ class ChatCompletionRequest(_CommonRequest):
         super().check_values()
         _check(len(self.messages) > 0, "messages", "messages must not be empty")
         self.check_fanout(1)
+        for name, default in (("echo", False), ("continue_final_message", False),
+                              ("add_generation_prompt", True)):
+            value = getattr(self, name)
+            _check(value is None or value == default, name,
+                   f"{name}={value} is not supported on chat completions")
         if self.top_logprobs is not None:
             _check(0 <= self.top_logprobs <= MAX_LOGPROBS, "top_logprobs",
                    f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
@@ -315,12 +380,20 @@ _R = TypeVar("_R", bound=_CommonRequest)
 
 def parse_request(cls: type[_R], body: bytes) -> _R:
     """JSON body -> request model; malformed JSON and wrong types -> InvalidRequestError."""
-    try:
-        req = cls.model_validate_json(body or b"", strict=True)
-    except pydantic.ValidationError as e:
-        raise _validation_error(e) from None
+    req = parse_model(cls, body)
     req.check_values()
     return req
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def parse_model(cls: type[_M], body: bytes) -> _M:
+    """JSON body -> any pydantic model, strictly typed; errors -> InvalidRequestError."""
+    try:
+        return cls.model_validate_json(body or b"", strict=True)
+    except pydantic.ValidationError as e:
+        raise _validation_error(e) from None
 
 
 def _validation_error(e: pydantic.ValidationError) -> InvalidRequestError:

@@ -91,6 +91,10 @@ class OpenAIServing:
         """A finished choice of the full response, less the fields common to both endpoints."""
         raise NotImplementedError
 
+    def _response_fields(self, ctx: RequestContext) -> dict[str, Any]:
+        """Extra top-level fields of the full response."""
+        return {}
+
     def _stream_preamble(self, ctx: RequestContext) -> list[dict[str, Any]]:
         """Chunk choices sent before any output."""
         return []
@@ -246,6 +250,7 @@ class OpenAIServing:
             "model": ctx.model,
             "choices": [self._full_choice(ctx, c) for c in ctx.choices],
             "usage": ctx.usage(),
+            **self._response_fields(ctx),
         }
         return Response(dumps(body), media_type="application/json", headers=ctx.headers())
 
@@ -340,7 +345,9 @@ class OpenAIServing:
             "model": ctx.model,
             "choices": choices,
         }
-        if ctx.req.include_usage():
+        if ctx.req.continuous_usage():
+            chunk["usage"] = ctx.usage()
+        elif ctx.req.include_usage():
             chunk["usage"] = None
         return chunk
 

@@ -7,7 +7,7 @@ from typing import Any
 from xllm_py.api.backend import TokenizerLike
 from xllm_py.api.context import Choice, Prompt, RequestContext
 from xllm_py.api.errors import InvalidRequestError
-from xllm_py.api.logprobs import chat_logprobs, entries_for
+from xllm_py.api.logprobs import chat_logprobs, entries_for, vllm_prompt_logprobs
 from xllm_py.api.protocol import ChatCompletionRequest
 from xllm_py.api.serving_base import OpenAIServing
 from xllm_py.outputs import CompletionDelta, TokenLogprob
@@ -21,18 +21,7 @@ class OpenAIServingChat(OpenAIServing):
     prompt_param = "messages"
 
     def _prompts(self, req: ChatCompletionRequest, tokenizer: TokenizerLike) -> list[Prompt]:
-        messages = req.template_messages()
-        try:
-            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as e:  # e.g. jinja: "roles must alternate user/assistant"
-            raise InvalidRequestError(
-                f"chat template could not be applied: {str(e)[:200]}", param="messages"
-            ) from e
-        if isinstance(rendered, str):
-            ids = list(tokenizer.encode(rendered, add_special_tokens=False))
-        else:  # a tokenizer that returns ids directly
-            ids = [int(t) for t in rendered]
-        return [Prompt(token_ids=ids, text=None)]
+        return [Prompt(token_ids=render_chat(tokenizer, req.template_messages()), text=None)]
 
     def _render_choice(self, ctx: RequestContext, choice: Choice) -> dict[str, Any]:
         return {
@@ -40,6 +29,15 @@ class OpenAIServingChat(OpenAIServing):
             "message": {"role": "assistant", "content": choice.text},
             "logprobs": self._logprobs(ctx, choice.token_ids, choice.logprobs, allow_empty=True),
         }
+
+    def _response_fields(self, ctx: RequestContext) -> dict[str, Any]:
+        """vLLM's prompt_logprobs of the chat prompt, at the top level of the response."""
+        if ctx.req.prompt_logprobs is None:
+            return {}
+        prompt = ctx.prompts[0]
+        return {"prompt_logprobs": vllm_prompt_logprobs(
+            prompt.logprobs or [None] * len(prompt.token_ids), ctx.req.prompt_logprobs,
+            ctx.token_text)}
 
     def _stream_preamble(self, ctx: RequestContext) -> list[dict[str, Any]]:
         return [
@@ -71,3 +69,17 @@ class OpenAIServingChat(OpenAIServing):
         if not entries and not allow_empty:
             return None
         return {"content": chat_logprobs(entries, num_top, ctx.token_text)}
+
+
+def render_chat(tokenizer: TokenizerLike, messages: list[dict[str, Any]], *,
+                add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of messages through the chat template (400 if the template refuses them)."""
+    try:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # e.g. jinja: "roles must alternate user/assistant"
+        raise InvalidRequestError(
+            f"chat template could not be applied: {str(e)[:200]}", param="messages"
+        ) from e
+    if isinstance(rendered, str):
+        return list(tokenizer.encode(rendered, add_special_tokens=add_special_tokens))
+    return [int(t) for t in rendered]  # a tokenizer that returns ids directly

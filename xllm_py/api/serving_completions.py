@@ -1,5 +1,9 @@
 """POST /v1/completions: prompts as text or token ids (several per request), echo, and
-logprobs in the completions format (parallel lists with text offsets)."""
+logprobs in the completions format (parallel lists with text offsets). With echo and
+logprobs the prompt tokens carry their own logprobs (the engine computes them, see
+`CompletionRequest.num_prompt_logprobs`), null for the first; vLLM's `prompt_logprobs`
+renders them in vLLM's format on each choice. max_tokens 0 with echo or prompt_logprobs
+scores the prompt and generates nothing."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +11,7 @@ from typing import Any
 from xllm_py.api.backend import TokenizerLike
 from xllm_py.api.context import Choice, Prompt, RequestContext
 from xllm_py.api.errors import InvalidRequestError
-from xllm_py.api.logprobs import completion_logprobs, entries_for
+from xllm_py.api.logprobs import completion_logprobs, entries_for, vllm_prompt_logprobs
 from xllm_py.api.protocol import CompletionRequest
 from xllm_py.api.serving_base import OpenAIServing
 from xllm_py.outputs import CompletionDelta, TokenLogprob
@@ -44,7 +48,13 @@ class OpenAIServingCompletion(OpenAIServing):
         text = choice.text
         if ctx.req.echo:
             text = (ctx.prompts[choice.prompt_index].text or "") + text
-        return {"index": choice.index, "text": text, "logprobs": lp}
+        out = {"index": choice.index, "text": text, "logprobs": lp}
+        if ctx.req.prompt_logprobs is not None:
+            prompt = ctx.prompts[choice.prompt_index]
+            out["prompt_logprobs"] = vllm_prompt_logprobs(
+                prompt.logprobs or [None] * len(prompt.token_ids), ctx.req.prompt_logprobs,
+                ctx.token_text)
+        return out
 
     def _opens_with_prompt(self, ctx: RequestContext) -> bool:
         return ctx.req.echo
@@ -76,9 +86,9 @@ class OpenAIServingCompletion(OpenAIServing):
         ids = list(token_ids)
         entries: list[TokenLogprob | None] = list(entries_for(ids, logprobs))
         if echo:
-            prompt_ids = ctx.prompts[choice.prompt_index].token_ids
-            ids = prompt_ids + ids
-            entries = [None] * len(prompt_ids) + entries
+            prompt = ctx.prompts[choice.prompt_index]
+            ids = prompt.token_ids + ids
+            entries = list(prompt.logprobs or [None] * len(prompt.token_ids)) + entries
         if not ids and not allow_empty:
             return None, text_offset
         return completion_logprobs(entries, num_top, ctx.token_text, ids, text_offset)

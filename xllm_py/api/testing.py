@@ -1,9 +1,11 @@
 """Test doubles for the HTTP layer: a character-level tokenizer and a scripted backend.
 
 `ScriptedBackend` generates, for choice j, the token `ord('a') + (k + j) % 26` at step k,
-one RequestOutput per step covering all n choices; it honours max_tokens, stop strings,
-stop_token_ids and logprobs, and records requests and cancellations for assertions. It is
-safe to inspect from another thread (the server usually runs in its own loop).
+one RequestOutput per step covering all n choices; it honours max_tokens (0: one finished
+output without tokens), stop strings, stop_token_ids, logprobs and prompt_logprobs (the
+first output: `prompt_logprob_of(i)` for prompt token i, its top-k: the token itself then
+"A", "B", ...), and records requests and cancellations for assertions. It is safe to
+inspect from another thread (the server usually runs in its own loop).
 """
 from __future__ import annotations
 
@@ -88,6 +90,22 @@ class ScriptedBackend:
     def token_for(step: int, choice: int) -> int:
         return ord("a") + (step + choice) % 26
 
+    @staticmethod
+    def prompt_logprob_of(i: int) -> float:
+        return -0.25 * i
+
+    @classmethod
+    def _prompt_logprobs(cls, req: GenerateRequest) -> list[TokenLogprob | None] | None:
+        if req.prompt_logprobs is None:
+            return None
+        entries: list[TokenLogprob | None] = [None]
+        for i, token in enumerate(req.prompt_token_ids[1:], start=1):
+            lp = cls.prompt_logprob_of(i)
+            top = [(token, lp)] + [(ord("A") + r, lp - 1.0 - r)
+                                   for r in range(req.prompt_logprobs)]
+            entries.append(TokenLogprob(token, lp, top[:req.prompt_logprobs]))
+        return entries
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         with self._lock:
             self.requests.append(req)
@@ -96,6 +114,15 @@ class ScriptedBackend:
         texts = [""] * req.n
         done = [False] * req.n
         finished = False
+        prompt_logprobs = self._prompt_logprobs(req)
+        if req.max_tokens == 0:
+            finished = True
+            yield RequestOutput(
+                request_id=req.request_id, finished=True,
+                outputs=[CompletionDelta(index=j, finish_reason="length") for j in range(req.n)],
+                num_prompt_tokens=len(req.prompt_token_ids),
+                prompt_token_ids=req.prompt_token_ids, prompt_logprobs=prompt_logprobs)
+            return
         try:
             for step in range(req.max_tokens):
                 if self.token_delay:
@@ -137,6 +164,7 @@ class ScriptedBackend:
                     num_prompt_tokens=len(req.prompt_token_ids), num_generated_tokens=step + 1,
                     num_cached_tokens=self.num_cached_tokens,
                     prompt_token_ids=req.prompt_token_ids if step == 0 else None,
+                    prompt_logprobs=prompt_logprobs if step == 0 else None,
                 )
                 if finished:
                     return

@@ -26,9 +26,11 @@ import grpc
 
 from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError, LeasedKey, instance_key
 from xllm_py.cluster.instance_meta import InstanceMeta, new_incarnation_id, now_ms
-from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+from xllm_py.proto import xllm_pb2_grpc
+from xllm_py.rpc import cluster as wire
 from xllm_py.utils.aio import cancel_and_wait
-from xllm_py.utils.grpc_channels import CHANNEL_OPTIONS
+from xllm_py.tls import TLSConfig, channel_credentials
+from xllm_py.utils.grpc_channels import open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -66,24 +68,6 @@ def _as_report(value: "LoadReport | tuple") -> LoadReport:
     return LoadReport(int(waiting), int(running), float(kv_usage), int(ttft), int(tbt), list(stored), list(removed))
 
 
-def heartbeat_request(name: str, incarnation_id: str, report: LoadReport,
-                      full_cache: bool = False) -> xllm_pb2.HeartbeatRequest:
-    return xllm_pb2.HeartbeatRequest(
-        name=name,
-        incarnation_id=incarnation_id,
-        load_metrics=xllm_pb2.LoadMetrics(
-            waiting_requests_num=report.waiting,
-            gpu_cache_usage_perc=report.kv_usage,
-            running_requests_num=report.running,
-        ),
-        latency_metrics=xllm_pb2.LatencyMetrics(
-            recent_max_ttft=report.recent_max_ttft_ms, recent_max_tbt=report.recent_max_tbt_ms
-        ),
-        cache_event=xllm_pb2.KvCacheEvent(stored_cache=report.stored_cache, removed_cache=report.removed_cache,
-                                          full_snapshot=full_cache),
-    )
-
-
 class InstanceAgent:
     def __init__(
         self,
@@ -97,7 +81,9 @@ class InstanceAgent:
         etcd_timeout_s: float = 2.0,
         cache_fn: CacheFn | None = None,
         cache_resync_s: float = 30.0,
+        tls: TLSConfig | None = None,
     ) -> None:
+        """`tls`: etcd and the heartbeat channel to the master over mutual TLS."""
         # A new incarnation per process start: the service tells restarts apart by it.
         self.meta = dataclasses.replace(meta, incarnation_id=new_incarnation_id(), register_ts_ms=now_ms())
         self.ttl_s = ttl_s
@@ -106,7 +92,9 @@ class InstanceAgent:
         self.cache_fn = cache_fn
         self.cache_resync_s = cache_resync_s
         self._cache_synced: tuple[str, float] | None = None  # (master, when) of the last full one
-        self.etcd = EtcdClient(etcd_endpoint, namespace=namespace, credentials=credentials, timeout_s=etcd_timeout_s)
+        self.etcd = EtcdClient(etcd_endpoint, namespace=namespace, credentials=credentials,
+                               timeout_s=etcd_timeout_s, tls=tls)
+        self._channel_credentials = channel_credentials(tls) if tls is not None else None
         self.key = instance_key(self.meta.type, self.meta.name)
         self._leased = LeasedKey(self.etcd, self.key, self.meta.to_json(), ttl_s, interval_s=heartbeat_interval_s)
         self._task: asyncio.Task[None] | None = None
@@ -174,7 +162,7 @@ class InstanceAgent:
         if self._channel is None or self._channel_addr != addr:
             if self._channel is not None:
                 asyncio.ensure_future(self._channel.close())
-            self._channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+            self._channel = open_channel(addr, self._channel_credentials)
             self._channel_addr = addr
         return xllm_pb2_grpc.XllmRpcServiceStub(self._channel)
 
@@ -191,7 +179,10 @@ class InstanceAgent:
             full = (synced is None or synced[0] != addr
                     or time.monotonic() - synced[1] > self.cache_resync_s)
             report.stored_cache, report.removed_cache = self.cache_fn(full)
-        req = heartbeat_request(self.meta.name, self.incarnation_id, report, full_cache=full)
+        req = wire.heartbeat_to_proto(
+            self.meta.name, self.incarnation_id, report.waiting, report.running, report.kv_usage,
+            report.recent_max_ttft_ms, report.recent_max_tbt_ms, report.stored_cache,
+            report.removed_cache, full_cache=full)
         try:
             reply = await self._stub(addr).Heartbeat(req, timeout=HEARTBEAT_DEADLINE_S)
         except grpc.aio.AioRpcError as e:
@@ -200,11 +191,12 @@ class InstanceAgent:
             self._cache_synced = None
             await self._resolve_master(force=True)
             return False
-        if not reply.ok:
+        ok, why = wire.heartbeat_reply_from_proto(reply)
+        if not ok:
             # Usually the master has not seen our key yet (watch lag) or a new master is
             # still syncing; the key keeps us registered, so just try again next time.
-            self.last_heartbeat_error = reply.message
-            logger.info("heartbeat refused by %s: %s", addr, reply.message)
+            self.last_heartbeat_error = why
+            logger.info("heartbeat refused by %s: %s", addr, why)
             self._cache_synced = None
             await self._resolve_master(force=True)
             return False

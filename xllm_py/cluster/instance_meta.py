@@ -1,7 +1,8 @@
 """InstanceMeta: what an engine instance publishes about itself (xLLM's InstanceMetaInfo).
 
 Wire forms: JSON (the etcd value under `XLLM:<ROLE>:<name>`) and the proto
-`InstanceMetaInfo` (RegisterInstance / GetInstanceInfo / LinkInstance).
+`InstanceMetaInfo` (RegisterInstance / GetInstanceInfo / LinkInstance; built and read
+in xllm_py/rpc/cluster.py).
 
 The JSON is versioned (`schema_version`) and parsed leniently: unknown keys are
 ignored, missing optional keys take their defaults, and only a missing required key
@@ -18,7 +19,6 @@ from typing import Any
 
 from xllm_py.config import InstanceRole
 from xllm_py.kv_compat import kv_compat_differences
-from xllm_py.proto import xllm_pb2
 
 SCHEMA_VERSION = 1
 
@@ -63,6 +63,9 @@ class InstanceMeta:
     http_address: str = ""
     worker_rpc_addrs: list[str] = dataclasses.field(default_factory=list)
     draining: bool = False  # shutting down: finishing what it runs, takes no new requests
+    # One per worker (with addrs): what a peer's transfer hello must carry (kv_transfer/base.py).
+    # Secret: in etcd (TLS) and LinkInstance only, never in a repr or a log.
+    transfer_keys: list[str] = dataclasses.field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -109,66 +112,6 @@ class InstanceMeta:
             raise InstanceMetaError(f"instance meta is not valid JSON: {e}") from e
         return cls.from_dict(data)
 
-    # ------------------------------------------------------------------ proto
-
-    def to_proto(self) -> xllm_pb2.InstanceMetaInfo:
-        return xllm_pb2.InstanceMetaInfo(
-            name=self.name,
-            rpc_address=self.rpc_address,
-            type=xllm_pb2.InstanceType.Value(self.type.value),
-            cluster_ids=self.cluster_ids,
-            addrs=self.addrs,
-            ports=self.ports,
-            dp_size=self.dp_size,
-            incarnation_id=self.incarnation_id,
-            register_ts_ms=self.register_ts_ms,
-            kv_split_size=self.kv_split_size,
-            schema_version=self.schema_version,
-            model=self.model,
-            block_size=self.block_size,
-            kv_layout=self.kv_layout,
-            kv_dtype=self.kv_dtype,
-            tp_size=self.tp_size,
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            num_blocks=self.num_blocks,
-            http_address=self.http_address,
-            worker_rpc_addrs=self.worker_rpc_addrs,
-            draining=self.draining,
-        )
-
-    @classmethod
-    def from_proto(cls, msg: xllm_pb2.InstanceMetaInfo) -> "InstanceMeta":
-        if not msg.name:
-            raise InstanceMetaError("InstanceMetaInfo.name must not be empty")
-        return cls(
-            name=msg.name,
-            type=InstanceRole(xllm_pb2.InstanceType.Name(msg.type)),
-            rpc_address=msg.rpc_address,
-            cluster_ids=list(msg.cluster_ids),
-            addrs=list(msg.addrs),
-            ports=list(msg.ports),
-            dp_size=msg.dp_size or 1,
-            incarnation_id=msg.incarnation_id,
-            register_ts_ms=msg.register_ts_ms,
-            kv_split_size=msg.kv_split_size or 1,
-            # proto3 has no presence: 0 means an old writer that predates versioning.
-            schema_version=msg.schema_version or SCHEMA_VERSION,
-            model=msg.model,
-            block_size=msg.block_size,
-            kv_layout=msg.kv_layout,
-            kv_dtype=msg.kv_dtype,
-            tp_size=msg.tp_size or 1,
-            num_layers=msg.num_layers,
-            num_kv_heads=msg.num_kv_heads,
-            head_dim=msg.head_dim,
-            num_blocks=msg.num_blocks,
-            http_address=msg.http_address,
-            worker_rpc_addrs=list(msg.worker_rpc_addrs),
-            draining=msg.draining,
-        )
-
     # ------------------------------------------------------------------ peers
 
     def compatibility_problems(self, other: "InstanceMeta") -> list[str]:
@@ -183,7 +126,7 @@ class InstanceMeta:
 
 
 _LIST_INT = {"cluster_ids", "ports"}
-_LIST_STR = {"addrs", "worker_rpc_addrs"}
+_LIST_STR = {"addrs", "worker_rpc_addrs", "transfer_keys"}
 _INT = {
     "dp_size", "register_ts_ms", "kv_split_size", "schema_version", "block_size",
     "tp_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks",
@@ -205,7 +148,9 @@ def _coerce(name: str, value: Any) -> Any:
             return value
         if name == "type":
             if isinstance(value, int):  # a writer that sent the proto enum number
-                return InstanceRole(xllm_pb2.InstanceType.Name(value))
+                from xllm_py.rpc.cluster import role_from_proto  # (rpc imports this module)
+
+                return role_from_proto(value)
             return InstanceRole.parse(str(value))
         return str(value)
     except (TypeError, ValueError) as e:

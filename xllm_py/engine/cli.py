@@ -8,6 +8,7 @@ from xllm_py.api.limits import add_limit_flags, limits_from_args
 from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode,
                             SchedulerConfig, TransferConfig, transfer_config_from_env)
 from xllm_py.utils.cli import add_flag, parse_bool
+from xllm_py.utils.security_cli import add_security_flags, security_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "are deterministic, no torch is loaded; the KV transfer moves a small "
                   "payload per block (backend 'sim')")
     add_flag(g, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_security_flags(p)
     return p
 
 
@@ -114,4 +116,5 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         heartbeat_interval_s=args.heart_beat_interval, instance_name=args.instance_name,
         disagg_pd_port=args.disagg_pd_port, worker_port=args.worker_port,
         rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout,
-        simulate=args.simulate, api=limits_from_args(args))
+        simulate=args.simulate, security=security_from_args(args),
+        api=limits_from_args(args))

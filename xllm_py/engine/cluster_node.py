@@ -25,8 +25,9 @@ from xllm_py.engine.pd.grpc_peers import GrpcPeers
 from xllm_py.engine.pd.scheduler import DisaggPDScheduler
 from xllm_py.engine.pd.service import DisaggPDServicer
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
-from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
+from xllm_py.rpc import cluster as wire
+from xllm_py.tls import channel_credentials, server_credentials
 from xllm_py.utils.aio import wait_for
 from xllm_py.utils.grpc_channels import ChannelPool
 from xllm_py.utils.grpc_server import start_grpc_server
@@ -48,7 +49,10 @@ class ClusterNode:
         self.reporter: GenerationsReporter | None = None
         self.worker = None
         self._server: grpc.aio.Server | None = None
-        self._channels = ChannelPool()
+        tls = config.security.tls
+        self._client_credentials = channel_credentials(tls) if tls is not None else None
+        self._server_credentials = server_credentials(tls) if tls is not None else None
+        self._channels = ChannelPool(self._client_credentials)
         self.metas = MetaCache(self._fetch_meta)
         self.cache_events = CacheEvents()  # for the service's cache-aware routing
 
@@ -62,13 +66,15 @@ class ClusterNode:
 
             self.worker = await start_kv_worker(self.engine.storage, cfg.transfer, cfg.host,
                                                 cfg.worker_port, cluster_id,
-                                                self._kv_meta_proto(cluster_id))
+                                                self._kv_meta(cluster_id),
+                                                self._server_credentials)
             # Publish reachable addresses (the backends report their bind host).
             transfer_addr = f"{self.addr_host}:{self.worker.transfer_addr.rsplit(':', 1)[1]}"
             worker_addr = f"{self.addr_host}:{self.worker.rpc_addr.rsplit(':', 1)[1]}"
             self.backend.metrics_registry.register(self.worker.worker.metrics)
         self.reporter = GenerationsReporter(loop, self.name, self.engine.abort,
-                                            timeout_s=cfg.rpc_timeout_s)
+                                            timeout_s=cfg.rpc_timeout_s,
+                                            credentials=self._client_credentials)
         self.engine.step_listeners.append(self.reporter.flush)
         pool = self.engine.scheduler.kv.block_pool
         self.engine.step_listeners.append(lambda: self.cache_events.collect(pool))
@@ -77,7 +83,7 @@ class ClusterNode:
         servicer = DisaggPDServicer(self.engine, self.role, self.reporter, None)
         self._server, port = await start_grpc_server(
             pb_grpc.add_DisaggPDServiceServicer_to_server, servicer, cfg.host,
-            cfg.disagg_pd_port, "DisaggPDService")
+            cfg.disagg_pd_port, "DisaggPDService", credentials=self._server_credentials)
         mc = self.engine.model_config
         self.meta = InstanceMeta(
             name=self.name, type=self.role, rpc_address=f"{self.addr_host}:{port}",
@@ -89,15 +95,17 @@ class ClusterNode:
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             num_blocks=self.engine.storage.num_blocks,
             http_address=f"{self.addr_host}:{cfg.port}",
-            worker_rpc_addrs=[worker_addr] if worker_addr else [])
+            worker_rpc_addrs=[worker_addr] if worker_addr else [],
+            transfer_keys=[self.worker.transfer_key] if transfer_addr else [])
         self.agent = InstanceAgent(cfg.etcd_addr, self.meta, ttl_s=cfg.etcd_ttl_s,
                                    namespace=cfg.etcd_namespace,
                                    heartbeat_interval_s=cfg.heartbeat_interval_s,
                                    load_fn=self._load, credentials=etcd_credentials_from_env(),
-                                   cache_fn=self.cache_events.drain)
+                                   cache_fn=self.cache_events.drain, tls=cfg.security.tls)
         self.meta = self.agent.meta  # with its incarnation id
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
-            peers = GrpcPeers(worker_addr, cfg.rpc_timeout_s, cfg.transfer.timeout_s)
+            peers = GrpcPeers(worker_addr, cfg.rpc_timeout_s, cfg.transfer.timeout_s,
+                              self._client_credentials)
             self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter, peers,
                                         self.metas.get, self._list_decodes,
                                         registry=self.backend.metrics_registry)
@@ -107,12 +115,12 @@ class ClusterNode:
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")
 
-    def _kv_meta_proto(self, cluster_id: int) -> pb.InstanceMetaInfo:
+    def _kv_meta(self, cluster_id: int) -> InstanceMeta:
         mc = self.engine.model_config
-        return pb.InstanceMetaInfo(name=self.name, model=self.backend.model_name,
-                                   block_size=self.config.cache.block_size, kv_layout=KV_LAYOUT,
-                                   kv_dtype=self.config.dtype, num_layers=mc.num_layers,
-                                   num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+        return InstanceMeta(name=self.name, model=self.backend.model_name,
+                            block_size=self.config.cache.block_size, kv_layout=KV_LAYOUT,
+                            kv_dtype=self.config.dtype, num_layers=mc.num_layers,
+                            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
 
     def _load(self) -> LoadReport:
         s = self.engine.stats()
@@ -135,9 +143,9 @@ class ClusterNode:
         if not addr:
             return []
         stub = pb_grpc.XllmRpcServiceStub(self._channels.get(addr))
-        reply = await stub.GetStaticDecodeList(pb.InstanceID(name=self.name),
+        reply = await stub.GetStaticDecodeList(wire.instance_id_to_proto(self.name),
                                                timeout=self.config.rpc_timeout_s)
-        return list(reply.names)
+        return wire.instance_ids_from_proto(reply)
 
     async def stop(self) -> None:
         steps = []

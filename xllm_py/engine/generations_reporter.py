@@ -11,17 +11,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import grpc
 
 from xllm_py.outputs import RequestOutput
-from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
-from xllm_py.rpc.convert import output_to_proto
+from xllm_py.rpc import service as wire
 from xllm_py.utils.grpc_channels import ChannelPool, PipelinedStream, StreamBroken
 
 logger = logging.getLogger(__name__)
+
+
+class Outgoing(NamedTuple):
+    """One output on its way to a service: `message` is its wire form."""
+    engine_request_id: str
+    finished: bool
+    message: object
 
 
 class ReporterSink:
@@ -41,25 +47,26 @@ class ReporterSink:
     def emit(self, output: RequestOutput) -> None:
         if self.on_output is not None and not self.on_output(output):
             return
-        gen = output_to_proto(output, self.service_request_id,
-                              finished_on_prefill=self.finished_on_prefill)
-        gen.req_id = self.engine_request_id
-        self.reporter.add(self.service_addr, gen)
+        message = wire.generation_to_proto(output, self.service_request_id,
+                                           self.engine_request_id, self.finished_on_prefill)
+        self.reporter.add(self.service_addr,
+                          Outgoing(self.engine_request_id, output.finished, message))
 
 
 class GenerationsReporter:
     def __init__(self, loop: asyncio.AbstractEventLoop, instance_name: str,
-                 abort: Callable[[str], None], timeout_s: float = 5.0) -> None:
+                 abort: Callable[[str], None], timeout_s: float = 5.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.loop = loop
         self.instance_name = instance_name
         self.abort = abort  # abort(engine_request_id), thread-safe
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._pending: dict[str, list[pb.DisaggStreamGeneration]] = {}
-        self._queues: dict[str, list[pb.DisaggStreamGeneration]] = {}
+        self._pending: dict[str, list[Outgoing]] = {}
+        self._queues: dict[str, list[Outgoing]] = {}
         self._senders: dict[str, asyncio.Task] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
-        self._channels = ChannelPool()
+        self._channels = ChannelPool(credentials)
         self._streams: dict[str, PipelinedStream] = {}
         self.num_calls = 0
 
@@ -67,7 +74,7 @@ class GenerationsReporter:
              on_output=None) -> ReporterSink:
         return ReporterSink(self, service_addr, service_request_id, engine_request_id, on_output)
 
-    def add(self, service_addr: str, gen: pb.DisaggStreamGeneration) -> None:
+    def add(self, service_addr: str, gen: Outgoing) -> None:
         """Any thread. Buffered until flush()."""
         with self._lock:
             self._pending.setdefault(service_addr, []).append(gen)
@@ -80,7 +87,7 @@ class GenerationsReporter:
             pending, self._pending = self._pending, {}
         self.loop.call_soon_threadsafe(self._enqueue, pending)
 
-    def _enqueue(self, pending: dict[str, list[pb.DisaggStreamGeneration]]) -> None:
+    def _enqueue(self, pending: dict[str, list[Outgoing]]) -> None:
         for addr, gens in pending.items():
             self._queues.setdefault(addr, []).extend(gens)
             if addr not in self._senders or self._senders[addr].done():
@@ -109,9 +116,9 @@ class GenerationsReporter:
             self._streams[addr] = stream
         return stream
 
-    async def _send(self, addr: str, gens: list[pb.DisaggStreamGeneration]) -> None:
-        request = pb.DisaggStreamGenerations(gens=gens, instance_name=self.instance_name)
-        reply: pb.StatusSet | None = None
+    async def _send(self, addr: str, gens: list[Outgoing]) -> None:
+        request = wire.generations_to_proto([g.message for g in gens], self.instance_name)
+        reply = None
         try:
             reply = await self._stream(addr).request(request, self.timeout_s)
             self.num_calls += 1
@@ -126,16 +133,14 @@ class GenerationsReporter:
             logger.warning("aborting %d requests of service %s", len(gens), addr)
             for gen in gens:
                 if not gen.finished:
-                    self.abort(gen.req_id)
+                    self.abort(gen.engine_request_id)
             return
-        for gen, status in zip(gens, reply.all_status):
-            if not status.ok and not gen.finished:
-                logger.info("service %s dropped request %s: %s", addr, gen.req_id,
-                            status.message)
-                self.abort(gen.req_id)
+        for gen, (ok, why) in zip(gens, wire.statuses_from_proto(reply)):
+            if not ok and not gen.finished:
+                logger.info("service %s dropped request %s: %s", addr, gen.engine_request_id, why)
+                self.abort(gen.engine_request_id)
 
-    async def _send_unary(self, addr: str,
-                          request: pb.DisaggStreamGenerations) -> pb.StatusSet | None:
+    async def _send_unary(self, addr: str, request: object) -> object | None:
         try:
             reply = await self._stub(addr).Generations(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:

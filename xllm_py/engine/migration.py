@@ -20,8 +20,9 @@ from typing import Awaitable, Callable, Sequence
 
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
-from xllm_py.proto import xllm_pb2 as pb
-from xllm_py.rpc.convert import EngineRequestSpec, spec_from_proto
+from xllm_py.rpc import pd as wire
+from xllm_py.rpc.convert import EngineRequestSpec
+from xllm_py.rpc.pd import MigrationItem
 from xllm_py.sampling_params import SamplingParams
 
 
@@ -41,16 +42,16 @@ class Resumption:
 
 
 # Pulls an item's KV and starts decoding it; returns a problem ("" when it was taken).
-KVPuller = Callable[[pb.MultiGenerationsRequest, Resumption], Awaitable[str]]
+# Its first argument: the item's wire form (MigrationItem.message).
+KVPuller = Callable[[object, Resumption], Awaitable[str]]
 
 
-def parse_resumption(item: pb.MultiGenerationsRequest) -> Resumption | str:
+def parse_resumption(item: MigrationItem) -> Resumption | str:
     """The item as a Resumption, or why it cannot be resumed."""
-    try:
-        spec = spec_from_proto(item.request)
-    except ValueError as exc:
-        return f"{item.request.req_id}: {exc}"
-    generated = list(item.generated_token_ids)
+    spec = item.spec
+    if spec is None:
+        return f"{item.request_id}: {item.problem}"
+    generated = list(item.generated)
     if not generated:
         return f"{spec.request_id}: generated_token_ids is empty"
     if not spec.source_xservice_addr:
@@ -65,7 +66,7 @@ def parse_resumption(item: pb.MultiGenerationsRequest) -> Resumption | str:
     params = dataclasses.replace(
         params, max_tokens=None if params.max_tokens is None else params.max_tokens - (k - 1),
         min_tokens=max(0, params.min_tokens - (k - 1)))
-    unread = item.num_unread_tokens if item.has_num_unread_tokens else None
+    unread = item.num_unread
     if unread is not None and not 0 <= unread <= k:
         return f"{spec.request_id}: num_unread_tokens must be in [0, {k}], got {unread}"
     return Resumption(spec, generated, unread, params)
@@ -88,25 +89,24 @@ def resume_by_recompute(engine: LLMEngine, reporter: GenerationsReporter,
 
 
 async def multi_generations(engine: LLMEngine, reporter: GenerationsReporter,
-                            items: Sequence[pb.MultiGenerationsRequest],
-                            pull_kv: KVPuller | None, role: str) -> pb.Status:
+                            items: Sequence[MigrationItem],
+                            pull_kv: KVPuller | None, role: str) -> object:
     """Resume every item that can be; the Status lists those that cannot (not ok when
     any). `pull_kv` is None where there is no KV transfer (MIX): items with `kv` are
     refused there rather than silently recomputed, so a sender relying on it learns."""
     problems = []
     for item in items:
-        if pull_kv is None and item.HasField("kv"):
-            problems.append(f"{item.request.req_id}: kv is set, but a {role} instance has no "
+        if pull_kv is None and item.has_kv:
+            problems.append(f"{item.request_id}: kv is set, but a {role} instance has no "
                             "KV transfer: send the request without kv to recompute it here")
             continue
         r = parse_resumption(item)
         if isinstance(r, str):
             problems.append(r)
-        elif pull_kv is not None and item.HasField("kv") and len(item.kv.block_ids):
-            problem = await pull_kv(item, r)
+        elif pull_kv is not None and item.has_kv and item.num_kv_blocks:
+            problem = await pull_kv(item.message, r)
             if problem:
                 problems.append(problem)
         elif not resume_by_recompute(engine, reporter, r):
             problems.append(f"{r.spec.request_id}: duplicate request id: it is running here")
-    return pb.Status(ok=not problems, code=200 if not problems else 400,
-                     message="; ".join(problems))
+    return wire.problems_to_proto(problems)

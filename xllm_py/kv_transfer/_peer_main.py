@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cluster-id", type=int, default=1)
     p.add_argument("--no-fill", action="store_true", help="leave the cache zeroed (faster start for big pools)")
+    p.add_argument("--access-key", default=None,
+                   help="serve only requesters whose hello carries this transfer key (as engines do)")
     p.add_argument("--private-pool", action="store_true",
                    help="a plain torch pool even with the ucx backend (peers cannot map it: the iov path)")
     return p
@@ -90,7 +92,7 @@ async def main_async(args: argparse.Namespace) -> None:
     else:
         storage.kv.view(torch.uint8).reshape(-1)[::4096] = 7  # touch the pages
     cfg = TransferConfig(backend=args.backend, listen_host=args.host, listen_port=args.transfer_listen_port)
-    backend = create_backend(args.backend, storage, cfg)
+    backend = create_backend(args.backend, storage, cfg, access_key=args.access_key)
     addr = backend.start()
     worker = KVWorker(storage, backend, args.cluster_id, model=args.model)
     server, port = await create_worker_server(WorkerServicer(worker), args.host, 0)

@@ -8,6 +8,13 @@ Lifecycle of a backend (xLLM: link_cluster / pull_kv_blocks):
    ``push(peer, src, dst)`` send our ``src`` blocks into the peer's ``dst`` blocks.
 4. ``unlink(peer)`` drop the connection; ``close()`` stop listening, free everything.
 
+Transfer keys: a backend built with ``access_key`` (every engine's KV worker: a random
+secret made at start) serves only requesters whose connection hello carries that key,
+compared in constant time; anyone else gets ``TransferError(denied=True)`` and nothing is
+read or written. A requester learns a peer's key only through the cluster's authenticated
+paths (the peer's registration in TLS etcd, LinkInstance -> LinkCluster over mutual TLS)
+and passes it with ``link(peer, key=...)`` or ``set_peer_key``.
+
 Every backend runs its transport on its own event-loop thread. The async methods can be
 awaited from any event loop (they wrap a concurrent future); ``submit_pull`` /
 ``submit_push`` return a ``concurrent.futures.Future`` for callers on plain threads
@@ -21,6 +28,7 @@ import abc
 import asyncio
 import concurrent.futures
 import dataclasses
+import hmac
 import logging
 import threading
 import time
@@ -40,12 +48,19 @@ Run = tuple[int, int, int]  # (src_start, dst_start, length)
 
 
 class TransferError(RuntimeError):
-    """A KV transfer failed. ``invalid_argument``: the request itself was wrong (bad ids)."""
+    """A KV transfer failed. ``invalid_argument``: the request itself was wrong (bad ids);
+    ``denied``: the owner refused a requester without its transfer key."""
 
-    def __init__(self, message: str, *, invalid_argument: bool = False, timeout: bool = False) -> None:
+    def __init__(self, message: str, *, invalid_argument: bool = False, timeout: bool = False,
+                 denied: bool = False) -> None:
         super().__init__(message)
         self.invalid_argument = invalid_argument
         self.timeout = timeout
+        self.denied = denied
+
+
+NOT_LINKED = ("transfer refused: the requester has not linked through the cluster "
+              "(missing or wrong transfer key)")
 
 
 class TransferTimeout(TransferError):
@@ -149,9 +164,13 @@ class KVTransferBackend(abc.ABC):
 
     name: str = "base"
 
-    def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0) -> None:
+    def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
+                 access_key: str | None = None) -> None:
         self.storage = storage
         self.default_timeout_s = default_timeout_s
+        # None: serve any requester (library tests, benchmarks); engines always set one.
+        self._access_key = access_key.encode() if access_key else None
+        self._peer_keys: dict[str, str] = {}  # peer address -> its key, sent in our hello
         self._lt, self._owns_loop = self._make_loop_thread()
         self._address: str | None = None
         self._closed = False
@@ -175,10 +194,28 @@ class KVTransferBackend(abc.ABC):
             self._address = self._lt.call(self._start_impl())
         return self._address
 
-    async def link(self, peer_addr: str, timeout: float | None = None) -> None:
+    def set_peer_key(self, peer_addr: str, key: str) -> None:
+        """The key to show `peer_addr` when connecting to it (empty: keep the known one)."""
+        if key:
+            self._peer_keys[peer_addr] = key
+
+    def peer_key(self, peer_addr: str) -> str:
+        return self._peer_keys.get(peer_addr, "")
+
+    def admits(self, presented: object) -> bool:
+        """Owner side: does a requester's hello key open our data plane?"""
+        if self._access_key is None:
+            return True
+        if not isinstance(presented, str):
+            return False
+        return hmac.compare_digest(presented.encode(), self._access_key)
+
+    async def link(self, peer_addr: str, timeout: float | None = None, key: str = "") -> None:
+        self.set_peer_key(peer_addr, key)
         await _await_future(self._lt.submit(self._timed(self._link_impl(peer_addr), timeout, f"link {peer_addr}")))
 
     async def unlink(self, peer_addr: str) -> None:
+        self._peer_keys.pop(peer_addr, None)
         await _await_future(self._lt.submit(self._unlink_impl(peer_addr)))
 
     async def pull(self, peer_addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],

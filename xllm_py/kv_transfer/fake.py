@@ -14,7 +14,7 @@ import logging
 import random
 import threading
 
-from xllm_py.kv_transfer.base import KVTransferBackend, Run, TransferError
+from xllm_py.kv_transfer.base import NOT_LINKED, KVTransferBackend, Run, TransferError
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 
 logger = logging.getLogger(__name__)
@@ -47,8 +47,8 @@ class FakeKVTransferBackend(KVTransferBackend):
     name = "fake"
 
     def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
-                 faults: FakeFaults | None = None) -> None:
-        super().__init__(storage, default_timeout_s)
+                 faults: FakeFaults | None = None, access_key: str | None = None) -> None:
+        super().__init__(storage, default_timeout_s, access_key)
         self.faults = faults or FakeFaults()
         self._linked: set[str] = set()
 
@@ -68,6 +68,8 @@ class FakeKVTransferBackend(KVTransferBackend):
             raise TransferError(f"fake: no peer at {peer_addr}")
         if peer.storage.meta.block_shape_key() != self.storage.meta.block_shape_key():
             raise TransferError(f"fake: peer {peer_addr} has an incompatible KV layout")
+        if not peer.admits(self.peer_key(peer_addr)):
+            raise TransferError(f"fake: {NOT_LINKED}", denied=True)
         return peer
 
     async def _link_impl(self, peer_addr: str) -> None:

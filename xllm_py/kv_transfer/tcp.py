@@ -19,8 +19,10 @@ import struct
 
 import torch
 
-from xllm_py.kv_transfer.base import KVTransferBackend, Run, TransferError, runs_to_ids, split_addr
+from xllm_py.kv_transfer.base import (NOT_LINKED, KVTransferBackend, Run, TransferError,
+                                      runs_to_ids, split_addr)
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, StagingPool
+from xllm_py.utils.aio import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +119,9 @@ class TcpKVTransferBackend(KVTransferBackend):
     name = "tcp"
 
     def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
-                 listen_host: str = "127.0.0.1", listen_port: int = 0) -> None:
-        super().__init__(storage, default_timeout_s)
+                 listen_host: str = "127.0.0.1", listen_port: int = 0,
+                 access_key: str | None = None) -> None:
+        super().__init__(storage, default_timeout_s, access_key)
         self._listen_host = listen_host
         self._listen_port = listen_port
         self._lsock: socket.socket | None = None
@@ -160,6 +163,8 @@ class TcpKVTransferBackend(KVTransferBackend):
         loop = asyncio.get_running_loop()
         self._server_socks.add(sock)
         try:
+            if not await self._admit(loop, sock):
+                return
             while True:
                 try:
                     req = await recv_msg(loop, sock)
@@ -207,6 +212,19 @@ class TcpKVTransferBackend(KVTransferBackend):
             self._server_socks.discard(sock)
             sock.close()
 
+    async def _admit(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bool:
+        """A connection opens with {"op": "hello", "key"}: refused (and closed) without ours."""
+        try:
+            hello = await wait_for(recv_msg(loop, sock), self.default_timeout_s)
+        except (ConnectionError, OSError, ValueError, asyncio.TimeoutError):
+            return False
+        if not isinstance(hello, dict) or hello.get("op") != "hello" or not self.admits(hello.get("key")):
+            logger.warning("tcp KV transfer: refused a connection without our transfer key")
+            await send_msg(loop, sock, {"ok": False, "error": NOT_LINKED})
+            return False
+        await send_msg(loop, sock, {"ok": True})
+        return True
+
     def _staging(self, n: int) -> torch.Tensor:
         """A pooled CPU byte buffer for n blocks; give it back with ``self._pool.release``."""
         return self._pool.acquire(n * self.storage.block_bytes)
@@ -232,9 +250,14 @@ class TcpKVTransferBackend(KVTransferBackend):
         _tune(sock)
         try:
             await loop.sock_connect(sock, sockaddr)
+            await send_msg(loop, sock, {"op": "hello", "key": self.peer_key(peer_addr)})
+            rep = await recv_msg(loop, sock)
         except BaseException:
             sock.close()
             raise
+        if not rep.get("ok"):
+            sock.close()
+            raise TransferError(f"tcp: peer {peer_addr}: {rep.get('error', 'refused')}", denied=True)
         c = self._conns.setdefault(peer_addr, _Conn(sock))
         if c.sock is not sock:
             sock.close()

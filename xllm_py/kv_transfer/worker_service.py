@@ -5,11 +5,13 @@ RPCs (xLLM WorkerService):
   peer's ``src_blocks`` (peer at ``addr``) into its own ``dst_blocks``.
 - PushKVCache: this worker sends its ``src_blocks`` into the peer's ``dst_blocks``.
 - LinkCluster(cluster_ids, addrs, meta): refuse an incompatible peer (FAILED_PRECONDITION,
-  the message names every difference), then connect to each address.
+  the message names every difference), then connect to each address showing the peer's
+  transfer key (meta.transfer_keys; base.py: an owner refuses a hello without its key).
 - UnlinkCluster, GetCacheInfo.
 
 Status mapping: bad arguments (length mismatch, out-of-range ids on either side) ->
-INVALID_ARGUMENT; timeout -> DEADLINE_EXCEEDED; any other transfer failure -> UNAVAILABLE.
+INVALID_ARGUMENT; timeout -> DEADLINE_EXCEEDED; refused for want of the peer's transfer
+key -> PERMISSION_DENIED; any other transfer failure -> UNAVAILABLE.
 Success -> Status(ok=True, code=200). Each transfer logs one INFO line (req id, blocks,
 bytes, ms) and updates ``KVTransferMetrics``.
 """
@@ -27,6 +29,7 @@ from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.metrics import KVTransferMetrics
 from xllm_py.kv_compat import kv_compat_differences
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+from xllm_py.rpc import worker as wire
 from xllm_py.utils.grpc_server import start_grpc_server
 
 logger = logging.getLogger(__name__)
@@ -47,11 +50,6 @@ class PeerMeta:
     num_layers: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
-
-    @classmethod
-    def from_proto(cls, m: xllm_pb2.InstanceMetaInfo) -> "PeerMeta":
-        return cls(model=m.model, block_size=m.block_size, kv_dtype=m.kv_dtype, kv_layout=m.kv_layout,
-                   num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
 
 
 def compatibility_errors(ours: PeerMeta, theirs: PeerMeta) -> list[str]:
@@ -101,7 +99,9 @@ class KVWorker:
                              head_dim=m.head_dim, kv_dtype=m.dtype, kv_layout=m.layout, block_bytes=m.block_bytes)
 
     async def link_cluster(self, cluster_ids: Sequence[int], addrs: Sequence[str],
-                           peer_meta: PeerMeta | None = None, timeout: float | None = None) -> None:
+                           peer_meta: PeerMeta | None = None, timeout: float | None = None,
+                           keys: Sequence[str] = ()) -> None:
+        """`keys`: each peer worker's transfer key (with addrs; none: linked unkeyed)."""
         if len(cluster_ids) != len(addrs):
             raise ValueError(f"cluster_ids ({len(cluster_ids)}) and addrs ({len(addrs)}) differ in length")
         if peer_meta is not None:
@@ -110,8 +110,9 @@ class KVWorker:
                 msg = "incompatible peer KV cache: " + "; ".join(errors)
                 logger.warning("link_cluster %s refused: %s", list(addrs), msg)
                 raise IncompatiblePeerError(msg)
-        for cid, addr in zip(cluster_ids, addrs):
-            await self.backend.link(addr, timeout)
+        keys = list(keys) + [""] * (len(addrs) - len(keys))
+        for cid, addr, key in zip(cluster_ids, addrs, keys):
+            await self.backend.link(addr, timeout, key=key)
             self.linked[int(cid)] = addr
         logger.info("linked cluster ids %s at %s", list(cluster_ids), list(addrs))
 
@@ -123,11 +124,17 @@ class KVWorker:
             await self.backend.unlink(addr)
 
     async def pull_kv_blocks(self, addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                             req_id: str = "", timeout: float | None = None) -> TransferResult:
+                             req_id: str = "", timeout: float | None = None,
+                             key: str = "") -> TransferResult:
+        """`key`: the peer's transfer key, when not known from link_cluster."""
+        self.backend.set_peer_key(addr, key)
         return await self._transfer("pull", addr, src_blocks, dst_blocks, req_id, timeout)
 
     async def push_kv_blocks(self, addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                             req_id: str = "", timeout: float | None = None) -> TransferResult:
+                             req_id: str = "", timeout: float | None = None,
+                             key: str = "") -> TransferResult:
+        """`key`: the peer's transfer key (a push needs no link first)."""
+        self.backend.set_peer_key(addr, key)
         return await self._transfer("push", addr, src_blocks, dst_blocks, req_id, timeout)
 
     async def _transfer(self, op: str, addr: str, src: Sequence[int], dst: Sequence[int],
@@ -141,7 +148,8 @@ class KVWorker:
             logger.warning("kv %s req=%s peer=%s refused: %s", op, req_id, addr, e)
             raise
         except TransferError as e:
-            reason = "invalid_argument" if e.invalid_argument else "timeout" if e.timeout else "error"
+            reason = ("invalid_argument" if e.invalid_argument else "timeout" if e.timeout
+                      else "denied" if e.denied else "error")
             self.metrics.observe_failure(op, reason)
             logger.warning("kv %s req=%s peer=%s blocks=%d failed after %.1f ms: %s",
                            op, req_id, addr, len(src), (time.perf_counter() - t0) * 1e3, e)
@@ -151,10 +159,6 @@ class KVWorker:
                     op, req_id, addr, result.num_blocks, result.num_runs, result.num_bytes,
                     result.seconds * 1e3, result.gbps, f" path={result.path}" if result.path else "")
         return result
-
-
-def _ok() -> xllm_pb2.Status:
-    return xllm_pb2.Status(ok=True, code=200)
 
 
 async def _abort_for(context: grpc.aio.ServicerContext, e: Exception) -> None:
@@ -167,6 +171,8 @@ async def _abort_for(context: grpc.aio.ServicerContext, e: Exception) -> None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if e.timeout:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        if e.denied:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
     raise e
 
@@ -194,46 +200,53 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
 
     async def PullKVCache(self, request: xllm_pb2.PullKVCacheRequest,
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
+        t = wire.transfer_from_proto(request)
         try:
-            self._check_move(request)
-            await self.worker.pull_kv_blocks(request.addr, list(request.src_blocks), list(request.dst_blocks),
-                                             request.req_id, self._timeout(context))
+            self._check_move(t)
+            await self.worker.pull_kv_blocks(t.addr, t.src_blocks, t.dst_blocks,
+                                             t.req_id, self._timeout(context),
+                                             t.transfer_key)
         except (ValueError, TransferError) as e:
             await _abort_for(context, e)
-        return _ok()
+        return wire.ok_to_proto()
 
     async def PushKVCache(self, request: xllm_pb2.PushKVCacheRequest,
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
+        t = wire.transfer_from_proto(request)
         try:
-            self._check_move(request)
-            await self.worker.push_kv_blocks(request.addr, list(request.src_blocks), list(request.dst_blocks),
-                                             request.req_id, self._timeout(context))
+            self._check_move(t)
+            await self.worker.push_kv_blocks(t.addr, t.src_blocks, t.dst_blocks,
+                                             t.req_id, self._timeout(context),
+                                             t.transfer_key)
         except (ValueError, TransferError) as e:
             await _abort_for(context, e)
-        return _ok()
+        return wire.ok_to_proto()
 
     async def LinkCluster(self, request: xllm_pb2.ClusterLink,
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
-        meta = PeerMeta.from_proto(request.meta) if request.HasField("meta") else None
+        link = wire.link_from_proto(request)
         try:
-            await self.worker.link_cluster(list(request.cluster_ids), list(request.addrs), meta,
-                                           self._timeout(context))
+            await self.worker.link_cluster(link.cluster_ids, link.addrs, link.peer_meta,
+                                           self._timeout(context), link.keys)
         except (ValueError, TransferError) as e:
             await _abort_for(context, e)
-        return _ok()
+        return wire.ok_to_proto()
 
     async def UnlinkCluster(self, request: xllm_pb2.ClusterLink,
                             context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
-        await self.worker.unlink_cluster(list(request.cluster_ids), list(request.addrs))
-        return _ok()
+        link = wire.link_from_proto(request)
+        await self.worker.unlink_cluster(link.cluster_ids, link.addrs)
+        return wire.ok_to_proto()
 
     async def GetCacheInfo(self, request: xllm_pb2.Empty,
                            context: grpc.aio.ServicerContext) -> xllm_pb2.CacheInfo:
-        return xllm_pb2.CacheInfo(**dataclasses.asdict(self.worker.cache_info()))
+        return wire.cache_info_to_proto(self.worker.cache_info())
 
 
-async def create_worker_server(servicer: WorkerServicer, host: str = "127.0.0.1",
-                               port: int = 0) -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server with the WorkerService; returns (server, bound port)."""
+async def create_worker_server(servicer: WorkerServicer, host: str = "127.0.0.1", port: int = 0,
+                               credentials: grpc.ServerCredentials | None = None,
+                               ) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server with the WorkerService (mutual TLS with `credentials`);
+    returns (server, bound port)."""
     return await start_grpc_server(xllm_pb2_grpc.add_WorkerServiceServicer_to_server, servicer,
-                                   host, port, "the worker service")
+                                   host, port, "the worker service", credentials=credentials)

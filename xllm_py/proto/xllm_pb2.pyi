@@ -59,7 +59,7 @@ class InstanceIDs(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InstanceMetaInfo(_message.Message):
-    __slots__ = ("name", "rpc_address", "type", "cluster_ids", "addrs", "ports", "dp_size", "incarnation_id", "register_ts_ms", "kv_split_size", "schema_version", "model", "block_size", "kv_layout", "kv_dtype", "tp_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks", "http_address", "worker_rpc_addrs", "draining")
+    __slots__ = ("name", "rpc_address", "type", "cluster_ids", "addrs", "ports", "dp_size", "incarnation_id", "register_ts_ms", "kv_split_size", "schema_version", "model", "block_size", "kv_layout", "kv_dtype", "tp_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks", "http_address", "worker_rpc_addrs", "draining", "transfer_keys")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class InstanceMetaInfo(_message.Message):
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_RPC_ADDRS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_KEYS_FIELD_NUMBER: _ClassVar[int]
     name: str
     rpc_address: str
     type: InstanceType
@@ -106,7 +107,8 @@ class InstanceMetaInfo(_message.Message):
     http_address: str
     worker_rpc_addrs: _containers.RepeatedScalarFieldContainer[str]
     draining: bool
-    def __init__(self, name: _Optional[str] = ..., rpc_address: _Optional[str] = ..., type: _Optional[_Union[InstanceType, str]] = ..., cluster_ids: _Optional[_Iterable[int]] = ..., addrs: _Optional[_Iterable[str]] = ..., ports: _Optional[_Iterable[int]] = ..., dp_size: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., register_ts_ms: _Optional[int] = ..., kv_split_size: _Optional[int] = ..., schema_version: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_blocks: _Optional[int] = ..., http_address: _Optional[str] = ..., worker_rpc_addrs: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    transfer_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., rpc_address: _Optional[str] = ..., type: _Optional[_Union[InstanceType, str]] = ..., cluster_ids: _Optional[_Iterable[int]] = ..., addrs: _Optional[_Iterable[str]] = ..., ports: _Optional[_Iterable[int]] = ..., dp_size: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., register_ts_ms: _Optional[int] = ..., kv_split_size: _Optional[int] = ..., schema_version: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_blocks: _Optional[int] = ..., http_address: _Optional[str] = ..., worker_rpc_addrs: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., transfer_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadMetrics(_message.Message):
     __slots__ = ("waiting_requests_num", "gpu_cache_usage_perc", "running_requests_num")
@@ -394,18 +396,24 @@ class LogProb(_message.Message):
     def __init__(self, data: _Optional[_Union[LogProbData, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[LogProbData, _Mapping]]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs")
+    __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs", "stop_str", "has_stop_token", "stop_token")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STR_FIELD_NUMBER: _ClassVar[int]
+    HAS_STOP_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     logprobs: _containers.RepeatedCompositeFieldContainer[LogProb]
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[LogProb, _Mapping]]] = ...) -> None: ...
+    stop_str: str
+    has_stop_token: bool
+    stop_token: int
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[LogProb, _Mapping]]] = ..., stop_str: _Optional[str] = ..., has_stop_token: _Optional[bool] = ..., stop_token: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("num_prompt_tokens", "num_generated_tokens", "num_total_tokens", "num_cached_tokens")
@@ -514,32 +522,36 @@ class InstanceClusterInfo(_message.Message):
     def __init__(self, instance_name: _Optional[str] = ..., cluster_ids: _Optional[_Iterable[int]] = ..., addrs: _Optional[_Iterable[str]] = ..., ports: _Optional[_Iterable[int]] = ..., dp_size: _Optional[int] = ..., worker_rpc_addrs: _Optional[_Iterable[str]] = ..., meta: _Optional[_Union[InstanceMetaInfo, _Mapping]] = ...) -> None: ...
 
 class PullKVCacheRequest(_message.Message):
-    __slots__ = ("cluster_id", "addr", "src_blocks", "dst_blocks", "req_id")
+    __slots__ = ("cluster_id", "addr", "src_blocks", "dst_blocks", "req_id", "transfer_key")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_KEY_FIELD_NUMBER: _ClassVar[int]
     cluster_id: int
     addr: str
     src_blocks: _containers.RepeatedScalarFieldContainer[int]
     dst_blocks: _containers.RepeatedScalarFieldContainer[int]
     req_id: str
-    def __init__(self, cluster_id: _Optional[int] = ..., addr: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., req_id: _Optional[str] = ...) -> None: ...
+    transfer_key: str
+    def __init__(self, cluster_id: _Optional[int] = ..., addr: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., req_id: _Optional[str] = ..., transfer_key: _Optional[str] = ...) -> None: ...
 
 class PushKVCacheRequest(_message.Message):
-    __slots__ = ("cluster_id", "addr", "src_blocks", "dst_blocks", "req_id")
+    __slots__ = ("cluster_id", "addr", "src_blocks", "dst_blocks", "req_id", "transfer_key")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_KEY_FIELD_NUMBER: _ClassVar[int]
     cluster_id: int
     addr: str
     src_blocks: _containers.RepeatedScalarFieldContainer[int]
     dst_blocks: _containers.RepeatedScalarFieldContainer[int]
     req_id: str
-    def __init__(self, cluster_id: _Optional[int] = ..., addr: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., req_id: _Optional[str] = ...) -> None: ...
+    transfer_key: str
+    def __init__(self, cluster_id: _Optional[int] = ..., addr: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., req_id: _Optional[str] = ..., transfer_key: _Optional[str] = ...) -> None: ...
 
 class ClusterLink(_message.Message):
     __slots__ = ("cluster_ids", "addrs", "meta")

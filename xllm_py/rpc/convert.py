@@ -152,6 +152,10 @@ def output_to_proto(out: RequestOutput, service_request_id: str = "",
         gen.prompt_token_ids.extend(out.prompt_token_ids)
     for d in out.outputs:
         so = gen.outputs.add(index=d.index, text=d.text, finish_reason=d.finish_reason or "")
+        if isinstance(d.stop_reason, str):
+            so.stop_str = d.stop_reason
+        elif d.stop_reason is not None:
+            so.has_stop_token, so.stop_token = True, d.stop_reason
         so.token_ids.extend(d.token_ids)
         for lp in d.logprobs or []:
             _logprob_to_proto(lp, so.logprobs.add())
@@ -180,9 +184,11 @@ def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
         lps = None
         if len(so.logprobs):
             lps = [_logprob_from_proto(e) for e in so.logprobs]
+        stop_reason = so.stop_token if so.has_stop_token else (so.stop_str or None)
         outputs.append(CompletionDelta(index=so.index, text=so.text,
                                        token_ids=list(so.token_ids), logprobs=lps,
-                                       finish_reason=so.finish_reason or None))
+                                       finish_reason=so.finish_reason or None,
+                                       stop_reason=stop_reason))
     return RequestOutput(
         request_id=gen.service_req_id or gen.req_id, outputs=outputs, finished=gen.finished,
         num_prompt_tokens=gen.usage.num_prompt_tokens,

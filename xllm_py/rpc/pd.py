@@ -9,12 +9,14 @@ version.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.engine.pd.messages import HandOver, KVMove, PeerLink, Placement
 from xllm_py.outputs import TokenLogprob
 from xllm_py.proto import xllm_pb2 as pb
+from xllm_py.rpc.cluster import instance_meta_from_proto, instance_meta_to_proto
 from xllm_py.rpc.convert import EngineRequestSpec, spec_from_proto, spec_to_proto
 from xllm_py.rpc.status import Status
 
@@ -48,12 +50,12 @@ def link_info_to_proto(prefill: InstanceMeta) -> pb.InstanceClusterInfo:
                                   addrs=prefill.addrs, ports=prefill.ports,
                                   dp_size=prefill.dp_size,
                                   worker_rpc_addrs=prefill.worker_rpc_addrs,
-                                  meta=prefill.to_proto())
+                                  meta=instance_meta_to_proto(prefill))
 
 
 def peer_link_from_proto(info: pb.InstanceClusterInfo) -> PeerLink:
     """Raises ValueError (InstanceMetaError) on a meta that cannot be read."""
-    meta = InstanceMeta.from_proto(info.meta) if info.HasField("meta") else None
+    meta = instance_meta_from_proto(info.meta) if info.HasField("meta") else None
     return PeerLink(instance_name=info.instance_name, cluster_ids=list(info.cluster_ids),
                     addrs=list(info.addrs), meta=meta)
 
@@ -64,7 +66,7 @@ def unlink_name_from_proto(info: pb.InstanceClusterInfo) -> str:
 
 def cluster_link_to_proto(link: PeerLink) -> pb.ClusterLink:
     return pb.ClusterLink(cluster_ids=link.cluster_ids, addrs=link.addrs,
-                          meta=link.meta.to_proto() if link.meta is not None else None)
+                          meta=instance_meta_to_proto(link.meta) if link.meta is not None else None)
 
 
 # ---------------------------------------------------------------- AddNewRequests
@@ -149,6 +151,36 @@ def handovers_from_proto(msg: pb.DisaggGenerationsRequests) -> list[HandOver]:
     return [handover_from_proto(g) for g in msg.gens]
 
 
+@dataclasses.dataclass(frozen=True)
+class MigrationItem:
+    """One MultiGenerations item as read (engine side); engine/migration.py checks it."""
+    request_id: str
+    spec: EngineRequestSpec | None  # None: unreadable, see `problem`
+    problem: str
+    generated: list[int]
+    num_unread: int | None  # None: the sender did not say
+    has_kv: bool  # the item says where its KV lives (DECODE pulls it)
+    num_kv_blocks: int
+    message: object  # the item's wire form (rpc.pd.migration_kv_from_proto reads it)
+
+
+def migration_items_from_proto(msg: pb.MultiGenerationsRequests) -> list[MigrationItem]:
+    return [migration_item_from_proto(item) for item in msg.reqs]
+
+
+def migration_item_from_proto(item: pb.MultiGenerationsRequest) -> MigrationItem:
+    try:
+        spec, problem = spec_from_proto(item.request), ""
+    except ValueError as exc:
+        spec, problem = None, str(exc)
+    has_kv = item.HasField("kv")
+    return MigrationItem(
+        request_id=item.request.req_id, spec=spec, problem=problem,
+        generated=list(item.generated_token_ids),
+        num_unread=item.num_unread_tokens if item.has_num_unread_tokens else None,
+        has_kv=has_kv, num_kv_blocks=len(item.kv.block_ids) if has_kv else 0, message=item)
+
+
 def migration_kv_from_proto(item: pb.MultiGenerationsRequest) -> HandOver:
     """MultiGenerations with kv: where the KV of prompt + generated[:-1] lives."""
     return handover_from_proto(item.kv)
@@ -158,10 +190,10 @@ def migration_kv_from_proto(item: pb.MultiGenerationsRequest) -> HandOver:
 def pull_to_proto(move: KVMove) -> pb.PullKVCacheRequest:
     return pb.PullKVCacheRequest(cluster_id=move.cluster_id, addr=move.addr,
                                  src_blocks=move.src_blocks, dst_blocks=move.dst_blocks,
-                                 req_id=move.request_id)
+                                 req_id=move.request_id, transfer_key=move.transfer_key)
 
 
 def push_to_proto(move: KVMove) -> pb.PushKVCacheRequest:
     return pb.PushKVCacheRequest(cluster_id=move.cluster_id, addr=move.addr,
                                  src_blocks=move.src_blocks, dst_blocks=move.dst_blocks,
-                                 req_id=move.request_id)
+                                 req_id=move.request_id, transfer_key=move.transfer_key)

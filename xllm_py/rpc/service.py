@@ -1,6 +1,7 @@
 """The service's (master's) messages to and from the engines: proto <-> domain for
-Generate, MultiGenerations (migration), Cancel and the Generations stream. The service
-builds and reads no pb message anywhere else.
+Generate, MultiGenerations (migration), Cancel and the Generations stream (both of its
+ends: the engine's GenerationsReporter builds it here too). The service builds and reads
+no pb message anywhere else.
 """
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 
 from xllm_py.outputs import RequestOutput
 from xllm_py.proto import xllm_pb2 as pb
-from xllm_py.rpc.convert import EngineRequestSpec, output_from_proto, spec_to_proto
+from xllm_py.rpc.convert import EngineRequestSpec, output_from_proto, output_to_proto, spec_to_proto
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,34 @@ def generations_from_proto(msg: pb.DisaggStreamGenerations) -> Generations:
     return Generations(instance_name=msg.instance_name, gens=[
         Generation(service_request_id=g.service_req_id, output=output_from_proto(g),
                    on_prefill=g.finished_on_prefill_instance) for g in msg.gens])
+
+
+def generation_to_proto(output: RequestOutput, service_request_id: str,
+                        engine_request_id: str,
+                        finished_on_prefill: bool = False) -> pb.DisaggStreamGeneration:
+    """One engine output for the service's Generations stream (engine side)."""
+    gen = output_to_proto(output, service_request_id, finished_on_prefill=finished_on_prefill)
+    gen.req_id = engine_request_id
+    return gen
+
+
+def generations_to_proto(gens: list[pb.DisaggStreamGeneration],
+                         instance_name: str) -> pb.DisaggStreamGenerations:
+    return pb.DisaggStreamGenerations(gens=gens, instance_name=instance_name)
+
+
+def statuses_from_proto(reply: pb.StatusSet) -> list[tuple[bool, str]]:
+    """The service's answer to a Generations message: (ok, why not) per generation."""
+    return [(status.ok, status.message) for status in reply.all_status]
+
+
+def num_generations(msg: pb.DisaggStreamGenerations) -> int:
+    return len(msg.gens)
+
+
+def reply_fits(msg: pb.DisaggStreamGenerations, reply: pb.StatusSet) -> bool:
+    """The reply has one status per generation of `msg`."""
+    return len(reply.all_status) == len(msg.gens)
 
 
 _UNKNOWN = "unknown or cancelled request"

@@ -5,7 +5,8 @@ followed by ``nbytes`` of payload where the header says so:
   pull: {"op": "pull", "runs"} -> {"ok", "nbytes"} + the peer's src blocks
   push: {"op": "push", "runs", "nbytes"} + our src blocks -> {"ok"}
   link: {"op": "ping"} -> {"ok"}
-The serving side checks its own block ids (base.KVTransferBackend._check_remote_runs) and
+Every header carries the owner's transfer key ("key", base.py); without it the answer is
+{"ok": false, "denied": true}. The serving side checks its own block ids (base.KVTransferBackend._check_remote_runs) and
 refuses bad ones with {"ok": false, "invalid": true, "error"}.
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ import json
 import logging
 import struct
 
-from xllm_py.kv_transfer.base import KVTransferBackend, Run, TransferError, runs_to_ids, split_addr
+from xllm_py.kv_transfer.base import (NOT_LINKED, KVTransferBackend, Run, TransferError,
+                                      runs_to_ids, split_addr)
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +42,8 @@ class SimKVTransferBackend(KVTransferBackend):
     name = "sim"
 
     def __init__(self, storage, default_timeout_s: float = 30.0, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
-        super().__init__(storage, default_timeout_s)
+                 port: int = 0, access_key: str | None = None) -> None:
+        super().__init__(storage, default_timeout_s, access_key)
         self._host, self._port = host, port
         self._server: asyncio.AbstractServer | None = None
 
@@ -54,11 +56,12 @@ class SimKVTransferBackend(KVTransferBackend):
         host, port = split_addr(peer_addr)
         reader, writer = await asyncio.open_connection(host, port)
         try:
-            await _send(writer, header, payload)
+            await _send(writer, {**header, "key": self.peer_key(peer_addr)}, payload)
             reply = await _recv(reader)
             if not reply.get("ok"):
                 raise TransferError(f"sim: {reply.get('error', 'refused')}",
-                                    invalid_argument=bool(reply.get("invalid")))
+                                    invalid_argument=bool(reply.get("invalid")),
+                                    denied=bool(reply.get("denied")))
             data = await reader.readexactly(reply.get("nbytes", 0))
             return reply, data
         finally:
@@ -82,6 +85,9 @@ class SimKVTransferBackend(KVTransferBackend):
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             req = await _recv(reader)
+            if not self.admits(req.get("key")):
+                await _send(writer, {"ok": False, "denied": True, "error": NOT_LINKED})
+                return
             op = req.get("op")
             if op == "ping":
                 await _send(writer, {"ok": True})

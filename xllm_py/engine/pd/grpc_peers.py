@@ -16,11 +16,12 @@ from xllm_py.utils.grpc_channels import ChannelPool
 
 class GrpcPeers:
     def __init__(self, worker_rpc_addr: str, rpc_timeout_s: float,
-                 transfer_timeout_s: float) -> None:
+                 transfer_timeout_s: float,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.worker_rpc_addr = worker_rpc_addr
         self.rpc_timeout_s = rpc_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
-        self._channels = ChannelPool()
+        self._channels = ChannelPool(credentials)
 
     def _pd(self, decode: InstanceMeta) -> pb_grpc.DisaggPDServiceStub:
         return pb_grpc.DisaggPDServiceStub(self._channels.get(decode.rpc_address))

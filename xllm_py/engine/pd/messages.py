@@ -50,12 +50,14 @@ class HandOver:
 @dataclasses.dataclass
 class KVMove:
     """One KV transfer run by this instance's worker: `src_blocks` of the side that has
-    the KV into `dst_blocks` of the other; `addr`/`cluster_id` name the peer's worker."""
+    the KV into `dst_blocks` of the other; `addr`/`cluster_id` name the peer's worker,
+    `transfer_key` its key (empty: known from the link)."""
     request_id: str
     cluster_id: int
     addr: str
     src_blocks: list[int]
     dst_blocks: list[int]
+    transfer_key: str = dataclasses.field(default="", repr=False)
 
 
 @dataclasses.dataclass

@@ -308,7 +308,8 @@ class PrefillSide:
                               f"decode {decode.name} publishes no transfer address")
         await self.peers.push_kv(KVMove(
             rec.request_id, decode.cluster_ids[0] if decode.cluster_ids else 0,
-            decode.addrs[0], src, rec.decode_blocks))
+            decode.addrs[0], src, rec.decode_blocks,
+            transfer_key=decode.transfer_keys[0] if decode.transfer_keys else ""))
 
     def _report_error(self, spec: EngineRequestSpec, status: Status, message: str,
                       unreachable_instance: str = "") -> None:

@@ -141,7 +141,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         except StatusError as exc:
             await self._abort(context, exc)
         if self.role in (InstanceRole.MIX, InstanceRole.DEFAULT):
-            status = await multi_generations(self.engine, self.reporter, request.reqs,
+            status = await multi_generations(self.engine, self.reporter, wire.migration_items_from_proto(request),
                                              None, self.role.value)
         elif self.role == InstanceRole.PREFILL:
             await context.abort(Status.FAILED_PRECONDITION.grpc_code,
@@ -152,7 +152,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
                 pd = self._decode_pd("MultiGenerations")
             except StatusError as exc:
                 await self._abort(context, exc)
-            status = await multi_generations(self.engine, self.reporter, request.reqs,
+            status = await multi_generations(self.engine, self.reporter, wire.migration_items_from_proto(request),
                                              pd.resume_with_kv, self.role.value)
         ok, message = wire.status_from_proto(status)
         if not ok:

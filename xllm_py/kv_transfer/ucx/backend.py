@@ -5,8 +5,9 @@ answered by the owner sending the blocks (or, on the mapped path, a memcpy by th
 
 Stages of a link (requester R, owner O), over the ucxx control connection (sockaddr
 endpoint, error handling: detects a dead peer):
-1. R -> O hello {worker_addr, meta, iov_addr, token, pool}; O checks the block layout,
-   connects its IovWorker to R's, replies with its own hello (or the error).
+1. R -> O hello {worker_addr, meta, iov_addr, token, pool, key}; O refuses a hello without
+   its transfer key (base.py: nothing of O's is sent back, no endpoint made), checks the
+   block layout, connects its IovWorker to R's, replies with its own hello (or the error).
 2. R checks the layout and opens the data endpoint; on host memory, an iov endpoint to O's
    IovWorker; with mode ``auto`` and O's pool exported, maps O's pool; else warms the iov
    link up. The ``Peer`` records what it found, which chooses its data path (peer.py):
@@ -29,6 +30,7 @@ from typing import Any
 
 from xllm_py.config import UCXConfig
 from xllm_py.kv_transfer.base import (
+    NOT_LINKED,
     KVTransferBackend,
     LoopThread,
     Run,
@@ -46,6 +48,7 @@ from xllm_py.kv_transfer.ucx.path_mapped import MappedPath
 from xllm_py.kv_transfer.ucx.path_tag import TagPath
 from xllm_py.kv_transfer.ucx.peer import DataPath, HostPath, Peer
 from xllm_py.kv_transfer.ucx.runtime import init_ucxx, shared_loop
+from xllm_py.utils.aio import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ class UcxKVTransferBackend(KVTransferBackend):
 
     def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
                  listen_host: str = "127.0.0.1", listen_port: int = 0, mode: str = "auto",
-                 config: UCXConfig | None = None) -> None:
+                 config: UCXConfig | None = None, access_key: str | None = None) -> None:
         """``mode``: auto (host memory: mapped, else iov, else tag; CUDA: tag, direct or gather
         per transfer) | iov (host memory, never mapped) | direct | gather (tag path only).
         ``config``: None reads UCXConfig.from_env()."""
@@ -64,7 +67,7 @@ class UcxKVTransferBackend(KVTransferBackend):
         if mode == "iov" and storage.is_cuda:
             raise ValueError("mode 'iov' moves host memory only; CUDA pools use auto|direct|gather")
         self._ucxx = import_ucxx(gpu=storage.is_cuda)
-        super().__init__(storage, default_timeout_s)
+        super().__init__(storage, default_timeout_s, access_key)
         self.config = config if config is not None else UCXConfig.from_env()
         self._stats["mapped"] = 0  # transfers done as memcpys with a mapped peer pool
         self._listen_host = listen_host
@@ -141,6 +144,14 @@ class UcxKVTransferBackend(KVTransferBackend):
         peer: Peer | None = None
         try:
             hello = await recv_ctrl(ep)
+            if not self.admits(hello.get("key")):
+                logger.warning("ucx: refused a link without our transfer key")
+                await send_ctrl(ep, {"error": NOT_LINKED, "denied": True})
+                try:  # the requester closes on the refusal; closing first may drop it in flight
+                    await wait_for(recv_ctrl(ep), self.default_timeout_s)
+                finally:
+                    Peer(ep, None).abort()
+                return
             try:
                 self._check_meta(hello["meta"], "client")
                 err = None
@@ -203,10 +214,11 @@ class UcxKVTransferBackend(KVTransferBackend):
         ctrl = await self._ucxx.create_endpoint(host, port)
         data = None
         try:
-            await send_ctrl(ctrl, self._hello())
+            await send_ctrl(ctrl, {**self._hello(), "key": self.peer_key(peer_addr)})
             rep = await recv_ctrl(ctrl)
             if rep.get("error"):
-                raise TransferError(f"ucx: peer {peer_addr} refused the link: {rep['error']}")
+                raise TransferError(f"ucx: peer {peer_addr} refused the link: {rep['error']}",
+                                    denied=bool(rep.get("denied")))
             self._check_meta(rep["meta"], peer_addr)
             data = await self._create_data_ep(rep["worker_addr"])
             iov_key = None

@@ -1,0 +1,100 @@
+"""API keys on the OpenAI HTTP API (`--api-key`, `--api-key-file`): OpenAI-style
+`Authorization: Bearer <key>`, 401 with an OpenAI error body otherwise.
+
+Open without a key: the probes (/health, /readiness) and, unless `protect_metrics`, /metrics.
+Keys are compared in constant time (hmac.compare_digest, against every key) and never logged:
+`APIKeys` keeps them out of its repr.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+OPEN_PATHS = frozenset({"/health", "/readiness"})
+METRICS_PATH = "/metrics"
+
+Scope = dict[str, Any]
+ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
+
+
+def read_key_file(path: str) -> list[str]:
+    """One key per line; blank lines and lines starting with '#' are skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"--api-key-file {path}: {exc.strerror or exc}") from None
+    return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
+
+
+def collect_api_keys(keys: Iterable[str] | None, key_file: str | None) -> tuple[str, ...]:
+    """The keys of `--api-key` (repeatable) and `--api-key-file`, de-duplicated, in order.
+    Raises ValueError on an empty key or an empty file."""
+    found = [k.strip() for k in (keys or ())]
+    if any(not k for k in found):
+        raise ValueError("--api-key must not be empty")
+    if key_file:
+        from_file = read_key_file(key_file)
+        if not from_file:
+            raise ValueError(f"--api-key-file {key_file}: no key in the file")
+        found += from_file
+    return tuple(dict.fromkeys(found))
+
+
+class APIKeys:
+    """The accepted keys; `matches` is constant-time in the key compared."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._keys = tuple(k.encode() for k in keys)
+        if not self._keys:
+            raise ValueError("APIKeys needs at least one key")
+
+    def __repr__(self) -> str:
+        return f"APIKeys(<{len(self._keys)} keys>)"
+
+    def matches(self, presented: bytes) -> bool:
+        ok = False
+        for key in self._keys:  # every key, no early exit: the time does not tell which one
+            ok |= hmac.compare_digest(presented, key)
+        return ok
+
+
+def bearer_token(scope: Scope) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header, else None."""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                return token.strip()
+            return None
+    return None
+
+
+_UNAUTHORIZED = json.dumps({"error": {
+    "message": "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+    "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}).encode()
+
+
+class APIKeyMiddleware:
+    """ASGI middleware: HTTP requests outside the open paths need a valid bearer key."""
+
+    def __init__(self, app: ASGIApp, keys: APIKeys, protect_metrics: bool = False) -> None:
+        self.app = app
+        self.keys = keys
+        self.open_paths = OPEN_PATHS if protect_metrics else OPEN_PATHS | {METRICS_PATH}
+
+    async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        token = bearer_token(scope)
+        if token is not None and self.keys.matches(token):
+            await self.app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(_UNAUTHORIZED)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": _UNAUTHORIZED})
