@@ -41,7 +41,8 @@ def _post(base: str, body, **kw) -> httpx.Response:
     ("seed", 2 ** 64 + 5), ("seed", -(2 ** 63) - 1), ("seed", 2 ** 63), ("top_k", 2 ** 31),
     ("stop_token_ids", [1, 2 ** 31]), ("best_of", 2 ** 31), ("n", -(2 ** 31) - 1),
     ("max_tokens", 2 ** 31), ("min_tokens", 2 ** 40), ("prompt", [1, 2 ** 31]),
-    ("temperature", 1e39), ("best_of", MAX_BEST_OF + 1),
+    ("temperature", 1e39), ("best_of", MAX_BEST_OF + 1), ("logit_bias", {"99999999999": 1}),
+    ("logit_bias", {"5": float("1e39")}),
 ])
 def test_values_the_wire_cannot_hold_name_their_param(field, value):
     body = {"prompt": "x", "max_tokens": 4, field: value}

@@ -453,6 +453,8 @@ def _first_unfit(value: Any, bits: int) -> int | float | None:
         return None if math.isfinite(value) and abs(value) <= _FLOAT32_MAX else value
     if isinstance(value, dict):
         for k, v in value.items():
+            if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+                k = int(k)  # a JSON key that is a token id (logit_bias) travels as an int32
             bad = _first_unfit(k, bits)
             if bad is None:
                 bad = _first_unfit(v, bits)
