@@ -256,6 +256,15 @@ class EngineConfig:
     simulate: str | None = None
     api: APILimits = dataclasses.field(default_factory=APILimits)
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+    # Tensor parallelism (xllm_py/parallel/): ranks of this instance, and the bound on one
+    # collective of a step (a rank that hangs fails the instance after this long).
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:

@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--prefill", type=int, default=1, help="number of PREFILL engines")
     add_flag(p, "--decode", type=int, default=1, help="number of DECODE engines")
     add_flag(p, "--mix", type=int, default=0, help="run K MIX engines instead of prefill/decode")
+    add_flag(p, "--prefill-tp", type=int, default=1,
+             help="tensor-parallel size of each PREFILL engine (--tensor-parallel-size)")
+    add_flag(p, "--decode-tp", type=int, default=1, help="tensor-parallel size of each DECODE engine")
+    add_flag(p, "--mix-tp", type=int, default=1, help="tensor-parallel size of each MIX engine")
     add_flag(p, "--etcd", default=None, help="use this etcd HOST:PORT instead of starting one")
     add_flag(p, "--host", default="127.0.0.1")
     add_flag(p, "--http-port", type=int, default=8888, help="the service's OpenAI API port")
@@ -116,10 +120,12 @@ class Cluster:
         engines = []
         for n, (role, i) in enumerate(roles):
             port = free_port(a.host)
+            tp = {"MIX": a.mix_tp, "PREFILL": a.prefill_tp, "DECODE": a.decode_tp}[role]
             extra = ["--kv-cache-transfer-mode", a.kv_cache_transfer_mode,
                      "--kv-transfer-backend", a.kv_transfer_backend, *self.security["engine"],
-                     *a.engine_arg]
-            cpu = cores[n % len(cores)] if a.pin_cores and cores else None
+                     *(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *a.engine_arg]
+            # (a TP engine's ranks need a core each: it is not pinned to one)
+            cpu = cores[n % len(cores)] if a.pin_cores and cores and tp == 1 else None
             proc = spawn(f"{role.lower()}-{i}", "xllm_py.engine",
                          engine_args(role, port, etcd=self.etcd_addr, model=a.model,
                                      host=a.host, extra=extra),
@@ -143,9 +149,24 @@ class Cluster:
         return next((p for p in self.children if not p.alive()), None)
 
 
+def tp_error(args: argparse.Namespace) -> str | None:
+    """Why the requested TP sizes cannot run (checked before anything starts)."""
+    if min(args.prefill_tp, args.decode_tp, args.mix_tp) < 1:
+        return "tensor-parallel sizes must be >= 1"
+    if (not args.mix and args.prefill_tp != args.decode_tp
+            and args.kv_transfer_backend != "tcp"):
+        return ("prefill and decode of different TP move KV head slices, which only the tcp "
+                "transfer backend does: add --kv-transfer-backend tcp")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    error = tp_error(args)
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     starting = [True]
 
@@ -161,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start()
         starting[0] = False
         model = args.model.rstrip("/").rsplit("/", 1)[-1] or args.model
-        shape = f"{args.mix} MIX" if args.mix else f"{args.prefill} prefill + {args.decode} decode"
+        shape = (f"{args.mix} MIX (TP {args.mix_tp})" if args.mix else
+                 f"{args.prefill} prefill (TP {args.prefill_tp}) + {args.decode} decode "
+                 f"(TP {args.decode_tp})")
         auth = " -H 'Authorization: Bearer <your --api-key>'" if args.api_key else ""
         print(f"\nxllm-py cluster is up ({shape}, model {model})\n"
               f"  OpenAI endpoint: {cluster.url}/v1\n"

@@ -160,12 +160,12 @@ async def kill_mid_stream_and_check_migration(
         return (f"tokens per stream {[len(r['ids']) for r in runs]}, running {running()}, "
                 f"streams done {[t.done() for t in tasks]}")
 
-    for what, pred in (("a token on every stream", lambda: all(r["ids"] for r in runs)),
-                       ("every stream running", lambda: sum(running()) == len(runs))):
-        try:
-            await wait_until(pred, 30, step_s=0.05)
-        except AssertionError:
-            raise AssertionError(f"no {what} within 30 s: {state()}") from None
+    # Judged by the engines alone: on a loaded machine the client can lag them by whole
+    # streams (it once saw its first tokens only after every stream had ended).
+    try:
+        await wait_until(lambda: sum(running()) == len(runs), 30, step_s=0.05)
+    except AssertionError:
+        raise AssertionError(f"not every stream running within 30 s: {state()}") from None
     counts = running()
     victim = engines[counts.index(max(counts))]
     victim.kill()

@@ -24,7 +24,7 @@ async def test_mix_killed_mid_stream_migrates_to_the_other_mix(etcd_server, tmp_
     try:
         svc, engines = start_mix_cluster(h, 2)
         survivor = await kill_mid_stream_and_check_migration(
-            svc, engines, [f"a mix story {i} begins" for i in range(4)], max_tokens=800,
+            svc, engines, [f"a mix story {i} begins" for i in range(4)], max_tokens=1500,
             pause_bound_s=h.ttl_s + 2.0 + 6.0)  # lease TTL + eviction grace + recompute
         await wait_drained([survivor.http_url])
         await _assert_kv_refused(etcd_server.endpoint, h.namespace, survivor)

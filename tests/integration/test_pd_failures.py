@@ -97,9 +97,9 @@ async def test_decode_killed_mid_stream_migrates_to_the_other_decode(etcd_server
     surviving decode, and ends with exactly the tokens (and text) of an uninterrupted run."""
     h = Harness(etcd_server.endpoint, "pd-migrate/", tmp_path)
     try:
-        svc, prefill, d0, d1 = start(h, decode_blocks=512, num_decodes=2)
+        svc, prefill, d0, d1 = start(h, decode_blocks=1024, num_decodes=2)
         survivor = await kill_mid_stream_and_check_migration(
-            svc, [d0, d1], [f"migrating story {i} begins" for i in range(4)], max_tokens=800,
+            svc, [d0, d1], [f"migrating story {i} begins" for i in range(4)], max_tokens=1500,
             pause_bound_s=h.ttl_s + 2.0 + 6.0)  # lease TTL + eviction grace + recompute
         await wait_drained([prefill.http_url, survivor.http_url])
     finally:

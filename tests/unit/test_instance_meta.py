@@ -83,12 +83,14 @@ def test_json_bad_values_raise_instance_meta_error(text, match):
 
 
 def test_compatible_peers_have_no_problems():
-    assert make_meta().compatibility_problems(make_meta(name="b:2", type=InstanceRole.PREFILL, tp_size=1)) == []
+    assert make_meta(tp_size=1).compatibility_problems(
+        make_meta(name="b:2", type=InstanceRole.PREFILL, tp_size=1)) == []
 
 
 def test_compatibility_problems_name_each_difference():
-    a = make_meta()
-    b = make_meta(name="b:2", model="other", block_size=32, kv_dtype="bfloat16", num_kv_heads=8)
+    a = make_meta(tp_size=1)
+    b = make_meta(name="b:2", model="other", block_size=32, kv_dtype="bfloat16", num_kv_heads=8,
+                  tp_size=1)
     problems = a.compatibility_problems(b)
     assert len(problems) == 4
     joined = "\n".join(problems)
@@ -97,8 +99,23 @@ def test_compatibility_problems_name_each_difference():
     assert "'tiny-llama'" in joined and "'other'" in joined
 
 
+@pytest.mark.parametrize("heads,ours,theirs,ok", [
+    (2, 2, 1, True), (2, 1, 2, True), (2, 2, 2, True), (2, 4, 1, True), (6, 4, 2, False),
+    (6, 2, 4, False), (6, 4, 4, True)])
+def test_tensor_parallel_pairs_are_refused_only_when_heads_cannot_map(heads, ours, theirs, ok):
+    problems = make_meta(tp_size=ours, num_kv_heads=heads).compatibility_problems(
+        make_meta(name="b:2", tp_size=theirs, num_kv_heads=heads))
+    if ok:
+        assert problems == []
+    else:
+        assert len(problems) == 1
+        assert f"tp_size: 127.0.0.1:9001 has {ours}, b:2 has {theirs}" in problems[0]
+        assert "6 KV heads cannot be split over the" in problems[0]
+
+
 def test_compatibility_skips_fields_unknown_to_either_side():
-    assert make_meta().compatibility_problems(make_meta(name="b:2", model="", head_dim=0)) == []
+    assert make_meta(tp_size=1).compatibility_problems(
+        make_meta(name="b:2", model="", head_dim=0, tp_size=1)) == []
 
 
 def test_with_new_incarnation_changes_id_and_time():

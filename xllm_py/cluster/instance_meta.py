@@ -19,6 +19,7 @@ from typing import Any
 
 from xllm_py.config import InstanceRole
 from xllm_py.kv_compat import kv_compat_differences
+from xllm_py.parallel.sharding import head_mapping_error
 
 SCHEMA_VERSION = 1
 
@@ -117,8 +118,15 @@ class InstanceMeta:
     def compatibility_problems(self, other: "InstanceMeta") -> list[str]:
         """Each difference that stops `self` and `other` from exchanging KV blocks
         (empty: compatible; unset fields are not compared)."""
-        return [f"{field} differs: {self.name} has {mine!r}, {other.name} has {theirs!r}"
-                for field, mine, theirs in kv_compat_differences(self, other)]
+        problems = [f"{field} differs: {self.name} has {mine!r}, {other.name} has {theirs!r}"
+                    for field, mine, theirs in kv_compat_differences(self, other)]
+        if self.tp_size != other.tp_size and self.num_kv_heads and other.num_kv_heads:
+            p, d = (other, self) if self.type is InstanceRole.DECODE else (self, other)
+            error = head_mapping_error(self.num_kv_heads, p.tp_size, d.tp_size)
+            if error is not None:  # each rank holds some KV heads: they must map
+                problems.append(f"tp_size: {self.name} has {self.tp_size}, {other.name} has "
+                                f"{other.tp_size}: {error}")
+        return problems
 
     def with_new_incarnation(self) -> "InstanceMeta":
         """A copy stamped for a fresh process start (new uuid, register time now)."""

@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--seed", type=int, default=0, help="global seed of the unseeded sampler")
     add_flag(g, "--num-threads", type=int, default=None,
              help="torch compute threads (default: torch's, one per core)")
+    add_flag(g, "--tensor-parallel-size", "--tp", type=int, default=1,
+             help="worker processes of this instance, each with its shard of the model "
+                  "(heads and MLP columns) and of the KV cache (xLLM: the number of --devices)")
     add_flag(g, "--pack-weights", type=parse_bool, default=True,
              help="CPU float32: pre-pack linear weights for oneDNN at load (true/false)")
     add_flag(g, "--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -117,4 +120,5 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         disagg_pd_port=args.disagg_pd_port, worker_port=args.worker_port,
         rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout,
         simulate=args.simulate, security=security_from_args(args),
-        api=limits_from_args(args))
+        api=limits_from_args(args),
+        tensor_parallel_size=args.tensor_parallel_size)

@@ -21,10 +21,10 @@ from xllm_py.config import EngineConfig, InstanceRole, advertised_host, etcd_cre
 from xllm_py.engine.cache_events import CacheEvents
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import LLMEngine
-from xllm_py.engine.pd.grpc_peers import GrpcPeers
 from xllm_py.engine.pd.scheduler import DisaggPDScheduler
 from xllm_py.engine.pd.service import DisaggPDServicer
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
+from xllm_py.parallel.tp_peers import TPGrpcPeers  # GrpcPeers + the TP ranks' fan-out
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc import cluster as wire
 from xllm_py.tls import channel_credentials, server_credentials
@@ -72,6 +72,19 @@ class ClusterNode:
             transfer_addr = f"{self.addr_host}:{self.worker.transfer_addr.rsplit(':', 1)[1]}"
             worker_addr = f"{self.addr_host}:{self.worker.rpc_addr.rsplit(':', 1)[1]}"
             self.backend.metrics_registry.register(self.worker.worker.metrics)
+        # TP > 1: every rank its own KV worker, registered in rank order (xLLM's worker list).
+        cluster_ids, transfer_addrs, worker_addrs, keys = (
+            ([cluster_id], [transfer_addr], [worker_addr], [self.worker.transfer_key])
+            if transfer_addr else ([], [], [], []))
+        if transfer_addr and self.engine.tp is not None:
+            from xllm_py.parallel.kv_workers import start_rank_kv_workers
+
+            for w in await start_rank_kv_workers(self.engine.tp, cfg, cluster_id,
+                                                 self._kv_meta(cluster_id)):
+                cluster_ids.append(w.cluster_id)
+                transfer_addrs.append(f"{self.addr_host}:{w.transfer_addr.rsplit(':', 1)[1]}")
+                worker_addrs.append(f"{self.addr_host}:{w.rpc_addr.rsplit(':', 1)[1]}")
+                keys.append(w.transfer_key)
         self.reporter = GenerationsReporter(loop, self.name, self.engine.abort,
                                             timeout_s=cfg.rpc_timeout_s,
                                             credentials=self._client_credentials)
@@ -87,16 +100,15 @@ class ClusterNode:
         mc = self.engine.model_config
         self.meta = InstanceMeta(
             name=self.name, type=self.role, rpc_address=f"{self.addr_host}:{port}",
-            cluster_ids=[cluster_id] if transfer_addr else [],
-            addrs=[transfer_addr] if transfer_addr else [],
-            ports=[int(transfer_addr.rsplit(":", 1)[1])] if transfer_addr else [],
+            cluster_ids=cluster_ids, addrs=transfer_addrs,
+            ports=[int(a.rsplit(":", 1)[1]) for a in transfer_addrs],
             dp_size=1, model=self.backend.model_name, block_size=cfg.cache.block_size,
-            kv_layout=KV_LAYOUT, kv_dtype=cfg.dtype, tp_size=1, num_layers=mc.num_layers,
+            kv_layout=KV_LAYOUT, kv_dtype=cfg.dtype, tp_size=cfg.tensor_parallel_size,
+            num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             num_blocks=self.engine.storage.num_blocks,
             http_address=f"{self.addr_host}:{cfg.port}",
-            worker_rpc_addrs=[worker_addr] if worker_addr else [],
-            transfer_keys=[self.worker.transfer_key] if transfer_addr else [])
+            worker_rpc_addrs=worker_addrs, transfer_keys=keys)
         self.agent = InstanceAgent(cfg.etcd_addr, self.meta, ttl_s=cfg.etcd_ttl_s,
                                    namespace=cfg.etcd_namespace,
                                    heartbeat_interval_s=cfg.heartbeat_interval_s,
@@ -104,8 +116,8 @@ class ClusterNode:
                                    cache_fn=self.cache_events.drain, tls=cfg.security.tls)
         self.meta = self.agent.meta  # with its incarnation id
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
-            peers = GrpcPeers(worker_addr, cfg.rpc_timeout_s, cfg.transfer.timeout_s,
-                              self._client_credentials)
+            peers = TPGrpcPeers(self.meta, cfg.rpc_timeout_s, cfg.transfer.timeout_s,
+                                self._client_credentials)
             self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter, peers,
                                         self.metas.get, self._list_decodes,
                                         registry=self.backend.metrics_registry)

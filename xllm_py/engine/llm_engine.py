@@ -75,6 +75,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.monotonic()
+        self.tp = None  # TP > 1: the other ranks, behind self.model (xllm_py/parallel/)
         num_blocks = self._load_model(config)
         mc = self.model_config
         block_size = config.cache.block_size
@@ -125,22 +126,31 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         model_dir = resolve_model_dir(config.model)
         self.model_dir = model_dir
-        self.model, self.model_config = load_model(model_dir, dtype=config.dtype,
-                                                   device=config.device)
-        if config.pack_weights:
-            pack_linears(self.model, weight_dtype=config.weight_dtype)
+        if config.tensor_parallel_size > 1:
+            from xllm_py.parallel.executor import TPExecutor
+
+            self.tp = TPExecutor.start(config, model_dir)
+            self.model, self.model_config = self.tp.model, self.tp.model_config
+        else:
+            self.model, self.model_config = load_model(model_dir, dtype=config.dtype,
+                                                       device=config.device)
+            if config.pack_weights:
+                pack_linears(self.model, weight_dtype=config.weight_dtype)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         mc = self.model_config
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks
         dtype = parse_dtype(config.dtype)
-        if num_blocks is None:
-            block_bytes = (2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim
+        num_kv_heads = self.tp.num_local_kv_heads if self.tp else mc.num_kv_heads
+        if num_blocks is None:  # (TP: --kv-cache-memory-mb per rank)
+            block_bytes = (2 * mc.num_layers * block_size * num_kv_heads * mc.head_dim
                            * torch.finfo(dtype).bits // 8)
             num_blocks = max(2, config.cache.kv_cache_memory_bytes // block_bytes)
-        self.storage = KVCacheStorage(mc.num_layers, num_blocks, block_size, mc.num_kv_heads,
+        self.storage = KVCacheStorage(mc.num_layers, num_blocks, block_size, num_kv_heads,
                                       mc.head_dim, dtype, device=config.device,
                                       allocator=pool_allocator(config))
+        if self.tp:
+            self.tp.init_kv(num_blocks)
         self.runner = ModelRunner(self.model, self.storage.layer_caches(), block_size,
                                   config.device)
         self.sampler = Sampler()
@@ -156,6 +166,8 @@ class LLMEngine:
         self._commands.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.tp is not None:
+            self.tp.shutdown()
 
     def submit(self, req: EngineRequest) -> None:
         self._commands.put(("add", req))

@@ -3,7 +3,8 @@
 Stages: load model -> start engine thread -> freeze the start-up heap out of the garbage
 collector -> start HTTP API -> (cluster mode: start the
 DisaggPDService and worker gRPC servers, register in etcd, heartbeat) -> serve until
-SIGTERM/SIGINT -> drain (below) -> deregister -> stop servers -> stop the engine thread.
+SIGTERM/SIGINT (TP > 1: or a lost rank, see watch_tp_ranks) -> drain (below) ->
+deregister -> stop servers -> stop the engine thread.
 
 Drain (`--drain-timeout`, default 30 s; 0 skips it): new HTTP requests get a 503 and
 /readiness fails; in a cluster the instance's etcd entry says `draining`, so the service
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import time
 
@@ -45,6 +47,8 @@ async def run_engine_server(config: EngineConfig, stop: asyncio.Event | None = N
         stop, force = asyncio.Event(), asyncio.Event()  # a first signal, a second one
         install_signal_handlers(stop, force)
     force = force or asyncio.Event()
+    lost_rank = watch_tp_ranks(engine, asyncio.get_running_loop(), stop, force,
+                               in_cluster=bool(config.etcd_addr))
     cluster = None
     if config.etcd_addr:
         from xllm_py.engine.cluster_node import ClusterNode
@@ -72,6 +76,37 @@ async def run_engine_server(config: EngineConfig, stop: asyncio.Event | None = N
     except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
         pass
     engine.stop()
+    if lost_rank:
+        raise SystemExit(1)
+
+
+def watch_tp_ranks(engine: LLMEngine, loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
+                   force: asyncio.Event, in_cluster: bool) -> list[str]:
+    """TP > 1: a lost rank (exited, or a step's collective failed or timed out) takes the
+    instance out. In a cluster the process exits at once, from the thread that noticed,
+    before the engine reports anything: the service sees a dead instance (lease expiry)
+    and moves or fails its requests as for any other. Alone, its requests end with an
+    error naming the cause, then the server stops (no drain) and exits with 1. Returns the
+    list the cause lands in."""
+    lost: list[str] = []
+    tp = getattr(engine, "tp", None)  # (None: TP 1, or the simulated engine)
+    if tp is None:
+        return lost
+
+    def on_lost(reason: str) -> None:
+        lost.append(reason)
+        engine.abort_all(f"the instance lost a tensor-parallel rank: {reason}")
+        force.set()
+        stop.set()
+
+    def on_broken(reason: str) -> None:  # (engine thread or the executor's watch thread)
+        if in_cluster:
+            logger.error("leaving the cluster (exit 1): %s", reason)
+            os._exit(1)
+        loop.call_soon_threadsafe(on_lost, reason)
+
+    tp.on_broken.append(on_broken)
+    return lost
 
 
 def install_signal_handlers(stop: asyncio.Event, force: asyncio.Event) -> None:

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from xllm_py.kv_transfer.head_slices import Heads, check_heads, slice_block_bytes
 from xllm_py.kv_transfer.kv_storage import SMALL_LIST, KVCacheStorage
 from xllm_py.utils.aio import wait_for
 
@@ -163,6 +164,8 @@ class KVTransferBackend(abc.ABC):
     """
 
     name: str = "base"
+    # Whether pull/push take ``heads`` (KV head slices between instances of different TP).
+    supports_head_slices: bool = False
 
     def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
                  access_key: str | None = None) -> None:
@@ -219,24 +222,35 @@ class KVTransferBackend(abc.ABC):
         await _await_future(self._lt.submit(self._unlink_impl(peer_addr)))
 
     async def pull(self, peer_addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                   timeout: float | None = None) -> TransferResult:
-        """Fetch the peer's ``src_blocks`` into our ``dst_blocks``."""
-        return await _await_future(self.submit_pull(peer_addr, src_blocks, dst_blocks, timeout))
+                   timeout: float | None = None, heads: Heads | None = None) -> TransferResult:
+        """Fetch the peer's ``src_blocks`` into our ``dst_blocks``; with ``heads``
+        ``(src_start, dst_start, count)`` only those KV heads (head_slices.py)."""
+        if heads is None:  # (some backends override submit_pull without ``heads``)
+            return await _await_future(self.submit_pull(peer_addr, src_blocks, dst_blocks, timeout))
+        self._check_head_slices()
+        return await _await_future(self.submit_pull(peer_addr, src_blocks, dst_blocks, timeout,
+                                                    heads=heads))
 
     async def push(self, peer_addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                   timeout: float | None = None) -> TransferResult:
-        """Send our ``src_blocks`` into the peer's ``dst_blocks``."""
-        return await _await_future(self.submit_push(peer_addr, src_blocks, dst_blocks, timeout))
+                   timeout: float | None = None, heads: Heads | None = None) -> TransferResult:
+        """Send our ``src_blocks`` into the peer's ``dst_blocks`` (``heads``: as ``pull``)."""
+        if heads is None:
+            return await _await_future(self.submit_push(peer_addr, src_blocks, dst_blocks, timeout))
+        self._check_head_slices()
+        return await _await_future(self.submit_push(peer_addr, src_blocks, dst_blocks, timeout,
+                                                    heads=heads))
 
     def submit_pull(self, peer_addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                    timeout: float | None = None) -> concurrent.futures.Future[TransferResult]:
-        runs = self._prepare(src_blocks, dst_blocks, local_is_dst=True)
-        return self._lt.submit(self._run_op("pull", peer_addr, runs, timeout))
+                    timeout: float | None = None, heads: Heads | None = None
+                    ) -> concurrent.futures.Future[TransferResult]:
+        runs = self._prepare(src_blocks, dst_blocks, local_is_dst=True, heads=heads)
+        return self._lt.submit(self._run_op("pull", peer_addr, runs, timeout, heads))
 
     def submit_push(self, peer_addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                    timeout: float | None = None) -> concurrent.futures.Future[TransferResult]:
-        runs = self._prepare(src_blocks, dst_blocks, local_is_dst=False)
-        return self._lt.submit(self._run_op("push", peer_addr, runs, timeout))
+                    timeout: float | None = None, heads: Heads | None = None
+                    ) -> concurrent.futures.Future[TransferResult]:
+        runs = self._prepare(src_blocks, dst_blocks, local_is_dst=False, heads=heads)
+        return self._lt.submit(self._run_op("push", peer_addr, runs, timeout, heads))
 
     async def close(self) -> None:
         if self._closed:
@@ -265,9 +279,13 @@ class KVTransferBackend(abc.ABC):
 
     # ------------------------------------------------------------------ helpers
 
-    def _prepare(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], local_is_dst: bool) -> list[Run]:
+    def _prepare(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], local_is_dst: bool,
+                 heads: Heads | None = None) -> list[Run]:
         if self._closed:
             raise TransferError(f"{self.name} backend is closed")
+        if heads is not None:
+            self._check_head_slices()
+            check_heads(self.storage, heads[1] if local_is_dst else heads[0], heads[2])
         src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
         dst = np.asarray(dst_blocks, dtype=np.int64).reshape(-1)
         if src.size != dst.size:
@@ -278,6 +296,11 @@ class KVTransferBackend(abc.ABC):
             self.storage.check_block_ids(src)
         return group_contiguous(src, dst)
 
+    def _check_head_slices(self) -> None:
+        if not self.supports_head_slices:
+            raise ValueError(f"the {self.name} backend moves whole blocks only (no KV head "
+                             "slices: instances of different TP need the tcp backend)")
+
     async def _timed(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
         t = self.default_timeout_s if timeout is None else timeout
         try:
@@ -285,25 +308,29 @@ class KVTransferBackend(abc.ABC):
         except asyncio.TimeoutError:
             raise TransferTimeout(f"{self.name}: {what} timed out after {t:.3g}s") from None
 
-    async def _run_op(self, op: str, peer_addr: str, runs: list[Run], timeout: float | None) -> TransferResult:
+    async def _run_op(self, op: str, peer_addr: str, runs: list[Run], timeout: float | None,
+                      heads: Heads | None = None) -> TransferResult:
         t0 = time.perf_counter()
         num_blocks = sum(r[2] for r in runs)
         impl = self._pull_impl if op == "pull" else self._push_impl
         t = self.default_timeout_s if timeout is None else timeout
         try:
             if num_blocks:
-                await wait_for(impl(peer_addr, runs, t), t)
+                await wait_for(impl(peer_addr, runs, t) if heads is None
+                               else impl(peer_addr, runs, t, heads=heads), t)
         except Exception as e:
             err = self._failed(op, peer_addr, num_blocks, t, e)
             if not err.invalid_argument:  # (a refusal is an answer: the connection is fine, keep it)
                 await self._on_failure(peer_addr)
             raise err from (None if err is e else e)
-        return self._succeeded(op, runs, t0, self._path_of(peer_addr))
+        return self._succeeded(op, runs, t0, self._path_of(peer_addr), heads)
 
-    def _succeeded(self, op: str, runs: list[Run], t0: float, path: str = "") -> TransferResult:
+    def _succeeded(self, op: str, runs: list[Run], t0: float, path: str = "",
+                   heads: Heads | None = None) -> TransferResult:
         """Count a finished op; its result (``t0``: when it started, perf_counter)."""
         num_blocks = sum(r[2] for r in runs)
-        nbytes = num_blocks * self.storage.block_bytes
+        nbytes = num_blocks * (self.storage.block_bytes if heads is None
+                               else slice_block_bytes(self.storage, heads[2]))
         self._stats["pulls" if op == "pull" else "pushes"] += 1
         self._stats["bytes"] += nbytes
         return TransferResult(num_blocks=num_blocks, num_runs=len(runs), num_bytes=nbytes, path=path,

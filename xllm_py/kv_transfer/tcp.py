@@ -7,7 +7,10 @@ reads it into a staging buffer and scatters it with ``index_copy_``.
 
 Stages of a pull: request {op: pull, runs} -> owner validates its src ids -> reply
 {ok, error, nbytes} -> data. Push: request {op: push, runs, nbytes} -> owner validates its
-dst ids -> reply {ok, error} -> data -> reply {ok} once written.
+dst ids -> reply {ok, error} -> data -> reply {ok} once written. Either may carry
+``heads`` [src_start, dst_start, count]: only those KV heads of each block move (peers of
+different TP, head_slices.py), gathered contiguously by the sender, scattered into the
+receiver's head range.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import torch
 
 from xllm_py.kv_transfer.base import (NOT_LINKED, KVTransferBackend, Run, TransferError,
                                       runs_to_ids, split_addr)
+from xllm_py.kv_transfer.head_slices import (Heads, check_heads, gather_heads, scatter_heads,
+                                             slice_block_bytes)
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, StagingPool
 from xllm_py.utils.aio import wait_for
 
@@ -117,6 +122,7 @@ class _Conn:
 
 class TcpKVTransferBackend(KVTransferBackend):
     name = "tcp"
+    supports_head_slices = True
 
     def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
                  listen_host: str = "127.0.0.1", listen_port: int = 0,
@@ -171,33 +177,44 @@ class TcpKVTransferBackend(KVTransferBackend):
                 except (ConnectionError, OSError):
                     return
                 op, runs = req.get("op"), [tuple(r) for r in req.get("runs", [])]
+                heads = tuple(req["heads"]) if req.get("heads") else None
+                if heads is not None:
+                    try:
+                        check_heads(self.storage, heads[0] if op == "pull" else heads[1],
+                                    heads[2])
+                    except ValueError as e:
+                        await send_msg(loop, sock, {"ok": False, "error": f"peer refused: {e}"})
+                        continue
                 if op == "pull":
                     checked = self._check_remote_runs(runs, side="src")
                     if isinstance(checked, str):
                         await send_msg(loop, sock, {"ok": False, "error": checked})
                         continue
-                    buf = self._gather(checked[0])
+                    buf = (self._gather(checked[0]) if heads is None else
+                           gather_heads(self.storage, checked[0], heads[0], heads[2]))
                     try:
                         mv = tensor_bytes(buf)
                         await send_msg(loop, sock, {"ok": True, "nbytes": len(mv)})
                         await bulk_sendall(loop, sock, mv, float(req.get("timeout", self.default_timeout_s)))
                     finally:
-                        self._pool.release(buf)
+                        if heads is None:
+                            self._pool.release(buf)
                 elif op == "push":
                     checked = self._check_remote_runs(runs, side="dst")
                     if isinstance(checked, str):
                         await send_msg(loop, sock, {"ok": False, "error": checked})
                         continue
                     n = len(checked[1])
-                    if req.get("nbytes") != n * self.storage.block_bytes:
-                        await send_msg(loop, sock, {"ok": False, "error": f"peer refused: expected {n * self.storage.block_bytes} bytes, got {req.get('nbytes')}"})
+                    nbytes = n * self._bytes_per_block(heads)
+                    if req.get("nbytes") != nbytes:
+                        await send_msg(loop, sock, {"ok": False, "error": f"peer refused: expected {nbytes} bytes, got {req.get('nbytes')}"})
                         continue
-                    staging = self._staging(n)
+                    staging = self._pool.acquire(nbytes)
                     try:
                         await send_msg(loop, sock, {"ok": True})
                         await bulk_recv_into(loop, sock, tensor_bytes(staging),
                                              float(req.get("timeout", self.default_timeout_s)))
-                        self.storage.write_blocks(checked[1], staging)
+                        self._write(checked[1], staging, heads, side=1)
                     finally:
                         self._pool.release(staging)
                     await send_msg(loop, sock, {"ok": True})
@@ -228,6 +245,17 @@ class TcpKVTransferBackend(KVTransferBackend):
     def _staging(self, n: int) -> torch.Tensor:
         """A pooled CPU byte buffer for n blocks; give it back with ``self._pool.release``."""
         return self._pool.acquire(n * self.storage.block_bytes)
+
+    def _bytes_per_block(self, heads: Heads | None) -> int:
+        return (self.storage.block_bytes if heads is None
+                else slice_block_bytes(self.storage, heads[2]))
+
+    def _write(self, ids, staging: torch.Tensor, heads: Heads | None, side: int) -> None:
+        """Received blocks into ours: whole, or into our head range (``heads[side]``)."""
+        if heads is None:
+            self.storage.write_blocks(ids, staging)
+        else:
+            scatter_heads(self.storage, ids, heads[side], heads[2], staging)
 
     def _gather(self, ids) -> torch.Tensor:
         if self.storage.is_cuda:
@@ -275,39 +303,46 @@ class TcpKVTransferBackend(KVTransferBackend):
                 pass
             c.sock.close()
 
-    async def _pull_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
+    async def _pull_impl(self, peer_addr: str, runs: list[Run], timeout: float,
+                         heads: Heads | None = None) -> None:
         loop = asyncio.get_running_loop()
         c = await self._conn(peer_addr)
         async with c.lock:
-            await send_msg(loop, c.sock, {"op": "pull", "runs": runs, "timeout": timeout})
+            await send_msg(loop, c.sock, {"op": "pull", "runs": runs, "timeout": timeout,
+                                          "heads": list(heads) if heads else None})
             rep = await recv_msg(loop, c.sock)
             if not rep.get("ok"):
                 raise TransferError(rep.get("error", "peer refused"), invalid_argument=True)
-            n = sum(r[2] for r in runs)
-            if rep.get("nbytes") != n * self.storage.block_bytes:
+            nbytes = sum(r[2] for r in runs) * self._bytes_per_block(heads)
+            if rep.get("nbytes") != nbytes:
                 raise TransferError(f"tcp: peer sends {rep.get('nbytes')} bytes, expected "
-                                    f"{n * self.storage.block_bytes}: incompatible KV layout")
-            staging = self._staging(n)
+                                    f"{nbytes}: incompatible KV layout")
+            staging = self._pool.acquire(nbytes)
             try:
                 await bulk_recv_into(loop, c.sock, tensor_bytes(staging), timeout)
-                self.storage.write_blocks(runs_to_ids(runs)[1], staging)
+                self._write(runs_to_ids(runs)[1], staging, heads, side=1)
             finally:
                 self._pool.release(staging)
 
-    async def _push_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
+    async def _push_impl(self, peer_addr: str, runs: list[Run], timeout: float,
+                         heads: Heads | None = None) -> None:
         loop = asyncio.get_running_loop()
         c = await self._conn(peer_addr)
-        buf = self._gather(runs_to_ids(runs)[0])
+        src = runs_to_ids(runs)[0]
+        buf = (self._gather(src) if heads is None
+               else gather_heads(self.storage, src, heads[0], heads[2]))
         mv = tensor_bytes(buf)
         try:
-            await self._push_locked(c, loop, runs, mv, timeout)
+            await self._push_locked(c, loop, runs, mv, timeout, heads)
         finally:
-            self._pool.release(buf)
+            if heads is None:
+                self._pool.release(buf)
 
     async def _push_locked(self, c: _Conn, loop: asyncio.AbstractEventLoop, runs: list[Run], mv: memoryview,
-                           timeout: float) -> None:
+                           timeout: float, heads: Heads | None = None) -> None:
         async with c.lock:
-            await send_msg(loop, c.sock, {"op": "push", "runs": runs, "nbytes": len(mv), "timeout": timeout})
+            await send_msg(loop, c.sock, {"op": "push", "runs": runs, "nbytes": len(mv), "timeout": timeout,
+                                          "heads": list(heads) if heads else None})
             rep = await recv_msg(loop, c.sock)
             if not rep.get("ok"):
                 raise TransferError(rep.get("error", "peer refused"), invalid_argument=True)

@@ -2,7 +2,8 @@
 
 RPCs (xLLM WorkerService):
 - PullKVCache(cluster_id, addr, src_blocks, dst_blocks, req_id): this worker pulls the
-  peer's ``src_blocks`` (peer at ``addr``) into its own ``dst_blocks``.
+  peer's ``src_blocks`` (peer at ``addr``) into its own ``dst_blocks``; with ``num_heads``
+  only that KV head slice (peers of different TP, kv_transfer/head_slices.py).
 - PushKVCache: this worker sends its ``src_blocks`` into the peer's ``dst_blocks``.
 - LinkCluster(cluster_ids, addrs, meta): refuse an incompatible peer (FAILED_PRECONDITION,
   the message names every difference), then connect to each address showing the peer's
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 import grpc
 
 from xllm_py.kv_transfer.base import KVTransferBackend, TransferError, TransferResult
+from xllm_py.kv_transfer.head_slices import Heads
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.metrics import KVTransferMetrics
 from xllm_py.kv_compat import kv_compat_differences
@@ -125,24 +127,27 @@ class KVWorker:
 
     async def pull_kv_blocks(self, addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
                              req_id: str = "", timeout: float | None = None,
-                             key: str = "") -> TransferResult:
-        """`key`: the peer's transfer key, when not known from link_cluster."""
+                             key: str = "", heads: Heads | None = None) -> TransferResult:
+        """`key`: the peer's transfer key, when not known from link_cluster; ``heads``
+        (src_start, dst_start, count): only those KV heads (peers of different TP)."""
         self.backend.set_peer_key(addr, key)
-        return await self._transfer("pull", addr, src_blocks, dst_blocks, req_id, timeout)
+        return await self._transfer("pull", addr, src_blocks, dst_blocks, req_id, timeout, heads)
 
     async def push_kv_blocks(self, addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
                              req_id: str = "", timeout: float | None = None,
-                             key: str = "") -> TransferResult:
+                             key: str = "", heads: Heads | None = None) -> TransferResult:
         """`key`: the peer's transfer key (a push needs no link first)."""
         self.backend.set_peer_key(addr, key)
-        return await self._transfer("push", addr, src_blocks, dst_blocks, req_id, timeout)
+        return await self._transfer("push", addr, src_blocks, dst_blocks, req_id, timeout, heads)
 
     async def _transfer(self, op: str, addr: str, src: Sequence[int], dst: Sequence[int],
-                        req_id: str, timeout: float | None) -> TransferResult:
+                        req_id: str, timeout: float | None,
+                        heads: Heads | None = None) -> TransferResult:
         t0 = time.perf_counter()
         fn = self.backend.pull if op == "pull" else self.backend.push
         try:
-            result = await fn(addr, src, dst, timeout)
+            result = (await fn(addr, src, dst, timeout) if heads is None
+                      else await fn(addr, src, dst, timeout, heads=heads))
         except ValueError as e:
             self.metrics.observe_failure(op, "invalid_argument")
             logger.warning("kv %s req=%s peer=%s refused: %s", op, req_id, addr, e)
@@ -205,7 +210,7 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
             self._check_move(t)
             await self.worker.pull_kv_blocks(t.addr, t.src_blocks, t.dst_blocks,
                                              t.req_id, self._timeout(context),
-                                             t.transfer_key)
+                                             t.transfer_key, t.heads)
         except (ValueError, TransferError) as e:
             await _abort_for(context, e)
         return wire.ok_to_proto()
@@ -217,7 +222,7 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
             self._check_move(t)
             await self.worker.push_kv_blocks(t.addr, t.src_blocks, t.dst_blocks,
                                              t.req_id, self._timeout(context),
-                                             t.transfer_key)
+                                             t.transfer_key, t.heads)
         except (ValueError, TransferError) as e:
             await _abort_for(context, e)
         return wire.ok_to_proto()

@@ -522,36 +522,48 @@ class InstanceClusterInfo(_message.Message):
     def __init__(self, instance_name: _Optional[str] = ..., cluster_ids: _Optional[_Iterable[int]] = ..., addrs: _Optional[_Iterable[str]] = ..., ports: _Optional[_Iterable[int]] = ..., dp_size: _Optional[int] = ..., worker_rpc_addrs: _Optional[_Iterable[str]] = ..., meta: _Optional[_Union[InstanceMetaInfo, _Mapping]] = ...) -> None: ...
 
 class PullKVCacheRequest(_message.Message):
-    __slots__ = ("cluster_id", "addr", "src_blocks", "dst_blocks", "req_id", "transfer_key")
+    __slots__ = ("cluster_id", "addr", "src_blocks", "dst_blocks", "req_id", "transfer_key", "src_head_start", "dst_head_start", "num_heads")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_KEY_FIELD_NUMBER: _ClassVar[int]
+    SRC_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    DST_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: int
     addr: str
     src_blocks: _containers.RepeatedScalarFieldContainer[int]
     dst_blocks: _containers.RepeatedScalarFieldContainer[int]
     req_id: str
     transfer_key: str
-    def __init__(self, cluster_id: _Optional[int] = ..., addr: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., req_id: _Optional[str] = ..., transfer_key: _Optional[str] = ...) -> None: ...
+    src_head_start: int
+    dst_head_start: int
+    num_heads: int
+    def __init__(self, cluster_id: _Optional[int] = ..., addr: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., req_id: _Optional[str] = ..., transfer_key: _Optional[str] = ..., src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class PushKVCacheRequest(_message.Message):
-    __slots__ = ("cluster_id", "addr", "src_blocks", "dst_blocks", "req_id", "transfer_key")
+    __slots__ = ("cluster_id", "addr", "src_blocks", "dst_blocks", "req_id", "transfer_key", "src_head_start", "dst_head_start", "num_heads")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_KEY_FIELD_NUMBER: _ClassVar[int]
+    SRC_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    DST_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: int
     addr: str
     src_blocks: _containers.RepeatedScalarFieldContainer[int]
     dst_blocks: _containers.RepeatedScalarFieldContainer[int]
     req_id: str
     transfer_key: str
-    def __init__(self, cluster_id: _Optional[int] = ..., addr: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., req_id: _Optional[str] = ..., transfer_key: _Optional[str] = ...) -> None: ...
+    src_head_start: int
+    dst_head_start: int
+    num_heads: int
+    def __init__(self, cluster_id: _Optional[int] = ..., addr: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., req_id: _Optional[str] = ..., transfer_key: _Optional[str] = ..., src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class ClusterLink(_message.Message):
     __slots__ = ("cluster_ids", "addrs", "meta")

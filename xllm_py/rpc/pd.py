@@ -187,13 +187,24 @@ def migration_kv_from_proto(item: pb.MultiGenerationsRequest) -> HandOver:
 
 
 # ---------------------------------------------------------------- the KV worker
-def pull_to_proto(move: KVMove) -> pb.PullKVCacheRequest:
+def pull_to_proto(move: KVMove, heads: tuple[int, int, int] | None = None
+                  ) -> pb.PullKVCacheRequest:
+    """``heads`` (src_start, dst_start, count): only those KV heads (TP pairs, issue 14)."""
     return pb.PullKVCacheRequest(cluster_id=move.cluster_id, addr=move.addr,
                                  src_blocks=move.src_blocks, dst_blocks=move.dst_blocks,
-                                 req_id=move.request_id, transfer_key=move.transfer_key)
+                                 req_id=move.request_id, transfer_key=move.transfer_key,
+                                 **_head_fields(heads))
 
 
-def push_to_proto(move: KVMove) -> pb.PushKVCacheRequest:
+def push_to_proto(move: KVMove, heads: tuple[int, int, int] | None = None
+                  ) -> pb.PushKVCacheRequest:
     return pb.PushKVCacheRequest(cluster_id=move.cluster_id, addr=move.addr,
                                  src_blocks=move.src_blocks, dst_blocks=move.dst_blocks,
-                                 req_id=move.request_id, transfer_key=move.transfer_key)
+                                 req_id=move.request_id, transfer_key=move.transfer_key,
+                                 **_head_fields(heads))
+
+
+def _head_fields(heads: tuple[int, int, int] | None) -> dict[str, int]:
+    if heads is None:
+        return {}
+    return {"src_head_start": heads[0], "dst_head_start": heads[1], "num_heads": heads[2]}

@@ -24,6 +24,9 @@ class WorkerTransfer:
     dst_blocks: list[int]
     req_id: str
     transfer_key: str = dataclasses.field(default="", repr=False)
+    # a KV head slice (src_head_start, dst_head_start, num_heads) between instances of
+    # different TP; None: whole blocks
+    heads: tuple[int, int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +42,9 @@ class WorkerLink:
 def transfer_from_proto(msg: pb.PullKVCacheRequest | pb.PushKVCacheRequest) -> WorkerTransfer:
     return WorkerTransfer(addr=msg.addr, src_blocks=list(msg.src_blocks),
                           dst_blocks=list(msg.dst_blocks), req_id=msg.req_id,
-                          transfer_key=msg.transfer_key)
+                          transfer_key=msg.transfer_key,
+                          heads=((msg.src_head_start, msg.dst_head_start, msg.num_heads)
+                                 if msg.num_heads else None))
 
 
 def peer_meta_from_proto(m: pb.InstanceMetaInfo) -> "PeerMeta":
