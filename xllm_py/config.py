@@ -181,6 +181,29 @@ def model_cache_dir_from_env() -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class APILimits:
+    """Work one OpenAI HTTP server takes (engine's own API and the service; issue 15).
+
+    A body over `max_body_bytes` is refused with 413 before it is read whole. Beyond
+    `max_pending_requests` HTTP requests, or `max_pending_tokens` prompt tokens x
+    sequences, admitted and not finished yet (waiting or running), a new request gets 429
+    with `Retry-After: retry_after_s`. Defaults: 8 MiB is ~100x the longest prompt of a
+    32k-token context as JSON token ids; 1024 requests and 2M tokens are far above what
+    one engine runs at once (max_num_seqs 128) and keep a flood from queueing unbounded.
+    """
+    max_body_bytes: int = 8 << 20
+    max_pending_requests: int = 1024
+    max_pending_tokens: int = 2 << 20
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_pending_requests", "max_pending_tokens",
+                     "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class SecurityConfig:
     """Who may call a process (xllm_py.api.auth, xllm_py.tls): API keys on its OpenAI HTTP
     API and the cluster TLS identity of its gRPC servers, channels and etcd client."""
@@ -234,6 +257,7 @@ class EngineConfig:
     # A time-model profile (JSON, xllm_py/sim/profile.py): run the simulated engine, whose
     # forward is a sleep of the modelled step time (no torch), instead of the model.
     simulate: str | None = None
+    api: APILimits = dataclasses.field(default_factory=APILimits)
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
     # Tensor parallelism (xllm_py/parallel/): ranks of this instance, and the bound on one
     # collective of a step (a rank that hangs fails the instance after this long).
@@ -410,6 +434,7 @@ class ServiceConfig:
     registry: RegistryConfig = dataclasses.field(default_factory=RegistryConfig)
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
     relay: RelayConfig = dataclasses.field(default_factory=RelayConfig)
+    api: APILimits = dataclasses.field(default_factory=APILimits)
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:

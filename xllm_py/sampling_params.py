@@ -12,6 +12,10 @@ import math
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+# repetition_penalty divides or multiplies float32 logits: outside this range a logit
+# overflows to inf (1e-300 is 0 in float32: logit / 0) and sampling fails the whole step
+# (found by tests/integration/test_fuzz.py). Useful values are 1.0-2.0.
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 
 
 class SamplingParamsError(ValueError):
@@ -111,12 +115,8 @@ class SamplingParams:
         self._check_float("min_p", self.min_p, low=0.0, high=1.0)
         self._check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         self._check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
-        self._check_float("repetition_penalty", self.repetition_penalty, low=0.0)
-        if self.repetition_penalty <= 0.0:
-            raise SamplingParamsError(
-                "repetition_penalty",
-                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
-            )
+        self._check_float("repetition_penalty", self.repetition_penalty,
+                          low=REPETITION_PENALTY_RANGE[0], high=REPETITION_PENALTY_RANGE[1])
         if self.seed is not None and not _is_int(self.seed):
             raise SamplingParamsError("seed", f"seed must be an integer or null, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):

@@ -60,7 +60,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from xllm_py.api.errors import InvalidRequestError, ServiceUnavailableError
+from xllm_py.api.errors import InvalidRequestError, ServiceUnavailableError, TooManyRequestsError
 from xllm_py.config import InstanceRole, RelayConfig
 from xllm_py.outputs import RequestOutput
 from xllm_py.rpc import service as wire
@@ -152,6 +152,7 @@ class ServiceBackend:
     async def _start(self, req, params: SamplingParams, offset: int, route: Route,
                      queue: asyncio.Queue) -> SubRequest:
         tried: list[str] = []
+        num_full = 0  # instances that answered RESOURCE_EXHAUSTED (their queue is full)
         while True:
             # A fresh id per attempt: a late copy of a failed attempt is unknown here, so
             # its first Generations gets ok=false and the engine drops it.
@@ -174,15 +175,29 @@ class ServiceBackend:
                 logger.warning("Generate on %s failed (%s); trying another instance",
                                route.target.name, type(exc).__name__)
                 tried.append(route.target.name)
+                if (isinstance(exc, grpc.aio.AioRpcError)
+                        and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    num_full += 1
                 try:
                     route = self.router.route(req, exclude=tried)
                 except NoInstanceError:
+                    if num_full == len(tried):
+                        raise TooManyRequestsError(
+                            "every instance is full; retry later") from None
                     raise ServiceUnavailableError(
                         f"no instance could take the request (tried {', '.join(tried)})") from None
                 continue
             if status.ok:
                 return sub
             self._forget(sub, cancel=False)
+            if status.code == 429:  # RESOURCE_EXHAUSTED over GenerateStream: its queue is full
+                tried.append(route.target.name)
+                num_full += 1
+                try:
+                    route = self.router.route(req, exclude=tried)
+                except NoInstanceError:
+                    raise TooManyRequestsError("every instance is full; retry later") from None
+                continue
             if status.code == 400:
                 raise InvalidRequestError(status.message or "invalid request")
             raise ServiceUnavailableError(f"instance {route.target.name} refused the request: "

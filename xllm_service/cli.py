@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from xllm_py.api.limits import add_limit_flags, limits_from_args
 from xllm_py.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
 from xllm_py.utils.cli import add_flag
 from xllm_py.utils.security_cli import add_security_flags, security_from_args
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--rpc-timeout", type=float, default=5.0, help="deadline of service RPCs (s)")
     add_flag(p, "--request-idle-timeout", type=float, default=120.0,
              help="fail a request when its engine sends nothing for this long (s)")
+    add_limit_flags(p)
     add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_security_flags(p)
     return p
@@ -80,4 +82,5 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                             tpot_slo_ms=args.tpot_slo_ms),
         relay=RelayConfig(rpc_timeout_s=args.rpc_timeout,
                           idle_timeout_s=args.request_idle_timeout),
-        security=security_from_args(args))
+        security=security_from_args(args),
+        api=limits_from_args(args))

@@ -33,12 +33,39 @@ from xllm_service.registry import Registry
 
 logger = logging.getLogger(__name__)
 
+# Outputs one Generations message may carry (an engine sends one per request it ran in a
+# step: at most its max_num_seqs).
+MAX_GENERATIONS = 4096
+
 OnGenerations = Callable[[xllm_pb2.DisaggStreamGenerations], Awaitable[xllm_pb2.StatusSet]]
 
 
 async def unknown_generations(msg: xllm_pb2.DisaggStreamGenerations) -> xllm_pb2.StatusSet:
     """Default before a router is attached: no request is known, every engine should cancel."""
     return wire.unknown_generations_reply(wire.num_generations(msg))
+
+
+MAX_NAME_CHARS = 256
+
+
+def registration_problem(meta: InstanceMeta) -> str:
+    """Why an instance cannot be registered as it says it is, or "" (checked before
+    anything is written to etcd)."""
+    if len(meta.name) > MAX_NAME_CHARS or len(meta.incarnation_id) > MAX_NAME_CHARS:
+        return f"name and incarnation_id have at most {MAX_NAME_CHARS} characters"
+    host, _, port = meta.rpc_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"rpc_address must be host:port, got {meta.rpc_address[:80]!r}"
+    numbers = {"dp_size": meta.dp_size, "block_size": meta.block_size,
+               "num_blocks": meta.num_blocks, "num_layers": meta.num_layers,
+               "num_kv_heads": meta.num_kv_heads, "head_dim": meta.head_dim,
+               "tp_size": meta.tp_size, "kv_split_size": meta.kv_split_size}
+    bad = [name for name, value in numbers.items() if value < 0]
+    if bad:
+        return f"{bad[0]} must be >= 0"
+    if len(meta.cluster_ids) != len(meta.addrs):
+        return "cluster_ids and addrs differ in length"
+    return ""
 
 
 def load_from_heartbeat(hb: wire.Heartbeat) -> LoadInfo:
@@ -124,6 +151,9 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
     ) -> xllm_pb2.StatusCode:
         try:
             meta = cluster_wire.instance_meta_from_proto(request)
+            problem = registration_problem(meta)
+            if problem:
+                raise ValueError(problem)
         except (InstanceMetaError, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad InstanceMetaInfo: {e}")
         if self.proxy is None:
@@ -149,8 +179,9 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
 
     async def Heartbeat(self, request: xllm_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
         hb = wire.heartbeat_from_proto(request)
-        if not hb.name or not hb.incarnation_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "heartbeat needs name and incarnation_id")
+        problem = wire.heartbeat_problem(hb)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         result = self.registry.heartbeat(
             hb.name,
             hb.incarnation_id,
@@ -174,6 +205,9 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
     async def Generations(
         self, request: xllm_pb2.DisaggStreamGenerations, context: grpc.aio.ServicerContext
     ) -> xllm_pb2.StatusSet:
+        if len(request.gens) > MAX_GENERATIONS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(request.gens)} generations in one call; at most {MAX_GENERATIONS}")
         result = await self.on_generations(request)
         if not wire.reply_fits(request, result):
             logger.error("generations handler answered a wrong number of statuses for %d generations",
@@ -186,6 +220,9 @@ class XllmRpcServicer(xllm_pb2_grpc.XllmRpcServiceServicer):
     ) -> AsyncIterator[xllm_pb2.StatusSet]:
         """Generations over one long-lived stream: one StatusSet per message, in order."""
         async for request in request_iterator:
+            if len(request.gens) > MAX_GENERATIONS:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{len(request.gens)} generations in one message; at most {MAX_GENERATIONS}")
             result = await self.on_generations(request)
             if not wire.reply_fits(request, result):
                 await context.abort(grpc.StatusCode.INTERNAL, "generations handler returned a wrong number of statuses")

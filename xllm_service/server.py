@@ -70,7 +70,7 @@ async def run_service(config: ServiceConfig) -> None:
 
     app = build_app(backend, served_model_name=config.model_name,
                     api_keys=config.security.api_keys,
-                    protect_metrics=config.security.protect_metrics)
+                    protect_metrics=config.security.protect_metrics, limits=config.api)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,7 +6,7 @@ import types
 import pytest
 
 from xllm_py.api.backend import GenerateRequest
-from xllm_py.api.errors import BackendBusyError
+from xllm_py.api.errors import TooManyRequestsError
 from xllm_py.engine.async_engine import AsyncEngine
 from xllm_py.sampling_params import SamplingParams
 
@@ -19,13 +19,14 @@ def stub_engine(num_waiting: int):
         submit=submitted.append, abort=lambda rid: None, submitted=submitted)
 
 
-async def test_full_queue_answers_busy_and_submits_nothing():
+async def test_full_queue_answers_429_and_submits_nothing():
     engine = stub_engine(num_waiting=8)
     backend = AsyncEngine(engine, max_waiting=8)
     assert backend.model_name == "qwen3-0.6b"
-    with pytest.raises(BackendBusyError, match="8 waiting requests"):
+    with pytest.raises(TooManyRequestsError, match="8 waiting requests") as info:
         async for _ in backend.generate(GenerateRequest(request_id="r", prompt_token_ids=[1])):
             pass
+    assert info.value.status_code == 429 and "Retry-After" in info.value.headers()
     assert engine.submitted == []
 
 

@@ -50,6 +50,10 @@ def test_tiny_top_p_picks_the_max_token():
     logits = random_logits(16, seed=2)
     rows = [SamplingRow(temperature=5.0, top_p=1e-6) for _ in range(16)]
     assert Sampler(seed=0)(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
+    # 1e-300 is 0 in float32: every token was dropped and the id drawn was the vocabulary
+    # size (out of range: the next step failed). The best token always stays.
+    rows = [SamplingRow(temperature=1.0, top_p=1e-300) for _ in range(16)]
+    assert Sampler(seed=0)(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
 
 
 def test_top_k_and_top_p_probs():

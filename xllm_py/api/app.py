@@ -2,10 +2,13 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's shapes), GET /version,
-GET /health, GET /readiness, GET /metrics.
+GET /health, GET /readiness, GET /metrics, GET /openapi.json (the request bodies' real
+schemas). Limits (xllm_py.config.APILimits): body size (413) and admission (429), see
+limits.py.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -20,10 +23,14 @@ import xllm_py
 from xllm_py.api.auth import APIKeyMiddleware, APIKeys
 from xllm_py.api.backend import GenerateBackend
 from xllm_py.api.errors import APIError, ModelNotFoundError, error_body
+from xllm_py.api.limits import Admission, BodyLimitMiddleware
 from xllm_py.api.metrics import APIMetrics
+from xllm_py.api.openapi import body_schema, install_openapi
+from xllm_py.api.serving_base import OFFLOOP_BODY_BYTES
 from xllm_py.api.serving_chat import OpenAIServingChat
 from xllm_py.api.serving_completions import OpenAIServingCompletion
 from xllm_py.api.serving_tokenization import OpenAIServingTokenization
+from xllm_py.config import APILimits
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +38,22 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
-              api_keys: Sequence[str] = (), protect_metrics: bool = False) -> FastAPI:
-    """The OpenAI-compatible app; `app.state.completions` / `.chat` / `.metrics` for
-    introspection. With `api_keys`, every route but the probes (and /metrics unless
-    `protect_metrics`) needs `Authorization: Bearer <key>` (xllm_py.api.auth)."""
+              api_keys: Sequence[str] = (), protect_metrics: bool = False,
+              limits: APILimits | None = None) -> FastAPI:
+    """The OpenAI-compatible app; `app.state.completions` / `.chat` / `.metrics` /
+    `.admission` for introspection. With `api_keys`, every route but the probes (and
+    /metrics unless `protect_metrics`) needs `Authorization: Bearer <key>`
+    (xllm_py.api.auth)."""
+    limits = limits or APILimits()
     metrics = APIMetrics(getattr(backend, "metrics_registry", None))
-    completions = OpenAIServingCompletion(backend, metrics, served_model_name)
-    chat = OpenAIServingChat(backend, metrics, served_model_name)
+    admission = Admission(limits)
+    completions = OpenAIServingCompletion(backend, metrics, served_model_name, admission)
+    chat = OpenAIServingChat(backend, metrics, served_model_name, admission)
     model_name = completions.model_name
     created = int(time.time())
-    app = FastAPI(title="xllm-py", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="xllm-py", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes)
+    app.state.admission = admission
     app.state.completions = completions
     app.state.chat = chat
     app.state.metrics = metrics
@@ -50,7 +63,7 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> Response:
-        return JSONResponse(e.to_dict(), status_code=e.status_code)
+        return JSONResponse(e.to_dict(), status_code=e.status_code, headers=e.headers())
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> Response:
@@ -71,8 +84,10 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
             status_code=500,
         )
 
-    app.add_api_route("/v1/completions", completions.handle, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat.handle, methods=["POST"])
+    app.add_api_route("/v1/completions", completions.handle, methods=["POST"],
+                      openapi_extra=body_schema(completions.request_cls))
+    app.add_api_route("/v1/chat/completions", chat.handle, methods=["POST"],
+                      openapi_extra=body_schema(chat.request_cls))
 
     model_card = {
         "id": model_name,
@@ -95,13 +110,18 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
 
     tokenization = OpenAIServingTokenization(backend, completions.check_model)
 
+    async def off_loop_if_large(fn, body: bytes):  # (a large body never holds the loop)
+        if len(body) > OFFLOOP_BODY_BYTES:
+            return await asyncio.to_thread(fn, body)
+        return fn(body)
+
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
-        return JSONResponse(tokenization.tokenize(await raw.body()))
+        return JSONResponse(await off_loop_if_large(tokenization.tokenize, await raw.body()))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
-        return JSONResponse(tokenization.detokenize(await raw.body()))
+        return JSONResponse(await off_loop_if_large(tokenization.detokenize, await raw.body()))
 
     @app.get("/version")
     async def version() -> Response:
@@ -126,4 +146,5 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type=PROMETHEUS_CONTENT_TYPE)
 
+    install_openapi(app, [completions.request_cls, chat.request_cls])
     return app

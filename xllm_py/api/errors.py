@@ -2,7 +2,9 @@
 
 Every error a client can see is an `APIError` carrying the HTTP status and the fields of
 OpenAI's body `{"error": {"message", "type", "param", "code"}}`. Backends raise
-`BackendBusyError` when they cannot take more work (mapped to 503).
+`BackendBusyError` when they cannot take more work (mapped to 503). Bounded work (issue 15):
+a body over the limit is `RequestTooLargeError` (413), a request beyond the admission
+limit `TooManyRequestsError` (429 with Retry-After).
 """
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ class APIError(Exception):
 
     def to_dict(self) -> dict[str, Any]:
         return error_body(self.message, self.error_type, self.param, self.code)
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers of the error response (Retry-After, ...)."""
+        return {}
 
 
 class InvalidRequestError(APIError):
@@ -71,6 +77,31 @@ class BackendBusyError(ServiceUnavailableError):
 
     def __init__(self, message: str = "server is busy, retry later") -> None:
         super().__init__(message, code="backend_busy")
+
+
+class RequestTooLargeError(APIError):
+    """413: the request body is over the server's limit (refused before it is read whole)."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body is larger than the limit of {limit} bytes",
+                         code="request_too_large")
+
+
+class TooManyRequestsError(APIError):
+    """429: the server holds as much work as it takes; retry after `retry_after_s`."""
+
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message, code="rate_limit_exceeded")
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class BackendError(APIError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from starlette.requests import Request
 
@@ -31,10 +31,12 @@ class Generations:
 
     _END = object()
 
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]]) -> None:
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]],
+                 on_cancel: Callable[[], None] | None = None) -> None:
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._num_open = len(streams)
         self._cancelled = False
+        self._on_cancel = on_cancel  # run once, at the first cancel() (admission ticket)
         self._tasks = [
             asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)
         ]
@@ -75,6 +77,9 @@ class Generations:
         self._cancelled = True
         for t in self._tasks:
             t.cancel()
+        on_cancel, self._on_cancel = self._on_cancel, None
+        if on_cancel is not None:
+            on_cancel()
 
     async def aclose(self) -> None:
         self.cancel()

@@ -7,10 +7,19 @@ the OpenAI / vLLM parameters this server knows it does not implement (unsupporte
 response_format other than text, tools, functions, guided decoding, ...), which are a 400
 naming the parameter rather than silently ignored. vLLM's extensions (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, prompt_logprobs, ...) are accepted.
+
+Everything accepted here can be held by the engine and by the wire (issue 15): every
+integer fits its proto field (`_WIRE_INT_BITS`: seed int64, the others int32), every
+number is finite and fits a proto float, and the request's work is bounded by the limits
+below (fan-out, stop lists); the sampling values also pass `SamplingParams` itself
+(`check_sampling`, called by the endpoint), so a request the HTTP layer takes is never
+refused later as a 500.
 """
 from __future__ import annotations
 
 from typing import Any, Literal, TypeVar, Union
+
+import math
 
 import pydantic
 from pydantic import BaseModel, ConfigDict
@@ -21,6 +30,18 @@ from xllm_py.api.unsupported import UnsupportedFields
 from xllm_py.sampling_params import MAX_LOGPROBS, REQUEST_FIELDS
 
 MAX_N = 128
+MAX_BEST_OF = 128
+# Sequences one HTTP request may start: prompts x max(n, best_of). Each is a sequence in
+# the scheduler with its own KV blocks; 256 is two full batches of the default max_num_seqs.
+MAX_FANOUT = 256
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4)
+MAX_STOP_CHARS = 1024  # length of one stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_PROMPT_TOKEN_IDS = 1 << 20  # prompt given as token ids, before the context check
+# Widths of the integer fields as they travel in xllm.proto (DisaggRequest); a field not
+# named here is an int32.
+_WIRE_INT_BITS = {"seed": 64}
+_FLOAT32_MAX = 3.4028234663852886e38
 MAX_LOGIT_BIAS = 100.0
 
 # Re-exported for callers that import everything request-shaped from here.
@@ -30,12 +51,13 @@ __all__ = [
     "CompletionRequest",
     "GenerateRequest",
     "StreamOptions",
+    "check_sampling",
     "parse_request",
 ]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
@@ -43,7 +65,7 @@ class StreamOptions(BaseModel):
 class _CommonRequest(UnsupportedFields):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     n: int = 1
@@ -89,10 +111,13 @@ class _CommonRequest(UnsupportedFields):
 
     def check_values(self) -> None:
         """Raise InvalidRequestError for out-of-range values (types are already checked)."""
+        _check_wire_values(self)
         self.check_unsupported()
         _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
         _check(self.n <= MAX_N, "n", f"n must be at most {MAX_N}, got {self.n}")
         if self.best_of is not None:
+            _check(self.best_of <= MAX_BEST_OF, "best_of",
+                   f"best_of must be at most {MAX_BEST_OF}, got {self.best_of}")
             _check(
                 self.best_of >= self.n, "best_of",
                 f"best_of must be greater than or equal to n, got best_of={self.best_of} n={self.n}",
@@ -130,6 +155,12 @@ class _CommonRequest(UnsupportedFields):
         if max_tokens is not None:
             _check(self.min_tokens <= max_tokens, "min_tokens",
                    f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        _check(len(stops) <= MAX_STOP, "stop", f"stop has at most {MAX_STOP} strings")
+        _check(all(len(s) <= MAX_STOP_CHARS for s in stops), "stop",
+               f"a stop string has at most {MAX_STOP_CHARS} characters")
+        _check(len(self.stop_token_ids or []) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"stop_token_ids has at most {MAX_STOP_TOKEN_IDS} ids")
         for token_id in self.stop_token_ids or []:
             _check(token_id >= 0, "stop_token_ids", "stop_token_ids must be non-negative")
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
@@ -159,6 +190,16 @@ class _CommonRequest(UnsupportedFields):
 
     def _max_tokens_param(self) -> str:
         return "max_tokens"
+
+    def num_sequences(self, num_prompts: int) -> int:
+        """Sequences this request starts in the engine: one per prompt and best_of."""
+        return num_prompts * max(self.n, self.best_of or 0)
+
+    def check_fanout(self, num_prompts: int) -> None:
+        num = self.num_sequences(num_prompts)
+        _check(num <= MAX_FANOUT, "best_of" if (self.best_of or 0) > self.n else "n",
+               f"this request would run {num} sequences ({num_prompts} prompt(s) x "
+               f"{max(self.n, self.best_of or 0)}); at most {MAX_FANOUT} per request")
 
     # -- conversion -------------------------------------------------------------------
 
@@ -252,9 +293,12 @@ class CompletionRequest(_CommonRequest):
         _check(self.suffix is None, "suffix", "suffix is not supported")
         prompts = self.prompt_list()
         _check(len(prompts) > 0, "prompt", "prompt must not be empty")
+        self.check_fanout(len(prompts))
         for p in prompts:
             _check(len(p) > 0, "prompt", "prompt must not be empty")
             if isinstance(p, list):
+                _check(len(p) <= MAX_PROMPT_TOKEN_IDS, "prompt",
+                       f"a prompt has at most {MAX_PROMPT_TOKEN_IDS} token ids")
                 _check(all(t >= 0 for t in p), "prompt", "prompt token ids must be non-negative")
 
     def prompt_list(self) -> list[str | list[int]]:
@@ -324,6 +368,7 @@ class ChatCompletionRequest(_CommonRequest):
     def check_values(self) -> None:
         super().check_values()
         _check(len(self.messages) > 0, "messages", "messages must not be empty")
+        self.check_fanout(1)
         for name, default in (("echo", False), ("continue_final_message", False),
                               ("add_generation_prompt", True)):
             value = getattr(self, name)
@@ -377,6 +422,65 @@ def _validation_error(e: pydantic.ValidationError) -> InvalidRequestError:
 
 def _is_type_tag(s: str) -> bool:
     return any(c in s for c in "[]") or s in {"str", "int", "float", "bool", "list", "dict"}
+
+
+def check_sampling(gen: GenerateRequest) -> None:
+    """The request's sampling values as the engine will take them (SamplingParams' own
+    checks): a refusal there is the client's 400 here, not a backend 500 later."""
+    from xllm_py.sampling_params import SamplingParams, SamplingParamsError
+
+    try:
+        SamplingParams.from_request(gen)
+    except SamplingParamsError as e:
+        raise InvalidRequestError(e.message, param=e.param) from None
+
+
+def _check_wire_values(req: BaseModel) -> None:
+    """Every integer fits its proto field, every number is finite and fits a proto float
+    (a value that does not would fail later in the service's conversion, as a 500)."""
+    for name in type(req).model_fields:
+        value = getattr(req, name)
+        if value is None or isinstance(value, (str, bool, BaseModel)):
+            continue
+        bits = _WIRE_INT_BITS.get(name, 32)
+        bad = _first_unfit(value, bits)
+        if bad is not None:
+            if isinstance(bad, float):
+                raise InvalidRequestError(
+                    f"{name}: {bad!r} does not fit a 32-bit float", param=name)
+            raise InvalidRequestError(
+                f"{name}: {bad} does not fit a {bits}-bit signed integer", param=name)
+
+
+def _first_unfit(value: Any, bits: int) -> int | float | None:
+    if isinstance(value, bool) or isinstance(value, str):
+        return None
+    if isinstance(value, int):
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        return None if lo <= value <= hi else value
+    if isinstance(value, float):
+        return None if math.isfinite(value) and abs(value) <= _FLOAT32_MAX else value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+                k = int(k)  # a JSON key that is a token id (logit_bias) travels as an int32
+            bad = _first_unfit(k, bits)
+            if bad is None:
+                bad = _first_unfit(v, bits)
+            if bad is not None:
+                return bad
+        return None
+    if isinstance(value, (list, tuple)):
+        if value and isinstance(value[0], int) and not isinstance(value[0], bool):
+            lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+            if all(isinstance(v, int) for v in value):  # token ids: one pass in C
+                if lo <= min(value) and max(value) <= hi:
+                    return None
+        for v in value:
+            bad = _first_unfit(v, bits)
+            if bad is not None:
+                return bad
+    return None
 
 
 def _check(ok: bool, param: str, message: str) -> None:

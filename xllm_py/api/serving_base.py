@@ -3,9 +3,13 @@ stream responses, errors and metrics. `serving_completions` and `serving_chat` s
 their prompts are built and how their choices render.
 
 Stages of one HTTP request:
-  1. intake: readiness check (503), parse + validate (400), model check (404);
+  1. intake: readiness check (503), the body read within its limit (413, see limits.py),
+     parse + validate (400), model check (404);
   2. prompts: the endpoint tokenizes (`_prompts`; chat applies its template), max_tokens is
-     resolved against max_model_len (400);
+     resolved against max_model_len (400), the sampling values checked as the engine will
+     (400); a body over OFFLOOP_BODY_BYTES is parsed and tokenized in a worker thread, so
+     no request holds the event loop; then admission (429 + Retry-After, limits.py), whose
+     ticket the request holds until it ends;
   3. one GenerateRequest per prompt; each backend stream is drained by its own pump task
      into one queue (`Generations`), so choices of all prompts interleave; choice index =
      prompt_index * n + CompletionDelta.index;
@@ -17,6 +21,7 @@ Stages of one HTTP request:
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -34,6 +39,7 @@ from xllm_py.api.errors import (
     ModelNotFoundError,
     ServiceUnavailableError,
 )
+from xllm_py.api.limits import Admission, Ticket
 from xllm_py.api.generations import (
     ClientDisconnected,
     Generations,
@@ -41,11 +47,15 @@ from xllm_py.api.generations import (
     start_streams,
 )
 from xllm_py.api.logprobs import TokenText
-from xllm_py.api.protocol import _CommonRequest, parse_request
+from xllm_py.api.protocol import _CommonRequest, check_sampling, parse_request
 from xllm_py.api.sse import DONE_EVENT, SSEResponse, dumps, sse_event
 from xllm_py.outputs import CompletionDelta
 
 logger = logging.getLogger(__name__)
+
+# Bodies larger than this are parsed and tokenized off the event loop (a 1 MB prompt
+# takes ~0.1-1 s to parse, check and tokenize; under that it is not worth a thread hop).
+OFFLOOP_BODY_BYTES = 64 << 10
 
 
 class OpenAIServing:
@@ -59,11 +69,13 @@ class OpenAIServing:
     prompt_param: ClassVar[str]  # the request field a too-long prompt is blamed on
 
     def __init__(
-        self, backend: GenerateBackend, metrics: m.APIMetrics, served_model_name: str | None = None
+        self, backend: GenerateBackend, metrics: m.APIMetrics, served_model_name: str | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.backend = backend
         self.metrics = metrics
         self.model_name = served_model_name or backend.model_name
+        self.admission = admission
 
     # -- hooks of an endpoint -------------------------------------------------------------
 
@@ -110,11 +122,19 @@ class OpenAIServing:
 
     async def handle(self, raw: Request) -> Response:
         arrival_time = time.time()
+        x_request_id = raw.headers.get("x-request-id")
+        ticket: Ticket | None = None
         try:
             self.check_ready()
-            req = parse_request(self.request_cls, await raw.body())
-            self.check_model(req.model)
-            ctx, gen_reqs = self._prepare(req, raw.headers.get("x-request-id"), arrival_time)
+            body = await raw.body()
+            if len(body) > OFFLOOP_BODY_BYTES:
+                req, ctx, gen_reqs = await asyncio.to_thread(
+                    self._intake, body, x_request_id, arrival_time)
+            else:
+                req, ctx, gen_reqs = self._intake(body, x_request_id, arrival_time)
+            if self.admission is not None:
+                ticket = self.admission.admit(
+                    sum(len(g.prompt_token_ids) for g in gen_reqs) * max(req.n, req.best_of or 1))
         except APIError as e:
             self._count_error(e)
             return _error_response(e)
@@ -126,14 +146,28 @@ class OpenAIServing:
 
         logger.debug("request %s: %d prompt(s), n=%d", ctx.request_id, len(gen_reqs), req.n)
         try:
-            gens = Generations(start_streams(self.backend, gen_reqs))
+            gens = Generations(start_streams(self.backend, gen_reqs),
+                               on_cancel=ticket.release if ticket is not None else None)
         except APIError as e:
+            if ticket is not None:
+                ticket.release()
             self._count_error(e)
             return _error_response(e, ctx.headers())
 
         if req.stream:
             return await self._stream(raw, ctx, gens)
         return await self._complete(raw, ctx, gens)
+
+    def _intake(
+        self, body: bytes, x_request_id: str | None, arrival_time: float
+    ) -> tuple[_CommonRequest, RequestContext, list[GenerateRequest]]:
+        """Parse, check and tokenize (thread-safe: may run off the event loop)."""
+        req = parse_request(self.request_cls, body)
+        self.check_model(req.model)
+        ctx, gen_reqs = self._prepare(req, x_request_id, arrival_time)
+        for g in gen_reqs:
+            check_sampling(g)
+        return req, ctx, gen_reqs
 
     def _prepare(
         self, req: _CommonRequest, x_request_id: str | None, arrival_time: float
@@ -248,7 +282,7 @@ class OpenAIServing:
             return _error_response(e, ctx.headers())
         return SSEResponse(
             self._sse(ctx, gens, first_events, first is None),
-            headers={**ctx.headers(), "Cache-Control": "no-cache"},
+            headers={**ctx.headers(), "Cache-Control": "no-cache"}, on_close=gens.cancel,
         )
 
     async def _sse(
@@ -360,5 +394,5 @@ def _random_hex() -> str:
 def _error_response(e: APIError, headers: dict[str, str] | None = None) -> Response:
     return Response(
         dumps(e.to_dict()), status_code=e.status_code, media_type="application/json",
-        headers=headers,
+        headers={**(headers or {}), **e.headers()},
     )

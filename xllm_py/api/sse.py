@@ -31,6 +31,10 @@ def sse_event(obj: Any) -> str:
 class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
+    def __init__(self, content: Any, *, on_close: Any = None, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close  # run at the end even if the body never started
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = asyncio.ensure_future(self.stream_response(send))
         watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
@@ -49,3 +53,5 @@ class SSEResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self.on_close is not None:
+                self.on_close()

@@ -111,13 +111,13 @@ class AsyncEngine:
         return True, "ok"
 
     async def generate(self, req) -> AsyncIterator[RequestOutput]:
-        from xllm_py.api.errors import BackendBusyError
+        from xllm_py.api.errors import BackendBusyError, TooManyRequestsError
 
         if self.draining:
             raise BackendBusyError("engine is shutting down (draining); send new requests "
                                    "to another instance")
         if self.engine.scheduler.num_waiting >= self.max_waiting:
-            raise BackendBusyError(
+            raise TooManyRequestsError(
                 f"engine has {self.engine.scheduler.num_waiting} waiting requests; try again later")
         params = SamplingParams.from_request(req)
         sink = QueueSink(asyncio.get_running_loop(), final_only=not getattr(req, "stream", True))

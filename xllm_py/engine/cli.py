@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from xllm_py.api.limits import add_limit_flags, limits_from_args
 from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode,
                             SchedulerConfig, TransferConfig, transfer_config_from_env)
 from xllm_py.utils.cli import add_flag, parse_bool
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--batch-window-ms", type=float, default=50.0,
              help="an idle engine waits up to this long for the rest of a burst of requests "
                   "(arriving < 5 ms apart) to start them as one batch; 0: at once")
+    add_limit_flags(g)
     g = p.add_argument_group("KV cache")
     add_flag(g, "--block-size", type=int, default=16, help="tokens per KV block")
     add_flag(g, "--num-blocks", type=int, default=None,
@@ -123,4 +125,5 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout,
         latency_profile_path=args.latency_profile,
         simulate=args.simulate, security=security_from_args(args),
+        api=limits_from_args(args),
         tensor_parallel_size=args.tensor_parallel_size)

@@ -88,6 +88,9 @@ class LLMEngine:
         self.eos_token_ids = list(dict.fromkeys(
             list(mc.eos_token_ids or []) + list(self.tokenizer.eos_token_ids or [])))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Ids submitted through try_submit that the engine thread has not added yet.
+        self._submit_lock = threading.Lock()
+        self._admitting: set[str] = set()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         # Hooks run on the engine thread at the end of every step (e.g. flush Generations).
@@ -97,6 +100,7 @@ class LLMEngine:
         self.role = config.role
         self._hand_over: HandOverHook | None = None
         self.num_steps = 0
+        self.num_step_failures = 0  # steps that raised (their requests failed with them)
         self.num_generated_tokens = 0
         self.recent_max_ttft_ms = 0.0
         self.recent_max_tbt_ms = 0.0
@@ -168,6 +172,17 @@ class LLMEngine:
     def submit(self, req: EngineRequest) -> None:
         self._commands.put(("add", req))
 
+    def try_submit(self, req: EngineRequest) -> bool:
+        """Submit unless a request of this id is queued or in flight here (any thread).
+        False: a duplicate, nothing submitted (its sink would be the first one's)."""
+        rid = req.request_id
+        with self._submit_lock:
+            if rid in self._admitting or rid in self.outputs:
+                return False
+            self._admitting.add(rid)
+        self._commands.put(("add", req))
+        return True
+
     @property
     def num_queued_commands(self) -> int:
         """Submissions, aborts and calls the engine thread has not run yet."""
@@ -209,6 +224,7 @@ class LLMEngine:
                 try:
                     self.step()
                 except Exception:
+                    self.num_step_failures += 1
                     logger.exception("engine step failed; failing the requests of this step")
                     self._fail_all_running("engine step failed")
             for listener in self.step_listeners:
@@ -260,7 +276,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def _add(self, req: EngineRequest) -> None:
-        requests = self._admit(req)
+        try:
+            if req.request_id in self.outputs:
+                requests: list[Request] | str = f"duplicate request id {req.request_id}"
+            else:
+                requests = self._admit(req)
+        except Exception as exc:  # a check _admit lacks: refuse this request only
+            logger.exception("admitting request %s failed", req.request_id)
+            self.outputs.drop_parent(req.request_id)
+            requests = f"request refused ({type(exc).__name__})"
+        finally:
+            with self._submit_lock:
+                self._admitting.discard(req.request_id)
         if isinstance(requests, str):  # it would fail the whole step it joined
             req.sink.emit(_error_output(req, 400, requests))
             return
@@ -454,6 +481,7 @@ class LLMEngine:
             "kv_blocks_total": pool.num_usable_blocks,
             "prefix_hit_tokens": pool.num_prefix_hit_tokens,
             "generated_tokens": self.num_generated_tokens,
+            "step_failures": self.num_step_failures,
         }
 
 

@@ -31,6 +31,8 @@ _ENGINE_STATS = (
     ("xllm_prefix_cache_hit_tokens_total", "counter", "prefix_hit_tokens",
      "Prompt tokens served from the prefix cache"),
     ("xllm_generation_tokens_total", "counter", "generated_tokens", "Tokens generated"),
+    ("xllm_engine_step_failures_total", "counter", "step_failures",
+     "Engine steps that raised (every request of the step failed)"),
 )
 
 

@@ -66,19 +66,23 @@ def parse_resumption(item: MigrationItem) -> Resumption | str:
     params = dataclasses.replace(
         params, max_tokens=None if params.max_tokens is None else params.max_tokens - (k - 1),
         min_tokens=max(0, params.min_tokens - (k - 1)))
-    return Resumption(spec, generated, item.num_unread, params)
+    unread = item.num_unread
+    if unread is not None and not 0 <= unread <= k:
+        return f"{spec.request_id}: num_unread_tokens must be in [0, {k}], got {unread}"
+    return Resumption(spec, generated, unread, params)
 
 
 def resume_by_recompute(engine: LLMEngine, reporter: GenerationsReporter,
-                        r: Resumption) -> None:
+                        r: Resumption) -> bool:
     """Submit prompt + generated as the prompt: the next sampled token is the one after
-    generated[-1], so the last of the budgets' k tokens is spent too."""
+    generated[-1], so the last of the budgets' k tokens is spent too. False: a request
+    of that id is already here (nothing submitted)."""
     spec, params = r.spec, r.params
     params = dataclasses.replace(
         params, max_tokens=None if params.max_tokens is None else params.max_tokens - 1,
         min_tokens=max(0, params.min_tokens - 1))
     sink = reporter.sink(spec.source_xservice_addr, spec.service_request_id, spec.request_id)
-    engine.submit(EngineRequest(
+    return engine.try_submit(EngineRequest(
         spec.request_id, spec.prompt_token_ids + r.generated, params, sink,
         usage_prompt_tokens=r.num_prompt_tokens, generated_offset=len(r.generated),
         num_unread=r.num_unread))
@@ -103,6 +107,6 @@ async def multi_generations(engine: LLMEngine, reporter: GenerationsReporter,
             problem = await pull_kv(item.message, r)
             if problem:
                 problems.append(problem)
-        else:
-            resume_by_recompute(engine, reporter, r)
+        elif not resume_by_recompute(engine, reporter, r):
+            problems.append(f"{r.spec.request_id}: duplicate request id: it is running here")
     return wire.problems_to_proto(problems)

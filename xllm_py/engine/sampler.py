@@ -277,6 +277,7 @@ def compute_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
             before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=1)
             drop = before >= top_p.unsqueeze(1) * cumulative[:, -1:]
             drop &= (top_p < 1.0).unsqueeze(1)
+            drop[:, 0] = False  # the best token always stays (top_p 1e-300 is 0 in float32)
             values = values.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter_(-1, indices, values)
 

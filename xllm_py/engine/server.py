@@ -41,7 +41,7 @@ async def run_engine_server(config: EngineConfig, stop: asyncio.Event | None = N
     engine.start()
     backend = AsyncEngine(engine, config.served_model_name)
     app = build_app(backend, api_keys=config.security.api_keys,
-                    protect_metrics=config.security.protect_metrics)
+                    protect_metrics=config.security.protect_metrics, limits=config.api)
     freeze_startup_heap()
     if stop is None:
         stop, force = asyncio.Event(), asyncio.Event()  # a first signal, a second one

@@ -195,10 +195,19 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
             return self.timeout_s
         return min(remaining, self.timeout_s) if self.timeout_s else remaining
 
+    def _check_move(self, request) -> None:
+        """A move larger than the whole pool is refused before anything is touched (the
+        block ids themselves are checked by the backend: ours here, the peer's there)."""
+        num_blocks = self.worker.storage.meta.num_blocks
+        n = max(len(request.src_blocks), len(request.dst_blocks))
+        if n > num_blocks:
+            raise ValueError(f"{n} blocks in one move; the pool has {num_blocks}")
+
     async def PullKVCache(self, request: xllm_pb2.PullKVCacheRequest,
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
         t = wire.transfer_from_proto(request)
         try:
+            self._check_move(t)
             await self.worker.pull_kv_blocks(t.addr, t.src_blocks, t.dst_blocks,
                                              t.req_id, self._timeout(context),
                                              t.transfer_key, t.heads)
@@ -210,6 +219,7 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
         t = wire.transfer_from_proto(request)
         try:
+            self._check_move(t)
             await self.worker.push_kv_blocks(t.addr, t.src_blocks, t.dst_blocks,
                                              t.req_id, self._timeout(context),
                                              t.transfer_key, t.heads)

@@ -144,6 +144,22 @@ def heartbeat_from_proto(req: pb.HeartbeatRequest) -> Heartbeat:
         full_cache=req.cache_event.full_snapshot)
 
 
+MAX_CACHE_EVENTS = 1 << 16  # block hashes one heartbeat may add or remove
+
+
+def heartbeat_problem(hb: Heartbeat) -> str:
+    """Why a heartbeat cannot be taken (a value no engine sends), or ""."""
+    if not hb.name or not hb.incarnation_id:
+        return "heartbeat needs name and incarnation_id"
+    if min(hb.waiting, hb.running, hb.recent_max_ttft_ms, hb.recent_max_tbt_ms) < 0:
+        return "heartbeat load and latency figures must be >= 0"
+    if not 0.0 <= hb.kv_usage <= 1.0:  # (NaN fails too)
+        return f"gpu_cache_usage_perc must be in [0, 1], got {hb.kv_usage!r}"
+    if len(hb.stored_cache) + len(hb.removed_cache) > MAX_CACHE_EVENTS:
+        return f"more than {MAX_CACHE_EVENTS} cache events in one heartbeat"
+    return ""
+
+
 def heartbeat_reply(ok: bool, message: str) -> pb.Status:
     """409: refused (unknown instance or stale incarnation: register again)."""
     return pb.Status(ok=ok, message=message, code=200 if ok else 409)

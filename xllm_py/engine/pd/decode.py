@@ -76,18 +76,23 @@ class DecodeSide:
     # ------------------------------------------------------------------ AddNewRequests
     async def add_new_requests(self, prefill_name: str,
                                items: list[EngineRequestSpec | Placement]) -> list[Placement]:
-        """One Placement per item (a Placement item is a request that could not be read)."""
+        """One Placement per item (a Placement item is a request that could not be read).
+        Each item is checked (LLMEngine._admit: token ids, length) before it allocates."""
         replies = []
         for spec in items:
             if isinstance(spec, Placement):
                 replies.append(spec)
                 continue
             rid = spec.request_id
-            if rid in self._requests:
+            if rid in self._requests or rid in self.engine.outputs:
                 replies.append(Placement(rid, Status.INVALID_ARGUMENT,
                                          message="duplicate request id"))
                 continue
-            alloc = await self._on_engine(lambda spec=spec: self._admit(spec))
+            try:
+                alloc = await self._on_engine(lambda spec=spec: self._admit(spec))
+            except Exception as exc:  # nothing stays allocated: add_remote frees on failure
+                logger.exception("request %s: admitting it on decode failed", rid)
+                alloc = f"request refused ({type(exc).__name__})"
             if isinstance(alloc, str):
                 replies.append(Placement(rid, Status.INVALID_ARGUMENT, message=alloc))
             elif alloc is None:
@@ -138,6 +143,11 @@ class DecodeSide:
             self._end(rec, D.DROPPED)
             await self._on_engine(lambda: self._drop(rid, child))
             return ""
+        problem = handover_problem(h, len(rec.new_block_ids), self.engine.model_config.vocab_size)
+        if problem:  # it cannot be decoded: end it here and free its blocks
+            self._end(rec, D.FAILED)
+            await self._on_engine(lambda: self._fail(rid, child, problem, 400))
+            return f"request {rid}: {problem}"
         t0 = time.monotonic()
         rec.transition(D.PULLING)
         try:
@@ -166,14 +176,9 @@ class DecodeSide:
         return ""
 
     async def _pull(self, h: HandOver, rec: DecodeRequest) -> None:
-        if len(h.block_ids) != len(rec.new_block_ids):
-            raise StatusError(Status.INTERNAL, f"prefill sent {len(h.block_ids)} blocks, "
-                                               f"decode expects {len(rec.new_block_ids)}")
         if not rec.new_block_ids:
             return
         maybe_inject_fault(self.config.transfer.fault_rate, "pull")
-        if not h.addrs:
-            raise StatusError(Status.INTERNAL, "FirstGeneration carries no transfer address")
         await self.peers.pull_kv(KVMove(rec.request_id, h.cluster_ids[0] if h.cluster_ids else 0,
                                         h.addrs[0], h.block_ids, rec.new_block_ids))
 
@@ -201,11 +206,22 @@ class DecodeSide:
         self.engine.scheduler.abort_request(child)
         self.engine.outputs.drop_parent(parent_id)
 
-    def _fail(self, parent_id: str, child: str, message: str) -> None:
+    def _fail(self, parent_id: str, child: str, message: str,
+              code: int = Status.BAD_GATEWAY.http_status) -> None:
         self.engine.scheduler.fail_remote_kvs(child, message)
-        self.engine.outputs.fail_parent(parent_id, Status.BAD_GATEWAY.http_status, message)
+        self.engine.outputs.fail_parent(parent_id, code, message)
 
     def _start_decoding(self, parent_id: str, child: str, h: HandOver) -> None:
+        try:
+            self._join_decode_batch(parent_id, child, h)
+        except Exception as exc:  # after allocation: whatever failed, free it
+            logger.exception("request %s: starting to decode failed", parent_id)
+            if self.engine.scheduler.get_request(child) is not None:
+                self.engine.scheduler.abort_request(child)
+            self.engine.outputs.fail_parent(parent_id, Status.INTERNAL.http_status,
+                                            f"decode could not start ({type(exc).__name__})")
+
+    def _join_decode_batch(self, parent_id: str, child: str, h: HandOver) -> None:
         engine = self.engine
         if engine.scheduler.get_request(child) is None:
             engine.outputs.drop_parent(parent_id)
@@ -259,3 +275,30 @@ class DecodeSide:
         elif rec.phase is D.PULLING:
             rec.transition(D.GONE)
         return True
+
+
+def handover_problem(h: HandOver, num_blocks: int, vocab_size: int) -> str:
+    """Why a FirstGeneration (or a migration's hand-over) cannot be decoded, or "": one
+    first token in the vocabulary (its logprobs' tokens too), as many source blocks as
+    decode allocated, and where to pull them from."""
+    if len(h.token_ids) != 1:
+        return f"FirstGeneration carries {len(h.token_ids)} first tokens; expected 1"
+    ids = list(h.token_ids)
+    for lp in h.logprobs or []:
+        if lp is not None:
+            if lp.logprob != lp.logprob:  # NaN
+                return "FirstGeneration carries a NaN logprob"
+            ids.extend(t for t, _ in lp.top)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        return f"token id {bad[0]} is out of range: the vocabulary has {vocab_size} tokens"
+    if h.mode not in ("", KVTransferMode.PULL.value, KVTransferMode.PUSH.value):
+        return f"unknown kv_cache_transfer_mode {h.mode!r}"
+    if h.mode != KVTransferMode.PUSH.value and num_blocks:
+        if len(h.block_ids) != num_blocks:
+            return f"prefill sent {len(h.block_ids)} blocks, decode expects {num_blocks}"
+        if any(b < 0 for b in h.block_ids):
+            return "block ids must be >= 0"
+        if not h.addrs:
+            return "FirstGeneration carries no transfer address"
+    return ""

@@ -88,10 +88,9 @@ class PrefillSide:
 
     # ------------------------------------------------------------------ queue, dispatch
     def add_request(self, spec: EngineRequestSpec) -> None:
-        if spec.request_id in self._requests:
-            self._report_error(spec, Status.INVALID_ARGUMENT,
-                               f"request id {spec.request_id} is already live here")
-            return
+        if spec.request_id in self._requests:  # answered to the caller: a report would
+            raise StatusError(Status.INVALID_ARGUMENT,  # end the live request's stream
+                              f"request id {spec.request_id} is already live here")
         rec = self._requests[spec.request_id] = PrefillRequest(spec)
         (self._offline if spec.offline else self._online).put_nowait(rec)
         self._queued.set()

@@ -29,6 +29,10 @@ from xllm_py.rpc.status import Status, StatusError
 
 logger = logging.getLogger(__name__)
 
+# Items one AddNewRequests / FirstGeneration / MultiGenerations may carry (a prefill
+# batches at most its max_num_seqs; more is a hostile or broken caller).
+MAX_BATCH_ITEMS = 1024
+
 
 class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
     def __init__(self, engine: LLMEngine, role: InstanceRole, reporter: GenerationsReporter,
@@ -76,6 +80,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         if not spec.source_xservice_addr:
             raise StatusError(Status.INVALID_ARGUMENT,
                               "source_xservice_addr is required: tokens go back there")
+        self._admit_or_refuse()
         if self.role == InstanceRole.PREFILL:
             if self.pd is None:
                 raise StatusError(Status.FAILED_PRECONDITION, "prefill instance is starting")
@@ -83,7 +88,22 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
             return
         sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
                                   spec.request_id)
-        self.engine.submit(EngineRequest(spec.request_id, spec.prompt_token_ids, spec.params, sink))
+        if not self.engine.try_submit(EngineRequest(spec.request_id, spec.prompt_token_ids,
+                                                    spec.params, sink)):
+            raise StatusError(Status.INVALID_ARGUMENT,
+                              f"duplicate request id {spec.request_id}: it is running here")
+
+    def _admit_or_refuse(self) -> None:
+        """RESOURCE_EXHAUSTED when this instance holds as many requests not started yet as
+        it takes (`APILimits.max_pending_requests`): the service tries another one, and
+        answers 429 when every one is full."""
+        queued = self.engine.scheduler.num_waiting + self.engine.num_queued_commands
+        if self.pd is not None and self.pd.prefill is not None:
+            queued += self.pd.prefill.num_pending()
+        limit = self.engine.config.api.max_pending_requests
+        if queued >= limit:
+            raise StatusError(Status.RESOURCE_EXHAUSTED,
+                              f"{queued} requests are waiting here (limit {limit}); retry later")
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.Status:
         request_id, reason = wire.cancel_from_proto(request)
@@ -95,6 +115,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
     async def AddNewRequests(self, request: pb.DisaggRequests, context) -> pb.DisaggResponses:
         try:
             pd = self._decode_pd("AddNewRequests")
+            _check_batch(len(request.reqs))
         except StatusError as exc:
             await self._abort(context, exc)
         prefill_name, items = wire.add_requests_from_proto(request)
@@ -103,6 +124,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
     async def FirstGeneration(self, request: pb.DisaggGenerationsRequests, context) -> pb.Status:
         try:
             pd = self._decode_pd("FirstGeneration")
+            _check_batch(len(request.gens))
         except StatusError as exc:
             await self._abort(context, exc)
         if self._fault_exit_on_first_generation:
@@ -114,6 +136,10 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
     async def MultiGenerations(self, request: pb.MultiGenerationsRequests, context) -> pb.Status:
         """Migration: DECODE pulls the KV when the item says where it is, else recomputes;
         MIX always recomputes (it has no KV transfer, so an item with kv is refused)."""
+        try:
+            _check_batch(len(request.reqs))
+        except StatusError as exc:
+            await self._abort(context, exc)
         if self.role in (InstanceRole.MIX, InstanceRole.DEFAULT):
             status = await multi_generations(self.engine, self.reporter, wire.migration_items_from_proto(request),
                                              None, self.role.value)
@@ -153,3 +179,9 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         if self.pd is not None:
             self.pd.unlink_instance(wire.unlink_name_from_proto(request))
         return wire.status_to_proto()
+
+
+def _check_batch(num_items: int) -> None:
+    if num_items > MAX_BATCH_ITEMS:
+        raise StatusError(Status.INVALID_ARGUMENT,
+                          f"{num_items} items in one call; at most {MAX_BATCH_ITEMS}")
