@@ -9,8 +9,8 @@ naming the parameter rather than silently ignored. vLLM's extensions (top_k, min
 repetition_penalty, ignore_eos, stop_token_ids, prompt_logprobs, ...) are accepted.
 
 Everything accepted here can be held by the engine and by the wire (issue 15): every
-integer fits its proto field (`_WIRE_INT_BITS`: seed int64, the others int32), every
-number is finite and fits a proto float, and the request's work is bounded by the limits
+integer fits its proto field and every number is finite and fits a proto float
+(validation.py), and the request's work is bounded by the limits
 below (fan-out, stop lists); the sampling values also pass `SamplingParams` itself
 (`check_sampling`, called by the endpoint), so a request the HTTP layer takes is never
 refused later as a 500.
@@ -19,15 +19,14 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar, Union
 
-import math
 
-import pydantic
 from pydantic import BaseModel, ConfigDict
 
 from xllm_py.api.backend import GenerateRequest
 from xllm_py.api.errors import InvalidRequestError
 from xllm_py.api.unsupported import UnsupportedFields
-from xllm_py.sampling_params import MAX_LOGPROBS, REQUEST_FIELDS
+from xllm_py.api.validation import check, check_wire_values, parse_model
+from xllm_py.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, REQUEST_FIELDS
 
 MAX_N = 128
 MAX_BEST_OF = 128
@@ -38,11 +37,6 @@ MAX_STOP = 16  # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 1024  # length of one stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_PROMPT_TOKEN_IDS = 1 << 20  # prompt given as token ids, before the context check
-# Widths of the integer fields as they travel in xllm.proto (DisaggRequest); a field not
-# named here is an int32.
-_WIRE_INT_BITS = {"seed": 64}
-_FLOAT32_MAX = 3.4028234663852886e38
-MAX_LOGIT_BIAS = 100.0
 
 # Re-exported for callers that import everything request-shaped from here.
 __all__ = [
@@ -111,68 +105,68 @@ class _CommonRequest(UnsupportedFields):
 
     def check_values(self) -> None:
         """Raise InvalidRequestError for out-of-range values (types are already checked)."""
-        _check_wire_values(self)
+        check_wire_values(self)
         self.check_unsupported()
-        _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
-        _check(self.n <= MAX_N, "n", f"n must be at most {MAX_N}, got {self.n}")
+        check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
+        check(self.n <= MAX_N, "n", f"n must be at most {MAX_N}, got {self.n}")
         if self.best_of is not None:
-            _check(self.best_of <= MAX_BEST_OF, "best_of",
+            check(self.best_of <= MAX_BEST_OF, "best_of",
                    f"best_of must be at most {MAX_BEST_OF}, got {self.best_of}")
-            _check(
+            check(
                 self.best_of >= self.n, "best_of",
                 f"best_of must be greater than or equal to n, got best_of={self.best_of} n={self.n}",
             )
-            _check(
+            check(
                 not (self.stream and self.best_of > self.n), "best_of",
                 "best_of must equal n when streaming",
             )
         if self.temperature is not None:
-            _check(self.temperature >= 0, "temperature",
+            check(self.temperature >= 0, "temperature",
                    f"temperature must be non-negative, got {self.temperature}")
         if self.top_p is not None:
-            _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+            check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None:
-            _check(self.top_k >= -1, "top_k",
+            check(self.top_k >= -1, "top_k",
                    f"top_k must be -1 (disabled) or positive, got {self.top_k}")
         if self.min_p is not None:
-            _check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+            check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if value is not None:
-                _check(-2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value}")
+                check(-2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value}")
         if self.repetition_penalty is not None:
-            _check(self.repetition_penalty > 0, "repetition_penalty",
+            check(self.repetition_penalty > 0, "repetition_penalty",
                    f"repetition_penalty must be positive, got {self.repetition_penalty}")
         max_tokens = self.requested_max_tokens()
         if max_tokens is not None and not self.scores_prompt():
-            _check(max_tokens >= 1, self._max_tokens_param(),
+            check(max_tokens >= 1, self._max_tokens_param(),
                    f"max_tokens must be at least 1, got {max_tokens}")
         elif max_tokens is not None:
-            _check(max_tokens >= 0, self._max_tokens_param(),
+            check(max_tokens >= 0, self._max_tokens_param(),
                    f"max_tokens must be non-negative, got {max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens",
+        check(self.min_tokens >= 0, "min_tokens",
                f"min_tokens must be non-negative, got {self.min_tokens}")
         if max_tokens is not None:
-            _check(self.min_tokens <= max_tokens, "min_tokens",
+            check(self.min_tokens <= max_tokens, "min_tokens",
                    f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        _check(len(stops) <= MAX_STOP, "stop", f"stop has at most {MAX_STOP} strings")
-        _check(all(len(s) <= MAX_STOP_CHARS for s in stops), "stop",
+        check(len(stops) <= MAX_STOP, "stop", f"stop has at most {MAX_STOP} strings")
+        check(all(len(s) <= MAX_STOP_CHARS for s in stops), "stop",
                f"a stop string has at most {MAX_STOP_CHARS} characters")
-        _check(len(self.stop_token_ids or []) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+        check(len(self.stop_token_ids or []) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                f"stop_token_ids has at most {MAX_STOP_TOKEN_IDS} ids")
         for token_id in self.stop_token_ids or []:
-            _check(token_id >= 0, "stop_token_ids", "stop_token_ids must be non-negative")
+            check(token_id >= 0, "stop_token_ids", "stop_token_ids must be non-negative")
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             value = getattr(self, name)
             if value is not None:
-                _check(value > 0, name, f"{name} must be positive, got {value}")
-        _check(self.stream or self.stream_options is None, "stream_options",
+                check(value > 0, name, f"{name} must be positive, got {value}")
+        check(self.stream or self.stream_options is None, "stream_options",
                "stream_options is only allowed when stream is true")
-        _check(not (self.stream and self.prompt_logprobs is not None), "prompt_logprobs",
+        check(not (self.stream and self.prompt_logprobs is not None), "prompt_logprobs",
                "prompt_logprobs is not supported with stream (as in vLLM)")
         if self.prompt_logprobs is not None:
-            _check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+            check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         self.logit_bias_ids()
 
@@ -181,9 +175,9 @@ class _CommonRequest(UnsupportedFields):
         a non-negative integer or a bias outside [-100, 100]."""
         out: dict[int, float] = {}
         for key, bias in (self.logit_bias or {}).items():
-            _check(key.strip().isdigit(), "logit_bias",
+            check(key.strip().isdigit(), "logit_bias",
                    f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
-            _check(-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
+            check(-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
                    f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
             out[int(key)] = float(bias)
         return out
@@ -197,7 +191,7 @@ class _CommonRequest(UnsupportedFields):
 
     def check_fanout(self, num_prompts: int) -> None:
         num = self.num_sequences(num_prompts)
-        _check(num <= MAX_FANOUT, "best_of" if (self.best_of or 0) > self.n else "n",
+        check(num <= MAX_FANOUT, "best_of" if (self.best_of or 0) > self.n else "n",
                f"this request would run {num} sequences ({num_prompts} prompt(s) x "
                f"{max(self.n, self.best_of or 0)}); at most {MAX_FANOUT} per request")
 
@@ -288,18 +282,18 @@ class CompletionRequest(_CommonRequest):
     def check_values(self) -> None:
         super().check_values()
         if self.logprobs is not None:
-            _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+            check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                    f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        _check(self.suffix is None, "suffix", "suffix is not supported")
+        check(self.suffix is None, "suffix", "suffix is not supported")
         prompts = self.prompt_list()
-        _check(len(prompts) > 0, "prompt", "prompt must not be empty")
+        check(len(prompts) > 0, "prompt", "prompt must not be empty")
         self.check_fanout(len(prompts))
         for p in prompts:
-            _check(len(p) > 0, "prompt", "prompt must not be empty")
+            check(len(p) > 0, "prompt", "prompt must not be empty")
             if isinstance(p, list):
-                _check(len(p) <= MAX_PROMPT_TOKEN_IDS, "prompt",
+                check(len(p) <= MAX_PROMPT_TOKEN_IDS, "prompt",
                        f"a prompt has at most {MAX_PROMPT_TOKEN_IDS} token ids")
-                _check(all(t >= 0 for t in p), "prompt", "prompt token ids must be non-negative")
+                check(all(t >= 0 for t in p), "prompt", "prompt token ids must be non-negative")
 
     def prompt_list(self) -> list[str | list[int]]:
         """Each element is its own prompt."""
@@ -367,17 +361,17 @@ class ChatCompletionRequest(_CommonRequest):
 
     def check_values(self) -> None:
         super().check_values()
-        _check(len(self.messages) > 0, "messages", "messages must not be empty")
+        check(len(self.messages) > 0, "messages", "messages must not be empty")
         self.check_fanout(1)
         for name, default in (("echo", False), ("continue_final_message", False),
                               ("add_generation_prompt", True)):
             value = getattr(self, name)
-            _check(value is None or value == default, name,
+            check(value is None or value == default, name,
                    f"{name}={value} is not supported on chat completions")
         if self.top_logprobs is not None:
-            _check(0 <= self.top_logprobs <= MAX_LOGPROBS, "top_logprobs",
+            check(0 <= self.top_logprobs <= MAX_LOGPROBS, "top_logprobs",
                    f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
-            _check(self.logprobs or self.top_logprobs == 0, "top_logprobs",
+            check(self.logprobs or self.top_logprobs == 0, "top_logprobs",
                    "top_logprobs requires logprobs to be true")
 
     def template_messages(self) -> list[dict[str, Any]]:
@@ -394,36 +388,6 @@ def parse_request(cls: type[_R], body: bytes) -> _R:
     return req
 
 
-_M = TypeVar("_M", bound=BaseModel)
-
-
-def parse_model(cls: type[_M], body: bytes) -> _M:
-    """JSON body -> any pydantic model, strictly typed; errors -> InvalidRequestError."""
-    try:
-        return cls.model_validate_json(body or b"", strict=True)
-    except pydantic.ValidationError as e:
-        raise _validation_error(e) from None
-
-
-def _validation_error(e: pydantic.ValidationError) -> InvalidRequestError:
-    errors = e.errors(include_url=False)
-    if not errors:
-        return InvalidRequestError("invalid request")
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return InvalidRequestError(f"malformed JSON body: {first.get('msg', '')}")
-    if first.get("type") == "model_type" or not first.get("loc"):
-        return InvalidRequestError("request body must be a JSON object")
-    # Union members add their type names to loc; keep the field path only.
-    loc = [str(x) for x in first["loc"] if isinstance(x, int) or not _is_type_tag(str(x))]
-    param = ".".join(loc) if loc else None
-    return InvalidRequestError(f"{param}: {first.get('msg', 'invalid value')}", param=param)
-
-
-def _is_type_tag(s: str) -> bool:
-    return any(c in s for c in "[]") or s in {"str", "int", "float", "bool", "list", "dict"}
-
-
 def check_sampling(gen: GenerateRequest) -> None:
     """The request's sampling values as the engine will take them (SamplingParams' own
     checks): a refusal there is the client's 400 here, not a backend 500 later."""
@@ -435,54 +399,3 @@ def check_sampling(gen: GenerateRequest) -> None:
         raise InvalidRequestError(e.message, param=e.param) from None
 
 
-def _check_wire_values(req: BaseModel) -> None:
-    """Every integer fits its proto field, every number is finite and fits a proto float
-    (a value that does not would fail later in the service's conversion, as a 500)."""
-    for name in type(req).model_fields:
-        value = getattr(req, name)
-        if value is None or isinstance(value, (str, bool, BaseModel)):
-            continue
-        bits = _WIRE_INT_BITS.get(name, 32)
-        bad = _first_unfit(value, bits)
-        if bad is not None:
-            if isinstance(bad, float):
-                raise InvalidRequestError(
-                    f"{name}: {bad!r} does not fit a 32-bit float", param=name)
-            raise InvalidRequestError(
-                f"{name}: {bad} does not fit a {bits}-bit signed integer", param=name)
-
-
-def _first_unfit(value: Any, bits: int) -> int | float | None:
-    if isinstance(value, bool) or isinstance(value, str):
-        return None
-    if isinstance(value, int):
-        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-        return None if lo <= value <= hi else value
-    if isinstance(value, float):
-        return None if math.isfinite(value) and abs(value) <= _FLOAT32_MAX else value
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if isinstance(k, str) and k.strip().lstrip("-").isdigit():
-                k = int(k)  # a JSON key that is a token id (logit_bias) travels as an int32
-            bad = _first_unfit(k, bits)
-            if bad is None:
-                bad = _first_unfit(v, bits)
-            if bad is not None:
-                return bad
-        return None
-    if isinstance(value, (list, tuple)):
-        if value and isinstance(value[0], int) and not isinstance(value[0], bool):
-            lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-            if all(isinstance(v, int) for v in value):  # token ids: one pass in C
-                if lo <= min(value) and max(value) <= hi:
-                    return None
-        for v in value:
-            bad = _first_unfit(v, bits)
-            if bad is not None:
-                return bad
-    return None
-
-
-def _check(ok: bool, param: str, message: str) -> None:
-    if not ok:
-        raise InvalidRequestError(message, param=param)

@@ -18,11 +18,11 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from xllm_py.config import EngineConfig, InstanceRole
-from xllm_py.engine.output_processor import OutputProcessor, OutputSink, child_id, parent_of
-from xllm_py.engine.scheduler import ContinuousScheduler, RemoteAllocation, RequestUpdate
-from xllm_py.model.tokenizer import Tokenizer
+from xllm_py.engine.engine_request import (  # noqa: F401 - EngineRequest is imported from here
+    EngineRequest, HandOverHook, child_params, error_output, resolve_model_dir)
+from xllm_py.engine.output_processor import OutputProcessor, child_id, parent_of
+from xllm_py.engine.scheduler import ContinuousScheduler, RemoteAllocation
 from xllm_py.request import Request, RequestStatus, prompt_token_error
-from xllm_py.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # (torch: imported by _load_model, not with the engine loop)
     import torch
@@ -31,44 +31,8 @@ if TYPE_CHECKING:  # (torch: imported by _load_model, not with the engine loop)
 
 logger = logging.getLogger(__name__)
 
-@dataclasses.dataclass
-class EngineRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    sink: OutputSink
-    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
-    # PD: the prefill side holds the KV after the first token (see DisaggPDScheduler).
-    remote_decode: bool = False
-    first_index: int = 0
-    # Migration (MultiGenerations): the client's prompt length, how many of the prompt
-    # tokens here were generated elsewhere, and how many of those the client has no text
-    # for yet (None: inferred, see IncrementalDetokenizer).
-    usage_prompt_tokens: int | None = None
-    generated_offset: int = 0
-    num_unread: int | None = None
-
-
-# PD prefill's hand-over hook (LLMEngine.set_hand_over): (update, delta, block_ids).
-HandOverHook = Callable[[RequestUpdate, Any, list[int]], None]
-
-
-def resolve_model_dir(model: str) -> str:
-    if model.startswith("tiny"):
-        from xllm_py.model.tiny import ensure_tiny_model
-
-        return str(ensure_tiny_model(model))
-    return model
-
-
 # Requests reaching an idle engine less than this apart start as one batch (_gather_burst).
 BURST_GAP_S = 0.005
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sequence `index` of a request: n=1, seed+index (reproducible per sequence)."""
-    seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, best_of=None, seed=seed)
 
 
 class LLMEngine:
@@ -108,53 +72,12 @@ class LLMEngine:
                     self.model_dir, mc.num_layers, num_blocks, block_size, time.monotonic() - t0)
 
     def _load_model(self, config: EngineConfig) -> int:
-        """Load the model and tokenizer, allocate the KV pool; set model_dir, model,
-        model_config, tokenizer, storage, runner and sampler. Returns the number of KV
-        blocks. (The seam of the simulated engine, xllm_py/sim/engine.py: torch is
-        imported here, not by the engine module.)"""
-        import torch
+        """Load the model and tokenizer, allocate the KV pool (model_setup.py). Returns the
+        number of KV blocks. The seam of the simulated engine (xllm_py/sim/engine.py): torch
+        is imported there, not by the engine module."""
+        from xllm_py.engine.model_setup import load_engine_model
 
-        from xllm_py.engine.model_runner import ModelRunner
-        from xllm_py.engine.sampler import Sampler
-        from xllm_py.kv_transfer.factory import pool_allocator
-        from xllm_py.kv_transfer.kv_storage import KVCacheStorage, parse_dtype
-        from xllm_py.model.loader import load_model
-        from xllm_py.model.packed import pack_linears
-
-        torch.manual_seed(config.seed)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        model_dir = resolve_model_dir(config.model)
-        self.model_dir = model_dir
-        if config.tensor_parallel_size > 1:
-            from xllm_py.parallel.executor import TPExecutor
-
-            self.tp = TPExecutor.start(config, model_dir)
-            self.model, self.model_config = self.tp.model, self.tp.model_config
-        else:
-            self.model, self.model_config = load_model(model_dir, dtype=config.dtype,
-                                                       device=config.device)
-            if config.pack_weights:
-                pack_linears(self.model, weight_dtype=config.weight_dtype)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
-        mc = self.model_config
-        block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks
-        dtype = parse_dtype(config.dtype)
-        num_kv_heads = self.tp.num_local_kv_heads if self.tp else mc.num_kv_heads
-        if num_blocks is None:  # (TP: --kv-cache-memory-mb per rank)
-            block_bytes = (2 * mc.num_layers * block_size * num_kv_heads * mc.head_dim
-                           * torch.finfo(dtype).bits // 8)
-            num_blocks = max(2, config.cache.kv_cache_memory_bytes // block_bytes)
-        self.storage = KVCacheStorage(mc.num_layers, num_blocks, block_size, num_kv_heads,
-                                      mc.head_dim, dtype, device=config.device,
-                                      allocator=pool_allocator(config))
-        if self.tp:
-            self.tp.init_kv(num_blocks)
-        self.runner = ModelRunner(self.model, self.storage.layer_caches(), block_size,
-                                  config.device)
-        self.sampler = Sampler()
-        return num_blocks
+        return load_engine_model(self, config)
 
     # ------------------------------------------------------------------ threading
     def start(self) -> None:
@@ -289,7 +212,7 @@ class LLMEngine:
             with self._submit_lock:
                 self._admitting.discard(req.request_id)
         if isinstance(requests, str):  # it would fail the whole step it joined
-            req.sink.emit(_error_output(req, 400, requests))
+            req.sink.emit(error_output(req, 400, requests))
             return
         for request in requests:
             self.scheduler.add_request(request)
@@ -483,11 +406,3 @@ class LLMEngine:
             "generated_tokens": self.num_generated_tokens,
             "step_failures": self.num_step_failures,
         }
-
-
-def _error_output(req: EngineRequest, code: int, message: str):
-    from xllm_py.outputs import RequestOutput
-
-    return RequestOutput(request_id=req.request_id, finished=True,
-                         num_prompt_tokens=len(req.prompt_token_ids),
-                         error_code=code, error_message=message)

@@ -1,0 +1,56 @@
+"""EngineRequest: what the engine thread takes in (a request, its sink, and for PD and
+migration where it came from), with the helpers of its intake: sequence params, the
+error output, the model directory a name resolves to."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+from xllm_py.engine.output_processor import OutputSink
+from xllm_py.engine.scheduler import RequestUpdate
+from xllm_py.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: OutputSink
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    # PD: the prefill side holds the KV after the first token (see DisaggPDScheduler).
+    remote_decode: bool = False
+    first_index: int = 0
+    # Migration (MultiGenerations): the client's prompt length, how many of the prompt
+    # tokens here were generated elsewhere, and how many of those the client has no text
+    # for yet (None: inferred, see IncrementalDetokenizer).
+    usage_prompt_tokens: int | None = None
+    generated_offset: int = 0
+    num_unread: int | None = None
+
+
+# PD prefill's hand-over hook (LLMEngine.set_hand_over): (update, delta, block_ids).
+HandOverHook = Callable[[RequestUpdate, Any, list[int]], None]
+
+
+def resolve_model_dir(model: str) -> str:
+    if model.startswith("tiny"):
+        from xllm_py.model.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model(model))
+    return model
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sequence `index` of a request: n=1, seed+index (reproducible per sequence)."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, best_of=None, seed=seed)
+
+
+def error_output(req: EngineRequest, code: int, message: str):
+    from xllm_py.outputs import RequestOutput
+
+    return RequestOutput(request_id=req.request_id, finished=True,
+                         num_prompt_tokens=len(req.prompt_token_ids),
+                         error_code=code, error_message=message)

@@ -1,0 +1,139 @@
+"""MigrationMixin: the service's half of moving a request off an evicted instance
+(ServiceBackend takes it in; it works on the backend's SubRequests, Router, Engines and
+metrics).
+
+Migration off an evicted decode or MIX instance. A PD sub-request is single-sequence,
+and so is a MIX request with n == 1 and best_of <= 1: the service knows its generated
+token ids, the ones it relayed to the client (`SubRequest.generated`). Once one is relayed
+(PD: prefill's first token; decode took the sub over, or is still pulling its KV:
+recomputing does not need that KV), the eviction of the instance generating it (its
+decode, or its MIX instance) does not fail it:
+  1. pick another instance of that kind through `Router.route_decode` (PD and
+     DECODE-path subs) or `Router.route_mix` (the dead one excluded);
+  2. re-key the sub under a fresh engine request id (`SubRequests.rekey`) and point
+     its route at the new instance, so Cancel goes there, and an instance that lost its
+     lease but still runs gets ok=false for its late outputs under the old id and
+     aborts: no token reaches the client twice, none is lost (outputs dropped that way
+     were never relayed, so they are not in `generated` and the new instance makes them);
+     a PD sub no longer depends on its prefill (a late failure from it, under the old id,
+     is ignored the same way);
+  3. MultiGenerations(original spec under the new id, generated ids, no KV) to it, with
+     the RPC deadline: it recomputes the KV of prompt + generated and resumes after the
+     last generated token; max_tokens/min_tokens are counted there from the k generated
+     tokens, usage includes them, and text continues with prompt + generated as
+     detokenizer context, starting with the text of the generated tokens the client has
+     not got yet (`num_unread_tokens`: those after the last output with text; the dead
+     instance held them back, an incomplete character). prompt_logprobs and echo are
+     dropped: the client already got them with the first output.
+The client's stream pauses (lease TTL + eviction grace + recompute) and continues; a
+greedy request ends with the tokens an uninterrupted run gives (a seeded sampled one
+continues, but its random stream restarts). When no other instance of the kind is
+registered, the sub had already generated max_tokens (its last output was lost), or
+MultiGenerations fails or refuses, the request fails with a 503 that says why. Outcomes
+are counted in `xllm_service_migrations_total{outcome="ok"|"failed"}` ("ok": the new
+instance accepted it). A sub re-keyed again (its new instance evicted during the RPC)
+ignores the stale RPC's answer. Still failed with a 503: a MIX request with n > 1 or
+best_of > 1 (the message says why: its sequences are interleaved in one engine request,
+and only one sequence's tokens can be handed over), and requests with no token relayed
+yet (PD: prefill's first token).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+
+import grpc
+
+from xllm_py.rpc.convert import EngineRequestSpec
+from xllm_service.instance_table import InstanceInfo
+from xllm_service.router import NoInstanceError, Route
+from xllm_service.sub_request import SubPhase, SubRequest
+
+logger = logging.getLogger(__name__)
+
+
+def new_engine_id(request_id: str, offset: int) -> str:
+    """A fresh engine request id for sequence offset `offset` of client request `request_id`."""
+    return f"{request_id}-{offset}-{uuid.uuid4().hex[:8]}"
+
+
+class MigrationMixin:
+    def on_evict(self, info: InstanceInfo) -> None:
+        """An instance is gone: the requests that still depend on it (see
+        `_release_prefill`) move to another instance of its kind if it was generating them
+        (their decode, or their MIX instance), they are single-sequence and a token was
+        relayed (see the module docstring), else end with an error now."""
+        for sub in self.subs.pop_instance(info.name):
+            if sub.phase.is_done:
+                continue
+            why = f"instance {info.name} left the cluster while serving the request"
+            if sub.serving == info.name and sub.generated and sub.spec is not None:
+                self._migrate(sub, info.name)
+                continue
+            if sub.serving == info.name and sub.spec is not None and not sub.single_sequence:
+                p = sub.spec.params
+                why += (f"; it cannot be migrated: only a single-sequence request can resume "
+                        f"elsewhere, and it asked for n={p.n}, best_of={p.best_of or p.n}")
+            logger.warning("instance %s evicted: failing request %s", info.name,
+                           sub.engine_request_id)
+            self._fail(sub, why)
+
+    def _migrate(self, sub: SubRequest, dead: str, why: str = "") -> None:
+        """Re-key `sub` and hand it to another instance of the dead one's kind (DECODE for
+        a PD sub, MIX for a MIX one) with MultiGenerations (async)."""
+        spec, k = sub.spec, len(sub.generated)
+        why = why or f"instance {dead} left the cluster while serving the request"
+        target, reason = None, ""
+        if spec.params.max_tokens is not None and k >= spec.params.max_tokens:
+            reason = "it had generated max_tokens but its last output was lost"
+        else:
+            pick = (self.router.route_decode if sub.route.on_decode_role
+                    else self.router.route_mix)
+            try:
+                target = pick(spec, exclude=[dead])
+            except NoInstanceError as exc:
+                reason = str(exc)
+        if target is None:
+            logger.warning("instance %s lost: cannot migrate request %s (%s)", dead,
+                           sub.engine_request_id, reason)
+            self.metrics.migrations["failed"] += 1
+            self._fail(sub, f"{why}; could not migrate it: {reason}")
+            return
+        old_id, new_id = sub.engine_request_id, new_engine_id(sub.request_id, sub.index_offset)
+        if sub.route.is_pd:
+            route = Route(sub.route.target, target)
+        else:  # a DECODE-path sub migrates to another decode, a MIX one to a MIX
+            route = Route(target, on_decode=sub.route.on_decode)
+        self.subs.rekey(sub, new_id, route)
+        self._advance(sub, SubPhase.STREAMING)  # no longer waits for its prefill
+        logger.warning("instance %s lost: migrating request %s (%d tokens generated) to %s "
+                       "as %s", dead, old_id, k, target.name, new_id)
+        params = dataclasses.replace(spec.params, prompt_logprobs=None, echo=False)
+        resumed = dataclasses.replace(spec, request_id=new_id, service_request_id=new_id,
+                                      params=params,
+                                      decode_name=target.name if route.is_pd else "")
+        self._spawn(self._send_migration(sub, resumed, k - sub.num_read, target, why))
+
+    async def _send_migration(self, sub: SubRequest, spec: EngineRequestSpec, num_unread: int,
+                              target: InstanceInfo, why: str) -> None:
+        new_id, t0 = spec.service_request_id, time.monotonic()
+        try:
+            status = await self.engines.migrate(target.meta.rpc_address, spec,
+                                                list(sub.generated), num_unread)
+            error = "" if status.ok else status.message or "refused"
+        except grpc.aio.AioRpcError as exc:
+            error = f"{exc.code().name}: {exc.details()}"
+        except Exception as exc:  # the client must hear of it, not wait out the idle timeout
+            logger.exception("MultiGenerations of %s on %s failed", new_id, target.name)
+            error = repr(exc)
+        self.metrics.migrations["failed" if error else "ok"] += 1
+        if error:
+            logger.warning("MultiGenerations of %s on %s failed after %.2fs: %s", new_id,
+                           target.name, time.monotonic() - t0, error)
+        else:
+            logger.info("request %s migrated to %s in %.2fs", new_id, target.name,
+                        time.monotonic() - t0)
+        if error and sub.engine_request_id == new_id:  # else re-keyed again or forgotten
+            self._fail(sub, f"{why}; migrating it to {target.name} failed: {error}")
