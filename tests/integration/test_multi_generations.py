@@ -9,26 +9,12 @@ import openai
 import pytest
 
 from tests.integration.cluster_harness import Harness
+from tests.integration.hostile_harness import CollectingService
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.utils.procs import engine_args, free_port, spawn
 
 pytestmark = pytest.mark.integration
-
-
-class CollectingService(pb_grpc.XllmRpcServiceServicer):
-    """Stands in for xllm_service: records the Generations an engine streams back."""
-
-    def __init__(self) -> None:
-        self.gens: dict[str, list[pb.DisaggStreamGeneration]] = {}
-        self.done: dict[str, asyncio.Event] = {}
-
-    async def Generations(self, request, context):
-        for gen in request.gens:
-            self.gens.setdefault(gen.service_req_id, []).append(gen)
-            if gen.finished:
-                self.done.setdefault(gen.service_req_id, asyncio.Event()).set()
-        return pb.StatusSet(all_status=[pb.Status(ok=True) for _ in request.gens])
 
 
 async def test_multi_generations_continues_like_mix(etcd_server, tmp_path):

@@ -7,26 +7,13 @@ import openai
 import pytest
 
 from xllm_py.api.app import build_app
-from xllm_py.api.server import serve_in_thread
+from tests.unit.conftest import MODEL
 from xllm_py.api.testing import BOS_ID, FakeTokenizer, ScriptedBackend
 
 pytestmark = pytest.mark.integration  # uvicorn
 
-MODEL = "fake-model"
 
 
-@pytest.fixture(scope="module")
-def server():
-    backend = ScriptedBackend(MODEL, max_model_len=256)
-    handle = serve_in_thread(build_app(backend), "127.0.0.1", 0)
-    yield backend, handle
-    handle.stop()
-
-
-@pytest.fixture
-def backend(server):
-    server[0].reset()
-    return server[0]
 
 
 @pytest.fixture

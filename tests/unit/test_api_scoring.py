@@ -8,26 +8,12 @@ import httpx
 import openai
 import pytest
 
-from xllm_py.api.app import build_app
-from xllm_py.api.server import serve_in_thread
+from tests.unit.conftest import MODEL
 from xllm_py.api.testing import BOS_ID, FakeTokenizer, ScriptedBackend
 
-MODEL = "fake-model"
 P = ScriptedBackend.prompt_logprob_of
 
 
-@pytest.fixture(scope="module")
-def server():
-    backend = ScriptedBackend(MODEL, max_model_len=256)
-    handle = serve_in_thread(build_app(backend), "127.0.0.1", 0)
-    yield backend, handle
-    handle.stop()
-
-
-@pytest.fixture
-def backend(server):
-    server[0].reset()
-    return server[0]
 
 
 @pytest.fixture
