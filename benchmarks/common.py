@@ -74,21 +74,12 @@ def _package_version(name: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def run_environment() -> dict[str, Any]:
     """What a benchmark runs with: python, torch, transformers (None: not installed), the
     CPU model, the cores this process may use and the machine's, and the 1-minute load
     average now (other processes on the cores: engine-vs-HF ratios depend on it)."""
+    from xllm_py.utils.machine import cpu_model
+
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -98,7 +89,7 @@ def run_environment() -> dict[str, Any]:
     except OSError:
         load = None
     return {"python": platform.python_version(), "torch": _package_version("torch"),
-            "transformers": _package_version("transformers"), "cpu_model": _cpu_model(),
+            "transformers": _package_version("transformers"), "cpu_model": cpu_model(),
             "num_cores": usable, "num_cores_machine": os.cpu_count(), "load_avg_1m": load}
 
 

@@ -24,6 +24,7 @@ import time
 
 from xllm_py.engine.cli import build_parser as engine_parser, config_from_args
 from xllm_py.sim.time_model import StepShape, fit
+from xllm_py.utils.machine import cpu_model
 
 logger = logging.getLogger(__name__)
 
@@ -31,17 +32,6 @@ logger = logging.getLogger(__name__)
 WORKLOADS = ((32, 1), (128, 1), (512, 1), (32, 4), (128, 4), (512, 4), (32, 16), (128, 16),
              (256, 16))
 OUTPUT_LEN = 32
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 class _Sink:
