@@ -5,15 +5,15 @@ across a chunked prefill."""
 from __future__ import annotations
 
 import pathlib
-import threading
 import time
 
 import pytest
 import torch
 
+from tests.integration.tp_models import save_random_checkpoint
+from tests.unit.sinks import DoneSink
 from xllm_py.config import CacheConfig, EngineConfig, SchedulerConfig
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
-from xllm_py.model.tiny import build_tokenizer_files
 from xllm_py.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -38,17 +38,7 @@ FAMILIES = {
 def build_checkpoint(family: str, path: pathlib.Path):
     """The hf model of one family, random weights with non-trivial norms, saved (with a
     tokenizer) in `path`. Also used by test_http_scoring.py."""
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif "bias" in name:
-                p.normal_(0, 0.1)
-    hf.save_pretrained(path)
-    build_tokenizer_files(pathlib.Path(path))
-    return hf
+    return save_random_checkpoint(transformers, FAMILIES[family](), path)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -67,24 +57,13 @@ def _engine(path: str, max_num_batched_tokens: int = 256) -> LLMEngine:
     return engine
 
 
-class _Sink:
-    def __init__(self) -> None:
-        self.outputs = []
-        self.done = threading.Event()
-
-    def emit(self, output) -> None:
-        self.outputs.append(output)
-        if output.finished:
-            self.done.set()
-
-
-def _submit(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> _Sink:
-    sink = _Sink()
+def _submit(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> DoneSink:
+    sink = DoneSink()
     engine.submit(EngineRequest(rid, prompt, params, sink))
     return sink
 
 
-def _wait(*sinks: _Sink, timeout: float = 60.0) -> None:
+def _wait(*sinks: DoneSink, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     for sink in sinks:
         assert sink.done.wait(max(0.0, deadline - time.monotonic())), "request did not finish"
@@ -115,7 +94,7 @@ def _assert_match_hf(hf, prompt: list[int], got) -> None:
         assert max(abs(v - r) for (_, v), r in zip(entry.top, values.tolist())) < TOL
 
 
-def _prompt_logprobs(sink: _Sink):
+def _prompt_logprobs(sink: DoneSink):
     first = sink.outputs[0]
     assert all(o.prompt_logprobs is None for o in sink.outputs[1:])
     return first.prompt_logprobs

@@ -34,10 +34,16 @@ FAMILIES = ("llama-bias", "qwen2-kv1", "qwen3")
 
 def build_hf_model(transformers, family: str, path: pathlib.Path):
     """Save a random ``family`` checkpoint (+ tokenizer) to ``path``; returns the HF model."""
+    return save_random_checkpoint(transformers, _configs(transformers)[family](), path)
+
+
+def save_random_checkpoint(transformers, config, path: pathlib.Path):
+    """An HF model of ``config`` with random weights, non-trivial norms and biases (seed 0),
+    saved with a tokenizer in ``path``; returns the model."""
     from xllm_py.model.tiny import build_tokenizer_files
 
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(_configs(transformers)[family]()).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:

@@ -5,11 +5,13 @@ import threading
 
 
 class DoneSink:
-    """Records when a request has finished (its last output)."""
+    """Records a request's outputs and when it has finished (its last output)."""
 
     def __init__(self) -> None:
+        self.outputs: list = []
         self.done = threading.Event()
 
     def emit(self, output) -> None:
+        self.outputs.append(output)
         if output.finished:
             self.done.set()

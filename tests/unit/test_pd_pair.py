@@ -6,10 +6,10 @@ pools end empty: the hand-over itself is under test, not a stand-in for it."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
+from tests.unit.sinks import DoneSink
 from tests.unit.pd_fakes import FakePeers, Reporter, until, until_free
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import CacheConfig, EngineConfig, InstanceRole, KVTransferMode, TransferConfig
@@ -56,23 +56,12 @@ class PairPeers(FakePeers):
         self.decode_engine.storage.write_blocks(move.dst_blocks, src)
 
 
-class _DoneSink:
-    def __init__(self) -> None:
-        self.outputs = []
-        self.done = threading.Event()
-
-    def emit(self, output) -> None:
-        self.outputs.append(output)
-        if output.finished:
-            self.done.set()
-
-
 def _tokens(outputs) -> list[int]:
     return [t for o in outputs for d in o.outputs for t in d.token_ids]
 
 
 async def _mix_tokens(engine: LLMEngine, rid: str, params: SamplingParams) -> list[int]:
-    sink = _DoneSink()
+    sink = DoneSink()
     engine.submit(EngineRequest(rid, PROMPT, params, sink))
     assert await asyncio.to_thread(sink.done.wait, 30)
     assert not sink.outputs[-1].error_code
