@@ -235,6 +235,7 @@ SETUPS: dict[str, tuple[str, list[str]]] = {
     "mix": ("MIX x2", ["--mix", "2"]),
     "pd-slo": ("PD cond+SLO", ["--prefill", "1", "--decode", "1",
                                "--service-arg=--load-balance-policy=SLO_AWARE"]),
+    # (pd-slo's decode also caps the prompt tokens per step beside its streams: --decode-cap)
 }
 
 
@@ -251,6 +252,7 @@ def run_compare(args: argparse.Namespace, spec: WorkloadSpec) -> dict[str, Any]:
         if name == "pd-slo":  # the service aims at the SLO the goodput is measured at
             shape = shape + [f"--service-arg=--{flag}={value:g}" for flag, value in (
                 ("ttft-slo-ms", args.slo_ttft_ms), ("tpot-slo-ms", args.slo_tpot_ms)) if value]
+            shape += [f"--decode-arg=--max-prefill-tokens-while-decoding={args.decode_cap}"]
         log_dir = root / name
         cluster = Cluster(launch_parser().parse_args(_launch_args(args, shape, log_dir)))
         try:
@@ -310,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--setups", nargs="+", choices=list(SETUPS), default=["pd", "mix"],
                    help="set-ups of --compare (default: pd mix)")
     g.add_argument("--launch-model", default="tiny", help="model for the local clusters")
+    g.add_argument("--decode-cap", type=int, default=64,
+                   help="pd-slo: prompt tokens per decode step beside running streams "
+                        "(the decode's --max-prefill-tokens-while-decoding; 0: no cap)")
     g.add_argument("--engine-arg", action="append", default=[],
                    help="extra engine flag, e.g. --engine-arg=--max-model-len=4096")
     g.add_argument("--kv-transfer-backend", choices=["ucx", "tcp"], default=None,

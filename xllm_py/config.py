@@ -55,6 +55,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     # Per-step token budget shared by prefill chunks and decode tokens.
     max_num_batched_tokens: int = 2048
+    # Prompt tokens per step while sequences are decoding (0: the whole budget): bounds the
+    # stall a prompt chunk puts on the running streams (a step's time, so their TPOT).
+    max_prefill_tokens_while_decoding: int = 0
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     # Work arriving at an idle engine: keep taking requests that come in less than
@@ -71,6 +74,9 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
+        if self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 0, got "
+                             f"{self.max_prefill_tokens_while_decoding}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--ready-timeout", type=float, default=300.0)
     add_flag(p, "--engine-arg", action="append", default=[],
              help="extra flag for every engine, e.g. --engine-arg=--block-size=32")
+    add_flag(p, "--prefill-arg", action="append", default=[],
+             help="extra flag for the PREFILL engines only (after --engine-arg)")
+    add_flag(p, "--decode-arg", action="append", default=[],
+             help="extra flag for the DECODE engines only, e.g. "
+                  "--decode-arg=--max-prefill-tokens-while-decoding=64")
     add_flag(p, "--service-arg", action="append", default=[],
              help="extra flag for the service, e.g. --service-arg=--load-balance-policy=CACHE_AWARE")
     add_flag(p, "--tls", action="store_true",
@@ -121,9 +126,11 @@ class Cluster:
         for n, (role, i) in enumerate(roles):
             port = free_port(a.host)
             tp = {"MIX": a.mix_tp, "PREFILL": a.prefill_tp, "DECODE": a.decode_tp}[role]
+            own = {"MIX": [], "PREFILL": a.prefill_arg, "DECODE": a.decode_arg}[role]
             extra = ["--kv-cache-transfer-mode", a.kv_cache_transfer_mode,
                      "--kv-transfer-backend", a.kv_transfer_backend, *self.security["engine"],
-                     *(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *a.engine_arg]
+                     *(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *a.engine_arg,
+                     *own]
             # (a TP engine's ranks need a core each: it is not pinned to one)
             cpu = cores[n % len(cores)] if a.pin_cores and cores and tp == 1 else None
             proc = spawn(f"{role.lower()}-{i}", "xllm_py.engine",

@@ -189,9 +189,11 @@ class SloPredictor:
             ttft = pd.prefill_ms(queued_d + uncached, seqs_d, ctx_d)
             local = queued_d + uncached
         # The prompt tokens the decode computes stall every stream it runs; a stream halfway
-        # through its output absorbs the stall over the half it has left.
-        tpot = (pd.decode_step_ms(seqs_d + 1, ctx_d + prompt_len)
-                + pd.prefill_ms_per_token * local / max(1, max_tokens // 2))
+        # through its output absorbs the stall over the half it has left, at most one
+        # prompt chunk per step.
+        stall = pd.prefill_ms_per_token * min(local / max(1, max_tokens // 2),
+                                              pd.prompt_chunk(seqs_d + 1))
+        tpot = pd.decode_step_ms(seqs_d + 1, ctx_d + prompt_len) + stall
         ttft *= self.scale(route.target.name, "ttft")
         tpot *= self.scale(decode.name, "tpot")
         return Prediction(dataclasses.replace(route, predicted=(ttft, tpot)), ttft, tpot)

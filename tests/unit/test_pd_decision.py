@@ -62,6 +62,7 @@ def test_profile_reads_the_simulator_time_model_json_and_predicts_chunked_prefil
     ({**PROFILE, "decode_ms_per_seq": -1}, "decode_ms_per_seq must be a number >= 0"),
     ({**PROFILE, "prefill_ms_per_token": "x"}, "prefill_ms_per_token"),
     ({**PROFILE, "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+    ({**PROFILE, "max_prefill_tokens_while_decoding": -1}, "max_prefill_tokens_while_decoding"),
     ([1, 2], "JSON object")])
 def test_bad_profiles_are_refused_with_the_reason(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -93,6 +94,26 @@ def test_predictor_adds_queued_prompts_pd_overhead_and_prefill_interference():
     assert pred.predict(Route(busy, on_decode=True), 200, 200, 10).tpot_ms == pytest.approx(10 + 4)
     # an instance without a profile: no prediction
     assert pred.predict(Route(inst("p0", InstanceRole.PREFILL, None), d), 200, 200, 10) is None
+
+
+def test_prompt_cap_beside_decodes_lengthens_ttft_and_bounds_the_stall():
+    """An instance capping prompt tokens per step while decoding
+    (--max-prefill-tokens-while-decoding): its prompts take more, shorter steps beside
+    decodes; the stall on a stream is at most one capped chunk a step."""
+    capped = {**PROFILE, "max_prefill_tokens_while_decoding": 50}
+    p = LatencyProfile.from_dict(capped)
+    assert p.prompt_chunk(0) == 1000 and p.prompt_chunk(3) == 50
+    assert p.prefill_ms(500) == pytest.approx(1 + 50)  # alone: the whole budget
+    assert p.prefill_ms(120, 3, 0) == pytest.approx(2 * (2 + 5 + 3) + (2 + 2 + 3))
+    work = {"d": InstanceWork(decoding_seqs=3), "d2": InstanceWork(decoding_seqs=3)}
+    pred = SloPredictor(RouterConfig(), lambda n: work.get(n, InstanceWork()))
+    d = inst("d", InstanceRole.DECODE, capped)
+    local = pred.predict(Route(d, on_decode=True), prompt_len=2000, uncached=2000, max_tokens=10)
+    assert local.ttft_ms == pytest.approx(40 * (2 + 5 + 3))  # 40 chunks of 50
+    assert local.tpot_ms == pytest.approx(6 + 0.1 * 50)  # not 0.1 * 2000 / 5
+    uncapped = inst("d2", InstanceRole.DECODE)
+    assert pred.predict(Route(uncapped, on_decode=True), 2000, 2000, 10).tpot_ms == \
+        pytest.approx(6 + 0.1 * 2000 / 5)
 
 
 def test_instance_work_counts_prompts_not_yet_computed_and_the_sequences_decoding():

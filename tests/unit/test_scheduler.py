@@ -87,6 +87,46 @@ def test_chunked_prefill_exact_chunks_and_decode_first():
     assert_scheduler_empty(s)
 
 
+def test_prompt_tokens_capped_while_decoding():
+    """max_prefill_tokens_while_decoding: once a stream decodes, each step carries at most
+    that many prompt tokens (running chunks and new admissions alike); alone, a prompt
+    takes the whole budget. Tokens are those of the uncapped run."""
+    s = create_scheduler(max_num_batched_tokens=32, max_num_seqs=4,
+                         max_prefill_tokens_while_decoding=6)
+    runner = FakeRunner(4)
+    a = create_requests(1, 8, max_tokens=8)[0]
+    b = create_requests(1, 20, start=1, max_tokens=2)[0]
+    c = create_requests(1, 4, start=2, max_tokens=2)[0]
+    s.add_request(a)
+    plan = []
+    out, _ = step(s, runner)
+    plan.append([(q.request_id, len(q.token_ids)) for q in out.seqs])
+    s.add_request(b)
+    s.add_request(c)
+    for _ in range(5):
+        out, _ = step(s, runner)
+        plan.append([(q.request_id, len(q.token_ids)) for q in out.seqs])
+    assert plan == [
+        [("req-0", 8)],                    # alone: the whole prompt
+        [("req-0", 1), ("req-1", 6)],      # a decodes: 6 prompt tokens of b
+        [("req-0", 1), ("req-1", 6)],
+        [("req-0", 1), ("req-1", 6)],
+        [("req-0", 1), ("req-1", 2), ("req-2", 4)],  # b's last 2, then c's 4 fit the cap
+        [("req-0", 1), ("req-1", 1), ("req-2", 1)],
+    ]
+    run_to_completion(s, runner)
+    refs = reference_outputs({"req-0": a.prompt_token_ids, "req-1": b.prompt_token_ids,
+                              "req-2": c.prompt_token_ids}, 8)
+    assert a.output_token_ids == refs["req-0"]
+    assert b.output_token_ids == refs["req-1"][:2] and c.output_token_ids == refs["req-2"][:2]
+    assert_scheduler_empty(s)
+
+
+def test_prompt_cap_rejects_negative():
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        create_scheduler(max_prefill_tokens_while_decoding=-1)
+
+
 def test_no_chunking_waits_for_a_whole_prompt():
     s = create_scheduler(max_num_batched_tokens=16, max_num_seqs=4, enable_chunked_prefill=False)
     runner = FakeRunner(4)

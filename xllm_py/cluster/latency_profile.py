@@ -36,6 +36,9 @@ class LatencyProfile:
     decode_ms_per_ctx_token: float
     # Step token budget of the instance (its --max-num-batched-tokens): prompt chunk size.
     max_num_batched_tokens: int = 2048
+    # Prompt tokens per step while sequences decode (--max-prefill-tokens-while-decoding;
+    # 0: the whole budget): the chunk size beside running streams.
+    max_prefill_tokens_while_decoding: int = 0
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int, decode_ctx_tokens: int) -> float:
         if prefill_tokens <= 0 and decode_seqs <= 0:
@@ -50,12 +53,19 @@ class LatencyProfile:
         running decodes' tokens), each chunk in a step with the running decodes."""
         if tokens <= 0:
             return 0.0
-        chunk = max(1, self.max_num_batched_tokens - decode_seqs)
+        chunk = self.prompt_chunk(decode_seqs)
         full, last = divmod(tokens, chunk)
         ms = full * self.step_ms(chunk, decode_seqs, decode_ctx_tokens)
         if last:
             ms += self.step_ms(last, decode_seqs, decode_ctx_tokens)
         return ms
+
+    def prompt_chunk(self, decode_seqs: int) -> int:
+        """Prompt tokens in one step beside `decode_seqs` decoding sequences."""
+        chunk = max(1, self.max_num_batched_tokens - decode_seqs)
+        if decode_seqs > 0 and self.max_prefill_tokens_while_decoding > 0:
+            chunk = min(chunk, self.max_prefill_tokens_while_decoding)
+        return chunk
 
     def decode_step_ms(self, decode_seqs: int, decode_ctx_tokens: int) -> float:
         """One decode step of `decode_seqs` sequences attending to `decode_ctx_tokens`."""
@@ -81,11 +91,15 @@ class LatencyProfile:
                     or math.isinf(v):
                 raise ValueError(f"latency profile {key} must be a number >= 0, got {v!r}")
             values[key] = float(v)
-        budget = data.get("max_num_batched_tokens", 2048)
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"latency profile max_num_batched_tokens must be an integer >= 1, "
-                             f"got {budget!r}")
-        return cls(**values, max_num_batched_tokens=budget)
+        budgets: dict[str, int] = {}
+        for key, default, least in (("max_num_batched_tokens", 2048, 1),
+                                    ("max_prefill_tokens_while_decoding", 0, 0)):
+            v = data.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"latency profile {key} must be an integer >= {least}, "
+                                 f"got {v!r}")
+            budgets[key] = v
+        return cls(**values, **budgets)
 
     @classmethod
     def load(cls, path: str | pathlib.Path) -> "LatencyProfile":

@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--port", type=int, default=9000, help="HTTP port of the OpenAI API")
     add_flag(g, "--max-num-seqs", type=int, default=64, help="max sequences in a batch")
     add_flag(g, "--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    add_flag(g, "--max-prefill-tokens-while-decoding", type=int, default=0,
+             help="prompt tokens per step while sequences decode (0: the whole step budget); "
+                  "bounds how much a prompt chunk slows the running streams (a DECODE that "
+                  "prefills prompts itself, or a MIX)")
     add_flag(g, "--max-model-len", type=int, default=2048, help="context length limit")
     add_flag(g, "--enable-chunked-prefill", type=parse_bool, default=True,
              help="split long prompts over steps under the token budget (true/false)")
@@ -103,6 +107,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_cache)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_prefill_tokens_while_decoding=(
+                                args.max_prefill_tokens_while_decoding),
                             max_model_len=args.max_model_len,
                             enable_chunked_prefill=args.enable_chunked_prefill,
                             batch_window_ms=args.batch_window_ms)

@@ -137,8 +137,10 @@ class ClusterNode:
         if not path:
             return {}
         profile = LatencyProfile.load(path)
+        sched = self.config.scheduler
         return dataclasses.replace(
-            profile, max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens
+            profile, max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_prefill_tokens_while_decoding=sched.max_prefill_tokens_while_decoding,
         ).to_dict()
 
     def _kv_meta(self, cluster_id: int) -> InstanceMeta:

@@ -183,17 +183,26 @@ class ContinuousScheduler:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
+        # Prompt tokens this step: capped once a decode rides it (the stall on the streams).
+        prompt_budget = budget
+        cap = (self.config.max_prefill_tokens_while_decoding
+               if self.config.enable_chunked_prefill else 0)
         scheduled: dict[str, ScheduledSeq] = {}
 
         # 1. Running requests: decode steps first, then unfinished prefill chunks.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for request in decodes + prefills:
+        num_decodes = len(decodes)
+        for i, request in enumerate(decodes + prefills):
             if request.status != S.RUNNING:  # preempted earlier in this loop
                 continue
             if budget == 0 or len(scheduled) >= self.config.max_num_seqs:
                 break
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            is_decode = i < num_decodes
+            if is_decode and cap:
+                prompt_budget = min(prompt_budget, cap)
+            limit = budget if is_decode else min(budget, prompt_budget)
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, limit)
             if num_new == 0:
                 continue
             # Most decode steps fit in the last block: no allocation to ask for.
@@ -207,6 +216,8 @@ class ContinuousScheduler:
                 continue
             scheduled[request.request_id] = self._make_seq(request, num_new)
             budget -= num_new
+            if not is_decode:
+                prompt_budget -= num_new
 
         # 2. Admit waiting requests while KV, budget and seats allow (none if we just
         #    preempted: the freed space belongs to the preempted requests).
@@ -220,7 +231,7 @@ class ContinuousScheduler:
             request = self.waiting[0]
             computed_blocks, num_cached = (  # cached blocks have no logits: recompute
                 ([], 0) if _scores_prompt(request) else self.kv.get_computed_blocks(request))
-            num_new = self._num_new_tokens(request, num_cached, budget)
+            num_new = self._num_new_tokens(request, num_cached, min(budget, prompt_budget))
             if num_new == 0:
                 break
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
@@ -233,6 +244,7 @@ class ContinuousScheduler:
             self.running.append(request)
             scheduled[request.request_id] = self._make_seq(request, num_new)
             budget -= num_new
+            prompt_budget -= num_new
 
         out.seqs = list(scheduled.values())
         out.num_batched_tokens = sum(len(s.token_ids) for s in out.seqs)
