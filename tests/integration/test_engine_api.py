@@ -110,6 +110,25 @@ def test_stop_string_and_logprobs(client):
     assert all(len(t) == 3 for t in lp.choices[0].logprobs.top_logprobs)
 
 
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_cached_tokens_of_a_request_that_ends_in_its_first_step(engine, max_tokens):
+    """max_tokens 1 (and 0: score the prompt) ends in the step that admits the request;
+    its usage still reports the prompt tokens served from the prefix cache."""
+    prompt = [300 + max_tokens + 2 * i for i in range(30)]  # its own: nothing cached yet
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "echo": max_tokens == 0}
+    cached = []
+    for _ in range(2):
+        r = httpx.post(engine.http_url + "/v1/completions", json=body, timeout=60,
+                       trust_env=False)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["completion_tokens"] == max_tokens
+        cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0
+    assert cached[1] == 24  # the whole 8-token blocks before the last prompt token
+
+
 def test_errors(engine, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="x", temperature=-1)

@@ -115,6 +115,21 @@ def test_n_stop_and_chat_equal_mix(pd):
 
 
 
+def test_cached_tokens_of_a_one_token_answer(pd):
+    """max_tokens 1 finishes on prefill in the step that admits it; its usage still
+    reports the prompt tokens the prefill served from its prefix cache."""
+    h, svc, prefill, decode, mix, mode = pd
+    body = {"model": "tiny", "prompt": [400 + 3 * i for i in range(30)], "max_tokens": 1,
+            "temperature": 0}
+    cached = []
+    for _ in range(2):
+        r = httpx.post(svc.http_url + "/v1/completions", json=body, timeout=60, trust_env=False)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 1
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached == [0, 24]  # the whole 8-token blocks before the last prompt token
+
+
 def test_min_tokens_pd_equals_mix(pd):
     """min_tokens reaches prefill and decode: the first token (sampled on prefill) is a
     stop token but must not end the request, and decode counts it towards min_tokens."""

@@ -116,9 +116,10 @@ def test_kv_transfer_metrics_register_into_the_engine_registry_under_their_names
     m.observe_success("push", 64, 1, 20.0)
     m.observe_failure("push", "timeout")
     ours = _samples(generate_latest(registry).decode())
-    assert ours[("xllm_kv_transfer_bytes_total", (("op", "pull"),))] == 1500
-    assert ours[("xllm_kv_transfer_blocks_total", (("op", "push"),))] == 1
-    assert ours[("xllm_kv_transfer_failures_total", (("op", "push"), ("reason", "timeout")))] == 1
-    assert ours[("xllm_kv_transfer_seconds_bucket", (("le", "0.005"), ("op", "pull")))] == 1
-    assert ours[("xllm_kv_transfer_seconds_bucket", (("le", "+Inf"), ("op", "push")))] == 1
-    assert ours[("xllm_kv_transfer_seconds_count", (("op", "pull"),))] == 2
+    assert ours[("xllm_kv_transfer_bytes_total", (("op", "pull"), ("rank", "0")))] == 1500
+    assert ours[("xllm_kv_transfer_blocks_total", (("op", "push"), ("rank", "0")))] == 1
+    assert ours[("xllm_kv_transfer_failures_total",
+                 (("op", "push"), ("rank", "0"), ("reason", "timeout")))] == 1
+    assert ours[("xllm_kv_transfer_seconds_bucket", (("le", "0.005"), ("op", "pull"), ("rank", "0")))] == 1
+    assert ours[("xllm_kv_transfer_seconds_bucket", (("le", "+Inf"), ("op", "push"), ("rank", "0")))] == 1
+    assert ours[("xllm_kv_transfer_seconds_count", (("op", "pull"), ("rank", "0")))] == 2

@@ -128,13 +128,13 @@ def test_metrics_render() -> None:
     m.observe_success("pull", 500, 1, 20.0)
     m.observe_failure("push", "timeout")
     text = m.render()
-    assert 'xllm_kv_transfer_bytes_total{op="pull"} 1500.0' in text
-    assert 'xllm_kv_transfer_blocks_total{op="pull"} 3.0' in text
-    assert 'xllm_kv_transfer_failures_total{op="push",reason="timeout"} 1.0' in text
-    assert 'xllm_kv_transfer_seconds_bucket{le="0.0025",op="pull"} 0.0' in text
-    assert 'xllm_kv_transfer_seconds_bucket{le="0.005",op="pull"} 1.0' in text
-    assert 'xllm_kv_transfer_seconds_bucket{le="+Inf",op="pull"} 2.0' in text
-    assert 'xllm_kv_transfer_seconds_count{op="pull"} 2.0' in text
+    assert 'xllm_kv_transfer_bytes_total{op="pull",rank="0"} 1500.0' in text
+    assert 'xllm_kv_transfer_blocks_total{op="pull",rank="0"} 3.0' in text
+    assert 'xllm_kv_transfer_failures_total{op="push",rank="0",reason="timeout"} 1.0' in text
+    assert 'xllm_kv_transfer_seconds_bucket{le="0.0025",op="pull",rank="0"} 0.0' in text
+    assert 'xllm_kv_transfer_seconds_bucket{le="0.005",op="pull",rank="0"} 1.0' in text
+    assert 'xllm_kv_transfer_seconds_bucket{le="+Inf",op="pull",rank="0"} 2.0' in text
+    assert 'xllm_kv_transfer_seconds_count{op="pull",rank="0"} 2.0' in text
     assert "# TYPE xllm_kv_transfer_seconds histogram" in text
 
 

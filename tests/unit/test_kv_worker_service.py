@@ -59,8 +59,8 @@ async def test_pull_ok_every_byte_and_metrics(setup) -> None:
     assert st.ok and st.code == 200
     assert torch.equal(dst_store.kv[:, :, [0, 1, 2, 31]], src_store.kv[:, :, [4, 9, 10, 2]])
     text = worker.metrics.render()
-    assert f'xllm_kv_transfer_bytes_total{{op="pull"}} {4 * dst_store.block_bytes}' in text
-    assert 'xllm_kv_transfer_seconds_count{op="pull"} 1' in text
+    assert f'xllm_kv_transfer_bytes_total{{op="pull",rank="0"}} {4 * dst_store.block_bytes}' in text
+    assert 'xllm_kv_transfer_seconds_count{op="pull",rank="0"} 1' in text
 
 
 async def test_push_ok(setup) -> None:

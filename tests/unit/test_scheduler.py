@@ -164,6 +164,23 @@ def test_prefix_hit_skips_compute_and_shares_blocks():
     assert_scheduler_empty(s)
 
 
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_a_request_that_ends_in_its_first_step_carries_its_prefix_hit(max_tokens):
+    """The update says how many prompt tokens were cached: the request is gone by the
+    time the engine reads it (usage.prompt_tokens_details.cached_tokens)."""
+    s = create_scheduler()
+    runner = FakeRunner(4)
+    prefix = list(range(500, 508))
+    s.add_request(Request("a", prefix + [1], SamplingParams(max_tokens=2)))
+    run_to_completion(s, runner)
+    s.add_request(Request("b", prefix + [9], SamplingParams(max_tokens=max_tokens,
+                                                            echo=max_tokens == 0)))
+    _, updates = step(s, runner)
+    assert [(u.request_id, u.finished, u.num_cached_tokens) for u in updates] == [("b", True, 8)]
+    assert s.get_request("b") is None
+    assert_scheduler_empty(s)
+
+
 @pytest.mark.parametrize("caching", [True, False])
 def test_preemption_recomputes_and_gives_identical_outputs(caching):
     # 4 usable blocks of 4 = 16 slots; two requests of 6 + 8 tokens need 4 blocks each.

@@ -141,8 +141,12 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
     app.add_api_route("/health", probe(live), methods=["GET"])
     app.add_api_route("/readiness", probe(backend.check_ready), methods=["GET"])
 
+    refresh_metrics = getattr(backend, "refresh_metrics", None)
+
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
+        if refresh_metrics is not None:  # (what lives in other processes: TP ranks)
+            await refresh_metrics()
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type=PROMETHEUS_CONTENT_TYPE)
 

@@ -8,7 +8,9 @@ either. The HTTP layer tokenizes, validates and mints ids; it hands the backend 
 Metrics: a backend with a `metrics_registry` (prometheus_client CollectorRegistry, one per
 process) gets the HTTP layer's metrics registered there, and /metrics renders it; a backend
 without one gets a registry of the app's own. Every component of the process registers
-into that one registry (no hand-written exposition text anywhere).
+into that one registry (no hand-written exposition text anywhere). A backend's optional
+`async refresh_metrics()` is awaited before each render (counters fetched from other
+processes; it must bound its own time and not raise).
 
 Cancellation: when the HTTP client goes away the layer closes the iterator returned by
 `generate` (`aclose()`) or cancels the task awaiting it; the backend must then abort the

@@ -11,7 +11,7 @@ import collections
 import logging
 import threading
 import weakref
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -91,7 +91,17 @@ class AsyncEngine:
         # The process's one metrics registry: /metrics renders it (engine/metrics.py).
         self.metrics_registry = CollectorRegistry(auto_describe=True)
         self.metrics_registry.register(EngineStatsCollector(engine))
+        # Awaited before each /metrics render (a TP instance's other ranks' counters).
+        self.metrics_refreshers: list[Callable[[], Awaitable[None]]] = []
         self.draining = False  # shutting down: new requests get a 503 (see server.drain)
+
+    async def refresh_metrics(self) -> None:
+        """Run every refresher at once; one that fails is logged, the scrape goes on."""
+        results = await asyncio.gather(*(f() for f in self.metrics_refreshers),
+                                       return_exceptions=True)
+        for exc in results:
+            if isinstance(exc, Exception):
+                logger.warning("a metrics refresh failed: %r", exc)
 
     def tokenizer(self):
         return self.engine.tokenizer

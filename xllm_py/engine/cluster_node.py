@@ -73,7 +73,6 @@ class ClusterNode:
             # Publish reachable addresses (the backends report their bind host).
             transfer_addr = f"{self.addr_host}:{self.worker.transfer_addr.rsplit(':', 1)[1]}"
             worker_addr = f"{self.addr_host}:{self.worker.rpc_addr.rsplit(':', 1)[1]}"
-            self.backend.metrics_registry.register(self.worker.worker.metrics)
         # TP > 1: every rank its own KV worker, registered in rank order (xLLM's worker list).
         cluster_ids, transfer_addrs, worker_addrs, keys = (
             ([cluster_id], [transfer_addr], [worker_addr], [self.worker.transfer_key])
@@ -87,6 +86,8 @@ class ClusterNode:
                 transfer_addrs.append(f"{self.addr_host}:{w.transfer_addr.rsplit(':', 1)[1]}")
                 worker_addrs.append(f"{self.addr_host}:{w.rpc_addr.rsplit(':', 1)[1]}")
                 keys.append(w.transfer_key)
+        if transfer_addr:
+            self._register_transfer_metrics(worker_addrs[1:])
         self.reporter = GenerationsReporter(loop, self.name, self.engine.abort,
                                             timeout_s=cfg.rpc_timeout_s,
                                             credentials=self._client_credentials)
@@ -129,6 +130,19 @@ class ClusterNode:
         await self.agent.start()
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")
+
+    def _register_transfer_metrics(self, rank_addrs: list[str]) -> None:
+        """Our KV worker's transfer counters on /metrics (label rank="0"); TP > 1: every
+        rank's, the others' fetched over their WorkerService at each scrape."""
+        local = self.worker.worker.metrics
+        if not rank_addrs:
+            self.backend.metrics_registry.register(local)
+            return
+        from xllm_py.parallel.rank_metrics import RankTransferMetrics
+
+        ranks = RankTransferMetrics(local, rank_addrs, self._channels.get)
+        self.backend.metrics_registry.register(ranks)
+        self.backend.metrics_refreshers.append(ranks.refresh)
 
     def _latency_profile(self) -> dict:
         """--latency-profile (else a simulated engine's own time model, --simulate), with

@@ -353,9 +353,9 @@ class LLMEngine:
         self.num_generated_tokens += len(upd.new_token_ids)
         lp = logprobs.get(upd.request_id)
         parent_id, _ = parent_of(upd.request_id)
-        request = self.scheduler.requests.get(upd.request_id)
-        if request is not None and request.num_cached_tokens:
-            self.outputs.set_cached_tokens(parent_id, request.num_cached_tokens)
+        request = self.scheduler.requests.get(upd.request_id)  # (None once it finished)
+        if upd.num_cached_tokens:
+            self.outputs.set_cached_tokens(parent_id, upd.num_cached_tokens)
         # PD prefill: the request goes on on the decode peer, not finished for the client.
         finish_reason = None if upd.kv_held else upd.finish_reason
         delta = self.outputs.process(

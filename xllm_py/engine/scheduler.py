@@ -61,6 +61,7 @@ class RequestUpdate:
     stop_reason: int | str | None = None
     # Prefill side of PD: done here, blocks held for the decode peer (finish_sending).
     kv_held: bool = False
+    num_cached_tokens: int = 0  # prefix-cache hit at admission (the request may be gone)
 
 
 @dataclasses.dataclass
@@ -261,38 +262,38 @@ class ContinuousScheduler:
                 continue  # finished or preempted since schedule()
             request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             self.kv.cache_full_blocks(request)
+            cached = request.num_cached_tokens
             if not seq.sample:
                 if (request.sampling_params.max_tokens == 0
                         and request.num_computed_tokens >= request.num_tokens):
                     self._end(request, S.FINISHED_LENGTH_CAPPED)  # prompt scored: done
-                    updates.append(RequestUpdate(request.request_id, [], True, "length"))
+                    updates.append(RequestUpdate(request.request_id, [], True, "length",
+                                                 num_cached_tokens=cached))
                 continue
             token_id = sampled.get(seq.request_id)
             if token_id is None:
                 logger.warning("no sampled token for request %s; failing it", seq.request_id)
                 request.error_message = "no token was sampled"
                 self._end(request, S.FINISHED_ERROR)
-                updates.append(RequestUpdate(request.request_id, [], True, "error"))
+                updates.append(RequestUpdate(request.request_id, [], True, "error",
+                                             num_cached_tokens=cached))
                 continue
             request.append_output_token(token_id)
             status = self._check_stop(request, token_id)
             if status is not None:
                 self._end(request, status)
-                updates.append(
-                    RequestUpdate(
-                        request.request_id, [token_id], True, request.finish_reason,
-                        request.stop_reason,
-                    )
-                )
+                updates.append(RequestUpdate(request.request_id, [token_id], True,
+                                             request.finish_reason, request.stop_reason,
+                                             num_cached_tokens=cached))
             elif request.remote_decode:
                 # Prefill of a PD pair: its part ends here; KV stays until sent.
                 request.transition(S.SENDING_KV)
                 self.running.remove(request)
-                updates.append(
-                    RequestUpdate(request.request_id, [token_id], True, "length", kv_held=True)
-                )
+                updates.append(RequestUpdate(request.request_id, [token_id], True, "length",
+                                             kv_held=True, num_cached_tokens=cached))
             else:
-                updates.append(RequestUpdate(request.request_id, [token_id]))
+                updates.append(RequestUpdate(request.request_id, [token_id],
+                                             num_cached_tokens=cached))
         return updates
 
     # -- PD hooks: decode side -------------------------------------------------------------
@@ -346,7 +347,8 @@ class ContinuousScheduler:
                 break
         if status is not None:
             self._end(request, status)
-            return RequestUpdate(request_id, [], True, request.finish_reason, request.stop_reason)
+            return RequestUpdate(request_id, [], True, request.finish_reason, request.stop_reason,
+                                 num_cached_tokens=request.num_cached_tokens)
         self.running.append(request)
         return None
 

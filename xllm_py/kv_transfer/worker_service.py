@@ -9,6 +9,8 @@ RPCs (xLLM WorkerService):
   the message names every difference), then connect to each address showing the peer's
   transfer key (meta.transfer_keys; base.py: an owner refuses a hello without its key).
 - UnlinkCluster, GetCacheInfo.
+- GetTransferMetrics: this worker's transfer counters (rank 0 of a TP instance renders
+  every rank's on its /metrics, parallel/rank_metrics.py).
 
 Status mapping: bad arguments (length mismatch, out-of-range ids on either side) ->
 INVALID_ARGUMENT; timeout -> DEADLINE_EXCEEDED; refused for want of the peer's transfer
@@ -246,6 +248,10 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
     async def GetCacheInfo(self, request: xllm_pb2.Empty,
                            context: grpc.aio.ServicerContext) -> xllm_pb2.CacheInfo:
         return wire.cache_info_to_proto(self.worker.cache_info())
+
+    async def GetTransferMetrics(self, request: xllm_pb2.Empty,
+                                 context: grpc.aio.ServicerContext) -> xllm_pb2.TransferMetrics:
+        return wire.transfer_metrics_to_proto(self.worker.metrics.snapshot())
 
 
 async def create_worker_server(servicer: WorkerServicer, host: str = "127.0.0.1", port: int = 0,

@@ -598,3 +598,37 @@ class CacheInfo(_message.Message):
     kv_layout: str
     block_bytes: int
     def __init__(self, cluster_id: _Optional[int] = ..., addr: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_layout: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class TransferOpMetrics(_message.Message):
+    __slots__ = ("op", "bytes", "blocks", "bucket_counts", "seconds_sum")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    bytes: int
+    blocks: int
+    bucket_counts: _containers.RepeatedScalarFieldContainer[int]
+    seconds_sum: float
+    def __init__(self, op: _Optional[str] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., seconds_sum: _Optional[float] = ...) -> None: ...
+
+class TransferFailureMetrics(_message.Message):
+    __slots__ = ("op", "reason", "count")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    reason: str
+    count: int
+    def __init__(self, op: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class TransferMetrics(_message.Message):
+    __slots__ = ("buckets", "ops", "failures")
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    buckets: _containers.RepeatedScalarFieldContainer[float]
+    ops: _containers.RepeatedCompositeFieldContainer[TransferOpMetrics]
+    failures: _containers.RepeatedCompositeFieldContainer[TransferFailureMetrics]
+    def __init__(self, buckets: _Optional[_Iterable[float]] = ..., ops: _Optional[_Iterable[_Union[TransferOpMetrics, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[TransferFailureMetrics, _Mapping]]] = ...) -> None: ...

@@ -815,6 +815,11 @@ class WorkerServiceStub:
                 request_serializer=xllm__pb2.Empty.SerializeToString,
                 response_deserializer=xllm__pb2.CacheInfo.FromString,
                 _registered_method=True)
+        self.GetTransferMetrics = channel.unary_unary(
+                '/xllm.proto.WorkerService/GetTransferMetrics',
+                request_serializer=xllm__pb2.Empty.SerializeToString,
+                response_deserializer=xllm__pb2.TransferMetrics.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -850,6 +855,12 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTransferMetrics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -877,6 +888,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetCacheInfo,
                     request_deserializer=xllm__pb2.Empty.FromString,
                     response_serializer=xllm__pb2.CacheInfo.SerializeToString,
+            ),
+            'GetTransferMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTransferMetrics,
+                    request_deserializer=xllm__pb2.Empty.FromString,
+                    response_serializer=xllm__pb2.TransferMetrics.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1014,6 +1030,33 @@ class WorkerService:
             '/xllm.proto.WorkerService/GetCacheInfo',
             xllm__pb2.Empty.SerializeToString,
             xllm__pb2.CacheInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTransferMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xllm.proto.WorkerService/GetTransferMetrics',
+            xllm__pb2.Empty.SerializeToString,
+            xllm__pb2.TransferMetrics.FromString,
             options,
             channel_credentials,
             insecure,

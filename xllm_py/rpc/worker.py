@@ -1,13 +1,15 @@
 """WorkerService wire forms on the worker's side: the requests its servicer reads
 (PullKVCache, PushKVCache, LinkCluster, UnlinkCluster) and the replies it sends (Status,
-CacheInfo). The engine's side builds them in rpc/pd.py (pull_to_proto, push_to_proto,
-cluster_link_to_proto).
+CacheInfo, TransferMetrics). The engine's side builds the requests in rpc/pd.py
+(pull_to_proto, push_to_proto, cluster_link_to_proto) and reads TransferMetrics with
+``transfer_metrics_from_proto``.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING
 
+from xllm_py.kv_transfer.metrics import TransferSnapshot
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.rpc.status import Status
 
@@ -69,3 +71,39 @@ def ok_to_proto() -> pb.Status:
 
 def cache_info_to_proto(info: "CacheInfoData") -> pb.CacheInfo:
     return pb.CacheInfo(**dataclasses.asdict(info))
+
+
+def transfer_metrics_request() -> pb.Empty:
+    """GetTransferMetrics' request (it asks nothing)."""
+    return pb.Empty()
+
+
+def transfer_metrics_to_proto(snap: TransferSnapshot) -> pb.TransferMetrics:
+    msg = pb.TransferMetrics(buckets=list(snap.buckets))
+    for op in sorted(set(snap.bytes_total) | set(snap.blocks_total) | set(snap.hist_counts)):
+        msg.ops.add(op=op, bytes=snap.bytes_total.get(op, 0),
+                    blocks=snap.blocks_total.get(op, 0),
+                    bucket_counts=snap.hist_counts.get(op, []),
+                    seconds_sum=snap.hist_sum.get(op, 0.0))
+    for (op, reason), n in sorted(snap.failures_total.items()):
+        msg.failures.add(op=op, reason=reason, count=n)
+    return msg
+
+
+def transfer_metrics_from_proto(msg: pb.TransferMetrics) -> TransferSnapshot:
+    """ValueError when a histogram does not match the bucket list (a peer's bug: the
+    series would be wrong)."""
+    buckets = tuple(msg.buckets)
+    hist_counts, hist_sum = {}, {}
+    for o in msg.ops:
+        if not o.bucket_counts:
+            continue
+        if len(o.bucket_counts) != len(buckets) + 1:
+            raise ValueError(f"op {o.op!r}: {len(o.bucket_counts)} bucket counts for "
+                             f"{len(buckets)} buckets (+Inf)")
+        hist_counts[o.op], hist_sum[o.op] = list(o.bucket_counts), o.seconds_sum
+    return TransferSnapshot(
+        buckets=buckets, bytes_total={o.op: o.bytes for o in msg.ops},
+        blocks_total={o.op: o.blocks for o in msg.ops},
+        failures_total={(f.op, f.reason): f.count for f in msg.failures},
+        hist_counts=hist_counts, hist_sum=hist_sum)
