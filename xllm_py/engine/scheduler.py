@@ -19,59 +19,18 @@ Pure Python: no torch, no grpc.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 
 from xllm_py.config import CacheConfig, SchedulerConfig
 from xllm_py.engine.block_pool import BlockPool
 from xllm_py.engine.kv_cache_manager import KVCacheManager, cdiv
+from xllm_py.engine.scheduler_types import (  # noqa: F401 - re-exported
+    RemoteAllocation, RequestUpdate, ScheduledSeq, SchedulerOutput)
 from xllm_py.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 S = RequestStatus
-
-
-@dataclasses.dataclass
-class ScheduledSeq:
-    request_id: str
-    token_ids: list[int]  # tokens to compute this step
-    start_pos: int  # = num_computed_tokens before the step
-    block_table: list[int]  # the full table after allocation
-    sample: bool  # this step reaches the last known token: sample one
-    num_prompt_logprob_rows: int = 0  # leading tokens whose logits score a prompt token
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    seqs: list[ScheduledSeq] = dataclasses.field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted_ids: list[str] = dataclasses.field(default_factory=list)
-    # Requests that finished (any reason) since the previous schedule(): the runner may
-    # drop per-request state (seeded generators, penalties) for them.
-    finished_ids: list[str] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class RequestUpdate:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None
-    # Prefill side of PD: done here, blocks held for the decode peer (finish_sending).
-    kv_held: bool = False
-    num_cached_tokens: int = 0  # prefix-cache hit at admission (the request may be gone)
-
-
-@dataclasses.dataclass
-class RemoteAllocation:
-    request_id: str
-    block_ids: list[int]  # the full block table
-    # Blocks the peer must fill: those covering prompt positions [num_cached_tokens,
-    # num_prompt_tokens). Blocks shared via the prefix cache are not in it.
-    new_block_ids: list[int]
-    num_cached_tokens: int
 
 
 class ContinuousScheduler:

@@ -1,0 +1,49 @@
+"""What a scheduler step hands out: the sequences to compute (SchedulerOutput of
+ScheduledSeq), what each request did (RequestUpdate), and a decode's allocation for a
+prompt computed elsewhere (RemoteAllocation). Pure data, shared by the scheduler, the
+model runner and the engine."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step
+    start_pos: int  # = num_computed_tokens before the step
+    block_table: list[int]  # the full table after allocation
+    sample: bool  # this step reaches the last known token: sample one
+    num_prompt_logprob_rows: int = 0  # leading tokens whose logits score a prompt token
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = dataclasses.field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted_ids: list[str] = dataclasses.field(default_factory=list)
+    # Requests that finished (any reason) since the previous schedule(): the runner may
+    # drop per-request state (seeded generators, penalties) for them.
+    finished_ids: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class RequestUpdate:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    # Prefill side of PD: done here, blocks held for the decode peer (finish_sending).
+    kv_held: bool = False
+    num_cached_tokens: int = 0  # prefix-cache hit at admission (the request may be gone)
+
+
+@dataclasses.dataclass
+class RemoteAllocation:
+    request_id: str
+    block_ids: list[int]  # the full block table
+    # Blocks the peer must fill: those covering prompt positions [num_cached_tokens,
+    # num_prompt_tokens). Blocks shared via the prefix cache are not in it.
+    new_block_ids: list[int]
+    num_cached_tokens: int
