@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from xllm_py.kv_transfer.base import Run, TransferError
+from xllm_py.kv_transfer.head_slices import Heads
 from xllm_py.utils.aio import wait_for
 
 if TYPE_CHECKING:
@@ -33,24 +34,28 @@ class DataPath(Protocol):
 
     name: str
 
-    async def transfer(self, p: "Peer", what: str, runs: list[Run], timeout: float) -> None:
-        """On the backend's loop; raises TransferError (``invalid_argument``: refused)."""
+    async def transfer(self, p: "Peer", what: str, runs: list[Run], timeout: float,
+                       heads: Heads | None = None) -> None:
+        """On the backend's loop; raises TransferError (``invalid_argument``: refused).
+        ``heads``: only those KV heads of the blocks (head_slices.py)."""
         ...
 
 
 class HostPath(DataPath, Protocol):
     """A host-memory path that needs no event loop: started from any thread."""
 
-    def start(self, p: "Peer", what: str, runs: list[Run], timeout: float) -> concurrent.futures.Future:
+    def start(self, p: "Peer", what: str, runs: list[Run], timeout: float,
+              heads: Heads | None = None) -> concurrent.futures.Future:
         """The transfer, under way; its future completes with None or the error."""
         ...
 
 
 class Peer:
     def __init__(self, ctrl: Any, data: Any, iov_key: Any = None, iov: IovWorker | None = None,
-                 mapped: MappedPool | None = None) -> None:
+                 mapped: MappedPool | None = None, num_kv_heads: int | None = None) -> None:
         self.ctrl = ctrl
         self.data = data
+        self.num_kv_heads = num_kv_heads  # of the peer's pool (differs from ours: another TP)
         self.iov_key = iov_key  # key of this peer's endpoint on our IovWorker (None: tag path)
         self.mapped = mapped  # the peer's pool mapped here (closed with the iov endpoint)
         self.path = "tag" if iov_key is None else "mapped" if mapped is not None else "iov"
