@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason
 def test_request_roundtrip() -> None:
     from xllm_py.kv_transfer.ucx.iov_protocol import OP_PUSH, decode_request, encode_request
 
-    op, req, tok, timeout, runs = decode_request(encode_request(OP_PUSH, 7, 1 << 59, 2.5, [(1, 2, 3), (9, 8, 1)]))
-    assert (op, req, tok, timeout) == (OP_PUSH, 7, 1 << 59, 2.5)
+    op, req, tok, timeout, runs, heads = decode_request(encode_request(OP_PUSH, 7, 1 << 59, 2.5, [(1, 2, 3), (9, 8, 1)]))
+    assert (op, req, tok, timeout, heads) == (OP_PUSH, 7, 1 << 59, 2.5, None)
     assert runs.tolist() == [[1, 2, 3], [9, 8, 1]]
 
 

@@ -50,7 +50,7 @@ from xllm_py.kv_transfer.ucx.iov_worker import IovWorker
 from xllm_py.kv_transfer.ucx.path_iov import IovPath
 from xllm_py.kv_transfer.ucx.path_mapped import MappedPath
 from xllm_py.kv_transfer.ucx.path_tag import TagPath
-from xllm_py.kv_transfer.ucx.peer import DataPath, HostPath, Peer
+from xllm_py.kv_transfer.ucx.peer import DataPath, HostPath, Peer, abort_endpoints
 from xllm_py.kv_transfer.ucx.runtime import init_ucxx, shared_loop
 from xllm_py.utils.aio import wait_for
 
@@ -157,7 +157,7 @@ class UcxKVTransferBackend(KVTransferBackend):
                 try:  # the requester closes on the refusal; closing first may drop it in flight
                     await wait_for(recv_ctrl(ep), self.default_timeout_s)
                 finally:
-                    Peer(ep, None).abort()
+                    abort_endpoints(ep)
                 return
             meta = None
             try:
@@ -240,7 +240,7 @@ class UcxKVTransferBackend(KVTransferBackend):
                 await self._iov_path.warmup(iov_key, meta.num_blocks, peer_addr)
             return Peer(ctrl, data, iov_key, self._iov, mapped, meta.num_kv_heads)
         except BaseException:
-            Peer(ctrl, data).abort()
+            abort_endpoints(ctrl, data)
             raise
 
     async def _link_impl(self, peer_addr: str) -> None:

@@ -91,12 +91,7 @@ class Peer:
         raise TransferError(f"ucx: connection to the peer lost during {what}")
 
     def abort(self) -> None:
-        for ep in (self.ctrl, self.data):
-            try:
-                if ep is not None and not ep.closed:
-                    ep.abort()
-            except Exception as e:  # noqa: BLE001
-                logger.warning("ucx: aborting endpoint failed: %s", e)
+        abort_endpoints(self.ctrl, self.data)
 
     async def close(self, timeout: float = 1.0) -> None:
         """Graceful close: the peer learns that the connection is gone (abort tells it nothing)."""
@@ -107,3 +102,14 @@ class Peer:
             except Exception as e:  # noqa: BLE001
                 logger.debug("ucx: graceful close failed (%s), aborting", e)
         self.abort()
+
+
+def abort_endpoints(*eps: Any) -> None:
+    """Abort ucxx endpoints (None or already closed: skipped), e.g. of a link that failed
+    before its ``Peer`` existed (a Peer cannot be made on an endpoint that is closing)."""
+    for ep in eps:
+        try:
+            if ep is not None and not ep.closed:
+                ep.abort()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("ucx: aborting endpoint failed: %s", e)
