@@ -240,7 +240,7 @@ def test_pull_accepts_an_owner_that_also_confirms_with_an_empty_status() -> None
     holder: list[IovWorker] = []
 
     def old_owner(_tag: int, msg: bytes):  # DATA, then STATUS("") as owners did before
-        _, req_id, _, _, runs = decode_request(msg)
+        _, req_id, _, _, runs, _ = decode_request(msg)
         w = holder[0]
 
         def make(track: list):
