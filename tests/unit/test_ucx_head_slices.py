@@ -31,10 +31,10 @@ PATHS = [("mapped", "auto", True), ("iov", "iov", False), ("tag", "direct", Fals
 
 
 def storage(num_kv_heads: int, num_blocks: int, seed: int, mappable: bool = False,
-            **shape: int) -> KVCacheStorage:
+            device: str = "cpu", **shape: int) -> KVCacheStorage:
     s = KVCacheStorage(num_blocks=num_blocks, num_kv_heads=num_kv_heads, **{**SHAPE, **shape},
-                       allocator=mappable_host_allocator() if mappable else None)
-    s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(seed)))
+                       allocator=mappable_host_allocator() if mappable else None, device=device)
+    s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(seed)).to(device))
     return s
 
 
@@ -219,3 +219,23 @@ async def test_link_accepts_other_kv_heads_only(caplog) -> None:
     with pytest.raises(TransferError, match="incompatible KV block layout"):
         async with linked(c, b):
             pass
+
+
+@pytest.mark.gpu
+@pytest.mark.integration
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_pools_move_head_slices_on_the_tag_path() -> None:
+    a, b = storage(4, 64, seed=11, device="cuda"), storage(2, 64, seed=12, device="cuda")
+    async with linked(a, b) as (ba, bb):
+        assert bb._peers[ba.address].path == "tag"
+        before = b.kv.clone()
+        await bb.pull(ba.address, [5, 6, 20], [0, 1, 40], timeout=10, heads=(2, 0, 2))
+        torch.cuda.synchronize()
+        assert torch.equal(b.kv[:, :, [0, 1, 40]], gather_heads(a, [5, 6, 20], 2, 2).cuda())
+        rest = [i for i in range(64) if i not in (0, 1, 40)]
+        assert torch.equal(b.kv[:, :, rest], before[:, :, rest])
+        a_before = a.kv.clone()
+        await bb.push(ba.address, [3], [30], timeout=10, heads=(1, 3, 1))
+        torch.cuda.synchronize()
+        assert torch.equal(a.kv[:, :, 30, :, 3], b.kv[:, :, 3, :, 1])
+        assert torch.equal(a.kv[:, :, 30, :, :3], a_before[:, :, 30, :, :3])
