@@ -2,7 +2,7 @@
 
     python benchmarks/bench_kv_transfer.py [--backend ucx|tcp] [--sizes-mb 1 4 16 64 256]
                                            [--repeat 5] [--mode auto|iov|direct|gather] [--no-map] [--json]
-                                           [--keyed]
+                                           [--keyed] [--heads N]
 
 A peer process (``xllm_py.kv_transfer._peer_main``) owns the source pool; this process
 pulls ``size`` bytes of blocks into its own pool through the backend, for a contiguous
@@ -21,6 +21,13 @@ worker does, kv_transfer/base.py), linked with that key; prints both bandwidths,
 and the time of each link. The key is checked once per connection (in the hello); the data
 path is the same, and cluster TLS covers the gRPC that links and starts transfers, not the
 KV bytes.
+
+``--heads N``: the same pulls again as KV head slices, as a decode rank of another TP
+reads them: a second puller whose pool holds N of the peer's 8 heads pulls heads
+``[0, N)`` of the same source blocks (kv_transfer/ucx/slices.py: per (kv, layer) of each
+block, ``block_size`` rows of ``N * head_dim`` elements). Prints the slice pull's time
+and bandwidth next to the whole-block pull's, and the time ratio (the slice moves N/8 of
+the bytes).
 """
 from __future__ import annotations
 
@@ -107,6 +114,18 @@ def bench_memcpy(n: int, repeat: int) -> float:
     return n / best / 1e9
 
 
+async def _best_pull(backend, addr: str, src, dst, repeat: int, heads=None) -> tuple[float, int, set]:
+    """(best seconds, bytes, paths) of ``repeat`` pulls after one warm-up."""
+    best, nbytes, paths = float("inf"), 0, set()
+    for i in range(repeat + 1):
+        r = await backend.pull(addr, src, dst, heads=heads)
+        nbytes = r.num_bytes
+        paths.add(r.path or backend.name)
+        if i:
+            best = min(best, r.seconds)
+    return best, nbytes, paths
+
+
 async def bench_backend(args: argparse.Namespace, sizes: list[int],
                         key: str | None = None) -> tuple[list[dict], dict]:
     import torch
@@ -131,12 +150,21 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int],
         kwargs = {"mode": args.mode} if args.backend == "ucx" else {}
         backend = create_backend(args.backend, store, TransferConfig(timeout_s=120), **kwargs)
         backend.start()
+        sliced = None  # a puller holding args.heads of the peer's heads (another TP)
+        if args.heads:
+            sstore = KVCacheStorage(num_blocks=max_blocks, **{**GEOM, "num_kv_heads": args.heads},
+                                    allocator=mappable_host_allocator() if mappable else None)
+            sstore.kv.view(torch.uint8).reshape(-1)[::4096] = 1
+            sliced = create_backend(args.backend, sstore, TransferConfig(timeout_s=120), **kwargs)
+            sliced.start()
         rng = np.random.default_rng(0)
         rows = []
         try:
             t0 = time.perf_counter()
             await backend.link(info["transfer_addr"], key=key or "")
             link_ms = (time.perf_counter() - t0) * 1e3
+            if sliced is not None:
+                await sliced.link(info["transfer_addr"], key=key or "")
             for size in sizes:
                 n = size // block_bytes
                 for fragmented in (False, True):
@@ -145,18 +173,18 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int],
                         dst = rng.permutation(n)
                     else:
                         src, dst = np.arange(n), np.arange(n)
-                    best, nbytes = float("inf"), 0
-                    paths = set()
-                    for i in range(args.repeat + 1):
-                        r = await backend.pull(info["transfer_addr"], src, dst)
-                        nbytes = r.num_bytes
-                        paths.add(r.path or args.backend)
-                        if i:
-                            best = min(best, r.seconds)
+                    best, nbytes, paths = await _best_pull(backend, info["transfer_addr"], src, dst, args.repeat)
                     rows.append({"bytes": nbytes, "blocks": n, "fragmented": fragmented, "link_ms": link_ms,
                                  "gbps": nbytes / best / 1e9, "ms": best * 1e3, "path": "+".join(sorted(paths))})
+                    if sliced is not None:
+                        sbest, sbytes, spaths = await _best_pull(sliced, info["transfer_addr"], src, dst,
+                                                                 args.repeat, heads=(0, 0, args.heads))
+                        rows[-1].update(slice_bytes=sbytes, slice_ms=sbest * 1e3, slice_gbps=sbytes / sbest / 1e9,
+                                        slice_vs_whole_time=sbest / best, slice_path="+".join(sorted(spaths)))
         finally:
             await backend.close()
+            if sliced is not None:
+                await sliced.close()
         env = ucx_env() if args.backend == "ucx" else {}
         if args.backend == "ucx" and args.mode in ("auto", "iov"):
             env.update({f"iov-context:{k}": v for k, v in iov_worker_config().items()})
@@ -175,7 +203,12 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--keyed", action="store_true",
                    help="also pull from a peer that requires a transfer key; report the ratio")
+    p.add_argument("--heads", type=int, default=0, metavar="N",
+                   help=f"also pull heads [0, N) of the same blocks (of {GEOM['num_kv_heads']}) into a pool of N "
+                        "heads (instances of different TP); report slice vs whole-block times")
     args = p.parse_args()
+    if args.heads and not 0 < args.heads < GEOM["num_kv_heads"]:
+        p.error(f"--heads must be in [1, {GEOM['num_kv_heads']})")
     if args.backend == "ucx":
         from xllm_py.kv_transfer.ucx.env import apply_ucx_env_defaults
         apply_ucx_env_defaults()  # so that the peer process inherits the same settings
@@ -192,7 +225,7 @@ def main() -> None:
         r["memcpy_gbps"] = bench_memcpy(r["bytes"], args.repeat)
         r["pct_of_memcpy"] = 100.0 * r["gbps"] / r["memcpy_gbps"]
     result = {"backend": args.backend, "mode": args.mode, "geometry": GEOM, "rows": rows, "ucx_env": env,
-              "cpus": os.cpu_count()}
+              "cpus": os.cpu_count(), "heads": args.heads}
     report_environment(result, file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
@@ -202,6 +235,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['bytes'] / 2**20:>6.0f} {str(r['fragmented']):>5} {r['blocks']:>6} {r['ms']:>8.2f} "
               f"{r['gbps']:>6.2f} {r['socket_gbps']:>7.2f} {r['memcpy_gbps']:>7.2f} {r['pct_of_memcpy']:>7.0f}% {r['path']}")
+    if args.heads:
+        print(f"head slices: heads [0, {args.heads}) of {GEOM['num_kv_heads']} of the same blocks, into a pool "
+              f"of {args.heads} heads")
+        print(f"{'MB':>6} {'frag':>5} {'slice MB':>8} {'ms':>8} {'GB/s':>6} {'whole ms':>8} {'time ratio':>10} path")
+        for r in rows:
+            print(f"{r['bytes'] / 2**20:>6.0f} {str(r['fragmented']):>5} {r['slice_bytes'] / 2**20:>8.2f} "
+                  f"{r['slice_ms']:>8.2f} {r['slice_gbps']:>6.2f} {r['ms']:>8.2f} {r['slice_vs_whole_time']:>10.2f} "
+                  f"{r['slice_path']}")
     if keyed:
         print(f"keyed peer (transfer key in the hello): link {rows[0]['keyed_link_ms']:.1f} ms vs "
               f"{rows[0]['link_ms']:.1f} ms plain")

@@ -160,11 +160,7 @@ def tp_error(args: argparse.Namespace) -> str | None:
     """Why the requested TP sizes cannot run (checked before anything starts)."""
     if min(args.prefill_tp, args.decode_tp, args.mix_tp) < 1:
         return "tensor-parallel sizes must be >= 1"
-    if (not args.mix and args.prefill_tp != args.decode_tp
-            and args.kv_transfer_backend != "tcp"):
-        return ("prefill and decode of different TP move KV head slices, which only the tcp "
-                "transfer backend does: add --kv-transfer-backend tcp")
-    return None
+    return None  # (different prefill / decode TP: KV head slices, over ucx or tcp)
 
 
 def main(argv: list[str] | None = None) -> int:

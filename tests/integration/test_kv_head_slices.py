@@ -1,5 +1,6 @@
 """KV head slices between instances of different TP, through each rank's real
-WorkerService (gRPC) and the tcp transfer backend: for P TP 2 -> D TP 1, P TP 1 -> D TP 2,
+WorkerService (gRPC) and the tcp and ucx transfer backends (ucx: private pools, the iov
+path; the mapped and tag paths: tests/unit/test_ucx_head_slices.py): for P TP 2 -> D TP 1, P TP 1 -> D TP 2,
 P TP 2 -> D TP 2 (and replicated heads, P TP 4 -> D TP 2), PULL and PUSH, every decode
 rank ends with exactly the KV heads it owns, read from the prefill ranks that hold them
 (``mapping.kv_head_plan``, contiguous block runs merged), nothing else written, and the
@@ -26,12 +27,12 @@ DST_BLOCKS = [10, 11, 12, 2, 20]
 
 
 class _Rank:
-    """One rank: its pool (its heads only), tcp backend, KVWorker and WorkerService."""
+    """One rank: its pool (its heads only), transfer backend, KVWorker and WorkerService."""
 
-    def __init__(self, heads: tuple[int, int]) -> None:
+    def __init__(self, heads: tuple[int, int], backend: str) -> None:
         self.heads = heads
         self.storage = KVCacheStorage(LAYERS, BLOCKS, BLOCK, heads[1] - heads[0], DIM)
-        self.backend = create_backend("tcp", self.storage, TransferConfig(backend="tcp"))
+        self.backend = create_backend(backend, self.storage, TransferConfig(backend=backend))
         self.addr = self.backend.start()
         self.worker = KVWorker(self.storage, self.backend, cluster_id=id(self) & 0xFFFF)
 
@@ -49,19 +50,20 @@ class _Rank:
         return self.worker.metrics.bytes_total.get(op, 0)
 
 
-async def _instance(num_kv_heads: int, tp: int) -> list[_Rank]:
-    ranks = [_Rank(kv_head_range(num_kv_heads, tp, r)) for r in range(tp)]
+async def _instance(num_kv_heads: int, tp: int, backend: str) -> list[_Rank]:
+    ranks = [_Rank(kv_head_range(num_kv_heads, tp, r), backend) for r in range(tp)]
     for r in ranks:
         await r.serve()
     return ranks
 
 
+@pytest.mark.parametrize("backend", ["tcp", "ucx"])
 @pytest.mark.parametrize("mode", ["PULL", "PUSH"])
 @pytest.mark.parametrize("heads,src_tp,dst_tp", [(4, 2, 1), (4, 1, 2), (4, 2, 2), (2, 4, 2)])
-async def test_each_decode_rank_gets_exactly_its_heads(heads, src_tp, dst_tp, mode):
+async def test_each_decode_rank_gets_exactly_its_heads(heads, src_tp, dst_tp, mode, backend):
     full = torch.randn(2, LAYERS, BLOCKS, BLOCK, heads, DIM,
                        generator=torch.Generator().manual_seed(5))
-    prefill, decode = await _instance(heads, src_tp), await _instance(heads, dst_tp)
+    prefill, decode = await _instance(heads, src_tp, backend), await _instance(heads, dst_tp, backend)
     try:
         for r in prefill:
             r.storage.kv.copy_(full[..., r.heads[0]:r.heads[1], :])
@@ -90,7 +92,7 @@ async def test_each_decode_rank_gets_exactly_its_heads(heads, src_tp, dst_tp, mo
                 assert rank.received("pull") == own_bytes
         if mode == "PUSH":  # what the prefill ranks sent adds up to every decode rank's heads
             assert sum(r.received("push") for r in prefill) == own_bytes * dst_tp
-        print(f"\n{mode} P TP {src_tp} -> D TP {dst_tp} ({heads} KV heads): each decode rank "
+        print(f"\n{backend} {mode} P TP {src_tp} -> D TP {dst_tp} ({heads} KV heads): each decode rank "
               f"received {own_bytes} bytes ({len(SRC_BLOCKS)} blocks x {h1 - h0} head(s)); "
               f"prefill ranks sent {[r.received('push') for r in prefill] if mode == 'PUSH' else '-'}")
     finally:
@@ -98,8 +100,9 @@ async def test_each_decode_rank_gets_exactly_its_heads(heads, src_tp, dst_tp, mo
             await r.close()
 
 
-async def test_out_of_range_head_slice_is_refused():
-    prefill, decode = await _instance(4, 2), await _instance(4, 1)
+@pytest.mark.parametrize("backend", ["tcp", "ucx"])
+async def test_out_of_range_head_slice_is_refused(backend):
+    prefill, decode = await _instance(4, 2, backend), await _instance(4, 1, backend)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await decode[0].stub.PullKVCache(xllm_pb2.PullKVCacheRequest(

@@ -1,5 +1,6 @@
 """PD between instances of different TP (service + PREFILL + DECODE processes, real etcd,
-tcp transfer; equal TP over UCX too): P TP 2 + D TP 1, P TP 1 + D TP 2 and P TP 2 + D TP 2, in PULL and PUSH,
+tcp and ucx transfer): P TP 2 + D TP 1, P TP 1 + D TP 2 and P TP 2 + D TP 2, in PULL and PUSH
+(tcp: all six; ucx: head slices once each way and each mode, whole blocks rank to rank),
 give the greedy tokens of a MIX TP 1 engine on the same prompts (crossing KV blocks);
 each decode rank received exactly the bytes of its own KV heads (transfer logs of its
 worker, or of the prefill workers that pushed into it); every pool returns to 0 blocks."""
@@ -32,9 +33,14 @@ def _moves(log: str, op: str) -> list[tuple[int, str, int, int]]:
             for m in _LINE.finditer(log) if m.group(3) == op]
 
 
-@pytest.mark.parametrize("mode", ["PULL", "PUSH"])
-@pytest.mark.parametrize("p_tp,d_tp,backend", [(2, 1, "tcp"), (1, 2, "tcp"), (2, 2, "tcp"),
-                                               (2, 2, "ucx")])  # (equal TP: whole blocks)
+CASES = [(p, d, "tcp", mode) for p, d in ((2, 1), (1, 2), (2, 2)) for mode in ("PULL", "PUSH")]
+# ucx: head slices (each TP direction once, PULL and PUSH once each; engines on one host
+# map each other's pools: the mapped path; the iov and tag paths: test_ucx_head_slices.py),
+# and whole blocks between equal TP
+CASES += [(2, 1, "ucx", "PULL"), (1, 2, "ucx", "PUSH"), (2, 2, "ucx", "PULL"), (2, 2, "ucx", "PUSH")]
+
+
+@pytest.mark.parametrize("p_tp,d_tp,backend,mode", CASES)
 def test_pd_across_tp_equals_mix(etcd_server, tmp_path, p_tp, d_tp, backend, mode):
     ref, _ = _generate_tiny(PROMPTS)  # MIX TP 1, in this process
     h = Harness(etcd_server.endpoint, f"pd-tp-{p_tp}{d_tp}{backend}{mode}/", tmp_path)
@@ -79,6 +85,9 @@ def test_pd_across_tp_equals_mix(etcd_server, tmp_path, p_tp, d_tp, backend, mod
         print(f"\n{mode} P TP {p_tp} + D TP {d_tp}: {blocks} blocks handed over; bytes "
               f"received per decode rank {received} (own heads: {own} per block)")
         assert received == {r: blocks * own for r in range(d_tp)}
+        if backend == "ucx":  # engines on one host: the peer's pool mapped, every move a memcpy
+            mover = dlog if mode == "PULL" else prefill.log_path.read_text(errors="replace")
+            assert set(re.findall(r"kv (?:pull|push) req=\S* .* path=(\w+)", mover)) == {"mapped"}
         for e in (prefill, decode):
             assert metric(e.http_url, "xllm_kv_cache_blocks_used") == 0
     finally:

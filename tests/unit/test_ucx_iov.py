@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason
 def test_request_roundtrip() -> None:
     from xllm_py.kv_transfer.ucx.iov_protocol import OP_PUSH, decode_request, encode_request
 
-    op, req, tok, timeout, runs = decode_request(encode_request(OP_PUSH, 7, 1 << 59, 2.5, [(1, 2, 3), (9, 8, 1)]))
-    assert (op, req, tok, timeout) == (OP_PUSH, 7, 1 << 59, 2.5)
+    op, req, tok, timeout, runs, heads = decode_request(encode_request(OP_PUSH, 7, 1 << 59, 2.5, [(1, 2, 3), (9, 8, 1)]))
+    assert (op, req, tok, timeout, heads) == (OP_PUSH, 7, 1 << 59, 2.5, None)
     assert runs.tolist() == [[1, 2, 3], [9, 8, 1]]
 
 
@@ -240,7 +240,7 @@ def test_pull_accepts_an_owner_that_also_confirms_with_an_empty_status() -> None
     holder: list[IovWorker] = []
 
     def old_owner(_tag: int, msg: bytes):  # DATA, then STATUS("") as owners did before
-        _, req_id, _, _, runs = decode_request(msg)
+        _, req_id, _, _, runs, _ = decode_request(msg)
         w = holder[0]
 
         def make(track: list):

@@ -299,7 +299,7 @@ class KVTransferBackend(abc.ABC):
     def _check_head_slices(self) -> None:
         if not self.supports_head_slices:
             raise ValueError(f"the {self.name} backend moves whole blocks only (no KV head "
-                             "slices: instances of different TP need the tcp backend)")
+                             "slices: instances of different TP need the tcp or ucx backend)")
 
     async def _timed(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
         t = self.default_timeout_s if timeout is None else timeout

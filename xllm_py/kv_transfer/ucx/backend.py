@@ -18,6 +18,9 @@ endpoint, error handling: detects a dead peer):
 
 Linked host peers skip the event loop: ``submit_pull`` / ``submit_push`` start the
 transfer from the calling thread (~0.2 ms each way saved here).
+
+Peers of different TP (pools that differ only in ``num_kv_heads``) link too; between them
+only head slices move (every path: slices.py), a whole-block transfer is refused.
 """
 from __future__ import annotations
 
@@ -38,15 +41,16 @@ from xllm_py.kv_transfer.base import (
     TransferResult,
     split_addr,
 )
+from xllm_py.kv_transfer.head_slices import Heads
 from xllm_py.kv_transfer.kv_storage import KVCacheMeta, KVCacheStorage
-from xllm_py.kv_transfer.ucx import iov_protocol
+from xllm_py.kv_transfer.ucx import iov_protocol, slices
 from xllm_py.kv_transfer.ucx.env import import_ucxx, iov_worker_config
 from xllm_py.kv_transfer.ucx.framing import recv_ctrl, send_ctrl
 from xllm_py.kv_transfer.ucx.iov_worker import IovWorker
 from xllm_py.kv_transfer.ucx.path_iov import IovPath
 from xllm_py.kv_transfer.ucx.path_mapped import MappedPath
 from xllm_py.kv_transfer.ucx.path_tag import TagPath
-from xllm_py.kv_transfer.ucx.peer import DataPath, HostPath, Peer
+from xllm_py.kv_transfer.ucx.peer import DataPath, HostPath, Peer, abort_endpoints
 from xllm_py.kv_transfer.ucx.runtime import init_ucxx, shared_loop
 from xllm_py.utils.aio import wait_for
 
@@ -55,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 class UcxKVTransferBackend(KVTransferBackend):
     name = "ucx"
+    supports_head_slices = True
 
     def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
                  listen_host: str = "127.0.0.1", listen_port: int = 0, mode: str = "auto",
@@ -107,11 +112,13 @@ class UcxKVTransferBackend(KVTransferBackend):
                 "iov_addr": self._iov.address.hex() if self._iov is not None else None, "token": self._token,
                 "pool": self._mapped.pool_export() if self._mapped is not None else None}
 
-    def _check_meta(self, d: dict, peer: str) -> None:
+    def _check_meta(self, d: dict, peer: str) -> KVCacheMeta:
+        """The peer's pool layout; it may differ from ours in its KV heads only (another TP)."""
         theirs = KVCacheMeta.from_dict(d)
-        if theirs.block_shape_key() != self.storage.meta.block_shape_key():
+        if slices.link_shape_key(theirs) != slices.link_shape_key(self.storage.meta):
             raise TransferError(f"ucx: peer {peer} has an incompatible KV block layout: "
                                 f"theirs {theirs.block_shape_key()} vs ours {self.storage.meta.block_shape_key()}")
+        return theirs
 
     async def _start_impl(self) -> str:
         self._ensure_init()
@@ -150,18 +157,20 @@ class UcxKVTransferBackend(KVTransferBackend):
                 try:  # the requester closes on the refusal; closing first may drop it in flight
                     await wait_for(recv_ctrl(ep), self.default_timeout_s)
                 finally:
-                    Peer(ep, None).abort()
+                    abort_endpoints(ep)
                 return
+            meta = None
             try:
-                self._check_meta(hello["meta"], "client")
+                meta = self._check_meta(hello["meta"], "client")
                 err = None
             except TransferError as e:
                 err = str(e)
             data = await self._create_data_ep(hello["worker_addr"])
             iov_key = None
             if self._iov is not None and hello.get("iov_addr") and not err:
-                iov_key = await self._iov_path.connect(("in", int(hello["token"])), hello["iov_addr"])
-            peer = Peer(ep, data, iov_key, self._iov)
+                iov_key = await self._iov_path.connect(("in", int(hello["token"])), hello["iov_addr"],
+                                                       meta.num_kv_heads)
+            peer = Peer(ep, data, iov_key, self._iov, num_kv_heads=None if meta is None else meta.num_kv_heads)
             self._server_eps.add(peer)
             reply = self._hello()
             if iov_key is None:
@@ -219,20 +228,19 @@ class UcxKVTransferBackend(KVTransferBackend):
             if rep.get("error"):
                 raise TransferError(f"ucx: peer {peer_addr} refused the link: {rep['error']}",
                                     denied=bool(rep.get("denied")))
-            self._check_meta(rep["meta"], peer_addr)
+            meta = self._check_meta(rep["meta"], peer_addr)
             data = await self._create_data_ep(rep["worker_addr"])
             iov_key = None
             if self._iov is not None and rep.get("iov_addr"):
-                iov_key = await self._iov_path.connect(("out", peer_addr), rep["iov_addr"])
+                iov_key = await self._iov_path.connect(("out", peer_addr), rep["iov_addr"], meta.num_kv_heads)
             mapped = None
             if iov_key is not None and rep.get("pool") and self.mode == "auto":
-                mapped = await self._mapped.map_peer(iov_key, rep["pool"], KVCacheMeta.from_dict(rep["meta"]),
-                                                     peer_addr)
+                mapped = await self._mapped.map_peer(iov_key, rep["pool"], meta, peer_addr)
             if iov_key is not None and mapped is None:
-                await self._iov_path.warmup(iov_key, int(rep["meta"]["num_blocks"]), peer_addr)
-            return Peer(ctrl, data, iov_key, self._iov, mapped)
+                await self._iov_path.warmup(iov_key, meta.num_blocks, peer_addr)
+            return Peer(ctrl, data, iov_key, self._iov, mapped, meta.num_kv_heads)
         except BaseException:
-            Peer(ctrl, data).abort()
+            abort_endpoints(ctrl, data)
             raise
 
     async def _link_impl(self, peer_addr: str) -> None:
@@ -246,23 +254,29 @@ class UcxKVTransferBackend(KVTransferBackend):
 
     # ------------------------------------------------------------------ transfers
 
-    def submit_pull(self, peer_addr: str, src_blocks: Any, dst_blocks: Any,
-                    timeout: float | None = None) -> concurrent.futures.Future[TransferResult]:
+    def submit_pull(self, peer_addr: str, src_blocks: Any, dst_blocks: Any, timeout: float | None = None,
+                    heads: Heads | None = None) -> concurrent.futures.Future[TransferResult]:
         """Linked host peers: straight to the host path from the calling thread (no hop through
         the backend's event loop, ~0.2 ms each way here); anything else: the base path."""
         p = self._linked_host_peer(peer_addr)
         if p is None:
-            return super().submit_pull(peer_addr, src_blocks, dst_blocks, timeout)
-        runs = self._prepare(src_blocks, dst_blocks, local_is_dst=True)
-        return self._host_submit(p, peer_addr, "pull", runs, timeout)
+            return super().submit_pull(peer_addr, src_blocks, dst_blocks, timeout, heads)
+        runs = self._prepare(src_blocks, dst_blocks, local_is_dst=True, heads=heads)
+        return self._host_submit(p, peer_addr, "pull", runs, timeout, heads)
 
-    def submit_push(self, peer_addr: str, src_blocks: Any, dst_blocks: Any,
-                    timeout: float | None = None) -> concurrent.futures.Future[TransferResult]:
+    def submit_push(self, peer_addr: str, src_blocks: Any, dst_blocks: Any, timeout: float | None = None,
+                    heads: Heads | None = None) -> concurrent.futures.Future[TransferResult]:
         p = self._linked_host_peer(peer_addr)
         if p is None:
-            return super().submit_push(peer_addr, src_blocks, dst_blocks, timeout)
-        runs = self._prepare(src_blocks, dst_blocks, local_is_dst=False)
-        return self._host_submit(p, peer_addr, "push", runs, timeout)
+            return super().submit_push(peer_addr, src_blocks, dst_blocks, timeout, heads)
+        runs = self._prepare(src_blocks, dst_blocks, local_is_dst=False, heads=heads)
+        return self._host_submit(p, peer_addr, "push", runs, timeout, heads)
+
+    def _refusal(self, p: Peer, op: str, heads: Heads | None) -> TransferError | None:
+        """Our check of a transfer with ``p`` (the owner checks again): whole blocks only
+        between pools of equal KV heads, a head slice inside both pools."""
+        err = slices.refusal(heads, self.storage.num_kv_heads, p.num_kv_heads, 1 if op == "pull" else 0)
+        return None if err is None else TransferError(f"ucx: {err}", invalid_argument=True)
 
     def _linked_host_peer(self, peer_addr: str) -> Peer | None:
         p = self._peers.get(peer_addr)
@@ -270,8 +284,8 @@ class UcxKVTransferBackend(KVTransferBackend):
             return None
         return p
 
-    def _host_submit(self, p: Peer, peer_addr: str, op: str, runs: list[Run],
-                     timeout: float | None) -> concurrent.futures.Future[TransferResult]:
+    def _host_submit(self, p: Peer, peer_addr: str, op: str, runs: list[Run], timeout: float | None,
+                     heads: Heads | None = None) -> concurrent.futures.Future[TransferResult]:
         """Same contract as the base ``_run_op``: TransferResult, or TransferError / TransferTimeout
         after the link was dropped (a refusal keeps the link: the connection is fine)."""
         out: concurrent.futures.Future[TransferResult] = concurrent.futures.Future()
@@ -282,14 +296,19 @@ class UcxKVTransferBackend(KVTransferBackend):
             return out
         t0 = time.perf_counter()
         path: HostPath = self._path(p)  # type: ignore[assignment]  (mapped or iov)
-        inner = path.start(p, op, runs, t)
+        refused = self._refusal(p, op, heads)
+        if refused is None:
+            inner = path.start(p, op, runs, t, heads)
+        else:
+            inner = concurrent.futures.Future()
+            inner.set_exception(refused)
 
         def finish(f: concurrent.futures.Future) -> None:
             if f.cancelled() or out.done():
                 return
             exc = f.exception()
             if exc is None:
-                out.set_result(self._succeeded(op, runs, t0, p.path))
+                out.set_result(self._succeeded(op, runs, t0, p.path, heads))
                 return
             err = self._failed(op, peer_addr, num_blocks, t, exc)
             if err.invalid_argument:  # (as in _run_op: a refusal keeps the link)
@@ -302,13 +321,21 @@ class UcxKVTransferBackend(KVTransferBackend):
         out.add_done_callback(lambda o: inner.cancel() if o.cancelled() else None)
         return out
 
-    async def _pull_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
-        p = await self._peer(peer_addr)
-        await self._path(p).transfer(p, "pull", runs, timeout)
+    async def _pull_impl(self, peer_addr: str, runs: list[Run], timeout: float,
+                         heads: Heads | None = None) -> None:
+        await self._transfer(peer_addr, "pull", runs, timeout, heads)
 
-    async def _push_impl(self, peer_addr: str, runs: list[Run], timeout: float) -> None:
+    async def _push_impl(self, peer_addr: str, runs: list[Run], timeout: float,
+                         heads: Heads | None = None) -> None:
+        await self._transfer(peer_addr, "push", runs, timeout, heads)
+
+    async def _transfer(self, peer_addr: str, op: str, runs: list[Run], timeout: float,
+                        heads: Heads | None) -> None:
         p = await self._peer(peer_addr)
-        await self._path(p).transfer(p, "push", runs, timeout)
+        refused = self._refusal(p, op, heads)
+        if refused is not None:
+            raise refused
+        await self._path(p).transfer(p, op, runs, timeout, heads)
 
     async def _close_impl(self) -> None:
         peers = list(self._peers.values()) + list(self._server_eps)

@@ -13,9 +13,11 @@ push, R sends its blocks into O's:
   DATA receive, replies STATUS; R sends DATA; O replies DONE once every byte is in place.
 
 REQ = header ``<QQdQB`` (req id, requester token, timeout, number of runs, op) + runs as
-int64 [n, 3]. The token names the requester's endpoint on the owner (set up at link time).
-Both sides build their own iov lists from their own pool: wire order is run-major, then
-K/V, then layer; slice ``kv[k, l, start:start + n]`` is contiguous in memory.
+int64 [n, 3] (+ with ``OP_HEADS`` set in op: the head slice, int64 [3]). The token names
+the requester's endpoint on the owner (set up at link time). Both sides build their own
+iov lists from their own pool: wire order is run-major, then K/V, then layer; slice
+``kv[k, l, start:start + n]`` is contiguous in memory; a head slice cuts each of those
+into its token slots' rows (slices.py). The owner checks a head slice against its pool.
 """
 from __future__ import annotations
 
@@ -25,11 +27,14 @@ from collections.abc import Callable
 import numpy as np
 
 from xllm_py.kv_transfer.base import Run, TransferError
-from xllm_py.kv_transfer.kv_storage import SMALL_LIST, KVCacheStorage
+from xllm_py.kv_transfer.head_slices import Heads
+from xllm_py.kv_transfer.kv_storage import SMALL_LIST, KVCacheMeta, KVCacheStorage
+from xllm_py.kv_transfer.ucx import slices
 from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
 from xllm_py.kv_transfer.ucx.iov_task import KIND_DATA, KIND_DONE, KIND_REQ, KIND_STATUS, AnyOf, TaskGen, tag
 
 OP_PULL, OP_PUSH = 1, 2
+OP_HEADS = 0x80  # flag: a head slice follows the runs
 _HDR = struct.Struct("<QQdQB")
 _STATUS_MAX = 4096
 
@@ -41,21 +46,26 @@ class IovLayout:
     Holds the cache's base address: build it after the pool is allocated, for that pool.
     """
 
-    __slots__ = ("num_blocks", "num_slices", "slice_bytes", "block_bytes", "_base")
+    __slots__ = ("num_blocks", "num_slices", "slice_bytes", "block_bytes", "_base", "block_size",
+                 "num_kv_heads", "head_bytes", "row_bytes")
 
     def __init__(self, storage: KVCacheStorage) -> None:
-        self._init(storage.kv.data_ptr(), storage.num_layers, storage.num_blocks, storage.slice_bytes)
+        self._init(storage.kv.data_ptr(), storage.meta)
 
     @classmethod
-    def of_pool(cls, address: int, num_layers: int, num_blocks: int, slice_bytes: int) -> IovLayout:
+    def of_pool(cls, address: int, meta: KVCacheMeta) -> IovLayout:
         """The layout of a pool given by where it starts (e.g. a peer's pool mapped here)."""
         layout = cls.__new__(cls)
-        layout._init(address, num_layers, num_blocks, slice_bytes)
+        layout._init(address, meta)
         return layout
 
-    def _init(self, address: int, L: int, B: int, sb: int) -> None:
+    def _init(self, address: int, meta: KVCacheMeta) -> None:
+        L, B, sb = meta.num_layers, meta.num_blocks, meta.block_bytes // (2 * meta.num_layers)
         self.num_blocks, self.num_slices, self.slice_bytes = B, 2 * L, sb
         self.block_bytes = 2 * L * sb
+        self.block_size, self.num_kv_heads = meta.block_size, meta.num_kv_heads
+        self.row_bytes = sb // meta.block_size  # one token slot: every head
+        self.head_bytes = self.row_bytes // meta.num_kv_heads
         # int64 addresses (user space < 2**63), viewed as uint64 for UCX
         self._base = address + np.arange(2 * L, dtype=np.int64) * (B * sb)  # k * L + l, k major
 
@@ -68,16 +78,23 @@ class IovLayout:
         return out.reshape(-1, 2).view(np.uint64)
 
 
-def encode_request(op: int, req_id: int, token: int, timeout: float, runs: np.ndarray | list[Run]) -> bytes:
+def encode_request(op: int, req_id: int, token: int, timeout: float, runs: np.ndarray | list[Run],
+                   heads: Heads | None = None) -> bytes:
     r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
-    return _HDR.pack(req_id, token, timeout, r.shape[0], op) + r.tobytes()
+    msg = _HDR.pack(req_id, token, timeout, r.shape[0], op | (OP_HEADS if heads else 0)) + r.tobytes()
+    return msg if heads is None else msg + np.asarray(heads, dtype=np.int64).tobytes()
 
 
-def decode_request(data: bytes) -> tuple[int, int, int, float, np.ndarray]:
-    """(op, req_id, token, timeout, runs int64 [n, 3])."""
+def decode_request(data: bytes) -> tuple[int, int, int, float, np.ndarray, Heads | None]:
+    """(op, req_id, token, timeout, runs int64 [n, 3], heads or None); a message too short
+    for what its header announces raises ValueError."""
     req_id, token, timeout, n, op = _HDR.unpack_from(data)
     runs = np.frombuffer(data, dtype=np.int64, count=3 * n, offset=_HDR.size).reshape(n, 3)
-    return op, req_id, token, timeout, runs
+    heads = None
+    if op & OP_HEADS:
+        h = np.frombuffer(data, dtype=np.int64, count=3, offset=_HDR.size + 24 * n).tolist()
+        heads, op = (h[0], h[1], h[2]), op & ~OP_HEADS
+    return op, req_id, token, timeout, runs, heads
 
 
 def check_src_runs(runs: np.ndarray, num_blocks: int) -> str | None:
@@ -135,21 +152,26 @@ class IovRequest:
     __slots__ = ("op", "req_id", "msg", "chunks", "nbytes", "keep")
 
     def __init__(self, layout: IovLayout, op: int, req_id: int, token: int, timeout: float,
-                 runs: np.ndarray) -> None:
+                 runs: np.ndarray, heads: Heads | None = None) -> None:
         self.op, self.req_id = op, req_id
-        self.msg = encode_request(op, req_id, token, timeout, runs)
-        self.chunks = layout.chunks(runs, 1 if op == OP_PULL else 0)  # our side of each run
-        self.nbytes = int(runs[:, 2].sum()) * layout.block_bytes
+        self.msg = encode_request(op, req_id, token, timeout, runs, heads)
+        side = 1 if op == OP_PULL else 0  # our side of each run
+        if heads is None:
+            self.chunks = layout.chunks(runs, side)
+            self.nbytes = int(runs[:, 2].sum()) * layout.block_bytes
+        else:
+            self.chunks = slices.head_chunks(layout, runs, side, heads[side], heads[2], merge=True)
+            self.nbytes = int(runs[:, 2].sum()) * slices.slice_bytes_per_block(layout, heads[2])
         self.keep: object = None  # a buffer the posted receive points into, besides the cache
 
     @classmethod
     def scratch_pull(cls, layout: IovLayout, req_id: int, token: int, timeout: float,
-                     runs: np.ndarray, scratch: np.ndarray) -> IovRequest:
+                     runs: np.ndarray, scratch: np.ndarray, heads: Heads | None = None) -> IovRequest:
         """A pull of the owner's source runs whose data lands in ``scratch`` (uint8, at least
         the pull's size), in the same pieces as into the cache (our destination column is
         ignored): for warming up a link without touching our cache. The owner cannot tell it
         from a pull."""
-        req = cls(layout, OP_PULL, req_id, token, timeout, runs)
+        req = cls(layout, OP_PULL, req_id, token, timeout, runs, heads)
         if scratch.dtype != np.uint8 or scratch.size < req.nbytes or not scratch.flags.c_contiguous:
             raise ValueError(f"scratch must be contiguous uint8 of at least {req.nbytes} bytes")
         lens = req.chunks[:, 1].astype(np.int64)
@@ -215,21 +237,27 @@ TASKS = {OP_PULL: pull_task, OP_PUSH: push_task}
 
 def serve_task(track: list[ffi.Op], worker: int, ep: int, layout: IovLayout, op: int, req_id: int,
                runs: np.ndarray, check: Callable[[list[Run], str], object],
-               on_served: Callable[[], None]) -> TaskGen:
-    """Owner side of a request; ``check(runs, side)`` returns an error string or the validated ids."""
-    if op == OP_PULL:
-        checked = check_src_runs(runs, layout.num_blocks)
-    elif op == OP_PUSH:
-        checked = check([tuple(r) for r in runs.tolist()], "dst")
+               on_served: Callable[[], None], heads: Heads | None = None,
+               peer_heads: int | None = None) -> TaskGen:
+    """Owner side of a request; ``check(runs, side)`` returns an error string or the validated
+    ids. ``peer_heads``: the requester's pool's KV heads (None: not known)."""
+    side = 0 if op == OP_PULL else 1  # ours
+    checked: object = f"unknown op {op}" if op not in (OP_PULL, OP_PUSH) else (
+        slices.refusal(heads, layout.num_kv_heads, peer_heads, side))
+    if checked is not None:
+        checked = f"peer refused: {checked}"
     else:
-        checked = f"unknown op {op}"
+        checked = (check_src_runs(runs, layout.num_blocks) if op == OP_PULL
+                   else check([tuple(r) for r in runs.tolist()], "dst"))
     if isinstance(checked, str):
         yield [_t(track, ffi.tag_send_bytes(ep, checked.encode()[:_STATUS_MAX], tag(KIND_STATUS, req_id)))]
         return
+    chunks = (layout.chunks(runs, side) if heads is None
+              else slices.head_chunks(layout, runs, side, heads[side], heads[2], merge=True))
     if op == OP_PULL:
-        yield [_t(track, ffi.tag_send_iov(ep, layout.chunks(runs, 0), tag(KIND_DATA, req_id)))]
+        yield [_t(track, ffi.tag_send_iov(ep, chunks, tag(KIND_DATA, req_id)))]
     else:
-        data = _t(track, ffi.tag_recv_iov(worker, layout.chunks(runs, 1), tag(KIND_DATA, req_id)))
+        data = _t(track, ffi.tag_recv_iov(worker, chunks, tag(KIND_DATA, req_id)))
         yield [_t(track, ffi.tag_send_bytes(ep, b"", tag(KIND_STATUS, req_id)))]
         try:
             yield [data]

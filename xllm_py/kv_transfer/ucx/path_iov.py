@@ -10,12 +10,16 @@ Stages: ``connect`` (at link time: an endpoint on our IovWorker to the peer's, N
 its transports cannot reach it), ``warmup`` (a few scratch pulls), then ``start`` per pull
 or push (prepared on the caller's thread, run on the IovWorker thread); the owner serves
 requests in ``on_request`` (on its IovWorker thread); ``drop`` at unlink.
+
+Head slices (peers of different TP) go as one iov message too, one entry per token slot
+of each (run, kv, layer) on the side that holds more heads than the slice (slices.py).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
+import struct
 import time
 from typing import Any
 
@@ -23,6 +27,7 @@ import numpy as np
 
 from xllm_py.config import UCXConfig
 from xllm_py.kv_transfer.base import Run, TransferError
+from xllm_py.kv_transfer.head_slices import Heads
 from xllm_py.kv_transfer.ucx import iov_protocol
 from xllm_py.kv_transfer.ucx.iov_worker import IovWorker
 from xllm_py.kv_transfer.ucx.path_tag import CheckRuns
@@ -42,14 +47,17 @@ class IovPath:
         self.config = config
         self._stats = stats
         self._check_runs = check_runs
+        self._peer_heads: dict[Any, int] = {}  # link key -> the KV heads of that peer's pool
 
     # ------------------------------------------------------------------ links
 
-    async def connect(self, key: Any, hex_addr: str) -> Any:
-        """Endpoint on our IovWorker to the peer's; None when its transports cannot reach it
-        (e.g. shared memory only, peer on another host): that peer then uses the tag path."""
+    async def connect(self, key: Any, hex_addr: str, peer_heads: int) -> Any:
+        """Endpoint on our IovWorker to the peer's (whose pool has ``peer_heads`` KV heads);
+        None when its transports cannot reach it (e.g. shared memory only, peer on another
+        host): that peer then uses the tag path."""
         try:
             await asyncio.wrap_future(self.worker.connect(key, bytes.fromhex(hex_addr)))
+            self._peer_heads[key] = peer_heads
             return key
         except Exception as e:  # noqa: BLE001
             logger.info("ucx: no iov data path to %s (%s: %s); using the tag path", key, type(e).__name__, e)
@@ -57,14 +65,17 @@ class IovPath:
 
     def drop(self, peer: Peer) -> None:
         if peer.iov_key is not None:
+            self._peer_heads.pop(peer.iov_key, None)
             self.worker.disconnect(peer.iov_key)
 
     async def warmup(self, key: Any, peer_blocks: int, peer_addr: str) -> None:
         """``warmup_pulls`` pulls of ~``warmup_bytes`` of the peer's first blocks into one
         scratch buffer (read-only for the peer, which counts them as served; UCXConfig has the
-        measurements). A failure only ends the warm-up: the link is used as it is, and a real
-        transfer reports any problem."""
+        measurements; a peer of other KV heads: slices of the heads both pools have). A failure
+        only ends the warm-up: the link is used as it is, and a real transfer reports any problem."""
         cfg, layout = self.config, self.layout
+        theirs = self._peer_heads.get(key, layout.num_kv_heads)
+        heads = None if theirs == layout.num_kv_heads else (0, 0, min(theirs, layout.num_kv_heads))
         n = max(1, min(cfg.warmup_bytes // layout.block_bytes, peer_blocks // 2))
         shapes = (np.array([[0, 0, n]], dtype=np.int64),
                   np.array([[2 * i, i, 1] for i in range(n)], dtype=np.int64))
@@ -72,7 +83,7 @@ class IovPath:
         t0 = time.perf_counter()
         for i in range(cfg.warmup_pulls):
             req = iov_protocol.IovRequest.scratch_pull(layout, self.worker.new_req_id(), self.token,
-                                                       cfg.warmup_timeout_s, shapes[i % 2], scratch)
+                                                       cfg.warmup_timeout_s, shapes[i % 2], scratch, heads)
             try:
                 await asyncio.wrap_future(self._post(key, req, iov_protocol.pull_task, cfg.warmup_timeout_s,
                                                      "the warm-up", "warm-up pull"))
@@ -85,14 +96,16 @@ class IovPath:
 
     # ------------------------------------------------------------------ requester
 
-    async def transfer(self, p: Peer, what: str, runs: list[Run], timeout: float) -> None:
-        await p.guard(asyncio.wrap_future(self.start(p, what, runs, timeout)), what)
+    async def transfer(self, p: Peer, what: str, runs: list[Run], timeout: float,
+                       heads: Heads | None = None) -> None:
+        await p.guard(asyncio.wrap_future(self.start(p, what, runs, timeout, heads)), what)
 
-    def start(self, p: Peer, what: str, runs: list[Run], timeout: float) -> concurrent.futures.Future:
+    def start(self, p: Peer, what: str, runs: list[Run], timeout: float,
+              heads: Heads | None = None) -> concurrent.futures.Future:
         """The request is prepared here, on the caller's thread."""
         op = iov_protocol.OP_PULL if what == "pull" else iov_protocol.OP_PUSH
         req = iov_protocol.IovRequest(self.layout, op, self.worker.new_req_id(), self.token, timeout,
-                                      np.asarray(runs, dtype=np.int64).reshape(-1, 3))
+                                      np.asarray(runs, dtype=np.int64).reshape(-1, 3), heads)
         return self._post(p.iov_key, req, iov_protocol.TASKS[op], timeout, what, f"{what} of {len(runs)} runs")
 
     def _post(self, key: Any, req: iov_protocol.IovRequest, task: Any, timeout: float, what: str,
@@ -112,7 +125,11 @@ class IovPath:
 
     def on_request(self, sender_tag: int, data: bytes) -> tuple | None:
         """IovWorker thread: a peer's pull/push request; returns the task that serves it."""
-        op, req_id, token, timeout, runs = iov_protocol.decode_request(data)
+        try:
+            op, req_id, token, timeout, runs, heads = iov_protocol.decode_request(data)
+        except (ValueError, struct.error) as e:  # (a short message: nothing to answer to)
+            logger.warning("ucx: malformed iov request of %d bytes dropped: %s", len(data), e)
+            return None
         key = ("in", token)
         iov = self.worker
         ep = iov.ep_handle(key)
@@ -125,6 +142,6 @@ class IovPath:
 
         def make(track: list) -> Any:
             return iov_protocol.serve_task(track, iov.handle, ep, self.layout, op, req_id, runs,
-                                           self._check_runs, served)
+                                           self._check_runs, served, heads, self._peer_heads.get(key))
 
         return make, timeout, key, f"serving op {op} (req {req_id:x}, {len(runs)} runs)"

@@ -7,6 +7,8 @@ once). A pull or push then checks the peer's side of every run against its pool 
 peer takes no part) and runs one native memcpy call (``start``). Where mapping is not
 possible (another host or IPC namespace, a private pool, ``UCXConfig.map_peer_pools`` off)
 the link takes the iov path. The mapping is released with the iov endpoint (unlink).
+A head slice (peers of different TP) is the same one call, one row per token slot of each
+(run, kv, layer) (slices.py).
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ import numpy as np
 
 from xllm_py.config import UCXConfig
 from xllm_py.kv_transfer.base import Run, TransferError, runs_to_ids
+from xllm_py.kv_transfer.head_slices import Heads
 from xllm_py.kv_transfer.kv_storage import KVCacheMeta, KVCacheStorage, prefault_pages
-from xllm_py.kv_transfer.ucx import iov_protocol, shared_memory
+from xllm_py.kv_transfer.ucx import iov_protocol, shared_memory, slices
 from xllm_py.kv_transfer.ucx.iov_worker import IovWorker
 from xllm_py.kv_transfer.ucx.peer import Peer
 
@@ -73,24 +76,29 @@ class MappedPath:
             return None
         t0 = time.perf_counter()
         await asyncio.get_running_loop().run_in_executor(None, prefault_pages, pool.address, pool.nbytes)
-        layout = iov_protocol.IovLayout.of_pool(pool.address, meta.num_layers, meta.num_blocks,
-                                                meta.block_bytes // (2 * meta.num_layers))
+        layout = iov_protocol.IovLayout.of_pool(pool.address, meta)
         logger.info("ucx: mapped the KV pool of %s (%d MB, prefaulted in %.1f ms): transfers are memcpys",
                     peer_addr, need >> 20, (time.perf_counter() - t0) * 1e3)
         return MappedPool(pool, layout)
 
-    async def transfer(self, p: Peer, what: str, runs: list[Run], timeout: float) -> None:
-        await asyncio.wrap_future(self.start(p, what, runs, timeout))
+    async def transfer(self, p: Peer, what: str, runs: list[Run], timeout: float,
+                       heads: Heads | None = None) -> None:
+        await asyncio.wrap_future(self.start(p, what, runs, timeout, heads))
 
-    def start(self, p: Peer, what: str, runs: list[Run], timeout: float) -> concurrent.futures.Future:
-        """A pull or push with a mapped peer: the peer's side of every run checked against its
-        pool here, then one native memcpy call: on the calling thread up to
-        ``UCXConfig.inline_copy_bytes`` (a thread hop costs more than the copy), else on our
-        copy thread. A memcpy cannot hang: no deadline (``timeout`` is not used)."""
+    def start(self, p: Peer, what: str, runs: list[Run], timeout: float,
+              heads: Heads | None = None) -> concurrent.futures.Future:
+        """A pull or push with a mapped peer: the peer's side of every run (and head slice)
+        checked against its pool here, then one native memcpy call: on the calling thread up
+        to ``UCXConfig.inline_copy_bytes`` (a thread hop costs more than the copy), else on
+        our copy thread. A memcpy cannot hang: no deadline (``timeout`` is not used)."""
         m = p.mapped
         arr = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
         theirs = 0 if what == "pull" else 1
-        err = iov_protocol.check_runs(arr, m.layout.num_blocks, theirs)
+        err = slices.refusal(heads, self.layout.num_kv_heads, m.layout.num_kv_heads, 1 - theirs)
+        if err is not None:
+            err = f"ucx: {err}"
+        else:
+            err = iov_protocol.check_runs(arr, m.layout.num_blocks, theirs)
         if err is None and what == "push" and arr.shape[0] > 1:
             dst = runs_to_ids(runs)[1]
             if np.unique(dst).size != dst.size:
@@ -104,14 +112,19 @@ class MappedPath:
             if not m.pool.acquire():
                 raise TransferError("ucx: the link to the peer was closed")
             try:
-                ours = self.layout.chunks(arr, 1 - theirs)
-                other = m.layout.chunks(arr, theirs)
+                if heads is None:
+                    ours, other = self.layout.chunks(arr, 1 - theirs), m.layout.chunks(arr, theirs)
+                else:  # (row for row on both sides: copy_chunks pairs equal lengths)
+                    ours = slices.head_chunks(self.layout, arr, 1 - theirs, heads[1 - theirs], heads[2])
+                    other = slices.head_chunks(m.layout, arr, theirs, heads[theirs], heads[2])
                 shared_memory.copy_chunks(ours, other) if what == "pull" else shared_memory.copy_chunks(other, ours)
             finally:
                 m.pool.release()
             self._stats["mapped"] += 1
 
-        if int(arr[:, 2].sum()) * self.storage.block_bytes <= self.config.inline_copy_bytes:
+        block_bytes = (self.storage.block_bytes if heads is None
+                       else slices.slice_bytes_per_block(self.layout, heads[2]))
+        if int(arr[:, 2].sum()) * block_bytes <= self.config.inline_copy_bytes:
             f = concurrent.futures.Future()
             try:
                 copy()

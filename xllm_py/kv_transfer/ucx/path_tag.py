@@ -17,6 +17,8 @@ Stages of a pull (requester R, owner O):
    fragmented lists). A refusal completes R's receives with empty messages.
 Push: R -> O {op: push}; O validates dst ids, posts receives, replies ok; R sends data;
 O replies done once all bytes are in place.
+A head slice (peers of different TP; ``heads`` in the request, checked by O against its
+pool) always goes ``gather``: ``gather_heads`` on the sender, ``scatter_heads`` on the receiver.
 """
 from __future__ import annotations
 
@@ -30,7 +32,10 @@ import torch
 
 from xllm_py.config import UCXConfig
 from xllm_py.kv_transfer.base import Run, TransferError, runs_to_ids
+from xllm_py.kv_transfer.head_slices import (Heads, gather_heads, scatter_heads,
+                                             slice_block_bytes)
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, StagingPool
+from xllm_py.kv_transfer.ucx import slices
 from xllm_py.kv_transfer.ucx.framing import MAX_MSGS, new_req, recv_ctrl, send_ctrl, ucx_buffer
 from xllm_py.kv_transfer.ucx.peer import Peer
 from xllm_py.utils.aio import wait_for
@@ -56,17 +61,19 @@ class TagPath:
 
     # ------------------------------------------------------------------ requester
 
-    async def transfer(self, p: Peer, what: str, runs: list[Run], timeout: float) -> None:
-        await (self._pull(p, runs, timeout) if what == "pull" else self._push(p, runs, timeout))
+    async def transfer(self, p: Peer, what: str, runs: list[Run], timeout: float,
+                       heads: Heads | None = None) -> None:
+        await (self._pull(p, runs, timeout, heads) if what == "pull" else self._push(p, runs, timeout, heads))
 
-    async def _pull(self, p: Peer, runs: list[Run], timeout: float) -> None:
+    async def _pull(self, p: Peer, runs: list[Run], timeout: float, heads: Heads | None) -> None:
         """Receives are posted before the request goes out: one round trip, status and data
         in flight together. A refusal completes them with empty messages (nothing written)."""
-        tag, mode = new_req(), self.choose_mode(runs)
+        tag, mode = new_req(), self.choose_mode(runs, heads)
         data, commit = self._post_recv_blocks(p.ctrl, tag, runs, mode,
-                                              runs_to_ids(runs)[1] if mode == "gather" else None)
+                                              runs_to_ids(runs)[1] if mode == "gather" else None,
+                                              None if heads is None else heads[1:])
         try:
-            await self._request(p, "pull", tag, runs, mode, timeout)
+            await self._request(p, "pull", tag, runs, mode, timeout, heads)
         except TransferError as e:
             if e.invalid_argument:  # refused: the peer releases our receives
                 await p.guard(data, "pull refusal")
@@ -74,18 +81,21 @@ class TagPath:
         await p.guard(data, "pull data")
         commit()
 
-    async def _push(self, p: Peer, runs: list[Run], timeout: float) -> None:
-        tag, mode = new_req(), self.choose_mode(runs)
-        await self._request(p, "push", tag, runs, mode, timeout)
+    async def _push(self, p: Peer, runs: list[Run], timeout: float, heads: Heads | None) -> None:
+        tag, mode = new_req(), self.choose_mode(runs, heads)
+        await self._request(p, "push", tag, runs, mode, timeout, heads)
         done = asyncio.ensure_future(recv_ctrl(p.ctrl, tag=tag))
-        await p.guard(self._send_blocks(p.data, tag, runs, mode, runs_to_ids(runs)[0] if mode == "gather" else None),
+        await p.guard(self._send_blocks(p.data, tag, runs, mode, runs_to_ids(runs)[0] if mode == "gather" else None,
+                                        None if heads is None else (heads[0], heads[2])),
                       "push data")
         rep = await p.guard(done, "push completion")
         if not rep.get("ok"):
             raise TransferError(rep.get("error", "peer failed to write"))
 
-    async def _request(self, p: Peer, op: str, tag: int, runs: list[Run], mode: str, timeout: float) -> None:
-        hdr = {"op": op, "req": tag, "runs": runs, "mode": mode, "timeout": timeout}
+    async def _request(self, p: Peer, op: str, tag: int, runs: list[Run], mode: str, timeout: float,
+                       heads: Heads | None) -> None:
+        hdr = {"op": op, "req": tag, "runs": runs, "mode": mode, "timeout": timeout,
+               "heads": None if heads is None else [int(h) for h in heads]}
         status = asyncio.ensure_future(recv_ctrl(p.ctrl, tag=tag))
         async with p.send_lock:
             await p.guard(send_ctrl(p.ctrl, hdr), f"{op} request")
@@ -100,7 +110,11 @@ class TagPath:
         op, tag, runs = req.get("op"), int(req["req"]), [tuple(r) for r in req.get("runs", [])]
         timeout = float(req.get("timeout", self._default_timeout_s))
         try:
-            checked = self._check_runs(runs, "src" if op == "pull" else "dst")
+            heads = slices.parse_heads(req.get("heads"))
+            refused = heads if isinstance(heads, str) else slices.refusal(
+                heads, self.storage.num_kv_heads, peer.num_kv_heads, 0 if op == "pull" else 1)
+            checked = (f"peer refused: {refused}" if refused
+                       else self._check_runs(runs, "src" if op == "pull" else "dst"))
             if op not in ("pull", "push"):
                 checked = f"unknown op {op!r}"
             if isinstance(checked, str):
@@ -111,10 +125,12 @@ class TagPath:
             if op == "pull":
                 # status and data go out together: the requester pre-posted its receives
                 await wait_for(asyncio.gather(send_ctrl(peer.ctrl, {"ok": True}, tag=tag),
-                                              self._send_blocks(peer.data, tag, runs, req["mode"], checked[0])),
+                                              self._send_blocks(peer.data, tag, runs, req["mode"], checked[0],
+                                                                None if heads is None else (heads[0], heads[2]))),
                                timeout)
             else:
-                recv = self._recv_blocks(peer.ctrl, tag, runs, req["mode"], checked[1])
+                recv = self._recv_blocks(peer.ctrl, tag, runs, req["mode"], checked[1],
+                                         None if heads is None else heads[1:])
                 task = asyncio.ensure_future(recv)
                 await send_ctrl(peer.ctrl, {"ok": True}, tag=tag)
                 await wait_for(task, timeout)
@@ -127,14 +143,16 @@ class TagPath:
 
     # ------------------------------------------------------------------ data movement
 
-    def choose_mode(self, runs: list[Run]) -> str:
+    def choose_mode(self, runs: list[Run], heads: Heads | None = None) -> str:
         """direct (zero-copy, one message per slice) only for few, large slices
-        (UCXConfig.direct_max_msgs / direct_min_slice_bytes).
+        (UCXConfig.direct_max_msgs / direct_min_slice_bytes); a head slice: gather.
 
         Measured (2-core VM, 16 KiB slices, 4 layers): per-message overhead dominates small
         slices: fragmented 64 MB direct 743 ms vs gather 68 ms; contiguous 64 MB (8 MB
         slices) direct 33 ms vs gather 60 ms; contiguous 1 MB: equal within noise.
         """
+        if heads is not None:
+            return "gather"
         if self.mode in ("direct", "gather"):
             return self.mode if len(runs) * 2 * self.storage.num_layers < MAX_MSGS else "gather"
         n_msgs = 2 * self.storage.num_layers * len(runs)
@@ -154,8 +172,13 @@ class TagPath:
                     out.append(b[k, layer, start:start + n])
         return out
 
-    async def _send_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, src_ids: Any) -> None:
-        if mode == "direct":
+    async def _send_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, src_ids: Any,
+                           heads: tuple[int, int] | None = None) -> None:
+        """``heads``: (start, count) of our blocks' heads: gathered into one message."""
+        if heads is not None:
+            buf = gather_heads(self.storage, src_ids, heads[0], heads[1]).view(-1).view(torch.uint8)
+            await ep.send(ucx_buffer(buf), tag=tag, force_tag=True)
+        elif mode == "direct":
             slices = self._slices(runs, side=0)
             await asyncio.gather(*(ep.send(ucx_buffer(s), tag=tag | i, force_tag=True)
                                    for i, s in enumerate(slices)))
@@ -167,29 +190,35 @@ class TagPath:
             finally:
                 self._pool.release(buf)
 
-    def _post_recv_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str,
-                          dst_ids: Any) -> tuple[asyncio.Future, Any]:
+    def _post_recv_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, dst_ids: Any,
+                          heads: tuple[int, int] | None = None) -> tuple[asyncio.Future, Any]:
         """Post the data receives now; returns (completion, commit). ``commit()`` scatters the
-        gather staging buffer into the cache: call it only after the peer said ok (a refusal
-        completes the receives with empty messages, see ``_release_recvs``)."""
+        gather staging buffer into the cache (``heads``: (start, count), into those of our
+        heads): call it only after the peer said ok (a refusal completes the receives with
+        empty messages, see ``_release_recvs``)."""
         if mode == "direct":
             slices = self._slices(runs, side=1)
             fut = asyncio.gather(*(ep.recv(ucx_buffer(s), tag=tag | i, force_tag=True)
                                    for i, s in enumerate(slices)))
             return fut, lambda: None
-        staging = self._pool.acquire(len(dst_ids) * self.storage.block_bytes)
+        block_bytes = self.storage.block_bytes if heads is None else slice_block_bytes(self.storage, heads[1])
+        staging = self._pool.acquire(len(dst_ids) * block_bytes)
         fut = asyncio.ensure_future(ep.recv(ucx_buffer(staging), tag=tag, force_tag=True))
 
         def commit() -> None:
-            self.storage.write_blocks(dst_ids, staging)
+            if heads is None:
+                self.storage.write_blocks(dst_ids, staging)
+            else:
+                scatter_heads(self.storage, dst_ids, heads[0], heads[1], staging)
             # Back to the pool only after a completed receive: after a failure UCX may still
             # hold the buffer (the pending request keeps it alive), so it must not be reused.
             self._pool.release(staging)
 
         return fut, commit
 
-    async def _recv_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, dst_ids: Any) -> None:
-        fut, commit = self._post_recv_blocks(ep, tag, runs, mode, dst_ids)
+    async def _recv_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, dst_ids: Any,
+                           heads: tuple[int, int] | None = None) -> None:
+        fut, commit = self._post_recv_blocks(ep, tag, runs, mode, dst_ids, heads)
         await fut
         commit()
 

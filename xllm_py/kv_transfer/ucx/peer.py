@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from xllm_py.kv_transfer.base import Run, TransferError
+from xllm_py.kv_transfer.head_slices import Heads
 from xllm_py.utils.aio import wait_for
 
 if TYPE_CHECKING:
@@ -33,24 +34,28 @@ class DataPath(Protocol):
 
     name: str
 
-    async def transfer(self, p: "Peer", what: str, runs: list[Run], timeout: float) -> None:
-        """On the backend's loop; raises TransferError (``invalid_argument``: refused)."""
+    async def transfer(self, p: "Peer", what: str, runs: list[Run], timeout: float,
+                       heads: Heads | None = None) -> None:
+        """On the backend's loop; raises TransferError (``invalid_argument``: refused).
+        ``heads``: only those KV heads of the blocks (head_slices.py)."""
         ...
 
 
 class HostPath(DataPath, Protocol):
     """A host-memory path that needs no event loop: started from any thread."""
 
-    def start(self, p: "Peer", what: str, runs: list[Run], timeout: float) -> concurrent.futures.Future:
+    def start(self, p: "Peer", what: str, runs: list[Run], timeout: float,
+              heads: Heads | None = None) -> concurrent.futures.Future:
         """The transfer, under way; its future completes with None or the error."""
         ...
 
 
 class Peer:
     def __init__(self, ctrl: Any, data: Any, iov_key: Any = None, iov: IovWorker | None = None,
-                 mapped: MappedPool | None = None) -> None:
+                 mapped: MappedPool | None = None, num_kv_heads: int | None = None) -> None:
         self.ctrl = ctrl
         self.data = data
+        self.num_kv_heads = num_kv_heads  # of the peer's pool (differs from ours: another TP)
         self.iov_key = iov_key  # key of this peer's endpoint on our IovWorker (None: tag path)
         self.mapped = mapped  # the peer's pool mapped here (closed with the iov endpoint)
         self.path = "tag" if iov_key is None else "mapped" if mapped is not None else "iov"
@@ -86,12 +91,7 @@ class Peer:
         raise TransferError(f"ucx: connection to the peer lost during {what}")
 
     def abort(self) -> None:
-        for ep in (self.ctrl, self.data):
-            try:
-                if ep is not None and not ep.closed:
-                    ep.abort()
-            except Exception as e:  # noqa: BLE001
-                logger.warning("ucx: aborting endpoint failed: %s", e)
+        abort_endpoints(self.ctrl, self.data)
 
     async def close(self, timeout: float = 1.0) -> None:
         """Graceful close: the peer learns that the connection is gone (abort tells it nothing)."""
@@ -102,3 +102,14 @@ class Peer:
             except Exception as e:  # noqa: BLE001
                 logger.debug("ucx: graceful close failed (%s), aborting", e)
         self.abort()
+
+
+def abort_endpoints(*eps: Any) -> None:
+    """Abort ucxx endpoints (None or already closed: skipped), e.g. of a link that failed
+    before its ``Peer`` existed (a Peer cannot be made on an endpoint that is closing)."""
+    for ep in eps:
+        try:
+            if ep is not None and not ep.closed:
+                ep.abort()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("ucx: aborting endpoint failed: %s", e)
