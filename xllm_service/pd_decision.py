@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from xllm_py.cluster.latency_profile import LatencyProfile
+from xllm_py.cluster.latency_profile import LatencyProfile, attn_pairs
 from xllm_py.config import RouterConfig
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
@@ -164,13 +164,13 @@ class SloPredictor:
                 self._profiles[key] = None
         return self._profiles[key]
 
-    def _state(self, info: InstanceInfo) -> tuple[int, int, int]:
-        """(prompt tokens queued, decoding sequences, their context tokens)."""
+    def _state(self, info: InstanceInfo) -> tuple[InstanceWork, int, int]:
+        """(the service's work there, decoding sequences, their context tokens)."""
         w = self.work(info.name)
         seqs, ctx = w.decoding_seqs, w.decoding_ctx_tokens
         others = max(0, info.load.running - seqs)
         ctx += others * (ctx // seqs if seqs else DEFAULT_CTX_PER_SEQ)
-        return w.pending_prefill_tokens, seqs + others, ctx
+        return w, seqs + others, ctx
 
     def predict(self, route: Route, prompt_len: int, uncached: int,
                 max_tokens: int) -> Prediction | None:
@@ -179,14 +179,18 @@ class SloPredictor:
         pp = self.profile(route.target)
         if pd is None or pp is None:
             return None
-        queued_d, seqs_d, ctx_d = self._state(decode)
+        work_d, seqs_d, ctx_d = self._state(decode)
+        queued_d = work_d.pending_prefill_tokens
+        own_pairs = attn_pairs(prompt_len - uncached, uncached)
         if route.is_pd:
-            queued_p, seqs_p, ctx_p = self._state(route.target)
-            ttft = (pp.prefill_ms(queued_p + uncached, seqs_p, ctx_p)
+            work_p, seqs_p, ctx_p = self._state(route.target)
+            ttft = (pp.prefill_ms(work_p.pending_prefill_tokens + uncached, seqs_p, ctx_p,
+                                  work_p.pending_prefill_pairs + own_pairs)
                     + self.config.pd_overhead_ms)
             local = queued_d
         else:
-            ttft = pd.prefill_ms(queued_d + uncached, seqs_d, ctx_d)
+            ttft = pd.prefill_ms(queued_d + uncached, seqs_d, ctx_d,
+                                 work_d.pending_prefill_pairs + own_pairs)
             local = queued_d + uncached
         # The prompt tokens the decode computes stall every stream it runs; a stream halfway
         # through its output absorbs the stall over the half it has left, at most one

@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import enum
 
+from xllm_py.cluster.latency_profile import attn_pairs
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.outputs import RequestOutput
 from xllm_service.instance_table import InstanceInfo
@@ -64,6 +65,7 @@ class InstanceWork:
     pending_prefill_tokens: int = 0
     decoding_seqs: int = 0
     decoding_ctx_tokens: int = 0
+    pending_prefill_pairs: int = 0  # the (token, key) pairs those prompts attend to
 
 
 class InvalidSubTransition(RuntimeError):
@@ -183,7 +185,7 @@ class SubRequests:
 
     def work(self, name: str) -> InstanceWork:
         """What the subs here ask of instance `name` now (SLO_AWARE predicts from it)."""
-        pending = seqs = ctx = 0
+        pending = seqs = ctx = pairs = 0
         for i in self._by_instance.get(name, ()):
             sub = self._subs.get(i)
             if sub is None or sub.spec is None or sub.phase.is_done:
@@ -191,10 +193,11 @@ class SubRequests:
             prompt = len(sub.spec.prompt_token_ids)
             if sub.prefilling and sub.route.target.name == name:
                 pending += prompt
+                pairs += attn_pairs(0, prompt)
             if sub.serving == name:
                 seqs += 1
                 ctx += prompt + len(sub.generated)
-        return InstanceWork(pending, seqs, ctx)
+        return InstanceWork(pending, seqs, ctx, pairs)
 
     def inflight_by_instance(self) -> list[tuple[str, int]]:
         return sorted((name, len(ids)) for name, ids in self._by_instance.items())

@@ -11,7 +11,7 @@ import pytest
 
 from xllm_py.api.backend import GenerateRequest
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.cluster.latency_profile import LatencyProfile
+from xllm_py.cluster.latency_profile import LatencyProfile, attn_pairs
 from xllm_py.config import InstanceRole, RouterConfig
 from xllm_py.engine.block_pool import hash_block_tokens
 from xllm_py.engine.cache_events import hash_to_bytes
@@ -116,6 +116,23 @@ def test_prompt_cap_beside_decodes_lengthens_ttft_and_bounds_the_stall():
         pytest.approx(6 + 0.1 * 2000 / 5)
 
 
+def test_prompt_attention_term_is_quadratic_in_the_prompt_and_counts_the_cached_keys():
+    quad = {**PROFILE, "prefill_ms_per_kpair": 2.0}  # 2 ms per 1000 (token, key) pairs
+    p = LatencyProfile.from_dict(quad)
+    assert attn_pairs(0, 4) == 10 and attn_pairs(6, 4) == 34 and attn_pairs(3, 0) == 0
+    assert p.prefill_ms(500) == pytest.approx(1 + 50 + 2 * 500 * 501 / 2 / 1000)
+    assert LatencyProfile.from_dict(PROFILE).prefill_ms_per_kpair == 0  # older profiles
+    work = {"p": InstanceWork(pending_prefill_tokens=1000, pending_prefill_pairs=500_500)}
+    pred = SloPredictor(RouterConfig(pd_overhead_ms=0), lambda n: work.get(n, InstanceWork()))
+    pp, d = inst("pq", InstanceRole.PREFILL, quad), inst("dq", InstanceRole.DECODE, quad)
+    work["pq"] = work.pop("p")
+    # 200 uncached tokens after 100 cached: 200*100 + 200*201/2 pairs, + the queue's
+    x = pred.predict(Route(pp, d), prompt_len=300, uncached=200, max_tokens=10)
+    assert x.ttft_ms == pytest.approx(101 + 21 + 2 * (500_500 + 20_000 + 20_100) / 1000)
+    with pytest.raises(ValueError, match="prefill_ms_per_kpair"):
+        LatencyProfile.from_dict({**PROFILE, "prefill_ms_per_kpair": -1})
+
+
 def test_instance_work_counts_prompts_not_yet_computed_and_the_sequences_decoding():
     subs = SubRequests()
     p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
@@ -133,8 +150,8 @@ def test_instance_work_counts_prompts_not_yet_computed_and_the_sequences_decodin
     add("a", Route(p, d), 100)                                   # on the prefill
     add("b", Route(p, d), 50, SubPhase.FIRST_RELAYED).generated.extend([1, 2])  # decoding
     add("c", Route(d, on_decode=True), 30)                      # prefilled on d
-    assert subs.work("p") == InstanceWork(100, 0, 0)
-    assert subs.work("d") == InstanceWork(30, 3, 100 + 52 + 30)
+    assert subs.work("p") == InstanceWork(100, 0, 0, 100 * 101 // 2)
+    assert subs.work("d") == InstanceWork(30, 3, 100 + 52 + 30, 30 * 31 // 2)
 
 
 # ---------------------------------------------------------------- the decider

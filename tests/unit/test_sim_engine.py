@@ -16,7 +16,7 @@ from xllm_py.kv_transfer.base import TransferError
 from xllm_py.kv_transfer.factory import create_backend
 from xllm_py.sim.runner import SimulatedRunner, next_token
 from xllm_py.sim.storage import SimKVStorage
-from xllm_py.sim.time_model import StepShape, TimeModel, fit
+from xllm_py.sim.time_model import StepShape, TimeModel, attn_pairs, fit
 
 MODEL = TimeModel(prefill_base_ms=2.0, prefill_ms_per_token=0.1, decode_base_ms=1.0,
                   decode_ms_per_seq=0.5, decode_ms_per_ctx_token=0.001)
@@ -51,7 +51,8 @@ def test_step_shape_counts_prompt_tokens_and_decodes() -> None:
     seqs = [Seq("a", [1] * 30, 0, [0, 1]), Seq("b", [5], 40, [2, 3, 4]),
             Seq("c", [5], 9, [5]), Seq("d", [1] * 4, 16, [6, 7])]  # d: a chunk
     assert StepShape.of(seqs) == StepShape(num_prefill_tokens=34, num_decode_seqs=2,
-                                           num_decode_ctx_tokens=41 + 10)
+                                           num_decode_ctx_tokens=41 + 10,
+                                           num_prefill_pairs=30 * 31 // 2 + 4 * 16 + 10)
 
 
 def test_step_ms() -> None:
@@ -69,6 +70,22 @@ def test_fit_recovers_the_coefficients_of_exact_samples() -> None:
     for field in ("prefill_base_ms", "prefill_ms_per_token", "decode_base_ms", "decode_ms_per_seq", "decode_ms_per_ctx_token"):
         assert getattr(got, field) == pytest.approx(getattr(MODEL, field), rel=1e-6), field
     assert got.source == {"model": "x"}
+
+
+def test_fit_recovers_the_prompt_attention_term() -> None:
+    """Prompts alone and chunks after computed tokens: the pairs term is told apart from
+    the per-token one, and it makes long prompts superlinear."""
+    model = dataclasses.replace(MODEL, prefill_ms_per_kpair=0.3)
+    shapes = ([StepShape(n, 0, 0, attn_pairs(0, n)) for n in (8, 64, 512, 1536)]
+              + [StepShape(256, 0, 0, attn_pairs(s, 256)) for s in (256, 1024)]
+              + [StepShape(0, b, b * c) for b in (1, 8, 32) for c in (32, 512)]
+              + [StepShape(64, 4, 900, attn_pairs(512, 64))])
+    got = fit([(s, model.step_ms(s)) for s in shapes])
+    assert got.prefill_ms_per_kpair == pytest.approx(0.3, rel=1e-6)
+    assert got.prefill_ms_per_token == pytest.approx(MODEL.prefill_ms_per_token, rel=1e-6)
+    assert TimeModel.from_dict(json.loads(got.to_json())) == got
+    old = {k: v for k, v in json.loads(MODEL.to_json()).items() if k != "prefill_ms_per_kpair"}
+    assert TimeModel.from_dict(old).prefill_ms_per_kpair == 0  # profiles made before it
 
 
 def test_fit_never_gives_a_negative_coefficient() -> None:

@@ -2,13 +2,14 @@
 (the `latency_profile` of its InstanceMeta) for the service's SLO_AWARE routing.
 
     step_ms = base + prefill_ms_per_token * prompt tokens computed
+              + prefill_ms_per_kpair * (prompt token, key) pairs they attend to / 1000
               + decode_ms_per_seq * decoding sequences
               + decode_ms_per_ctx_token * context tokens those sequences attend to
 
 (base: `prefill_base_ms` for a step without decodes, else `decode_base_ms`.) The JSON is
 the simulator's time model (`xllm_py.sim.time_model.TimeModel`, written by
-`python -m xllm_py.sim.profile --out PROFILE.json`): the same five keys and an optional
-`source`, so one profile file serves both; an engine loads it with `--latency-profile`.
+`python -m xllm_py.sim.profile --out PROFILE.json`): the same keys (the pairs term
+optional: 0 in older files) and an optional `source`, so one profile file serves both; an engine loads it with `--latency-profile`.
 From it, TTFT as a function of uncached prompt tokens (`prefill_ms`: the prompt's chunks,
 each riding a step with the running decodes) and TPOT as a function of the running
 batch and its context (`decode_step_ms`).
@@ -23,6 +24,11 @@ import math
 import pathlib
 from typing import Any
 
+def attn_pairs(start: int, n: int) -> int:
+    """(query, key) pairs of `n` prompt tokens computed after `start` others (causal)."""
+    return n * start + n * (n + 1) // 2 if n > 0 else 0
+
+
 KEYS = ("prefill_base_ms", "prefill_ms_per_token", "decode_base_ms", "decode_ms_per_seq",
         "decode_ms_per_ctx_token")
 
@@ -34,6 +40,8 @@ class LatencyProfile:
     decode_base_ms: float
     decode_ms_per_seq: float
     decode_ms_per_ctx_token: float
+    # Prompt attention (quadratic in a prompt's length); 0 in profiles made before it.
+    prefill_ms_per_kpair: float = 0.0
     # Step token budget of the instance (its --max-num-batched-tokens): prompt chunk size.
     max_num_batched_tokens: int = 2048
     # Prompt tokens per step while sequences decode (--max-prefill-tokens-while-decoding;
@@ -48,17 +56,21 @@ class LatencyProfile:
                 + self.decode_ms_per_seq * max(0, decode_seqs)
                 + self.decode_ms_per_ctx_token * max(0, decode_ctx_tokens))
 
-    def prefill_ms(self, tokens: int, decode_seqs: int = 0, decode_ctx_tokens: int = 0) -> float:
+    def prefill_ms(self, tokens: int, decode_seqs: int = 0, decode_ctx_tokens: int = 0,
+                   pairs: int | None = None) -> float:
         """Time to compute `tokens` prompt tokens in chunks of the step budget (less the
-        running decodes' tokens), each chunk in a step with the running decodes."""
+        running decodes' tokens), each chunk in a step with the running decodes; `pairs`:
+        the (token, key) pairs they attend to (default: one prompt from position 0)."""
         if tokens <= 0:
             return 0.0
+        if pairs is None:
+            pairs = attn_pairs(0, tokens)
         chunk = self.prompt_chunk(decode_seqs)
         full, last = divmod(tokens, chunk)
         ms = full * self.step_ms(chunk, decode_seqs, decode_ctx_tokens)
         if last:
             ms += self.step_ms(last, decode_seqs, decode_ctx_tokens)
-        return ms
+        return ms + self.prefill_ms_per_kpair * pairs / 1000
 
     def prompt_chunk(self, decode_seqs: int) -> int:
         """Prompt tokens in one step beside `decode_seqs` decoding sequences."""
@@ -91,6 +103,12 @@ class LatencyProfile:
                     or math.isinf(v):
                 raise ValueError(f"latency profile {key} must be a number >= 0, got {v!r}")
             values[key] = float(v)
+        kpair = data.get("prefill_ms_per_kpair", 0.0)
+        if isinstance(kpair, bool) or not isinstance(kpair, (int, float)) or not kpair >= 0 \
+                or math.isinf(kpair):
+            raise ValueError(f"latency profile prefill_ms_per_kpair must be a number >= 0, "
+                             f"got {kpair!r}")
+        values["prefill_ms_per_kpair"] = float(kpair)
         budgets: dict[str, int] = {}
         for key, default, least in (("max_num_batched_tokens", 2048, 1),
                                     ("max_prefill_tokens_while_decoding", 0, 0)):

@@ -5,7 +5,7 @@ Stages: build the real engine (the same flags as `python -m xllm_py.engine`: --m
 --device, --dtype, --num-threads ...) -> time (engine-thread CPU) every step's forward
 and sampling (the parts the simulator replaces; the scheduler and output processing run
 for real in both)
-while the engine serves workloads: prompts of 32..512 random tokens, 1..16 requests in
+while the engine serves workloads: prompts of 32..1536 random tokens, 1..16 requests in
 flight, 32 tokens each, after a warm-up -> least-squares fit (time_model.fit) -> write the
 JSON with the model, device and CPU it came from.
 """
@@ -29,8 +29,8 @@ from xllm_py.utils.machine import cpu_model
 logger = logging.getLogger(__name__)
 
 # (prompt tokens, requests in flight) of the profiling workloads
-WORKLOADS = ((32, 1), (128, 1), (512, 1), (32, 4), (128, 4), (512, 4), (32, 16), (128, 16),
-             (256, 16))
+WORKLOADS = ((32, 1), (128, 1), (512, 1), (1024, 1), (1536, 1), (32, 4), (128, 4), (512, 4),
+             (32, 16), (128, 16), (256, 16))
 OUTPUT_LEN = 32
 
 
