@@ -187,16 +187,17 @@ class SloPredictor:
             ttft = (pp.prefill_ms(work_p.pending_prefill_tokens + uncached, seqs_p, ctx_p,
                                   work_p.pending_prefill_pairs + own_pairs)
                     + self.config.pd_overhead_ms)
-            local = queued_d
+            local, local_pairs = queued_d, work_d.pending_prefill_pairs
         else:
-            ttft = pd.prefill_ms(queued_d + uncached, seqs_d, ctx_d,
-                                 work_d.pending_prefill_pairs + own_pairs)
+            local_pairs = work_d.pending_prefill_pairs + own_pairs
+            ttft = pd.prefill_ms(queued_d + uncached, seqs_d, ctx_d, local_pairs)
             local = queued_d + uncached
         # The prompt tokens the decode computes stall every stream it runs; a stream halfway
         # through its output absorbs the stall over the half it has left, at most one
-        # prompt chunk per step.
-        stall = pd.prefill_ms_per_token * min(local / max(1, max_tokens // 2),
-                                              pd.prompt_chunk(seqs_d + 1))
+        # prompt chunk per step (a token's cost: its own and the keys it attends to).
+        per_token = (pd.prefill_ms_per_token
+                     + pd.prefill_ms_per_kpair * local_pairs / max(1, local) / 1000)
+        stall = per_token * min(local / max(1, max_tokens // 2), pd.prompt_chunk(seqs_d + 1))
         tpot = pd.decode_step_ms(seqs_d + 1, ctx_d + prompt_len) + stall
         ttft *= self.scale(route.target.name, "ttft")
         tpot *= self.scale(decode.name, "tpot")

@@ -129,6 +129,10 @@ def test_prompt_attention_term_is_quadratic_in_the_prompt_and_counts_the_cached_
     # 200 uncached tokens after 100 cached: 200*100 + 200*201/2 pairs, + the queue's
     x = pred.predict(Route(pp, d), prompt_len=300, uncached=200, max_tokens=10)
     assert x.ttft_ms == pytest.approx(101 + 21 + 2 * (500_500 + 20_000 + 20_100) / 1000)
+    # on the decode path, each prompt token stalls the streams by its cost with its keys
+    local = pred.predict(Route(d, on_decode=True), prompt_len=300, uncached=300, max_tokens=10)
+    per_token = 0.1 + 2 * (300 * 301 / 2) / 300 / 1000
+    assert local.tpot_ms == pytest.approx(2 + 1 + per_token * 300 / 5)
     with pytest.raises(ValueError, match="prefill_ms_per_kpair"):
         LatencyProfile.from_dict({**PROFILE, "prefill_ms_per_kpair": -1})
 
