@@ -28,8 +28,10 @@ their context). For each candidate, the decode path on each decode and PD on eac
           running there, halfway through its output, takes that stall too),
 each scaled by a moving average of measured / predicted per instance (`observe`: the
 profile is a step's cost on a core of its own; on a shared machine the clock runs slower),
-and picks, in order: the DECODE path when the prompt's uncached part is short (as above)
-and it meets both targets; else the PD pair meeting both with the lowest TTFT; else the
+and picks, in order: for a prompt whose uncached part is short (as above), the candidate
+meeting both targets with the lowest TTFT, the DECODE path or a PD pair (an idle prefill
+takes it: the decode's streams keep their pace); else the PD pair meeting both with the
+lowest TTFT; else the
 DECODE path meeting both (prefill overloaded); else the candidate that misses least
 (sum of the relative overshoots), the DECODE path only for a short prompt (or without a
 prefill instance). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else
@@ -249,10 +251,14 @@ class SloRouter:
 
         limit = self.config.local_prefill_max_tokens
         short = [x for x in local if uncached[x.route.target.name] <= limit and meets(x)]
+        ok_remote = [x for x in remote if meets(x)]
         if short:
-            return self._chosen(by_ttft(short), "short prompt", ttft_slo, tpot_slo)
-        if ok := [x for x in remote if meets(x)]:
-            return self._chosen(by_ttft(ok), "long prompt", ttft_slo, tpot_slo)
+            best = by_ttft(short + ok_remote)
+            return self._chosen(best, "short prompt" + ("" if best.route.on_decode
+                                                        else ", prefill idle"),
+                                ttft_slo, tpot_slo)
+        if ok_remote:
+            return self._chosen(by_ttft(ok_remote), "long prompt", ttft_slo, tpot_slo)
         if ok := [x for x in local if meets(x)]:
             return self._chosen(by_ttft(ok), "prefill busy", ttft_slo, tpot_slo)
         # Missing anyway: a long prompt stays off the decode (its prefill would stall the

@@ -210,6 +210,20 @@ def test_slo_aware_short_prompts_on_the_decode_long_ones_on_the_prefill():
     assert route.path is Path.PD and route.reason.startswith("SLO_AWARE long prompt")
 
 
+def test_slo_aware_short_prompt_goes_to_an_idle_prefill_that_answers_first():
+    """A short prompt takes the candidate meeting both targets with the lowest TTFT: an
+    idle prefill (the decode's streams keep their pace), else the decode."""
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    work = {"d": InstanceWork(decoding_seqs=20, decoding_ctx_tokens=0)}
+    r = slo_router(work, local_prefill_max_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=50,
+                   pd_overhead_ms=5)
+    # decode path: 2 + 10 + 21 = 33 ms; PD on the idle prefill: 1 + 10 + 5 = 16 ms
+    route = r.route(req(100), [p], [d])
+    assert route.path is Path.PD and "prefill idle" in route.reason
+    work["p"] = InstanceWork(pending_prefill_tokens=2000)  # busy: 200+ ms -> the decode
+    assert r.route(req(100), [p], [d]).path is Path.DECODE
+
+
 def test_slo_aware_prefers_the_pd_pair_with_the_lowest_ttft():
     p1, p2 = inst("p1", InstanceRole.PREFILL), inst("p2", InstanceRole.PREFILL)
     d = inst("d", InstanceRole.DECODE)
