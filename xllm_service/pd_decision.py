@@ -149,8 +149,6 @@ class SloPredictor:
         under-fits, runs slower. TTFT corrects the instance that computed the prompt,
         TPOT the one that decoded it."""
         pred_ttft, pred_tpot = route.predicted
-        if route.late:  # queued behind others on purpose: its TTFT says nothing of the model
-            ttft_ms = None
         for name, what, pred, meas in ((route.target.name, "ttft", pred_ttft, ttft_ms),
                                        (route.serving.name, "tpot", pred_tpot, tpot_ms)):
             if meas is None or pred <= 0:

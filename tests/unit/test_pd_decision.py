@@ -431,10 +431,6 @@ def test_measured_latencies_correct_the_predictions_per_instance():
     pred.observe(again.route, 11.0, None)  # back to the profile: the average moves 20%
     assert pred.scale("p", "ttft") == pytest.approx(5 + 0.2 * (1 - 5))
     assert pred.scale("d", "tpot") == pytest.approx(2)
-    # a late request waited behind others on purpose: its TTFT corrects nothing
-    late = dataclasses.replace(again.route, late=True)
-    pred.observe(late, 10_000.0, 6.0)
-    assert pred.scale("p", "ttft") == pytest.approx(5 + 0.2 * (1 - 5))
 
 
 async def test_the_backend_reports_what_a_request_measured():
