@@ -374,9 +374,6 @@ class RouterConfig:
     # SLO_AWARE: targets of a request that sets none (ttft_slo_ms / tpot_slo_ms); 0: none.
     ttft_slo_ms: float = 1000.0
     tpot_slo_ms: float = 50.0
-    # SLO_AWARE: a request missing its TTFT target on every candidate queues behind those
-    # that can still make theirs (engine priority 1).
-    late_requests_yield: bool = True
 
     def __post_init__(self) -> None:
         if self.load_balance_policy.upper() not in POLICIES:

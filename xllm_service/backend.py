@@ -125,8 +125,7 @@ class ServiceBackend(MigrationMixin):
                 stream=req.stream, x_request_id=req.x_request_id or "",
                 source_xservice_addr=self.my_rpc_addr,
                 prefill_name=route.target.name if route.is_pd else "",
-                decode_name=route.decode.name if route.is_pd else "",
-                priority=1 if route.late else 0)
+                decode_name=route.decode.name if route.is_pd else "")
             sub = SubRequest(engine_id, offset, route, queue, spec, request_id=req.request_id)
             self.subs.add(sub)
             self._log_route(engine_id, route, len(spec.prompt_token_ids))

@@ -6,7 +6,7 @@ import argparse
 
 from xllm_py.api.limits import add_limit_flags, limits_from_args
 from xllm_py.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
-from xllm_py.utils.cli import add_flag, parse_bool
+from xllm_py.utils.cli import add_flag
 from xllm_py.utils.security_cli import add_security_flags, security_from_args
 
 
@@ -55,9 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
              help="SLO_AWARE: TTFT target of a request without ttft_slo_ms (0: none)")
     add_flag(p, "--tpot-slo-ms", type=float, default=50.0,
              help="SLO_AWARE: TPOT target of a request without tpot_slo_ms (0: none)")
-    add_flag(p, "--late-requests-yield", type=parse_bool, default=True,
-             help="SLO_AWARE: a request predicted to miss its TTFT target on every instance "
-                  "queues behind the requests that can still make theirs (true/false)")
     add_flag(p, "--evict-grace-s", type=float, default=3.0,
              help="seconds a dead instance stays SUSPECT before it is evicted")
     add_flag(p, "--rpc-timeout", type=float, default=5.0, help="deadline of service RPCs (s)")
@@ -82,8 +79,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                             local_prefill_max_tokens=args.local_prefill_max_tokens,
                             prefill_busy_tokens=args.prefill_busy_tokens,
                             pd_overhead_ms=args.pd_overhead_ms, ttft_slo_ms=args.ttft_slo_ms,
-                            tpot_slo_ms=args.tpot_slo_ms,
-                            late_requests_yield=args.late_requests_yield),
+                            tpot_slo_ms=args.tpot_slo_ms),
         relay=RelayConfig(rpc_timeout_s=args.rpc_timeout,
                           idle_timeout_s=args.request_idle_timeout),
         security=security_from_args(args),

@@ -34,10 +34,7 @@ takes it: the decode's streams keep their pace); else the PD pair meeting both w
 lowest TTFT; else the
 DECODE path meeting both (prefill overloaded); else the candidate that misses least
 (sum of the relative overshoots), the DECODE path only for a short prompt (or without a
-prefill instance); such a request, when it misses its TTFT target, is `late`: the engine
-queues it behind the requests that can still make theirs (priority 1; their predictions
-leave it out of the queue ahead), so one late request does not make the next ones late
-too (`--late-requests-yield`, on by default with SLO_AWARE). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else
+prefill instance). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else
 the service's `--ttft-slo-ms`/`--tpot-slo-ms`; 0: none. Without a profile from every
 instance it falls back to `PDDecider` with LEAST_LOAD.
 
@@ -269,10 +266,7 @@ class SloRouter:
         fallback = [*remote, *(x for x in local if uncached[x.route.target.name] <= limit)]
         best = min(fallback or local, key=lambda x: (x.miss(ttft_slo, tpot_slo), x.ttft_ms,
                                                      x.route.instance_names))
-        late = self.config.late_requests_yield and 0 < ttft_slo < best.ttft_ms
-        route = self._chosen(best, "no candidate meets the targets" + (
-            ", queued behind those that can" if late else ""), ttft_slo, tpot_slo)
-        return dataclasses.replace(route, late=late)
+        return self._chosen(best, "no candidate meets the targets", ttft_slo, tpot_slo)
 
     @staticmethod
     def _chosen(x: Prediction, why: str, ttft_slo: float, tpot_slo: float) -> Route:

@@ -126,9 +126,6 @@ class Route:
     reason: str = ""                  # why this path (the request log line)
     # SLO_AWARE: the predicted (TTFT, TPOT) in ms, which the measured ones correct
     predicted: tuple[float, float] | None = None
-    # SLO_AWARE: misses its TTFT target on every candidate: it queues behind the requests
-    # that can still make theirs (engine priority 1)
-    late: bool = False
 
     @property
     def is_pd(self) -> bool:

@@ -191,7 +191,7 @@ class SubRequests:
             if sub is None or sub.spec is None or sub.phase.is_done:
                 continue
             prompt = len(sub.spec.prompt_token_ids)
-            if sub.prefilling and sub.route.target.name == name and not sub.route.late:
+            if sub.prefilling and sub.route.target.name == name:
                 pending += prompt
                 pairs += attn_pairs(0, prompt)
             if sub.serving == name:

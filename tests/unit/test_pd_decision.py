@@ -4,7 +4,6 @@ and the backend serving and migrating a request on the DECODE path."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 
@@ -255,33 +254,6 @@ def test_slo_aware_falls_back_to_the_decode_when_the_prefill_misses_the_ttft():
     assert r.route(req(900, max_tokens=64), [p], [d]).path is Path.DECODE
     # the request's own targets win over the service's: a lax TTFT keeps PD
     assert r.route(req(900, max_tokens=64, ttft_slo_ms=5000), [p], [d]).path is Path.PD
-
-
-def test_a_request_missing_its_ttft_everywhere_is_late_and_leaves_the_queue_ahead():
-    """No candidate meets the TTFT target: the request is sent late (engine priority 1),
-    and the predictions for the next requests leave it out of the queue ahead of them."""
-    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
-    # ~2 s of prompts queued on the prefill and on the decode
-    work = {"p": InstanceWork(pending_prefill_tokens=20_000),
-            "d": InstanceWork(pending_prefill_tokens=20_000)}
-    r = slo_router(work, local_prefill_max_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=50)
-    route = r.route(req(900), [p], [d])
-    assert route.path is Path.PD and route.late and "queued behind" in route.reason
-    work["p"] = InstanceWork()
-    assert not r.route(req(900), [p], [d]).late  # meets: on time
-    work["p"] = work["d"]
-    off = slo_router(work,
-                     ttft_slo_ms=1000, tpot_slo_ms=50, late_requests_yield=False)
-    assert not off.route(req(900), [p], [d]).late
-    # the service's book: a late sub's prompt is not in the queue ahead of the others
-    from xllm_py.rpc.convert import EngineRequestSpec
-    from xllm_py.sampling_params import SamplingParams
-    subs = SubRequests()
-    for rid, late in (("a", True), ("b", False)):
-        spec = EngineRequestSpec(rid, rid, [1] * 100, SamplingParams())
-        subs.add(SubRequest(rid, 0, dataclasses.replace(Route(p, d), late=late),
-                            asyncio.Queue(), spec))
-    assert subs.work("p").pending_prefill_tokens == 100
 
 
 def test_slo_aware_without_profiles_falls_back_to_the_thresholds():

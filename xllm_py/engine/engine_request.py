@@ -28,9 +28,6 @@ class EngineRequest:
     usage_prompt_tokens: int | None = None
     generated_offset: int = 0
     num_unread: int | None = None
-    # Scheduling priority: lower goes first (FCFS within one); the service queues a
-    # request that misses its latency target anyway behind the others (SLO_AWARE).
-    priority: int = 0
 
 
 # PD prefill's hand-over hook (LLMEngine.set_hand_over): (update, delta, block_ids).

@@ -275,7 +275,7 @@ class LLMEngine:
             if best_of > params.n and cp.logprobs is None:
                 cp = dataclasses.replace(cp, logprobs=0)  # cumulative logprob ranks best_of
             requests.append(Request(child_id(req.request_id, i), list(req.prompt_token_ids), cp,
-                                    priority=req.priority, remote_decode=req.remote_decode))
+                                    remote_decode=req.remote_decode))
         return requests
 
     def _abort(self, parent_id: str) -> None:

@@ -212,7 +212,7 @@ class PrefillSide:
                                   spec.request_id)
         sink.finished_on_prefill = True
         self.engine.submit(EngineRequest(spec.request_id, spec.prompt_token_ids, spec.params,
-                                         sink, remote_decode=True, priority=spec.priority))
+                                         sink, remote_decode=True))
 
     # ------------------------------------------------------------------ hand-over
     def _on_first_token(self, upd, delta, block_ids: list[int]) -> None:

@@ -89,7 +89,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
                                   spec.request_id)
         if not self.engine.try_submit(EngineRequest(spec.request_id, spec.prompt_token_ids,
-                                                    spec.params, sink, priority=spec.priority)):
+                                                    spec.params, sink)):
             raise StatusError(Status.INVALID_ARGUMENT,
                               f"duplicate request id {spec.request_id}: it is running here")
 
