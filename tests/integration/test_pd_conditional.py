@@ -2,10 +2,13 @@
 DECODE processes (each registering a latency profile) on a real etcd. Short prompts, and
 a long one once it is in the decode's prefix cache, are prefilled on the decode; long
 ones on the prefill. Greedy tokens equal a MIX engine's on both paths, and the service's
-decision counter shows both were taken."""
+decision counter shows both were taken. The decode caps the prompt tokens of a step beside
+running streams (--max-prefill-tokens-while-decoding): prompts prefilled there while a
+stream runs still give the MIX tokens."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -17,6 +20,7 @@ pytestmark = pytest.mark.integration
 
 BLOCK = 8
 LOCAL_MAX = 24  # prompts with at most this many uncached tokens: prefilled on the decode
+DECODE_CAP = 4  # the decode's prompt tokens per step beside running streams
 PROFILE = {"prefill_base_ms": 1.0, "prefill_ms_per_token": 0.05, "decode_base_ms": 1.0,
            "decode_ms_per_seq": 0.1, "decode_ms_per_ctx_token": 0.0,
            "source": {"note": "test profile"}}
@@ -34,13 +38,15 @@ def cluster(etcd_server, tmp_path_factory):
                 http_url=f"http://127.0.0.1:{mix_port}")
     h.procs.append(mix)
     try:
-        # Lax targets: the path follows the prompt's uncached length alone.
+        # Lax targets: the path follows the prompt's uncached length alone (a large PD
+        # overhead: a short prompt never answers first through an idle prefill).
         svc = h.service(extra=["--load-balance-policy", "SLO_AWARE", "--local-prefill-max-tokens",
                                str(LOCAL_MAX), "--ttft-slo-ms", "100000", "--tpot-slo-ms",
-                               "100000"])
+                               "100000", "--pd-overhead-ms", "1000"])
         with_profile = common + ["--latency-profile", str(profile)]
         prefill = h.engine("PREFILL", "prefill", extra=with_profile)
-        decode = h.engine("DECODE", "decode", extra=with_profile)
+        decode = h.engine("DECODE", "decode", extra=with_profile + [
+            "--max-prefill-tokens-while-decoding", str(DECODE_CAP)])
         for p in (mix, prefill, decode):
             p.wait_ready(180)
         svc.wait_ready(60, path="/readiness")
@@ -110,3 +116,41 @@ def test_a_long_prompt_cached_on_the_decode_is_prefilled_there(cluster):
     d0 = decisions(svc, "decode")
     assert greedy(via_svc, prompt + [7, 8]) == greedy(ref, prompt + [7, 8])
     assert decisions(svc, "decode") == d0 + 1 and decisions(svc, "pd") == p0 + 1
+
+
+def test_prompts_prefilled_beside_a_running_stream_give_the_mix_tokens(cluster):
+    """While a long stream decodes on the decode, short prompts are computed there in
+    chunks of DECODE_CAP tokens mixed into its steps: every output equals MIX's."""
+    h, svc, prefill, decode, mix = cluster
+    via_svc, ref = client(svc), client(mix)
+    # lengths no other test here uses: the service's log line of each names its path
+    stream_prompt = list(range(900, 911))
+    shorts = [list(range(920 + 30 * i, 920 + 30 * i + n)) for i, n in enumerate((13, 19, 23))]
+    expected_stream = greedy(ref, stream_prompt, max_tokens=200)
+    expected = [greedy(ref, p) for p in shorts]
+    got: dict[str, list[int]] = {}
+    first = threading.Event()
+
+    def run_stream() -> None:
+        tokens: list[int] = []
+        for chunk in via_svc.completions.create(
+                model="tiny", prompt=stream_prompt, max_tokens=200, temperature=0, stream=True,
+                extra_body={"ignore_eos": True, "return_token_ids": True}):
+            tokens += chunk.choices[0].model_extra.get("token_ids") or []
+            first.set()
+        got["stream"] = tokens
+
+    t = threading.Thread(target=run_stream)
+    t.start()
+    try:
+        assert first.wait(60), "the stream never started"
+        outs = [greedy(via_svc, p) for p in shorts]
+        assert "stream" not in got, "the stream ended before the prompts ran beside it"
+    finally:
+        t.join(120)
+    assert outs == expected
+    assert got["stream"] == expected_stream
+    log = svc.log_path.read_text(errors="replace")
+    for n in (11, 13, 19, 23):
+        assert f" {n} prompt tokens, path decode on " in log, f"the {n}-token prompt's path"
+
