@@ -179,6 +179,35 @@ async def test_dispatch_takes_online_first_and_offline_without_delay(make_node):
     assert peers.asked[-1] == "off3"
 
 
+async def test_dispatch_places_only_while_the_placed_prompts_leave_room(make_node):
+    """max_placed_prompt_tokens: a queued request asks a decode for blocks only while the
+    prompts placed and not handed over hold fewer tokens; the next one goes as soon as
+    one is handed over (its decode blocks are not held while it queues here)."""
+    engine, pd, peers = await make_node(InstanceRole.PREFILL, max_placed_prompt_tokens=60)
+    peers.place_gate = asyncio.Event()
+    for rid in ("r1", "r2", "r3"):
+        pd.add_request(_spec(rid))
+    await until(lambda: peers.asked == ["r1", "r2"], what="two placements asked")
+    await asyncio.sleep(0.2)  # a gap in which r3 would be asked for, were it not held
+    assert peers.asked == ["r1", "r2"]  # 80 placed tokens >= 60
+    assert pd.prefill.placed_prompt_tokens() == 80
+    assert pd.prefill.phase("r3") is PrefillPhase.QUEUED and pd.num_pending() == 3
+    peers.place_gate.set()
+    await until(lambda: len(peers.handovers) == 3, what="all three handed over")
+    assert peers.asked == ["r1", "r2", "r3"]
+    await until_free(engine)
+    assert pd.prefill.placed_prompt_tokens() == 0
+
+
+async def test_dispatch_places_a_prompt_longer_than_the_limit_alone(make_node):
+    engine, pd, peers = await make_node(InstanceRole.PREFILL, max_placed_prompt_tokens=10)
+    pd.add_request(_spec("r1"))
+    pd.add_request(_spec("r2"))
+    await until(lambda: len(peers.handovers) == 2, what="both handed over, one at a time")
+    assert peers.asked == ["r1", "r2"]
+    await until_free(engine)
+
+
 async def test_dispatch_asks_the_master_for_decodes_only_if_the_chosen_one_fails(make_node):
     listed: list[int] = []
 

@@ -19,6 +19,10 @@ class PDSchedulerConfig:
     max_decodes_per_request: int = 3
     # Prefill: requests finding a decode at the same time.
     max_dispatching: int = 64
+    # Prefill: a queued request is placed on a decode (its blocks set aside there) only
+    # while the prompts placed and not handed over yet hold fewer tokens (0: no limit):
+    # under a long queue, decode KV is not held by prompts waiting here.
+    max_placed_prompt_tokens: int = 4096
     # Prefill: how often it links the decodes it has not linked yet (prelink_once).
     prelink_interval_s: float = 2.0
     # Decode: a request whose FirstGeneration never comes is freed after this.
@@ -30,6 +34,8 @@ class PDSchedulerConfig:
             raise ValueError("attempts_per_decode and max_decodes_per_request must be >= 1")
         if self.max_dispatching < 1:
             raise ValueError("max_dispatching must be >= 1")
+        if self.max_placed_prompt_tokens < 0:
+            raise ValueError("max_placed_prompt_tokens must be >= 0")
 
 
 def maybe_inject_fault(fault_rate: float, op: str) -> None:

@@ -1,7 +1,10 @@
 """PrefillSide: the prefill role of a PD pair, on top of LLMEngine.
 
 Stages of a request (its PrefillPhase, see phases.py):
-  add_request -> QUEUED (online queue, or offline: taken only when no online one waits)
+  add_request -> QUEUED (online queue, or offline: taken only when no online one waits;
+  taken while the prompts placed on decodes and not handed over yet hold fewer than
+  `max_placed_prompt_tokens`: a decode sets blocks aside for a request only shortly
+  before its prompt is computed, not for the whole time it queues here)
   -> DISPATCHING: the service's decode first, then the master's list (round robin), up
   to `max_decodes_per_request`: link it (links.py), AddNewRequests (RESOURCE_EXHAUSTED:
   bounded retry with backoff, then the next decode; a refusal or an incompatible decode
@@ -70,6 +73,7 @@ class PrefillSide:
         self._online: asyncio.Queue[PrefillRequest] = asyncio.Queue()
         self._offline: asyncio.Queue[PrefillRequest] = asyncio.Queue()
         self._queued = asyncio.Event()  # set when either queue may hold work
+        self._room = asyncio.Event()  # set when a placed prompt is handed over or ends
         self._dispatch_sem = asyncio.Semaphore(pd_config.max_dispatching)
         self._rr = itertools.count()
         engine.set_hand_over(self._on_first_token)
@@ -85,6 +89,21 @@ class PrefillSide:
     def _end(self, rec: PrefillRequest, phase: PrefillPhase) -> None:
         rec.transition(phase)
         self._requests.pop(rec.request_id, None)
+        self._room.set()
+
+    def placed_prompt_tokens(self) -> int:
+        """Prompt tokens of the requests finding a decode or prefilling: decode blocks set
+        aside (or about to be) for prompts not handed over yet."""
+        return sum(len(r.spec.prompt_token_ids) for r in self._requests.values()
+                   if r.phase in (P.DISPATCHING, P.PREFILLING))
+
+    async def _wait_for_room(self) -> None:
+        """Until the placed prompts leave room (one prompt always goes: a longer one
+        than the limit waits for the others alone)."""
+        limit = self.pd_config.max_placed_prompt_tokens
+        while limit and 0 < self.placed_prompt_tokens() >= limit:
+            self._room.clear()
+            await self._room.wait()
 
     # ------------------------------------------------------------------ queue, dispatch
     def add_request(self, spec: EngineRequestSpec) -> None:
@@ -102,6 +121,7 @@ class PrefillSide:
                 self._queued.clear()
                 await self._queued.wait()
                 continue
+            await self._wait_for_room()
             queue = self._online if not self._online.empty() else self._offline
             rec = queue.get_nowait()
             if rec.phase is not P.QUEUED:  # cancelled while queued
@@ -231,6 +251,7 @@ class PrefillSide:
                 self.engine.call(lambda: self.engine.scheduler.finish_sending(child))
             return
         rec.transition(P.HANDING_OVER)
+        self._room.set()
         self.spawn(self._hand_over(rec, child, block_ids, first, lp, finished_here, kv_held))
 
     async def _hand_over(self, rec: PrefillRequest, child: str, block_ids: list[int],
