@@ -253,6 +253,7 @@ def run_compare(args: argparse.Namespace, spec: WorkloadSpec) -> dict[str, Any]:
             shape = shape + [f"--service-arg=--{flag}={value:g}" for flag, value in (
                 ("ttft-slo-ms", args.slo_ttft_ms), ("tpot-slo-ms", args.slo_tpot_ms)) if value]
             shape += [f"--decode-arg=--max-prefill-tokens-while-decoding={args.decode_cap}"]
+            shape += [f"--service-arg={a}" for a in args.slo_service_arg]
         log_dir = root / name
         cluster = Cluster(launch_parser().parse_args(_launch_args(args, shape, log_dir)))
         try:
@@ -312,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--setups", nargs="+", choices=list(SETUPS), default=["pd", "mix"],
                    help="set-ups of --compare (default: pd mix)")
     g.add_argument("--launch-model", default="tiny", help="model for the local clusters")
+    g.add_argument("--slo-service-arg", action="append", default=[],
+                   help="pd-slo: extra service flag, e.g. --slo-service-arg=--prefill-busy-tokens=0 "
+                        "(long prompts never prefilled on the decode)")
     g.add_argument("--decode-cap", type=int, default=64,
                    help="pd-slo: prompt tokens per decode step beside running streams "
                         "(the decode's --max-prefill-tokens-while-decoding; 0: no cap)")

@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "are not in its prefix cache")
     add_flag(p, "--prefill-busy-tokens", type=int, default=4096,
              help="CONDITIONAL: also prefill longer prompts on the decode while the least "
-                  "busy prefill instance has this many prompt tokens queued (0: never)")
+                  "busy prefill instance has this many prompt tokens queued (0: never; "
+                  "SLO_AWARE: 0 keeps long prompts off the decode, else they go there "
+                  "when the prefills miss the targets and the decode meets them)")
     add_flag(p, "--pd-overhead-ms", type=float, default=20.0,
              help="SLO_AWARE: TTFT added by disaggregation (KV pull, hand-over RPCs)")
     add_flag(p, "--ttft-slo-ms", type=float, default=1000.0,

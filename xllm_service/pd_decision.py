@@ -32,7 +32,8 @@ and picks, in order: for a prompt whose uncached part is short (as above), the c
 meeting both targets with the lowest TTFT, the DECODE path or a PD pair (an idle prefill
 takes it: the decode's streams keep their pace); else the PD pair meeting both with the
 lowest TTFT; else the
-DECODE path meeting both (prefill overloaded); else the candidate that misses least
+DECODE path meeting both (prefill overloaded; not with `prefill_busy_tokens` 0: long
+prompts never stall the decode's streams); else the candidate that misses least
 (sum of the relative overshoots), the DECODE path only for a short prompt (or without a
 prefill instance). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else
 the service's `--ttft-slo-ms`/`--tpot-slo-ms`; 0: none. Without a profile from every
@@ -259,7 +260,7 @@ class SloRouter:
                                 ttft_slo, tpot_slo)
         if ok_remote:
             return self._chosen(by_ttft(ok_remote), "long prompt", ttft_slo, tpot_slo)
-        if ok := [x for x in local if meets(x)]:
+        if self.config.prefill_busy_tokens and (ok := [x for x in local if meets(x)]):
             return self._chosen(by_ttft(ok), "prefill busy", ttft_slo, tpot_slo)
         # Missing anyway: a long prompt stays off the decode (its prefill would stall the
         # streams there, and their TPOT, which then misses more targets: a spiral).

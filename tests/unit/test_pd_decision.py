@@ -239,6 +239,11 @@ def test_slo_aware_falls_back_to_the_decode_when_the_prefill_misses_the_ttft():
     r = slo_router(work, local_prefill_max_tokens=0, ttft_slo_ms=500, tpot_slo_ms=50)
     route = r.route(req(900, max_tokens=64), [p], [d])
     assert route.path is Path.DECODE and "prefill busy" in route.reason
+    # prefill_busy_tokens 0: a long prompt never goes to the decode's streams
+    strict = slo_router(work, local_prefill_max_tokens=0, ttft_slo_ms=500, tpot_slo_ms=50,
+                        prefill_busy_tokens=0)
+    route = strict.route(req(900, max_tokens=64), [p], [d])
+    assert route.path is Path.PD and "no candidate meets" in route.reason
     # When neither meets its targets: the one that misses least. Its prompt would slow the
     # decode to 3 + 0.1 * 900 / 32 = 5.8 ms a token (81% over 3.2); PD's TTFT is
     # 1020 ms (13% over 900)
