@@ -45,6 +45,17 @@ class Harness:
         self.procs.append(proc)
         return proc
 
+    def pd_tp_cluster(self, common: list[str], p_tp: int, d_tp: int):
+        """A service with one PREFILL of TP `p_tp` and one DECODE of TP `d_tp` (engine
+        flags `common`), all ready: (service, prefill, decode)."""
+        svc = self.service()
+        prefill = self.engine("PREFILL", "prefill", extra=[*common, "--tp", str(p_tp)])
+        decode = self.engine("DECODE", "decode", extra=[*common, "--tp", str(d_tp)])
+        for p in (prefill, decode):
+            p.wait_ready(240)
+        svc.wait_ready(60, path="/readiness")
+        return svc, prefill, decode
+
     def stop(self) -> None:
         for p in reversed(self.procs):
             p.terminate()

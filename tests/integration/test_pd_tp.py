@@ -47,12 +47,7 @@ def test_pd_across_tp_equals_mix(etcd_server, tmp_path, p_tp, d_tp, backend, mod
     common = ["--block-size", str(BLOCK), "--kv-cache-transfer-mode", mode,
               "--kv-transfer-backend", backend, "--num-blocks", "128"]
     try:
-        svc = h.service()
-        prefill = h.engine("PREFILL", "prefill", extra=[*common, "--tp", str(p_tp)])
-        decode = h.engine("DECODE", "decode", extra=[*common, "--tp", str(d_tp)])
-        for p in (prefill, decode):
-            p.wait_ready(240)
-        svc.wait_ready(60, path="/readiness")
+        svc, prefill, decode = h.pd_tp_cluster(common, p_tp, d_tp)
         c = client(svc)
         for prompt, (tokens, logprobs) in zip(PROMPTS, ref):
             r = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,

@@ -38,12 +38,7 @@ def test_every_rank_reports_its_own_transfer_bytes(etcd_server, tmp_path, mode, 
     common = ["--block-size", str(BLOCK), "--kv-cache-transfer-mode", mode,
               "--kv-transfer-backend", "tcp", "--num-blocks", "128"]
     try:
-        svc = h.service()
-        prefill = h.engine("PREFILL", "prefill", extra=[*common, "--tp", str(p_tp)])
-        decode = h.engine("DECODE", "decode", extra=[*common, "--tp", str(d_tp)])
-        for p in (prefill, decode):
-            p.wait_ready(240)
-        svc.wait_ready(60, path="/readiness")
+        svc, prefill, decode = h.pd_tp_cluster(common, p_tp, d_tp)
         c = client(svc)
         for prompt in PROMPTS:
             r = c.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,

@@ -9,18 +9,17 @@ outside either pool, on the requester and, when a peer skips that check, on the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 
 import numpy as np
 import pytest
 import torch
 
-from xllm_py.config import TransferConfig
-from xllm_py.kv_transfer import TransferError, create_backend
+from xllm_py.kv_transfer import TransferError
 from xllm_py.kv_transfer.factory import mappable_host_allocator
 from xllm_py.kv_transfer.head_slices import gather_heads, slice_block_bytes
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+from tests.unit.ucx_utils import linked
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
@@ -36,21 +35,6 @@ def storage(num_kv_heads: int, num_blocks: int, seed: int, mappable: bool = Fals
                        allocator=mappable_host_allocator() if mappable else None, device=device)
     s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(seed)).to(device))
     return s
-
-
-@contextlib.asynccontextmanager
-async def linked(a: KVCacheStorage, b: KVCacheStorage, mode: str = "auto"):
-    """UCX backends on ``a`` (owner) and ``b`` (requester), b linked to a; closed on exit."""
-    ba = create_backend("ucx", a, TransferConfig(), mode=mode)
-    bb = create_backend("ucx", b, TransferConfig(), mode=mode)
-    ba.start()
-    bb.start()
-    try:
-        await bb.link(ba.address)
-        yield ba, bb
-    finally:
-        await ba.close()
-        await bb.close()
 
 
 def _lists(rng: np.random.Generator, n: int, src_blocks: int, dst_blocks: int) -> tuple[list, list]:

@@ -24,9 +24,11 @@ def storage(num_blocks: int = 64, seed: int | None = None, mappable: bool = Fals
 
 
 @contextlib.asynccontextmanager
-async def linked(a: KVCacheStorage, b: KVCacheStorage):
-    """UCX backends on ``a`` (owner) and ``b`` (puller), b linked to a; closed on exit."""
-    ba, bb = create_backend("ucx", a, TransferConfig()), create_backend("ucx", b, TransferConfig())
+async def linked(a: KVCacheStorage, b: KVCacheStorage, mode: str = "auto"):
+    """UCX backends on ``a`` (owner) and ``b`` (requester), b linked to a; closed on exit;
+    ``mode``: the data path (auto, or one forced)."""
+    ba = create_backend("ucx", a, TransferConfig(), mode=mode)
+    bb = create_backend("ucx", b, TransferConfig(), mode=mode)
     ba.start()
     bb.start()
     try:
