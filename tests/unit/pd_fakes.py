@@ -13,13 +13,15 @@ from xllm_py.rpc.status import Status, StatusError
 
 
 class Sink:
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, on_output=None) -> None:
         self.request_id = request_id
         self.outputs = []
         self.finished_on_prefill = False
+        self.on_output = on_output  # as ReporterSink: False suppresses the output
 
     def emit(self, output) -> None:
-        self.outputs.append(output)
+        if self.on_output is None or self.on_output(output):
+            self.outputs.append(output)
 
 
 class Reporter:
@@ -28,8 +30,9 @@ class Reporter:
     def __init__(self) -> None:
         self.sinks: list[Sink] = []
 
-    def sink(self, service_addr: str, service_request_id: str, request_id: str) -> Sink:
-        self.sinks.append(Sink(request_id))
+    def sink(self, service_addr: str, service_request_id: str, request_id: str,
+             on_output=None) -> Sink:
+        self.sinks.append(Sink(request_id, on_output))
         return self.sinks[-1]
 
     def flush(self) -> None:

@@ -208,6 +208,31 @@ async def test_dispatch_places_a_prompt_longer_than_the_limit_alone(make_node):
     await until_free(engine)
 
 
+async def test_a_failed_engine_step_ends_the_prefill_record_and_frees_its_place(make_node):
+    """The engine fails a step (its requests get an error): their records end, decode is
+    told to drop its blocks, and the place they held goes to the next request."""
+    engine, pd, peers = await make_node(InstanceRole.PREFILL, max_placed_prompt_tokens=10)
+    real_step, failed = engine.runner.execute_step, []
+
+    def failing_step(seqs):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("injected step failure")
+        return real_step(seqs)
+
+    engine.runner.execute_step = failing_step
+    pd.add_request(_spec("r1"))
+    pd.add_request(_spec("r2"))
+    await until(lambda: pd.reporter.errors(), what="r1's error report")
+    assert [e[:2] for e in pd.reporter.errors()] == [("r1", 500)]
+    await until(lambda: any(h.failed for _, h in peers.handovers), what="decode told to drop")
+    await until(lambda: [h.request_id for _, h in peers.handovers if not h.failed] == ["r2"],
+                what="r2 placed and handed over")
+    assert pd.prefill.phase("r1") is None
+    await until_free(engine)
+    assert pd.num_pending() == 0 and pd.prefill.placed_prompt_tokens() == 0
+
+
 async def test_dispatch_asks_the_master_for_decodes_only_if_the_chosen_one_fails(make_node):
     listed: list[int] = []
 

@@ -8,6 +8,7 @@ Prefill side (PrefillRequest):
     QUEUED --> DISPATCHING --> PREFILLING --> HANDING_OVER --> FINISHED
       |          |     |          |                |
       |          |     +--------> FAILED <---------+
+      |          |     (PREFILLING -> FAILED: the engine failed the request's step)
       +----------+----------------+--> CANCELLED
 
   QUEUED        in the online or offline queue
@@ -63,7 +64,7 @@ P = PrefillPhase
 _PREFILL_ALLOWED: dict[PrefillPhase, set[PrefillPhase]] = {
     P.QUEUED: {P.DISPATCHING, P.CANCELLED},
     P.DISPATCHING: {P.PREFILLING, P.FAILED, P.CANCELLED},
-    P.PREFILLING: {P.HANDING_OVER, P.CANCELLED},
+    P.PREFILLING: {P.HANDING_OVER, P.FAILED, P.CANCELLED},
     P.HANDING_OVER: {P.FINISHED, P.FAILED},
     P.FINISHED: set(),
     P.FAILED: set(),

@@ -16,7 +16,8 @@ Stages of a request (its PrefillPhase, see phases.py):
   FirstGeneration to decode (PULL: where our KV is); decode confirms or fails; our
   blocks are freed (finish_sending) either way
   -> FINISHED, or FAILED (reported to the service with its status; a decode that could
-  not be reached is named so the service can migrate).
+  not be reached is named so the service can migrate; a step of the engine that failed
+  the request before its first token: the engine reported it, decode is told to drop).
 Cancel (the service's): QUEUED/DISPATCHING stop before reaching the engine (a decode
 that placed it meanwhile is told to drop it); PREFILLING: decode is told to drop the
 blocks it set aside and the engine aborts the request (if the step sampling its first
@@ -229,10 +230,26 @@ class PrefillSide:
     def _submit_prefill(self, rec: PrefillRequest) -> None:
         spec = rec.spec
         sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
-                                  spec.request_id)
+                                  spec.request_id, on_output=self._watch(spec.request_id))
         sink.finished_on_prefill = True
         self.engine.submit(EngineRequest(spec.request_id, spec.prompt_token_ids, spec.params,
                                          sink, remote_decode=True))
+
+    def _watch(self, request_id: str) -> Callable[[RequestOutput], bool]:
+        """Engine thread: an error ending the request before its hand-over (a failed
+        step) ends its record too, or it would hold its place (and decode's blocks)."""
+        def on_output(out: RequestOutput) -> bool:
+            if out.finished and out.error_code:
+                self.loop.call_soon_threadsafe(self._engine_failed, request_id)
+            return True
+        return on_output
+
+    def _engine_failed(self, request_id: str) -> None:
+        rec = self._requests.get(request_id)
+        if rec is None or rec.phase is not P.PREFILLING:
+            return
+        self._end(rec, P.FAILED)
+        self.spawn(self._tell_decode_to_drop(request_id, rec.decode))
 
     # ------------------------------------------------------------------ hand-over
     def _on_first_token(self, upd, delta, block_ids: list[int]) -> None:
