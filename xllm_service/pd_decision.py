@@ -20,8 +20,8 @@ their context). For each candidate, the decode path on each decode and PD on eac
 (prefill, decode) pair, it predicts
   TTFT  = the prompt tokens queued ahead on the instance computing it + the prompt's
           uncached tokens there, in chunks of its step budget, each chunk in a step with
-          the sequences it decodes (none on a prefill) [+ `pd_overhead_ms` for PD: KV
-          pull and the hand-over];
+          the sequences it decodes (none on a prefill), scaled (below) [+ `pd_overhead_ms`
+          for PD: KV pull and the hand-over, not scaled];
   TPOT  = one decode step of the decode's sequences plus this one, with their context
           + the prompt tokens the decode computes while this request runs (queued ones and
           its own on the DECODE path), spread over half its max_tokens steps (a stream
@@ -147,12 +147,15 @@ class SloPredictor:
         under-fits, runs slower. TTFT corrects the instance that computed the prompt,
         TPOT the one that decoded it."""
         pred_ttft, pred_tpot = route.predicted
+        if route.is_pd and ttft_ms is not None:  # the overhead is not the profile's to scale
+            overhead = self.config.pd_overhead_ms
+            pred_ttft, ttft_ms = pred_ttft - overhead, max(0.0, ttft_ms - overhead)
         for name, what, pred, meas in ((route.target.name, "ttft", pred_ttft, ttft_ms),
                                        (route.serving.name, "tpot", pred_tpot, tpot_ms)):
             if meas is None or pred <= 0:
                 continue
             ratio = meas / (pred / self.scale(name, what))  # against the raw profile
-            ratio = min(SCALE_MAX, max(1.0 / SCALE_MAX, ratio))
+            ratio = min(SCALE_MAX, max(1.0 / SCALE_MAX, ratio))  # (a measured 0: the floor)
             old = self._scale.get((name, what))
             self._scale[(name, what)] = ratio if old is None else (
                 old + SCALE_ALPHA * (ratio - old))
@@ -187,9 +190,8 @@ class SloPredictor:
         own_pairs = attn_pairs(prompt_len - uncached, uncached)
         if route.is_pd:
             work_p, seqs_p, ctx_p = self._state(route.target)
-            ttft = (pp.prefill_ms(work_p.pending_prefill_tokens + uncached, seqs_p, ctx_p,
-                                  work_p.pending_prefill_pairs + own_pairs)
-                    + self.config.pd_overhead_ms)
+            ttft = pp.prefill_ms(work_p.pending_prefill_tokens + uncached, seqs_p, ctx_p,
+                                 work_p.pending_prefill_pairs + own_pairs)
             local, local_pairs = queued_d, work_d.pending_prefill_pairs
         else:
             local_pairs = work_d.pending_prefill_pairs + own_pairs
@@ -203,6 +205,8 @@ class SloPredictor:
         stall = per_token * min(local / max(1, max_tokens // 2), pd.prompt_chunk(seqs_d + 1))
         tpot = pd.decode_step_ms(seqs_d + 1, ctx_d + prompt_len) + stall
         ttft *= self.scale(route.target.name, "ttft")
+        if route.is_pd:
+            ttft += self.config.pd_overhead_ms
         tpot *= self.scale(decode.name, "tpot")
         return Prediction(dataclasses.replace(route, predicted=(ttft, tpot)), ttft, tpot)
 

@@ -410,6 +410,16 @@ def test_measured_latencies_correct_the_predictions_per_instance():
     assert pred.scale("d", "tpot") == pytest.approx(2)
 
 
+def test_the_pd_overhead_is_added_after_the_correction_and_left_out_of_it():
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    pred = SloPredictor(RouterConfig(pd_overhead_ms=20), no_work)
+    first = pred.predict(Route(p, d), 100, 100, 10)
+    assert first.ttft_ms == pytest.approx(11 + 20)
+    pred.observe(first.route, 20 + 22.0, None)  # the prefill ran 2x slower; same overhead
+    assert pred.scale("p", "ttft") == pytest.approx(2)
+    assert pred.predict(Route(p, d), 100, 100, 10).ttft_ms == pytest.approx(2 * 11 + 20)
+
+
 async def test_the_backend_reports_what_a_request_measured():
     b, engines = cond_backend()
     seen = []
