@@ -123,9 +123,9 @@ class PipelinedStream:
             try:
                 await call.write(message)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+                error = await self._write_error(call, exc)
                 if not fut.done():
-                    fut.set_exception(StreamBroken(f"stream write failed: {exc}",
-                                                   maybe_delivered=False))
+                    fut.set_exception(error)
                 if self._call is call:
                     self._call = None
                     call.cancel()
@@ -144,6 +144,20 @@ class PipelinedStream:
             if exc.unsupported:
                 self.unsupported = True
             raise
+
+    @staticmethod
+    async def _write_error(call: "grpc.aio.StreamStreamCall", exc: BaseException) -> StreamBroken:
+        """A write fails when the peer has already ended the call: its status says why
+        (UNIMPLEMENTED: an older peer without the stream, where the first write raced the
+        peer's answer). Waits at most 1 s for that status."""
+        try:
+            code = await wait_for(call.code(), 1.0)
+        except Exception:  # noqa: BLE001 - no status: the write error is all we know
+            code = None
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return StreamBroken("peer does not implement the stream", maybe_delivered=False,
+                                unsupported=True)
+        return StreamBroken(f"stream write failed: {exc}", maybe_delivered=False)
 
     async def close(self) -> None:
         call, self._call = self._call, None
