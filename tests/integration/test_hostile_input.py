@@ -106,12 +106,17 @@ async def test_a_large_body_does_not_hold_the_event_loop(cluster):
         assert resp.json()["error"]["code"] == "request_too_large"
         big = json.dumps({"model": "tiny", "prompt": "hello world " * (600 << 10),
                           "max_tokens": 2})
-        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
+        # /health on fresh connections: a kept-alive one the server closes as idle while the
+        # big request runs would fail the probe (a client-side race, not the server's).
+        fresh = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http, \
+                httpx.AsyncClient(base_url=url, timeout=30, trust_env=False,
+                                  limits=fresh) as probe:
             task = asyncio.ensure_future(http.post("/v1/completions", content=big,
                                                    headers={"Content-Type": "application/json"}))
             answered_meanwhile = 0
             while not task.done():
-                health = await http.get("/health")
+                health = await probe.get("/health")
                 assert health.status_code == 200
                 if not task.done():
                     answered_meanwhile += 1
