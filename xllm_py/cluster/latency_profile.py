@@ -97,18 +97,12 @@ class LatencyProfile:
         if missing:
             raise ValueError(f"latency profile lacks {missing}")
         values: dict[str, Any] = {}
-        for key in KEYS:
-            v = data[key]
+        for key in (*KEYS, "prefill_ms_per_kpair"):  # (the pairs term: 0 in older profiles)
+            v = data.get(key, 0.0)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
                     or math.isinf(v):
                 raise ValueError(f"latency profile {key} must be a number >= 0, got {v!r}")
             values[key] = float(v)
-        kpair = data.get("prefill_ms_per_kpair", 0.0)
-        if isinstance(kpair, bool) or not isinstance(kpair, (int, float)) or not kpair >= 0 \
-                or math.isinf(kpair):
-            raise ValueError(f"latency profile prefill_ms_per_kpair must be a number >= 0, "
-                             f"got {kpair!r}")
-        values["prefill_ms_per_kpair"] = float(kpair)
         budgets: dict[str, int] = {}
         for key, default, least in (("max_num_batched_tokens", 2048, 1),
                                     ("max_prefill_tokens_while_decoding", 0, 0)):
