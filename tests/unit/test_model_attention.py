@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from xllm_py.model import attention
 from xllm_py.model.attention import (
     AttentionMetadata,
     allocate_kv_caches,
@@ -52,7 +53,11 @@ def _reference(q_all, k_all, v_all, start, n):
     [[(0, 1), (1, 1), (2, 1)], [(0, 1), (1, 1), (2, 1)]],  # all-decode fast path
     [[(0, 13)], [(0, 7)]],  # prefill only, chunked
 ])
-def test_paged_attention_matches_dense(steps):
+@pytest.mark.parametrize("dense", [False, True], ids=["paged", "dense-chunks"])
+def test_paged_attention_matches_dense(steps, dense, monkeypatch):
+    if dense:  # chunks of >= 5 tokens and 40 pairs take the dense (SDPA) path on CPU
+        monkeypatch.setattr(attention, "DENSE_PREFILL_MIN_TOKENS", 5)
+        monkeypatch.setattr(attention, "DENSE_PREFILL_MIN_PAIRS", 40)
     g = torch.Generator().manual_seed(0)
     total = 40
     qs = torch.randn(3, total, H, HD, generator=g)
@@ -66,6 +71,10 @@ def test_paged_attention_matches_dense(steps):
         seqs = [(done[s], n, tables[s]) for s, n in step]
         md = AttentionMetadata.build(seqs, BS)
         plan = plan_attention(md, BS)
+        dense_lens = sorted(c.rows.stop - c.rows.start for c in plan.prefill.dense) \
+            if plan.prefill is not None else []
+        assert dense_lens == sorted(n for s, n in step if dense and n >= 5 and
+                                    n * (done[s] + n) >= 40)
         q = torch.cat([qs[s, done[s]:done[s] + n] for s, n in step])
         k = torch.cat([ks[s, done[s]:done[s] + n] for s, n in step])
         v = torch.cat([vs[s, done[s]:done[s] + n] for s, n in step])

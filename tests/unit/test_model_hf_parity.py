@@ -195,3 +195,26 @@ def test_bf16_load_runs(pair):
     print(f"[{name}] bf16 max |logit err| vs fp32 reference {err:.2e}")
     assert torch.isfinite(logits).all()
     assert err < 0.1
+
+
+def test_long_prompt_dense_prefill_matches_hf(ours_path, monkeypatch):
+    """A prompt long enough for the dense (SDPA) prefill path on CPU, whole and chunked
+    (a dense chunk, then a short one on the paged kernel after it), against HF."""
+    from xllm_py.model import attention
+
+    name, hf, ours, cfg = ours_path
+    calls = []
+    real = attention.dense_chunk_attention
+    monkeypatch.setattr(attention, "dense_chunk_attention",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    prompt = _prompts([300], seed=6)[0]
+    ref = _hf_logits(hf, prompt)
+    whole = _Runner(ours, cfg).step([(0, 0, prompt)])
+    runner = _Runner(ours, cfg, seed=7)
+    chunked = torch.cat([runner.step([(0, 0, prompt[:260])]),
+                         runner.step([(0, 260, prompt[260:])])])
+    err = max((whole - ref).abs().max().item(), (chunked - ref).abs().max().item())
+    print(f"[{name}] 300-token prompt max |logit err| {err:.2e}, dense chunks {calls}")
+    assert err < TOL
+    engine_path = cpu_kernels.available()
+    assert calls == ([300] * cfg.num_layers + [260] * cfg.num_layers if engine_path else [])

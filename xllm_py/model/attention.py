@@ -12,8 +12,12 @@ One step runs in three stages:
    q/k-norm + RoPE + store kernel), then ``attend``: decode sequences (one new token) and
    prefill chunks (several tokens, possibly after a cached prefix) take separate paths.
    On CPU float32 both go through the native paged kernel, which reads the blocks in
-   place (a prefill token is a decode query over its causal prefix); elsewhere each
-   sequence's context is gathered by block table into ``scaled_dot_product_attention``.
+   place (a prefill token is a decode query over its causal prefix), except a long
+   prefill chunk (``DENSE_PREFILL_MIN_TOKENS``, ``DENSE_PREFILL_MIN_PAIRS``): its context
+   is gathered once and goes through ``scaled_dot_product_attention`` (causal), which
+   tiles the queries and reads each key once per tile where the paged kernel reads the
+   whole prefix once per query token; elsewhere each sequence's context is gathered by block table into a
+   padded, masked ``scaled_dot_product_attention``.
    ``paged_attention`` is the two together.
 
 Unused cache slots are read (and masked out); allocate caches with ``torch.zeros`` so they
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -33,6 +37,14 @@ import torch.nn.functional as F
 from xllm_py.model import cpu_kernels
 
 logger = logging.getLogger(__name__)
+
+# A prefill chunk takes the dense path on CPU from this many tokens and (query, key)
+# pairs. One thread, 8 heads (4 KV) of 64, ms per layer paged vs dense
+# (`python benchmarks/bench_attention.py [--prefix 1024]`): whole prompt of 128 tokens
+# 0.84 vs 0.54, 256 3.1 vs 2.0, 1024 32 vs 21, 1920 119 vs 61; 64 tokens after 1024
+# cached 4.1 vs 2.3; 64 tokens alone 0.26 vs 0.29.
+DENSE_PREFILL_MIN_TOKENS = 64
+DENSE_PREFILL_MIN_PAIRS = 256 * 256
 
 
 @dataclass
@@ -133,6 +145,19 @@ class _PrefillGroup:
     # native kernel takes each token as a decode query over its causal prefix)
     tok_tables: torch.Tensor
     tok_seq_lens: torch.Tensor
+    # the long chunks (CPU dense path); the other rows of the group
+    # (None = all of them) go to the native kernel
+    dense: list["_DenseChunk"] = field(default_factory=list)
+    paged_rows: torch.Tensor | None = None
+
+
+@dataclass
+class _DenseChunk:
+    """One sequence's prefill chunk attended in one causal SDPA call."""
+
+    rows: slice  # its query rows in the prefill group (contiguous)
+    key_slots: torch.Tensor  # [seq_len] cache slots of positions 0 .. seq_len - 1
+    mask: torch.Tensor | None  # [n, seq_len] bool after a cached prefix; None = is_causal
 
 
 @dataclass
@@ -224,8 +249,36 @@ def _prefill_group(token_idx: torch.Tensor | None, query_start_loc: torch.Tensor
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
         key_pos[None, None, :] < seq_lens[:, None, None])
     tables = block_tables[:, :nblk]
-    return _PrefillGroup(token_idx, dest, num_seqs, max_q, tables, mask[:, None],
-                         tables[seq_of_tok], context_lens[seq_of_tok] + offset + 1)
+    group = _PrefillGroup(token_idx, dest, num_seqs, max_q, tables, mask[:, None],
+                          tables[seq_of_tok], context_lens[seq_of_tok] + offset + 1)
+    if max_q >= DENSE_PREFILL_MIN_TOKENS:
+        _plan_dense(group, query_start_loc, context_lens, block_size, num_tokens)
+    return group
+
+
+def _plan_dense(g: _PrefillGroup, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                block_size: int, num_tokens: int) -> None:
+    """Picks the chunks long enough for the dense path (one host sync per step)."""
+    dev = context_lens.device
+    qsl = query_start_loc.tolist()
+    ctx = context_lens.tolist()
+    paged = torch.ones(num_tokens, dtype=torch.bool)
+    for i in range(g.num_seqs):
+        start, end = qsl[i], qsl[i + 1]
+        n = end - start
+        seq_len = ctx[i] + n
+        if n < DENSE_PREFILL_MIN_TOKENS or n * seq_len < DENSE_PREFILL_MIN_PAIRS:
+            continue
+        pos = torch.arange(seq_len, device=dev)
+        slots = g.block_tables[i, pos // block_size] * block_size + pos % block_size
+        mask = None
+        if ctx[i]:
+            q_pos = ctx[i] + torch.arange(n, device=dev)
+            mask = pos[None, :] <= q_pos[:, None]
+        g.dense.append(_DenseChunk(slice(start, end), slots, mask))
+        paged[start:end] = False
+    if g.dense:
+        g.paged_rows = torch.nonzero(paged).flatten().to(dev)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -275,9 +328,32 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        g: _PrefillGroup) -> torch.Tensor:
-    # each token a decode query over its causal prefix
-    out = _attend_in_place(q, k_cache, v_cache, g.tok_tables, g.tok_seq_lens)
-    return out if out is not None else prefill_attention_torch(q, k_cache, v_cache, g)
+    if not cpu_kernels.decode_attention_supported(q, k_cache, v_cache):
+        return prefill_attention_torch(q, k_cache, v_cache, g)
+    if not g.dense:
+        # each token a decode query over its causal prefix
+        return _attend_in_place(q, k_cache, v_cache, g.tok_tables, g.tok_seq_lens)
+    out = torch.empty_like(q)
+    for c in g.dense:
+        out[c.rows] = dense_chunk_attention(q[c.rows], k_cache, v_cache, c.key_slots, c.mask)
+    rows = g.paged_rows
+    if rows is not None and rows.numel():
+        out.index_copy_(0, rows, _attend_in_place(q[rows], k_cache, v_cache,
+                                                  g.tok_tables[rows], g.tok_seq_lens[rows]))
+    return out
+
+
+def dense_chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          key_slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [n, h, hd], the chunk's last n positions of the keys at ``key_slots`` ->
+    [n, h, hd]; causal (``mask`` None: no cached prefix) or by ``mask`` [n, len]."""
+    kvh, hd = k_cache.shape[-2], k_cache.shape[-1]
+    k = k_cache.view(-1, kvh, hd).index_select(0, key_slots).transpose(0, 1)
+    v = v_cache.view(-1, kvh, hd).index_select(0, key_slots).transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
+        enable_gqa=q.shape[1] != kvh)
+    return out[0].transpose(0, 1)
 
 
 def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
