@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from typing import AsyncIterator
 
@@ -40,6 +41,8 @@ from xllm_service.router import NoInstanceError, Path, Route, Router
 from xllm_service.sub_request import SubPhase, SubRequest, SubRequests
 
 logger = logging.getLogger(__name__)
+# A latency target travels as an int32 of ms (DisaggRequest.ttft_slo / tpot_slo).
+SLO_MAX_MS = 2**31 - 1
 
 
 class ServiceBackend(MigrationMixin):
@@ -115,6 +118,7 @@ class ServiceBackend(MigrationMixin):
                      queue: asyncio.Queue) -> SubRequest:
         tried: list[str] = []
         num_full = 0  # instances that answered RESOURCE_EXHAUSTED (their queue is full)
+        ttft_slo, tpot_slo = (min(SLO_MAX_MS, math.ceil(x)) for x in self.router.targets(req))
         while True:
             # A fresh id per attempt: a late copy of a failed attempt is unknown here, so
             # its first Generations gets ok=false and the engine drops it.
@@ -125,7 +129,8 @@ class ServiceBackend(MigrationMixin):
                 stream=req.stream, x_request_id=req.x_request_id or "",
                 source_xservice_addr=self.my_rpc_addr,
                 prefill_name=route.target.name if route.is_pd else "",
-                decode_name=route.decode.name if route.is_pd else "")
+                decode_name=route.decode.name if route.is_pd else "",
+                ttft_slo_ms=ttft_slo, tpot_slo_ms=tpot_slo)
             sub = SubRequest(engine_id, offset, route, queue, spec, request_id=req.request_id)
             self.subs.add(sub)
             self._log_route(engine_id, route, len(spec.prompt_token_ids))

@@ -209,6 +209,14 @@ class Router:
             return Route(self.policy.select(mixes, request))
         raise NoInstanceError(self.unavailable_reason(exclude))
 
+    def targets(self, request: object) -> tuple[float, float]:
+        """The request's TTFT/TPOT targets in ms (0: none): its own, else SLO_AWARE's
+        service defaults."""
+        if self.slo is not None:
+            return self.slo.targets(request)
+        return (float(getattr(request, "ttft_slo_ms", None) or 0.0),
+                float(getattr(request, "tpot_slo_ms", None) or 0.0))
+
     def observe(self, route: Route, ttft_ms: float | None, tpot_ms: float | None) -> None:
         """A request's measured TTFT/TPOT (SLO_AWARE corrects its predictions by them)."""
         if self.slo is not None and route.predicted is not None:

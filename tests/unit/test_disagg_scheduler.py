@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
 import time
 
@@ -40,10 +41,10 @@ async def make_node():
     made = []
 
     async def make(role: InstanceRole, mode: KVTransferMode = KVTransferMode.PULL,
-                   list_decodes=None, **pd_overrides):
+                   list_decodes=None, profile: str | None = None, **pd_overrides):
         config = EngineConfig(model="tiny", role=role, rpc_timeout_s=2.0,
                               cache=CacheConfig(enable_prefix_caching=False),
-                              transfer=TransferConfig(mode=mode))
+                              transfer=TransferConfig(mode=mode), latency_profile_path=profile)
         engine = LLMEngine(config)
         engine.start()
         meta = InstanceMeta(name=f"{role.value.lower()}:1", type=role, block_size=16,
@@ -205,6 +206,33 @@ async def test_dispatch_places_a_prompt_longer_than_the_limit_alone(make_node):
     pd.add_request(_spec("r2"))
     await until(lambda: len(peers.handovers) == 2, what="both handed over, one at a time")
     assert peers.asked == ["r1", "r2"]
+    await until_free(engine)
+
+
+@pytest.mark.parametrize("order", ["deadline", "fcfs"])
+async def test_dispatch_order_puts_a_request_that_can_still_make_its_ttft_first(
+        make_node, tmp_path, order):
+    """prefill_order deadline: with r1 placed ahead (1 ms per prompt token predicted:
+    40 ms), `late` (target 1 ms: missed whatever is done) yields to `ontime` (60 s) that
+    arrived after it; fcfs keeps arrival order."""
+    from xllm_py.cluster.latency_profile import LatencyProfile
+
+    profile = tmp_path / "profile.json"
+    data = LatencyProfile(prefill_base_ms=0.0, prefill_ms_per_token=1.0, decode_base_ms=1.0,
+                   decode_ms_per_seq=0.1, decode_ms_per_ctx_token=0.0).to_dict()
+    profile.write_text(json.dumps(data))
+    engine, pd, peers = await make_node(InstanceRole.PREFILL, profile=str(profile),
+                                        max_placed_prompt_tokens=10, prefill_order=order)
+    peers.place_gate = asyncio.Event()
+    pd.add_request(_spec("r1"))
+    await until(lambda: peers.asked == ["r1"], what="r1 placed")
+    pd.add_request(_spec("late", ttft_slo_ms=1))
+    pd.add_request(_spec("ontime", ttft_slo_ms=60_000))
+    pd.add_request(_spec("none"))
+    peers.place_gate.set()
+    await until(lambda: len(peers.handovers) == 4, what="all four handed over")
+    expected = ["ontime", "late", "none"] if order == "deadline" else ["late", "ontime", "none"]
+    assert peers.asked == ["r1"] + expected
     await until_free(engine)
 
 

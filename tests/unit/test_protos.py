@@ -152,3 +152,20 @@ def test_pyproject_requires_what_the_generated_stubs_check_at_import():
     m = re.search(r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,"
                   r"\s*(\d+),\s*(\d+),\s*(\d+),", pb_stub)
     assert lower_bound("protobuf") >= tuple(int(x) for x in m.groups())
+
+
+def test_latency_targets_travel_and_negative_ones_are_refused():
+    import pytest
+
+    from xllm_py.proto import xllm_pb2
+    from xllm_py.rpc.convert import EngineRequestSpec, spec_from_proto, spec_to_proto
+    from xllm_py.sampling_params import SamplingParams
+
+    spec = EngineRequestSpec(request_id="r1", service_request_id="s1", prompt_token_ids=[1],
+                             params=SamplingParams(), ttft_slo_ms=2500, tpot_slo_ms=50)
+    back = spec_from_proto(xllm_pb2.DisaggRequest.FromString(spec_to_proto(spec).SerializeToString()))
+    assert (back.ttft_slo_ms, back.tpot_slo_ms) == (2500, 50)
+    msg = spec_to_proto(spec)
+    msg.ttft_slo = -1
+    with pytest.raises(ValueError, match="ttft_slo and tpot_slo must be >= 0"):
+        spec_from_proto(msg)

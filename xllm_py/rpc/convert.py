@@ -31,6 +31,10 @@ class EngineRequestSpec:
     decode_name: str = ""
     offline: bool = False
     priority: int = 0
+    # latency targets (ms) the service routed for (0: none); a prefill orders its queue
+    # by the TTFT one (engine/pd/prefill_order.py)
+    ttft_slo_ms: int = 0
+    tpot_slo_ms: int = 0
 
 
 # How SamplingParams travels in a DisaggRequest, field by field. A field of the same name
@@ -116,6 +120,7 @@ def spec_to_proto(spec: EngineRequestSpec) -> pb.DisaggRequest:
         tokens_num=len(spec.prompt_token_ids), stream=spec.stream,
         x_request_id=spec.x_request_id, source_xservice_addr=spec.source_xservice_addr,
         offline=spec.offline, priority=spec.priority, schema_version=SCHEMA_VERSION,
+        ttft_slo=spec.ttft_slo_ms, tpot_slo=spec.tpot_slo_ms,
         routing=pb.RoutingInfo(prefill_name=spec.prefill_name, decode_name=spec.decode_name))
     msg.prompt_tokens.extend(spec.prompt_token_ids)
     params_to_proto(spec.params, msg)
@@ -127,13 +132,17 @@ def spec_from_proto(msg: pb.DisaggRequest) -> EngineRequestSpec:
         raise ValueError("req_id is empty")
     if not msg.prompt_tokens:
         raise ValueError("prompt_tokens is empty")
+    if msg.ttft_slo < 0 or msg.tpot_slo < 0:
+        raise ValueError(f"ttft_slo and tpot_slo must be >= 0 (ms; 0: none), got "
+                         f"{msg.ttft_slo} and {msg.tpot_slo}")
     return EngineRequestSpec(
         request_id=msg.req_id, service_request_id=msg.service_req_id or msg.req_id,
         prompt_token_ids=list(msg.prompt_tokens), params=params_from_proto(msg),
         stream=msg.stream, x_request_id=msg.x_request_id,
         source_xservice_addr=msg.source_xservice_addr,
         prefill_name=msg.routing.prefill_name, decode_name=msg.routing.decode_name,
-        offline=msg.offline, priority=msg.priority)
+        offline=msg.offline, priority=msg.priority, ttft_slo_ms=msg.ttft_slo,
+        tpot_slo_ms=msg.tpot_slo)
 
 
 def output_to_proto(out: RequestOutput, service_request_id: str = "",

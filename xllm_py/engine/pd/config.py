@@ -23,6 +23,8 @@ class PDSchedulerConfig:
     # while the prompts placed and not handed over yet hold fewer tokens (0: no limit):
     # under a long queue, decode KV is not held by prompts waiting here.
     max_placed_prompt_tokens: int = 4096
+    # Prefill: which queued request is placed next (prefill_order.py: fcfs, deadline).
+    prefill_order: str = "deadline"
     # Prefill: how often it links the decodes it has not linked yet (prelink_once).
     prelink_interval_s: float = 2.0
     # Decode: a request whose FirstGeneration never comes is freed after this.
@@ -34,6 +36,10 @@ class PDSchedulerConfig:
             raise ValueError("attempts_per_decode and max_decodes_per_request must be >= 1")
         if self.max_dispatching < 1:
             raise ValueError("max_dispatching must be >= 1")
+        from xllm_py.engine.pd.prefill_order import ORDERS
+        if self.prefill_order not in ORDERS:
+            raise ValueError(f"prefill_order must be one of {', '.join(ORDERS)}, "
+                             f"got {self.prefill_order!r}")
         if self.max_placed_prompt_tokens < 0:
             raise ValueError("max_placed_prompt_tokens must be >= 0")
 

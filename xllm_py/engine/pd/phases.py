@@ -122,6 +122,10 @@ class PrefillRequest(_Phased):
     decode: InstanceMeta | None = None  # from PREFILLING on
     decode_blocks: list[int] = dataclasses.field(default_factory=list)  # decode needs filled
     num_cached_on_decode: int = 0
+    # the queue's order (prefill_order.py), on time.monotonic()'s clock
+    deadline_s: float = float("inf")  # arrival + TTFT target; inf: no target
+    cost_s: float = 0.0  # predicted prefill
+    submitted_s: float | None = None  # given to the engine
 
     @property
     def request_id(self) -> str:

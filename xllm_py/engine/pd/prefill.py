@@ -1,8 +1,9 @@
 """PrefillSide: the prefill role of a PD pair, on top of LLMEngine.
 
 Stages of a request (its PrefillPhase, see phases.py):
-  add_request -> QUEUED (online queue, or offline: taken only when no online one waits;
-  taken while the prompts placed on decodes and not handed over yet hold fewer than
+  add_request -> QUEUED (online queue, taken in `prefill_order` (prefill_order.py:
+  deadline order by the request's TTFT target, or FCFS), or offline: taken only when no
+  online one waits, in arrival order; taken while the prompts placed on decodes and not handed over yet hold fewer than
   `max_placed_prompt_tokens`: a decode sets blocks aside for a request only shortly
   before its prompt is computed, not for the whole time it queues here)
   -> DISPATCHING: the service's decode first, then the master's list (round robin), up
@@ -29,12 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
 from typing import AsyncIterator, Callable, Coroutine
 
 from xllm_py.cluster.instance_meta import InstanceMeta
+from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.config import EngineConfig, KVTransferMode
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
@@ -45,6 +48,7 @@ from xllm_py.engine.pd.messages import HandOver, KVMove, Placement
 from xllm_py.engine.pd.metrics import PDMetrics
 from xllm_py.engine.pd.peers import PDPeers
 from xllm_py.engine.pd.phases import PrefillPhase, PrefillRequest
+from xllm_py.engine.pd.prefill_order import PrefillCostModel, Queued, pick
 from xllm_py.outputs import RequestOutput, TokenLogprob
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.rpc.status import Status, StatusError
@@ -52,6 +56,22 @@ from xllm_py.rpc.status import Status, StatusError
 logger = logging.getLogger(__name__)
 
 P = PrefillPhase
+# Prompts shorter than this do not correct the cost model: their time is mostly the
+# step's fixed costs, and short prompts share steps.
+OBSERVE_MIN_TOKENS = 256
+
+
+def _cost_model(config: EngineConfig, pd_config: PDSchedulerConfig) -> PrefillCostModel | None:
+    """The deadline order's predictions: this instance's latency profile (none: FCFS)."""
+    if pd_config.prefill_order != "deadline" or not config.latency_profile_path:
+        return None
+    try:
+        profile = LatencyProfile.load(config.latency_profile_path)
+    except (OSError, ValueError) as exc:
+        logger.warning("prefill order: FCFS (latency profile unreadable: %s)", exc)
+        return None
+    return PrefillCostModel(dataclasses.replace(
+        profile, max_num_batched_tokens=config.scheduler.max_num_batched_tokens))
 _PENDING = (P.QUEUED, P.DISPATCHING, P.PREFILLING)  # not handed over yet
 
 
@@ -71,12 +91,14 @@ class PrefillSide:
         self.spawn = spawn
         self.loop = asyncio.get_running_loop()
         self._requests: dict[str, PrefillRequest] = {}  # until a final phase
-        self._online: asyncio.Queue[PrefillRequest] = asyncio.Queue()
+        self._online: list[PrefillRequest] = []  # arrival order
         self._offline: asyncio.Queue[PrefillRequest] = asyncio.Queue()
         self._queued = asyncio.Event()  # set when either queue may hold work
         self._room = asyncio.Event()  # set when a placed prompt is handed over or ends
         self._dispatch_sem = asyncio.Semaphore(pd_config.max_dispatching)
         self._rr = itertools.count()
+        self._cost = _cost_model(config, pd_config)  # None: FCFS
+        self._last_first_token_s = 0.0
         engine.set_hand_over(self._on_first_token)
 
     def phase(self, request_id: str) -> PrefillPhase | None:
@@ -112,19 +134,42 @@ class PrefillSide:
             raise StatusError(Status.INVALID_ARGUMENT,  # end the live request's stream
                               f"request id {spec.request_id} is already live here")
         rec = self._requests[spec.request_id] = PrefillRequest(spec)
-        (self._offline if spec.offline else self._online).put_nowait(rec)
+        if spec.offline:
+            self._offline.put_nowait(rec)
+        else:
+            if spec.ttft_slo_ms > 0:
+                rec.deadline_s = time.monotonic() + spec.ttft_slo_ms / 1000.0
+            if self._cost is not None:
+                rec.cost_s = self._cost.predict_s(len(spec.prompt_token_ids))
+            self._online.append(rec)
         self._queued.set()
+
+    def _take_online(self) -> PrefillRequest:
+        """The next online request (the queue's order; module docstring)."""
+        index = 0
+        if self._cost is not None and len(self._online) > 1:
+            now = time.monotonic()
+            index = pick([Queued(r.deadline_s, r.cost_s) for r in self._online], now,
+                         self._ahead_s(now))
+        return self._online.pop(index)
+
+    def _ahead_s(self, now: float) -> float:
+        """Predicted prefill work placed and not computed yet: the placed prompts' costs
+        less what the engine has computed since it took the oldest of them."""
+        placed = [r for r in self._requests.values() if r.phase in (P.DISPATCHING, P.PREFILLING)]
+        started = [r.submitted_s for r in placed if r.submitted_s is not None]
+        busy = now - max(min(started), self._last_first_token_s) if started else 0.0
+        return max(0.0, sum(r.cost_s for r in placed) - max(0.0, busy))
 
     async def dispatch_loop(self) -> None:
         """Online requests first; offline ones whenever no online one is queued."""
         while True:
-            if self._online.empty() and self._offline.empty():
+            if not self._online and self._offline.empty():
                 self._queued.clear()
                 await self._queued.wait()
                 continue
             await self._wait_for_room()
-            queue = self._online if not self._online.empty() else self._offline
-            rec = queue.get_nowait()
+            rec = self._take_online() if self._online else self._offline.get_nowait()
             if rec.phase is not P.QUEUED:  # cancelled while queued
                 continue
             rec.transition(P.DISPATCHING)
@@ -232,6 +277,7 @@ class PrefillSide:
         sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
                                   spec.request_id, on_output=self._watch(spec.request_id))
         sink.finished_on_prefill = True
+        rec.submitted_s = time.monotonic()
         self.engine.submit(EngineRequest(spec.request_id, spec.prompt_token_ids, spec.params,
                                          sink, remote_decode=True))
 
@@ -267,9 +313,20 @@ class PrefillSide:
             if kv_held:                                     # its abort found nothing
                 self.engine.call(lambda: self.engine.scheduler.finish_sending(child))
             return
+        self._observe_prefill(rec)
         rec.transition(P.HANDING_OVER)
         self._room.set()
         self.spawn(self._hand_over(rec, child, block_ids, first, lp, finished_here, kv_held))
+
+    def _observe_prefill(self, rec: PrefillRequest) -> None:
+        """Its prompt's compute time: from when the engine took it (submitted, or the
+        previous first token if that came later) to its first token."""
+        now = time.monotonic()
+        if self._cost is not None and rec.submitted_s is not None:
+            start = max(rec.submitted_s, self._last_first_token_s)
+            if len(rec.spec.prompt_token_ids) >= OBSERVE_MIN_TOKENS:
+                self._cost.observe(len(rec.spec.prompt_token_ids), now - start)
+        self._last_first_token_s = now
 
     async def _hand_over(self, rec: PrefillRequest, child: str, block_ids: list[int],
                          first_token: int | None, lp: TokenLogprob | None,
