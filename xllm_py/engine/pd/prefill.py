@@ -59,6 +59,9 @@ P = PrefillPhase
 # Prompts shorter than this do not correct the cost model: their time is mostly the
 # step's fixed costs, and short prompts share steps.
 OBSERVE_MIN_TOKENS = 256
+# Deadline order: the next request is placed once the work placed ahead is predicted to
+# be done within this long (its AddNewRequests, link and admission fit in it).
+PLACE_LEAD_S = 0.2
 
 
 def _cost_model(config: EngineConfig, pd_config: PDSchedulerConfig) -> PrefillCostModel | None:
@@ -122,11 +125,23 @@ class PrefillSide:
 
     async def _wait_for_room(self) -> None:
         """Until the placed prompts leave room (one prompt always goes: a longer one
-        than the limit waits for the others alone)."""
+        than the limit waits for the others alone); in deadline order, also until the
+        work placed ahead is within PLACE_LEAD_S of done: the next request is chosen
+        when the engine is about to take it, not a whole prompt earlier (a queue
+        simulation of issue 16's workload at 2.4 req/s: long prompts in time 78% choosing
+        just in time, 57% choosing one 1.3 s prompt ahead, FCFS 53%)."""
         limit = self.pd_config.max_placed_prompt_tokens
-        while limit and 0 < self.placed_prompt_tokens() >= limit:
+        while True:
+            if limit and 0 < self.placed_prompt_tokens() >= limit:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            wait_s = self._ahead_s(time.monotonic()) - PLACE_LEAD_S if self._cost else 0.0
+            if wait_s <= 0 or not self._online:
+                return
             self._room.clear()
-            await self._room.wait()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._room.wait(), wait_s)
 
     # ------------------------------------------------------------------ queue, dispatch
     def add_request(self, spec: EngineRequestSpec) -> None:
