@@ -236,6 +236,30 @@ async def test_dispatch_order_puts_a_request_that_can_still_make_its_ttft_first(
     await until_free(engine)
 
 
+async def test_deadline_order_places_the_next_request_just_in_time(make_node, tmp_path):
+    """With a latency profile the next request is placed only once the work placed ahead
+    is predicted done within PLACE_LEAD_S (here r1: 40 tokens at 100 ms = 4 s, so r2
+    waits for r1's first token, not for the placement gate, which is off)."""
+    from xllm_py.cluster.latency_profile import LatencyProfile
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(LatencyProfile(
+        prefill_base_ms=0.0, prefill_ms_per_token=100.0, decode_base_ms=1.0,
+        decode_ms_per_seq=0.1, decode_ms_per_ctx_token=0.0).to_dict()))
+    engine, pd, peers = await make_node(InstanceRole.PREFILL, profile=str(profile),
+                                        max_placed_prompt_tokens=0)
+    peers.place_gate = asyncio.Event()
+    pd.add_request(_spec("r1"))
+    pd.add_request(_spec("r2"))
+    await until(lambda: peers.asked == ["r1"], what="r1 placed")
+    await asyncio.sleep(0.3)  # a gap in which r2 would be asked for, were it not held
+    assert peers.asked == ["r1"] and pd.prefill.phase("r2") is PrefillPhase.QUEUED
+    peers.place_gate.set()
+    await until(lambda: len(peers.handovers) == 2, what="both handed over")
+    assert peers.asked == ["r1", "r2"]
+    await until_free(engine)
+
+
 async def test_a_failed_engine_step_ends_the_prefill_record_and_frees_its_place(make_node):
     """The engine fails a step (its requests get an error): their records end, decode is
     told to drop its blocks, and the place they held goes to the next request."""

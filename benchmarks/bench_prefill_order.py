@@ -1,0 +1,87 @@
+"""The prefill queue's order in a queue simulation: FCFS vs the deadline order.
+
+Stages: the long prompts of the mixed workload (``--long-frac`` of Poisson arrivals at
+``--rate``, lengths uniform in ``--long-len``) -> one prefill instance computing one prompt
+at a time, its time from the latency profile (``--profile``; default: tiny-25m's figures
+of this round) -> the next prompt chosen when the running one is ``--lead`` seconds from
+done, FCFS or by ``prefill_order.pick`` (the engine's own function) -> share of prompts
+whose first token came within ``--ttft-ms`` of arrival, over ``--seeds`` workloads.
+The engine's order is measured end to end by ``bench_serving.py --compare``; this isolates
+the queue from the rest (no HTTP, KV transfer or decode).
+
+    python benchmarks/bench_prefill_order.py --rate 2.4
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+from benchmarks.common import report_environment
+from xllm_py.cluster.latency_profile import LatencyProfile
+from xllm_py.engine.pd.prefill_order import Queued, pick
+
+# tiny-25m, one core (`python -m xllm_py.sim.profile --model tiny-25m --num-threads 1`)
+DEFAULT_PROFILE = LatencyProfile(prefill_base_ms=3.2, prefill_ms_per_token=0.50,
+                                 decode_base_ms=5.2, decode_ms_per_seq=0.55,
+                                 decode_ms_per_ctx_token=0.0019, prefill_ms_per_kpair=0.275)
+
+
+def simulate(order: str, rate: float, lead: float, seed: int, args,
+             profile: LatencyProfile) -> tuple[int, int]:
+    rng = random.Random(seed)
+    t, arrivals = 0.0, []
+    for _ in range(args.num_requests):
+        t += rng.expovariate(rate)
+        if rng.random() < args.long_frac:
+            arrivals.append((t, rng.randint(*args.long_len)))
+    slo = args.ttft_ms / 1000.0
+    cost = {n: profile.prefill_ms(n) / 1000.0 * args.slowdown for _, n in arrivals}
+    queue: list[tuple[float, int]] = []
+    free_at, i, on_time = 0.0, 0, 0
+    while i < len(arrivals) or queue:
+        now = max(free_at - lead, 0.0)
+        if not queue and arrivals[i][0] > now:
+            now = arrivals[i][0]
+        while i < len(arrivals) and arrivals[i][0] <= now:
+            queue.append(arrivals[i])
+            i += 1
+        start = max(now, free_at)
+        index = 0
+        if order == "deadline":
+            index = pick([Queued(a + slo, cost[n]) for a, n in queue], now, start - now)
+        arrival, n = queue.pop(index)
+        free_at = start + cost[n]
+        on_time += free_at - arrival <= slo
+    return on_time, len(arrivals)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default=None, help="latency profile JSON (default: tiny-25m's)")
+    ap.add_argument("--rate", type=float, nargs="+", default=[1.6, 2.0, 2.4],
+                    help="requests per second, all prompts (the long ones are --long-frac)")
+    ap.add_argument("--long-frac", type=float, default=0.3)
+    ap.add_argument("--long-len", type=int, nargs=2, default=[1024, 1920])
+    ap.add_argument("--num-requests", type=int, default=100)
+    ap.add_argument("--ttft-ms", type=float, default=2500.0)
+    ap.add_argument("--slowdown", type=float, default=1.1,
+                    help="wall clock over the profile (a shared machine runs slower)")
+    ap.add_argument("--lead", type=float, nargs="+", default=[0.2, 1.3],
+                    help="seconds before the running prompt ends that the next is chosen")
+    ap.add_argument("--seeds", type=int, default=60)
+    args = ap.parse_args(argv)
+    report_environment()
+    profile = LatencyProfile.load(args.profile) if args.profile else DEFAULT_PROFILE
+    print(f"{'rate':>5} {'order':>9} {'lead s':>7} {'in time':>8}")
+    for rate in args.rate:
+        for order, leads in (("fcfs", [0.0]), ("deadline", args.lead)):
+            for lead in leads:
+                runs = [simulate(order, rate, lead, s, args, profile)
+                        for s in range(args.seeds)]
+                share = sum(r[0] for r in runs) / max(1, sum(r[1] for r in runs))
+                print(f"{rate:>5.1f} {order:>9} {lead:>7.1f} {share:>7.0%}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
