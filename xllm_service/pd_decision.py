@@ -34,8 +34,8 @@ takes it: the decode's streams keep their pace); else the PD pair meeting both w
 lowest TTFT; else the
 DECODE path meeting both (prefill overloaded; not with `prefill_busy_tokens` 0: long
 prompts never stall the decode's streams); else the candidate that misses least
-(sum of the relative overshoots), the DECODE path only for a short prompt (or without a
-prefill instance). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else
+(sum of the relative overshoots), the DECODE path only for a short prompt that keeps the
+decode within its TPOT target (or without a prefill instance). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else
 the service's `--ttft-slo-ms`/`--tpot-slo-ms`; 0: none. Without a profile from every
 instance it falls back to `PDDecider` with LEAST_LOAD.
 
@@ -267,8 +267,11 @@ class SloRouter:
         if self.config.prefill_busy_tokens and (ok := [x for x in local if meets(x)]):
             return self._chosen(by_ttft(ok), "prefill busy", ttft_slo, tpot_slo)
         # Missing anyway: a long prompt stays off the decode (its prefill would stall the
-        # streams there, and their TPOT, which then misses more targets: a spiral).
-        fallback = [*remote, *(x for x in local if uncached[x.route.target.name] <= limit)]
+        # streams there, and their TPOT, which then misses more targets: a spiral), and so
+        # does a short one that would take the decode past its TPOT target (that miss is
+        # every running stream's, a TTFT miss on the prefill only this request's).
+        fallback = [*remote, *(x for x in local if uncached[x.route.target.name] <= limit
+                               and (tpot_slo <= 0 or x.tpot_ms <= tpot_slo))]
         best = min(fallback or local, key=lambda x: (x.miss(ttft_slo, tpot_slo), x.ttft_ms,
                                                      x.route.instance_names))
         return self._chosen(best, "no candidate meets the targets", ttft_slo, tpot_slo)

@@ -253,10 +253,15 @@ def test_slo_aware_falls_back_to_the_decode_when_the_prefill_misses_the_ttft():
     # (TPOT 66% over 3.5 against PD's TTFT 104% over 500): its stall would spiral
     route = r.route(req(900, max_tokens=64, tpot_slo_ms=3.5), [p], [d])
     assert route.path is Path.PD and "no candidate meets" in route.reason
-    # a short one may go there
+    # a short one neither, while it would take the decode past its TPOT target (every
+    # stream there would miss, not only this request) ...
     r.config = RouterConfig(load_balance_policy="SLO_AWARE", local_prefill_max_tokens=900,
                             ttft_slo_ms=500, tpot_slo_ms=3.5)
-    assert r.route(req(900, max_tokens=64), [p], [d]).path is Path.DECODE
+    assert r.route(req(900, max_tokens=64), [p], [d]).path is Path.PD
+    # ... but when only TTFT misses there, it goes where it misses least: the decode
+    # (TTFT ~0.1 s against PD's 1 s, both over 50 ms)
+    route = r.route(req(900, max_tokens=64, ttft_slo_ms=50, tpot_slo_ms=10), [p], [d])
+    assert route.path is Path.DECODE and "no candidate meets" in route.reason
     # the request's own targets win over the service's: a lax TTFT keeps PD
     assert r.route(req(900, max_tokens=64, ttft_slo_ms=5000), [p], [d]).path is Path.PD
 

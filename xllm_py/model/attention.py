@@ -40,9 +40,9 @@ logger = logging.getLogger(__name__)
 
 # A prefill chunk takes the dense path on CPU from this many tokens and (query, key)
 # pairs. One thread, 8 heads (4 KV) of 64, ms per layer paged vs dense
-# (`python benchmarks/bench_attention.py [--prefix 1024]`): whole prompt of 128 tokens
-# 0.84 vs 0.54, 256 3.1 vs 2.0, 1024 32 vs 21, 1920 119 vs 61; 64 tokens after 1024
-# cached 4.1 vs 2.3; 64 tokens alone 0.26 vs 0.29.
+# (`python benchmarks/bench_attention.py [--prefix 1024]`, 2 runs): whole prompt of 1920
+# tokens 117-119 vs 61-63, 1024 32 vs 20-21, 256-512 within noise of each other, 64
+# 0.16-0.26 vs 0.18-0.29; 64 tokens after 1024 cached 4.1-5.7 vs 2.2-2.3.
 DENSE_PREFILL_MIN_TOKENS = 64
 DENSE_PREFILL_MIN_PAIRS = 256 * 256
 

@@ -3,8 +3,8 @@
 Stages of a request (its PrefillPhase, see phases.py):
   add_request -> QUEUED (online queue, taken in `prefill_order` (prefill_order.py:
   deadline order by the request's TTFT target, or FCFS), or offline: taken only when no
-  online one waits, in arrival order; taken while the prompts placed on decodes and not handed over yet hold fewer than
-  `max_placed_prompt_tokens`: a decode sets blocks aside for a request only shortly
+  online one waits, in arrival order; taken while the prompts placed on decodes and not
+  handed over yet hold fewer than `max_placed_prompt_tokens`: a decode sets blocks aside for a request only shortly
   before its prompt is computed, not for the whole time it queues here)
   -> DISPATCHING: the service's decode first, then the master's list (round robin), up
   to `max_decodes_per_request`: link it (links.py), AddNewRequests (RESOURCE_EXHAUSTED:
@@ -75,6 +75,8 @@ def _cost_model(config: EngineConfig, pd_config: PDSchedulerConfig) -> PrefillCo
         return None
     return PrefillCostModel(dataclasses.replace(
         profile, max_num_batched_tokens=config.scheduler.max_num_batched_tokens))
+
+
 _PENDING = (P.QUEUED, P.DISPATCHING, P.PREFILLING)  # not handed over yet
 
 
@@ -128,8 +130,9 @@ class PrefillSide:
         than the limit waits for the others alone); in deadline order, also until the
         work placed ahead is within PLACE_LEAD_S of done: the next request is chosen
         when the engine is about to take it, not a whole prompt earlier (a queue
-        simulation of issue 16's workload at 2.4 req/s: long prompts in time 78% choosing
-        just in time, 57% choosing one 1.3 s prompt ahead, FCFS 53%)."""
+        simulation of issue 16's workload at 2.4 req/s, benchmarks/bench_prefill_order.py:
+        long prompts in time 76% choosing just in time, 57% a 1.3 s prompt ahead, FCFS
+        53%)."""
         limit = self.pd_config.max_placed_prompt_tokens
         while True:
             if limit and 0 < self.placed_prompt_tokens() >= limit:
@@ -159,8 +162,11 @@ class PrefillSide:
             self._online.append(rec)
         self._queued.set()
 
-    def _take_online(self) -> PrefillRequest:
+    def _take_online(self) -> PrefillRequest | None:
         """The next online request (the queue's order; module docstring)."""
+        self._online = [r for r in self._online if r.phase is P.QUEUED]  # not cancelled
+        if not self._online:
+            return None
         index = 0
         if self._cost is not None and len(self._online) > 1:
             now = time.monotonic()
@@ -185,6 +191,8 @@ class PrefillSide:
                 continue
             await self._wait_for_room()
             rec = self._take_online() if self._online else self._offline.get_nowait()
+            if rec is None:  # every queued online one was cancelled
+                continue
             if rec.phase is not P.QUEUED:  # cancelled while queued
                 continue
             rec.transition(P.DISPATCHING)
