@@ -17,20 +17,11 @@ from xllm_py.utils.aio import wait_for
 # instead of when TCP gives up. Our servers accept these pings (grpc_server.SERVER_OPTIONS).
 KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
-# Reconnect backoff (gRPC's default: 1 s, growing to 120 s): a peer restarted at the same
-# address is reached again within 2 s. While a channel waits out its backoff every call on
-# it fails at once with UNAVAILABLE, so a prefill that tried a decode before it was up (a
-# fleet restarted at once) could not link to it for tens of seconds.
-INITIAL_RECONNECT_BACKOFF_MS = 200
-MAX_RECONNECT_BACKOFF_MS = 2_000
 CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
-    ("grpc.min_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
-    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
 )
 
 
