@@ -118,7 +118,8 @@ class ServiceBackend(MigrationMixin):
                      queue: asyncio.Queue) -> SubRequest:
         tried: list[str] = []
         num_full = 0  # instances that answered RESOURCE_EXHAUSTED (their queue is full)
-        ttft_slo, tpot_slo = (min(SLO_MAX_MS, math.ceil(x)) for x in self.router.targets(req))
+        ttft_slo, tpot_slo = (math.ceil(min(float(SLO_MAX_MS), x))
+                              for x in self.router.targets(req))
         while True:
             # A fresh id per attempt: a late copy of a failed attempt is unknown here, so
             # its first Generations gets ok=false and the engine drops it.

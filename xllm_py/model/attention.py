@@ -16,8 +16,8 @@ One step runs in three stages:
    prefill chunk (``DENSE_PREFILL_MIN_TOKENS``, ``DENSE_PREFILL_MIN_PAIRS``): its context
    is gathered once and goes through ``scaled_dot_product_attention`` (causal), which
    tiles the queries and reads each key once per tile where the paged kernel reads the
-   whole prefix once per query token; elsewhere each sequence's context is gathered by block table into a
-   padded, masked ``scaled_dot_product_attention``.
+   whole prefix once per query token; elsewhere each sequence's context is gathered by
+   block table into a padded, masked ``scaled_dot_product_attention``.
    ``paged_attention`` is the two together.
 
 Unused cache slots are read (and masked out); allocate caches with ``torch.zeros`` so they

@@ -4,8 +4,9 @@ Stages of a request (its PrefillPhase, see phases.py):
   add_request -> QUEUED (online queue, taken in `prefill_order` (prefill_order.py:
   deadline order by the request's TTFT target, or FCFS), or offline: taken only when no
   online one waits, in arrival order; taken while the prompts placed on decodes and not
-  handed over yet hold fewer than `max_placed_prompt_tokens`: a decode sets blocks aside for a request only shortly
-  before its prompt is computed, not for the whole time it queues here)
+  handed over yet hold fewer than `max_placed_prompt_tokens`: a decode sets blocks aside
+  for a request only shortly before its prompt is computed, not for the whole time it
+  queues here)
   -> DISPATCHING: the service's decode first, then the master's list (round robin), up
   to `max_decodes_per_request`: link it (links.py), AddNewRequests (RESOURCE_EXHAUSTED:
   bounded retry with backoff, then the next decode; a refusal or an incompatible decode
