@@ -67,8 +67,12 @@ class FakePeers:
         self.place_started = asyncio.Event()
         self.place_gate: asyncio.Event | None = None
         self.closed = False
+        self.dead_addresses: set[str] = set()  # rpc addresses nobody listens on
 
     async def link_instance(self, decode: InstanceMeta, prefill: InstanceMeta) -> None:
+        if decode.rpc_address in self.dead_addresses:
+            raise StatusError(Status.UNAVAILABLE, f"cannot link decode {decode.name}: "
+                                                  f"UNAVAILABLE")
         self.links.append((decode.name, prefill.name))
 
     async def add_new_request(self, decode: InstanceMeta, prefill: InstanceMeta,

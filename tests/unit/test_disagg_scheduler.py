@@ -41,7 +41,8 @@ async def make_node():
     made = []
 
     async def make(role: InstanceRole, mode: KVTransferMode = KVTransferMode.PULL,
-                   list_decodes=None, profile: str | None = None, **pd_overrides):
+                   list_decodes=None, profile: str | None = None, resolve=None, forget=None,
+                   **pd_overrides):
         config = EngineConfig(model="tiny", role=role, rpc_timeout_s=2.0,
                               cache=CacheConfig(enable_prefix_caching=False),
                               transfer=TransferConfig(mode=mode), latency_profile_path=profile)
@@ -57,8 +58,9 @@ async def make_node():
         async def one_decode() -> list[str]:
             return ["decode:1"]
 
-        pd = DisaggPDScheduler(engine, config, meta, Reporter(), peers, resolve_meta,
-                               list_decodes or one_decode, PDSchedulerConfig(**pd_overrides))
+        pd = DisaggPDScheduler(engine, config, meta, Reporter(), peers, resolve or resolve_meta,
+                               list_decodes or one_decode, PDSchedulerConfig(**pd_overrides),
+                               forget_meta=forget)
         pd.start()
         made.append((engine, pd))
         return engine, pd, peers
@@ -257,6 +259,34 @@ async def test_deadline_order_places_the_next_request_just_in_time(make_node, tm
     peers.place_gate.set()
     await until(lambda: len(peers.handovers) == 2, what="both handed over")
     assert peers.asked == ["r1", "r2"]
+    await until_free(engine)
+
+
+async def test_a_decode_restarted_elsewhere_is_linked_at_its_new_address(make_node):
+    """The cached meta of a decode names where it listened before a restart (same name,
+    new port): the link fails, the meta is read again past the cache, and the request
+    goes to the new address instead of failing with "cannot link"."""
+    stale = InstanceMeta(name="decode:1", type=DECODE, block_size=16,
+                         rpc_address="127.0.0.1:1", addrs=["127.0.0.1:7"], cluster_ids=[7],
+                         incarnation_id="old")
+    etcd = {"decode:1": dataclasses.replace(stale, rpc_address="127.0.0.1:2",
+                                            incarnation_id="new")}
+    cache = {"decode:1": stale}
+    forgot: list[str] = []
+
+    async def resolve(name: str) -> InstanceMeta:
+        return cache.get(name) or etcd[name]
+
+    def forget(name: str) -> None:
+        forgot.append(name)
+        cache.pop(name, None)
+
+    engine, pd, peers = await make_node(InstanceRole.PREFILL, resolve=resolve, forget=forget)
+    peers.dead_addresses.add("127.0.0.1:1")
+    pd.add_request(_spec("r1"))
+    await until(lambda: len(peers.handovers) == 1, what="handed over at the new address")
+    assert forgot == ["decode:1"] and [d for d, _ in peers.links] == ["decode:1"]
+    assert peers.placements == [("r1", "decode:1")]
     await until_free(engine)
 
 

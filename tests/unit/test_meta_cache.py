@@ -62,3 +62,16 @@ async def test_a_deregistered_instance_is_read_again(setup):
     etcd.down = False
     etcd.metas["d:1"] = InstanceMeta(name="d:1", incarnation_id="c")
     assert (await cache.get("d:1")).incarnation_id == "c"
+
+
+async def test_invalidate_reads_etcd_again_at_once(setup):
+    """A call to a cached meta's address failed: invalidate, and the next get sees the
+    instance restarted under its name (new address) without waiting for the TTL."""
+    etcd, now, cache = setup
+    etcd.metas["d:1"] = InstanceMeta(name="d:1", incarnation_id="a", rpc_address="h:1")
+    assert (await cache.get("d:1")).rpc_address == "h:1"
+    etcd.metas["d:1"] = InstanceMeta(name="d:1", incarnation_id="b", rpc_address="h:2")
+    assert (await cache.get("d:1")).rpc_address == "h:1"  # still fresh
+    cache.invalidate("d:1")
+    cache.invalidate("never-seen")  # nothing to drop: no error
+    assert (await cache.get("d:1")).rpc_address == "h:2" and etcd.reads == 2

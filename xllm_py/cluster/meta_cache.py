@@ -27,6 +27,11 @@ class MetaCache:
         self._clock = clock
         self._entries: dict[str, tuple[float, InstanceMeta]] = {}
 
+    def invalidate(self, name: str) -> None:
+        """Read `name` from etcd next time (a call to the meta's address failed: the
+        instance may have restarted elsewhere, under the same name)."""
+        self._entries.pop(name, None)
+
     async def get(self, name: str) -> InstanceMeta | None:
         entry = self._entries.get(name)
         now = self._clock()

@@ -124,7 +124,8 @@ class ClusterNode:
                                 self._client_credentials)
             self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter, peers,
                                         self.metas.get, self._list_decodes,
-                                        registry=self.backend.metrics_registry)
+                                        registry=self.backend.metrics_registry,
+                                        forget_meta=self.metas.invalidate)
             self.pd.start()
             servicer.pd = self.pd
         await self.agent.start()

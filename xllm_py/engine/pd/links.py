@@ -29,10 +29,12 @@ DecodeLister = Callable[[], Awaitable[list[str]]]
 
 class Links:
     def __init__(self, meta: InstanceMeta, peers: PDPeers, resolve_meta: MetaResolver | None,
-                 list_decodes: DecodeLister | None) -> None:
+                 list_decodes: DecodeLister | None,
+                 forget_meta: Callable[[str], None] | None = None) -> None:
         self.meta = meta
         self.peers = peers
         self.resolve_meta = resolve_meta
+        self.forget_meta = forget_meta
         self.list_decodes = list_decodes
         self._linked: dict[str, InstanceMeta] = {}
         self._refused: set[tuple[str, str]] = set()  # (decode, incarnation) incompatible
@@ -46,6 +48,13 @@ class Links:
     def forget(self, name: str) -> None:
         """Link `name` afresh next time (it left, failed a call, or unlinked)."""
         self._linked.pop(name, None)
+
+    async def fresh_meta(self, name: str) -> InstanceMeta | None:
+        """`name`'s meta read again past any cache (a call to the cached one failed: an
+        instance restarted under its name listens elsewhere)."""
+        if self.forget_meta is not None:
+            self.forget_meta(name)
+        return await self.resolve_meta(name) if self.resolve_meta is not None else None
 
     # ------------------------------------------------------------------ prefill
     async def link(self, decode: InstanceMeta) -> None:

@@ -263,7 +263,19 @@ class PrefillSide:
         except StatusError as exc:
             if exc.status is Status.FAILED_PRECONDITION:  # incompatible: no point retrying
                 raise
-            return exc.message
+            # A cached meta may name where the decode listened before a restart: read it
+            # again and link once more if it moved.
+            fresh = await self.links.fresh_meta(name)
+            if fresh is None or (fresh.rpc_address == decode.rpc_address
+                                 and fresh.incarnation_id == decode.incarnation_id):
+                return exc.message
+            decode = fresh
+            try:
+                await self.links.link(decode)
+            except StatusError as again:
+                if again.status is Status.FAILED_PRECONDITION:
+                    raise
+                return again.message
         placement = await self._place(rec.spec, decode)
         if placement is None:
             return f"decode instance {name} has no KV space"

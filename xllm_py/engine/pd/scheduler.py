@@ -13,7 +13,7 @@ Everything that touches the engine's scheduler runs on the engine thread (engine
 from __future__ import annotations
 
 import asyncio
-from typing import Coroutine
+from typing import Callable, Coroutine
 
 from prometheus_client import CollectorRegistry
 
@@ -39,7 +39,8 @@ class DisaggPDScheduler:
                  resolve_meta: MetaResolver | None = None,
                  list_decodes: DecodeLister | None = None,
                  pd_config: PDSchedulerConfig = PDSchedulerConfig(),
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None,
+                 forget_meta: Callable[[str], None] | None = None) -> None:
         if config.role not in (InstanceRole.PREFILL, InstanceRole.DECODE):
             raise ValueError(f"a DisaggPDScheduler serves PREFILL or DECODE, not {config.role}")
         self.engine = engine
@@ -47,7 +48,7 @@ class DisaggPDScheduler:
         self.role = config.role
         self.pd_config = pd_config
         self.peers = peers
-        self.links = Links(meta, peers, resolve_meta, list_decodes)
+        self.links = Links(meta, peers, resolve_meta, list_decodes, forget_meta)
         self.metrics = PDMetrics(lambda: len(self.links), registry)
         self._tasks: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
