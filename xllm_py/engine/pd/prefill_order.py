@@ -1,4 +1,4 @@
-"""Which queued request a prefill instance places next (--prefill-order).
+"""Which queued request a prefill instance places next (`PDSchedulerConfig.prefill_order`).
 
   fcfs      arrival order.
   deadline  (default) a request with a TTFT target whose prompt can still be computed
@@ -7,8 +7,9 @@
             others, those without a target and those already too late (they miss
             whatever is done), follow in arrival order. Under a burst of long prompts
             FCFS makes every request behind the burst late; this keeps on time the ones
-            that still can (a queue simulation of the mixed workload of issue 16 on one
-            prefill core, 2.4 req/s: 53% of long prompts in time FCFS, 77% by deadline).
+            that still can (`python benchmarks/bench_prefill_order.py`, the mixed
+            workload of issue 16 on one prefill core at 2.4 req/s: 53% of long prompts in
+            time FCFS, 76% by deadline).
             Without a latency profile (nothing to predict a prefill with) it is FCFS.
 
 The predicted prefill is the instance's latency profile scaled by a moving average of
