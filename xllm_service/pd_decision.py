@@ -18,10 +18,13 @@ decode has none queued -> DECODE (prefill overloaded); else PD.
 (xllm_py.cluster.latency_profile: step cost from prompt tokens, decoding sequences and
 their context). For each candidate, the decode path on each decode and PD on each
 (prefill, decode) pair, it predicts
-  TTFT  = the prompt tokens queued ahead on the instance computing it + the prompt's
-          uncached tokens there, in chunks of its step budget, each chunk in a step with
-          the sequences it decodes (none on a prefill), scaled (below) [+ `pd_overhead_ms`
-          for PD: KV pull and the hand-over, not scaled];
+  TTFT  on the decode: the prompt tokens queued ahead there + the prompt's uncached
+          tokens, in chunks of its step budget, each chunk in a step with the sequences
+          it decodes; on a prefill: when the prompt would be computed with the service's
+          prompts queued there taken in the prefill's deadline order
+          (xllm_py/cluster/prefill_order.py `finish_s`: late ones go last, a short one
+          ahead of long ones with time to spare), + `pd_overhead_ms` (KV pull and the
+          hand-over, not scaled); scaled (below);
   TPOT  = one decode step of the decode's sequences plus this one, with their context
           + the prompt tokens the decode computes while this request runs (queued ones and
           its own on the DECODE path), spread over half its max_tokens steps (a stream
@@ -44,9 +47,12 @@ Torch-free: the master imports it.
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from typing import Callable, Sequence
 
 from xllm_py.cluster.latency_profile import LatencyProfile, attn_pairs
+from xllm_py.cluster.prefill_order import Queued, finish_s
 from xllm_py.config import RouterConfig
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
@@ -131,9 +137,11 @@ class SloPredictor:
     """TTFT and TPOT of a request on a candidate, from the instances' profiles and what
     they are doing now (the service's requests there; heartbeat running count)."""
 
-    def __init__(self, config: RouterConfig, work: Callable[[str], InstanceWork]) -> None:
+    def __init__(self, config: RouterConfig, work: Callable[[str], InstanceWork],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.work = work
+        self.clock = clock
         self._profiles: dict[tuple[str, str], LatencyProfile | None] = {}
         # (instance, "ttft" | "tpot") -> measured / predicted, a moving average
         self._scale: dict[tuple[str, str], float] = {}
@@ -178,8 +186,24 @@ class SloPredictor:
         ctx += others * (ctx // seqs if seqs else DEFAULT_CTX_PER_SEQ)
         return w, seqs + others, ctx
 
+    def _prefill_ttft_ms(self, info: InstanceInfo, profile: LatencyProfile, work: InstanceWork,
+                         uncached: int, own_pairs: int, ttft_slo_ms: float) -> float:
+        """TTFT of a prompt sent now to prefill instance `info`, which takes its queue in
+        deadline order (xllm_py/cluster/prefill_order.py; the service's prompts there, each
+        whole as if not started): an on-time prompt does not wait behind late ones."""
+        scale = self.scale(info.name, "ttft")
+        now = self.clock()
+
+        def queued(sent_s: float, tokens: int, slo_ms: float, pairs: int | None = None) -> Queued:
+            return Queued(sent_s + slo_ms / 1000.0 if slo_ms > 0 else math.inf,
+                          profile.prefill_ms(tokens, pairs=pairs) / 1000.0 * scale)
+
+        queue = [queued(*p) for p in work.pending_prompts]
+        queue.append(queued(now, uncached, ttft_slo_ms, own_pairs))
+        return (finish_s(queue, len(queue) - 1, now) - now) * 1000.0
+
     def predict(self, route: Route, prompt_len: int, uncached: int,
-                max_tokens: int) -> Prediction | None:
+                max_tokens: int, ttft_slo_ms: float = 0.0) -> Prediction | None:
         decode = route.serving
         pd = self.profile(decode)
         pp = self.profile(route.target)
@@ -189,9 +213,8 @@ class SloPredictor:
         queued_d = work_d.pending_prefill_tokens
         own_pairs = attn_pairs(prompt_len - uncached, uncached)
         if route.is_pd:
-            work_p, seqs_p, ctx_p = self._state(route.target)
-            ttft = pp.prefill_ms(work_p.pending_prefill_tokens + uncached, seqs_p, ctx_p,
-                                 work_p.pending_prefill_pairs + own_pairs)
+            ttft = self._prefill_ttft_ms(route.target, pp, self.work(route.target.name),
+                                         uncached, own_pairs, ttft_slo_ms)
             local, local_pairs = queued_d, work_d.pending_prefill_pairs
         else:
             local_pairs = work_d.pending_prefill_pairs + own_pairs
@@ -204,9 +227,10 @@ class SloPredictor:
                      + pd.prefill_ms_per_kpair * local_pairs / max(1, local) / 1000)
         stall = per_token * min(local / max(1, max_tokens // 2), pd.prompt_chunk(seqs_d + 1))
         tpot = pd.decode_step_ms(seqs_d + 1, ctx_d + prompt_len) + stall
-        ttft *= self.scale(route.target.name, "ttft")
-        if route.is_pd:
+        if route.is_pd:  # (scaled in the queue's order)
             ttft += self.config.pd_overhead_ms
+        else:
+            ttft *= self.scale(route.target.name, "ttft")
         tpot *= self.scale(decode.name, "tpot")
         return Prediction(dataclasses.replace(route, predicted=(ttft, tpot)), ttft, tpot)
 
@@ -241,10 +265,10 @@ class SloRouter:
         for d in decodes:
             if self.config.conditional or not prefills:
                 local.append(self.predictor.predict(Route(d, on_decode=True), len(prompt),
-                                                    uncached[d.name], max_tokens))
+                                                    uncached[d.name], max_tokens, ttft_slo))
             for p in prefills:
                 remote.append(self.predictor.predict(Route(p, d), len(prompt),
-                                                     uncached[p.name], max_tokens))
+                                                     uncached[p.name], max_tokens, ttft_slo))
         if any(x is None for x in (*local, *remote)):
             return self._fallback(request, prompt, prefills, decodes)
 

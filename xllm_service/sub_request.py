@@ -66,6 +66,9 @@ class InstanceWork:
     decoding_seqs: int = 0
     decoding_ctx_tokens: int = 0
     pending_prefill_pairs: int = 0  # the (token, key) pairs those prompts attend to
+    # those prompts, oldest first: (sent at, monotonic s; prompt tokens; TTFT target ms, 0:
+    # none): a prefill takes them in deadline order (xllm_py/cluster/prefill_order.py)
+    pending_prompts: tuple[tuple[float, int, float], ...] = ()
 
 
 class InvalidSubTransition(RuntimeError):
@@ -186,6 +189,7 @@ class SubRequests:
     def work(self, name: str) -> InstanceWork:
         """What the subs here ask of instance `name` now (SLO_AWARE predicts from it)."""
         pending = seqs = ctx = pairs = 0
+        prompts = []
         for i in self._by_instance.get(name, ()):
             sub = self._subs.get(i)
             if sub is None or sub.spec is None or sub.phase.is_done:
@@ -194,10 +198,11 @@ class SubRequests:
             if sub.prefilling and sub.route.target.name == name:
                 pending += prompt
                 pairs += attn_pairs(0, prompt)
+                prompts.append((sub.sent_s, prompt, float(sub.spec.ttft_slo_ms)))
             if sub.serving == name:
                 seqs += 1
                 ctx += prompt + len(sub.generated)
-        return InstanceWork(pending, seqs, ctx, pairs)
+        return InstanceWork(pending, seqs, ctx, pairs, tuple(sorted(prompts)))
 
     def inflight_by_instance(self) -> list[tuple[str, int]]:
         return sorted((name, len(ids)) for name, ids in self._by_instance.items())

@@ -42,6 +42,13 @@ def no_work(name: str) -> InstanceWork:
     return InstanceWork()
 
 
+def prefill_queue(*prompts: int) -> InstanceWork:
+    """The service's prompts queued on a prefill, sent long ago without a TTFT target."""
+    return InstanceWork(pending_prefill_tokens=sum(prompts),
+                        pending_prefill_pairs=sum(attn_pairs(0, n) for n in prompts),
+                        pending_prompts=tuple((0.0, n, 0.0) for n in prompts))
+
+
 # ---------------------------------------------------------------- the profile
 def test_profile_reads_the_simulator_time_model_json_and_predicts_chunked_prefill():
     sim = {k: v for k, v in PROFILE.items() if k != "max_num_batched_tokens"}
@@ -78,12 +85,13 @@ def test_profile_travels_in_the_instance_meta_json():
 
 # ---------------------------------------------------------------- the predictor
 def test_predictor_adds_queued_prompts_pd_overhead_and_prefill_interference():
-    work = {"p": InstanceWork(pending_prefill_tokens=1000),
+    work = {"p": InstanceWork(pending_prefill_tokens=1000, pending_prompts=((0.0, 1000, 0.0),)),
             "d": InstanceWork(pending_prefill_tokens=0, decoding_seqs=3, decoding_ctx_tokens=0)}
-    pred = SloPredictor(RouterConfig(pd_overhead_ms=20), lambda n: work.get(n, InstanceWork()))
+    pred = SloPredictor(RouterConfig(pd_overhead_ms=20), lambda n: work.get(n, InstanceWork()),
+                        clock=lambda: 0.0)
     p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
     pd = pred.predict(Route(p, d), prompt_len=200, uncached=200, max_tokens=10)
-    # prefill: 1200 tokens in chunks of 1000 with no decodes: (1 + 100) + (1 + 20); + 20
+    # prefill: the queued prompt (1 + 100), then this one (1 + 20); + 20
     assert pd.ttft_ms == pytest.approx(101 + 21 + 20)
     assert pd.tpot_ms == pytest.approx(2 + 4)  # a step of 3 + 1 sequences
     local = pred.predict(Route(d, on_decode=True), prompt_len=200, uncached=200, max_tokens=10)
@@ -94,6 +102,26 @@ def test_predictor_adds_queued_prompts_pd_overhead_and_prefill_interference():
     assert pred.predict(Route(busy, on_decode=True), 200, 200, 10).tpot_ms == pytest.approx(10 + 4)
     # an instance without a profile: no prediction
     assert pred.predict(Route(inst("p0", InstanceRole.PREFILL, None), d), 200, 200, 10) is None
+
+
+def test_prefill_ttft_follows_the_prefills_deadline_order():
+    """A prefill takes its queue in deadline order (xllm_py/cluster/prefill_order.py): a
+    prompt that can make its target does not wait for queued ones already late; one
+    without a target waits for all."""
+    now = 100.0
+    late = (now - 0.95, 5000, 1000.0)  # 505 ms of prefill due in 50 ms: late
+    due = (now - 0.1, 100, 1000.0)  # 11 ms due in 0.9 s
+    work = {"p": InstanceWork(pending_prompts=(late, due))}
+    pred = SloPredictor(RouterConfig(pd_overhead_ms=0), lambda n: work.get(n, InstanceWork()),
+                        clock=lambda: now)
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    # `due` (the shorter) first, then this one (21 ms); `late` after both
+    assert pred.predict(Route(p, d), 200, 200, 10, ttft_slo_ms=1000).ttft_ms == \
+        pytest.approx(11 + 21)
+    assert pred.predict(Route(p, d), 200, 200, 10).ttft_ms == pytest.approx(11 + 505 + 21)
+    # arrival order when no target is set anywhere (FCFS)
+    work["p"] = InstanceWork(pending_prompts=((now - 1, 5000, 0.0), (now - 0.5, 100, 0.0)))
+    assert pred.predict(Route(p, d), 200, 200, 10).ttft_ms == pytest.approx(505 + 11 + 21)
 
 
 def test_prompt_cap_beside_decodes_lengthens_ttft_and_bounds_the_stall():
@@ -122,7 +150,7 @@ def test_prompt_attention_term_is_quadratic_in_the_prompt_and_counts_the_cached_
     assert attn_pairs(0, 4) == 10 and attn_pairs(6, 4) == 34 and attn_pairs(3, 0) == 0
     assert p.prefill_ms(500) == pytest.approx(1 + 50 + 2 * 500 * 501 / 2 / 1000)
     assert LatencyProfile.from_dict(PROFILE).prefill_ms_per_kpair == 0  # older profiles
-    work = {"p": InstanceWork(pending_prefill_tokens=1000, pending_prefill_pairs=500_500)}
+    work = {"p": prefill_queue(1000)}
     pred = SloPredictor(RouterConfig(pd_overhead_ms=0), lambda n: work.get(n, InstanceWork()))
     pp, d = inst("pq", InstanceRole.PREFILL, quad), inst("dq", InstanceRole.DECODE, quad)
     work["pq"] = work.pop("p")
@@ -154,8 +182,8 @@ def test_instance_work_counts_prompts_not_yet_computed_and_the_sequences_decodin
     add("a", Route(p, d), 100)                                   # on the prefill
     add("b", Route(p, d), 50, SubPhase.FIRST_RELAYED).generated.extend([1, 2])  # decoding
     add("c", Route(d, on_decode=True), 30)                      # prefilled on d
-    assert subs.work("p") == InstanceWork(100, 0, 0, 100 * 101 // 2)
-    assert subs.work("d") == InstanceWork(30, 3, 100 + 52 + 30, 30 * 31 // 2)
+    assert subs.work("p") == InstanceWork(100, 0, 0, 100 * 101 // 2, ((0.0, 100, 0.0),))
+    assert subs.work("d") == InstanceWork(30, 3, 100 + 52 + 30, 30 * 31 // 2, ((0.0, 30, 0.0),))
 
 
 # ---------------------------------------------------------------- the decider
@@ -220,14 +248,14 @@ def test_slo_aware_short_prompt_goes_to_an_idle_prefill_that_answers_first():
     # decode path: 2 + 10 + 21 = 33 ms; PD on the idle prefill: 1 + 10 + 5 = 16 ms
     route = r.route(req(100), [p], [d])
     assert route.path is Path.PD and "prefill idle" in route.reason
-    work["p"] = InstanceWork(pending_prefill_tokens=2000)  # busy: 200+ ms -> the decode
+    work["p"] = prefill_queue(2000)  # busy: 200+ ms -> the decode
     assert r.route(req(100), [p], [d]).path is Path.DECODE
 
 
 def test_slo_aware_prefers_the_pd_pair_with_the_lowest_ttft():
     p1, p2 = inst("p1", InstanceRole.PREFILL), inst("p2", InstanceRole.PREFILL)
     d = inst("d", InstanceRole.DECODE)
-    r = slo_router({"p1": InstanceWork(pending_prefill_tokens=3000)},
+    r = slo_router({"p1": prefill_queue(3000)},
                    local_prefill_max_tokens=0)
     assert r.route(req(900), [p1, p2], [d]).instance_names == ("p2", "d")
 
@@ -235,7 +263,7 @@ def test_slo_aware_prefers_the_pd_pair_with_the_lowest_ttft():
 def test_slo_aware_falls_back_to_the_decode_when_the_prefill_misses_the_ttft():
     p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
     # 9000 prompt tokens queued on p: ~910 ms before this one; the decode is idle
-    work = {"p": InstanceWork(pending_prefill_tokens=9000)}
+    work = {"p": prefill_queue(9000)}
     r = slo_router(work, local_prefill_max_tokens=0, ttft_slo_ms=500, tpot_slo_ms=50)
     route = r.route(req(900, max_tokens=64), [p], [d])
     assert route.path is Path.DECODE and "prefill busy" in route.reason

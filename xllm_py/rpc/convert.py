@@ -32,7 +32,7 @@ class EngineRequestSpec:
     offline: bool = False
     priority: int = 0
     # latency targets (ms) the service routed for (0: none); a prefill orders its queue
-    # by the TTFT one (engine/pd/prefill_order.py)
+    # by the TTFT one (cluster/prefill_order.py)
     ttft_slo_ms: int = 0
     tpot_slo_ms: int = 0
 

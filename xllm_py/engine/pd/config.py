@@ -36,7 +36,7 @@ class PDSchedulerConfig:
             raise ValueError("attempts_per_decode and max_decodes_per_request must be >= 1")
         if self.max_dispatching < 1:
             raise ValueError("max_dispatching must be >= 1")
-        from xllm_py.engine.pd.prefill_order import ORDERS
+        from xllm_py.cluster.prefill_order import ORDERS
         if self.prefill_order not in ORDERS:
             raise ValueError(f"prefill_order must be one of {', '.join(ORDERS)}, "
                              f"got {self.prefill_order!r}")

@@ -49,7 +49,7 @@ from xllm_py.engine.pd.messages import HandOver, KVMove, Placement
 from xllm_py.engine.pd.metrics import PDMetrics
 from xllm_py.engine.pd.peers import PDPeers
 from xllm_py.engine.pd.phases import PrefillPhase, PrefillRequest
-from xllm_py.engine.pd.prefill_order import PrefillCostModel, Queued, pick
+from xllm_py.cluster.prefill_order import PrefillCostModel, Queued, pick
 from xllm_py.outputs import RequestOutput, TokenLogprob
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.rpc.status import Status, StatusError
