@@ -26,8 +26,10 @@ their context). For each candidate, the decode path on each decode and PD on eac
           ahead of long ones with time to spare), + `pd_overhead_ms` (KV pull and the
           hand-over, not scaled); scaled (below);
   TPOT  = one decode step of the decode's sequences plus this one, with their context
-          + the prompt tokens the decode computes while this request runs (queued ones and
-          its own on the DECODE path), spread over half its max_tokens steps (a stream
+          + the prompt tokens the decode computes while this request runs (queued ones,
+          its own on the DECODE path, and those it will likely get meanwhile: the rate
+          the service sent it prompts at over the last RECENT_LOCAL_S, over this
+          request's max_tokens steps), spread over half its max_tokens steps (a stream
           running there, halfway through its output, takes that stall too),
 each scaled by a moving average of measured / predicted per instance (`observe`: the
 profile is a step's cost on a core of its own; on a shared machine the clock runs slower),
@@ -46,6 +48,7 @@ Torch-free: the master imports it.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -62,6 +65,11 @@ from xllm_service.sub_request import InstanceWork
 # Measured/predicted correction: weight of a new observation, and its bounds (1/x .. x).
 SCALE_ALPHA = 0.2
 SCALE_MAX = 50.0
+
+# Prompt tokens the service sent to a decode to compute over this many seconds give the
+# rate at which it will likely get more while a new stream runs there (a burst of short
+# prompts stalls every stream through its life, not only by those queued when it starts).
+RECENT_LOCAL_S = 2.0
 
 # Context assumed per sequence an instance reports running that the service did not send
 # (another service's): the profile's context term needs a number.
@@ -142,6 +150,8 @@ class SloPredictor:
         self.config = config
         self.work = work
         self.clock = clock
+        # decode -> (sent at, prompt tokens) of the prompts sent to it to compute itself
+        self._local: dict[str, collections.deque[tuple[float, int]]] = {}
         self._profiles: dict[tuple[str, str], LatencyProfile | None] = {}
         # (instance, "ttft" | "tpot") -> measured / predicted, a moving average
         self._scale: dict[tuple[str, str], float] = {}
@@ -155,6 +165,8 @@ class SloPredictor:
         under-fits, runs slower. TTFT corrects the instance that computed the prompt,
         TPOT the one that decoded it."""
         pred_ttft, pred_tpot = route.predicted
+        if not route.corrects_ttft:
+            ttft_ms = None
         if route.is_pd and ttft_ms is not None:  # the overhead is not the profile's to scale
             overhead = self.config.pd_overhead_ms
             pred_ttft, ttft_ms = pred_ttft - overhead, max(0.0, ttft_ms - overhead)
@@ -167,6 +179,20 @@ class SloPredictor:
             old = self._scale.get((name, what))
             self._scale[(name, what)] = ratio if old is None else (
                 old + SCALE_ALPHA * (ratio - old))
+
+    def note_local(self, decode: str, tokens: int) -> None:
+        """The service sent `tokens` prompt tokens to `decode` to compute itself."""
+        self._local.setdefault(decode, collections.deque()).append((self.clock(), tokens))
+
+    def recent_local_rate(self, decode: str) -> float:
+        """Prompt tokens a second sent to `decode` to compute itself, over RECENT_LOCAL_S."""
+        sent = self._local.get(decode)
+        if not sent:
+            return 0.0
+        since = self.clock() - RECENT_LOCAL_S
+        while sent and sent[0][0] < since:
+            sent.popleft()
+        return sum(n for _, n in sent) / RECENT_LOCAL_S
 
     def profile(self, info: InstanceInfo) -> LatencyProfile | None:
         key = (info.name, info.incarnation_id)
@@ -223,16 +249,24 @@ class SloPredictor:
         # The prompt tokens the decode computes stall every stream it runs; a stream halfway
         # through its output absorbs the stall over the half it has left, at most one
         # prompt chunk per step (a token's cost: its own and the keys it attends to).
+        # Those it will likely get meanwhile count too: the recent rate over this
+        # stream's life (one decode step a token).
         per_token = (pd.prefill_ms_per_token
                      + pd.prefill_ms_per_kpair * local_pairs / max(1, local) / 1000)
-        stall = per_token * min(local / max(1, max_tokens // 2), pd.prompt_chunk(seqs_d + 1))
-        tpot = pd.decode_step_ms(seqs_d + 1, ctx_d + prompt_len) + stall
+        step = pd.decode_step_ms(seqs_d + 1, ctx_d + prompt_len)
+        life_s = max_tokens * step * self.scale(decode.name, "tpot") / 1000.0
+        coming = self.recent_local_rate(decode.name) * life_s
+        stall = per_token * min((local + coming) / max(1, max_tokens // 2),
+                                pd.prompt_chunk(seqs_d + 1))
+        tpot = step + stall
         if route.is_pd:  # (scaled in the queue's order)
             ttft += self.config.pd_overhead_ms
         else:
             ttft *= self.scale(route.target.name, "ttft")
         tpot *= self.scale(decode.name, "tpot")
-        return Prediction(dataclasses.replace(route, predicted=(ttft, tpot)), ttft, tpot)
+        queued = route.is_pd and bool(self.work(route.target.name).pending_prompts)
+        return Prediction(dataclasses.replace(route, predicted=(ttft, tpot),
+                                              corrects_ttft=not queued), ttft, tpot)
 
 
 class SloRouter:
@@ -285,11 +319,11 @@ class SloRouter:
             best = by_ttft(short + ok_remote)
             return self._chosen(best, "short prompt" + ("" if best.route.on_decode
                                                         else ", prefill idle"),
-                                ttft_slo, tpot_slo)
+                                ttft_slo, tpot_slo, uncached)
         if ok_remote:
-            return self._chosen(by_ttft(ok_remote), "long prompt", ttft_slo, tpot_slo)
+            return self._chosen(by_ttft(ok_remote), "long prompt", ttft_slo, tpot_slo, uncached)
         if self.config.prefill_busy_tokens and (ok := [x for x in local if meets(x)]):
-            return self._chosen(by_ttft(ok), "prefill busy", ttft_slo, tpot_slo)
+            return self._chosen(by_ttft(ok), "prefill busy", ttft_slo, tpot_slo, uncached)
         # Missing anyway: a long prompt stays off the decode (its prefill would stall the
         # streams there, and their TPOT, which then misses more targets: a spiral), and so
         # does a short one that would take the decode past its TPOT target (that miss is
@@ -298,10 +332,12 @@ class SloRouter:
                                and (tpot_slo <= 0 or x.tpot_ms <= tpot_slo))]
         best = min(fallback or local, key=lambda x: (x.miss(ttft_slo, tpot_slo), x.ttft_ms,
                                                      x.route.instance_names))
-        return self._chosen(best, "no candidate meets the targets", ttft_slo, tpot_slo)
+        return self._chosen(best, "no candidate meets the targets", ttft_slo, tpot_slo, uncached)
 
-    @staticmethod
-    def _chosen(x: Prediction, why: str, ttft_slo: float, tpot_slo: float) -> Route:
+    def _chosen(self, x: Prediction, why: str, ttft_slo: float, tpot_slo: float,
+                uncached: dict[str, int]) -> Route:
+        if x.route.on_decode:
+            self.predictor.note_local(x.route.target.name, uncached[x.route.target.name])
         reason = (f"SLO_AWARE {why}: predicted TTFT {x.ttft_ms:.0f} ms, TPOT "
                   f"{x.tpot_ms:.1f} ms (targets {ttft_slo:.0f}/{tpot_slo:.0f} ms)")
         return dataclasses.replace(x.route, reason=reason)

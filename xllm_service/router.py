@@ -126,6 +126,10 @@ class Route:
     reason: str = ""                  # why this path (the request log line)
     # SLO_AWARE: the predicted (TTFT, TPOT) in ms, which the measured ones correct
     predicted: tuple[float, float] | None = None
+    # SLO_AWARE: whether its measured TTFT corrects the prediction: not after a wait in a
+    # prefill's queue, which its deadline order and later arrivals set (a late prompt
+    # waits for every one that can still make it), not the instance's speed
+    corrects_ttft: bool = True
 
     @property
     def is_pd(self) -> bool:

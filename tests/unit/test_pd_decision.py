@@ -124,6 +124,34 @@ def test_prefill_ttft_follows_the_prefills_deadline_order():
     assert pred.predict(Route(p, d), 200, 200, 10).ttft_ms == pytest.approx(505 + 11 + 21)
 
 
+def test_tpot_counts_the_prompts_recently_sent_to_the_decode():
+    """A stream on a decode takes the stall of the prompts the decode will likely get while
+    it runs: the rate of those recently sent there (a burst of short prompts)."""
+    clock = [50.0]
+    work = {"d": InstanceWork(pending_prefill_tokens=0, decoding_seqs=3)}
+    pred = SloPredictor(RouterConfig(), lambda n: work.get(n, InstanceWork()),
+                        clock=lambda: clock[0])
+    d = inst("d", InstanceRole.DECODE)
+    route = Route(d, on_decode=True)
+    # a step of 3 + 1 sequences (6 ms) + its own 100 tokens over half its 10 steps
+    assert pred.predict(route, 100, 100, 10).tpot_ms == pytest.approx(6 + 0.1 * 100 / 5)
+    pred.note_local("d", 1000)  # 500 tokens/s over 2 s: 30 more in its 10 steps of 6 ms
+    assert pred.recent_local_rate("d") == pytest.approx(500)
+    assert pred.predict(route, 100, 100, 10).tpot_ms == pytest.approx(6 + 0.1 * 130 / 5)
+    clock[0] += 2.5  # out of the window
+    assert pred.recent_local_rate("d") == 0
+    assert pred.predict(route, 100, 100, 10).tpot_ms == pytest.approx(6 + 0.1 * 100 / 5)
+
+
+def test_slo_router_notes_the_prompts_it_sends_to_a_decode():
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    r = slo_router({}, local_prefill_max_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=50)
+    assert r.route(req(100), [p], [d]).path is Path.DECODE
+    assert r.predictor.recent_local_rate("d") == pytest.approx(100 / 2.0)
+    assert r.route(req(900), [p], [d]).path is Path.PD  # not noted
+    assert r.predictor.recent_local_rate("d") == pytest.approx(100 / 2.0)
+
+
 def test_prompt_cap_beside_decodes_lengthens_ttft_and_bounds_the_stall():
     """An instance capping prompt tokens per step while decoding
     (--max-prefill-tokens-while-decoding): its prompts take more, shorter steps beside
@@ -441,6 +469,20 @@ def test_measured_latencies_correct_the_predictions_per_instance():
     pred.observe(again.route, 11.0, None)  # back to the profile: the average moves 20%
     assert pred.scale("p", "ttft") == pytest.approx(5 + 0.2 * (1 - 5))
     assert pred.scale("d", "tpot") == pytest.approx(2)
+
+
+def test_a_ttft_after_a_wait_in_a_prefill_queue_corrects_nothing():
+    """The wait in a prefill's queue is set by its deadline order and later arrivals (a
+    late prompt waits for all that can still make it), not by the instance's speed."""
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    work = {"p": prefill_queue(1000)}
+    pred = SloPredictor(RouterConfig(pd_overhead_ms=0), lambda n: work.get(n, InstanceWork()))
+    queued = pred.predict(Route(p, d), 100, 100, 10)
+    assert not queued.route.corrects_ttft
+    pred.observe(queued.route, 50_000.0, 6.0)
+    assert pred.scale("p", "ttft") == 1.0 and pred.scale("d", "tpot") == pytest.approx(2)
+    work.clear()
+    assert pred.predict(Route(p, d), 100, 100, 10).route.corrects_ttft
 
 
 def test_the_pd_overhead_is_added_after_the_correction_and_left_out_of_it():
