@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
+import sys
 import time
 
 import torch
 
-from benchmarks.common import report_environment
-from xllm_py.model import attention
-from xllm_py.model.attention import AttentionMetadata, allocate_kv_caches, attend, write_kv
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as `python benchmarks/...py` from a clone
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import report_environment  # noqa: E402
+from xllm_py.model import attention  # noqa: E402
+from xllm_py.model.attention import AttentionMetadata, allocate_kv_caches, attend, write_kv  # noqa: E402
 
 
 def _time(fn, repeat: int) -> float:

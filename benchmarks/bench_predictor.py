@@ -23,15 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import random
 import statistics
 import sys
 import threading
 import time
 
-from benchmarks.common import report_environment
-from xllm_py.cluster.latency_profile import LatencyProfile
-from xllm_py.engine.cli import build_parser as engine_parser, config_from_args
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as `python benchmarks/...py` from a clone
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import report_environment  # noqa: E402
+from xllm_py.cluster.latency_profile import LatencyProfile  # noqa: E402
+from xllm_py.engine.cli import build_parser as engine_parser, config_from_args  # noqa: E402
 
 CASES = ((128, 0), (512, 0), (1024, 0), (1920, 0), (128, 8), (512, 8), (1024, 8), (1920, 8),
          (128, 24), (1024, 24))

@@ -17,11 +17,17 @@ the queue from the rest (no HTTP, KV transfer or decode).
 from __future__ import annotations
 
 import argparse
+import pathlib
 import random
+import sys
 
-from benchmarks.common import report_environment
-from xllm_py.cluster.latency_profile import LatencyProfile
-from xllm_py.cluster.prefill_order import Queued, pick
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as `python benchmarks/...py` from a clone
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import report_environment  # noqa: E402
+from xllm_py.cluster.latency_profile import LatencyProfile  # noqa: E402
+from xllm_py.cluster.prefill_order import Queued, pick  # noqa: E402
 
 # tiny-25m, one core (`python -m xllm_py.sim.profile --model tiny-25m --num-threads 1`)
 DEFAULT_PROFILE = LatencyProfile(prefill_base_ms=3.2, prefill_ms_per_token=0.50,
