@@ -224,6 +224,8 @@ def _launch_args(args: argparse.Namespace, shape: list[str], log_dir: pathlib.Pa
     if not args.no_pin_cores:
         argv.append("--pin-cores")
     argv += [f"--engine-arg={a}" for a in args.engine_arg]
+    if "--prefill" in shape:
+        argv += [f"--prefill-arg={a}" for a in args.prefill_arg]
     argv += [f"--kv-transfer-backend={args.kv_transfer_backend}"] if args.kv_transfer_backend else []
     return argv
 
@@ -321,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the decode's --max-prefill-tokens-while-decoding; 0: no cap)")
     g.add_argument("--engine-arg", action="append", default=[],
                    help="extra engine flag, e.g. --engine-arg=--max-model-len=4096")
+    g.add_argument("--prefill-arg", action="append", default=[],
+                   help="extra flag of the prefill engines (pd, pd-slo), e.g. "
+                        "--prefill-arg=--max-num-batched-tokens=512")
     g.add_argument("--kv-transfer-backend", choices=["ucx", "tcp"], default=None,
                    help="KV transfer backend of the PD cluster (default: the launcher's)")
     g.add_argument("--no-pin-cores", action="store_true", help="do not pin engines to cores")

@@ -38,3 +38,14 @@ def test_compare_setups_each_have_launcher_flags():
         ["--prefill", "1"], ["--mix", "2"], ["--prefill", "1"]]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--setups", "nope"])
+
+
+def test_prefill_args_reach_only_the_set_ups_with_a_prefill(tmp_path):
+    from benchmarks.bench_serving import _launch_args
+    args = build_parser().parse_args(["--compare", "--engine-arg=--a=1",
+                                      "--prefill-arg=--max-num-batched-tokens=512"])
+    pd = _launch_args(args, SETUPS["pd"][1], tmp_path)
+    mix = _launch_args(args, SETUPS["mix"][1], tmp_path)
+    assert "--prefill-arg=--max-num-batched-tokens=512" in pd
+    assert not any(a.startswith("--prefill-arg") for a in mix)
+    assert "--engine-arg=--a=1" in pd and "--engine-arg=--a=1" in mix
