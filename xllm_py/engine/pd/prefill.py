@@ -1,8 +1,9 @@
 """PrefillSide: the prefill role of a PD pair, on top of LLMEngine.
 
 Stages of a request (its PrefillPhase, see phases.py):
-  add_request -> QUEUED (online queue, taken in `prefill_order` (prefill_order.py:
-  deadline order by the request's TTFT target, or FCFS), or offline: taken only when no
+  add_request -> QUEUED (online queue, taken in `prefill_order`
+  (xllm_py/cluster/prefill_order.py: deadline order by the request's TTFT target, the
+  most on time and short prompts first where there is time, or FCFS), or offline: taken only when no
   online one waits, in arrival order; taken while the prompts placed on decodes and not
   handed over yet hold fewer than `max_placed_prompt_tokens`: a decode sets blocks aside
   for a request only shortly before its prompt is computed, not for the whole time it
