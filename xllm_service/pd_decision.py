@@ -238,9 +238,12 @@ class SloPredictor:
         work_d, seqs_d, ctx_d = self._state(decode)
         queued_d = work_d.pending_prefill_tokens
         own_pairs = attn_pairs(prompt_len - uncached, uncached)
+        queued_p = False  # PD: prompts of the service's queued on the prefill
         if route.is_pd:
-            ttft = self._prefill_ttft_ms(route.target, pp, self.work(route.target.name),
-                                         uncached, own_pairs, ttft_slo_ms)
+            work_p = self.work(route.target.name)
+            queued_p = bool(work_p.pending_prompts)
+            ttft = self._prefill_ttft_ms(route.target, pp, work_p, uncached, own_pairs,
+                                         ttft_slo_ms)
             local, local_pairs = queued_d, work_d.pending_prefill_pairs
         else:
             local_pairs = work_d.pending_prefill_pairs + own_pairs
@@ -264,9 +267,8 @@ class SloPredictor:
         else:
             ttft *= self.scale(route.target.name, "ttft")
         tpot *= self.scale(decode.name, "tpot")
-        queued = route.is_pd and bool(self.work(route.target.name).pending_prompts)
         return Prediction(dataclasses.replace(route, predicted=(ttft, tpot),
-                                              corrects_ttft=not queued), ttft, tpot)
+                                              corrects_ttft=not queued_p), ttft, tpot)
 
 
 class SloRouter:
