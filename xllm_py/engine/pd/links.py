@@ -49,13 +49,6 @@ class Links:
         """Link `name` afresh next time (it left, failed a call, or unlinked)."""
         self._linked.pop(name, None)
 
-    async def fresh_meta(self, name: str) -> InstanceMeta | None:
-        """`name`'s meta read again past any cache (a call to the cached one failed: an
-        instance restarted under its name listens elsewhere)."""
-        if self.forget_meta is not None:
-            self.forget_meta(name)
-        return await self.resolve_meta(name) if self.resolve_meta is not None else None
-
     # ------------------------------------------------------------------ prefill
     async def link(self, decode: InstanceMeta) -> None:
         """Link `decode` unless this incarnation of it is linked; raises StatusError
@@ -69,6 +62,29 @@ class Links:
                               f"decode {decode.name} is incompatible: " + "; ".join(problems))
         await self.peers.link_instance(decode, self.meta)
         self._linked[decode.name] = decode
+
+    async def link_current(self, decode: InstanceMeta) -> InstanceMeta:
+        """Link `decode` and return the meta linked: when linking fails, its meta is read
+        again past any cache and, if it moved (an instance restarted under its name
+        listens elsewhere), linked once more; raises StatusError as `link`."""
+        try:
+            await self.link(decode)
+            return decode
+        except StatusError as exc:
+            if exc.status is Status.FAILED_PRECONDITION:  # incompatible: no point retrying
+                raise
+            fresh = await self._fresh_meta(decode.name)
+            if fresh is None or (fresh.rpc_address == decode.rpc_address
+                                 and fresh.incarnation_id == decode.incarnation_id):
+                raise
+        await self.link(fresh)
+        return fresh
+
+    async def _fresh_meta(self, name: str) -> InstanceMeta | None:
+        """`name`'s meta read again past any cache."""
+        if self.forget_meta is not None:
+            self.forget_meta(name)
+        return await self.resolve_meta(name) if self.resolve_meta is not None else None
 
     async def prelink_loop(self, interval_s: float) -> None:
         while True:

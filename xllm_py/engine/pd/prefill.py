@@ -259,24 +259,12 @@ class PrefillSide:
         decode = await self.links.resolve_meta(name)
         if decode is None:
             return f"decode instance {name} is not registered"
-        try:
-            await self.links.link(decode)
+        try:  # (a cached meta may name where the decode listened before a restart)
+            decode = await self.links.link_current(decode)
         except StatusError as exc:
             if exc.status is Status.FAILED_PRECONDITION:  # incompatible: no point retrying
                 raise
-            # A cached meta may name where the decode listened before a restart: read it
-            # again and link once more if it moved.
-            fresh = await self.links.fresh_meta(name)
-            if fresh is None or (fresh.rpc_address == decode.rpc_address
-                                 and fresh.incarnation_id == decode.incarnation_id):
-                return exc.message
-            decode = fresh
-            try:
-                await self.links.link(decode)
-            except StatusError as again:
-                if again.status is Status.FAILED_PRECONDITION:
-                    raise
-                return again.message
+            return exc.message
         placement = await self._place(rec.spec, decode)
         if placement is None:
             return f"decode instance {name} has no KV space"
