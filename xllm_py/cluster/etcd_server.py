@@ -23,7 +23,7 @@ import urllib.request
 from types import TracebackType
 
 from xllm_py.tls import TLSConfig, client_ssl_context
-from xllm_py.utils.procs import die_with_parent
+from xllm_py.utils.procs import guarded
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +113,10 @@ class EmbeddedEtcd:
             self.client_port = self.client_port or self._requested_client_port or _free_port(self.host)
             self.peer_port = self.peer_port or self._requested_peer_port or _free_port(self.host)
             self._proc = subprocess.Popen(
-                self._command(binary),
+                guarded(self._command(binary)),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
             )
             if self._wait_healthy():
                 logger.info("etcd %s started (pid %d, data %s)", self.endpoint, self._proc.pid, self._data_dir)

@@ -23,18 +23,14 @@ from xllm_py.config import child_env
 logger = logging.getLogger(__name__)
 
 
-def die_with_parent() -> None:
-    """In a child before exec (Linux): SIGTERM it when its parent dies, so a killed
-    launcher or test never leaves engines behind."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
+_GUARD = pathlib.Path(__file__).with_name("guarded_exec.py")
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+
+def guarded(argv: list[str], cpu: int | None = None) -> list[str]:
+    """`argv` wrapped so that it gets SIGTERM when this process dies and runs on `cpu`
+    (Linux): see guarded_exec.py for why this is not a preexec_fn."""
+    return [sys.executable, "-S", str(_GUARD), str(os.getpid()),
+            "-" if cpu is None else str(cpu), *argv]
 
 
 _handed_out: set[int] = set()
@@ -141,17 +137,9 @@ def spawn(name: str, module: str, args: list[str], log_dir: pathlib.Path,
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:
         full_env.update(env)
-    def preexec() -> None:  # runs in the child
-        die_with_parent()
-        if cpu is not None and hasattr(os, "sched_setaffinity"):
-            try:
-                os.sched_setaffinity(0, {cpu})
-            except OSError:
-                pass
     with open(log_path, "ab") as log:
-        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                 stdin=subprocess.DEVNULL, preexec_fn=preexec,
-                                 start_new_session=True)
+        popen = subprocess.Popen(guarded(argv, cpu), stdout=log, stderr=subprocess.STDOUT,
+                                 env=full_env, stdin=subprocess.DEVNULL, start_new_session=True)
     logger.info("started %s (pid %d), log %s", name, popen.pid, log_path)
     return ChildProcess(name, argv, log_path, popen, http_url)
 
