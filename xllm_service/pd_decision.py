@@ -267,8 +267,9 @@ class SloPredictor:
         else:
             ttft *= self.scale(route.target.name, "ttft")
         tpot *= self.scale(decode.name, "tpot")
+        waited = queued_p if route.is_pd else bool(queued_d)
         return Prediction(dataclasses.replace(route, predicted=(ttft, tpot),
-                                              corrects_ttft=not queued_p), ttft, tpot)
+                                              corrects_ttft=not waited), ttft, tpot)
 
 
 class SloRouter:

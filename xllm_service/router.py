@@ -128,7 +128,9 @@ class Route:
     predicted: tuple[float, float] | None = None
     # SLO_AWARE: whether its measured TTFT corrects the prediction: not after a wait in a
     # prefill's queue, which its deadline order and later arrivals set (a late prompt
-    # waits for every one that can still make it), not the instance's speed
+    # waits for every one that can still make it), not the instance's speed; nor after
+    # prompts queued on the decode (a prompt arriving with a long one there: a scale
+    # taught by that wait sends no prompt there again, so nothing would ever correct it)
     corrects_ttft: bool = True
 
     @property

@@ -485,6 +485,25 @@ def test_a_ttft_after_a_wait_in_a_prefill_queue_corrects_nothing():
     assert pred.predict(Route(p, d), 100, 100, 10).route.corrects_ttft
 
 
+def test_a_ttft_after_prompts_queued_on_the_decode_corrects_nothing():
+    """A prompt sent to a decode computing a long one waits for it: a scale taught by that
+    wait would predict every later short prompt there late, none would go there again,
+    and nothing would correct it back (seen in a benchmark run: 213 of 214 short prompts
+    went to the prefill)."""
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    work = {"d": InstanceWork(pending_prefill_tokens=1500, pending_prefill_pairs=0)}
+    pred = SloPredictor(RouterConfig(), lambda n: work.get(n, InstanceWork()))
+    behind = pred.predict(Route(d, on_decode=True), 100, 100, 10)
+    assert not behind.route.corrects_ttft
+    pred.observe(behind.route, 50_000.0, None)
+    assert pred.scale("d", "ttft") == 1.0
+    work.clear()
+    alone = pred.predict(Route(d, on_decode=True), 100, 100, 10)
+    assert alone.route.corrects_ttft
+    pred.observe(alone.route, 2 * alone.ttft_ms, None)
+    assert pred.scale("d", "ttft") == pytest.approx(2)
+
+
 def test_the_pd_overhead_is_added_after_the_correction_and_left_out_of_it():
     p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
     pred = SloPredictor(RouterConfig(pd_overhead_ms=20), no_work)
