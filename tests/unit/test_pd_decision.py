@@ -490,7 +490,7 @@ def test_a_ttft_after_prompts_queued_on_the_decode_corrects_nothing():
     wait would predict every later short prompt there late, none would go there again,
     and nothing would correct it back (seen in a benchmark run: 213 of 214 short prompts
     went to the prefill)."""
-    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    d = inst("d", InstanceRole.DECODE)
     work = {"d": InstanceWork(pending_prefill_tokens=1500, pending_prefill_pairs=0)}
     pred = SloPredictor(RouterConfig(), lambda n: work.get(n, InstanceWork()))
     behind = pred.predict(Route(d, on_decode=True), 100, 100, 10)
