@@ -51,14 +51,19 @@ def run_case(num_tokens: int, prefix: int, heads: int, kv_heads: int, head_dim: 
     write_kv(kc, vc, torch.randn(total, kv_heads, head_dim, generator=gen),
              torch.randn(total, kv_heads, head_dim, generator=gen), whole.slot_mapping)
     md = AttentionMetadata.build([(prefix, num_tokens, table)], block_size)
-    saved = attention.DENSE_PREFILL_MIN_TOKENS, attention.DENSE_PREFILL_MIN_PAIRS
+    names = ("DENSE_PREFILL_MIN_TOKENS", "DENSE_PREFILL_MIN_PAIRS", "DENSE_CHUNK_MIN_TOKENS",
+             "DENSE_CHUNK_MIN_PREFIX")
+    saved = [getattr(attention, n) for n in names]
     try:  # the engine's thresholds set aside: each path on every length
-        attention.DENSE_PREFILL_MIN_TOKENS = 1 << 30
+        for n, v in zip(names, (1 << 30, 0, 1 << 30, 0)):
+            setattr(attention, n, v)
         paged_plan = attention.plan_attention(md, block_size)
-        attention.DENSE_PREFILL_MIN_TOKENS, attention.DENSE_PREFILL_MIN_PAIRS = 1, 0
+        for n, v in zip(names, (1, 0, 1 << 30, 0)):
+            setattr(attention, n, v)
         dense_plan = attention.plan_attention(md, block_size)
     finally:
-        attention.DENSE_PREFILL_MIN_TOKENS, attention.DENSE_PREFILL_MIN_PAIRS = saved
+        for n, v in zip(names, saved):
+            setattr(attention, n, v)
     paged_ms = _time(lambda: attend(q, kc, vc, paged_plan), repeat)
     dense_ms = _time(lambda: attend(q, kc, vc, dense_plan), repeat)
     diff = (attend(q, kc, vc, paged_plan) - attend(q, kc, vc, dense_plan)).abs().max().item()
@@ -87,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.heads} heads ({args.kv_heads} KV) of {args.head_dim}, block "
           f"{args.block_size}, {args.num_threads} thread(s), prefix {args.prefix}; "
           f"the engine takes the dense path from {attention.DENSE_PREFILL_MIN_TOKENS} tokens "
-          f"and {attention.DENSE_PREFILL_MIN_PAIRS} (query, key) pairs")
+          f"and {attention.DENSE_PREFILL_MIN_PAIRS} (query, key) pairs, or from "
+          f"{attention.DENSE_CHUNK_MIN_TOKENS} after {attention.DENSE_CHUNK_MIN_PREFIX} cached")
     print(f"{'tokens':>7} {'paged ms':>9} {'dense ms':>9} {'dense/paged':>12} {'max |diff|':>11}")
     rows = []
     for n in args.lengths:

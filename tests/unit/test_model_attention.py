@@ -86,6 +86,40 @@ def test_paged_attention_matches_dense(steps, dense, monkeypatch):
             done[s] += n
 
 
+@pytest.mark.parametrize("prefix,n,dense", [
+    (128, 16, True),    # a chunk after a cached prefix: the dense path from 16 tokens
+    (128, 15, False),
+    (127, 16, False),   # a shorter prefix: the whole-prompt thresholds (64 tokens, 64k pairs)
+    (0, 48, False),
+    (200, 40, True),
+])
+def test_a_chunk_after_a_cached_prefix_takes_the_dense_path(prefix, n, dense):
+    """Beside a decode sequence (a mixed step, as on a decode instance that prefills), the
+    chunk's rows come out equal to the reference either way."""
+    total = prefix + n
+    nblk = -(-total // BS)
+    g = torch.Generator().manual_seed(1)
+    q_all = torch.randn(total, H, HD, generator=g)
+    k_all = torch.randn(total, KVH, HD, generator=g)
+    v_all = torch.randn(total, KVH, HD, generator=g)
+    k_cache, v_cache = allocate_kv_caches(1, nblk + 4, BS, KVH, HD)[0]
+    table = list(range(2, nblk + 2))
+    if prefix:  # the cached prefix
+        md = AttentionMetadata.build([(0, prefix, table)], BS)
+        paged_attention(q_all[:prefix], k_all[:prefix], v_all[:prefix], k_cache, v_cache,
+                        plan_attention(md, BS))
+    md = AttentionMetadata.build([(prefix, n, table), (0, 1, [1])], BS)
+    plan = plan_attention(md, BS)
+    assert attention.takes_dense_path(n, prefix) is dense
+    assert [c.rows.stop - c.rows.start for c in plan.prefill.dense] == ([n] if dense else [])
+    q = torch.cat([q_all[prefix:], torch.randn(1, H, HD, generator=g)])
+    k = torch.cat([k_all[prefix:], torch.randn(1, KVH, HD, generator=g)])
+    v = torch.cat([v_all[prefix:], torch.randn(1, KVH, HD, generator=g)])
+    out = paged_attention(q, k, v, k_cache, v_cache, plan)
+    ref = _reference(q_all, k_all, v_all, prefix, n)
+    assert (out[:n] - ref).abs().max().item() < 1e-5
+
+
 def test_decode_only_plan_uses_fast_path():
     md = AttentionMetadata.build([(5, 1, [1, 2]), (2, 1, [3])], BS)
     plan = plan_attention(md, BS)
