@@ -199,7 +199,8 @@ def test_bf16_load_runs(pair):
 
 def test_long_prompt_dense_prefill_matches_hf(ours_path, monkeypatch):
     """A prompt long enough for the dense (SDPA) prefill path on CPU, whole and chunked
-    (a dense chunk, then a short one on the paged kernel after it), against HF."""
+    (a dense causal chunk, a 28-token one after it on the dense path with a mask, then a
+    12-token one on the paged kernel), against HF."""
     from xllm_py.model import attention
 
     name, hf, ours, cfg = ours_path
@@ -212,9 +213,11 @@ def test_long_prompt_dense_prefill_matches_hf(ours_path, monkeypatch):
     whole = _Runner(ours, cfg).step([(0, 0, prompt)])
     runner = _Runner(ours, cfg, seed=7)
     chunked = torch.cat([runner.step([(0, 0, prompt[:260])]),
-                         runner.step([(0, 260, prompt[260:])])])
+                         runner.step([(0, 260, prompt[260:288])]),
+                         runner.step([(0, 288, prompt[288:])])])
     err = max((whole - ref).abs().max().item(), (chunked - ref).abs().max().item())
     print(f"[{name}] 300-token prompt max |logit err| {err:.2e}, dense chunks {calls}")
     assert err < TOL
     engine_path = cpu_kernels.available()
-    assert calls == ([300] * cfg.num_layers + [260] * cfg.num_layers if engine_path else [])
+    assert calls == ([300] * cfg.num_layers + [260] * cfg.num_layers + [28] * cfg.num_layers
+                     if engine_path else [])
