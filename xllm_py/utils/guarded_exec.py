@@ -17,7 +17,7 @@ import sys
 PR_SET_PDEATHSIG = 1
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:  # returns only when it refuses to start
     parent, cpu, program = int(argv[0]), argv[1], argv[2:]
     if sys.platform.startswith("linux"):
         import ctypes
@@ -33,8 +33,7 @@ def main(argv: list[str]) -> int:
             os.sched_setaffinity(0, {int(cpu)})
         except OSError:
             pass
-    os.execv(program[0], program)
-    return 127  # unreachable: execv raises on failure
+    os.execv(program[0], program)  # (raises OSError when it cannot exec)
 
 
 if __name__ == "__main__":
