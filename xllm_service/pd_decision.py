@@ -238,10 +238,11 @@ class SloPredictor:
         work_d, seqs_d, ctx_d = self._state(decode)
         queued_d = work_d.pending_prefill_tokens
         own_pairs = attn_pairs(prompt_len - uncached, uncached)
-        queued_p = False  # PD: prompts of the service's queued on the prefill
+        # whether this prompt waits behind others where it is computed (its TTFT then
+        # corrects nothing: Route.corrects_ttft)
         if route.is_pd:
             work_p = self.work(route.target.name)
-            queued_p = bool(work_p.pending_prompts)
+            waited = bool(work_p.pending_prompts)
             ttft = self._prefill_ttft_ms(route.target, pp, work_p, uncached, own_pairs,
                                          ttft_slo_ms)
             local, local_pairs = queued_d, work_d.pending_prefill_pairs
@@ -249,6 +250,7 @@ class SloPredictor:
             local_pairs = work_d.pending_prefill_pairs + own_pairs
             ttft = pd.prefill_ms(queued_d + uncached, seqs_d, ctx_d, local_pairs)
             local = queued_d + uncached
+            waited = bool(queued_d)
         # The prompt tokens the decode computes stall every stream it runs; a stream halfway
         # through its output absorbs the stall over the half it has left, at most one
         # prompt chunk per step (a token's cost: its own and the keys it attends to).
@@ -267,7 +269,6 @@ class SloPredictor:
         else:
             ttft *= self.scale(route.target.name, "ttft")
         tpot *= self.scale(decode.name, "tpot")
-        waited = queued_p if route.is_pd else bool(queued_d)
         return Prediction(dataclasses.replace(route, predicted=(ttft, tpot),
                                               corrects_ttft=not waited), ttft, tpot)
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from tests.waiting import wait_until_sync
-from xllm_py.utils.procs import guarded, spawn
+from xllm_py.utils.procs import GUARD_SCRIPT, spawn
 
 pytestmark = pytest.mark.integration
 
@@ -90,7 +90,6 @@ def test_a_guarded_child_dies_with_its_parent_and_keeps_its_cpu(tmp_path):
 
 def test_guarded_refuses_to_start_when_the_parent_is_already_gone():
     # pid 1 is not its parent: it stands for a launcher that died before the signal was armed
-    script = guarded([])[2]
-    done = subprocess.run([sys.executable, "-S", script, "1", "-", "/bin/echo", "ran"],
+    done = subprocess.run([sys.executable, "-S", str(GUARD_SCRIPT), "1", "-", "/bin/echo", "ran"],
                           capture_output=True, text=True, timeout=30)
     assert (done.returncode, done.stdout) == (1, "")

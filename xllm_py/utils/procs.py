@@ -23,13 +23,13 @@ from xllm_py.config import child_env
 logger = logging.getLogger(__name__)
 
 
-_GUARD = pathlib.Path(__file__).with_name("guarded_exec.py")
+GUARD_SCRIPT = pathlib.Path(__file__).with_name("guarded_exec.py")
 
 
 def guarded(argv: list[str], cpu: int | None = None) -> list[str]:
     """`argv` wrapped so that it gets SIGTERM when this process dies and runs on `cpu`
     (Linux): see guarded_exec.py for why this is not a preexec_fn."""
-    return [sys.executable, "-S", str(_GUARD), str(os.getpid()),
+    return [sys.executable, "-S", str(GUARD_SCRIPT), str(os.getpid()),
             "-" if cpu is None else str(cpu), *argv]
 
 
