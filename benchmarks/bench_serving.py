@@ -226,6 +226,8 @@ def _launch_args(args: argparse.Namespace, shape: list[str], log_dir: pathlib.Pa
     argv += [f"--engine-arg={a}" for a in args.engine_arg]
     if "--prefill" in shape:
         argv += [f"--prefill-arg={a}" for a in args.prefill_arg]
+    if "--decode" in shape:
+        argv += [f"--decode-arg={a}" for a in args.decode_arg]
     argv += [f"--kv-transfer-backend={args.kv_transfer_backend}"] if args.kv_transfer_backend else []
     return argv
 
@@ -326,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-arg", action="append", default=[],
                    help="extra flag of the prefill engines (pd, pd-slo), e.g. "
                         "--prefill-arg=--max-num-batched-tokens=512")
+    g.add_argument("--decode-arg", action="append", default=[],
+                   help="extra flag of the decode engines (pd, pd-slo), e.g. "
+                        "--decode-arg=--prompt-tpot-target-ms=18")
     g.add_argument("--kv-transfer-backend", choices=["ucx", "tcp"], default=None,
                    help="KV transfer backend of the PD cluster (default: the launcher's)")
     g.add_argument("--no-pin-cores", action="store_true", help="do not pin engines to cores")

@@ -58,6 +58,11 @@ class SchedulerConfig:
     # Prompt tokens per step while sequences are decoding (0: the whole budget): bounds the
     # stall a prompt chunk puts on the running streams (a step's time, so their TPOT).
     max_prefill_tokens_while_decoding: int = 0
+    # Prompt tokens beside decoding streams only while every stream's mean time per output
+    # token is predicted to stay within this (engine/tpot_guard.py; 0: off); a prompt held
+    # back longer than prompt_hold_max_ms goes anyway.
+    prompt_tpot_target_ms: float = 0.0
+    prompt_hold_max_ms: float = 1000.0
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     # Work arriving at an idle engine: keep taking requests that come in less than
@@ -74,6 +79,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
+        if self.prompt_tpot_target_ms < 0 or self.prompt_hold_max_ms < 0:
+            raise ValueError("prompt_tpot_target_ms and prompt_hold_max_ms must be >= 0")
         if self.max_prefill_tokens_while_decoding < 0:
             raise ValueError("max_prefill_tokens_while_decoding must be >= 0, got "
                              f"{self.max_prefill_tokens_while_decoding}")

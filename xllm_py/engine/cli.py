@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
              help="prompt tokens per step while sequences decode (0: the whole step budget); "
                   "bounds how much a prompt chunk slows the running streams (a DECODE that "
                   "prefills prompts itself, or a MIX)")
+    add_flag(g, "--prompt-tpot-target-ms", type=float, default=0.0,
+             help="prompt tokens beside decoding streams only while every stream's mean time "
+                  "per output token is predicted to stay within this (0: off; a DECODE "
+                  "that prefills prompts itself, or a MIX)")
+    add_flag(g, "--prompt-hold-max-ms", type=float, default=1000.0,
+             help="with --prompt-tpot-target-ms: a prompt held back this long is computed "
+                  "anyway")
     add_flag(g, "--max-model-len", type=int, default=2048, help="context length limit")
     add_flag(g, "--enable-chunked-prefill", type=parse_bool, default=True,
              help="split long prompts over steps under the token budget (true/false)")
@@ -109,6 +116,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             max_prefill_tokens_while_decoding=(
                                 args.max_prefill_tokens_while_decoding),
+                            prompt_tpot_target_ms=args.prompt_tpot_target_ms,
+                            prompt_hold_max_ms=args.prompt_hold_max_ms,
                             max_model_len=args.max_model_len,
                             enable_chunked_prefill=args.enable_chunked_prefill,
                             batch_window_ms=args.batch_window_ms)

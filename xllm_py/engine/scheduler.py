@@ -8,6 +8,9 @@ One engine step:
 Request stages (see xllm_py/request.py for the state machine):
     add_request -> waiting queue -> admitted when its KV fits (prefix hits skip compute)
     -> running: decode tokens first, then prefill chunks, under a per-step token budget
+    (prompt tokens beside decoding streams: at most max_prefill_tokens_while_decoding, and
+    with prompt_tpot_target_ms only what keeps every stream's mean TPOT within it:
+    tpot_guard.py)
     -> preempted (blocks freed, recomputed later from prompt + outputs) or finished
     (blocks freed at once); max_tokens 0 ends right after the prefill. Prompt logprobs:
     computed from scratch (cached blocks have KV, no logits; see _scores_prompt). PD hooks:
@@ -20,12 +23,16 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
+import time
+from typing import Callable
 
 from xllm_py.config import CacheConfig, SchedulerConfig
 from xllm_py.engine.block_pool import BlockPool
 from xllm_py.engine.kv_cache_manager import KVCacheManager, cdiv
 from xllm_py.engine.scheduler_types import (  # noqa: F401 - re-exported
     RemoteAllocation, RequestUpdate, ScheduledSeq, SchedulerOutput)
+from xllm_py.engine.tpot_guard import Stream, TpotGuard
 from xllm_py.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -40,6 +47,7 @@ class ContinuousScheduler:
         cache_config: CacheConfig,
         num_blocks: int | None = None,
         kv_cache_manager: KVCacheManager | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if kv_cache_manager is None:
             num_blocks = num_blocks if num_blocks is not None else cache_config.num_blocks
@@ -62,6 +70,13 @@ class ContinuousScheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order
         self._finished_ids: list[str] = []
+        self.clock = clock
+        self.tpot_guard = (TpotGuard(scheduler_config.prompt_tpot_target_ms,
+                                     max_hold_ms=scheduler_config.prompt_hold_max_ms)
+                           if scheduler_config.prompt_tpot_target_ms > 0 else None)
+        self._queued_at: dict[str, float] = {}  # added (clock), for the guard's hold limit
+        self._step_started = 0.0
+        self._step_sizes = (0, 0)  # decode tokens, prompt tokens of the last schedule()
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -110,6 +125,7 @@ class ContinuousScheduler:
         """Queue a new request (FCFS; a lower `priority` value goes ahead)."""
         self._check_new(request)
         self.requests[request.request_id] = request
+        self._queued_at[request.request_id] = self.clock()
         index = len(self.waiting)
         while index > 0 and self.waiting[index - 1].priority > request.priority and (
             self.waiting[index - 1].status == S.WAITING
@@ -153,6 +169,8 @@ class ContinuousScheduler:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         num_decodes = len(decodes)
+        self._step_started = self.clock()
+        held = self._guard_limit(decodes, prefills)
         for i, request in enumerate(decodes + prefills):
             if request.status != S.RUNNING:  # preempted earlier in this loop
                 continue
@@ -161,6 +179,8 @@ class ContinuousScheduler:
             is_decode = i < num_decodes
             if is_decode and cap:
                 prompt_budget = min(prompt_budget, cap)
+            if is_decode and held is not None:
+                prompt_budget = min(prompt_budget, held)
             limit = budget if is_decode else min(budget, prompt_budget)
             num_new = self._num_new_tokens(request, request.num_computed_tokens, limit)
             if num_new == 0:
@@ -208,13 +228,37 @@ class ContinuousScheduler:
 
         out.seqs = list(scheduled.values())
         out.num_batched_tokens = sum(len(s.token_ids) for s in out.seqs)
+        num_decode_tokens = sum(1 for r in decodes if r.request_id in scheduled)
+        self._step_sizes = (num_decode_tokens, out.num_batched_tokens - num_decode_tokens)
         return out
+
+    def _guard_limit(self, decodes: list[Request], prefills: list[Request]) -> int | None:
+        """Prompt tokens the TPOT guard lets this step carry beside `decodes` (None: no
+        limit), when prompts wait to be computed."""
+        if self.tpot_guard is None or not decodes or not (prefills or self.waiting):
+            return None
+        now = self.clock()
+        waiting = prefills + ([self.waiting[0]] if self.waiting else [])
+        oldest = min(self._queued_at.get(r.request_id, -math.inf) for r in waiting)
+        streams = [Stream(r.request_id, self.tpot_guard.horizon
+                          if r.sampling_params.max_tokens is None
+                          else r.sampling_params.max_tokens - r.num_output_tokens)
+                   for r in decodes]
+        return self.tpot_guard.prompt_tokens_allowed(now, streams, now - oldest)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
     ) -> list[RequestUpdate]:
         """Advance computed tokens, append sampled tokens and apply token-level stops."""
         updates: list[RequestUpdate] = []
+        guard = self.tpot_guard
+        if guard is not None:
+            now = self.clock()
+            decode_tokens, prompt_tokens = self._step_sizes
+            guard.observe_step(now - self._step_started, prompt_tokens, decode_tokens)
+            for seq in scheduler_output.seqs:
+                if seq.request_id in sampled:
+                    guard.stream_token(seq.request_id, now)
         for seq in scheduler_output.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != S.RUNNING:
@@ -409,6 +453,9 @@ class ContinuousScheduler:
             self.waiting.remove(request)
         self.kv.free(request)
         del self.requests[request.request_id]
+        self._queued_at.pop(request.request_id, None)
+        if self.tpot_guard is not None:
+            self.tpot_guard.forget(request.request_id)
         self._finished_ids.append(request.request_id)
 
 
