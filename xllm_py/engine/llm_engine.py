@@ -405,4 +405,6 @@ class LLMEngine:
             "prefix_hit_tokens": pool.num_prefix_hit_tokens,
             "generated_tokens": self.num_generated_tokens,
             "step_failures": self.num_step_failures,
+            "prompt_steps_held": (self.scheduler.tpot_guard.num_held
+                                  if self.scheduler.tpot_guard is not None else 0),
         }

@@ -33,6 +33,9 @@ _ENGINE_STATS = (
     ("xllm_generation_tokens_total", "counter", "generated_tokens", "Tokens generated"),
     ("xllm_engine_step_failures_total", "counter", "step_failures",
      "Engine steps that raised (every request of the step failed)"),
+    ("xllm_prompt_steps_held_total", "counter", "prompt_steps_held",
+     "Steps that held waiting prompts back to keep the streams within "
+     "--prompt-tpot-target-ms"),
 )
 
 
