@@ -16,7 +16,6 @@ import argparse
 import json
 import pathlib
 import sys
-import time
 
 import torch
 
@@ -24,19 +23,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as `python benchmarks/...py` from a clone
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import report_environment  # noqa: E402
+from benchmarks.common import report_environment, time_call_ms  # noqa: E402
 from xllm_py.model import attention  # noqa: E402
 from xllm_py.model.attention import AttentionMetadata, allocate_kv_caches, attend, write_kv  # noqa: E402
-
-
-def _time(fn, repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1000.0
 
 
 def run_case(num_tokens: int, prefix: int, heads: int, kv_heads: int, head_dim: int,
@@ -64,8 +53,8 @@ def run_case(num_tokens: int, prefix: int, heads: int, kv_heads: int, head_dim: 
     finally:
         for n, v in zip(names, saved):
             setattr(attention, n, v)
-    paged_ms = _time(lambda: attend(q, kc, vc, paged_plan), repeat)
-    dense_ms = _time(lambda: attend(q, kc, vc, dense_plan), repeat)
+    paged_ms = time_call_ms(lambda: attend(q, kc, vc, paged_plan), repeat)
+    dense_ms = time_call_ms(lambda: attend(q, kc, vc, dense_plan), repeat)
     diff = (attend(q, kc, vc, paged_plan) - attend(q, kc, vc, dense_plan)).abs().max().item()
     return {"tokens": num_tokens, "prefix": prefix, "paged_ms": round(paged_ms, 3),
             "dense_ms": round(dense_ms, 3), "dense_over_paged": round(dense_ms / paged_ms, 3),

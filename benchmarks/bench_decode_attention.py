@@ -19,7 +19,6 @@ import json
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
 
@@ -27,19 +26,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as `python benchmarks/...py` from a clone
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import report_environment  # noqa: E402
+from benchmarks.common import report_environment, time_call_ms  # noqa: E402
 from xllm_py.model import cpu_kernels  # noqa: E402
 from xllm_py.model.attention import allocate_kv_caches  # noqa: E402
-
-
-def _median_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000.0
 
 
 def run_case(caches: list, num_seqs: int, context: int, heads: int, layout: str,
@@ -63,11 +52,11 @@ def run_case(caches: list, num_seqs: int, context: int, heads: int, layout: str,
         for kc, vc in caches:
             outs.append(cpu_kernels.paged_decode_attention(q, kc, vc, tables, seq_lens, scale))
 
-    step_ms = _median_ms(step, repeat)
+    step_ms = time_call_ms(step, repeat, statistics.median)
     # the same number of bytes, contiguous: K then V of each layer's first blocks
     nbytes = len(caches) * 2 * num_seqs * context * kv_heads * head_dim * 4
     flat = [c.reshape(-1)[:num_seqs * context * kv_heads * head_dim] for kv in caches for c in kv]
-    stream_ms = _median_ms(lambda: [x.sum() for x in flat], repeat)
+    stream_ms = time_call_ms(lambda: [x.sum() for x in flat], repeat, statistics.median)
     tokens = num_seqs * context * len(caches)
     return {"seqs": num_seqs, "context": context, "layout": layout,
             "step_ms": round(step_ms, 3), "us_per_token_layer": round(step_ms * 1000 / tokens, 4),
@@ -121,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['kernel_over_stream']:>13.2f}x", flush=True)
     result["cases"] = rows
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -25,7 +25,7 @@ import platform
 import random
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 import httpx
@@ -72,6 +72,18 @@ def _package_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def time_call_ms(fn: Callable[[], object], repeat: int,
+                 reduce: Callable[[list[float]], float] = min) -> float:
+    """`fn` once to warm up, then `repeat` timed calls: `reduce` of their times (ms)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return reduce(times)
 
 
 def run_environment() -> dict[str, Any]:
