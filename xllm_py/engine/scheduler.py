@@ -74,9 +74,6 @@ class ContinuousScheduler:
         self.tpot_guard = (TpotGuard(scheduler_config.prompt_tpot_target_ms,
                                      max_hold_ms=scheduler_config.prompt_hold_max_ms)
                            if scheduler_config.prompt_tpot_target_ms > 0 else None)
-        self._queued_at: dict[str, float] = {}  # added (clock), for the guard's hold limit
-        self._step_started = 0.0
-        self._step_sizes = (0, 0)  # decode tokens, prompt tokens of the last schedule()
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -125,7 +122,8 @@ class ContinuousScheduler:
         """Queue a new request (FCFS; a lower `priority` value goes ahead)."""
         self._check_new(request)
         self.requests[request.request_id] = request
-        self._queued_at[request.request_id] = self.clock()
+        if self.tpot_guard is not None:
+            self.tpot_guard.queued(request.request_id, self.clock())
         index = len(self.waiting)
         while index > 0 and self.waiting[index - 1].priority > request.priority and (
             self.waiting[index - 1].status == S.WAITING
@@ -169,18 +167,16 @@ class ContinuousScheduler:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         num_decodes = len(decodes)
-        self._step_started = self.clock()
-        held = self._guard_limit(decodes, prefills)
+        # prompt tokens once a decode rides the step: the cap, and the TPOT guard's limit
+        ride_limit = min(cap or math.inf, self._guard_limit(decodes, prefills))
         for i, request in enumerate(decodes + prefills):
             if request.status != S.RUNNING:  # preempted earlier in this loop
                 continue
             if budget == 0 or len(scheduled) >= self.config.max_num_seqs:
                 break
             is_decode = i < num_decodes
-            if is_decode and cap:
-                prompt_budget = min(prompt_budget, cap)
-            if is_decode and held is not None:
-                prompt_budget = min(prompt_budget, held)
+            if is_decode:
+                prompt_budget = min(prompt_budget, ride_limit)
             limit = budget if is_decode else min(budget, prompt_budget)
             num_new = self._num_new_tokens(request, request.num_computed_tokens, limit)
             if num_new == 0:
@@ -228,37 +224,38 @@ class ContinuousScheduler:
 
         out.seqs = list(scheduled.values())
         out.num_batched_tokens = sum(len(s.token_ids) for s in out.seqs)
-        num_decode_tokens = sum(1 for r in decodes if r.request_id in scheduled)
-        self._step_sizes = (num_decode_tokens, out.num_batched_tokens - num_decode_tokens)
+        if self.tpot_guard is not None:
+            num_decode_tokens = sum(1 for r in decodes if r.request_id in scheduled)
+            self.tpot_guard.size_step(num_decode_tokens,
+                                      out.num_batched_tokens - num_decode_tokens)
         return out
 
-    def _guard_limit(self, decodes: list[Request], prefills: list[Request]) -> int | None:
-        """Prompt tokens the TPOT guard lets this step carry beside `decodes` (None: no
-        limit), when prompts wait to be computed."""
-        if self.tpot_guard is None or not decodes or not (prefills or self.waiting):
-            return None
+    def _guard_limit(self, decodes: list[Request], prefills: list[Request]) -> float:
+        """Prompt tokens the TPOT guard lets this step carry beside `decodes` (inf: no
+        limit, or no guard); starts the guard's step."""
+        guard = self.tpot_guard
+        if guard is None:
+            return math.inf
         now = self.clock()
-        waiting = prefills + ([self.waiting[0]] if self.waiting else [])
-        oldest = min(self._queued_at.get(r.request_id, -math.inf) for r in waiting)
-        streams = [Stream(r.request_id, self.tpot_guard.horizon
-                          if r.sampling_params.max_tokens is None
+        guard.begin_step(now)
+        if not decodes or not (prefills or self.waiting):
+            return math.inf
+        waiting = [r.request_id for r in prefills] + (
+            [self.waiting[0].request_id] if self.waiting else [])
+        streams = [Stream(r.request_id, None if r.sampling_params.max_tokens is None
                           else r.sampling_params.max_tokens - r.num_output_tokens)
                    for r in decodes]
-        return self.tpot_guard.prompt_tokens_allowed(now, streams, now - oldest)
+        allowed = guard.prompt_tokens_allowed(now, streams, guard.oldest_wait_s(now, waiting))
+        return math.inf if allowed is None else allowed
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
     ) -> list[RequestUpdate]:
         """Advance computed tokens, append sampled tokens and apply token-level stops."""
         updates: list[RequestUpdate] = []
-        guard = self.tpot_guard
-        if guard is not None:
-            now = self.clock()
-            decode_tokens, prompt_tokens = self._step_sizes
-            guard.observe_step(now - self._step_started, prompt_tokens, decode_tokens)
-            for seq in scheduler_output.seqs:
-                if seq.request_id in sampled:
-                    guard.stream_token(seq.request_id, now)
+        if self.tpot_guard is not None:
+            self.tpot_guard.end_step(self.clock(), (s.request_id for s in scheduler_output.seqs
+                                                    if s.request_id in sampled))
         for seq in scheduler_output.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != S.RUNNING:
@@ -453,7 +450,6 @@ class ContinuousScheduler:
             self.waiting.remove(request)
         self.kv.free(request)
         del self.requests[request.request_id]
-        self._queued_at.pop(request.request_id, None)
         if self.tpot_guard is not None:
             self.tpot_guard.forget(request.request_id)
         self._finished_ids.append(request.request_id)

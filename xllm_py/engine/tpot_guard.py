@@ -23,7 +23,9 @@ target is worth more than a stream's margin under its TPOT target). Below `min_c
 tokens a chunk is not worth its step: none is taken. Before the costs are measured
 (the first steps) nothing is held.
 
-Pure Python, no torch: the scheduler feeds it the clock and each step's size and time.
+Pure Python, no torch. The scheduler tells it what happens, on its clock: a prompt
+queued (`queued`), a step begun (`begin_step`, with its size once chosen: `size_step`) and
+ended (`end_step`), a request gone (`forget`); and asks `prompt_tokens_allowed`.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class _Stream:
 class Stream:
     """What the guard needs of one decoding stream at schedule time."""
     request_id: str
-    tokens_left: int  # max_tokens - produced
+    tokens_left: int | None  # max_tokens - produced; None: no max_tokens
 
 
 class TpotGuard:
@@ -61,7 +63,37 @@ class TpotGuard:
         self.step_s: float | None = None  # a decode-only step
         self.token_s: float | None = None  # one prompt token beside the streams
         self._streams: dict[str, _Stream] = {}
+        self._queued_s: dict[str, float] = {}  # prompts: when queued here
+        self._step_began_s = 0.0
+        self._step_size = (0, 0)  # decode tokens, prompt tokens of the step under way
         self.num_held = 0  # steps that held a prompt back (metric, tests)
+
+    # -- what the scheduler tells it -------------------------------------------------
+    def queued(self, request_id: str, now_s: float) -> None:
+        self._queued_s[request_id] = now_s
+
+    def begin_step(self, now_s: float) -> None:
+        self._step_began_s = now_s
+
+    def size_step(self, decode_tokens: int, prompt_tokens: int) -> None:
+        self._step_size = (decode_tokens, prompt_tokens)
+
+    def end_step(self, now_s: float, sampled_ids) -> None:
+        """The step begun last ended at `now_s`; `sampled_ids`: the requests it gave a token."""
+        decode_tokens, prompt_tokens = self._step_size
+        self.observe_step(now_s - self._step_began_s, prompt_tokens, decode_tokens)
+        for request_id in sampled_ids:
+            self.stream_token(request_id, now_s)
+
+    def forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._queued_s.pop(request_id, None)
+
+    def oldest_wait_s(self, now_s: float, request_ids) -> float:
+        """How long the longest-waiting of these prompts has waited (inf: one not queued
+        here, e.g. preempted and back: it is not held)."""
+        return now_s - min((self._queued_s.get(r, -math.inf) for r in request_ids),
+                           default=now_s)
 
     # -- what the steps measure ------------------------------------------------------
     def observe_step(self, duration_s: float, prompt_tokens: int, decode_seqs: int) -> None:
@@ -83,9 +115,6 @@ class TpotGuard:
         else:
             s.tokens += 1
 
-    def forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-
     # -- the decision ----------------------------------------------------------------
     def prompt_tokens_allowed(self, now_s: float, streams: list[Stream],
                               oldest_prompt_wait_s: float) -> int | None:
@@ -99,7 +128,8 @@ class TpotGuard:
         slack = math.inf
         for st in streams:
             s = self._streams.get(st.request_id)
-            rem = max(1, min(st.tokens_left, self.horizon))
+            rem = (self.horizon if st.tokens_left is None
+                   else max(1, min(st.tokens_left, self.horizon)))
             if s is None:  # not stepped here yet: nothing saved or spent
                 elapsed, done = 0.0, 0
             else:
