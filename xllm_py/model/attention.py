@@ -49,6 +49,9 @@ DENSE_PREFILL_MIN_PAIRS = 256 * 256
 # whole prefix once per query token, the dense path once per chunk. Same table, a chunk
 # of 16 tokens after 128 / 256 / 512 / 1024 cached: 0.21 vs 0.18, 0.25 vs 0.22, 0.52 vs
 # 0.37, 1.03 vs 0.72 ms (dense 0.70-0.89x); 32 tokens 0.52-0.69x; 8 tokens 0.87-1.27x.
+# Re-run after the decode kernel's L2 prefetch (2026-12-02, `python
+# benchmarks/bench_attention.py --lengths 8 16 32 --prefix P`): 16 tokens 0.62-0.89x,
+# 32 tokens 0.50-0.91x, 8 tokens 0.85-1.51x: the same rule.
 DENSE_CHUNK_MIN_TOKENS = 16
 DENSE_CHUNK_MIN_PREFIX = 128
 

@@ -144,8 +144,8 @@ static void decode_attend_seq(const float *q, float *out, const float *k_cache,
          * (locality 2: prefetcht1): fetched into L1 (the next block's K and V are 32 KB,
          * the size of L1) it ran at 0.28-0.33 us a context token and layer from scattered
          * blocks, into L2 at 0.16-0.20 (`python benchmarks/bench_decode_attention.py`, AMD
-         * EPYC, one thread: 15 sequences x 1500 tokens, 8 layers 54 -> 29 ms a step; 0.31x
-         * -> 0.55x the speed of a plain read of the same bytes; the same floats). */
+         * EPYC, one thread: 15 sequences x 1500 tokens, 8 layers 54 -> 26-34 ms a step; 0.31x
+         * -> 0.48-0.68x the speed of a plain read of the same bytes; the same floats). */
         const int64_t nblk = start + bs < L ? table[start / bs + 1] : -1;
         const float *kn = nblk >= 0 ? k_cache + nblk * block_stride : nk0;
         const float *vn = nblk >= 0 ? v_cache + nblk * block_stride : nv0;
