@@ -213,7 +213,8 @@ async def bench_endpoint(base_url: str, args: argparse.Namespace, spec: Workload
             raise RuntimeError(f"{label}: warmup requests failed: {bad[:3]}")
     results, duration = await run_load(base_url, model, build_requests(spec), args.request_rate,
                                        args.concurrency, seed=spec.seed, label=label)
-    return summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms), results
+    return summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms,
+                     tuple(args.slo_tpot_grid)), results
 
 
 def _launch_args(args: argparse.Namespace, shape: list[str], log_dir: pathlib.Path) -> list[str]:
@@ -309,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-grid", type=float, nargs="*", default=[], metavar="MS",
+                   help="goodput also at each of these TPOT targets (with --slo-ttft-ms), "
+                        "from the same requests, e.g. --slo-tpot-grid 20 30 50")
     p.add_argument("--json", default=None, help="write the summary (and per-request rows) here")
     p.add_argument("--plot", default=None, help="write CDFs of TTFT, TPOT and ITL here (.png)")
     g = p.add_argument_group("--compare (local clusters via xllm_py.launch)")

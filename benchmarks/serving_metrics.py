@@ -30,23 +30,30 @@ def _dist_ms(xs: list[float]) -> dict[str, float]:
     return d
 
 
+def _meets(r: RequestResult, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    if slo_ttft_ms is not None and r.ttft * 1000 > slo_ttft_ms:
+        return False
+    tp = r.tpot
+    return slo_tpot_ms is None or tp is None or tp * 1000 <= slo_tpot_ms
+
+
 def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None) -> dict[str, Any]:
+              slo_tpot_ms: float | None = None,
+              tpot_grid_ms: tuple[float, ...] = ()) -> dict[str, Any]:
+    """`tpot_grid_ms`: goodput also at each of these TPOT targets (TTFT target as given),
+    from the same requests: how the comparison moves with the target (DistServe's SLO
+    scale)."""
     ok = [r for r in results if r.ok]
     tpots = [r.tpot for r in ok if r.tpot is not None]
     itls = [x for r in ok for x in r.itl]
     n_in = sum(r.input_len for r in ok)
     n_out = sum(r.output_len for r in ok)
 
-    def meets(r: RequestResult) -> bool:
-        if slo_ttft_ms is not None and r.ttft * 1000 > slo_ttft_ms:
-            return False
-        tp = r.tpot
-        if slo_tpot_ms is not None and tp is not None and tp * 1000 > slo_tpot_ms:
-            return False
-        return True
+    def goodput(tpot_ms: float | None) -> float:
+        good = sum(1 for r in ok if _meets(r, slo_ttft_ms, tpot_ms))
+        return good / duration if duration else 0.0
 
-    good = [r for r in ok if meets(r)]
+    good = [r for r in ok if _meets(r, slo_ttft_ms, slo_tpot_ms)]
     errors = [r.error for r in results if not r.ok]
     return {
         "completed": len(ok), "failed": len(results) - len(ok),
@@ -59,6 +66,7 @@ def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float 
         "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
         "goodput": len(good) / duration if duration else 0.0,
         "slo_attainment": len(good) / len(results) if results else 0.0,
+        "goodput_by_tpot_slo": {f"{t:g}": goodput(t) for t in tpot_grid_ms},
         "ttft_ms": _dist_ms([r.ttft for r in ok]),
         "tpot_ms": _dist_ms(tpots),
         "itl_ms": _dist_ms(itls),
@@ -82,19 +90,22 @@ def _cell(summary: dict[str, Any], key: str, fmt: str) -> str:
     if key == "completed/failed":
         return f"{summary['completed']} / {summary['failed']}"
     v: Any = summary
-    for part in key.split("."):
+    for part in key.split(".", 1):  # (a grid key may hold a dot: "25.5")
         v = v[part]
     return fmt.format(v)
 
 
 def format_table(summaries: dict[str, dict[str, Any]]) -> str:
-    """Rows = metrics, one column per run."""
+    """Rows = metrics, one column per run (a goodput row per TPOT target of the grid)."""
     names = list(summaries)
-    width = max(len(r[0]) for r in _ROWS) + 2
+    grid = list(next(iter(summaries.values()), {}).get("goodput_by_tpot_slo", {}))
+    rows = _ROWS[:6] + [(f"  goodput, TPOT <= {t} ms (req/s)", f"goodput_by_tpot_slo.{t}",
+                         "{:.3f}") for t in grid] + _ROWS[6:]
+    width = max(len(r[0]) for r in rows) + 2
     cols = [max(12, len(n) + 2) for n in names]
     lines = ["".ljust(width) + "".join(n.rjust(c) for n, c in zip(names, cols))]
     lines.append("-" * (width + sum(cols)))
-    for label, key, fmt in _ROWS:
+    for label, key, fmt in rows:
         lines.append(label.ljust(width) + "".join(
             _cell(summaries[n], key, fmt).rjust(c) for n, c in zip(names, cols)))
     return "\n".join(lines)
