@@ -378,6 +378,10 @@ class RouterConfig:
     prefill_busy_tokens: int = 4096
     # SLO_AWARE: PD's TTFT on top of the prefill (KV pull, hand-over RPCs).
     pd_overhead_ms: float = 20.0
+    # SLO_AWARE: a decode with a prompt sent to it to compute itself that has waited this
+    # long without its first token is holding prompts (its TPOT guard): a short prompt
+    # goes to a prefill that meets the targets instead (0: never so).
+    decode_holding_ms: float = 0.0
     # SLO_AWARE: targets of a request that sets none (ttft_slo_ms / tpot_slo_ms); 0: none.
     ttft_slo_ms: float = 1000.0
     tpot_slo_ms: float = 50.0
@@ -393,7 +397,7 @@ class RouterConfig:
             raise ValueError(f"disagg_decision must be ALWAYS or CONDITIONAL, got "
                              f"{self.disagg_decision!r}")
         for name in ("local_prefill_max_tokens", "prefill_busy_tokens", "pd_overhead_ms",
-                     "ttft_slo_ms", "tpot_slo_ms"):
+                     "decode_holding_ms", "ttft_slo_ms", "tpot_slo_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

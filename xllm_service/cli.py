@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                   "when the prefills miss the targets and the decode meets them)")
     add_flag(p, "--pd-overhead-ms", type=float, default=20.0,
              help="SLO_AWARE: TTFT added by disaggregation (KV pull, hand-over RPCs)")
+    add_flag(p, "--decode-holding-ms", type=float, default=0.0,
+             help="SLO_AWARE: when a prompt the decode computes itself has waited this long "
+                  "for its first token (the decode's TPOT guard holds it), send short "
+                  "prompts to a prefill that meets the targets instead (0: off)")
     add_flag(p, "--ttft-slo-ms", type=float, default=1000.0,
              help="SLO_AWARE: TTFT target of a request without ttft_slo_ms (0: none)")
     add_flag(p, "--tpot-slo-ms", type=float, default=50.0,
@@ -80,7 +84,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                             disagg_decision=args.disagg_decision,
                             local_prefill_max_tokens=args.local_prefill_max_tokens,
                             prefill_busy_tokens=args.prefill_busy_tokens,
-                            pd_overhead_ms=args.pd_overhead_ms, ttft_slo_ms=args.ttft_slo_ms,
+                            pd_overhead_ms=args.pd_overhead_ms,
+                            decode_holding_ms=args.decode_holding_ms,
+                            ttft_slo_ms=args.ttft_slo_ms,
                             tpot_slo_ms=args.tpot_slo_ms),
         relay=RelayConfig(rpc_timeout_s=args.rpc_timeout,
                           idle_timeout_s=args.request_idle_timeout),

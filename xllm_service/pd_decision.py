@@ -35,7 +35,10 @@ each scaled by a moving average of measured / predicted per instance (`observe`:
 profile is a step's cost on a core of its own; on a shared machine the clock runs slower),
 and picks, in order: for a prompt whose uncached part is short (as above), the candidate
 meeting both targets with the lowest TTFT, the DECODE path or a PD pair (an idle prefill
-takes it: the decode's streams keep their pace); else the PD pair meeting both with the
+takes it: the decode's streams keep their pace), not the DECODE path of a decode holding
+prompts back while a PD pair meets both (`decode_holding_ms`: a prompt computed there has
+waited that long for its first token; the prompts held together go together, and stall
+its streams for as long); else the PD pair meeting both with the
 lowest TTFT; else the
 DECODE path meeting both (prefill overloaded; not with `prefill_busy_tokens` 0: long
 prompts never stall the decode's streams); else the candidate that misses least
@@ -194,6 +197,15 @@ class SloPredictor:
             sent.popleft()
         return sum(n for _, n in sent) / RECENT_LOCAL_S
 
+    def holding(self, decode: str) -> bool:
+        """Whether `decode` holds back prompts it computes itself: one the service sent it
+        has waited `decode_holding_ms` for its first token (its TPOT guard waits for its
+        streams to save up; a prompt sent now would wait too, and go in a burst)."""
+        limit = self.config.decode_holding_ms
+        pending = self.work(decode).pending_prompts
+        return bool(limit and pending
+                    and (self.clock() - min(p[0] for p in pending)) * 1000.0 >= limit)
+
     def profile(self, info: InstanceInfo) -> LatencyProfile | None:
         key = (info.name, info.incarnation_id)
         if key not in self._profiles:
@@ -317,15 +329,18 @@ class SloRouter:
             return min(xs, key=lambda x: (x.ttft_ms, x.tpot_ms, x.route.instance_names))
 
         limit = self.config.local_prefill_max_tokens
-        short = [x for x in local if uncached[x.route.target.name] <= limit and meets(x)]
         ok_remote = [x for x in remote if meets(x)]
+        short = [x for x in local if uncached[x.route.target.name] <= limit and meets(x)
+                 and not (ok_remote and self.predictor.holding(x.route.target.name))]
         if short:
             best = by_ttft(short + ok_remote)
             return self._chosen(best, "short prompt" + ("" if best.route.on_decode
                                                         else ", prefill idle"),
                                 ttft_slo, tpot_slo, uncached)
         if ok_remote:
-            return self._chosen(by_ttft(ok_remote), "long prompt", ttft_slo, tpot_slo, uncached)
+            held = any(uncached[x.route.target.name] <= limit and meets(x) for x in local)
+            return self._chosen(by_ttft(ok_remote), "short prompt, decode holding prompts"
+                                if held else "long prompt", ttft_slo, tpot_slo, uncached)
         if self.config.prefill_busy_tokens and (ok := [x for x in local if meets(x)]):
             return self._chosen(by_ttft(ok), "prefill busy", ttft_slo, tpot_slo, uncached)
         # Missing anyway: a long prompt stays off the decode (its prefill would stall the

@@ -4,6 +4,7 @@ and the backend serving and migrating a request on the DECODE path."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 
@@ -278,6 +279,33 @@ def test_slo_aware_short_prompt_goes_to_an_idle_prefill_that_answers_first():
     assert route.path is Path.PD and "prefill idle" in route.reason
     work["p"] = prefill_queue(2000)  # busy: 200+ ms -> the decode
     assert r.route(req(100), [p], [d]).path is Path.DECODE
+
+
+def test_slo_aware_short_prompt_skips_a_decode_holding_prompts():
+    """A prompt the decode computes itself that has waited decode_holding_ms for its
+    first token: the decode's guard holds prompts; a short one goes to a prefill meeting
+    the targets instead, and to the decode again when none does or once the hold ends."""
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    now = [100.0]
+    work = {"d": InstanceWork(pending_prefill_tokens=100,
+                              pending_prompts=((99.7, 100, 0.0),)),  # sent 300 ms ago
+            "p": prefill_queue(500)}  # busier than the decode: 50+ ms
+    config = RouterConfig(load_balance_policy="SLO_AWARE", local_prefill_max_tokens=256,
+                          ttft_slo_ms=1000, tpot_slo_ms=50, decode_holding_ms=250)
+    get = lambda n: work.get(n, InstanceWork())  # noqa: E731
+    predictor = SloPredictor(config, get, clock=lambda: now[0])
+    r = SloRouter(config, predictor, PDDecider(config, PrefixCache(PrefixIndex()), get),
+                  LeastLoadPolicy(lambda n: 0))
+    route = r.route(req(100), [p], [d])
+    assert route.path is Path.PD and "decode holding prompts" in route.reason
+    now[0] = 99.9  # the prompt has waited 200 ms only: not holding
+    assert r.route(req(100), [p], [d]).path is Path.DECODE
+    now[0] = 100.0
+    work["p"] = prefill_queue(20000)  # the prefill misses the TTFT: the decode still
+    assert r.route(req(100), [p], [d]).path is Path.DECODE
+    r.config = predictor.config = dataclasses.replace(config, decode_holding_ms=0)
+    work["p"] = prefill_queue(500)
+    assert r.route(req(100), [p], [d]).path is Path.DECODE  # 0: no such check
 
 
 def test_slo_aware_prefers_the_pd_pair_with_the_lowest_ttft():
