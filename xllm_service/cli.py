@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "when the prefills miss the targets and the decode meets them)")
     add_flag(p, "--pd-overhead-ms", type=float, default=20.0,
              help="SLO_AWARE: TTFT added by disaggregation (KV pull, hand-over RPCs)")
-    add_flag(p, "--decode-holding-ms", type=float, default=0.0,
+    add_flag(p, "--decode-holding-ms", type=float, default=500.0,
              help="SLO_AWARE: when a prompt the decode computes itself has waited this long "
                   "for its first token (the decode's TPOT guard holds it), send short "
                   "prompts to a prefill that meets the targets instead (0: off)")
