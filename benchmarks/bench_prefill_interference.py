@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5, help="prompts of each length per case")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="the measured engine's step budget (the bench's prefill runs 512)")
-    p.add_argument("--neighbours", nargs="+", choices=NEIGHBOURS, default=list(NEIGHBOURS))
+    p.add_argument("--neighbours", nargs="*", choices=NEIGHBOURS, default=list(NEIGHBOURS),
+                   help="neighbour cases after alone (none: alone only)")
     p.add_argument("--streams", type=int, default=8, help="decode neighbour: streams")
     p.add_argument("--core", type=int, default=0)
     p.add_argument("--other-core", type=int, default=1)
