@@ -47,7 +47,9 @@ def _engine(model: str, budget: int):
 
 
 def neighbour(kind: str, core: int, model: str, streams: int) -> None:
-    """Runs until killed: the load beside the measured engine."""
+    """Runs until killed, or until its parent (the measuring run) is gone: the load
+    beside the measured engine."""
+    parent = os.getppid()
     os.sched_setaffinity(0, {core})
     import torch
 
@@ -56,16 +58,18 @@ def neighbour(kind: str, core: int, model: str, streams: int) -> None:
         a = torch.randn(50_000_000)
         b = torch.empty_like(a)
         print("ready", flush=True)
-        while True:
+        while os.getppid() == parent:
             b.copy_(a)
+        return
     from xllm_py.sim.profile import random_prompts, run_workload
 
     engine = _engine(model, 2048)
     engine.start()
     prompts = random_prompts(streams, 64, engine.model_config.vocab_size, random.Random(2))
     print("ready", flush=True)
-    while True:  # streams of 500 tokens, over and over
+    while os.getppid() == parent:  # streams of 500 tokens, over and over
         run_workload(engine, prompts, 500, streams)
+    engine.stop()
 
 
 def measure(engine, lengths: list[int], repeat: int, seed: int) -> dict[int, list[float]]:
