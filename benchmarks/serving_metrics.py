@@ -49,11 +49,10 @@ def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float 
     n_in = sum(r.input_len for r in ok)
     n_out = sum(r.output_len for r in ok)
 
-    def goodput(tpot_ms: float | None) -> float:
-        good = sum(1 for r in ok if _meets(r, slo_ttft_ms, tpot_ms))
-        return good / duration if duration else 0.0
+    def num_good(tpot_ms: float | None) -> int:
+        return sum(1 for r in ok if _meets(r, slo_ttft_ms, tpot_ms))
 
-    good = [r for r in ok if _meets(r, slo_ttft_ms, slo_tpot_ms)]
+    good = num_good(slo_tpot_ms)
     errors = [r.error for r in results if not r.ok]
     return {
         "completed": len(ok), "failed": len(results) - len(ok),
@@ -64,9 +63,10 @@ def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float 
         "output_throughput": n_out / duration if duration else 0.0,
         "total_token_throughput": (n_in + n_out) / duration if duration else 0.0,
         "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
-        "goodput": len(good) / duration if duration else 0.0,
-        "slo_attainment": len(good) / len(results) if results else 0.0,
-        "goodput_by_tpot_slo": {f"{t:g}": goodput(t) for t in tpot_grid_ms},
+        "goodput": good / duration if duration else 0.0,
+        "slo_attainment": good / len(results) if results else 0.0,
+        "goodput_by_tpot_slo": {f"{t:g}": num_good(t) / duration if duration else 0.0
+                                for t in tpot_grid_ms},
         "ttft_ms": _dist_ms([r.ttft for r in ok]),
         "tpot_ms": _dist_ms(tpots),
         "itl_ms": _dist_ms(itls),

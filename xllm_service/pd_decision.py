@@ -37,15 +37,14 @@ and picks, in order: for a prompt whose uncached part is short (as above), the c
 meeting both targets with the lowest TTFT, the DECODE path or a PD pair (an idle prefill
 takes it: the decode's streams keep their pace), not the DECODE path of a decode holding
 prompts back while a PD pair meets both (`decode_holding_ms`: a prompt computed there has
-waited that long for its first token; the prompts held together go together, and stall
-its streams for as long); else the PD pair meeting both with the
-lowest TTFT; else the
-DECODE path meeting both (prefill overloaded; not with `prefill_busy_tokens` 0: long
-prompts never stall the decode's streams); else the candidate that misses least
-(sum of the relative overshoots), the DECODE path only for a short prompt that keeps the
-decode within its TPOT target (or without a prefill instance). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else
-the service's `--ttft-slo-ms`/`--tpot-slo-ms`; 0: none. Without a profile from every
-instance it falls back to `PDDecider` with LEAST_LOAD.
+waited that long for its first token; the prompts held together go together, and stall its
+streams for as long); else the PD pair meeting both with the lowest TTFT; else the DECODE
+path meeting both (prefill overloaded; not with `prefill_busy_tokens` 0: long prompts
+never stall the decode's streams); else the candidate that misses least (sum of the
+relative overshoots), the DECODE path only for a short prompt that keeps the decode within
+its TPOT target (or without a prefill instance). Targets: the request's
+`ttft_slo_ms`/`tpot_slo_ms`, else the service's `--ttft-slo-ms`/`--tpot-slo-ms`; 0: none.
+Without a profile from every instance it falls back to `PDDecider` with LEAST_LOAD.
 
 Torch-free: the master imports it.
 """
@@ -202,9 +201,8 @@ class SloPredictor:
         has waited `decode_holding_ms` for its first token (its TPOT guard waits for its
         streams to save up; a prompt sent now would wait too, and go in a burst)."""
         limit = self.config.decode_holding_ms
-        pending = self.work(decode).pending_prompts
-        return bool(limit and pending
-                    and (self.clock() - min(p[0] for p in pending)) * 1000.0 >= limit)
+        pending = self.work(decode).pending_prompts  # oldest first
+        return bool(limit and pending and (self.clock() - pending[0][0]) * 1000.0 >= limit)
 
     def profile(self, info: InstanceInfo) -> LatencyProfile | None:
         key = (info.name, info.incarnation_id)
@@ -330,17 +328,17 @@ class SloRouter:
 
         limit = self.config.local_prefill_max_tokens
         ok_remote = [x for x in remote if meets(x)]
-        short = [x for x in local if uncached[x.route.target.name] <= limit and meets(x)
-                 and not (ok_remote and self.predictor.holding(x.route.target.name))]
+        short_ok = [x for x in local if uncached[x.route.target.name] <= limit and meets(x)]
+        short = [x for x in short_ok
+                 if not (ok_remote and self.predictor.holding(x.route.target.name))]
         if short:
             best = by_ttft(short + ok_remote)
             return self._chosen(best, "short prompt" + ("" if best.route.on_decode
                                                         else ", prefill idle"),
                                 ttft_slo, tpot_slo, uncached)
-        if ok_remote:
-            held = any(uncached[x.route.target.name] <= limit and meets(x) for x in local)
+        if ok_remote:  # (a short prompt here: every decode meeting it holds prompts)
             return self._chosen(by_ttft(ok_remote), "short prompt, decode holding prompts"
-                                if held else "long prompt", ttft_slo, tpot_slo, uncached)
+                                if short_ok else "long prompt", ttft_slo, tpot_slo, uncached)
         if self.config.prefill_busy_tokens and (ok := [x for x in local if meets(x)]):
             return self._chosen(by_ttft(ok), "prefill busy", ttft_slo, tpot_slo, uncached)
         # Missing anyway: a long prompt stays off the decode (its prefill would stall the
