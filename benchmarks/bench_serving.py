@@ -15,6 +15,10 @@ TPOT, end-to-end latency -> percentiles, throughput, goodput under SLOs -> table
     # mixed prompts: 70% of 128 tokens, 30% of 1024-2048 (Poisson arrivals at the rate)
     python benchmarks/bench_serving.py --compare --workload mixed --output-len 64 \\
         --request-rate 1 --num-requests 60 --setups pd mix
+    # the same three times (each round in a rotated order): the spread of pd-slo's
+    # goodput over the better of pd and mix, and its TPOT p99 against pd's
+    python benchmarks/bench_serving.py --compare --workload mixed --output-len 64 \\
+        --request-rate 1 --num-requests 60 --setups pd mix pd-slo --repeat 3
 
 Set-ups of --compare (``SETUPS``: name -> label and launcher flags): ``pd`` (1 prefill +
 1 decode, every prompt prefilled on the prefill engine), ``mix`` (2 MIX), ``pd-slo`` (1P+1D
@@ -49,6 +53,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.common import report_environment  # noqa: E402
 from benchmarks.serving_metrics import (PERCENTILES, format_table, percentile,  # noqa: E402,F401
                                         plot_cdfs, summarize)
+from benchmarks.serving_rounds import format_verdict, rotated, verdict  # noqa: E402
 from benchmarks.serving_workload import (BenchRequest, WorkloadSpec,  # noqa: E402,F401
                                          arrival_offsets, build_requests)
 
@@ -244,15 +249,15 @@ SETUPS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def run_compare(args: argparse.Namespace, spec: WorkloadSpec) -> dict[str, Any]:
-    """Same workload against each set-up of ``args.setups`` (``SETUPS``), one after the
-    other."""
+def run_compare(args: argparse.Namespace, spec: WorkloadSpec, setups: list[str],
+                root: pathlib.Path) -> dict[str, Any]:
+    """Same workload against each of `setups` (``SETUPS`` names), one after the other;
+    cluster logs under `root`/<set-up>."""
     from xllm_py.launch import Cluster, build_parser as launch_parser
 
-    root = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="xllm-bench-"))
     summaries: dict[str, dict[str, Any]] = {}
     runs: dict[str, list[RequestResult]] = {}
-    for name in args.setups:
+    for name in setups:
         label, shape = SETUPS[name]
         if name == "pd-slo":  # the service aims at the SLO the goodput is measured at
             shape = shape + [f"--service-arg=--{flag}={value:g}" for flag, value in (
@@ -339,6 +344,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV transfer backend of the PD cluster (default: the launcher's)")
     g.add_argument("--no-pin-cores", action="store_true", help="do not pin engines to cores")
     g.add_argument("--log-dir", default=None, help="cluster logs (default: a temp dir)")
+    g.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the set-ups N times, each round in a rotated order; prints "
+                        "each round and the spread of the goodput ratio")
+    g.add_argument("--ratio-of", choices=list(SETUPS), default=None,
+                   help="the set-up whose goodput is divided by the best other's "
+                        "(default: pd-slo when compared)")
+    g.add_argument("--tpot-reference", choices=list(SETUPS), default=None,
+                   help="the set-up whose TPOT p99 the ratio-of set-up's is set against "
+                        "(default: pd when compared)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -357,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "matplotlib"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be >= 1")
     if args.request_rate <= 0:
         raise SystemExit("--request-rate must be positive")
     if not 0 <= args.len_jitter < 1:
@@ -371,9 +387,17 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so clusters started by --compare are stopped
     signal.signal(signal.SIGTERM, _raise_interrupt)
     environment = report_environment()
+    rounds: list[dict[str, Any]] = []
     if args.compare:
-        out = run_compare(args, spec)
-        summaries, runs = out["summaries"], out["runs"]
+        root = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="xllm-bench-"))
+        for i in range(args.repeat):
+            order = rotated(args.setups, i)
+            out = run_compare(args, spec, order, root / f"round{i + 1}" if args.repeat > 1 else root)
+            rounds.append({"order": order, "summaries": out["summaries"], "runs": out["runs"]})
+            if args.repeat > 1:
+                print(f"\nround {i + 1} of {args.repeat} (order {' '.join(order)})")
+                print(format_table(_in_setup_order(args, out["summaries"])))
+        summaries, runs = _in_setup_order(args, rounds[0]["summaries"]), rounds[0]["runs"]
     else:
         summary, results = asyncio.run(bench_endpoint(args.base_url, args, spec, "run"))
         summaries, runs = {"run": summary}, {"run": results}
@@ -384,22 +408,53 @@ def main(argv: list[str] | None = None) -> int:
               f"{spec.long_len[0]}-{spec.long_len[1]}")
     print(f"\nworkload: {spec.num_requests} requests, {inputs}, output "
           f"{spec.output_len} (jitter {spec.len_jitter:g}, {spec.prompt_kind}), {load}")
-    print(format_table(summaries))
-    for name, s in summaries.items():
-        if s["errors"]:
-            print(f"{name} errors: {s['errors']}")
+    if len(rounds) <= 1:
+        print(format_table(summaries))
+    for r in rounds or [{"summaries": summaries}]:
+        for name, s in r["summaries"].items():
+            if s["errors"]:
+                print(f"{name} errors: {s['errors']}")
+    result_verdict = _verdict(args, rounds)
+    if result_verdict is not None:
+        print("\n" + format_verdict(result_verdict))
     if args.json:
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(_finite({
-            "args": vars(args),
-            "workload": dataclasses.asdict(spec),
-            "environment": environment,
-            "summaries": summaries,
-            "requests": {n: _result_rows(r) for n, r in runs.items()},
-        }), indent=1, allow_nan=False))
+        doc: dict[str, Any] = {"args": vars(args), "workload": dataclasses.asdict(spec),
+                               "environment": environment}
+        if len(rounds) > 1:  # every round's summaries and requests
+            doc["rounds"] = [{"order": r["order"], "summaries": r["summaries"],
+                              "requests": {n: _result_rows(x) for n, x in r["runs"].items()}}
+                             for r in rounds]
+        else:
+            doc["summaries"] = summaries
+            doc["requests"] = {n: _result_rows(r) for n, r in runs.items()}
+        doc["verdict"] = result_verdict
+        pathlib.Path(args.json).write_text(json.dumps(_finite(doc), indent=1, allow_nan=False))
     if args.plot:
         plot_cdfs(runs, args.plot)
-    return 0 if all(s["failed"] == 0 for s in summaries.values()) else 1
+    return 0 if all(s["failed"] == 0 for r in rounds or [{"summaries": summaries}]
+                    for s in r["summaries"].values()) else 1
+
+
+def _in_setup_order(args: argparse.Namespace, summaries: dict[str, Any]) -> dict[str, Any]:
+    """A round's summaries in --setups order (its columns stay put whatever the round's
+    order)."""
+    labels = [SETUPS[n][0] for n in args.setups]
+    return {label: summaries[label] for label in labels if label in summaries}
+
+
+def _verdict(args: argparse.Namespace, rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """--ratio-of's goodput over the best other set-up in each round (and its TPOT p99
+    against --tpot-reference's); None when the run has no subject."""
+    subject = args.ratio_of or ("pd-slo" if "pd-slo" in args.setups else None)
+    if not rounds or subject is None or len(args.setups) < 2:
+        return None
+    reference = args.tpot_reference or ("pd" if "pd" in args.setups else None)
+    for name in (subject, reference):
+        if name is not None and name not in args.setups:
+            raise SystemExit(f"{name!r} is not one of --setups {args.setups}")
+    return verdict([r["summaries"] for r in rounds], SETUPS[subject][0],
+                   None if reference in (None, subject) else SETUPS[reference][0])
 
 
 def _finite(o: Any) -> Any:
