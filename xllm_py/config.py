@@ -270,6 +270,8 @@ class EngineConfig:
     # A time-model profile (JSON, xllm_py/sim/profile.py): run the simulated engine, whose
     # forward is a sleep of the modelled step time (no torch), instead of the model.
     simulate: str | None = None
+    # One JSON line per step to this file (xllm_py/engine/step_trace.py); None: off.
+    step_trace: str | None = None
     api: APILimits = dataclasses.field(default_factory=APILimits)
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
     # Tensor parallelism (xllm_py/parallel/): ranks of this instance, and the bound on one

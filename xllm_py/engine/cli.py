@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                   "are deterministic, no torch is loaded; the KV transfer moves a small "
                   "payload per block (backend 'sim')")
     add_flag(g, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_flag(g, "--step-trace", default=None, metavar="FILE",
+             help="append one JSON line per engine step to FILE (what it carried, what it "
+                  "cost, the TPOT guard's answer): where a latency tail comes from; "
+                  "`python scripts/step_trace_summary.py FILE`")
     add_security_flags(p)
     return p
 
@@ -139,6 +143,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         disagg_pd_port=args.disagg_pd_port, worker_port=args.worker_port,
         rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout,
         latency_profile_path=args.latency_profile,
-        simulate=args.simulate, security=security_from_args(args),
+        simulate=args.simulate, step_trace=args.step_trace, security=security_from_args(args),
         api=limits_from_args(args),
         tensor_parallel_size=args.tensor_parallel_size)

@@ -22,6 +22,7 @@ from xllm_py.engine.engine_request import (  # noqa: F401 - EngineRequest is imp
     EngineRequest, HandOverHook, child_params, error_output, resolve_model_dir)
 from xllm_py.engine.output_processor import OutputProcessor, child_id, parent_of
 from xllm_py.engine.scheduler import ContinuousScheduler, RemoteAllocation
+from xllm_py.engine.step_trace import StepTrace
 from xllm_py.request import Request, RequestStatus, prompt_token_error
 
 if TYPE_CHECKING:  # (torch: imported by _load_model, not with the engine loop)
@@ -68,6 +69,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.recent_max_ttft_ms = 0.0
         self.recent_max_tbt_ms = 0.0
+        self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
         logger.info("engine ready: model %s, %d layers, %d KV blocks of %d tokens, loaded in %.2fs",
                     self.model_dir, mc.num_layers, num_blocks, block_size, time.monotonic() - t0)
 
@@ -91,6 +93,8 @@ class LLMEngine:
             self._thread.join(timeout=10)
         if self.tp is not None:
             self.tp.shutdown()
+        if self.step_trace is not None:
+            self.step_trace.close()
 
     def submit(self, req: EngineRequest) -> None:
         self._commands.put(("add", req))
@@ -314,6 +318,9 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(sched_out, sampled)
         self.num_steps += 1
         step_ms = (time.monotonic() - t0) * 1000
+        if self.step_trace is not None:
+            self.step_trace.record(t0, step_ms, sched_out, len(self.scheduler.waiting),
+                                   self.scheduler.tpot_guard)
         self._process_updates(updates, logprobs)
         self.recent_max_tbt_ms = max(self.recent_max_tbt_ms * 0.98, step_ms)
 

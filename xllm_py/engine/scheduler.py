@@ -224,10 +224,10 @@ class ContinuousScheduler:
 
         out.seqs = list(scheduled.values())
         out.num_batched_tokens = sum(len(s.token_ids) for s in out.seqs)
+        out.num_decode_seqs = sum(1 for r in decodes if r.request_id in scheduled)
         if self.tpot_guard is not None:
-            num_decode_tokens = sum(1 for r in decodes if r.request_id in scheduled)
-            self.tpot_guard.size_step(num_decode_tokens,
-                                      out.num_batched_tokens - num_decode_tokens)
+            self.tpot_guard.size_step(out.num_decode_seqs,
+                                      out.num_batched_tokens - out.num_decode_seqs)
         return out
 
     def _guard_limit(self, decodes: list[Request], prefills: list[Request]) -> float:

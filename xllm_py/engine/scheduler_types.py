@@ -21,6 +21,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = dataclasses.field(default_factory=list)
     num_batched_tokens: int = 0
+    num_decode_seqs: int = 0  # the first seqs: one token of a running stream each
     preempted_ids: list[str] = dataclasses.field(default_factory=list)
     # Requests that finished (any reason) since the previous schedule(): the runner may
     # drop per-request state (seeded generators, penalties) for them.

@@ -67,6 +67,9 @@ class TpotGuard:
         self._step_began_s = 0.0
         self._step_size = (0, 0)  # decode tokens, prompt tokens of the step under way
         self.num_held = 0  # steps that held a prompt back (metric, tests)
+        # why the last prompt_tokens_allowed answered so (the engine's --step-trace):
+        # "unmeasured", "hold limit", "held", "too small" or "slack"
+        self.last_decision = ""
 
     # -- what the scheduler tells it -------------------------------------------------
     def queued(self, request_id: str, now_s: float) -> None:
@@ -74,6 +77,7 @@ class TpotGuard:
 
     def begin_step(self, now_s: float) -> None:
         self._step_began_s = now_s
+        self.last_decision = ""  # (not asked this step unless prompt_tokens_allowed runs)
 
     def size_step(self, decode_tokens: int, prompt_tokens: int) -> None:
         self._step_size = (decode_tokens, prompt_tokens)
@@ -122,8 +126,10 @@ class TpotGuard:
         guard; 0: hold the prompts). `oldest_prompt_wait_s`: how long the longest-waiting
         prompt has waited here."""
         if not streams or self.step_s is None or self.token_s is None:
+            self.last_decision = "unmeasured"
             return None
         if oldest_prompt_wait_s >= self.max_hold_s:
+            self.last_decision = "hold limit"
             return None
         slack = math.inf
         for st in streams:
@@ -137,11 +143,14 @@ class TpotGuard:
             slack = min(slack, self.target_s * (done + rem) - elapsed - rem * self.step_s)
         if slack <= 0:
             self.num_held += 1
+            self.last_decision = "held"
             return 0
         n = int(slack / self.token_s) if self.token_s > 0 else 1 << 30
         if n < self.min_chunk:
             self.num_held += 1
+            self.last_decision = "too small"
             return 0
+        self.last_decision = "slack"
         return n
 
 

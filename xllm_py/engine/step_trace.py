@@ -1,0 +1,154 @@
+"""StepTrace: one JSON line per engine step (`--step-trace FILE`), for finding where a
+latency tail comes from.
+
+A TPOT or ITL percentile says that streams were slow, not which steps made them so. Each
+line is what one step carried and what it cost:
+
+    {"t": 1234.5678, "ms": 54.1, "decode_seqs": 6, "decode_context": 7410,
+     "prompt_seqs": 1, "prompt_tokens": 64, "waiting": 2,
+     "guard": "slack", "guard_step_ms": 11.2, "guard_token_ms": 0.61}
+
+t: the step's start (time.monotonic, seconds); ms: schedule-to-output time of the
+forward, sampling and bookkeeping; decode_context: the tokens the decoding streams
+attend to; guard: the TPOT guard's answer this step (tpot_guard.py: "slack", "held",
+"too small", "hold limit", "unmeasured"; "" when it was not asked, null without a guard)
+and its cost estimates. `python -m xllm_py.engine.step_trace FILE` reduces a trace (`summarize`).
+
+Pure Python, no torch: the engine hands it the scheduler's output. Written line by line
+(flushed each step), so a trace survives a killed engine; off unless asked for.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import sys
+from typing import IO, TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from xllm_py.engine.scheduler_types import SchedulerOutput
+    from xllm_py.engine.tpot_guard import TpotGuard
+
+logger = logging.getLogger(__name__)
+
+
+class StepTrace:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._f: IO[str] | None = open(path, "a", encoding="utf-8", buffering=1)
+
+    def record(self, start_s: float, duration_ms: float, out: SchedulerOutput,
+               num_waiting: int, guard: TpotGuard | None) -> None:
+        if self._f is None:
+            return
+        decodes = out.seqs[:out.num_decode_seqs]
+        prompts = out.seqs[out.num_decode_seqs:]
+        line = {
+            "t": round(start_s, 4), "ms": round(duration_ms, 2),
+            "decode_seqs": len(decodes),
+            "decode_context": sum(s.start_pos for s in decodes),
+            "prompt_seqs": len(prompts),
+            "prompt_tokens": sum(len(s.token_ids) for s in prompts),
+            "waiting": num_waiting,
+            "guard": None if guard is None else guard.last_decision,
+        }
+        if guard is not None:
+            line["guard_step_ms"] = None if guard.step_s is None else round(guard.step_s * 1e3, 2)
+            line["guard_token_ms"] = (None if guard.token_s is None
+                                      else round(guard.token_s * 1e3, 3))
+        try:
+            self._f.write(json.dumps(line) + "\n")
+        except (OSError, ValueError) as e:  # a full disk (or a closed file) ends the trace
+            logger.warning("step trace %s stopped: %s", self.path, e)
+            self.close()
+
+    def close(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.close()
+            except OSError:
+                pass
+            self._f = None
+
+
+# -- reading a trace -------------------------------------------------------------------
+
+def summarize(steps: Iterable[dict[str, Any]], slow_ms: float = 30.0) -> dict[str, Any]:
+    """What a trace says: busy time; decode-only steps by batch size (their cost);
+    steps that carried prompt tokens beside streams, by the guard's answer, with the
+    stall they put on the streams (a step's ms over a decode-only step of its batch size,
+    times its streams); and how many steps with streams ran over `slow_ms`, and why."""
+    steps = list(steps)
+    if not steps:
+        return {"steps": 0}
+    by_batch: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+    for s in steps:
+        if s["decode_seqs"] and not s["prompt_tokens"]:
+            by_batch[s["decode_seqs"]].append(s)
+    decode_only = {b: {"steps": len(xs), "ms_p50": _pct([x["ms"] for x in xs], 50),
+                       "ms_p90": _pct([x["ms"] for x in xs], 90),
+                       "context_p50": _pct([x["decode_context"] for x in xs], 50)}
+                   for b, xs in sorted(by_batch.items())}
+    riding = collections.defaultdict(lambda: {"steps": 0, "prompt_tokens": 0, "stall_stream_ms": 0.0})
+    slow = collections.Counter()
+    for s in steps:
+        if not s["decode_seqs"]:
+            continue
+        why = "decode only" if not s["prompt_tokens"] else f"prompt ({s['guard'] or 'no guard'})"
+        if s["ms"] > slow_ms:
+            slow[why] += 1
+        if s["prompt_tokens"]:
+            base = decode_only.get(s["decode_seqs"], {}).get("ms_p50", 0.0)
+            r = riding[s["guard"] or "no guard"]
+            r["steps"] += 1
+            r["prompt_tokens"] += s["prompt_tokens"]
+            r["stall_stream_ms"] += max(0.0, s["ms"] - base) * s["decode_seqs"]
+    span = steps[-1]["t"] + steps[-1]["ms"] / 1000 - steps[0]["t"]
+    return {"steps": len(steps), "span_s": span, "busy_s": sum(s["ms"] for s in steps) / 1000,
+            "with_streams": sum(1 for s in steps if s["decode_seqs"]),
+            "decode_only_by_batch": decode_only, "prompts_beside_streams": dict(riding),
+            "slow_ms": slow_ms, "slow_steps_with_streams": dict(slow)}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round((len(s) - 1) * q / 100)))]
+
+
+def format_summary(sm: dict[str, Any]) -> str:
+    if not sm["steps"]:
+        return "no steps"
+    lines = [f"{sm['steps']} steps ({sm['with_streams']} with decoding streams), busy "
+             f"{sm['busy_s']:.1f} s of {sm['span_s']:.1f} s",
+             "decode-only steps: batch  steps  ms p50  ms p90  context p50"]
+    for b, d in sm["decode_only_by_batch"].items():
+        lines.append(f"  {b:>21}  {d['steps']:>5}  {d['ms_p50']:>6.1f}  {d['ms_p90']:>6.1f}"
+                     f"  {d['context_p50']:>11}")
+    lines.append("prompt tokens beside streams, by the guard's answer: steps, tokens, stall "
+                 "(stream-ms over a decode-only step of the batch)")
+    for why, r in sorted(sm["prompts_beside_streams"].items()):
+        lines.append(f"  {why:<12} {r['steps']:>6} {r['prompt_tokens']:>8} "
+                     f"{r['stall_stream_ms']:>10.0f}")
+    lines.append(f"steps with streams over {sm['slow_ms']:g} ms: "
+                 + (", ".join(f"{k} {v}" for k, v in sorted(sm["slow_steps_with_streams"].items()))
+                    or "none"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m xllm_py.engine.step_trace",
+                                description="Summarize an engine's --step-trace file.")
+    p.add_argument("trace", nargs="+", help="trace files (one JSON object per line)")
+    p.add_argument("--slow-ms", type=float, default=30.0,
+                   help="count the steps with streams over this long, and what they carried")
+    args = p.parse_args(argv)
+    for path in args.trace:
+        with open(path, encoding="utf-8") as f:
+            steps = [json.loads(line) for line in f if line.strip()]
+        print(f"{path}:\n{format_summary(summarize(steps, args.slow_ms))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
