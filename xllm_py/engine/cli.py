@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--step-trace", default=None, metavar="FILE",
              help="append one JSON line per engine step to FILE (what it carried, what it "
                   "cost, the TPOT guard's answer): where a latency tail comes from; "
-                  "`python scripts/step_trace_summary.py FILE`")
+                  "`python -m xllm_py.engine.step_trace FILE` summarizes it")
     add_security_flags(p)
     return p
 
