@@ -42,6 +42,15 @@ def test_record_splits_the_step_into_streams_and_prompt_chunks(tmp_path):
     assert second["guard"] is None and "guard_step_ms" not in second
 
 
+def test_a_pid_in_the_path_gives_each_engine_process_its_own_file(tmp_path):
+    import os
+
+    trace = StepTrace(str(tmp_path / "steps-{pid}.jsonl"))
+    trace.close()
+    assert trace.path == str(tmp_path / f"steps-{os.getpid()}.jsonl")
+    assert os.path.exists(trace.path)
+
+
 def test_the_guard_says_why_it_answered_and_forgets_it_each_step():
     guard = TpotGuard(target_ms=16, max_hold_ms=1000)
     streams = [Stream("a", 10)]

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_flag(g, "--step-trace", default=None, metavar="FILE",
              help="append one JSON line per engine step to FILE (what it carried, what it "
-                  "cost, the TPOT guard's answer): where a latency tail comes from; "
+                  "cost, the TPOT guard's answer; {pid} in FILE: one file per process): where a "
+                  "latency tail comes from; "
                   "`python -m xllm_py.engine.step_trace FILE` summarizes it")
     add_security_flags(p)
     return p

@@ -23,6 +23,7 @@ import argparse
 import collections
 import json
 import logging
+import os
 import sys
 from typing import IO, TYPE_CHECKING, Any, Iterable
 
@@ -35,8 +36,10 @@ logger = logging.getLogger(__name__)
 
 class StepTrace:
     def __init__(self, path: str) -> None:
-        self.path = path
-        self._f: IO[str] | None = open(path, "a", encoding="utf-8", buffering=1)
+        # "{pid}" in the path: one file per engine process (engines launched with one
+        # shared flag, e.g. the launcher's --engine-arg, would interleave in one file)
+        self.path = path.replace("{pid}", str(os.getpid()))
+        self._f: IO[str] | None = open(self.path, "a", encoding="utf-8", buffering=1)
 
     def record(self, start_s: float, duration_ms: float, out: SchedulerOutput,
                num_waiting: int, guard: TpotGuard | None) -> None:
