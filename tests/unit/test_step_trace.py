@@ -83,8 +83,11 @@ def test_summary_prices_prompt_chunks_against_decode_only_steps_of_the_same_batc
     assert sm["slow_steps_with_streams"] == {"prompt (slack)": 1, "prompt (hold limit)": 1,
                                              "decode only": 1}
     assert sm["busy_s"] == pytest.approx(0.48)
+    assert sm["prompt_only"] == {"steps": 1, "prompt_tokens": 512, "tokens_p50": 512,
+                                 "ms_p50": 300.0, "ms_p90": 300.0}
     text = format_summary(sm)
     assert "hold limit" in text and "decode only 1" in text
+    assert "prompt-only steps (no streams): 1, 512 tokens" in text
     assert summarize([]) == {"steps": 0} and format_summary({"steps": 0}) == "no steps"
 
 

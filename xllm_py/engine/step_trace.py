@@ -107,9 +107,15 @@ def summarize(steps: Iterable[dict[str, Any]], slow_ms: float = 30.0) -> dict[st
             r["steps"] += 1
             r["prompt_tokens"] += s["prompt_tokens"]
             r["stall_stream_ms"] += max(0.0, s["ms"] - base) * s["decode_seqs"]
+    alone = [s for s in steps if s["prompt_tokens"] and not s["decode_seqs"]]
+    prompt_only = ({"steps": len(alone), "prompt_tokens": sum(s["prompt_tokens"] for s in alone),
+                    "tokens_p50": _pct([s["prompt_tokens"] for s in alone], 50),
+                    "ms_p50": _pct([s["ms"] for s in alone], 50),
+                    "ms_p90": _pct([s["ms"] for s in alone], 90)} if alone else None)
     span = steps[-1]["t"] + steps[-1]["ms"] / 1000 - steps[0]["t"]
     return {"steps": len(steps), "span_s": span, "busy_s": sum(s["ms"] for s in steps) / 1000,
             "with_streams": sum(1 for s in steps if s["decode_seqs"]),
+            "prompt_only": prompt_only,
             "decode_only_by_batch": decode_only, "prompts_beside_streams": dict(riding),
             "slow_ms": slow_ms, "slow_steps_with_streams": dict(slow)}
 
@@ -123,16 +129,23 @@ def format_summary(sm: dict[str, Any]) -> str:
     if not sm["steps"]:
         return "no steps"
     lines = [f"{sm['steps']} steps ({sm['with_streams']} with decoding streams), busy "
-             f"{sm['busy_s']:.1f} s of {sm['span_s']:.1f} s",
-             "decode-only steps: batch  steps  ms p50  ms p90  context p50"]
+             f"{sm['busy_s']:.1f} s of {sm['span_s']:.1f} s"]
+    if sm["decode_only_by_batch"]:
+        lines.append("decode-only steps: batch  steps  ms p50  ms p90  context p50")
     for b, d in sm["decode_only_by_batch"].items():
         lines.append(f"  {b:>21}  {d['steps']:>5}  {d['ms_p50']:>6.1f}  {d['ms_p90']:>6.1f}"
                      f"  {d['context_p50']:>11}")
-    lines.append("prompt tokens beside streams, by the guard's answer: steps, tokens, stall "
-                 "(stream-ms over a decode-only step of the batch)")
+    if sm["prompts_beside_streams"]:
+        lines.append("prompt tokens beside streams, by the guard's answer: steps, tokens, "
+                     "stall (stream-ms over a decode-only step of the batch)")
     for why, r in sorted(sm["prompts_beside_streams"].items()):
         lines.append(f"  {why:<12} {r['steps']:>6} {r['prompt_tokens']:>8} "
                      f"{r['stall_stream_ms']:>10.0f}")
+    if sm["prompt_only"]:
+        po = sm["prompt_only"]
+        lines.append(f"prompt-only steps (no streams): {po['steps']}, {po['prompt_tokens']} "
+                     f"tokens, {po['tokens_p50']} a step (p50), ms p50 {po['ms_p50']:.1f} "
+                     f"p90 {po['ms_p90']:.1f}")
     lines.append(f"steps with streams over {sm['slow_ms']:g} ms: "
                  + (", ".join(f"{k} {v}" for k, v in sorted(sm["slow_steps_with_streams"].items()))
                     or "none"))
