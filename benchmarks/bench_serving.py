@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="goodput also at each of these TPOT targets (with --slo-ttft-ms), "
                         "from the same requests, e.g. --slo-tpot-grid 20 30 50")
     p.add_argument("--json", default=None, help="write the summary (and per-request rows) here")
-    p.add_argument("--plot", default=None, help="write CDFs of TTFT, TPOT and ITL here (.png)")
+    p.add_argument("--plot", default=None, help="write CDFs of TTFT, TPOT and ITL here (.png; with --repeat, round 1's)")
     g = p.add_argument_group("--compare (local clusters via xllm_py.launch)")
     g.add_argument("--compare", action="store_true",
                    help="run the workload on each of --setups, side by side")
@@ -410,8 +410,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{spec.output_len} (jitter {spec.len_jitter:g}, {spec.prompt_kind}), {load}")
     if len(rounds) <= 1:
         print(format_table(summaries))
-    for r in rounds or [{"summaries": summaries}]:
-        for name, s in r["summaries"].items():
+    every_round = [r["summaries"] for r in rounds] or [summaries]
+    for round_summaries in every_round:
+        for name, s in round_summaries.items():
             if s["errors"]:
                 print(f"{name} errors: {s['errors']}")
     result_verdict = _verdict(args, rounds)
@@ -432,8 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         pathlib.Path(args.json).write_text(json.dumps(_finite(doc), indent=1, allow_nan=False))
     if args.plot:
         plot_cdfs(runs, args.plot)
-    return 0 if all(s["failed"] == 0 for r in rounds or [{"summaries": summaries}]
-                    for s in r["summaries"].values()) else 1
+    return 0 if all(s["failed"] == 0 for r in every_round for s in r.values()) else 1
 
 
 def _in_setup_order(args: argparse.Namespace, summaries: dict[str, Any]) -> dict[str, Any]:

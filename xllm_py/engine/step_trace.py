@@ -8,8 +8,8 @@ line is what one step carried and what it cost:
      "prompt_seqs": 1, "prompt_tokens": 64, "waiting": 2,
      "guard": "slack", "guard_step_ms": 11.2, "guard_token_ms": 0.61}
 
-t: the step's start (time.monotonic, seconds); ms: schedule-to-output time of the
-forward, sampling and bookkeeping; decode_context: the tokens the decoding streams
+t: when the step's forward began, schedule() done (time.monotonic, seconds); ms: its
+forward, sampling and scheduler update (what the TPOT guard measures); decode_context: the tokens the decoding streams
 attend to; guard: the TPOT guard's answer this step (tpot_guard.py: "slack", "held",
 "too small", "hold limit", "unmeasured"; "" when it was not asked, null without a guard)
 and its cost estimates. `python -m xllm_py.engine.step_trace FILE` reduces a trace (`summarize`).
@@ -89,8 +89,7 @@ def summarize(steps: Iterable[dict[str, Any]], slow_ms: float = 30.0) -> dict[st
     for s in steps:
         if s["decode_seqs"] and not s["prompt_tokens"]:
             by_batch[s["decode_seqs"]].append(s)
-    decode_only = {b: {"steps": len(xs), "ms_p50": _pct([x["ms"] for x in xs], 50),
-                       "ms_p90": _pct([x["ms"] for x in xs], 90),
+    decode_only = {b: {"steps": len(xs), **_ms_p50_p90(xs),
                        "context_p50": _pct([x["decode_context"] for x in xs], 50)}
                    for b, xs in sorted(by_batch.items())}
     riding = collections.defaultdict(lambda: {"steps": 0, "prompt_tokens": 0, "stall_stream_ms": 0.0})
@@ -110,14 +109,18 @@ def summarize(steps: Iterable[dict[str, Any]], slow_ms: float = 30.0) -> dict[st
     alone = [s for s in steps if s["prompt_tokens"] and not s["decode_seqs"]]
     prompt_only = ({"steps": len(alone), "prompt_tokens": sum(s["prompt_tokens"] for s in alone),
                     "tokens_p50": _pct([s["prompt_tokens"] for s in alone], 50),
-                    "ms_p50": _pct([s["ms"] for s in alone], 50),
-                    "ms_p90": _pct([s["ms"] for s in alone], 90)} if alone else None)
+                    **_ms_p50_p90(alone)} if alone else None)
     span = steps[-1]["t"] + steps[-1]["ms"] / 1000 - steps[0]["t"]
     return {"steps": len(steps), "span_s": span, "busy_s": sum(s["ms"] for s in steps) / 1000,
             "with_streams": sum(1 for s in steps if s["decode_seqs"]),
             "prompt_only": prompt_only,
             "decode_only_by_batch": decode_only, "prompts_beside_streams": dict(riding),
             "slow_ms": slow_ms, "slow_steps_with_streams": dict(slow)}
+
+
+def _ms_p50_p90(steps: list[dict[str, Any]]) -> dict[str, float]:
+    ms = [s["ms"] for s in steps]
+    return {"ms_p50": _pct(ms, 50), "ms_p90": _pct(ms, 90)}
 
 
 def _pct(xs: list[float], q: float) -> float:
