@@ -13,10 +13,13 @@ from xllm_py.engine.tpot_guard import Stream, TpotGuard
 from xllm_py.sim.time_model import TimeModel
 
 
-def _step(t, ms, decode_seqs=0, prompt_tokens=0, guard=None, ctx=0):
-    return {"t": t, "ms": ms, "decode_seqs": decode_seqs, "decode_context": ctx,
+def _step(t, ms, decode_seqs=0, prompt_tokens=0, guard=None, ctx=0, est=None):
+    line = {"t": t, "ms": ms, "decode_seqs": decode_seqs, "decode_context": ctx,
             "prompt_seqs": int(prompt_tokens > 0), "prompt_tokens": prompt_tokens,
             "waiting": 0, "guard": guard}
+    if est is not None:
+        line["guard_step_ms"], line["guard_token_ms"] = est
+    return line
 
 
 def test_record_splits_the_step_into_streams_and_prompt_chunks(tmp_path):
@@ -29,7 +32,9 @@ def test_record_splits_the_step_into_streams_and_prompt_chunks(tmp_path):
     guard = TpotGuard(target_ms=16)
     guard.observe_step(0.010, 0, 2)
     guard.observe_step(0.040, 64, 2)
+    guard.begin_step(0.0)
     guard.prompt_tokens_allowed(0.0, [Stream("a", 30)], 0.0)
+    guard.observe_step(0.041, 64, 2)  # the step's own cost: not what it was sized with
     trace.record(12.5, 41.23, out, num_waiting=3, guard=guard)
     trace.record(12.6, 9.0, SchedulerOutput(seqs=out.seqs[:1], num_batched_tokens=1,
                                             num_decode_seqs=1), 0, None)
@@ -88,6 +93,20 @@ def test_summary_prices_prompt_chunks_against_decode_only_steps_of_the_same_batc
     text = format_summary(sm)
     assert "hold limit" in text and "decode only 1" in text
     assert "prompt-only steps (no streams): 1, 512 tokens" in text
+    assert sm["guard_measured_over_estimate"] == {}  # no estimates in these lines
+
+
+def test_summary_sets_the_guards_estimates_against_the_steps():
+    steps = ([_step(0.0, 10.0, decode_seqs=2, est=(8.0, 0.5)),  # 1.25x the step estimate
+              _step(0.1, 12.0, decode_seqs=2, est=(12.0, 0.5)),
+              _step(0.2, 44.0, decode_seqs=2, prompt_tokens=64, est=(12.0, 0.5)),  # 32 / 32
+              _step(0.3, 28.0, decode_seqs=2, prompt_tokens=32, est=(12.0, 0.5)),  # 16 / 16
+              _step(0.4, 9.0, decode_seqs=1, est=(None, None))])  # not measured yet
+    acc = summarize(steps)["guard_measured_over_estimate"]
+    assert acc["step"] == {"p10": 1.0, "p50": 1.0, "p90": 1.25}  # (nearest rank)
+    assert acc["prompt_stall"] == {"p10": 1.0, "p50": 1.0, "p90": 1.0}
+    assert "guard's prompt stall estimate, measured / estimated" in format_summary(
+        summarize(steps))
     assert summarize([]) == {"steps": 0} and format_summary({"steps": 0}) == "no steps"
 
 

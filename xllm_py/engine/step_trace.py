@@ -12,7 +12,8 @@ t: when the step's forward began, schedule() done (time.monotonic, seconds); ms:
 forward, sampling and scheduler update (what the TPOT guard measures); decode_context: the tokens the decoding streams
 attend to; guard: the TPOT guard's answer this step (tpot_guard.py: "slack", "held",
 "too small", "hold limit", "unmeasured"; "" when it was not asked, null without a guard)
-and its cost estimates. `python -m xllm_py.engine.step_trace FILE` reduces a trace (`summarize`).
+and the cost estimates it sized the step with (a decode-only step, a prompt token beside
+streams). `python -m xllm_py.engine.step_trace FILE` reduces a trace (`summarize`).
 
 Pure Python, no torch: the engine hands it the scheduler's output. Written line by line
 (flushed each step), so a trace survives a killed engine; off unless asked for.
@@ -56,10 +57,10 @@ class StepTrace:
             "waiting": num_waiting,
             "guard": None if guard is None else guard.last_decision,
         }
-        if guard is not None:
-            line["guard_step_ms"] = None if guard.step_s is None else round(guard.step_s * 1e3, 2)
-            line["guard_token_ms"] = (None if guard.token_s is None
-                                      else round(guard.token_s * 1e3, 3))
+        if guard is not None:  # its estimates when it sized this step (before the step)
+            step_s, token_s = guard.step_estimates
+            line["guard_step_ms"] = None if step_s is None else round(step_s * 1e3, 2)
+            line["guard_token_ms"] = None if token_s is None else round(token_s * 1e3, 3)
         try:
             self._f.write(json.dumps(line) + "\n")
         except (OSError, ValueError) as e:  # a full disk (or a closed file) ends the trace
@@ -106,6 +107,15 @@ def summarize(steps: Iterable[dict[str, Any]], slow_ms: float = 30.0) -> dict[st
             r["steps"] += 1
             r["prompt_tokens"] += s["prompt_tokens"]
             r["stall_stream_ms"] += max(0.0, s["ms"] - base) * s["decode_seqs"]
+    # the guard's estimates against what the steps took: a decode-only step, and the
+    # stall of a prompt chunk beside streams (ms over the decode-only estimate, per token)
+    step_err = [s["ms"] / s["guard_step_ms"] for s in steps if s["decode_seqs"]
+                and not s["prompt_tokens"] and s.get("guard_step_ms")]
+    token_err = [(s["ms"] - s["guard_step_ms"]) / (s["guard_token_ms"] * s["prompt_tokens"])
+                 for s in steps if s["decode_seqs"] and s["prompt_tokens"]
+                 and s.get("guard_step_ms") and s.get("guard_token_ms")]
+    guard_accuracy = {name: {f"p{q}": _pct(xs, q) for q in (10, 50, 90)}
+                      for name, xs in (("step", step_err), ("prompt_stall", token_err)) if xs}
     alone = [s for s in steps if s["prompt_tokens"] and not s["decode_seqs"]]
     prompt_only = ({"steps": len(alone), "prompt_tokens": sum(s["prompt_tokens"] for s in alone),
                     "tokens_p50": _pct([s["prompt_tokens"] for s in alone], 50),
@@ -113,7 +123,7 @@ def summarize(steps: Iterable[dict[str, Any]], slow_ms: float = 30.0) -> dict[st
     span = steps[-1]["t"] + steps[-1]["ms"] / 1000 - steps[0]["t"]
     return {"steps": len(steps), "span_s": span, "busy_s": sum(s["ms"] for s in steps) / 1000,
             "with_streams": sum(1 for s in steps if s["decode_seqs"]),
-            "prompt_only": prompt_only,
+            "prompt_only": prompt_only, "guard_measured_over_estimate": guard_accuracy,
             "decode_only_by_batch": decode_only, "prompts_beside_streams": dict(riding),
             "slow_ms": slow_ms, "slow_steps_with_streams": dict(slow)}
 
@@ -149,6 +159,9 @@ def format_summary(sm: dict[str, Any]) -> str:
         lines.append(f"prompt-only steps (no streams): {po['steps']}, {po['prompt_tokens']} "
                      f"tokens, {po['tokens_p50']} a step (p50), ms p50 {po['ms_p50']:.1f} "
                      f"p90 {po['ms_p90']:.1f}")
+    for name, d in sm["guard_measured_over_estimate"].items():
+        lines.append(f"guard's {name.replace('_', ' ')} estimate, measured / estimated: "
+                     f"p10 {d['p10']:.2f} p50 {d['p50']:.2f} p90 {d['p90']:.2f}")
     lines.append(f"steps with streams over {sm['slow_ms']:g} ms: "
                  + (", ".join(f"{k} {v}" for k, v in sorted(sm["slow_steps_with_streams"].items()))
                     or "none"))

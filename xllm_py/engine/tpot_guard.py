@@ -70,6 +70,7 @@ class TpotGuard:
         # why the last prompt_tokens_allowed answered so (the engine's --step-trace):
         # "unmeasured", "hold limit", "held", "too small" or "slack"
         self.last_decision = ""
+        self.step_estimates: tuple[float | None, float | None] = (None, None)
 
     # -- what the scheduler tells it -------------------------------------------------
     def queued(self, request_id: str, now_s: float) -> None:
@@ -78,6 +79,7 @@ class TpotGuard:
     def begin_step(self, now_s: float) -> None:
         self._step_began_s = now_s
         self.last_decision = ""  # (not asked this step unless prompt_tokens_allowed runs)
+        self.step_estimates = (self.step_s, self.token_s)  # what this step is decided on
 
     def size_step(self, decode_tokens: int, prompt_tokens: int) -> None:
         self._step_size = (decode_tokens, prompt_tokens)
