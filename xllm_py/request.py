@@ -7,6 +7,9 @@ Lifecycles (every status change goes through `Request.transition`, checked again
     prefill:  WAITING -> RUNNING (<-> PREEMPTED) -> SENDING_KV -> FINISHED_LENGTH_CAPPED
               (SENDING_KV holds the blocks until the KV transfer is confirmed)
     decode:   WAITING -> WAITING_FOR_REMOTE_KVS -> RUNNING (<-> PREEMPTED) -> FINISHED_*
+    offline:  as above, and RUNNING <-> SUSPENDED (out of the batch for online work, its
+              KV kept); SUSPENDED -> PREEMPTED when online work needs that KV (freed,
+              recomputed later from prompt + outputs)
 
 Any live state may end in FINISHED_ABORTED or FINISHED_ERROR.
 """
@@ -31,6 +34,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 7
     FINISHED_ABORTED = 8
     FINISHED_ERROR = 9
+    # Offline only: out of the batch while online work needs the room, its KV kept.
+    SUSPENDED = 10
 
     def is_finished(self) -> bool:
         return self in _FINISHED
@@ -56,6 +61,7 @@ _ALLOWED: dict[RequestStatus, set[RequestStatus]] = {
     RequestStatus.WAITING_FOR_REMOTE_KVS: {RequestStatus.RUNNING, *_FAILED},
     RequestStatus.RUNNING: {
         RequestStatus.PREEMPTED,
+        RequestStatus.SUSPENDED,
         RequestStatus.SENDING_KV,
         RequestStatus.FINISHED_STOPPED,
         RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -69,6 +75,14 @@ _ALLOWED: dict[RequestStatus, set[RequestStatus]] = {
         *_FAILED,
     },
     RequestStatus.SENDING_KV: {RequestStatus.FINISHED_LENGTH_CAPPED, *_FAILED},
+    # (as PREEMPTED: its outputs so far may end it on a stop string found late)
+    RequestStatus.SUSPENDED: {
+        RequestStatus.RUNNING,
+        RequestStatus.PREEMPTED,
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        *_FAILED,
+    },
     RequestStatus.FINISHED_STOPPED: set(),
     RequestStatus.FINISHED_LENGTH_CAPPED: set(),
     RequestStatus.FINISHED_ABORTED: set(),
@@ -115,6 +129,8 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         remote_decode: bool = False,
+        offline: bool = False,
+        tpot_slo_ms: float = 0.0,
     ) -> None:
         if not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -128,6 +144,10 @@ class Request:
         self.priority = priority
         # Prefill side of a PD pair: sample one token, then hold the KV for the decode peer.
         self.remote_decode = remote_decode
+        # Offline (batch) work: scheduled only into the room online requests leave.
+        self.offline = offline
+        # The client's TPOT target (ms, 0: none); offline work beside it keeps steps within it.
+        self.tpot_slo_ms = tpot_slo_ms
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
@@ -191,7 +211,7 @@ class Request:
             f"num_output_tokens={self.num_output_tokens}, "
             f"num_computed_tokens={self.num_computed_tokens}, "
             f"num_cached_tokens={self.num_cached_tokens}, num_blocks={len(self.block_ids)}, "
-            f"priority={self.priority}, remote_decode={self.remote_decode})"
+            f"priority={self.priority}, remote_decode={self.remote_decode}, offline={self.offline})"
         )
 
     __repr__ = anon_repr

@@ -131,7 +131,8 @@ class ServiceBackend(MigrationMixin):
                 source_xservice_addr=self.my_rpc_addr,
                 prefill_name=route.target.name if route.is_pd else "",
                 decode_name=route.decode.name if route.is_pd else "",
-                ttft_slo_ms=ttft_slo, tpot_slo_ms=tpot_slo)
+                ttft_slo_ms=ttft_slo, tpot_slo_ms=tpot_slo,
+                offline=bool(getattr(req, "offline", False)))
             sub = SubRequest(engine_id, offset, route, queue, spec, request_id=req.request_id)
             self.subs.add(sub)
             self._log_route(engine_id, route, len(spec.prompt_token_ids))

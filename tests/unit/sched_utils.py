@@ -41,6 +41,8 @@ def create_requests(
     prefix: list[int] | None = None,
     start: int = 0,
     remote_decode: bool = False,
+    offline: bool = False,
+    tpot_slo_ms: float = 0.0,
     **sampling: object,
 ) -> list[Request]:
     """`n` requests "req-<i>" of `num_tokens` tokens each; prompts differ unless `prefix`."""
@@ -56,6 +58,8 @@ def create_requests(
                 SamplingParams(**sampling),
                 arrival_time=float(i),
                 remote_decode=remote_decode,
+                offline=offline,
+                tpot_slo_ms=tpot_slo_ms,
             )
         )
     return requests
@@ -65,7 +69,9 @@ def assert_scheduler_empty(scheduler: ContinuousScheduler) -> None:
     """No live request anywhere, and every usable block free with ref count 0."""
     assert scheduler.requests == {}
     assert len(scheduler.waiting) == 0
+    assert len(scheduler.waiting_offline) == 0
     assert scheduler.running == []
+    assert len(scheduler.suspended) == 0
     assert scheduler.kv._requests == {}
     pool = scheduler.kv.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks

@@ -36,7 +36,7 @@ def test_generate_request_carries_exactly_the_request_fields_with_sampling_defau
     from xllm_py.sampling_params import REQUEST_FIELDS, SamplingParams
 
     own = {"request_id", "prompt_token_ids", "prompt_text", "x_request_id", "stream", "arrival_time",
-           "ttft_slo_ms", "tpot_slo_ms"}
+           "ttft_slo_ms", "tpot_slo_ms", "offline"}
     names = {f.name for f in dataclasses.fields(GenerateRequest)}
     assert names - own == set(REQUEST_FIELDS)
     assert "eos_token_ids" not in REQUEST_FIELDS  # the engine's own
@@ -118,3 +118,13 @@ def test_image_parts_rejected():
     with pytest.raises(InvalidRequestError) as info:
         req.template_messages()
     assert info.value.param == "messages"
+
+
+def test_offline_reaches_the_generate_request():
+    for cls, extra in ((CompletionRequest, {"prompt": "x"}),
+                       (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]})):
+        for offline in (True, False):
+            req = _parse(cls, offline=offline, **extra)
+            gen = req.to_generate_request("r", [1], prompt_text=None, max_tokens=4,
+                                          x_request_id=None, arrival_time=0.0)
+            assert gen.offline is offline

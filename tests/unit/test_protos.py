@@ -169,3 +169,16 @@ def test_latency_targets_travel_and_negative_ones_are_refused():
     msg.ttft_slo = -1
     with pytest.raises(ValueError, match="ttft_slo and tpot_slo must be >= 0"):
         spec_from_proto(msg)
+
+
+def test_offline_and_the_tpot_target_survive_the_wire():
+    from xllm_py.proto import xllm_pb2
+    from xllm_py.rpc.convert import EngineRequestSpec, spec_from_proto, spec_to_proto
+    from xllm_py.sampling_params import SamplingParams
+
+    for offline in (True, False):
+        spec = EngineRequestSpec("r", "s", [1, 2], SamplingParams(), offline=offline,
+                                 tpot_slo_ms=25)
+        back = spec_from_proto(xllm_pb2.DisaggRequest.FromString(
+            spec_to_proto(spec).SerializeToString()))
+        assert (back.offline, back.tpot_slo_ms) == (offline, 25)

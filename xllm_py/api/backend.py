@@ -54,6 +54,8 @@ class GenerateRequest:
     # Latency targets for the service's SLO_AWARE routing (None: the service's defaults).
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    # Offline (batch) work: served only in the room online requests leave.
+    offline: bool = False
     # -- sampling (REQUEST_FIELDS) --
     n: int = 1
     best_of: int | None = None

@@ -89,6 +89,8 @@ class _CommonRequest(UnsupportedFields):
     # Extension: latency targets for xllm_service's SLO_AWARE routing (ms).
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    # Extension (xLLM's `offline`): batch work, served in the room online requests leave.
+    offline: bool = False
 
     # -- value checks -------------------------------------------------------------------
 
@@ -253,6 +255,7 @@ class _CommonRequest(UnsupportedFields):
             arrival_time=arrival_time,
             ttft_slo_ms=self.ttft_slo_ms,
             tpot_slo_ms=self.tpot_slo_ms,
+            offline=self.offline,
             max_tokens=max_tokens,
             **self.sampling_fields(),
         )

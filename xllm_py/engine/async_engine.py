@@ -131,7 +131,10 @@ class AsyncEngine:
                 f"engine has {self.engine.scheduler.num_waiting} waiting requests; try again later")
         params = SamplingParams.from_request(req)
         sink = QueueSink(asyncio.get_running_loop(), final_only=not getattr(req, "stream", True))
-        self.engine.submit(EngineRequest(req.request_id, list(req.prompt_token_ids), params, sink))
+        self.engine.submit(EngineRequest(
+            req.request_id, list(req.prompt_token_ids), params, sink,
+            offline=bool(getattr(req, "offline", False)),
+            tpot_slo_ms=float(getattr(req, "tpot_slo_ms", None) or 0.0)))
         finished = False
         try:
             while not finished:

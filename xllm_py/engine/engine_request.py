@@ -22,6 +22,9 @@ class EngineRequest:
     # PD: the prefill side holds the KV after the first token (see DisaggPDScheduler).
     remote_decode: bool = False
     first_index: int = 0
+    # Offline (batch) work: runs only in the room online requests leave (scheduler_offline.py).
+    offline: bool = False
+    tpot_slo_ms: float = 0.0  # the client's TPOT target (0: none), kept beside offline work
     # Migration (MultiGenerations): the client's prompt length, how many of the prompt
     # tokens here were generated elsewhere, and how many of those the client has no text
     # for yet (None: inferred, see IncrementalDetokenizer).

@@ -279,7 +279,8 @@ class LLMEngine:
             if best_of > params.n and cp.logprobs is None:
                 cp = dataclasses.replace(cp, logprobs=0)  # cumulative logprob ranks best_of
             requests.append(Request(child_id(req.request_id, i), list(req.prompt_token_ids), cp,
-                                    remote_decode=req.remote_decode))
+                                    remote_decode=req.remote_decode, offline=req.offline,
+                                    tpot_slo_ms=req.tpot_slo_ms))
         return requests
 
     def _abort(self, parent_id: str) -> None:
@@ -414,4 +415,9 @@ class LLMEngine:
             "step_failures": self.num_step_failures,
             "prompt_steps_held": (self.scheduler.tpot_guard.num_held
                                   if self.scheduler.tpot_guard is not None else 0),
+            "offline_waiting": self.scheduler.num_offline_waiting,
+            "offline_running": self.scheduler.num_offline_running,
+            "offline_preempted": self.scheduler.num_offline_preempted,
+            "offline_preemptions": self.scheduler.num_offline_preemptions,
+            "offline_suspensions": self.scheduler.num_offline_suspensions,
         }

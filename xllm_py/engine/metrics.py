@@ -36,6 +36,17 @@ _ENGINE_STATS = (
     ("xllm_prompt_steps_held_total", "counter", "prompt_steps_held",
      "Steps that held waiting prompts back to keep the streams within "
      "--prompt-tpot-target-ms"),
+    ("xllm_offline_requests_waiting", "gauge", "offline_waiting",
+     "Offline requests waiting to start or to be recomputed"),
+    ("xllm_offline_requests_running", "gauge", "offline_running",
+     "Offline requests in the running batch"),
+    ("xllm_offline_requests_preempted", "gauge", "offline_preempted",
+     "Offline requests out of the batch for online work (suspended with their KV, or "
+     "preempted for recompute)"),
+    ("xllm_offline_preemptions_total", "counter", "offline_preemptions",
+     "Offline requests whose KV went to other work (recomputed later)"),
+    ("xllm_offline_suspensions_total", "counter", "offline_suspensions",
+     "Offline requests taken out of the batch for online work, their KV kept"),
 )
 
 

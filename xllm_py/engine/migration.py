@@ -85,7 +85,7 @@ def resume_by_recompute(engine: LLMEngine, reporter: GenerationsReporter,
     return engine.try_submit(EngineRequest(
         spec.request_id, spec.prompt_token_ids + r.generated, params, sink,
         usage_prompt_tokens=r.num_prompt_tokens, generated_offset=len(r.generated),
-        num_unread=r.num_unread))
+        num_unread=r.num_unread, offline=spec.offline, tpot_slo_ms=spec.tpot_slo_ms))
 
 
 async def multi_generations(engine: LLMEngine, reporter: GenerationsReporter,

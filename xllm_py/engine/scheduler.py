@@ -13,9 +13,11 @@ Request stages (see xllm_py/request.py for the state machine):
     tpot_guard.py)
     -> preempted (blocks freed, recomputed later from prompt + outputs) or finished
     (blocks freed at once); max_tokens 0 ends right after the prefill. Prompt logprobs:
-    computed from scratch (cached blocks have KV, no logits; see _scores_prompt). PD hooks:
-    allocate_for_remote / finish_remote_kvs / fail_remote_kvs (decode side),
-    remote_decode requests and finish_sending (prefill).
+    computed from scratch (cached blocks have KV, no logits; see _scores_prompt). PD hooks
+    (scheduler_pd.py): allocate_for_remote / finish_remote_kvs / fail_remote_kvs (decode
+    side), remote_decode requests and finish_sending (prefill).
+    Offline requests (scheduler_offline.py): only in the room online work leaves; suspended
+    (KV kept) or preempted when online work needs it.
 
 Pure Python: no torch, no grpc.
 """
@@ -29,9 +31,12 @@ from typing import Callable
 
 from xllm_py.config import CacheConfig, SchedulerConfig
 from xllm_py.engine.block_pool import BlockPool
-from xllm_py.engine.kv_cache_manager import KVCacheManager, cdiv
+from xllm_py.engine.kv_cache_manager import KVCacheManager
+from xllm_py.engine.offline_gate import OfflineGate
+from xllm_py.engine.scheduler_offline import OfflineMixin
+from xllm_py.engine.scheduler_pd import RemoteKVMixin
 from xllm_py.engine.scheduler_types import (  # noqa: F401 - re-exported
-    RemoteAllocation, RequestUpdate, ScheduledSeq, SchedulerOutput)
+    RemoteAllocation, RequestUpdate, ScheduledSeq, SchedulerOutput, StepState)
 from xllm_py.engine.tpot_guard import Stream, TpotGuard
 from xllm_py.request import Request, RequestStatus
 
@@ -40,7 +45,7 @@ logger = logging.getLogger(__name__)
 S = RequestStatus
 
 
-class ContinuousScheduler:
+class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -67,8 +72,13 @@ class ContinuousScheduler:
         if not scheduler_config.enable_chunked_prefill:
             self.max_model_len = min(self.max_model_len, scheduler_config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}  # every live request
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting: collections.deque[Request] = collections.deque()  # online
+        self.waiting_offline: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order
+        self.suspended: collections.deque[Request] = collections.deque()  # offline, KV kept
+        self.offline_gate = OfflineGate(scheduler_config.max_num_batched_tokens)
+        self.num_offline_preemptions = 0  # offline requests whose KV went to other work
+        self.num_offline_suspensions = 0  # offline requests taken out of the batch
         self._finished_ids: list[str] = []
         self.clock = clock
         self.tpot_guard = (TpotGuard(scheduler_config.prompt_tpot_target_ms,
@@ -82,7 +92,7 @@ class ContinuousScheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.waiting_offline)
 
     @property
     def num_waiting_for_remote_kvs(self) -> int:
@@ -97,15 +107,15 @@ class ContinuousScheduler:
         return bool(self.requests)
 
     def has_schedulable_requests(self) -> bool:
-        """Whether schedule() may have work: waiting or running requests."""
-        return bool(self.waiting or self.running)
+        """Whether schedule() may have work: waiting, running or suspended requests."""
+        return bool(self.waiting or self.running or self.waiting_offline or self.suspended)
 
     def waiting_fills_a_step(self) -> bool:
         """Whether the waiting requests alone fill a step (its sequence or token budget)."""
         if len(self.waiting) >= self.config.max_num_seqs:
             return True
         budget = self.config.max_num_batched_tokens
-        for request in self.waiting:
+        for request in (*self.waiting, *self.waiting_offline):
             budget -= request.num_tokens
             if budget <= 0:
                 return True
@@ -119,17 +129,19 @@ class ContinuousScheduler:
 
     # -- admission and termination -----------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a new request (FCFS; a lower `priority` value goes ahead)."""
+        """Queue a new request (FCFS; a lower `priority` value goes ahead; offline ones in
+        their own queue)."""
         self._check_new(request)
         self.requests[request.request_id] = request
         if self.tpot_guard is not None:
             self.tpot_guard.queued(request.request_id, self.clock())
-        index = len(self.waiting)
-        while index > 0 and self.waiting[index - 1].priority > request.priority and (
-            self.waiting[index - 1].status == S.WAITING
+        queue = self.waiting_offline if request.offline else self.waiting
+        index = len(queue)
+        while index > 0 and queue[index - 1].priority > request.priority and (
+            queue[index - 1].status == S.WAITING
         ):
             index -= 1
-        self.waiting.insert(index, request)
+        queue.insert(index, request)
 
     def abort_request(
         self, request_id: str, status: RequestStatus = S.FINISHED_ABORTED
@@ -154,81 +166,111 @@ class ContinuousScheduler:
 
     # -- the step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Online first: its running requests (decodes, then prompt chunks), then its
+        waiting ones; offline requests only in what is left (seats, token budget, KV, and
+        the offline gate's time), their running ones first, then the suspended, then the
+        waiting. Decode sequences come first in the output."""
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
+        target_s = self._offline_target_s()
+        self.offline_gate.begin_step(self.clock(), target_s)
         budget = self.config.max_num_batched_tokens
-        # Prompt tokens this step: capped once a decode rides it (the stall on the streams).
-        prompt_budget = budget
+        st = StepState(out, budget, budget)
+        online = [r for r in self.running if not r.offline]
+        decodes = [r for r in online if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in online if r.num_tokens - r.num_computed_tokens > 1]
+        # Prompt tokens once a decode rides the step: the cap, and the TPOT guard's limit.
         cap = (self.config.max_prefill_tokens_while_decoding
                if self.config.enable_chunked_prefill else 0)
-        scheduled: dict[str, ScheduledSeq] = {}
+        st.ride_limit = min(cap or math.inf, self._guard_limit(decodes, prefills))
+        # 1. Running online requests: decode steps first, then unfinished prefill chunks.
+        for request in decodes:
+            self._run(request, st, is_decode=True)
+        for request in prefills:
+            self._run(request, st, is_decode=False)
+        # 2. Admit waiting online requests while KV, budget and seats allow (none if an
+        #    online request was just preempted: the freed space belongs to it).
+        self._admit_waiting(self.waiting, st, math.inf)
+        # 3. Offline work in what is left.
+        online_present = bool(self.waiting) or any(not r.offline for r in self.running)
+        self._schedule_offline(st, self.offline_gate.limit(online_present, target_s))
+        out.seqs = list(st.decodes.values()) + list(st.prompts.values())
+        out.num_batched_tokens = sum(len(s.token_ids) for s in out.seqs)
+        out.num_decode_seqs = len(st.decodes)
+        self.offline_gate.carried(st.online_decodes)
+        if self.tpot_guard is not None:
+            self.tpot_guard.size_step(out.num_decode_seqs,
+                                      out.num_batched_tokens - out.num_decode_seqs)
+        return out
 
-        # 1. Running requests: decode steps first, then unfinished prefill chunks.
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        num_decodes = len(decodes)
-        # prompt tokens once a decode rides the step: the cap, and the TPOT guard's limit
-        ride_limit = min(cap or math.inf, self._guard_limit(decodes, prefills))
-        for i, request in enumerate(decodes + prefills):
-            if request.status != S.RUNNING:  # preempted earlier in this loop
-                continue
-            if budget == 0 or len(scheduled) >= self.config.max_num_seqs:
-                break
-            is_decode = i < num_decodes
-            if is_decode:
-                prompt_budget = min(prompt_budget, ride_limit)
-            limit = budget if is_decode else min(budget, prompt_budget)
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, limit)
-            if num_new == 0:
-                continue
-            # Most decode steps fit in the last block: no allocation to ask for.
-            fits = request.num_computed_tokens + num_new <= len(request.block_ids) * self.block_size
-            while not fits and self.kv.allocate_slots(request, num_new) is None:
-                victim = self.running[-1]
-                budget += self._preempt(victim, scheduled, out)
-                if victim is request:
-                    break
-            if request.status != S.RUNNING:
-                continue
-            scheduled[request.request_id] = self._make_seq(request, num_new)
-            budget -= num_new
-            if not is_decode:
-                prompt_budget -= num_new
+    def _run(self, request: Request, st: "StepState", is_decode: bool,
+             offline_limit: float = math.inf) -> bool:
+        """Schedule a running request's next tokens (preempting for KV space: offline
+        requests first); False when it got none."""
+        if request.status != S.RUNNING:  # preempted earlier in this step
+            return False
+        if st.budget == 0 or st.num_seqs >= self.config.max_num_seqs:
+            return False
+        if is_decode:
+            st.prompt_budget = min(st.prompt_budget, st.ride_limit)
+        limit = min(st.budget if is_decode else min(st.budget, st.prompt_budget), offline_limit)
+        num_new = self._num_new_tokens(request, request.num_computed_tokens, int(limit))
+        if num_new == 0:
+            return False
+        # Most decode steps fit in the last block: no allocation to ask for.
+        fits = request.num_computed_tokens + num_new <= len(request.block_ids) * self.block_size
+        while not fits and self.kv.allocate_slots(request, num_new) is None:
+            victim = self._victim(request)
+            self._preempt(victim, st)
+            if victim is request:
+                return False
+        self._add_seq(request, num_new, st, is_decode)
+        return True
 
-        # 2. Admit waiting requests while KV, budget and seats allow (none if we just
-        #    preempted: the freed space belongs to the preempted requests).
-        while (
-            self.waiting
-            and not out.preempted_ids
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-            and len(scheduled) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
+    def _add_seq(self, request: Request, num_new: int, st: "StepState", is_decode: bool) -> None:
+        seq = self._make_seq(request, num_new)
+        (st.decodes if is_decode else st.prompts)[request.request_id] = seq
+        st.budget -= num_new
+        if not is_decode:
+            st.prompt_budget -= num_new
+        if request.offline:
+            st.offline_tokens += num_new
+        elif is_decode:
+            st.online_decodes += 1
+
+    def _admit_waiting(self, queue: collections.deque, st: "StepState",
+                       offline_limit: float) -> None:
+        """Admit the head of `queue` while KV, budget, seats (and for offline work its
+        limit) allow. An online request takes seats and KV from offline work."""
+        while queue and not st.online_preempted and st.budget > 0:
+            request = queue[0]
+            if st.num_seqs >= self.config.max_num_seqs:
+                return
+            if len(self.running) >= self.config.max_num_seqs:
+                victim = None if request.offline else self._unscheduled_offline(st)
+                if victim is None:
+                    return
+                self._suspend(victim)
+                continue
             computed_blocks, num_cached = (  # cached blocks have no logits: recompute
                 ([], 0) if _scores_prompt(request) else self.kv.get_computed_blocks(request))
-            num_new = self._num_new_tokens(request, num_cached, min(budget, prompt_budget))
+            room = min(st.budget, st.prompt_budget, offline_limit - st.offline_tokens)
+            num_new = self._num_new_tokens(request, num_cached, max(0, int(room)))
             if num_new == 0:
-                break
+                return
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
-                break  # FCFS: the head waits for space
-            self.waiting.popleft()
+                victim = None if request.offline else self._offline_victim()
+                if victim is None:
+                    return  # FCFS: the head waits for space
+                self._preempt(victim, st)
+                continue
+            queue.popleft()
             if request.status == S.WAITING:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
             request.transition(S.RUNNING)
             self.running.append(request)
-            scheduled[request.request_id] = self._make_seq(request, num_new)
-            budget -= num_new
-            prompt_budget -= num_new
-
-        out.seqs = list(scheduled.values())
-        out.num_batched_tokens = sum(len(s.token_ids) for s in out.seqs)
-        out.num_decode_seqs = sum(1 for r in decodes if r.request_id in scheduled)
-        if self.tpot_guard is not None:
-            self.tpot_guard.size_step(out.num_decode_seqs,
-                                      out.num_batched_tokens - out.num_decode_seqs)
-        return out
+            self._add_seq(request, num_new, st, is_decode=False)
 
     def _guard_limit(self, decodes: list[Request], prefills: list[Request]) -> float:
         """Prompt tokens the TPOT guard lets this step carry beside `decodes` (inf: no
@@ -296,81 +338,6 @@ class ContinuousScheduler:
                                              num_cached_tokens=cached))
         return updates
 
-    # -- PD hooks: decode side -------------------------------------------------------------
-    def allocate_for_remote(self, request: Request) -> RemoteAllocation | None:
-        """Allocate blocks for a prompt whose KV comes from a peer; None if no KV space.
-
-        Covers the prompt plus one slot for the first token; prefix hits are shared.
-        The request waits (WAITING_FOR_REMOTE_KVS) and is not scheduled until
-        finish_remote_kvs.
-        """
-        self._check_new(request)
-        computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-        num_new = request.num_prompt_tokens + 1 - num_cached
-        if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
-            return None
-        request.num_cached_tokens = num_cached
-        request.transition(S.WAITING_FOR_REMOTE_KVS)
-        self.requests[request.request_id] = request
-        first_new = num_cached // self.block_size
-        last = cdiv(request.num_prompt_tokens, self.block_size)
-        return RemoteAllocation(
-            request_id=request.request_id,
-            block_ids=list(request.block_ids),
-            new_block_ids=request.block_ids[first_new:last],
-            num_cached_tokens=num_cached,
-        )
-
-    def finish_remote_kvs(
-        self, request_id: str, first_token_ids: list[int]
-    ) -> RequestUpdate | None:
-        """The prompt KV has arrived: the request joins decode batches.
-
-        Returns None normally; a finished RequestUpdate (no new tokens) when the given
-        tokens already end the request (max_tokens, EOS, stop token, length).
-        """
-        request = self._get(request_id)
-        if request.status != S.WAITING_FOR_REMOTE_KVS:
-            raise ValueError(
-                f"request {request_id} is {request.status.name}, not WAITING_FOR_REMOTE_KVS"
-            )
-        if not first_token_ids:
-            raise ValueError("first_token_ids must not be empty")
-        request.transition(S.RUNNING)
-        request.num_computed_tokens = request.num_prompt_tokens
-        self.kv.cache_full_blocks(request)
-        status = None
-        for token_id in first_token_ids:
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                break
-        if status is not None:
-            self._end(request, status)
-            return RequestUpdate(request_id, [], True, request.finish_reason, request.stop_reason,
-                                 num_cached_tokens=request.num_cached_tokens)
-        self.running.append(request)
-        return None
-
-    def fail_remote_kvs(self, request_id: str, reason: str) -> bool:
-        """The KV transfer failed: end the request with FINISHED_ERROR, free its blocks."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return False
-        logger.warning("KV transfer for request %s failed: %s", request_id, reason)
-        request.error_message = reason
-        return self.finish_request(request_id, S.FINISHED_ERROR)
-
-    # -- PD hooks: prefill side -----------------------------------------------------------
-    def finish_sending(self, request_id: str) -> bool:
-        """The decode peer has the KV: free the held blocks. False if unknown."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return False
-        if request.status != S.SENDING_KV:
-            raise ValueError(f"request {request_id} is {request.status.name}, not SENDING_KV")
-        return self.finish_request(request_id, S.FINISHED_LENGTH_CAPPED)
-
     # -- internals ---------------------------------------------------------------------------
     def _check_new(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -409,20 +376,30 @@ class ContinuousScheduler:
             num_prompt_logprob_rows=num_prompt_rows if _scores_prompt(request) else 0,
         )
 
-    def _preempt(
-        self, request: Request, scheduled: dict[str, ScheduledSeq], out: SchedulerOutput
-    ) -> int:
-        """Free a running request for recompute; returns the budget it gives back."""
-        self.running.remove(request)
+    def _preempt(self, request: Request, st: StepState | None) -> None:
+        """Free a running or suspended request's KV for recompute (exact: prompt and
+        outputs so far are computed again); the budget of its seq goes back to `st`."""
+        (self.suspended if request.status == S.SUSPENDED else self.running).remove(request)
         self.kv.free(request)
         request.transition(S.PREEMPTED)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
-        out.preempted_ids.append(request.request_id)
+        (self.waiting_offline if request.offline else self.waiting).appendleft(request)
         logger.info("preempted %s", request.anon_repr())
-        seq = scheduled.pop(request.request_id, None)
-        return len(seq.token_ids) if seq is not None else 0
+        if request.offline:
+            self.num_offline_preemptions += 1
+        if st is None:
+            return
+        st.out.preempted_ids.append(request.request_id)
+        st.online_preempted |= not request.offline
+        seq = st.decodes.pop(request.request_id, None)
+        if seq is not None and not request.offline:
+            st.online_decodes -= 1
+        seq = seq or st.prompts.pop(request.request_id, None)
+        if seq is not None:
+            st.budget += len(seq.token_ids)
+            if request.offline:
+                st.offline_tokens -= len(seq.token_ids)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -444,10 +421,9 @@ class ContinuousScheduler:
 
     def _remove(self, request: Request) -> None:
         """Drop a finished request from every queue and free its blocks."""
-        if request in self.running:
-            self.running.remove(request)
-        if request in self.waiting:
-            self.waiting.remove(request)
+        for queue in (self.running, self.waiting, self.waiting_offline, self.suspended):
+            if request in queue:
+                queue.remove(request)
         self.kv.free(request)
         del self.requests[request.request_id]
         if self.tpot_guard is not None:

@@ -5,6 +5,7 @@ model runner and the engine."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass
@@ -48,3 +49,24 @@ class RemoteAllocation:
     # num_prompt_tokens). Blocks shared via the prefix cache are not in it.
     new_block_ids: list[int]
     num_cached_tokens: int
+
+
+@dataclasses.dataclass
+class StepState:
+    """The scheduler's own: what one schedule() has handed out so far, and what is left of its budgets."""
+    out: SchedulerOutput
+    budget: int
+    prompt_budget: float
+    ride_limit: float = math.inf
+    decodes: dict[str, ScheduledSeq] = dataclasses.field(default_factory=dict)
+    prompts: dict[str, ScheduledSeq] = dataclasses.field(default_factory=dict)
+    offline_tokens: int = 0
+    online_decodes: int = 0
+    online_preempted: bool = False
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decodes) + len(self.prompts)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.decodes or request_id in self.prompts

@@ -114,7 +114,7 @@ class DecodeSide:
         return self.engine.add_remote(EngineRequest(
             spec.request_id, spec.prompt_token_ids, spec.params, sink, arrival_time=0.0,
             usage_prompt_tokens=usage_prompt_tokens, generated_offset=generated_offset,
-            num_unread=num_unread))
+            num_unread=num_unread, offline=spec.offline, tpot_slo_ms=spec.tpot_slo_ms))
 
     # ------------------------------------------------------------------ FirstGeneration
     async def first_generation(self, handovers: list[HandOver]) -> list[str]:

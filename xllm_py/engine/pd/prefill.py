@@ -304,7 +304,7 @@ class PrefillSide:
         sink.finished_on_prefill = True
         rec.submitted_s = time.monotonic()
         self.engine.submit(EngineRequest(spec.request_id, spec.prompt_token_ids, spec.params,
-                                         sink, remote_decode=True))
+                                         sink, remote_decode=True, offline=spec.offline))
 
     def _watch(self, request_id: str) -> Callable[[RequestOutput], bool]:
         """Engine thread: an error ending the request before its hand-over (a failed

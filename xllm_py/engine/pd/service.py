@@ -89,7 +89,8 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
                                   spec.request_id)
         if not self.engine.try_submit(EngineRequest(spec.request_id, spec.prompt_token_ids,
-                                                    spec.params, sink)):
+                                                    spec.params, sink, offline=spec.offline,
+                                                    tpot_slo_ms=spec.tpot_slo_ms)):
             raise StatusError(Status.INVALID_ARGUMENT,
                               f"duplicate request id {spec.request_id}: it is running here")
 

@@ -1,0 +1,103 @@
+"""The PD hooks of ContinuousScheduler (a mixin: they share its queues and KV manager).
+
+Decode side: allocate_for_remote (blocks for a prompt whose KV comes from a peer; an
+online request may take them from offline work), finish_remote_kvs (the KV arrived: the
+request joins the batch), fail_remote_kvs. Prefill side: finish_sending (the decode has
+the KV: the held blocks are freed).
+
+Pure Python: no torch, no grpc.
+"""
+from __future__ import annotations
+
+import logging
+
+from xllm_py.engine.kv_cache_manager import cdiv
+from xllm_py.engine.scheduler_types import RemoteAllocation, RequestUpdate
+from xllm_py.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+S = RequestStatus
+
+
+class RemoteKVMixin:
+    # -- decode side -----------------------------------------------------------------------
+    def allocate_for_remote(self, request: Request) -> RemoteAllocation | None:
+        """Allocate blocks for a prompt whose KV comes from a peer; None if no KV space.
+
+        Covers the prompt plus one slot for the first token; prefix hits are shared. An
+        online request that does not fit takes the KV of offline requests (preempted for
+        recompute). The request waits (WAITING_FOR_REMOTE_KVS) and is not scheduled until
+        finish_remote_kvs.
+        """
+        self._check_new(request)
+        computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+        num_new = request.num_prompt_tokens + 1 - num_cached
+        while self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            victim = None if request.offline else self._offline_victim()
+            if victim is None:
+                return None
+            self._preempt(victim, None)
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_new = request.num_prompt_tokens + 1 - num_cached
+        request.num_cached_tokens = num_cached
+        request.transition(S.WAITING_FOR_REMOTE_KVS)
+        self.requests[request.request_id] = request
+        first_new = num_cached // self.block_size
+        last = cdiv(request.num_prompt_tokens, self.block_size)
+        return RemoteAllocation(
+            request_id=request.request_id,
+            block_ids=list(request.block_ids),
+            new_block_ids=request.block_ids[first_new:last],
+            num_cached_tokens=num_cached,
+        )
+
+    def finish_remote_kvs(
+        self, request_id: str, first_token_ids: list[int]
+    ) -> RequestUpdate | None:
+        """The prompt KV has arrived: the request joins decode batches.
+
+        Returns None normally; a finished RequestUpdate (no new tokens) when the given
+        tokens already end the request (max_tokens, EOS, stop token, length).
+        """
+        request = self._get(request_id)
+        if request.status != S.WAITING_FOR_REMOTE_KVS:
+            raise ValueError(
+                f"request {request_id} is {request.status.name}, not WAITING_FOR_REMOTE_KVS"
+            )
+        if not first_token_ids:
+            raise ValueError("first_token_ids must not be empty")
+        request.transition(S.RUNNING)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_full_blocks(request)
+        status = None
+        for token_id in first_token_ids:
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                break
+        if status is not None:
+            self._end(request, status)
+            return RequestUpdate(request_id, [], True, request.finish_reason, request.stop_reason,
+                                 num_cached_tokens=request.num_cached_tokens)
+        self.running.append(request)
+        return None
+
+    def fail_remote_kvs(self, request_id: str, reason: str) -> bool:
+        """The KV transfer failed: end the request with FINISHED_ERROR, free its blocks."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        logger.warning("KV transfer for request %s failed: %s", request_id, reason)
+        request.error_message = reason
+        return self.finish_request(request_id, S.FINISHED_ERROR)
+
+    # -- prefill side ----------------------------------------------------------------------
+    def finish_sending(self, request_id: str) -> bool:
+        """The decode peer has the KV: free the held blocks. False if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status != S.SENDING_KV:
+            raise ValueError(f"request {request_id} is {request.status.name}, not SENDING_KV")
+        return self.finish_request(request_id, S.FINISHED_LENGTH_CAPPED)
