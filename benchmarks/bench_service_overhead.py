@@ -58,7 +58,9 @@ def start_stack(logs: pathlib.Path, tls: bool, procs: list, etcds: list):
         etcd_tls = TLSConfig(issued["etcd"].cert, issued["etcd"].key, issued["etcd"].ca)
         for name in sec:
             sec[name] = ["--tls-cert", issued[name].cert, "--tls-key", issued[name].key,
-                         "--tls-ca", issued[name].ca, "--api-key", API_KEY]
+                         "--tls-ca", issued[name].ca, "--etcd-cacert", issued[name].ca,
+                         "--etcd-cert", issued[name].cert, "--etcd-key", issued[name].key,
+                         "--api-key", API_KEY]
     etcd = EmbeddedEtcd(tls=etcd_tls).start()
     etcds.append(etcd)
     tag = "-tls" if tls else ""

@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the paths only; config imports no grpc
-    from xllm_py.tls import TLSConfig
+    from xllm_py.tls import EtcdTLSConfig, TLSConfig
 
 
 class InstanceRole(str, enum.Enum):
@@ -219,13 +219,16 @@ class APILimits:
 @dataclasses.dataclass(frozen=True)
 class SecurityConfig:
     """Who may call a process (xllm_py.api.auth, xllm_py.tls): API keys on its OpenAI HTTP
-    API and the cluster TLS identity of its gRPC servers, channels and etcd client."""
+    API, the cluster TLS identity of its gRPC servers and channels, and how it reaches etcd."""
     # Accepted `Authorization: Bearer` keys; empty: the HTTP API is open. Never logged.
     api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     # /metrics needs a key too (default: open, like /health and /readiness).
     protect_metrics: bool = False
-    # xllm_py.tls.TLSConfig (cert, key, CA paths), or None: plaintext gRPC and etcd.
+    # xllm_py.tls.TLSConfig (cert, key, CA paths), or None: plaintext gRPC.
     tls: TLSConfig | None = None
+    # xllm_py.tls.EtcdTLSConfig (--etcd-cacert/--etcd-cert/--etcd-key), or None: plaintext
+    # etcd. Separate from `tls`: etcd often has a CA of its own, or none.
+    etcd_tls: EtcdTLSConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True)

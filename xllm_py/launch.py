@@ -75,6 +75,9 @@ def security_args(log_dir: pathlib.Path, tls: bool, api_keys: list[str] | None, 
         issued = make_cluster_certs(log_dir / "certs", (*names, "etcd"), extra_hosts)
         for name, paths in issued.items():
             flags[name] = ["--tls-cert", paths.cert, "--tls-key", paths.key, "--tls-ca", paths.ca]
+            if name != "etcd":  # the members reach the (mutual TLS) etcd with their identity
+                flags[name] += ["--etcd-cacert", paths.ca, "--etcd-cert", paths.cert,
+                                "--etcd-key", paths.key]
     if api_keys:
         key_file = log_dir / "api-keys"
         fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -17,10 +17,15 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     from xllm_service.server import run_service
 
+    from xllm_py.cluster.etcd_startup import EtcdStartupError
+
     try:
         run_async(run_service(config))
     except KeyboardInterrupt:
         pass
+    except EtcdStartupError as exc:
+        print(f"xllm_service: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -21,6 +21,7 @@ async def run_service(config: ServiceConfig) -> None:
     from xllm_py.api.app import build_app
     from xllm_py.api.server import serve
     from xllm_py.cluster.etcd_client import EtcdClient
+    from xllm_py.cluster.etcd_startup import check_etcd
     from xllm_py.model.config import ModelConfig
     from xllm_py.model.tiny import model_files_dir
     from xllm_py.model.tokenizer import Tokenizer
@@ -41,9 +42,14 @@ async def run_service(config: ServiceConfig) -> None:
     max_len = config.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
 
     tls = config.security.tls
+    etcd_tls = config.security.etcd_tls
     etcd = EtcdClient(config.etcd_addr, namespace=config.etcd_namespace,
-                      credentials=etcd_credentials_from_env(), tls=tls)
-    await etcd.connect()
+                      credentials=etcd_credentials_from_env(), tls=etcd_tls)
+    try:
+        await check_etcd(etcd, etcd_tls is not None)  # EtcdStartupError: the CLI's one line
+    except BaseException:
+        await etcd.close()
+        raise
     server, port = bind_server(config.host, config.rpc_port,
                                server_credentials(tls) if tls is not None else None)
     rpc_addr = f"{advertised_host(config.host, config.advertise_host)}:{port}"

@@ -130,6 +130,26 @@ def test_cached_tokens_of_a_one_token_answer(pd):
     assert cached == [0, 24]  # the whole 8-token blocks before the last prompt token
 
 
+def test_logit_bias_reaches_the_first_token(pd):
+    """Issue 34's call: the token sampled at the end of the prompt (on the prefill, or on
+    MIX) carries the bias as every later one does, streamed or not."""
+    h, svc, prefill, decode, mix, mode = pd
+    body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 3,
+            "temperature": 0, "logit_bias": {"123": 100}, "return_token_ids": True}
+    for url in (svc.http_url, mix.http_url):
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60, trust_env=False)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == [123, 123, 123], url
+        streamed = []
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=60, trust_env=False) as resp:
+            for line in resp.iter_lines():
+                m = re.search(r'"token_ids":\[([0-9, ]*)\]', line)
+                if m and m.group(1):
+                    streamed += [int(t) for t in m.group(1).split(",")]
+        assert streamed == [123, 123, 123], url
+
+
 def test_min_tokens_pd_equals_mix(pd):
     """min_tokens reaches prefill and decode: the first token (sampled on prefill) is a
     stop token but must not end the request, and decode counts it towards min_tokens."""

@@ -31,7 +31,8 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "alpha beta gamma delta " 
 
 
 def _flags(issued) -> list[str]:
-    return ["--tls-cert", issued.cert, "--tls-key", issued.key, "--tls-ca", issued.ca]
+    return ["--tls-cert", issued.cert, "--tls-key", issued.key, "--tls-ca", issued.ca,
+            "--etcd-cacert", issued.ca, "--etcd-cert", issued.cert, "--etcd-key", issued.key]
 
 
 def _tls(issued) -> TLSConfig:

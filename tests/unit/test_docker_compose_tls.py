@@ -95,10 +95,15 @@ def test_engines_and_service_run_mutual_tls_and_api_keys(made) -> None:
         engine = argv[:3] == ENGINE_MODULE
         parser, to_config = (engine_parser, engine_config) if engine else (service_parser, service_config)
         args = _parse(parser, argv[3:])
-        paths = {flag: _local(getattr(args, flag), made) for flag in ("tls_cert", "tls_key", "tls_ca")}
-        args.tls_cert, args.tls_key, args.tls_ca = (str(paths[f]) for f in ("tls_cert", "tls_key", "tls_ca"))
+        flags = ("tls_cert", "tls_key", "tls_ca", "etcd_cacert", "etcd_cert", "etcd_key")
+        paths = {flag: _local(getattr(args, flag), made) for flag in flags}
+        for flag in flags:
+            setattr(args, flag, str(paths[flag]))
         config = to_config(args)  # the process builds its config (files exist, triple complete)
         assert config.security.tls is not None and config.security.api_keys == (API_KEY,), name
+        # etcd (https, --client-cert-auth) is reached with the process's own identity
+        assert paths["etcd_cert"] == paths["tls_cert"] and paths["etcd_cacert"] == paths["tls_ca"]
+        assert config.security.etcd_tls is not None, name
         _check_cert(paths["tls_cert"], paths["tls_ca"], args.host)
 
 

@@ -25,7 +25,7 @@ import aetcd.watcher
 import grpc
 
 from xllm_py.config import InstanceRole, etcd_credentials_from_env
-from xllm_py.tls import TLSConfig, channel_credentials
+from xllm_py.tls import EtcdTLSConfig, TLSConfig, etcd_channel_credentials
 from xllm_py.utils.aio import cancel_and_wait, wait_for
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,8 @@ class _TLSClient(aetcd.Client):
 
 class EtcdClient:
     """Async etcd client. `credentials=None` takes ETCD_USERNAME/ETCD_PASSWORD from the env;
-    `tls` reaches an etcd that serves https and asks for client certificates."""
+    `tls` reaches an etcd that serves https (EtcdTLSConfig; a TLSConfig: with that
+    identity)."""
 
     def __init__(
         self,
@@ -132,7 +133,7 @@ class EtcdClient:
         namespace: str = "",
         credentials: tuple[str, str] | None = None,
         timeout_s: float = 2.0,
-        tls: TLSConfig | None = None,
+        tls: EtcdTLSConfig | TLSConfig | None = None,
     ) -> None:
         host, sep, port = endpoint.rpartition(":")
         if not sep or not port.isdigit():
@@ -153,7 +154,7 @@ class EtcdClient:
             connect_wait_timeout=max(1, math.ceil(timeout_s)),
         )
         self._client = (aetcd.Client(**kwargs) if tls is None
-                        else _TLSClient(channel_credentials(tls), **kwargs))
+                        else _TLSClient(etcd_channel_credentials(tls), **kwargs))
 
     # ------------------------------------------------------------------ keys
 

@@ -29,7 +29,7 @@ from xllm_py.cluster.instance_meta import InstanceMeta, new_incarnation_id, now_
 from xllm_py.proto import xllm_pb2_grpc
 from xllm_py.rpc import cluster as wire
 from xllm_py.utils.aio import cancel_and_wait
-from xllm_py.tls import TLSConfig, channel_credentials
+from xllm_py.tls import EtcdTLSConfig, TLSConfig, channel_credentials
 from xllm_py.utils.grpc_channels import open_channel
 
 logger = logging.getLogger(__name__)
@@ -82,8 +82,10 @@ class InstanceAgent:
         cache_fn: CacheFn | None = None,
         cache_resync_s: float = 30.0,
         tls: TLSConfig | None = None,
+        etcd_tls: "EtcdTLSConfig | None" = None,
     ) -> None:
-        """`tls`: etcd and the heartbeat channel to the master over mutual TLS."""
+        """`tls`: the heartbeat channel to the master over mutual TLS; `etcd_tls`: how to
+        reach etcd (its own TLS set-up)."""
         # A new incarnation per process start: the service tells restarts apart by it.
         self.meta = dataclasses.replace(meta, incarnation_id=new_incarnation_id(), register_ts_ms=now_ms())
         self.ttl_s = ttl_s
@@ -93,7 +95,7 @@ class InstanceAgent:
         self.cache_resync_s = cache_resync_s
         self._cache_synced: tuple[str, float] | None = None  # (master, when) of the last full one
         self.etcd = EtcdClient(etcd_endpoint, namespace=namespace, credentials=credentials,
-                               timeout_s=etcd_timeout_s, tls=tls)
+                               timeout_s=etcd_timeout_s, tls=etcd_tls)
         self._channel_credentials = channel_credentials(tls) if tls is not None else None
         self.key = instance_key(self.meta.type, self.meta.name)
         self._leased = LeasedKey(self.etcd, self.key, self.meta.to_json(), ttl_s, interval_s=heartbeat_interval_s)

@@ -17,10 +17,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from xllm_py.engine.server import run_engine_server
 
+    from xllm_py.cluster.etcd_startup import EtcdStartupError
+
     try:
         run_async(run_engine_server(config))
     except KeyboardInterrupt:
         pass
+    except EtcdStartupError as exc:
+        print(f"xllm_py.engine: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -117,7 +117,8 @@ class ClusterNode:
                                    namespace=cfg.etcd_namespace,
                                    heartbeat_interval_s=cfg.heartbeat_interval_s,
                                    load_fn=self._load, credentials=etcd_credentials_from_env(),
-                                   cache_fn=self.cache_events.drain, tls=cfg.security.tls)
+                                   cache_fn=self.cache_events.drain, tls=cfg.security.tls,
+                                   etcd_tls=cfg.security.etcd_tls)
         self.meta = self.agent.meta  # with its incarnation id
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
             peers = TPGrpcPeers(self.meta, cfg.rpc_timeout_s, cfg.transfer.timeout_s,

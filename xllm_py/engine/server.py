@@ -37,6 +37,11 @@ async def run_engine_server(config: EngineConfig, stop: asyncio.Event | None = N
     from xllm_py.api.app import build_app
     from xllm_py.api.server import serve
 
+    if config.etcd_addr:  # before the weights load: a wrong etcd is one line, at once
+        from xllm_py.cluster.etcd_startup import check_etcd_endpoint
+
+        await check_etcd_endpoint(config.etcd_addr, config.etcd_namespace,
+                                  config.security.etcd_tls)
     engine = create_engine(config)
     engine.start()
     backend = AsyncEngine(engine, config.served_model_name)

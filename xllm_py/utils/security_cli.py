@@ -1,8 +1,9 @@
 """The security flags shared by the service and the engine: `--api-key` (repeatable),
-`--api-key-file`, `--protect-metrics`, `--tls-cert` / `--tls-key` / `--tls-ca`.
+`--api-key-file`, `--protect-metrics`, `--tls-cert` / `--tls-key` / `--tls-ca` (the
+cluster's gRPC), `--etcd-cacert` / `--etcd-cert` / `--etcd-key` (etcd, etcdctl's spellings).
 
-etcd is reached with the same TLS files: one cluster CA signs every member's certificate
-(etcd's own too), so a process presents one identity to every peer and to etcd.
+etcd's TLS is its own: an etcd with a CA of its own, or a plaintext one on a private
+network, works beside a mutual-TLS cluster (the same files may be given to both).
 """
 from __future__ import annotations
 
@@ -22,18 +23,26 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
              help="/metrics needs an API key too (true/false; default open)")
     add_flag(g, "--tls-cert", default=None,
              help="this process's certificate (PEM, signed by --tls-ca): every gRPC server "
-                  "of the cluster serves mutual TLS, every channel and the etcd client present it")
+                  "of the cluster serves mutual TLS and every channel presents it (not etcd: "
+                  "--etcd-cert)")
     add_flag(g, "--tls-key", default=None, help="private key of --tls-cert (PEM)")
     add_flag(g, "--tls-ca", default=None,
-             help="cluster CA (PEM) that peers' and etcd's certificates must chain to "
+             help="cluster CA (PEM) that peers' certificates must chain to "
                   "(make one: python -m xllm_py.cluster.certs --out DIR)")
+    add_flag(g, "--etcd-cacert", default=None,
+             help="etcd serves https: the CA (PEM) its certificate must chain to")
+    add_flag(g, "--etcd-cert", default=None,
+             help="client certificate (PEM) for an etcd with --client-cert-auth")
+    add_flag(g, "--etcd-key", default=None, help="private key of --etcd-cert (PEM)")
 
 
 def security_from_args(args: argparse.Namespace) -> SecurityConfig:
     """Raises ValueError on an incomplete TLS triple, a missing file or an empty key."""
     from xllm_py.api.auth import collect_api_keys
-    from xllm_py.tls import TLSConfig
+    from xllm_py.tls import EtcdTLSConfig, TLSConfig
 
     return SecurityConfig(api_keys=collect_api_keys(args.api_key, args.api_key_file),
                           protect_metrics=args.protect_metrics,
-                          tls=TLSConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca))
+                          tls=TLSConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca),
+                          etcd_tls=EtcdTLSConfig.from_args(args.etcd_cacert, args.etcd_cert,
+                                                           args.etcd_key))
