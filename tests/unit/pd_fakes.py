@@ -68,6 +68,10 @@ class FakePeers:
         self.place_gate: asyncio.Event | None = None
         self.closed = False
         self.dead_addresses: set[str] = set()  # rpc addresses nobody listens on
+        self.refused_on: list[tuple[str, str]] = []  # (request, decode) refusals
+        self.pulls: list[tuple[str, object]] = []  # (prefill, OfflinePull)
+        self.pull_answer = 0  # requests a prefill hands over on each pull
+        self.pull_error: StatusError | None = None
 
     async def link_instance(self, decode: InstanceMeta, prefill: InstanceMeta) -> None:
         if decode.rpc_address in self.dead_addresses:
@@ -84,6 +88,7 @@ class FakePeers:
         if decode.name in self.full:
             return Placement(spec.request_id, Status.RESOURCE_EXHAUSTED, message="full")
         if decode.name in self.refuse:
+            self.refused_on.append((spec.request_id, decode.name))
             return Placement(spec.request_id, self.refuse[decode.name],
                              message=f"{decode.name} refuses it")
         self.placements.append((spec.request_id, decode.name))
@@ -94,6 +99,12 @@ class FakePeers:
         assert timeout_s > 0
         self.handovers.append((decode.name, handover))
         return ""
+
+    async def send_pull_signal(self, prefill: InstanceMeta, pull) -> int:
+        self.pulls.append((prefill.name, pull))
+        if self.pull_error is not None:
+            raise self.pull_error
+        return self.pull_answer
 
     async def _transfer(self, op: str, move: KVMove) -> None:
         self.moves.append((op, move))

@@ -18,7 +18,7 @@ from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import CacheConfig, EngineConfig, InstanceRole, KVTransferMode, TransferConfig
 from xllm_py.engine.llm_engine import LLMEngine
 from xllm_py.engine.pd.config import PDSchedulerConfig
-from xllm_py.engine.pd.messages import HandOver
+from xllm_py.engine.pd.messages import HandOver, OfflinePull
 from xllm_py.engine.pd.phases import DecodePhase, PrefillPhase
 from xllm_py.engine.pd.scheduler import DisaggPDScheduler
 from xllm_py.rpc.convert import EngineRequestSpec
@@ -167,19 +167,35 @@ async def test_prefill_cancel_of_an_unknown_request_is_the_engines(make_node):
 
 
 # ---------------------------------------------------------------------------- dispatch
-async def test_dispatch_takes_online_first_and_offline_without_delay(make_node):
+async def _turns(n: int = 100) -> None:
+    for _ in range(n):  # a few loop turns, no timer: nothing waits for a poll
+        await asyncio.sleep(0)
+
+
+async def test_dispatch_takes_online_first_and_offline_only_on_a_pull(make_node):
+    """Offline requests wait for a decode's pull (SendPullSignal); a pull takes at most
+    preferred_req_len of them, in arrival order, within max_total_len tokens (prompt +
+    max_tokens: 48 each here), each placed on the pulling decode."""
     engine, pd, peers = await make_node(InstanceRole.PREFILL)
-    peers.refuse["decode:1"] = Status.INVALID_ARGUMENT  # no prefill work: order only
-    for i in range(3):
+    peers.refuse["decode:9"] = Status.INVALID_ARGUMENT  # no prefill work: order only
+    peers.refuse["decode:1"] = Status.INVALID_ARGUMENT
+    for i in range(4):
         pd.add_request(_spec(f"off{i}", offline=True))
     pd.add_request(_spec("on0"))
-    for _ in range(100):  # a few loop turns, no timer: nothing waits for a poll
-        await asyncio.sleep(0)
-    assert peers.asked[0] == "on0" and sorted(peers.asked[1:]) == ["off0", "off1", "off2"]
-    pd.add_request(_spec("off3", offline=True))
-    for _ in range(100):
-        await asyncio.sleep(0)
-    assert peers.asked[-1] == "off3"
+    await _turns()
+    assert peers.asked == ["on0"]  # offline work waits for a pull
+    assert pd.on_pull(OfflinePull("decode:9", preferred_req_len=3, max_total_len=100)) == 2
+    await _turns()
+    assert peers.asked == ["on0", "off0", "off1"]
+    assert [n for r, n in peers.refused_on if r.startswith("off")] == ["decode:9"] * 2
+    assert pd.on_pull(OfflinePull("decode:9", preferred_req_len=1, max_total_len=10**6)) == 1
+    pd.cancel("off3")
+    assert pd.on_pull(OfflinePull("decode:9", preferred_req_len=5, max_total_len=10**6)) == 0
+    await _turns()
+    assert peers.asked == ["on0", "off0", "off1", "off2"]
+    text = pd.metrics_text()
+    assert "xllm_pd_pulls_received_total 3.0" in text
+    assert "xllm_pd_offline_handed_total 3.0" in text
 
 
 async def test_dispatch_places_only_while_the_placed_prompts_leave_room(make_node):

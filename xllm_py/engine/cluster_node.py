@@ -126,7 +126,8 @@ class ClusterNode:
             self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter, peers,
                                         self.metas.get, self._list_decodes,
                                         registry=self.backend.metrics_registry,
-                                        forget_meta=self.metas.invalidate)
+                                        forget_meta=self.metas.invalidate,
+                                        list_prefills=self._list_prefills)
             self.pd.start()
             servicer.pd = self.pd
         await self.agent.start()
@@ -189,6 +190,15 @@ class ClusterNode:
         stub = pb_grpc.XllmRpcServiceStub(self._channels.get(addr))
         reply = await stub.GetStaticDecodeList(wire.instance_id_to_proto(self.name),
                                                timeout=self.config.rpc_timeout_s)
+        return wire.instance_ids_from_proto(reply)
+
+    async def _list_prefills(self) -> list[str]:
+        addr = self.agent.master_addr
+        if not addr:
+            return []
+        stub = pb_grpc.XllmRpcServiceStub(self._channels.get(addr))
+        reply = await stub.GetStaticPrefillList(wire.instance_id_to_proto(self.name),
+                                                timeout=self.config.rpc_timeout_s)
         return wire.instance_ids_from_proto(reply)
 
     async def stop(self) -> None:

@@ -488,10 +488,24 @@ class MultiGenerationsRequests(_message.Message):
     def __init__(self, reqs: _Optional[_Iterable[_Union[MultiGenerationsRequest, _Mapping]]] = ...) -> None: ...
 
 class PullSignal(_message.Message):
-    __slots__ = ("req_id",)
+    __slots__ = ("req_id", "source_instance_name", "preferred_req_len", "max_total_len")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_INSTANCE_NAME_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_REQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_LEN_FIELD_NUMBER: _ClassVar[int]
     req_id: str
-    def __init__(self, req_id: _Optional[str] = ...) -> None: ...
+    source_instance_name: str
+    preferred_req_len: int
+    max_total_len: int
+    def __init__(self, req_id: _Optional[str] = ..., source_instance_name: _Optional[str] = ..., preferred_req_len: _Optional[int] = ..., max_total_len: _Optional[int] = ...) -> None: ...
+
+class PullReply(_message.Message):
+    __slots__ = ("status", "num_handed")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDED_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    num_handed: int
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., num_handed: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("req_id", "service_req_id", "reason")

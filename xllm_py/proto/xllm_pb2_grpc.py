@@ -390,7 +390,7 @@ class DisaggPDServiceStub:
         self.SendPullSignal = channel.unary_unary(
                 '/xllm.proto.DisaggPDService/SendPullSignal',
                 request_serializer=xllm__pb2.PullSignal.SerializeToString,
-                response_deserializer=xllm__pb2.Status.FromString,
+                response_deserializer=xllm__pb2.PullReply.FromString,
                 _registered_method=True)
         self.LinkInstance = channel.unary_unary(
                 '/xllm.proto.DisaggPDService/LinkInstance',
@@ -499,7 +499,7 @@ def add_DisaggPDServiceServicer_to_server(servicer, server):
             'SendPullSignal': grpc.unary_unary_rpc_method_handler(
                     servicer.SendPullSignal,
                     request_deserializer=xllm__pb2.PullSignal.FromString,
-                    response_serializer=xllm__pb2.Status.SerializeToString,
+                    response_serializer=xllm__pb2.PullReply.SerializeToString,
             ),
             'LinkInstance': grpc.unary_unary_rpc_method_handler(
                     servicer.LinkInstance,
@@ -634,7 +634,7 @@ class DisaggPDService:
             target,
             '/xllm.proto.DisaggPDService/SendPullSignal',
             xllm__pb2.PullSignal.SerializeToString,
-            xllm__pb2.Status.FromString,
+            xllm__pb2.PullReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Sequence
 
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.engine.pd.messages import HandOver, KVMove, PeerLink, Placement
+from xllm_py.engine.pd.messages import HandOver, KVMove, OfflinePull, PeerLink, Placement
 from xllm_py.outputs import TokenLogprob
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.rpc.cluster import instance_meta_from_proto, instance_meta_to_proto
@@ -208,3 +208,28 @@ def _head_fields(heads: tuple[int, int, int] | None) -> dict[str, int]:
     if heads is None:
         return {}
     return {"src_head_start": heads[0], "dst_head_start": heads[1], "num_heads": heads[2]}
+
+
+# ---------------------------------------------------------------- SendPullSignal
+def offline_pull_to_proto(pull: OfflinePull) -> pb.PullSignal:
+    return pb.PullSignal(source_instance_name=pull.source_instance_name,
+                         preferred_req_len=pull.preferred_req_len,
+                         max_total_len=pull.max_total_len)
+
+
+def offline_pull_from_proto(msg: pb.PullSignal) -> OfflinePull:
+    """Raises ValueError for a pull no decode would send."""
+    if not msg.source_instance_name:
+        raise ValueError("source_instance_name is empty")
+    if msg.preferred_req_len < 0 or msg.max_total_len < 0:
+        raise ValueError(f"preferred_req_len and max_total_len must be >= 0, got "
+                         f"{msg.preferred_req_len} and {msg.max_total_len}")
+    return OfflinePull(msg.source_instance_name, msg.preferred_req_len, msg.max_total_len)
+
+
+def pull_reply_to_proto(num_handed: int) -> pb.PullReply:
+    return pb.PullReply(status=status_to_proto(), num_handed=num_handed)
+
+
+def pull_reply_from_proto(reply: pb.PullReply) -> tuple[bool, str, int]:
+    return reply.status.ok, reply.status.message, reply.num_handed

@@ -60,6 +60,7 @@ class DecodeSide:
         # How long a request cancelled before its FirstGeneration keeps its blocks when
         # no FirstGeneration comes (a push into them has ended by then).
         self.cancel_grace_s = config.transfer.timeout_s + config.rpc_timeout_s
+        self.num_offline_placed = 0  # offline requests placed here (the puller's count)
 
     def phase(self, request_id: str) -> DecodePhase | None:
         rec = self._requests.get(request_id)
@@ -99,6 +100,7 @@ class DecodeSide:
                 replies.append(Placement(rid, Status.RESOURCE_EXHAUSTED,
                                          message="no KV space on decode"))
             else:
+                self.num_offline_placed += spec.offline
                 self._requests[rid] = DecodeRequest(spec, prefill_name, alloc.new_block_ids,
                                                     alloc.num_cached_tokens)
                 replies.append(Placement(rid, Status.OK, alloc.new_block_ids,

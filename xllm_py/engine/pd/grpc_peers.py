@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.engine.pd.messages import HandOver, KVMove, PeerLink, Placement
+from xllm_py.engine.pd.messages import HandOver, KVMove, OfflinePull, PeerLink, Placement
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc import pd as wire
 from xllm_py.rpc.convert import EngineRequestSpec
@@ -61,6 +61,18 @@ class GrpcPeers:
             raise _failed(exc, exc.code().name) from None
         ok, message = wire.status_from_proto(reply)
         return "" if ok else (message or "decode refused the hand-over")
+
+    async def send_pull_signal(self, prefill: InstanceMeta, pull: OfflinePull) -> int:
+        try:
+            reply = await self._pd(prefill).SendPullSignal(wire.offline_pull_to_proto(pull),
+                                                           timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _failed(exc, f"SendPullSignal to {prefill.name}: {exc.code().name}") from None
+        ok, message, num_handed = wire.pull_reply_from_proto(reply)
+        if not ok:
+            raise StatusError(Status.UNAVAILABLE, f"prefill {prefill.name} refused the pull: "
+                                                  f"{message}")
+        return num_handed
 
     async def push_kv(self, move: KVMove) -> None:
         await self._transfer("push", self._worker().PushKVCache, wire.push_to_proto(move))

@@ -5,6 +5,7 @@ read in xllm_py/rpc/pd.py only).
   AddNewRequests    -> EngineRequestSpec                     <- Placement
   FirstGeneration   -> HandOver                              <- "" or decode's problem
   PullKVCache / PushKVCache on our worker -> KVMove
+  SendPullSignal (decode -> prefill) -> OfflinePull        <- requests handed (int)
 """
 from __future__ import annotations
 
@@ -13,6 +14,16 @@ import dataclasses
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.outputs import TokenLogprob
 from xllm_py.rpc.status import Status
+
+
+@dataclasses.dataclass
+class OfflinePull:
+    """A decode with room asks a prefill for offline work (PullSignal): up to
+    `preferred_req_len` requests whose prompt + max_tokens together fit `max_total_len`
+    tokens, placed on `source_instance_name`."""
+    source_instance_name: str
+    preferred_req_len: int
+    max_total_len: int
 
 
 @dataclasses.dataclass

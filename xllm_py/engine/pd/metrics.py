@@ -3,6 +3,11 @@
   xllm_pd_transfer_failures_total  counter  PD hand-overs that failed (transfer, link or
                                             decode take-over)
   xllm_pd_linked_instances         gauge    peer instances linked for KV transfer
+  xllm_pd_pulls_sent_total         counter  decode: SendPullSignal calls (it had room)
+  xllm_pd_pulls_answered_total     counter  decode: pulls a prefill answered
+  xllm_pd_pulls_failed_total       counter  decode: pulls that failed (prefill unreachable)
+  xllm_pd_pulls_received_total     counter  prefill: pulls it answered
+  xllm_pd_offline_handed_total     counter  prefill: offline requests handed on pulls
 
 They live in the registry given (the engine's: its /metrics renders them), or in their
 own (unit tests).
@@ -26,6 +31,13 @@ class PDMetrics:
                                       "Peer instances linked for KV transfer",
                                       registry=self.registry)
         self.linked_instances.set_function(lambda: float(num_linked()))
+        pulls = (("pulls_sent", "Offline-work pulls sent to prefills (decode)"),
+                 ("pulls_answered", "Offline-work pulls a prefill answered (decode)"),
+                 ("pulls_failed", "Offline-work pulls that failed (decode)"),
+                 ("pulls_received", "Offline-work pulls answered (prefill)"),
+                 ("offline_handed", "Offline requests handed to pulling decodes (prefill)"))
+        for attr, help_ in pulls:
+            setattr(self, attr, Counter(f"xllm_pd_{attr}", help_, registry=self.registry))
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

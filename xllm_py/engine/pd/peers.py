@@ -1,7 +1,7 @@
 """PDPeers: every RPC the PD code makes to another process, behind one small interface.
 
 Prefill calls a decode engine's DisaggPDService (link_instance, add_new_request,
-first_generation); both sides call their own KV worker's WorkerService (push_kv,
+first_generation), a decode a prefill's (send_pull_signal); both sides call their own KV worker's WorkerService (push_kv,
 pull_kv, link_cluster). A failure raises StatusError: the status of the failed call
 (UNAVAILABLE, DEADLINE_EXCEEDED, FAILED_PRECONDITION for an incompatible peer, ...)
 with a message for the client. The gRPC implementation is grpc_peers.GrpcPeers; unit
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.engine.pd.messages import HandOver, KVMove, PeerLink, Placement
+from xllm_py.engine.pd.messages import HandOver, KVMove, OfflinePull, PeerLink, Placement
 from xllm_py.rpc.convert import EngineRequestSpec
 
 
@@ -30,6 +30,11 @@ class PDPeers(Protocol):
         """FirstGeneration: "" when decode took the request (or dropped it, if the
         hand-over says failed), else decode's problem (raises StatusError when the call
         fails)."""
+
+    # ---- a prefill engine (decode calls it)
+    async def send_pull_signal(self, prefill: InstanceMeta, pull: OfflinePull) -> int:
+        """SendPullSignal: how many offline requests the prefill hands over (raises
+        StatusError when the call fails)."""
 
     # ---- this instance's KV worker
     async def push_kv(self, move: KVMove) -> None:

@@ -3,8 +3,9 @@
 Stages of a request (its PrefillPhase, see phases.py):
   add_request -> QUEUED (online queue, taken in `prefill_order`
   (xllm_py/cluster/prefill_order.py: deadline order by the request's TTFT target, the
-  most on time and short prompts first where there is time, or FCFS), or offline: taken only when no
-  online one waits, in arrival order; taken while the prompts placed on decodes and not
+  most on time and short prompts first where there is time, or FCFS), or offline
+  (offline_queue.py: handed only to a decode that pulls, SendPullSignal, after every online
+  one, in arrival order); taken while the prompts placed on decodes and not
   handed over yet hold fewer than `max_placed_prompt_tokens`: a decode sets blocks aside
   for a request only shortly before its prompt is computed, not for the whole time it
   queues here)
@@ -32,25 +33,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import time
 from typing import AsyncIterator, Callable, Coroutine
 
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.config import EngineConfig, KVTransferMode
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.output_processor import parent_of
 from xllm_py.engine.pd.config import PDSchedulerConfig, maybe_inject_fault
 from xllm_py.engine.pd.links import Links
-from xllm_py.engine.pd.messages import HandOver, KVMove, Placement
+from xllm_py.engine.pd.messages import HandOver, KVMove, OfflinePull, Placement
 from xllm_py.engine.pd.metrics import PDMetrics
+from xllm_py.engine.pd.offline_queue import OfflineQueue
+from xllm_py.engine.pd.prefill_pacing import PacingMixin, cost_model
 from xllm_py.engine.pd.peers import PDPeers
 from xllm_py.engine.pd.phases import PrefillPhase, PrefillRequest
-from xllm_py.cluster.prefill_order import PrefillCostModel, Queued, pick
 from xllm_py.outputs import RequestOutput, TokenLogprob
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.rpc.status import Status, StatusError
@@ -61,28 +61,10 @@ P = PrefillPhase
 # Prompts shorter than this do not correct the cost model: their time is mostly the
 # step's fixed costs, and short prompts share steps.
 OBSERVE_MIN_TOKENS = 256
-# Deadline order: the next request is placed once the work placed ahead is predicted to
-# be done within this long (its AddNewRequests, link and admission fit in it).
-PLACE_LEAD_S = 0.2
-
-
-def _cost_model(config: EngineConfig, pd_config: PDSchedulerConfig) -> PrefillCostModel | None:
-    """The deadline order's predictions: this instance's latency profile (none: FCFS)."""
-    if pd_config.prefill_order != "deadline" or not config.latency_profile_path:
-        return None
-    try:
-        profile = LatencyProfile.load(config.latency_profile_path)
-    except (OSError, ValueError) as exc:
-        logger.warning("prefill order: FCFS (latency profile unreadable: %s)", exc)
-        return None
-    return PrefillCostModel(dataclasses.replace(
-        profile, max_num_batched_tokens=config.scheduler.max_num_batched_tokens))
-
-
 _PENDING = (P.QUEUED, P.DISPATCHING, P.PREFILLING)  # not handed over yet
 
 
-class PrefillSide:
+class PrefillSide(PacingMixin):
     def __init__(self, engine: LLMEngine, config: EngineConfig, pd_config: PDSchedulerConfig,
                  meta: InstanceMeta, reporter: GenerationsReporter, links: Links,
                  peers: PDPeers, metrics: PDMetrics,
@@ -99,12 +81,12 @@ class PrefillSide:
         self.loop = asyncio.get_running_loop()
         self._requests: dict[str, PrefillRequest] = {}  # until a final phase
         self._online: list[PrefillRequest] = []  # arrival order
-        self._offline: asyncio.Queue[PrefillRequest] = asyncio.Queue()
+        self._offline = OfflineQueue()
         self._queued = asyncio.Event()  # set when either queue may hold work
         self._room = asyncio.Event()  # set when a placed prompt is handed over or ends
         self._dispatch_sem = asyncio.Semaphore(pd_config.max_dispatching)
         self._rr = itertools.count()
-        self._cost = _cost_model(config, pd_config)  # None: FCFS
+        self._cost = cost_model(config, pd_config)  # None: FCFS
         self._last_first_token_s = 0.0
         engine.set_hand_over(self._on_first_token)
 
@@ -121,33 +103,6 @@ class PrefillSide:
         self._requests.pop(rec.request_id, None)
         self._room.set()
 
-    def placed_prompt_tokens(self) -> int:
-        """Prompt tokens of the requests finding a decode or prefilling: decode blocks set
-        aside (or about to be) for prompts not handed over yet."""
-        return sum(len(r.spec.prompt_token_ids) for r in self._requests.values()
-                   if r.phase in (P.DISPATCHING, P.PREFILLING))
-
-    async def _wait_for_room(self) -> None:
-        """Until the placed prompts leave room (one prompt always goes: a longer one
-        than the limit waits for the others alone); in deadline order, also until the
-        work placed ahead is within PLACE_LEAD_S of done: the next request is chosen
-        when the engine is about to take it, not a whole prompt earlier (a queue
-        simulation of issue 16's workload at 2.4 req/s, benchmarks/bench_prefill_order.py:
-        long prompts in time 74% choosing just in time, 52% a 1.3 s prompt ahead, FCFS
-        47%)."""
-        limit = self.pd_config.max_placed_prompt_tokens
-        while True:
-            if limit and 0 < self.placed_prompt_tokens() >= limit:
-                self._room.clear()
-                await self._room.wait()
-                continue
-            wait_s = self._ahead_s(time.monotonic()) - PLACE_LEAD_S if self._cost else 0.0
-            if wait_s <= 0 or not self._online:
-                return
-            self._room.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._room.wait(), wait_s)
-
     # ------------------------------------------------------------------ queue, dispatch
     def add_request(self, spec: EngineRequestSpec) -> None:
         if spec.request_id in self._requests:  # answered to the caller: a report would
@@ -155,44 +110,33 @@ class PrefillSide:
                               f"request id {spec.request_id} is already live here")
         rec = self._requests[spec.request_id] = PrefillRequest(spec)
         if spec.offline:
-            self._offline.put_nowait(rec)
-        else:
-            if spec.ttft_slo_ms > 0:
-                rec.deadline_s = time.monotonic() + spec.ttft_slo_ms / 1000.0
-            if self._cost is not None:
-                rec.cost_s = self._cost.predict_s(len(spec.prompt_token_ids))
-            self._online.append(rec)
+            self._offline.add(rec)
+            return
+        if spec.ttft_slo_ms > 0:
+            rec.deadline_s = time.monotonic() + spec.ttft_slo_ms / 1000.0
+        if self._cost is not None:
+            rec.cost_s = self._cost.predict_s(len(spec.prompt_token_ids))
+        self._online.append(rec)
         self._queued.set()
 
-    def _take_online(self) -> PrefillRequest | None:
-        """The next online request (the queue's order; module docstring)."""
-        self._online = [r for r in self._online if r.phase is P.QUEUED]  # not cancelled
-        if not self._online:
-            return None
-        index = 0
-        if self._cost is not None and len(self._online) > 1:
-            now = time.monotonic()
-            index = pick([Queued(r.deadline_s, r.cost_s) for r in self._online], now,
-                         self._ahead_s(now))
-        return self._online.pop(index)
-
-    def _ahead_s(self, now: float) -> float:
-        """Predicted prefill work placed and not computed yet: the placed prompts' costs
-        less what the engine has computed since it took the oldest of them."""
-        placed = [r for r in self._requests.values() if r.phase in (P.DISPATCHING, P.PREFILLING)]
-        started = [r.submitted_s for r in placed if r.submitted_s is not None]
-        busy = now - max(min(started), self._last_first_token_s) if started else 0.0
-        return max(0.0, sum(r.cost_s for r in placed) - max(0.0, busy))
+    def on_pull(self, pull: OfflinePull) -> int:
+        """A decode with room pulls offline work: how many requests go to it."""
+        granted = self._offline.grant(pull)
+        self.metrics.pulls_received.inc()
+        if granted:
+            self.metrics.offline_handed.inc(len(granted))
+            self._queued.set()
+        return len(granted)
 
     async def dispatch_loop(self) -> None:
-        """Online requests first; offline ones whenever no online one is queued."""
+        """Online requests first; offline ones a decode pulled when no online one is queued."""
         while True:
-            if not self._online and self._offline.empty():
+            if not self._online and not self._offline.has_granted():
                 self._queued.clear()
                 await self._queued.wait()
                 continue
             await self._wait_for_room()
-            rec = self._take_online() if self._online else self._offline.get_nowait()
+            rec = self._take_online() if self._online else self._offline.take()
             if rec is None:  # every queued online one was cancelled
                 continue
             if rec.phase is not P.QUEUED:  # cancelled while queued

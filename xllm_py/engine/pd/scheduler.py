@@ -2,10 +2,11 @@
   links.py    Links: peers linked for KV transfer (prelink on prefill, LinkInstance on decode)
   prefill.py  PrefillSide: queue, dispatch to a decode, prefill, hand-over (PREFILL role)
   decode.py   DecodeSide: allocate, take over, pull, reap orphans (DECODE role)
+  offline_pull.py  OfflinePuller: a decode with room pulls offline work (SendPullSignal)
   peers.py    PDPeers: every RPC made to another process (grpc_peers.GrpcPeers in a cluster)
   metrics.py  PDMetrics (prometheus_client)
 Lifecycle: constructed in ClusterNode once our meta is known -> start() (prefill: the
-dispatch and prelink loops; decode: the orphan reaper) -> the DisaggPDService servicer
+dispatch and prelink loops; decode: the orphan reaper and the offline puller) -> the DisaggPDService servicer
 (service.py) calls in with domain values -> stop() cancels the loops and the tasks in
 flight and closes the peers' channels.
 Everything that touches the engine's scheduler runs on the engine thread (engine.call).
@@ -25,8 +26,9 @@ from xllm_py.engine.migration import Resumption
 from xllm_py.engine.pd.config import PDSchedulerConfig
 from xllm_py.engine.pd.decode import DecodeSide
 from xllm_py.engine.pd.links import DecodeLister, Links, MetaResolver
-from xllm_py.engine.pd.messages import HandOver, PeerLink, Placement
+from xllm_py.engine.pd.messages import HandOver, OfflinePull, PeerLink, Placement
 from xllm_py.engine.pd.metrics import PDMetrics
+from xllm_py.engine.pd.offline_pull import OfflinePuller, PrefillLister
 from xllm_py.engine.pd.peers import PDPeers
 from xllm_py.engine.pd.prefill import PrefillSide
 from xllm_py.rpc.convert import EngineRequestSpec
@@ -40,7 +42,8 @@ class DisaggPDScheduler:
                  list_decodes: DecodeLister | None = None,
                  pd_config: PDSchedulerConfig = PDSchedulerConfig(),
                  registry: CollectorRegistry | None = None,
-                 forget_meta: Callable[[str], None] | None = None) -> None:
+                 forget_meta: Callable[[str], None] | None = None,
+                 list_prefills: PrefillLister | None = None) -> None:
         if config.role not in (InstanceRole.PREFILL, InstanceRole.DECODE):
             raise ValueError(f"a DisaggPDScheduler serves PREFILL or DECODE, not {config.role}")
         self.engine = engine
@@ -54,12 +57,18 @@ class DisaggPDScheduler:
         self._loops: list[asyncio.Task] = []
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
+        self.puller: OfflinePuller | None = None
         if self.role == InstanceRole.PREFILL:
             self.prefill = PrefillSide(engine, config, pd_config, meta, reporter, self.links,
                                        peers, self.metrics, self._spawn)
         else:
             self.decode = DecodeSide(engine, config, pd_config, reporter, peers, self.metrics,
                                      self._spawn)
+            if list_prefills is not None and resolve_meta is not None:
+                decode = self.decode
+                self.puller = OfflinePuller(engine, meta.name, peers, list_prefills,
+                                            resolve_meta, self.metrics,
+                                            lambda: decode.num_offline_placed)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -69,6 +78,8 @@ class DisaggPDScheduler:
                                self.links.prelink_loop(self.pd_config.prelink_interval_s))]
         if self.decode is not None:
             self._loops = [asyncio.create_task(self.decode.reap_loop())]
+            if self.puller is not None:
+                self._loops.append(asyncio.create_task(self.puller.loop()))
 
     async def stop(self) -> None:
         for task in [*self._loops, *self._tasks]:
@@ -90,6 +101,9 @@ class DisaggPDScheduler:
     # ------------------------------------------------------------------ prefill
     def add_request(self, spec: EngineRequestSpec) -> None:
         self._require(self.prefill, "Generate").add_request(spec)
+
+    def on_pull(self, pull: OfflinePull) -> int:
+        return self._require(self.prefill, "SendPullSignal").on_pull(pull)
 
     async def prelink_once(self) -> list[str]:
         return await self.links.prelink_once()

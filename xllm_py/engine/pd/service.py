@@ -160,9 +160,20 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
             await context.abort(Status.INVALID_ARGUMENT.grpc_code, message)
         return status
 
-    async def SendPullSignal(self, request: pb.PullSignal, context) -> pb.Status:
-        await context.abort(Status.UNIMPLEMENTED.grpc_code,
-                            "SendPullSignal needs online/offline co-location, not implemented")
+    async def SendPullSignal(self, request: pb.PullSignal, context) -> pb.PullReply:
+        """A decode with room pulls offline work (PREFILL instances): the reply says how
+        many queued offline requests are placed on it."""
+        try:
+            if self.role != InstanceRole.PREFILL or self.pd is None:
+                raise StatusError(Status.FAILED_PRECONDITION, "SendPullSignal is served by "
+                                  f"PREFILL instances; this one is {self.role.value}")
+            try:
+                pull = wire.offline_pull_from_proto(request)
+            except ValueError as exc:
+                raise StatusError(Status.INVALID_ARGUMENT, f"bad PullSignal: {exc}") from None
+        except StatusError as exc:
+            await self._abort(context, exc)
+        return wire.pull_reply_to_proto(self.pd.on_pull(pull))
 
     async def LinkInstance(self, request: pb.InstanceClusterInfo, context) -> pb.Status:
         try:
