@@ -459,12 +459,26 @@ class ServiceConfig:
     relay: RelayConfig = dataclasses.field(default_factory=RelayConfig)
     api: APILimits = dataclasses.field(default_factory=APILimits)
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+    # The Batch API's files, batches and journals (xllm_service/batch/), shared by every
+    # service of the cluster; "": <temp dir>/xllm-batches/<etcd namespace> (one host).
+    batch_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.etcd_ttl_s <= 0:
             raise ValueError(f"etcd_ttl_s must be > 0, got {self.etcd_ttl_s}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def batch_root(self) -> str:
+        """batch_dir, or the default one of this etcd namespace on this host."""
+        if self.batch_dir:
+            return self.batch_dir
+        import tempfile
+
+        space = "".join(c if c.isalnum() or c in "-_." else "_"
+                        for c in self.etcd_namespace) or "default"
+        return os.path.join(tempfile.gettempdir(), "xllm-batches", space)
 
     @property
     def model_name(self) -> str:

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--rpc-timeout", type=float, default=5.0, help="deadline of service RPCs (s)")
     add_flag(p, "--request-idle-timeout", type=float, default=120.0,
              help="fail a request when its engine sends nothing for this long (s)")
+    add_flag(p, "--batch-dir", default="",
+             help="the Batch API's files and batches, shared by the cluster's services "
+                  "(a shared volume across hosts; default: <temp dir>/xllm-batches/"
+                  "<etcd namespace>)")
     add_limit_flags(p)
     add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_security_flags(p)
@@ -91,4 +95,4 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         relay=RelayConfig(rpc_timeout_s=args.rpc_timeout,
                           idle_timeout_s=args.request_idle_timeout),
         security=security_from_args(args),
-        api=limits_from_args(args))
+        api=limits_from_args(args), batch_dir=args.batch_dir)

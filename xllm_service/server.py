@@ -27,6 +27,7 @@ async def run_service(config: ServiceConfig) -> None:
     from xllm_py.model.tokenizer import Tokenizer
     from xllm_py.tls import channel_credentials, server_credentials
     from xllm_service.backend import ServiceBackend
+    from xllm_service.batch.service import BatchService
     from xllm_service.election import MasterElection
     from xllm_service.engine_client import EngineClient
     from xllm_service.metrics import ServiceMetrics
@@ -77,6 +78,9 @@ async def run_service(config: ServiceConfig) -> None:
     app = build_app(backend, served_model_name=config.model_name,
                     api_keys=config.security.api_keys,
                     protect_metrics=config.security.protect_metrics, limits=config.api)
+    batches = BatchService(app, config.batch_root, config.security.api_keys,
+                           lambda: election.is_master)
+    batches.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -95,8 +99,8 @@ async def run_service(config: ServiceConfig) -> None:
         await wait_for(http_task, config.http_shutdown_s)
     except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
         pass
-    for coro in (election.stop(), proxy.stop(), registry.stop(), server.stop(1.0),
-                 backend.close()):
+    for coro in (batches.stop(), election.stop(), proxy.stop(), registry.stop(),
+                 server.stop(1.0), backend.close()):
         try:
             await wait_for(coro, config.component_shutdown_s)
         except Exception as exc:
