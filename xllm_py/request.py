@@ -164,6 +164,8 @@ class Request:
         self.error_message: str = ""
         # Owned by the engine: this request's sampler settings, built once (SamplingRow).
         self.sampling_row: object | None = None
+        # Owned by the engine: the structured-output matcher (structured/compiler.py).
+        self.grammar: object | None = None
 
     # -- token views -------------------------------------------------------------
     @property

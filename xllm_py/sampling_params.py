@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from xllm_py.structured.spec import GrammarSpec
+
 # Below this temperature sampling is greedy (argmax).
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -65,6 +67,10 @@ class SamplingParams:
     # returned logprobs stay those of the raw logits). Decimal-string keys (JSON) are
     # accepted and made ints; the engine checks the ids against its vocabulary.
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    # Structured output: the grammar every sampled token must keep to (None: free text).
+    # The HTTP layer builds it (response_format, structured_outputs, guided_*, tools)
+    # and checks it; the engine compiles it against its vocabulary.
+    structured: GrammarSpec | None = None
     # Filled by the engine from the model's generation config, not by clients.
     eos_token_ids: list[int] = dataclasses.field(
         default_factory=list, metadata={"engine_only": True})
@@ -149,6 +155,9 @@ class SamplingParams:
                     name, f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
                 )
         self._check_logit_bias()
+        if self.structured is not None and not isinstance(self.structured, GrammarSpec):
+            raise SamplingParamsError(
+                "structured", f"structured must be a GrammarSpec or None, got {self.structured!r}")
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):

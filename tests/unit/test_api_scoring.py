@@ -204,14 +204,10 @@ def test_version(http):
 
 
 @pytest.mark.parametrize("param,value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
-    ("guided_json", {"type": "object"}),
-    ("guided_choice", ["a", "b"]),
     ("use_beam_search", True),
     ("allowed_token_ids", [1]),
 ])

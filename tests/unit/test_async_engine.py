@@ -44,12 +44,14 @@ def test_every_request_field_reaches_sampling_params():
     """GenerateRequest -> SamplingParams carries every field of REQUEST_FIELDS (the copies
     of the list had drifted: echo and prompt_logprobs were dropped)."""
     from xllm_py.sampling_params import REQUEST_FIELDS
+    from xllm_py.structured.spec import GrammarSpec
 
     values = dict(n=2, best_of=3, temperature=0.5, top_p=0.75, top_k=7, min_p=0.125,
                   frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.25, seed=11,
                   max_tokens=9, min_tokens=2, stop=["x"], stop_token_ids=[5], ignore_eos=True,
                   logprobs=2, prompt_logprobs=1, echo=True, skip_special_tokens=False,
-                  include_stop_str_in_output=True, logit_bias={5: 2.5})
+                  include_stop_str_in_output=True, logit_bias={5: 2.5},
+                  structured=GrammarSpec("regex", "[ab]+"))
     assert set(values) == set(REQUEST_FIELDS), "give the new field a value here"
     p = SamplingParams.from_request(GenerateRequest(request_id="r", prompt_token_ids=[1], **values))
     assert {name: getattr(p, name) for name in REQUEST_FIELDS} == values

@@ -4,6 +4,8 @@ import sys
 
 from google.protobuf import descriptor_pb2
 
+from xllm_py.structured.spec import GrammarSpec
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -55,6 +57,7 @@ _NON_DEFAULT = {
     "stop_token_ids": [3, 9], "ignore_eos": True, "logprobs": 4, "prompt_logprobs": 0,
     "echo": True, "skip_special_tokens": False, "include_stop_str_in_output": True,
     "eos_token_ids": [2, 11], "logit_bias": {5: 100.0, 7: -2.5},
+    "structured": GrammarSpec("json", '{"type":"object"}', ""),
 }
 
 

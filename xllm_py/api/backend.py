@@ -23,6 +23,7 @@ import time
 from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
 
 from xllm_py.outputs import RequestOutput
+from xllm_py.structured.spec import GrammarSpec
 
 
 @runtime_checkable
@@ -78,6 +79,7 @@ class GenerateRequest:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    structured: GrammarSpec | None = None  # structured output (checked by the HTTP layer)
 
     def anon_repr(self) -> str:
         """A log-safe description: ids and sizes, no prompt content."""

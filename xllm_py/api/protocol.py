@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 
 from xllm_py.api.backend import GenerateRequest
 from xllm_py.api.errors import InvalidRequestError
+from xllm_py.api.structured_request import StructuredFields
 from xllm_py.api.unsupported import UnsupportedFields
 from xllm_py.api.validation import check, check_wire_values, parse_model
 from xllm_py.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, REQUEST_FIELDS
@@ -56,7 +57,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class _CommonRequest(UnsupportedFields):
+class _CommonRequest(UnsupportedFields, StructuredFields):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -171,6 +172,7 @@ class _CommonRequest(UnsupportedFields):
             check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         self.logit_bias_ids()
+        self.output_spec()
 
     def logit_bias_ids(self) -> dict[int, float]:
         """logit_bias with integer token ids; 400 (param logit_bias) for a key that is not
@@ -233,6 +235,7 @@ class _CommonRequest(UnsupportedFields):
             logprobs=self.num_logprobs(),
             prompt_logprobs=self.num_prompt_logprobs(),
             logit_bias=self.logit_bias_ids() or None,
+            structured=self.output_spec(),
         )
         return {name: value for name, value in fields.items() if value is not None}
 

@@ -49,6 +49,8 @@ from xllm_py.api.generations import (
 from xllm_py.api.logprobs import TokenText
 from xllm_py.api.protocol import _CommonRequest, check_sampling, parse_request
 from xllm_py.api.sse import DONE_EVENT, SSEResponse, dumps, sse_event
+from xllm_py.api.structured_request import check_spec
+from xllm_py.structured import grammar
 from xllm_py.outputs import CompletionDelta
 
 logger = logging.getLogger(__name__)
@@ -132,6 +134,12 @@ class OpenAIServing:
                     self._intake, body, x_request_id, arrival_time)
             else:
                 req, ctx, gen_reqs = self._intake(body, x_request_id, arrival_time)
+            spec = gen_reqs[0].structured if gen_reqs else None
+            if spec is not None:  # compiled off the loop unless its verdict is cached
+                if grammar.is_checked(spec):
+                    check_spec(spec, req.output_param())
+                else:
+                    await asyncio.to_thread(check_spec, spec, req.output_param())
             if self.admission is not None:
                 ticket = self.admission.admit(
                     sum(len(g.prompt_token_ids) for g in gen_reqs) * max(req.n, req.best_of or 1))

@@ -3,7 +3,7 @@
 Each is a field of the request models (`UnsupportedFields`, typed loosely) so that it is
 not dropped with the unknown ones; `check_unsupported()` answers a 400 naming it unless its
 value asks for nothing (`UNSUPPORTED`: name -> "this value is plain generation", e.g.
-response_format {"type": "text"}). Never silently ignored.
+tool_choice "none"). Never silently ignored. (Structured outputs: structured_request.py.)
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ def _absent(value: Any) -> bool:
 # asks for nothing", e.g. response_format {"type": "text"} is plain generation. Any other
 # value is a 400 naming the parameter (never silently ignored).
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "tools": _absent,
     "tool_choice": lambda v: v is None or v == "none",
     "parallel_tool_calls": lambda v: v is None or v is False,
@@ -33,12 +32,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "prediction": _absent,
     "web_search_options": _absent,
     "reasoning_effort": _absent,
-    "structured_outputs": _absent,
-    "guided_json": _absent,
-    "guided_regex": _absent,
-    "guided_choice": _absent,
-    "guided_grammar": _absent,
-    "guided_decoding_backend": _absent,
     "bad_words": _absent,
     "allowed_token_ids": _absent,
     "use_beam_search": lambda v: v is None or v is False,
@@ -53,7 +46,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 class UnsupportedFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -64,12 +56,6 @@ class UnsupportedFields(BaseModel):
     prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
     use_beam_search: Any = None

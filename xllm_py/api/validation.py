@@ -52,7 +52,11 @@ def _is_type_tag(s: str) -> bool:
 def check_wire_values(req: BaseModel) -> None:
     """Every integer fits its proto field, every number is finite and fits a proto float
     (a value that does not would fail later in the service's conversion, as a 500)."""
+    from xllm_py.api.structured_request import STRUCTURED_FIELDS  # (they travel as text)
+
     for name in type(req).model_fields:
+        if name in STRUCTURED_FIELDS:
+            continue
         value = getattr(req, name)
         if value is None or isinstance(value, (str, bool, BaseModel)):
             continue

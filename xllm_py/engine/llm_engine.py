@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, Callable
 from xllm_py.config import EngineConfig, InstanceRole
 from xllm_py.engine.engine_request import (  # noqa: F401 - EngineRequest is imported from here
     EngineRequest, HandOverHook, child_params, error_output, resolve_model_dir)
+from xllm_py.engine.grammars import EngineGrammars, generated_tokens
 from xllm_py.engine.output_processor import OutputProcessor, child_id, parent_of
-from xllm_py.engine.scheduler import ContinuousScheduler, RemoteAllocation
+from xllm_py.engine.scheduler import ContinuousScheduler, RemoteAllocation, RequestUpdate
 from xllm_py.engine.step_trace import StepTrace
 from xllm_py.request import Request, RequestStatus, prompt_token_error
 
@@ -52,6 +53,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = list(dict.fromkeys(
             list(mc.eos_token_ids or []) + list(self.tokenizer.eos_token_ids or [])))
+        self.grammars = EngineGrammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Ids submitted through try_submit that the engine thread has not added yet.
         self._submit_lock = threading.Lock()
@@ -95,6 +97,7 @@ class LLMEngine:
             self.tp.shutdown()
         if self.step_trace is not None:
             self.step_trace.close()
+        self.grammars.close()
 
     def submit(self, req: EngineRequest) -> None:
         self._commands.put(("add", req))
@@ -185,6 +188,9 @@ class LLMEngine:
             try:
                 if kind == "add":
                     self._add(arg)
+                elif kind == "add_compiled":  # its grammar compiled meanwhile
+                    if self.grammars.take_deferred(arg.request_id):
+                        self._add(arg)
                 elif kind == "abort":
                     self._abort(arg)
                 elif kind == "call":
@@ -203,11 +209,19 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def _add(self, req: EngineRequest) -> None:
+        if self.grammars.defer(req, lambda r: self._commands.put(("add_compiled", r))):
+            return  # back as "add_compiled" once a worker thread compiled its grammar
         try:
             if req.request_id in self.outputs:
                 requests: list[Request] | str = f"duplicate request id {req.request_id}"
             else:
                 requests = self._admit(req)
+                spec = req.params.structured
+                if spec is not None and not isinstance(requests, str):
+                    problem = self.grammars.attach(requests, spec, generated_tokens(req))
+                    if problem is not None:
+                        self.outputs.drop_parent(req.request_id)
+                        requests = problem
         except Exception as exc:  # a check _admit lacks: refuse this request only
             logger.exception("admitting request %s failed", req.request_id)
             self.outputs.drop_parent(req.request_id)
@@ -239,8 +253,21 @@ class LLMEngine:
         if alloc is None or isinstance(alloc, str):
             self.outputs.drop_parent(req.request_id)
             return alloc
+        if req.params.structured is not None:
+            problem = self.grammars.prepare_remote(requests[0], req.params.structured,
+                                                   generated_tokens(req))
+            if problem is not None:
+                self.scheduler.abort_request(requests[0].request_id)
+                self.outputs.drop_parent(req.request_id)
+                return problem
         self.outputs.set_cached_tokens(req.request_id, alloc.num_cached_tokens)
         return alloc
+
+    def take_remote_tokens(self, child: str, token_ids: list[int]) -> RequestUpdate | None:
+        """Engine thread, PD decode: the prompt's KV and first tokens came: the request
+        joins the decode batch and its grammar replays them (EngineGrammars.join_remote).
+        A finished update when they already end it."""
+        return self.grammars.join_remote(self.scheduler, child, token_ids)
 
     def _admit(self, req: EngineRequest,
                limit_what: str = "this model's context is {} tokens") -> list[Request] | str:
@@ -284,6 +311,9 @@ class LLMEngine:
         return requests
 
     def _abort(self, parent_id: str) -> None:
+        if self.grammars.drop_deferred(parent_id):
+            with self._submit_lock:
+                self._admitting.discard(parent_id)
         for cid in self.outputs.child_ids(parent_id):
             self.scheduler.abort_request(cid)
         self.outputs.drop_parent(parent_id)
@@ -309,14 +339,15 @@ class LLMEngine:
         logprobs: dict[str, Any] = {}
         if logits is not None:
             sample_seqs = [s for s in seqs if s.sample]
-            rows = [self._sampling_row(self.scheduler.requests[s.request_id])
-                    for s in sample_seqs]
-            out = self.sampler(logits, rows)
+            requests = [self.scheduler.requests[s.request_id] for s in sample_seqs]
+            rows = [self._sampling_row(r) for r in requests]
+            out = self.sampler(logits, rows, self.grammars.mask(requests))
             for s, tok, lp in zip(sample_seqs, out.token_ids, out.logprobs):
                 sampled[s.request_id] = tok
                 if lp is not None:
                     logprobs[s.request_id] = lp
         updates = self.scheduler.update_from_output(sched_out, sampled)
+        self.grammars.advance(updates, self.scheduler)
         self.num_steps += 1
         step_ms = (time.monotonic() - t0) * 1000
         if self.step_trace is not None:
@@ -421,3 +452,4 @@ class LLMEngine:
             "offline_preemptions": self.scheduler.num_offline_preemptions,
             "offline_suspensions": self.scheduler.num_offline_suspensions,
         }
+

@@ -4,6 +4,8 @@ Stages, each skipped when no row of the batch needs it:
   1. logit bias    the request's token id -> bias added to the logits (vLLM v1 order:
                    before the penalties)
   2. penalties     repetition (HF: prompt + output), frequency and presence (OpenAI: output)
+  2b. grammar      rows with a structured-output constraint: disallowed tokens -inf
+                   (structured/token_mask.py; a batch without one has no mask at all)
   3. greedy rows   temperature 0 or top_k 1: argmax of the biased, penalised logits
   4. random rows   temperature, top_k, top_p, min_p -> probs; inverse-CDF draw of one uniform
                    seeded rows draw their uniform from (seed, step) only, so a request's
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from xllm_py.outputs import TokenLogprob
+from xllm_py.structured.token_mask import TokenMask, apply_token_mask
 
 logger = logging.getLogger(__name__)
 
@@ -91,32 +94,41 @@ class Sampler:
         # One CPU generator for seeded rows, re-seeded per row (manual_seed resets its state).
         self._seeded_generator = torch.Generator()
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 mask: TokenMask | None = None) -> SamplerOutput:
+        """`mask`: the grammar masks of the rows with a structured-output constraint. On
+        the greedy hot path it is applied to `logits` in place (the caller's logits are
+        spent); elsewhere to a copy, so logprobs stay those of the raw logits."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [num_rows, vocab] with num_rows={len(rows)}, "
                 f"got shape {tuple(logits.shape)}")
-        # Hot path: greedy, no bias, no penalties, no logprobs.
+        # Hot path: greedy, no bias, no penalties, no logprobs (a mask is applied in place).
         for row in rows:
             if (not row.is_greedy or row.has_penalties or row.num_logprobs is not None
                     or row.logit_bias):
                 break
         else:
+            if mask is not None:
+                logits = apply_token_mask(logits.float(), mask)
             if (logits.device.type == "cpu" and logits.dtype == torch.float32
                     and not logits.requires_grad):  # numpy: no thread-pool hand-off
                 ids = logits.numpy().argmax(axis=-1).tolist()
             else:
                 ids = logits.argmax(dim=-1).tolist()
             return SamplerOutput(ids, [None] * len(rows))
-        return self._sample_general(logits, rows)
+        return self._sample_general(logits, rows, mask)
 
-    def _sample_general(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def _sample_general(self, logits: torch.Tensor, rows: list[SamplingRow],
+                        mask: TokenMask | None = None) -> SamplerOutput:
         raw_logits = logits
         logits = logits.float()
         if any(row.logit_bias for row in rows):
             logits = apply_logit_bias(logits, rows)
         if any(row.has_penalties for row in rows):
             logits = apply_penalties(logits, rows)
+        if mask is not None:  # on a copy: logprobs are of the raw logits
+            logits = apply_token_mask(logits.clone() if logits is raw_logits else logits, mask)
         device = logits.device
         num_rows = len(rows)
         random_idx = [i for i, row in enumerate(rows) if not row.is_greedy]

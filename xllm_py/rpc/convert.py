@@ -13,6 +13,7 @@ import dataclasses
 from xllm_py.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.sampling_params import SamplingParams
+from xllm_py.structured.spec import GrammarSpec
 
 SCHEMA_VERSION = 1
 
@@ -45,7 +46,7 @@ class EngineRequestSpec:
 # (_SAME_NAME).
 _ZERO_UNSET = ("n", "best_of", "top_p", "repetition_penalty")
 _FLAGGED = ("temperature", "seed", "prompt_logprobs")
-_OWN = ("top_k", "stop", "logprobs", "max_tokens", "logit_bias")
+_OWN = ("top_k", "stop", "logprobs", "max_tokens", "logit_bias", "structured")
 
 
 def _same_name_fields() -> tuple[str, ...]:
@@ -90,6 +91,12 @@ def params_to_proto(params: SamplingParams, msg: pb.DisaggRequest) -> None:
         msg.max_tokens = params.max_tokens
     for token_id, bias in params.logit_bias.items():
         msg.logit_bias[token_id] = bias
+    if params.structured is not None:
+        g = params.structured
+        msg.structured_output.kind, msg.structured_output.value = g.kind, g.value
+        if g.whitespace_pattern is not None:
+            msg.structured_output.has_whitespace_pattern = True
+            msg.structured_output.whitespace_pattern = g.whitespace_pattern
 
 
 def params_from_proto(msg: pb.DisaggRequest) -> SamplingParams:
@@ -111,6 +118,10 @@ def params_from_proto(msg: pb.DisaggRequest) -> SamplingParams:
     if msg.has_max_tokens or msg.max_tokens:
         kwargs["max_tokens"] = msg.max_tokens
     kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("structured_output"):
+        so = msg.structured_output
+        kwargs["structured"] = GrammarSpec(
+            so.kind, so.value, so.whitespace_pattern if so.has_whitespace_pattern else None)
     return SamplingParams(**kwargs)
 
 

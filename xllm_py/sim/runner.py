@@ -91,7 +91,8 @@ class SimulatedSamplerOutput:
 class SimulatedSampler:
     """The runner chose the tokens already: hand them on (one per sampled row)."""
 
-    def __call__(self, tokens: list[int], rows: Sequence) -> SimulatedSamplerOutput:
+    def __call__(self, tokens: list[int], rows: Sequence, mask: object = None
+                 ) -> SimulatedSamplerOutput:
         if len(tokens) != len(rows):
             raise ValueError(f"{len(tokens)} simulated tokens for {len(rows)} rows")
         return SimulatedSamplerOutput(list(tokens), [None] * len(tokens))

@@ -228,7 +228,7 @@ class DecodeSide:
         if engine.scheduler.get_request(child) is None:
             engine.outputs.drop_parent(parent_id)
             return
-        upd = engine.scheduler.finish_remote_kvs(child, h.token_ids)
+        upd = engine.take_remote_tokens(child, h.token_ids)
         # The first token was reported by prefill: feed it to the detokenizer silently.
         engine.outputs.process(child, h.token_ids, h.logprobs or None, None, None,
                                lambda rid, s: None)

@@ -1,0 +1,149 @@
+"""Grammars and matchers (llguidance) on the tiny model's vocabulary, and the token mask
+the sampler applies: the mask allows exactly what the matcher accepts, greedy and
+sampled rows only ever pick an allowed token, rows without a constraint are untouched,
+logprobs stay of the raw logits."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from xllm_py.engine.sampler import Sampler, SamplingRow
+from xllm_py.model.tiny import ensure_tiny_model
+from xllm_py.model.tokenizer import Tokenizer
+from xllm_py.structured import grammar
+from xllm_py.structured.compiler import GrammarCompiler, TokenMask, fill_bitmask
+from xllm_py.structured.spec import GrammarSpec
+from xllm_py.structured.token_mask import apply_token_mask
+
+ENUMS = {"type": "object", "additionalProperties": False, "required": ["color", "size", "ok"],
+         "properties": {"color": {"enum": ["red", "green", "blue"]},
+                        "size": {"enum": ["S", "M", "L"]}, "ok": {"type": "boolean"}}}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_dir(ensure_tiny_model("tiny", with_weights=False))
+
+
+@pytest.fixture(scope="module")
+def compiler(tok):
+    c = GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
+    yield c
+    c.close()
+
+
+def _allowed(bitmask_row, vocab):
+    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")[:vocab]
+    return set(np.nonzero(bits)[0].tolist())
+
+
+@pytest.mark.parametrize("spec,problem", [
+    (GrammarSpec.json_schema(ENUMS), None),
+    (GrammarSpec("json_object"), None),
+    (GrammarSpec("regex", r"\d{3}"), None),
+    (GrammarSpec.choices(['a "q"', "back\\slash", "new\nline"]), None),
+    (GrammarSpec("grammar", 'start: "yes" | "no"'), None),
+    (GrammarSpec("grammar", 'root ::= "a" | "b"'), None),
+    (GrammarSpec("regex", "(ab"), "unclosed group"),
+    (GrammarSpec("grammar", "start: foo"), "foo"),
+    (GrammarSpec("json", '{"type": "objectx"}'), "objectx"),
+    (GrammarSpec("json", "[1]"), "must be an object"),
+    (GrammarSpec("choice", '["a", 3]'), "strings"),
+])
+def test_check_names_the_problem(spec, problem):
+    found = grammar.check(spec)
+    assert (found is None) if problem is None else (problem in found), found
+    assert grammar.is_checked(spec)
+
+
+def test_choices_with_special_characters_match_exactly(tok, compiler):
+    options = ['a "q"', "back\\slash", "ünï", "new\nline", "x|y(z)*"]
+    spec = GrammarSpec.choices(options)
+    for option in options:
+        g = compiler.matcher(spec)
+        assert g.advance(tok.encode(option, add_special_tokens=False)) and not g.problem
+    g = compiler.matcher(spec)
+    assert g.advance(tok.encode("nope", add_special_tokens=False)) and g.problem
+
+
+def _walk(tok, compiler, spec, seed, limit=400):
+    """A random walk over allowed tokens (what a random-weight model does)."""
+    g = compiler.matcher(spec)
+    rng = np.random.default_rng(seed)
+    bitmask = np.zeros((1, (compiler.ll_tokenizer.vocab_size + 31) // 32), dtype=np.int32)
+    tokens = []
+    while not g.stopped and len(tokens) < limit:
+        fill_bitmask(compiler, [g], bitmask)
+        token = int(rng.choice(sorted(_allowed(bitmask[0], tok.vocab_size))))
+        assert not g.advance([token]) or not g.problem
+        tokens.append(token)
+    return tokens
+
+
+def test_whitespace_is_bounded_under_an_enum_schema(tok, compiler):
+    for seed in range(6):
+        tokens = _walk(tok, compiler, GrammarSpec.json_schema(ENUMS), seed)
+        assert len(tokens) <= 80, len(tokens)
+        value = json.loads(tok.decode(tokens))
+        assert value["color"] in ("red", "green", "blue") and isinstance(value["ok"], bool)
+    compact = _walk(tok, compiler, GrammarSpec.json_schema(ENUMS, ""), 0)
+    assert " " not in tok.decode(compact) and "\n" not in tok.decode(compact)
+
+
+def test_bitmask_of_a_batch_matches_each_matcher_alone(tok, compiler):
+    specs = [GrammarSpec.json_schema(ENUMS), GrammarSpec("regex", "[0-9]+"),
+             GrammarSpec.choices(["yes", "no"])]
+    grammars = [compiler.matcher(s) for s in specs]
+    words = (compiler.ll_tokenizer.vocab_size + 31) // 32
+    batch = np.zeros((3, words), dtype=np.int32)
+    fill_bitmask(compiler, grammars, batch)
+    for i, g in enumerate(grammars):
+        alone = np.zeros((1, words), dtype=np.int32)
+        fill_bitmask(compiler, [g], alone)
+        assert (alone[0] == batch[i]).all()
+    digits = _allowed(batch[1], tok.vocab_size)
+    assert digits and all(tok.decode([t]).isdigit() for t in digits)
+
+
+def test_mask_blocks_exactly_the_disallowed_tokens_of_constrained_rows():
+    torch.manual_seed(0)
+    vocab = 70  # not a multiple of 32: the last word is partial
+    logits = torch.randn(3, vocab)
+    bitmask = np.zeros((1, 3), dtype=np.int32)
+    allowed = {0, 31, 32, 69}
+    for t in allowed:
+        bitmask[0, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    out = apply_token_mask(logits.clone(), TokenMask([1], bitmask))
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    finite = set(torch.nonzero(torch.isfinite(out[1])).flatten().tolist())
+    assert finite == allowed
+
+
+def test_sampler_picks_only_allowed_tokens_greedy_and_sampled_with_raw_logprobs():
+    torch.manual_seed(1)
+    vocab = 100
+    logits = torch.randn(4, vocab)
+    raw = logits.clone()
+    bitmask = np.zeros((2, 4), dtype=np.int32)
+    bitmask[0, 1] = 1 << 3  # token 35
+    bitmask[1, 2] = 0b110  # tokens 65, 66
+    rows = [SamplingRow(temperature=0.0), SamplingRow(temperature=0.0, num_logprobs=2),
+            SamplingRow(temperature=1.0, seed=3), SamplingRow(temperature=1.0, seed=4)]
+    mask = TokenMask([1, 2], bitmask)
+    out = Sampler(seed=0)(logits, rows, mask)
+    assert out.token_ids[0] == int(raw[0].argmax())
+    assert out.token_ids[1] == 35 and out.token_ids[2] in (65, 66)
+    expected = torch.log_softmax(raw[1], dim=-1)[35].item()
+    assert out.logprobs[1].logprob == pytest.approx(expected)
+    assert out.logprobs[1].top[0][0] == int(raw[1].argmax())  # top-k of the raw logits
+    for _ in range(20):  # sampled rows under the mask, many draws
+        out = Sampler()(raw[:2].clone(), [SamplingRow(temperature=2.0)] * 2,
+                        TokenMask([0, 1], bitmask))
+        assert out.token_ids[0] == 35 and out.token_ids[1] in (65, 66)
+    with torch.inference_mode():  # the model's logits are inference tensors
+        logits = raw[:2].clone()
+    for rows in ([SamplingRow(temperature=0.0)] * 2,  # the greedy hot path: in place
+                 [SamplingRow(temperature=0.0, num_logprobs=0)] * 2):
+        out = Sampler()(logits, rows, TokenMask([1], bitmask[:1]))
+        assert out.token_ids == [int(raw[0].argmax()), 35]
