@@ -73,13 +73,25 @@ class EngineGrammars:
             request.grammar = grammar
         return None
 
-    def prepare_remote(self, request: Request, spec: GrammarSpec,
-                       replay: Sequence[int] = ()) -> str | None:
-        """PD decode: start the compile; the matcher comes with the first tokens."""
+    def attach_new(self, requests: list[Request], req: Any, outputs: Any) -> list[Request] | str:
+        """`attach` for an admitted EngineRequest: its sequences, or why not (its outputs
+        dropped then)."""
+        problem = self.attach(requests, req.params.structured, generated_tokens(req))
+        if problem is None:
+            return requests
+        outputs.drop_parent(req.request_id)
+        return problem
+
+    def prepare_remote(self, request: Request, req: Any) -> str | None:
+        """PD decode (EngineRequest `req`, its sequence `request`): start the compile;
+        the matcher comes with the first tokens. Why it cannot run, or None."""
+        spec = req.params.structured
+        if spec is None:
+            return None
         fut = self.compiler.prepare(spec)
         if fut.done() and isinstance(fut.result(), str):
             return fut.result()
-        self._remote[request.request_id] = (spec, list(replay))
+        self._remote[request.request_id] = (spec, generated_tokens(req))
         return None
 
     def attach_remote(self, request: Request, first_token_ids: Sequence[int]) -> str | None:

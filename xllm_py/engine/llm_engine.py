@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from xllm_py.config import EngineConfig, InstanceRole
 from xllm_py.engine.engine_request import (  # noqa: F401 - EngineRequest is imported from here
     EngineRequest, HandOverHook, child_params, error_output, resolve_model_dir)
-from xllm_py.engine.grammars import EngineGrammars, generated_tokens
+from xllm_py.engine.grammars import EngineGrammars
 from xllm_py.engine.output_processor import OutputProcessor, child_id, parent_of
 from xllm_py.engine.scheduler import ContinuousScheduler, RemoteAllocation, RequestUpdate
 from xllm_py.engine.step_trace import StepTrace
@@ -216,12 +216,8 @@ class LLMEngine:
                 requests: list[Request] | str = f"duplicate request id {req.request_id}"
             else:
                 requests = self._admit(req)
-                spec = req.params.structured
-                if spec is not None and not isinstance(requests, str):
-                    problem = self.grammars.attach(requests, spec, generated_tokens(req))
-                    if problem is not None:
-                        self.outputs.drop_parent(req.request_id)
-                        requests = problem
+                if not isinstance(requests, str) and req.params.structured is not None:
+                    requests = self.grammars.attach_new(requests, req, self.outputs)
         except Exception as exc:  # a check _admit lacks: refuse this request only
             logger.exception("admitting request %s failed", req.request_id)
             self.outputs.drop_parent(req.request_id)
@@ -253,13 +249,11 @@ class LLMEngine:
         if alloc is None or isinstance(alloc, str):
             self.outputs.drop_parent(req.request_id)
             return alloc
-        if req.params.structured is not None:
-            problem = self.grammars.prepare_remote(requests[0], req.params.structured,
-                                                   generated_tokens(req))
-            if problem is not None:
-                self.scheduler.abort_request(requests[0].request_id)
-                self.outputs.drop_parent(req.request_id)
-                return problem
+        problem = self.grammars.prepare_remote(requests[0], req)
+        if problem is not None:
+            self.scheduler.abort_request(requests[0].request_id)
+            self.outputs.drop_parent(req.request_id)
+            return problem
         self.outputs.set_cached_tokens(req.request_id, alloc.num_cached_tokens)
         return alloc
 
