@@ -11,12 +11,13 @@ import argparse
 import logging
 import os
 import pathlib
+import re
 import signal
 import sys
 import tempfile
-import threading
+import time
 
-from xllm_py.utils.cli import add_flag, setup_logging
+from xllm_py.utils.cli import DefaultsHelpFormatter, add_flag, setup_logging
 from xllm_py.utils.procs import ChildProcess, engine_args, free_port, spawn
 
 logger = logging.getLogger(__name__)
@@ -25,8 +26,11 @@ logger = logging.getLogger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m xllm_py.launch",
-        description="Bring up etcd + xllm_service + prefill/decode (or MIX) engines locally.")
-    add_flag(p, "--model", default="tiny", help="model directory or 'tiny' (default)")
+        description="Bring up etcd + xllm_service + prefill/decode (or MIX) engines locally. "
+                    "Flags also accept underscores (--http_port).",
+        formatter_class=DefaultsHelpFormatter)
+    add_flag(p, "--model", default="tiny",
+             help="Hugging Face model directory, or a built-in name (tiny, tiny-25m, ...)")
     add_flag(p, "--prefill", type=int, default=1, help="number of PREFILL engines")
     add_flag(p, "--decode", type=int, default=1, help="number of DECODE engines")
     add_flag(p, "--mix", type=int, default=0, help="run K MIX engines instead of prefill/decode")
@@ -34,16 +38,22 @@ def build_parser() -> argparse.ArgumentParser:
              help="tensor-parallel size of each PREFILL engine (--tensor-parallel-size)")
     add_flag(p, "--decode-tp", type=int, default=1, help="tensor-parallel size of each DECODE engine")
     add_flag(p, "--mix-tp", type=int, default=1, help="tensor-parallel size of each MIX engine")
-    add_flag(p, "--etcd", default=None, help="use this etcd HOST:PORT instead of starting one")
-    add_flag(p, "--host", default="127.0.0.1")
+    add_flag(p, "--etcd", default=None,
+             help="use this etcd HOST:PORT (default: start one, embedded)")
+    add_flag(p, "--host", default="127.0.0.1",
+             help="address every process listens on (loopback: this machine only)")
     add_flag(p, "--http-port", type=int, default=8888, help="the service's OpenAI API port")
     add_flag(p, "--rpc-port", type=int, default=0, help="the service's gRPC port (0: free)")
-    add_flag(p, "--log-dir", default=None, help="folder for one log per process")
-    add_flag(p, "--kv-cache-transfer-mode", default="PULL", type=str.upper, choices=["PULL", "PUSH"])
-    add_flag(p, "--kv-transfer-backend", default="ucx", choices=["ucx", "tcp"])
+    add_flag(p, "--log-dir", default=None,
+             help="folder for one log per process (default: a new folder under the temp dir)")
+    add_flag(p, "--kv-cache-transfer-mode", default="PULL", type=str.upper, choices=["PULL", "PUSH"],
+             help="PULL: decode fetches the prompt's KV from prefill; PUSH: prefill writes it")
+    add_flag(p, "--kv-transfer-backend", default="ucx", choices=["ucx", "tcp"],
+             help="how KV blocks move between engines")
     add_flag(p, "--pin-cores", action="store_true",
              help="pin each engine to its own core (round robin over the available cores)")
-    add_flag(p, "--ready-timeout", type=float, default=300.0)
+    add_flag(p, "--ready-timeout", type=float, default=300.0,
+             help="seconds to wait for every engine and the service to be ready")
     add_flag(p, "--engine-arg", action="append", default=[],
              help="extra flag for every engine, e.g. --engine-arg=--block-size=32")
     add_flag(p, "--prefill-arg", action="append", default=[],
@@ -59,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--api-key", action="append", default=None,
              help="API key the service and the engines' HTTP APIs require (repeatable); "
                   "handed to them in a 0600 file in the log dir, not on their command lines")
-    add_flag(p, "--log-level", default="INFO")
+    add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (the launcher's own)")
     return p
 
 
@@ -117,46 +127,76 @@ class Cluster:
             logger.info("etcd at %s", self.etcd_addr)
         rpc_port = a.rpc_port or free_port(a.host)
         self.service = spawn("service", "xllm_service",
-                             ["--etcd", self.etcd_addr, "--host", a.host, "--http-port",
-                              str(a.http_port), "--rpc-port", str(rpc_port), "--model", a.model,
-                              *self.security["service"], *a.service_arg],
+                             service_argv(a, self.etcd_addr, rpc_port, self.security["service"]),
                              self.log_dir, http_url=self.url)
         self.children.append(self.service)
-        roles = [("MIX", i) for i in range(a.mix)] if a.mix else (
-            [("PREFILL", i) for i in range(a.prefill)] + [("DECODE", i) for i in range(a.decode)])
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         engines = []
-        for n, (role, i) in enumerate(roles):
+        for n, (role, i) in enumerate(engine_roles(a)):
             port = free_port(a.host)
             tp = {"MIX": a.mix_tp, "PREFILL": a.prefill_tp, "DECODE": a.decode_tp}[role]
-            own = {"MIX": [], "PREFILL": a.prefill_arg, "DECODE": a.decode_arg}[role]
-            extra = ["--kv-cache-transfer-mode", a.kv_cache_transfer_mode,
-                     "--kv-transfer-backend", a.kv_transfer_backend, *self.security["engine"],
-                     *(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *a.engine_arg,
-                     *own]
             # (a TP engine's ranks need a core each: it is not pinned to one)
             cpu = cores[n % len(cores)] if a.pin_cores and cores and tp == 1 else None
             proc = spawn(f"{role.lower()}-{i}", "xllm_py.engine",
-                         engine_args(role, port, etcd=self.etcd_addr, model=a.model,
-                                     host=a.host, extra=extra),
+                         engine_args(role, port, etcd=self.etcd_addr, model=a.model, host=a.host,
+                                     extra=engine_flags(a, role, self.security["engine"])),
                          self.log_dir, http_url=f"http://{a.host}:{port}", cpu=cpu)
             self.children.append(proc)
             engines.append(proc)
-        for proc in engines:
-            proc.wait_ready(a.ready_timeout)
-        self.service.wait_ready(a.ready_timeout, path="/readiness")
+        self._wait_ready([(p, "/health") for p in engines] + [(self.service, "/readiness")],
+                         a.ready_timeout)
+
+    def _wait_ready(self, waits: list[tuple[ChildProcess, str]], timeout_s: float) -> None:
+        """Each child ready in turn, watching them all: one that exits ends the wait."""
+        deadline = time.monotonic() + timeout_s
+        for proc, path in waits:
+            while True:
+                dead = self.failed_child()
+                if dead is not None:
+                    raise RuntimeError(f"{dead.name} exited with {dead.popen.returncode}")
+                try:
+                    proc.wait_ready(min(1.0, max(deadline - time.monotonic(), 0.05)), path=path)
+                    break
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise
 
     def stop(self) -> None:
-        for proc in reversed(self.children):
-            if proc.alive():
-                proc.popen.send_signal(signal.SIGTERM)
-        for proc in reversed(self.children):
-            proc.terminate(timeout_s=10)
+        """Engines first (they drain, deregister and stop heartbeating while the service
+        still answers), then the service, then etcd."""
+        engines = [p for p in self.children if p is not self.service]
+        for group in (engines, [self.service] if self.service else []):
+            for proc in group:
+                if proc.alive():
+                    proc.popen.send_signal(signal.SIGTERM)
+            for proc in group:
+                proc.terminate(timeout_s=10)
         if self.etcd is not None:
             self.etcd.stop()
 
     def failed_child(self) -> ChildProcess | None:
         return next((p for p in self.children if not p.alive()), None)
+
+
+def engine_roles(a: argparse.Namespace) -> list[tuple[str, int]]:
+    if a.mix:
+        return [("MIX", i) for i in range(a.mix)]
+    return [("PREFILL", i) for i in range(a.prefill)] + [("DECODE", i) for i in range(a.decode)]
+
+
+def engine_flags(a: argparse.Namespace, role: str, security: list[str] = ()) -> list[str]:
+    """The flags an engine of `role` gets beyond its role, model, address and etcd."""
+    tp = {"MIX": a.mix_tp, "PREFILL": a.prefill_tp, "DECODE": a.decode_tp}[role]
+    own = {"MIX": [], "PREFILL": a.prefill_arg, "DECODE": a.decode_arg}[role]
+    return ["--kv-cache-transfer-mode", a.kv_cache_transfer_mode,
+            "--kv-transfer-backend", a.kv_transfer_backend, *security,
+            *(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *a.engine_arg, *own]
+
+
+def service_argv(a: argparse.Namespace, etcd: str, rpc_port: int,
+                 security: list[str] = ()) -> list[str]:
+    return ["--etcd", etcd, "--host", a.host, "--http-port", str(a.http_port),
+            "--rpc-port", str(rpc_port), "--model", a.model, *security, *a.service_arg]
 
 
 def tp_error(args: argparse.Namespace) -> str | None:
@@ -166,18 +206,111 @@ def tp_error(args: argparse.Namespace) -> str | None:
     return None  # (different prefill / decode TP: KV head slices, over ucx or tcp)
 
 
+class _FlagsError(Exception):
+    pass
+
+
+def _flags_error(parser: argparse.ArgumentParser, to_config, argv: list[str]) -> str | None:
+    """What the child's own parser (and config check) says about `argv`, or None."""
+    def error(message: str):
+        raise _FlagsError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    try:
+        to_config(parser.parse_args(argv))
+    except (_FlagsError, ValueError) as exc:
+        return str(exc)
+    except SystemExit:  # --help or --version among the extra flags
+        return "--help is not an engine or service flag here"
+    return None
+
+
+def child_flags_error(a: argparse.Namespace) -> str | None:
+    """Run each child's command line through its real parser before starting it."""
+    from xllm_py.engine.cli import build_parser as engine_parser
+    from xllm_py.engine.cli import config_from_args as engine_config
+    from xllm_service.cli import build_parser as service_parser
+    from xllm_service.cli import config_from_args as service_config
+
+    where = {"MIX": "--engine-arg", "PREFILL": "--engine-arg / --prefill-arg",
+             "DECODE": "--engine-arg / --decode-arg"}
+    for role in dict(engine_roles(a)):
+        argv = engine_args(role, 0, etcd="127.0.0.1:2379", model=a.model, host=a.host,
+                           extra=engine_flags(a, role))
+        error = _flags_error(engine_parser(), engine_config, argv)
+        if error:
+            return (f"{role} engine flags ({where[role]}): {error} "
+                    f"(see python -m xllm_py.engine --help)")
+    error = _flags_error(service_parser(), service_config, service_argv(a, "127.0.0.1:2379", 0))
+    if error:
+        return f"service flags (--service-arg): {error} (see python -m xllm_service --help)"
+    return None
+
+
+def preflight(a: argparse.Namespace) -> str | None:
+    """The first reason the cluster cannot start, found before anything starts."""
+    from xllm_py.utils.preflight import model_error, port_error, reachable_error
+
+    if a.mix < 0 or (not a.mix and min(a.prefill, a.decode) < 1):
+        return "a PD cluster needs --prefill >= 1 and --decode >= 1 (or --mix K: K MIX engines)"
+    checks = (
+        lambda: tp_error(a),
+        lambda: model_error(a.model),
+        lambda: port_error(a.host, a.http_port, "--http-port"),
+        lambda: port_error(a.host, a.rpc_port, "--rpc-port"),
+        lambda: a.etcd and reachable_error(
+            a.etcd, "--etcd", "etcd", hint="start it, or leave --etcd out to start one"),
+        lambda: log_dir_error(a.log_dir),
+        lambda: child_flags_error(a),
+    )
+    for check in checks:
+        error = check()
+        if error:
+            return error
+    return None
+
+
+def log_dir_error(log_dir: str | None) -> str | None:
+    if log_dir is None:
+        return None
+    try:
+        pathlib.Path(log_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot use --log-dir {log_dir}: {exc.strerror or exc}"
+    if not os.access(log_dir, os.W_OK):
+        return f"cannot write to --log-dir {log_dir}"
+    return None
+
+
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ [\w.]+: ")
+
+
+def start_failure(cluster: Cluster, exc: BaseException) -> str:
+    """One line for a start-up that failed after the children started."""
+    dead = cluster.failed_child()
+    if dead is not None:
+        lines = [ln for ln in dead.log_tail(20).splitlines() if ln.strip()]
+        last = _LOG_PREFIX.sub("", lines[-1].strip()) if lines else "(no output)"
+        last = last.removeprefix("error: ")
+        return (f"{dead.name} exited with {dead.popen.returncode} while starting: {last} "
+                f"(its log: {dead.log_path})")
+    return f"{str(exc).splitlines()[0]} (logs: {cluster.log_dir})"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
-    error = tp_error(args)
+    error = preflight(args)
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    stop = threading.Event()
+    # Flags, not a threading.Event: Event.set() in a signal handler deadlocks when the
+    # signal lands while the main thread's Event.wait() holds the Event's lock.
+    stopping = [False]
     starting = [True]
 
     def on_signal(*_: object) -> None:
-        stop.set()
+        stopping[0] = True
         if starting[0]:  # interrupt a start-up that may wait minutes for readiness
             raise KeyboardInterrupt
 
@@ -200,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
               f"Try:\n  curl {cluster.url}/v1/chat/completions{auth} -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
               f"\"Hello!\"}}], \"max_tokens\": 32}}'\n\nCtrl-C stops everything.", flush=True)
-        while not stop.wait(0.5):
+        while not stopping[0]:
+            time.sleep(0.5)
             dead = cluster.failed_child()
             if dead is not None:
                 logger.error("%s exited (%s); stopping the cluster. Last log lines:\n%s",
@@ -211,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("interrupted during start-up")
         return 130
     except (RuntimeError, TimeoutError, OSError) as exc:
-        logger.error("cluster failed to start: %s", exc)
+        print(f"error: {start_failure(cluster, exc)}", file=sys.stderr, flush=True)
         return 1
     finally:
         starting[0] = False

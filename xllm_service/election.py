@@ -86,11 +86,13 @@ class MasterElection:
                 logger.warning("resigning as master failed (the key expires with its lease): %s", e)
         self._lease_id = None
         await self._service_key.stop(delete=resign)
-        self._set(False, None if self._is_master else self._master_addr)
+        if self._is_master:
+            logger.info("%s stops being the master (shutting down)", self.my_addr)
+        self._set(False, None if self._is_master else self._master_addr, stopping=True)
 
     # ------------------------------------------------------------------ internals
 
-    def _set(self, is_master: bool, master_addr: str | None) -> None:
+    def _set(self, is_master: bool, master_addr: str | None, stopping: bool = False) -> None:
         if is_master == self._is_master and master_addr == self._master_addr:
             return
         was = self._is_master
@@ -98,7 +100,7 @@ class MasterElection:
         if is_master and not was:
             self.became_master_at = time.monotonic()
             logger.info("%s is now the master", self.my_addr)
-        elif was and not is_master:
+        elif was and not is_master and not stopping:
             logger.warning("%s is no longer the master (master: %s)", self.my_addr, master_addr)
         for cb in self._callbacks:
             try:

@@ -198,6 +198,13 @@ def test_launch_serves_and_stops_cleanly(launcher, tmp_path) -> None:
     assert proc.returncode == 0
     assert not _related(proc.pid, markers)
     assert reader.wait_for(r"<EOF>", 5)
+    # nothing a user reads as trouble: no request log lines of the readiness polls, no
+    # engine heartbeat to a service already gone, no master "losing" its role at shutdown
+    launcher_err = (tmp_path / "launcher.stderr").read_text(errors="replace").splitlines()
+    assert not [ln for ln in reader.lines + launcher_err if "httpx" in ln], launcher_err
+    noise = [ln for log in log_dir.glob("*.log") for ln in log.read_text().splitlines()
+             if ("heartbeat" in ln and "UNAVAILABLE" in ln) or "no longer the master" in ln]
+    assert not noise, noise
 
 
 @pytest.mark.parametrize("launcher", [["--tls", "--api-key", "sk-launch-test"]], indirect=True)

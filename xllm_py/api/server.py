@@ -22,6 +22,17 @@ def _config(app: FastAPI, host: str, port: int, access_log: bool) -> uvicorn.Con
     )
 
 
+def _bound_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class _SignalFreeServer(uvicorn.Server):
     """Leaves SIGINT/SIGTERM to the caller's handlers."""
 
@@ -42,7 +53,8 @@ async def serve(
     those handlers alone (serving goes on until `stop_event`: an engine that drains).
     """
     cls = uvicorn.Server if capture_signals else _SignalFreeServer
-    server = cls(_config(app, host, port, access_log))
+    sock = _bound_socket(host, port)  # (a taken port: OSError here, not uvicorn's exit 3)
+    server = cls(_config(app, host, sock.getsockname()[1], access_log))
     watcher: asyncio.Task | None = None
     if stop_event is not None:
 
@@ -51,10 +63,11 @@ async def serve(
             server.should_exit = True
 
         watcher = asyncio.ensure_future(_watch())
-    logger.info("HTTP server listening on %s:%d", host, port)
+    logger.info("HTTP server listening on %s:%d", host, sock.getsockname()[1])
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
+        sock.close()
         if watcher is not None:
             watcher.cancel()
 
@@ -84,9 +97,7 @@ def serve_in_thread(
     startup_timeout: float = 10.0,
 ) -> ServerHandle:
     """Start serving in a daemon thread; port 0 picks a free port (see `handle.port`)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock = _bound_socket(host, port)
     bound_port = sock.getsockname()[1]
     server = uvicorn.Server(_config(app, host, bound_port, access_log))
 

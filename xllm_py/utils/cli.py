@@ -3,6 +3,7 @@ as xLLM's gflags use underscores."""
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 
 
@@ -27,10 +28,36 @@ def parse_bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {value!r}")
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, except where there is none to show (None, an
+    off switch, an empty list) or its help already says it."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        # --http-port, not "--http-port HTTP_PORT, --http_port HTTP_PORT" (the description
+        # says that underscores work)
+        shown = [o for o in action.option_strings if "_" not in o] or action.option_strings
+        if shown != action.option_strings:
+            action = copy.copy(action)
+            action.option_strings = shown
+        return super()._format_action_invocation(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if default is None or default is False or default == [] or action.help is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+# Libraries that log every request at INFO (httpx: each readiness poll of the launcher).
+_CHATTY_LOGGERS = ("httpx", "httpcore")
+
+
 def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    lvl = getattr(logging, level.upper(), logging.INFO)
+    logging.basicConfig(level=lvl, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if lvl > logging.DEBUG:
+        for name in _CHATTY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def run_async(main_coro) -> None:
