@@ -246,6 +246,8 @@ class ServiceBackend(MigrationMixin):
             self._migrate(sub, out.unreachable_instance, why=(
                 f"decode instance {out.unreachable_instance} could not be reached "
                 f"({out.error_message})"))
+        elif out.failed and self._dropped_by_its_instance(sub, instance_name, out):
+            self._migrate(sub, instance_name, why=out.error_message)
         elif out.failed:
             self._deliver(sub, out)
         elif not sub.route.is_pd:
@@ -297,6 +299,16 @@ class ServiceBackend(MigrationMixin):
         return (sub.route.is_pd and out.unreachable_instance == sub.route.decode.name
                 and len(sub.generated) == 1 and not sub.held and sub.spec is not None
                 and sub.single_sequence and not sub.phase.is_done)
+
+    @staticmethod
+    def _dropped_by_its_instance(sub: SubRequest, instance_name: str,
+                                 out: RequestOutput) -> bool:
+        """The instance generating the sub gave it up because it could not reach us (a
+        cut link: GenerationsReporter's notice names itself): it moves like one whose
+        instance was evicted, when it can (single sequence, tokens relayed)."""
+        return (bool(instance_name) and out.unreachable_instance == instance_name
+                and sub.serving == instance_name and bool(sub.generated)
+                and sub.spec is not None and sub.single_sequence and not sub.phase.is_done)
 
     def _release_prefill(self, sub: SubRequest) -> None:
         """PD: the request no longer depends on its prefill instance, so that instance's

@@ -516,6 +516,39 @@ async def test_prefill_that_cannot_reach_its_decode_gets_the_request_moved(decod
     assert last.finished and not last.failed and last.outputs[0].token_ids == [2, 3]
 
 
+async def test_a_decode_that_dropped_the_request_gets_it_moved():
+    """The decode could not reach the service (a cut link) and dropped the stream; once
+    back it says so (GenerationsReporter's notice, naming itself): the request moves to
+    another decode instead of waiting for the idle timeout. Its late tokens are refused."""
+    b, engines = pd_backend(decodes=(DECODE, DECODE2))
+    stream, first, rid = await start_pd(b, engines)
+    await feed(b, gen(rid, [1], on_prefill=True, text="a"))
+    assert await take(first) == [1]
+    await b.on_generations(pb.DisaggStreamGenerations(gens=[gen(rid, [2], text="b")],
+                                                      instance_name="d"))
+    assert await take(anext(stream)) == [2]
+    notice = wire.dropped_generation(gen(rid, [3]), "d", "instance d could not reach the "
+                                     "service and dropped it")
+    await b.on_generations(pb.DisaggStreamGenerations(gens=[notice], instance_name="d"))
+    await asyncio.gather(*b._tasks)
+    (addr, item), = engines.migrated
+    assert addr == "10.0.0.3:1" and list(item.generated_token_ids) == [1, 2]
+    reply = await b.on_generations(pb.DisaggStreamGenerations(gens=[gen(rid, [3])],
+                                                              instance_name="d"))
+    assert [s.ok for s in reply.all_status] == [False]
+
+
+async def test_a_drop_notice_from_another_instance_is_an_ordinary_failure():
+    b, engines = pd_backend(decodes=(DECODE, DECODE2))
+    stream, first, rid = await start_pd(b, engines)
+    await feed(b, gen(rid, [1], on_prefill=True, text="a"))
+    assert await take(first) == [1]
+    other = wire.dropped_generation(gen(rid, []), "p", "instance p dropped it")
+    await b.on_generations(pb.DisaggStreamGenerations(gens=[other], instance_name="p"))
+    code, message = await take(anext(stream))
+    assert code == 503 and message == "instance p dropped it" and engines.migrated == []
+
+
 async def test_a_transfer_failure_is_not_moved():
     """A decode that was reached but could not take over (e.g. its KV pull failed) fails
     the request: that is not an instance that is gone."""

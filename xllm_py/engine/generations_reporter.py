@@ -5,6 +5,12 @@ end of step (step listener) -> hand the batch to the event loop -> one sender ta
 service sends the batches in order on a long-lived `GenerationsStream` (unary
 `Generations` if the stream breaks), merging batches that piled up while one was in
 flight -> a reply with ok=false (client gone) or a dead service aborts the request.
+
+A request aborted because its service could not be reached (deadline, broken stream) is
+not forgotten: the service still waits on it. Until the service answers (or
+DROPPED_NOTICE_S), a failed final output naming this instance is resent every
+RESEND_S; the service then moves the request to another instance (or fails it cleanly)
+instead of leaving its client waiting for its idle timeout.
 """
 from __future__ import annotations
 
@@ -21,6 +27,9 @@ from xllm_py.rpc import service as wire
 from xllm_py.utils.grpc_channels import ChannelPool, PipelinedStream, StreamBroken
 
 logger = logging.getLogger(__name__)
+
+RESEND_S = 1.0            # how often a dropped request's notice is resent
+DROPPED_NOTICE_S = 120.0  # and for how long (the service's request idle timeout)
 
 
 class Outgoing(NamedTuple):
@@ -69,6 +78,9 @@ class GenerationsReporter:
         self._channels = ChannelPool(credentials)
         self._streams: dict[str, PipelinedStream] = {}
         self.num_calls = 0
+        # service addr -> engine request id -> the notice of its drop (not yet answered)
+        self._dropped: dict[str, dict[str, object]] = {}
+        self._resenders: dict[str, asyncio.Task] = {}
 
     def sink(self, service_addr: str, service_request_id: str, engine_request_id: str,
              on_output=None) -> ReporterSink:
@@ -131,14 +143,41 @@ class GenerationsReporter:
             logger.warning("Generations to %s timed out after %.1fs", addr, self.timeout_s)
         if reply is None:
             logger.warning("aborting %d requests of service %s", len(gens), addr)
+            why = f"instance {self.instance_name} could not reach the service and dropped it"
+            notices = self._dropped.setdefault(addr, {})
             for gen in gens:
                 if not gen.finished:
                     self.abort(gen.engine_request_id)
+                    notices[gen.engine_request_id] = wire.dropped_generation(
+                        gen.message, self.instance_name, why)
+            if notices and (addr not in self._resenders or self._resenders[addr].done()):
+                self._resenders[addr] = asyncio.create_task(self._resend_dropped(addr))
             return
         for gen, (ok, why) in zip(gens, wire.statuses_from_proto(reply)):
             if not ok and not gen.finished:
                 logger.info("service %s dropped request %s: %s", addr, gen.engine_request_id, why)
                 self.abort(gen.engine_request_id)
+
+    async def _resend_dropped(self, addr: str) -> None:
+        """Tell the service of the requests dropped while it could not be reached, until
+        it answers (whatever it answers: it knows now)."""
+        t0 = asyncio.get_running_loop().time()
+        while self._dropped.get(addr):
+            await asyncio.sleep(RESEND_S)
+            notices = self._dropped.get(addr, {})
+            if asyncio.get_running_loop().time() - t0 > DROPPED_NOTICE_S:
+                logger.warning("service %s unreachable for %.0fs: %d dropped requests not "
+                               "reported", addr, DROPPED_NOTICE_S, len(notices))
+                self._dropped.pop(addr, None)
+                return
+            sent = dict(notices)
+            reply = await self._send_unary(
+                addr, wire.generations_to_proto(list(sent.values()), self.instance_name))
+            if reply is not None:
+                logger.info("told service %s of %d requests dropped while it was unreachable",
+                            addr, len(sent))
+                for rid in sent:
+                    notices.pop(rid, None)
 
     async def _send_unary(self, addr: str, request: object) -> object | None:
         try:
@@ -150,7 +189,7 @@ class GenerationsReporter:
         return reply
 
     async def close(self) -> None:
-        for task in self._senders.values():
+        for task in (*self._senders.values(), *self._resenders.values()):
             task.cancel()
         for stream in self._streams.values():
             await stream.close()

@@ -81,6 +81,16 @@ def generation_to_proto(output: RequestOutput, service_request_id: str,
     return gen
 
 
+def dropped_generation(gen: pb.DisaggStreamGeneration, instance_name: str,
+                       why: str) -> pb.DisaggStreamGeneration:
+    """The last word on the request of `gen` from the instance that gave it up (it could
+    not reach the service): a failed final output naming that instance, which the service
+    takes as a reason to move the request elsewhere."""
+    out = RequestOutput(request_id=gen.req_id, finished=True, error_code=503,
+                        error_message=why, unreachable_instance=instance_name)
+    return generation_to_proto(out, gen.service_req_id, gen.req_id)
+
+
 def generations_to_proto(gens: list[pb.DisaggStreamGeneration],
                          instance_name: str) -> pb.DisaggStreamGenerations:
     return pb.DisaggStreamGenerations(gens=gens, instance_name=instance_name)

@@ -1,0 +1,117 @@
+"""Faults across a real network: etcd and the service on one namespace host, each engine on
+its own (netns_lab), KV over UCX restricted to TCP and over the TCP backend, under
+streaming load. Every request must end within BOUND_S with the reference tokens (an
+undisturbed run's) or a clean OpenAI-shaped error, none hung, none with a wrong or doubled
+token; every engine's KV pool empty afterwards; the registry back to every instance.
+Each test prints its line of figures (requests, exact, clean errors, hung, wrong, blocks
+left, longest pause). Skipped where not root or `ip netns` is missing (CI runs as root).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.integration.netns_cluster import GRACE_S, TTL_S, Load, NetCluster, prompts
+from tests.integration.netns_lab import NetLab, unavailable_reason
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(unavailable_reason() is not None,
+                                 reason=f"network-namespace faults: {unavailable_reason()}")]
+
+BOUND_S = 45.0      # every request ends within this of its start
+SETTLE_S = 15.0     # pools empty within this after the load
+MAX_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def cluster(request, tmp_path_factory):
+    backend = request.param
+    lab = NetLab()
+    c = None
+    try:
+        c = NetCluster(lab, tmp_path_factory.mktemp(f"netns-{backend}"), backend=backend)
+        c.wait_ready()
+        yield c
+    finally:
+        if c is not None:
+            c.stop()
+        lab.close()
+        assert lab.leftovers() == [], "namespaces or links left behind"
+
+
+def _check(c: NetCluster, tally, allow_errors: bool = False) -> None:
+    print("\n" + tally.line())
+    for note in tally.notes:
+        print("   ", note)
+    assert tally.hung == 0 and tally.wrong == 0, tally.notes
+    assert tally.blocks_left == 0, tally.notes
+    if not allow_errors:
+        assert tally.errors == 0, tally.notes
+    c.wait_active(len(c.engines()), 20)  # the registry converges
+
+
+async def _wait(pred, timeout_s: float, what: str, step_s: float = 0.05) -> float:
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"{what} not within {timeout_s}s")
+        await asyncio.sleep(step_s)
+    return time.monotonic() - t0
+
+
+def _running(c: NetCluster, host: str) -> int:
+    from tests.integration.netns_cluster import metric
+
+    return int(metric(c.url(host), "xllm_requests_running"))
+
+
+async def _decode_link_down(c: NetCluster, until_evicted: bool):
+    load = Load(c, prompts(6), MAX_TOKENS, BOUND_S)
+    try:
+        await load.reference()
+        for p in load.prompts:
+            load.start(p)
+        await _wait(lambda: sum(_running(c, d) for d in c.decodes) == len(load.runs)
+                    and all(len(r.ids) >= 2 for r in load.runs), 20, "every stream decoding",
+                    step_s=0.1)
+        counts = {d: _running(c, d) for d in c.decodes}
+        victim = max(counts, key=counts.get)
+        c.lab.down(victim)
+        t_down = time.monotonic()
+        if until_evicted:  # lease expired, SUSPECT, evicted: its streams move meanwhile
+            await _wait(lambda: c.registered() == len(c.engines()) - 1, TTL_S + GRACE_S + 10,
+                        "the victim's eviction", step_s=0.1)
+            await asyncio.sleep(1.0)
+        else:  # past its lease and its Generations deadline, back before its eviction
+            await _wait(lambda: c.active() == len(c.engines()) - 1, TTL_S + 10,
+                        "the victim's lease lost", step_s=0.1)
+            await asyncio.sleep(1.5)
+        c.lab.up(victim)
+        down_s = time.monotonic() - t_down
+        await load.finish()
+        what = "past its eviction" if until_evicted else "past its lease"
+        tally = load.tally(f"{c.backend}: decode {victim} link down {down_s:.1f}s ({what}) "
+                           f"with {counts[victim]} of {len(load.runs)} streams", SETTLE_S)
+        _check(c, tally)
+        assert tally.pause_s < down_s + TTL_S + GRACE_S + 8
+    finally:
+        await load.close()
+
+
+@pytest.mark.parametrize("cluster", ["ucx", "tcp"], indirect=True)
+async def test_decode_link_down_past_its_eviction(cluster):
+    """A decode's link goes away for longer than its lease and eviction: its streams move
+    to the other decode (recomputed there) and finish with the reference tokens; when the
+    link comes back the old decode's late outputs are refused (fenced: the moved streams
+    have new ids it never had), it frees its KV and rejoins."""
+    await _decode_link_down(cluster, until_evicted=True)
+
+
+@pytest.mark.parametrize("cluster", ["ucx"], indirect=True)
+async def test_decode_link_down_past_its_lease(cluster):
+    """Down past its lease and its Generations deadline (it drops its streams), back
+    before its eviction: it tells the service what it dropped, the streams move (they
+    used to hang until the service's idle timeout)."""
+    await _decode_link_down(cluster, until_evicted=False)
