@@ -246,7 +246,10 @@ class InstanceTable:
                 del self._entries[name]
                 old = info.snapshot()
                 old.state = InstanceState.EVICTED
-                logger.warning("instance %s (%s) evicted after %.1fs suspect", name, info.role.value, now - info.state_since_s)
+                # (one that was draining shut down as asked: its leaving is no warning)
+                log = logger.info if info.meta.draining else logger.warning
+                log("instance %s (%s) evicted after %.1fs suspect%s", name, info.role.value,
+                    now - info.state_since_s, " (it had drained)" if info.meta.draining else "")
                 changes.append(Change(ChangeKind.EVICTED, old, InstanceState.SUSPECT))
         return changes
 

@@ -107,6 +107,18 @@ def test_suspect_evicted_after_grace_with_old_info():
     assert t.next_eviction_s() is None
 
 
+def test_eviction_warns_unless_the_instance_had_drained(caplog):
+    """A crash (key gone, no drain) is a warning; an engine that drained and deregistered
+    (a clean shutdown) is only information."""
+    t = table_with(meta(), meta(name="d2:1", inc="inc-2", draining=True))
+    t.key_deleted("d1:1", 1.0)
+    t.key_deleted("d2:1", 1.0)
+    with caplog.at_level("INFO", logger="xllm_service.instance_table"):
+        assert kinds(t.tick(1.0 + GRACE)) == [ChangeKind.EVICTED, ChangeKind.EVICTED]
+    levels = {r.getMessage().split()[1]: r.levelname for r in caplog.records}
+    assert levels == {"d1:1": "WARNING", "d2:1": "INFO"}
+
+
 def test_zero_grace_evicts_on_next_tick():
     t = InstanceTable(evict_grace_s=0.0)
     t.key_put(meta(), 0.0)
