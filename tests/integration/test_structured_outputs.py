@@ -175,3 +175,103 @@ def test_greedy_pd_equals_mix_token_for_token(target):
         pytest.skip("the MIX run (the reference) did not run in this session")
     else:
         assert outputs == _MIX_GREEDY["outputs"]
+
+
+# -- tools ---------------------------------------------------------------------------------
+
+WEATHER_PARAMS = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                  "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                 "unit": {"enum": ["C", "F"]}}}
+TIME_PARAMS = {"type": "object", "additionalProperties": False, "required": ["tz"],
+               "properties": {"tz": {"enum": ["UTC", "CET"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS}}]
+SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# tool_choice auto reads the model's own format (Hermes for the tiny Qwen-style model); a
+# random-weight model never writes it, so this regex makes it (the parsing path is real)
+HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
+               r'"unit": "(C|F)"\}\}\n</tool_call>')
+
+
+def _check_calls(message, names=None, max_calls=None):
+    assert message.tool_calls, message
+    assert max_calls is None or len(message.tool_calls) <= max_calls
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert names is None or call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def _streamed_calls(chunks):
+    calls: dict[int, dict] = {}
+    finish = None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        finish = ch.choices[0].finish_reason or finish
+        for d in ch.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+            if d.id:
+                assert entry["id"] is None
+                entry["id"], entry["name"] = d.id, d.function.name
+            entry["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_tool_choice_required_and_named_follow_the_schemas(target):
+    proc, _, _ = target
+    c = client(proc)
+    for kwargs in ({"temperature": 0}, {"temperature": 1.0, "seed": 7, "n": 3}):
+        resp = c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                         tool_choice="required", max_tokens=300, **kwargs)
+        for choice in resp.choices:
+            assert choice.finish_reason == "tool_calls"
+            _check_calls(choice.message, set(SCHEMAS))
+        one = c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                        tool_choice="required", parallel_tool_calls=False,
+                                        max_tokens=300, **kwargs)
+        for choice in one.choices:
+            _check_calls(choice.message, set(SCHEMAS), max_calls=1)
+        named = c.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, max_tokens=300,
+            tool_choice={"type": "function", "function": {"name": "get_time"}}, **kwargs)
+        for choice in named.choices:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            _check_calls(choice.message, {"get_time"}, max_calls=1)
+
+
+def test_tool_choice_none_and_auto(target):
+    proc, _, _ = target
+    c = client(proc)
+    plain = c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                      tool_choice="none", max_tokens=8, temperature=0)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+    for kwargs in ({"temperature": 0}, {"temperature": 1.0, "seed": 3, "n": 2}):
+        resp = c.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=100,
+            extra_body={"structured_outputs": {"regex": HERMES_CALL}}, **kwargs)
+        for choice in resp.choices:
+            assert choice.finish_reason == "tool_calls"
+            assert choice.message.content is None
+            _check_calls(choice.message, {"get_weather"}, max_calls=1)
+
+
+@pytest.mark.parametrize("mode", ["required", "named", "auto"])
+def test_streamed_tool_calls_equal_the_full_response(target, mode):
+    proc, _, _ = target
+    c = client(proc)
+    kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=300, temperature=0)
+    if mode == "required":
+        kwargs["tool_choice"] = "required"
+    elif mode == "named":
+        kwargs["tool_choice"] = {"type": "function", "function": {"name": "get_weather"}}
+    else:
+        kwargs.update(tool_choice="auto", extra_body={"structured_outputs": {"regex": HERMES_CALL}})
+    full = c.chat.completions.create(**kwargs)
+    calls, finish = _streamed_calls(c.chat.completions.create(stream=True, **kwargs))
+    assert finish == "tool_calls" == full.choices[0].finish_reason
+    expected = full.choices[0].message.tool_calls
+    assert [(x["name"], x["arguments"]) for x in calls] == \
+        [(t.function.name, t.function.arguments) for t in expected]
+    assert all(x["id"].startswith("call_") for x in calls)

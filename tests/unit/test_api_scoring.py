@@ -204,8 +204,6 @@ def test_version(http):
 
 
 @pytest.mark.parametrize("param,value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
     ("use_beam_search", True),

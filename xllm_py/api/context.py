@@ -36,6 +36,8 @@ class Choice:
     stop_reason: str | int | None = None
     started: bool = False  # stream: the first chunk (echo / prompt_token_ids) was sent
     text_offset: int = 0  # completions logprobs text_offset of the next token
+    tool_stream: Any = None  # chat with tools: the stream's tool-call parser (ToolStream)
+    num_tool_calls: int = 0  # chat with tools: calls rendered (finish_reason tool_calls)
 
     @property
     def text(self) -> str:

@@ -17,14 +17,16 @@ refused later as a 500.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, TypeVar, Union
 
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from xllm_py.api.backend import GenerateRequest
 from xllm_py.api.errors import InvalidRequestError
 from xllm_py.api.structured_request import StructuredFields
+from xllm_py.api.tool_choice import ToolRequest, tool_request
 from xllm_py.api.unsupported import UnsupportedFields
 from xllm_py.api.validation import check, check_wire_values, parse_model
 from xllm_py.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, REQUEST_FIELDS
@@ -322,6 +324,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def to_template_dict(self) -> dict[str, Any]:
         if isinstance(self.content, list):
@@ -339,10 +343,31 @@ class ChatMessage(BaseModel):
         out: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [template_tool_call(c) for c in self.tool_calls]
         return out
 
 
+def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool call as chat templates read it: the function's
+    arguments as an object (the API carries them as JSON text), also at the top level."""
+    fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    fn = {**fn, "arguments": args}
+    return {**call, "function": fn, "name": fn.get("name"), "arguments": args}
+
+
 class ChatCompletionRequest(_CommonRequest):
+    SUPPORTED = ("tools", "tool_choice", "parallel_tool_calls")
+    # The tool-call format its choices are read in (serving_chat; None: no tools).
+    _tool_format: str | None = PrivateAttr(default=None)
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -382,6 +407,22 @@ class ChatCompletionRequest(_CommonRequest):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
+
+    def tool_request(self) -> ToolRequest | None:
+        """The request's tool use (400 on malformed tools or an unknown tool name)."""
+        return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def _constraints(self) -> list[tuple[str, Any]]:
+        found = super()._constraints()
+        tools = self.tool_request()
+        spec = tools.grammar() if tools is not None else None
+        if spec is not None:
+            if found:
+                raise InvalidRequestError(
+                    f"tool_choice {tools.mode} is a constraint of its own; it cannot be "
+                    f"combined with {found[0][0]}", param="tool_choice")
+            found.append(("tool_choice", spec))
+        return found
 
 
 _R = TypeVar("_R", bound=_CommonRequest)

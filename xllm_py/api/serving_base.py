@@ -111,6 +111,11 @@ class OpenAIServing:
         """One stream chunk's choice, less the fields common to both endpoints."""
         raise NotImplementedError
 
+    def _finish_reason(self, ctx: RequestContext, choice: Choice, reason: str | None) -> str | None:
+        """The finish_reason a client sees (chat: "tool_calls" when the model called one);
+        called after the choice's render."""
+        return reason
+
     # -- intake ---------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
@@ -264,7 +269,7 @@ class OpenAIServing:
 
     def _full_choice(self, ctx: RequestContext, c: Choice) -> dict[str, Any]:
         choice = self._render_choice(ctx, c)
-        choice["finish_reason"] = c.finish_reason
+        choice["finish_reason"] = self._finish_reason(ctx, c, c.finish_reason)
         choice["stop_reason"] = c.stop_reason
         if ctx.req.return_token_ids:
             choice["prompt_token_ids"] = ctx.prompts[c.prompt_index].token_ids
@@ -368,7 +373,7 @@ class OpenAIServing:
             return None
         choice.started = True
         out = self._render_delta(ctx, choice, delta, first)
-        out["finish_reason"] = delta.finish_reason
+        out["finish_reason"] = self._finish_reason(ctx, choice, delta.finish_reason)
         out["stop_reason"] = delta.stop_reason
         if ctx.req.return_token_ids:
             if first:

@@ -1,5 +1,8 @@
 """POST /v1/chat/completions: one prompt from the chat template, an assistant message per
-choice (streamed as deltas after a role chunk), logprobs in the chat format."""
+choice (streamed as deltas after a role chunk), logprobs in the chat format. With tools
+(tool_choice.py) the template gets them and each choice's text is read for tool calls
+(tool_parsers.py): message.tool_calls, or delta.tool_calls as they stream; a choice that
+called a tool finishes with "tool_calls"."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,6 +13,7 @@ from xllm_py.api.errors import InvalidRequestError
 from xllm_py.api.logprobs import chat_logprobs, entries_for, vllm_prompt_logprobs
 from xllm_py.api.protocol import ChatCompletionRequest
 from xllm_py.api.serving_base import OpenAIServing
+from xllm_py.api.tool_parsers import ToolStream, format_for, message_tool_calls, parse
 from xllm_py.outputs import CompletionDelta, TokenLogprob
 
 
@@ -21,14 +25,31 @@ class OpenAIServingChat(OpenAIServing):
     prompt_param = "messages"
 
     def _prompts(self, req: ChatCompletionRequest, tokenizer: TokenizerLike) -> list[Prompt]:
-        return [Prompt(token_ids=render_chat(tokenizer, req.template_messages()), text=None)]
+        tools = req.tool_request()
+        if tools is not None:
+            req._tool_format = {"auto": format_for(tokenizer), "required": "json_array",
+                                "named": "arguments"}[tools.mode]
+        return [Prompt(token_ids=render_chat(
+            tokenizer, req.template_messages(),
+            tools=tools.template_tools() if tools is not None else None), text=None)]
 
     def _render_choice(self, ctx: RequestContext, choice: Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        fmt = ctx.req._tool_format
+        if fmt is not None:
+            content, calls = parse(choice.text, fmt, True, _tool_name(ctx))
+            if calls:
+                message = {"role": "assistant", "content": content.strip() or None,
+                           "tool_calls": message_tool_calls(calls)}
+                choice.num_tool_calls = len(calls)
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": self._logprobs(ctx, choice.token_ids, choice.logprobs, allow_empty=True),
         }
+
+    def _finish_reason(self, ctx: RequestContext, choice: Choice, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and choice.num_tool_calls else reason
 
     def _response_fields(self, ctx: RequestContext) -> dict[str, Any]:
         """vLLM's prompt_logprobs of the chat prompt, at the top level of the response."""
@@ -49,9 +70,21 @@ class OpenAIServingChat(OpenAIServing):
     def _render_delta(
         self, ctx: RequestContext, choice: Choice, delta: CompletionDelta, first: bool
     ) -> dict[str, Any]:
+        text = delta.text
+        out: dict[str, Any] = {}
+        fmt = ctx.req._tool_format
+        if fmt is not None:
+            if choice.tool_stream is None:
+                choice.tool_stream = ToolStream(fmt, _tool_name(ctx))
+            text, calls = choice.tool_stream.feed(delta.text, delta.finish_reason is not None)
+            if calls:
+                out["tool_calls"] = calls
+            choice.num_tool_calls = choice.tool_stream.num_calls
+        if text:
+            out = {"content": text, **out}
         return {
             "index": choice.index,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": out,
             "logprobs": self._logprobs(ctx, delta.token_ids, delta.logprobs, allow_empty=False),
         }
 
@@ -71,11 +104,20 @@ class OpenAIServingChat(OpenAIServing):
         return {"content": chat_logprobs(entries, num_top, ctx.token_text)}
 
 
+def _tool_name(ctx: RequestContext) -> str | None:
+    tools = ctx.req.tool_request()
+    return tools.name if tools is not None else None
+
+
 def render_chat(tokenizer: TokenizerLike, messages: list[dict[str, Any]], *,
-                add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
-    """Token ids of messages through the chat template (400 if the template refuses them)."""
+                add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of messages through the chat template (400 if the template refuses them);
+    `tools` reach the template (HF templates render them) when given."""
+    extra = {"tools": tools} if tools else {}
     try:
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **extra)
     except Exception as e:  # e.g. jinja: "roles must alternate user/assistant"
         raise InvalidRequestError(
             f"chat template could not be applied: {str(e)[:200]}", param="messages"

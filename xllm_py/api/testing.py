@@ -42,8 +42,10 @@ class FakeTokenizer:
                 parts.append(chr(t))
         return "".join(parts)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        text = "".join(f"<|tool|>{t['function']['name']}\n" for t in tools or [])
+        text += "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
         return text + ("<|assistant|>" if add_generation_prompt else "")
 
 

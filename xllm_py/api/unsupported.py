@@ -7,7 +7,7 @@ tool_choice "none"). Never silently ignored. (Structured outputs: structured_req
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -65,7 +65,10 @@ class UnsupportedFields(BaseModel):
     documents: Any = None
     lora_request: Any = None
 
+    # Fields of UNSUPPORTED that this endpoint does implement (chat: the tools).
+    SUPPORTED: ClassVar[tuple[str, ...]] = ()
+
     def check_unsupported(self) -> None:
         for name, asks_nothing in UNSUPPORTED.items():
-            if not asks_nothing(getattr(self, name)):
+            if name not in self.SUPPORTED and not asks_nothing(getattr(self, name)):
                 raise InvalidRequestError(f"{name} is not supported by this server", param=name)
