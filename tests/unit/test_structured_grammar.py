@@ -120,6 +120,14 @@ def test_mask_blocks_exactly_the_disallowed_tokens_of_constrained_rows():
     assert finite == allowed
 
 
+def test_device_unpack_equals_the_cpu_unpack():
+    """The GPU path's shifts (run here on the CPU) read the bitmask as numpy does."""
+    from xllm_py.structured.token_mask import blocked_cpu, blocked_on_device
+
+    bits = np.random.default_rng(0).integers(-2**31, 2**31 - 1, size=(3, 5), dtype=np.int32)
+    assert torch.equal(blocked_cpu(bits), blocked_on_device(bits, torch.device("cpu")))
+
+
 def test_sampler_picks_only_allowed_tokens_greedy_and_sampled_with_raw_logprobs():
     torch.manual_seed(1)
     vocab = 100

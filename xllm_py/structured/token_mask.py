@@ -31,13 +31,8 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
 def _apply(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     vocab = logits.shape[1]
     bits = mask.bitmask[:len(mask.rows)]
-    if logits.device.type == "cpu":
-        blocked = np.unpackbits(np.invert(bits).view(np.uint8), axis=1, bitorder="little")
-        blocked_t = torch.from_numpy(blocked).view(torch.bool)
-    else:
-        words = torch.from_numpy(bits).to(logits.device, non_blocking=True)
-        shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-        blocked_t = ((words.unsqueeze(-1) >> shifts) & 1).eq(0).reshape(len(mask.rows), -1)
+    blocked_t = blocked_cpu(bits) if logits.device.type == "cpu" else \
+        blocked_on_device(bits, logits.device)
     width = min(vocab, blocked_t.shape[1])
     blocked_t = blocked_t[:, :width]
     if len(mask.rows) == logits.shape[0]:
@@ -52,3 +47,16 @@ def _apply(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
         sub[:, width:] = float("-inf")
     logits.index_copy_(0, idx, sub)
     return logits
+
+
+def blocked_cpu(bits: np.ndarray) -> torch.Tensor:
+    """bool [rows, 32 * words]: True where the token is disallowed (numpy unpack, a view)."""
+    blocked = np.unpackbits(np.invert(bits).view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(blocked).view(torch.bool)
+
+
+def blocked_on_device(bits: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The same on `device` (a GPU): the words copied over, unpacked there with shifts."""
+    words = torch.from_numpy(bits).to(device, non_blocking=True)
+    shifts = torch.arange(32, device=device, dtype=torch.int32)
+    return ((words.unsqueeze(-1) >> shifts) & 1).eq(0).reshape(bits.shape[0], -1)
