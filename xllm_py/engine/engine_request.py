@@ -38,11 +38,9 @@ HandOverHook = Callable[[RequestUpdate, Any, list[int]], None]
 
 
 def resolve_model_dir(model: str) -> str:
-    if model.startswith("tiny"):
-        from xllm_py.model.tiny import ensure_tiny_model
+    from xllm_py.model.catalog import resolve_model
 
-        return str(ensure_tiny_model(model))
-    return model
+    return resolve_model(model)
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:

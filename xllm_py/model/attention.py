@@ -141,6 +141,7 @@ class _DecodeGroup:
     block_tables: torch.Tensor  # [Bd, nblk]
     seq_lens: torch.Tensor  # [Bd] int64
     block_size: int
+    window: int = 0  # > 0: a query sees only its last `window` positions (sliding layers)
 
     @functools.cached_property
     def key_mask(self) -> torch.Tensor:
@@ -148,7 +149,10 @@ class _DecodeGroup:
         the native kernels read seq_lens)."""
         key_pos = torch.arange(self.block_tables.shape[1] * self.block_size,
                                device=self.seq_lens.device)
-        return (key_pos[None, :] < self.seq_lens[:, None])[:, None, None, :]
+        mask = key_pos[None, :] < self.seq_lens[:, None]
+        if self.window:
+            mask &= key_pos[None, :] >= self.seq_lens[:, None] - self.window
+        return mask[:, None, None, :]
 
 
 @dataclass
@@ -167,6 +171,7 @@ class _PrefillGroup:
     # (None = all of them) go to the native kernel
     dense: list["_DenseChunk"] = field(default_factory=list)
     paged_rows: torch.Tensor | None = None
+    window: int = 0
 
 
 @dataclass
@@ -174,8 +179,8 @@ class _DenseChunk:
     """One sequence's prefill chunk attended in one causal SDPA call."""
 
     rows: slice  # its query rows in the prefill group (contiguous)
-    key_slots: torch.Tensor  # [seq_len] cache slots of positions 0 .. seq_len - 1
-    mask: torch.Tensor | None  # [n, seq_len] bool after a cached prefix; None = is_causal
+    key_slots: torch.Tensor  # [len] cache slots of positions seq_len - len .. seq_len - 1
+    mask: torch.Tensor | None  # [n, len] bool after a cached prefix or in a window; None = is_causal
 
 
 @dataclass
@@ -188,11 +193,14 @@ class AttentionPlan:
     prefill: _PrefillGroup | None
 
 
-def plan_attention(md: AttentionMetadata, block_size: int) -> AttentionPlan:
-    """Split the batch into its decode and prefill parts and build their masks."""
+def plan_attention(md: AttentionMetadata, block_size: int, window: int = 0) -> AttentionPlan:
+    """Split the batch into its decode and prefill parts and build their masks; with
+    ``window`` > 0 each query attends to its last ``window`` positions only (a
+    sliding-window layer: keys at positions > query position - window)."""
     num_tokens = int(md.slot_mapping.shape[0])
     if md.max_query_len == 1:
-        decode = _decode_group(None, md.block_tables, md.seq_lens, md.max_seq_len, block_size)
+        decode = _decode_group(None, md.block_tables, md.seq_lens, md.max_seq_len, block_size,
+                               window)
         return AttentionPlan(md.slot_mapping, num_tokens, decode, None)
     q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
     is_decode = (q_lens == 1).cpu()
@@ -200,7 +208,7 @@ def plan_attention(md: AttentionMetadata, block_size: int) -> AttentionPlan:
     if num_decode == 0:
         prefill = _prefill_group(None, md.query_start_loc, md.seq_lens, md.context_lens,
                                  md.block_tables, md.max_query_len, md.max_seq_len,
-                                 block_size, num_tokens)
+                                 block_size, num_tokens, window)
         return AttentionPlan(md.slot_mapping, num_tokens, None, prefill)
     # Mixed batch: one host sync per step (not per layer) to split the two groups.
     dev = md.seq_lens.device
@@ -209,7 +217,8 @@ def plan_attention(md: AttentionMetadata, block_size: int) -> AttentionPlan:
     seq_lens_host = md.seq_lens.cpu()
     d_tok = md.query_start_loc[d_seq]
     d_max = int(seq_lens_host[is_decode].max())
-    decode = _decode_group(d_tok, md.block_tables[d_seq], md.seq_lens[d_seq], d_max, block_size)
+    decode = _decode_group(d_tok, md.block_tables[d_seq], md.seq_lens[d_seq], d_max, block_size,
+                           window)
     p_qsl_start = md.query_start_loc[p_seq]
     p_qlens = q_lens[p_seq]
     p_qsl = torch.zeros(p_seq.shape[0] + 1, dtype=torch.int64, device=dev)
@@ -222,12 +231,12 @@ def plan_attention(md: AttentionMetadata, block_size: int) -> AttentionPlan:
     p_max_seq = int(seq_lens_host[~is_decode].max())
     prefill = _prefill_group(p_tok, p_qsl, md.seq_lens[p_seq], md.context_lens[p_seq],
                              md.block_tables[p_seq], md.max_query_len, p_max_seq,
-                             block_size, num_p_tokens)
+                             block_size, num_p_tokens, window)
     return AttentionPlan(md.slot_mapping, num_tokens, decode, prefill)
 
 
 def plan_rows(md: AttentionMetadata, rows: torch.Tensor, positions: torch.Tensor,
-              block_size: int) -> AttentionPlan:
+              block_size: int, window: int = 0) -> AttentionPlan:
     """Attention for only the query tokens ``rows`` of the step (their K/V and every
     earlier token's already in the caches): each row attends to its sequence's context up
     to its own position, as a decode query. For a last layer whose other rows feed
@@ -235,7 +244,8 @@ def plan_rows(md: AttentionMetadata, rows: torch.Tensor, positions: torch.Tensor
     seq_of_row = torch.searchsorted(md.query_start_loc[1:], rows, right=True)
     seq_lens = positions[rows] + 1
     max_len = int(seq_lens.max()) if rows.numel() else 1
-    decode = _decode_group(None, md.block_tables[seq_of_row], seq_lens, max_len, block_size)
+    decode = _decode_group(None, md.block_tables[seq_of_row], seq_lens, max_len, block_size,
+                           window)
     return AttentionPlan(md.slot_mapping[rows], int(rows.shape[0]), decode, None)
 
 
@@ -244,15 +254,16 @@ def _num_blocks(max_seq_len: int, block_size: int) -> int:
 
 
 def _decode_group(token_idx: torch.Tensor | None, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, max_seq_len: int, block_size: int) -> _DecodeGroup:
+                  seq_lens: torch.Tensor, max_seq_len: int, block_size: int,
+                  window: int = 0) -> _DecodeGroup:
     nblk = _num_blocks(max_seq_len, block_size)
-    return _DecodeGroup(token_idx, block_tables[:, :nblk], seq_lens, block_size)
+    return _DecodeGroup(token_idx, block_tables[:, :nblk], seq_lens, block_size, window)
 
 
 def _prefill_group(token_idx: torch.Tensor | None, query_start_loc: torch.Tensor,
                    seq_lens: torch.Tensor, context_lens: torch.Tensor,
                    block_tables: torch.Tensor, max_q: int, max_seq_len: int,
-                   block_size: int, num_tokens: int) -> _PrefillGroup:
+                   block_size: int, num_tokens: int, window: int = 0) -> _PrefillGroup:
     dev = seq_lens.device
     num_seqs = int(seq_lens.shape[0])
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -266,9 +277,12 @@ def _prefill_group(token_idx: torch.Tensor | None, query_start_loc: torch.Tensor
     # causal and within the sequence; padded query rows still see key 0 (no all -inf row)
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
         key_pos[None, None, :] < seq_lens[:, None, None])
+    if window:
+        mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
     tables = block_tables[:, :nblk]
     group = _PrefillGroup(token_idx, dest, num_seqs, max_q, tables, mask[:, None],
-                          tables[seq_of_tok], context_lens[seq_of_tok] + offset + 1)
+                          tables[seq_of_tok], context_lens[seq_of_tok] + offset + 1,
+                          window=window)
     if max_q >= min(DENSE_PREFILL_MIN_TOKENS, DENSE_CHUNK_MIN_TOKENS):
         _plan_dense(group, query_start_loc, context_lens, block_size, num_tokens)
     return group
@@ -285,14 +299,18 @@ def _plan_dense(g: _PrefillGroup, query_start_loc: torch.Tensor, context_lens: t
         start, end = qsl[i], qsl[i + 1]
         n = end - start
         seq_len = ctx[i] + n
-        if not takes_dense_path(n, ctx[i]):
+        # a window: the chunk's first query reads from position ctx - window + 1 on
+        first = max(0, ctx[i] - g.window + 1) if g.window else 0
+        if not takes_dense_path(n, ctx[i] - first):
             continue
-        pos = torch.arange(seq_len, device=dev)
+        pos = torch.arange(first, seq_len, device=dev)
         slots = g.block_tables[i, pos // block_size] * block_size + pos % block_size
         mask = None
-        if ctx[i]:
+        if ctx[i] or (g.window and seq_len > g.window):
             q_pos = ctx[i] + torch.arange(n, device=dev)
             mask = pos[None, :] <= q_pos[:, None]
+            if g.window:
+                mask &= pos[None, :] > q_pos[:, None] - g.window
         g.dense.append(_DenseChunk(slice(start, end), slots, mask))
         paged[start:end] = False
     if g.dense:
@@ -316,18 +334,20 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
-    """Row i of q attends to the first seq_lens[i] slots of table i, the blocks read in
-    place by the native kernel (no gather, no mask); None when it does not apply."""
+                     tables: torch.Tensor, seq_lens: torch.Tensor,
+                     window: int = 0) -> torch.Tensor | None:
+    """Row i of q attends to the first seq_lens[i] slots of table i (with ``window``: the
+    last ``window`` of them), the blocks read in place by the native kernel (no gather, no
+    mask); None when it does not apply."""
     if not cpu_kernels.decode_attention_supported(q, k_cache, v_cache):
         return None
     return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens,
-                                              q.shape[-1] ** -0.5)
+                                              q.shape[-1] ** -0.5, window)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       g: _DecodeGroup) -> torch.Tensor:
-    out = _attend_in_place(q, k_cache, v_cache, g.block_tables, g.seq_lens)
+    out = _attend_in_place(q, k_cache, v_cache, g.block_tables, g.seq_lens, g.window)
     return out if out is not None else decode_attention_torch(q, k_cache, v_cache, g)
 
 
@@ -350,21 +370,22 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         return prefill_attention_torch(q, k_cache, v_cache, g)
     if not g.dense:
         # each token a decode query over its causal prefix
-        return _attend_in_place(q, k_cache, v_cache, g.tok_tables, g.tok_seq_lens)
+        return _attend_in_place(q, k_cache, v_cache, g.tok_tables, g.tok_seq_lens, g.window)
     out = torch.empty_like(q)
     for c in g.dense:
         out[c.rows] = dense_chunk_attention(q[c.rows], k_cache, v_cache, c.key_slots, c.mask)
     rows = g.paged_rows
     if rows is not None and rows.numel():
         out.index_copy_(0, rows, _attend_in_place(q[rows], k_cache, v_cache,
-                                                  g.tok_tables[rows], g.tok_seq_lens[rows]))
+                                                  g.tok_tables[rows], g.tok_seq_lens[rows],
+                                                  g.window))
     return out
 
 
 def dense_chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           key_slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """q [n, h, hd], the chunk's last n positions of the keys at ``key_slots`` ->
-    [n, h, hd]; causal (``mask`` None: no cached prefix) or by ``mask`` [n, len]."""
+    [n, h, hd]; causal (``mask`` None: no cached prefix, no window) or by ``mask`` [n, len]."""
     kvh, hd = k_cache.shape[-2], k_cache.shape[-1]
     k = k_cache.view(-1, kvh, hd).index_select(0, key_slots).transpose(0, 1)
     v = v_cache.view(-1, kvh, hd).index_select(0, key_slots).transpose(0, 1)

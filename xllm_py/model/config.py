@@ -1,5 +1,10 @@
 """ModelConfig: the architecture facts of a decoder-only HF checkpoint.
 
+Families: Llama, Qwen2, Qwen3 (one pre-norm block with per-family flags) and Gemma 3 text
+(``gemma3_text``: sandwich norms, (1 + w) RMSNorm, GELU-tanh MLP, a scaled embedding and
+sliding-window attention on the layers ``layer_types`` names, each type with its own RoPE
+base).
+
 Parsed from ``config.json`` (and ``generation_config.json`` for the eos ids) without
 importing ``transformers``. Both spellings of the RoPE settings are accepted: the
 transformers 4.x ``rope_theta`` + ``rope_scaling`` keys and the 5.x ``rope_parameters``
@@ -20,13 +25,19 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 _SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -54,8 +65,18 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v/o (Llama, Qwen3 option)
     qkv_bias: bool = False  # bias on q/k/v only (Qwen2)
     mlp_bias: bool = False
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
     hidden_act: str = "silu"
+    # Gemma 3: per layer "sliding_attention" or "full_attention" (None: every layer full);
+    # a sliding layer attends to its last `sliding_window` positions, with RoPE base
+    # `rope_local_theta`; the attention scale is query_pre_attn_scalar ** -0.5.
+    layer_types: list[str] | None = None
+    sliding_window: int = 0
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    embed_scale: float = 1.0  # the embedding is multiplied by this (Gemma: sqrt(hidden))
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w) (Gemma: 1)
+    sandwich_norm: bool = False  # norms after attention and MLP outputs too (Gemma)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -74,8 +95,18 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; only 'silu'")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: "
+                             f"{', '.join(_ACTIVATIONS)}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model "
+                                 f"has {self.num_layers}")
+            bad = sorted(set(self.layer_types) - {SLIDING, FULL})
+            if bad:
+                raise ValueError(f"unsupported layer type(s) {bad}; supported: {SLIDING}, {FULL}")
+            if SLIDING in self.layer_types and self.sliding_window <= 0:
+                raise ValueError("sliding_attention layers need a positive sliding_window")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", "default")
             if rope_type not in _SUPPORTED_ROPE_TYPES:
@@ -96,6 +127,16 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def layer_window(self, layer: int) -> int:
+        """Positions layer `layer` attends to (its last ones), 0 = the whole context."""
+        if self.layer_types is None or self.layer_types[layer] != SLIDING:
+            return 0
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any],
@@ -134,6 +175,7 @@ class ModelConfig:
         if isinstance(bos, list):
             bos = bos[0] if bos else None
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        gemma = arch == "Gemma3ForCausalLM"
         return cls(
             architecture=arch,
             num_layers=int(cfg["num_hidden_layers"]),
@@ -154,8 +196,9 @@ class ModelConfig:
             attention_bias=(arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False))),
             qkv_bias=(arch == "Qwen2ForCausalLM"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=(arch == "Qwen3ForCausalLM"),
-            hidden_act=str(cfg.get("hidden_act", "silu")),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+            **(_gemma3_fields(cfg, hidden, int(cfg["num_hidden_layers"])) if gemma else {}),
         )
 
     @classmethod
@@ -171,6 +214,31 @@ class ModelConfig:
         gen_path = path / "generation_config.json"
         gen = _read_json(gen_path) if gen_path.is_file() else None
         return cls.from_dict(cfg, gen)
+
+
+def _gemma3_fields(cfg: dict[str, Any], hidden: int, num_layers: int) -> dict[str, Any]:
+    """The Gemma 3 text facts of config.json (transformers' Gemma3TextConfig defaults)."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"{key} is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported")
+    window = int(cfg.get("sliding_window") or 4096)
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+    params = cfg.get("rope_parameters")
+    local = None
+    if isinstance(params, dict) and isinstance(params.get(SLIDING), dict):
+        if params[SLIDING].get("rope_type", "default") != "default":
+            raise ValueError("sliding_attention layers support only the default RoPE")
+        local = params[SLIDING].get("rope_theta")
+    local = cfg.get("rope_local_base_freq", local)
+    return dict(layer_types=list(types), sliding_window=window,
+                rope_local_theta=float(local if local is not None else 10000.0),
+                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+                embed_scale=float(hidden) ** 0.5, norm_offset=1.0, sandwich_norm=True)
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -195,8 +263,9 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """Return (rope_theta, rope_scaling or None) from either spelling."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" not in params and params:
-        # per-layer-type dict ({"full_attention": {...}}): one type is all we support
-        first = next(iter(params.values()))
+        # per-layer-type dict ({"full_attention": {...}, ...}): the full layers' here (a
+        # sliding type's base is read by _gemma3_fields)
+        first = params.get(FULL, next(iter(params.values())))
         if isinstance(first, dict):
             params = first
     theta = cfg.get("rope_theta")

@@ -133,7 +133,7 @@ def _load() -> ctypes.CDLL | None:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
         signatures = {
             "xllm_paged_decode_attention_f32": (
-                [p, p, p, p, i64, p, i64, p, i32, i32, i32, i32, i32, f32], ctypes.c_int),
+                [p, p, p, p, i64, p, i64, p, i32, i32, i32, i32, i32, f32, i64], ctypes.c_int),
             "xllm_add_rms_norm_f32": ([p, p, p, p, i64, i32, f32], None),
             "xllm_qk_norm_rope_store_f32": (
                 [p, p, p, p, p, p, p, f32, p, p, i64, i32, i32, i32], ctypes.c_int),
@@ -215,13 +215,14 @@ def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor,
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int = 0) -> torch.Tensor:
     """q [B, h, hd] (one new token per sequence, its K/V already written) -> [B, h, hd].
 
     ``block_tables`` [B, >= ceil(seq_len / block_size)] int64 with unit column stride,
     ``seq_lens`` [B] int64 (context including the new token). Caches
     ``[num_blocks, block_size, kvh, hd]`` with contiguous blocks (per-layer views of one
-    pool are fine). The caller checked ``decode_attention_supported``.
+    pool are fine). ``window`` > 0: each query reads only its last ``window`` positions
+    (sliding-window attention). The caller checked ``decode_attention_supported``.
     """
     lib = _load()
     assert lib is not None
@@ -235,7 +236,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rc = lib.xllm_paged_decode_attention_f32(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(0), block_tables.data_ptr(), block_tables.stride(0),
-        seq_lens.data_ptr(), b, h, kvh, hd, bs, scale)
+        seq_lens.data_ptr(), b, h, kvh, hd, bs, scale, window)
     if rc != 0:
         raise ValueError(f"paged_decode_attention: unsupported sizes h={h} kvh={kvh} "
                          f"hd={hd} block_size={bs}")

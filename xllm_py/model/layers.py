@@ -1,4 +1,4 @@
-"""Small building blocks shared by the decoder models: RMSNorm, RoPE, SwiGLU MLP."""
+"""Small building blocks shared by the decoder models: RMSNorm, RoPE, gated MLP."""
 
 from __future__ import annotations
 
@@ -107,18 +107,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+    """down(act(gate(x)) * up(x)), gate and up fused in one matmul; act is SiLU (SwiGLU)
+    or ``gelu_pytorch_tanh`` (GeGLU, Gemma)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 act: str = "silu") -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.act = act
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        act = cpu_kernels.silu_and_mul(gate_up)
-        if act is None:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        if self.act == "silu":
+            act = cpu_kernels.silu_and_mul(gate_up)
+            if act is None:
+                act = F.silu(gate) * up
+        else:
+            act = F.gelu(gate, approximate="tanh") * up
         return self.down_proj(act)

@@ -1,8 +1,10 @@
-"""Decoder-only transformer for the Llama, Qwen2 and Qwen3 families.
+"""Decoder-only transformer for the Llama, Qwen2, Qwen3 and Gemma 3 families.
 
 One implementation with per-family flags from ``ModelConfig``: Qwen2 adds q/k/v biases,
-Qwen3 adds per-head q/k RMSNorm, Llama may use llama3 RoPE scaling. q/k/v and gate/up are
-fused into one matmul each; the loader maps the HF tensor names onto the fused weights.
+Qwen3 adds per-head q/k RMSNorm, Llama may use llama3 RoPE scaling; Gemma 3 has its own
+block (gemma3.py), a scaled embedding and sliding-window layers (each attention type gets
+its own plan and RoPE table per step). q/k/v and gate/up are fused into one matmul each;
+the loader maps the HF tensor names onto the fused weights.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from torch import nn
 from xllm_py.model import cpu_kernels
 from xllm_py.model.attention import (AttentionMetadata, AttentionPlan, attend, plan_attention,
                                      plan_rows, write_kv)
-from xllm_py.model.config import ModelConfig
+from xllm_py.model.config import SLIDING, ModelConfig
 from xllm_py.model.fused_decode import FusedDecoder
+from xllm_py.model.gemma3 import Gemma3DecoderLayer
 from xllm_py.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -30,6 +33,9 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
+        # the kernels scale by head_dim ** -0.5; another scale multiplies q first
+        ratio = config.attention_scale / config.head_dim ** -0.5
+        self.q_scale = None if abs(ratio - 1.0) < 1e-12 else ratio
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         qkv_bias = config.qkv_bias or config.attention_bias
@@ -68,6 +74,8 @@ class Attention(nn.Module):
             write_kv(kv_cache[0], kv_cache[1], k, v, plan.slot_mapping)
         if rows is not None:
             q, plan, t = q[rows], rows_plan, int(rows.shape[0])
+        if self.q_scale is not None:
+            q = q * self.q_scale
         out = attend(q, kv_cache[0], kv_cache[1], plan)
         return self.o_proj(out.reshape(t, self.q_size).to(hidden.dtype))
 
@@ -106,7 +114,11 @@ class DecoderModel(nn.Module):
         # _weight skips normal_ init (slow on the meta device; the loader fills it anyway)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        if config.sandwich_norm:
+            self.layers = nn.ModuleList(Gemma3DecoderLayer(config, Attention(config))
+                                        for _ in range(config.num_layers))
+        else:
+            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -119,6 +131,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta,
                                           config.max_position_embeddings, config.rope_scaling)
+        # sliding-window layers: their own RoPE base (Gemma 3), else the one table
+        self.windows = [config.layer_window(i) for i in range(config.num_layers)]
+        self.rotary_local = None
+        if config.layer_types and SLIDING in config.layer_types and config.rope_local_theta:
+            self.rotary_local = RotaryEmbedding(config.head_dim, config.rope_local_theta,
+                                                config.max_position_embeddings)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         # Decode batches through one native call per layer (fused_decode.py); False: off.
@@ -163,21 +181,31 @@ class LlamaForCausalLM(nn.Module):
                 return out
             fused = None  # this batch does not qualify
         hidden = self.model.embed_tokens(input_ids)  # a new tensor: the residual stream
+        if self.config.embed_scale != 1.0:
+            hidden.mul_(torch.tensor(self.config.embed_scale, dtype=hidden.dtype))
         cos_sin = self.rotary_emb.cos_sin(positions, attn_metadata.max_seq_len, hidden.dtype)
         done = fused.run(hidden, cos_sin, kv_caches, plan) if fused is not None else None
         rows = rows_plan = None
         if done is None:
+            # a plan and a RoPE table per attention type (sliding layers: their window)
+            plans = {w: plan if not w else plan_attention(attn_metadata, block_size, w)
+                     for w in set(self.windows)}
+            local = None if self.rotary_local is None else self.rotary_local.cos_sin(
+                positions, attn_metadata.max_seq_len, hidden.dtype)
+            last = len(self.model.layers) - 1
             if (keep_rows is not None and plan.prefill is not None
                     and keep_rows.numel() < plan.num_tokens):
                 # no row kept: one stands in (the last layer still stores every K/V)
                 rows = keep_rows if keep_rows.numel() else keep_rows.new_full(
                     (1,), plan.num_tokens - 1)
-                rows_plan = plan_rows(attn_metadata, rows, positions, block_size)
+                rows_plan = plan_rows(attn_metadata, rows, positions, block_size,
+                                      self.windows[last])
             residual = None
-            last = len(self.model.layers) - 1
             for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
                 r, rp = (rows, rows_plan) if i == last else (None, None)
-                hidden, residual = layer(hidden, residual, cos_sin, cache, plan, r, rp)
+                w = self.windows[i]
+                cs = local if w and local is not None else cos_sin
+                hidden, residual = layer(hidden, residual, cs, cache, plans[w], r, rp)
             done = hidden, residual
         out = self.model.norm(*done)
         if keep_rows is not None:
@@ -186,8 +214,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_decoder(self) -> FusedDecoder | None:
         """Built on first use and again when the layers' linears are replaced (packing)."""
-        if not self.fused_decode:
-            return None
+        if not self.fused_decode or self.config.sandwich_norm or any(self.windows):
+            return None  # the native decode stack runs the Llama block, full attention
         key = id(self.model.layers[0].self_attn.qkv_proj) if len(self.model.layers) else 0
         if self._fused[0] != key:
             self._fused = (key, FusedDecoder.build(self))
@@ -198,6 +226,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-# Qwen2/Qwen3 differ only by flags in ModelConfig.
+# Qwen2/Qwen3/Gemma 3 differ by flags in ModelConfig (Gemma 3: its block, gemma3.py).
 Qwen2ForCausalLM = LlamaForCausalLM
 Qwen3ForCausalLM = LlamaForCausalLM
+Gemma3ForCausalLM = LlamaForCausalLM

@@ -29,6 +29,7 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
 }
 
 _DTYPES = {
@@ -119,6 +120,15 @@ def _targets(model: LlamaForCausalLM, config: ModelConfig) -> dict[str, _Target]
     return targets
 
 
+def norm_weight_names(params: dict[str, torch.nn.Parameter], config: ModelConfig) -> set[str]:
+    """The RMSNorm weights whose stored value is off by ``config.norm_offset`` (Gemma
+    stores w and scales by 1 + w): they are loaded as offset + w, so every norm kernel
+    scales by its weight alone. Empty for the other families."""
+    if not config.norm_offset:
+        return set()
+    return {name for name in params if name.endswith("norm.weight")}
+
+
 def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Give every meta parameter uninitialised storage (``to_empty`` without its slow
     first-call path); a parameter shared by two modules stays shared."""
@@ -186,6 +196,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: str | torch.dtype = "float3
     _materialize(model, torch_dtype, device)
     model.tie_weights()
     params = dict(model.named_parameters(remove_duplicate=True))
+    norms = norm_weight_names(params, config)
     show_progress = sys.stderr.isatty()
     total = len(plan)
     done = 0
@@ -201,6 +212,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: str | torch.dtype = "float3
                     if target.row_start or dst.shape[0] != target.shape[0]:
                         dst = dst.narrow(0, target.row_start, target.shape[0])
                     dst.copy_(tensor)
+                    if name in norms:
+                        dst.add_(config.norm_offset)  # Gemma: the norm scales by (1 + w)
                     del tensor
                     done += 1
                     if show_progress:

@@ -299,10 +299,11 @@ def ensure_tiny_model(name: str = "tiny", cache_dir: str | pathlib.Path | None =
 
 def model_files_dir(model: str) -> str:
     """Where `model`'s tokenizer and config are, without importing torch: the directory
-    as given, or for a tiny preset ("tiny...") its files (see `ensure_tiny_model`)."""
-    if model.startswith("tiny"):
-        return str(ensure_tiny_model(model, with_weights=False))
-    return model
+    as given, for a tiny preset ("tiny...") its files (see `ensure_tiny_model`), for a
+    packaged model or a .gguf file its converted files (catalog.py)."""
+    from xllm_py.model.catalog import resolve_model
+
+    return resolve_model(model, with_weights=False)
 
 
 def _is_current(target: pathlib.Path) -> bool:

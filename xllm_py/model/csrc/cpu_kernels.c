@@ -114,8 +114,8 @@ static inline void block_values(const float *p, const float *v, int64_t stride, 
 static void decode_attend_seq(const float *q, float *out, const float *k_cache,
                               const float *v_cache, int64_t block_stride,
                               const int64_t *table, int64_t L, int32_t H, int32_t KVH,
-                              int32_t D, int32_t bs, float scale, int32_t kh0, int32_t kh1,
-                              float *work, const float *nk0, const float *nv0) {
+                              int32_t D, int32_t bs, float scale, int64_t window, int32_t kh0,
+                              int32_t kh1, float *work, const float *nk0, const float *nv0) {
     const int32_t G = H / KVH, R = (kh1 - kh0) * G;
     const int64_t slot_stride = (int64_t)KVH * D;
     float *qs = work, *acc = work + (int64_t)R * D, *s = acc + (int64_t)R * D;
@@ -130,11 +130,14 @@ static void decode_attend_seq(const float *q, float *out, const float *k_cache,
         m[r] = -3.0e38f;
         l[r] = 0.0f;
     }
-    for (int64_t start = 0; start < L; start += bs) {
+    /* a sliding window (window > 0) reads only the last `window` positions: from `first` */
+    const int64_t first = window > 0 && L > window ? L - window : 0;
+    for (int64_t start = first - first % bs; start < L; start += bs) {
         const int64_t blk = table[start / bs];
-        const int32_t n = (int32_t)((L - start) < bs ? (L - start) : bs);
-        const float *kb = k_cache + blk * block_stride;
-        const float *vb = v_cache + blk * block_stride;
+        const int32_t skip = (int32_t)(start < first ? first - start : 0);
+        const int32_t n = (int32_t)((L - start) < bs ? (L - start) : bs) - skip;
+        const float *kb = k_cache + blk * block_stride + (int64_t)skip * slot_stride;
+        const float *vb = v_cache + blk * block_stride + (int64_t)skip * slot_stride;
         /* The next block (after the last: the next sequence's first) is elsewhere in the
          * pool: prefetch it while this one is computed, K during the scores and V during the
          * values, a 1/R share after each row. Issued in one burst instead (512 lines at 32 x
@@ -218,8 +221,8 @@ static void decode_attention_body(const float *q, float *out, const float *k_cac
                                   const float *v_cache, int64_t block_stride,
                                   const int64_t *tables, int64_t table_stride,
                                   const int64_t *seq_lens, int32_t B, int32_t H, int32_t KVH,
-                                  int32_t D, int32_t bs, float scale, int32_t khc,
-                                  int *failed) {
+                                  int32_t D, int32_t bs, float scale, int64_t window,
+                                  int32_t khc, int *failed) {
     const int32_t G = H / KVH, chunks = (KVH + khc - 1) / khc;
     float *work = (float *)malloc(sizeof(float) * (size_t)khc * G * (2 * D + bs + 2));
     if (work == NULL) {
@@ -240,8 +243,8 @@ static void decode_attention_body(const float *q, float *out, const float *k_cac
             nv0 = v_cache + first * block_stride;
         }
         decode_attend_seq(q + b * H * D, out + b * H * D, k_cache, v_cache, block_stride,
-                          tables + b * table_stride, seq_lens[b], H, KVH, D, bs, scale, kh0,
-                          kh1, work, nk0, nv0);
+                          tables + b * table_stride, seq_lens[b], H, KVH, D, bs, scale, window,
+                          kh0, kh1, work, nk0, nv0);
     }
     free(work);
 }
@@ -250,14 +253,15 @@ int xllm_paged_decode_attention_f32(const float *q, float *out, const float *k_c
                                     const float *v_cache, int64_t block_stride,
                                     const int64_t *tables, int64_t table_stride,
                                     const int64_t *seq_lens, int32_t B, int32_t H,
-                                    int32_t KVH, int32_t D, int32_t bs, float scale) {
-    if (!attention_sizes_ok(H, KVH, D, bs) || B < 0)
+                                    int32_t KVH, int32_t D, int32_t bs, float scale,
+                                    int64_t window) {
+    if (!attention_sizes_ok(H, KVH, D, bs) || B < 0 || window < 0)
         return -1;
     const int32_t khc = attention_heads_per_item(B, H, KVH);
     int failed = 0;
 #pragma omp parallel
     decode_attention_body(q, out, k_cache, v_cache, block_stride, tables, table_stride,
-                          seq_lens, B, H, KVH, D, bs, scale, khc, &failed);
+                          seq_lens, B, H, KVH, D, bs, scale, window, khc, &failed);
     return failed ? -1 : 0;
 }
 

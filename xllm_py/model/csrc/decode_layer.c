@@ -109,7 +109,7 @@ static void decode_layer_body(const struct xllm_decode_layer *a,
                             a->qk_eps, s->cos, s->sin, s->T, H, KVH, D);
     decode_attention_body(qr, att, a->k_cache, a->v_cache, s->block_stride, s->tables,
                           s->table_stride, s->seq_lens, M, H, KVH, D, s->block_size, a->scale,
-                          khc, failed);
+                          0, khc, failed);
     linear_panels_body(att, a->o_w, a->o_b, out, M, a->hidden, q, xt, a->weight_bf16);
     add_rms_norm_body(out, s->residual, a->post_norm, h, s->T, a->hidden, a->rms_eps);
     linear_panels_body(h, a->gate_up_w, a->gate_up_b, gu, M, 2 * I, a->hidden, xt,
