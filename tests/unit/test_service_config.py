@@ -12,7 +12,7 @@ from xllm_service.cli import build_parser, config_from_args
 def test_defaults_match_the_flags_defaults():
     cfg = config_from_args(build_parser().parse_args(["--etcd", "e:1"]))
     assert cfg == ServiceConfig(etcd_addr="e:1")
-    assert cfg.model_name == "tiny"
+    assert cfg.model_name == "gemma-3-270m"
 
 
 def test_flags_reach_their_sub_configs():

