@@ -1,4 +1,6 @@
-"""Our Llama/Qwen2/Qwen3 against transformers on random tiny checkpoints (float32, CPU)."""
+"""Our Llama/Qwen2/Qwen3/Gemma 3 against transformers on random tiny checkpoints (float32,
+CPU). The Gemma 3 cases have sliding windows shorter than a few blocks, so every prompt
+here crosses them: chunks straddle the window, decode steps read only the window's blocks."""
 
 from __future__ import annotations
 
@@ -38,6 +40,16 @@ CASES = {
     "qwen3-untied-hd32": lambda: transformers.Qwen3Config(**_COMMON, head_dim=32,
                                                           tie_word_embeddings=False),
     "qwen3-tied": lambda: transformers.Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=True),
+    # a window of 6 tokens at block size 4; the attention scale off head_dim ** -0.5
+    "gemma3-window6": lambda: transformers.Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 3}, head_dim=16, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    "gemma3-window17-untied": lambda: transformers.Gemma3TextConfig(
+        **_COMMON, head_dim=32, sliding_window=17, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32),
 }
 
 
@@ -191,10 +203,15 @@ def test_bf16_load_runs(pair):
     logits = torch.cat([runner.step([(0, 0, prompt[:20])]),  # prefill, then one decode step
                         runner.step([(0, 20, prompt[20:])])])
     assert logits.dtype == torch.float32
-    err = (logits - _hf_logits(hf, prompt)).abs().max().item()
-    print(f"[{name}] bf16 max |logit err| vs fp32 reference {err:.2e}")
+    ref = _hf_logits(hf, prompt)
+    err = (logits - ref).abs().max().item()
+    # transformers' own bfloat16 run is the yardstick of what bf16 costs (Gemma's four norms
+    # a layer cost more than the other families' two)
+    hf_err = (_hf_logits(copy.deepcopy(hf).to(torch.bfloat16), prompt) - ref).abs().max().item()
+    print(f"[{name}] bf16 max |logit err| vs fp32 reference {err:.2e} (transformers bf16 "
+          f"{hf_err:.2e})")
     assert torch.isfinite(logits).all()
-    assert err < 0.1
+    assert err < max(0.1, 1.5 * hf_err)
 
 
 def test_long_prompt_dense_prefill_matches_hf(ours_path, monkeypatch):
@@ -219,5 +236,7 @@ def test_long_prompt_dense_prefill_matches_hf(ours_path, monkeypatch):
     print(f"[{name}] 300-token prompt max |logit err| {err:.2e}, dense chunks {calls}")
     assert err < TOL
     engine_path = cpu_kernels.available()
-    assert calls == ([300] * cfg.num_layers + [260] * cfg.num_layers + [28] * cfg.num_layers
+    # a sliding layer reads only its window before the 28-token chunk: too short for dense
+    full = sum(1 for i in range(cfg.num_layers) if not cfg.layer_window(i))
+    assert calls == ([300] * cfg.num_layers + [260] * cfg.num_layers + [28] * full
                      if engine_path else [])
