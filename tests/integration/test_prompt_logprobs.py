@@ -32,6 +32,9 @@ FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**_COMMON, tie_word_embeddings=True),
     "qwen2": lambda: transformers.Qwen2Config(**_COMMON, tie_word_embeddings=False),
     "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=False),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **_COMMON, head_dim=16, sliding_window=6, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True),
 }
 
 

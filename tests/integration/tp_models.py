@@ -1,9 +1,9 @@
-"""Random tiny HF checkpoints of the three families, for the tensor-parallel tests.
+"""Random tiny HF checkpoints of the four families, for the tensor-parallel tests.
 
 Each has 4 attention heads (split over 2 or 4 ranks) and non-trivial norms and biases, so
 a weight put in the wrong rank or added twice shows. ``qwen2-kv1`` has one KV head:
 replicated on every rank at TP 2. ``llama-bias`` has o_proj and down_proj biases (added
-by rank 0 only).
+by rank 0 only). ``gemma3-kv1``: Gemma 3 with one KV head and a 6-token sliding window.
 """
 from __future__ import annotations
 
@@ -26,10 +26,14 @@ def _configs(transformers) -> dict:
             **{**_COMMON, "num_key_value_heads": 1}, tie_word_embeddings=True),
         "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=16,
                                                   tie_word_embeddings=False),
+        "gemma3-kv1": lambda: transformers.Gemma3TextConfig(
+            **{**_COMMON, "num_key_value_heads": 1}, head_dim=16, sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+            tie_word_embeddings=True),
     }
 
 
-FAMILIES = ("llama-bias", "qwen2-kv1", "qwen3")
+FAMILIES = ("llama-bias", "qwen2-kv1", "qwen3", "gemma3-kv1")
 
 
 def build_hf_model(transformers, family: str, path: pathlib.Path):

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from xllm_py.model.config import ModelConfig
 from xllm_py.model.llama import LlamaForCausalLM
 from xllm_py.model.loader import (_IGNORED, _MODEL_CLASSES, _materialize, check_model_dir,
-                                  find_weight_files, resolve_dtype)
+                                  find_weight_files, norm_weight_names, resolve_dtype)
 from xllm_py.parallel.group import TPGroup
 from xllm_py.parallel.layers import RowParallelLinear
 from xllm_py.parallel.sharding import TPShard, shard_config, shard_for
@@ -151,6 +151,7 @@ def load_model_shard(model_dir: str | pathlib.Path, group: TPGroup,
     _materialize(model, torch_dtype, device)
     model.tie_weights()
     ours = dict(model.named_parameters(remove_duplicate=True))
+    norms = norm_weight_names(ours, config)
     with torch.no_grad():
         for file in dict.fromkeys(f for f, _, _ in plan):
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -166,6 +167,8 @@ def load_model_shard(model_dir: str | pathlib.Path, group: TPGroup,
                     if dst.shape[0] != src.shape[0]:
                         dst = dst.narrow(0, t.dst_row, src.shape[0])
                     dst.copy_(src)
+                    if t.param in norms:
+                        dst.add_(config.norm_offset)  # Gemma: the norm scales by (1 + w)
     model.requires_grad_(False)
     model.eval()
     logger.info("rank %d/%d: loaded %s shard (q heads %s, KV heads %s, MLP columns %s, %.1fM "

