@@ -225,10 +225,10 @@ def test_dockerfile() -> None:
     assert '"torch==${TORCH_VERSION}"' in text
     users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
     assert users and users[-1] not in ("root", "0"), users
-    build_model = 'from xllm_py.model.tiny import ensure_tiny_model; ensure_tiny_model()'
+    build_model = "resolve_model('gemma-3-270m')"  # the default model, converted at build
     idx_model = next(i for i, ln in enumerate(lines) if build_model in ln)
     idx_user = max(i for i, ln in enumerate(lines) if ln.startswith("USER "))
-    assert idx_user < idx_model, "the tiny model is built as the runtime user"
+    assert idx_user < idx_model, "the model is converted as the runtime user"
     # every path the build copies is in the repository
     for ln in lines:
         if ln.startswith("COPY "):
