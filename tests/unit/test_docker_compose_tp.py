@@ -85,7 +85,13 @@ def test_the_pair_can_move_kv_between_its_tp_sizes() -> None:
     prefill, decode = engines["prefill"], engines["decode"]
     for field in ("kv_transfer_backend", "kv_cache_transfer_mode", "model", "block_size"):
         assert getattr(prefill, field) == getattr(decode, field), field
-    num_kv_heads = PRESETS[prefill.model]["num_kv_heads"]
+    if prefill.model in PRESETS:
+        num_kv_heads = PRESETS[prefill.model]["num_kv_heads"]
+    else:  # a packaged model: its config (converted once, cached)
+        from xllm_py.model.catalog import resolve_model
+        from xllm_py.model.config import ModelConfig
+
+        num_kv_heads = ModelConfig.from_dir(resolve_model(prefill.model, with_weights=False)).num_kv_heads
     assert head_mapping_error(num_kv_heads, prefill.tensor_parallel_size,
                               decode.tensor_parallel_size) is None
     if prefill.tensor_parallel_size != decode.tensor_parallel_size:
