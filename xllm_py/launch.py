@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "Flags also accept underscores (--http_port).",
         formatter_class=DefaultsHelpFormatter)
     add_flag(p, "--model", default=DEFAULT_MODEL,
-             help=f"model directory, .gguf file or name ({DEFAULT_MODEL}: google/gemma-3-270m "
-                  "from its PyPI package; tiny, tiny-25m: random-weight test models)")
+             help="a model directory, a .gguf file, or a name: gemma-3-270m (from its PyPI "
+                  "package), tiny, tiny-25m (test models)")
     add_flag(p, "--prefill", type=int, default=1, help="number of PREFILL engines")
     add_flag(p, "--decode", type=int, default=1, help="number of DECODE engines")
     add_flag(p, "--mix", type=int, default=0, help="run K MIX engines instead of prefill/decode")

