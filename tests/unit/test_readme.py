@@ -22,7 +22,9 @@ def test_every_benchmark_is_one_readme_line_and_a_row_in_the_history():
     section = README.split("\n## Benchmarks\n", 1)[1].split("\n## ", 1)[0]
     lines = [ln for ln in section.splitlines() if ln.startswith("- `python benchmarks/")]
     named = {re.match(r"- `python benchmarks/(bench_\w+\.py)", ln).group(1) for ln in lines}
-    assert named == set(SCRIPTS)
+    assert named == set(SCRIPTS), (
+        "each benchmarks/bench_*.py needs one line in the README's Benchmarks section "
+        f"(command and figure) and a row in docs/benchmarks.md: {set(SCRIPTS) ^ named}")
     assert all(len(ln) <= 160 for ln in lines), max(lines, key=len)
     for script in SCRIPTS:
         assert f"benchmarks/{script}" in BENCH_DOC, script
