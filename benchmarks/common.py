@@ -213,16 +213,23 @@ async def send_completion(client: httpx.AsyncClient, base_url: str,
 
 async def run_load(base_url: str, model: str, prompts: Sequence[str | list[int]],
                    max_tokens: int, concurrency: int, *, stream: bool = False,
-                   timeout_s: float = 600.0, **body_extra: Any) -> tuple[list[RequestResult], float]:
+                   timeout_s: float = 600.0, keepalive: bool = True,
+                   **body_extra: Any) -> tuple[list[RequestResult], float]:
     """Send every prompt with at most ``concurrency`` requests in flight (a closed loop:
     a worker sends its next prompt when the previous one ends). Returns the results in
-    prompt order and the wall time from the first send to the last answer."""
+    prompt order and the wall time from the first send to the last answer.
+
+    ``keepalive=False``: a new connection per request (``Connection: close``), for
+    servers that drop kept-alive connections under the client (llama.cpp's)."""
     if concurrency <= 0:
         raise ValueError(f"concurrency must be positive, got {concurrency}")
     results: list[RequestResult | None] = [None] * len(prompts)
     next_idx = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=False) as client:
+    limits = httpx.Limits(max_connections=concurrency,
+                          max_keepalive_connections=concurrency if keepalive else 0)
+    headers = None if keepalive else {"Connection": "close"}
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=False,
+                                 headers=headers) as client:
 
         async def worker() -> None:
             nonlocal next_idx
