@@ -23,7 +23,7 @@ docs/peers.md, scripts/install_peers.sh.
 
 Figures: output tok/s = generated tokens / wall time of the setting; TTFT p50 (send to
 first token chunk); TPOT p50 (per request: (end - first token) / (tokens - 1)); RSS: peak
-resident set of the server's process tree, sampled from /proc every 0.5 s from start to
+resident set of the server's process tree, sampled from /proc every second from start to
 stop; the 1-minute load average when each setting starts (the machine is shared: quote
 it). The summary gives each server's mean over rounds and xllm-py / the best peer.
 """

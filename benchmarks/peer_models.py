@@ -73,6 +73,7 @@ def ensure_hf_from_gguf(gguf: str | os.PathLike, dtype: str = "float32",
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         _write_hf_dir(gguf, dtype, tmp)
+        os.chmod(tmp, 0o755)  # (mkdtemp makes it private)
         (tmp / ".complete").write_text(str(_FORMAT_VERSION))
         if target.exists():
             shutil.rmtree(target)

@@ -189,11 +189,35 @@ def _parent_pids() -> dict[int, int]:
     return out
 
 
+def _tree_pids(root: int) -> set[int]:
+    """``root`` and its descendants: from the kernel's per-thread ``children`` lists (a
+    few files), else from every process's parent (a scan of /proc)."""
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        return descendants(root, _parent_pids())
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid in out:
+            continue
+        out.add(pid)
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except (OSError, ValueError):
+                pass
+    return out
+
+
 def tree_rss_bytes(root: int) -> int:
     """Resident bytes of ``root`` and its descendants (Linux /proc; 0 elsewhere)."""
     page = os.sysconf("SC_PAGE_SIZE")
     total = 0
-    for pid in descendants(root, _parent_pids()):
+    for pid in _tree_pids(root):
         try:
             with open(f"/proc/{pid}/statm") as f:
                 total += int(f.read().split()[1]) * page
@@ -205,7 +229,7 @@ def tree_rss_bytes(root: int) -> int:
 class RssSampler:
     """Samples ``tree_rss_bytes(pid)`` every ``interval_s`` in a thread; ``peak`` bytes."""
 
-    def __init__(self, pid: int, interval_s: float = 0.5) -> None:
+    def __init__(self, pid: int, interval_s: float = 1.0) -> None:
         self.pid, self.interval_s, self.peak = pid, interval_s, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
