@@ -131,17 +131,27 @@ def _run_text(argv: list[str], timeout_s: float = 120.0) -> str:
 
 
 def xllm_version() -> str:
-    import importlib.metadata
-
-    import torch
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    commit = _run_text(["git", "-C", str(root), "rev-parse", "--short", "HEAD"])
+    """The version and git commit of the xllm_py the engine imports (``python -m`` from
+    this directory, with this environment: PYTHONPATH may point at another checkout)."""
+    code = ("import importlib.metadata as m, os, torch, xllm_py; "
+            "print(os.path.dirname(os.path.abspath(xllm_py.__file__)), torch.__version__)")
+    out = _run_text([sys.executable, "-c", code]).splitlines()
+    words = out[-1].split() if out else []
+    if len(words) != 2 or not os.path.isdir(words[0]):
+        return "xllm-py unknown"
+    src, torch_ver = words
+    commit = _run_text(["git", "-C", src, "rev-parse", "--short", "HEAD"])
+    dirty = _run_text(["git", "-C", src, "status", "--porcelain", "--untracked-files=no", "."])
+    commit = commit if " " not in commit else "no git"
+    if dirty and commit != "no git":
+        commit += "+changes"
     try:
+        import importlib.metadata
+
         ver = importlib.metadata.version("xllm-py")
     except importlib.metadata.PackageNotFoundError:
         ver = "?"
-    return f"xllm-py {ver} ({commit}), torch {torch.__version__}"
+    return f"xllm-py {ver} ({commit}, {pathlib.Path(src).parent}), torch {torch_ver}"
 
 
 def vllm_version(python: str) -> str:
