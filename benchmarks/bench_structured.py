@@ -3,18 +3,21 @@
     python benchmarks/bench_structured.py [--model tiny-25m] [--batch 32] [--steps 24]
                                           [--repeat 5] [--gguf-vocab] [--json]
 
-1. Decode step at batch 32, masked vs unmasked. One in-process LLMEngine (not started:
-   this thread runs its steps), 32 requests of the same 16-token prompt, greedy, EOS
-   ignored; after their prefill, `--steps` decode steps are timed (`LLMEngine.step`: the
-   forward, the masks of the constrained rows, sampling, the matchers' advance). The
-   masked rounds constrain every request by a 20-field JSON schema of long strings (the
-   masks stay busy, the grammar does not end within the timed steps); the unmasked ones
-   have no constraint (a batch without one does no mask work). Rounds alternate, the
-   ratio is of the per-round medians (median over rounds, and its min-max spread).
-2. The sampler alone on a large vocabulary (`--gguf-vocab`: Gemma 3's 262,144 tokens from
-   the gemma3-270m GGUF, through transformers; else the model's): [batch, V] random logits,
-   greedy argmax vs the same with every row masked (bitmask from llguidance's matcher,
-   unpacked, masked_fill), and the mask fill itself (llguidance, all rows in parallel).
+1. Decode step at batch 32, masked vs unmasked. Two in-process LLMEngines on the same
+   weights (not started: this thread runs their steps), each with 32 requests of the same
+   16-token prompt, greedy, EOS ignored; after their prefill, `--steps` decode steps of
+   each are timed in turn (`LLMEngine.step`: the forward, the masks of the constrained
+   rows, sampling, the matchers' advance), so each masked step has an unmasked one next to
+   it and a drift of the shared machine's speed cancels out of the pair's ratio. The
+   masked engine's requests all keep to a 20-field JSON schema of long strings (the masks
+   stay busy, the grammar does not end within the timed steps); the other's have no
+   constraint (a batch without one does no mask work). Reported: the median of the paired
+   ratios, their p10-p90, and each round's median.
+2. The sampler alone, on the model's vocabulary and (`--gguf-vocab`) on Gemma 3's 262,144
+   tokens (the gemma3-270m GGUF's tokenizer, through transformers): [batch, V] random
+   logits, greedy and sampled rows, unmasked vs every row masked, with the masks taken
+   inside a JSON string (most tokens allowed) and at an enum value (a few allowed); the
+   masked time includes llguidance's fill of the batch's masks (all rows in parallel).
 3. Compile time of a 20-field schema (a fresh schema each time: nothing cached): the HTTP
    layer's check (no vocabulary), the engine's matcher on the model's vocabulary (and on
    the GGUF vocabulary with --gguf-vocab), and its first mask.
@@ -46,7 +49,7 @@ def long_strings(n: int = 20) -> dict:
 
 
 def bench_step(args) -> dict:
-    from xllm_py.config import EngineConfig, SchedulerConfig
+    from xllm_py.config import CacheConfig, EngineConfig, SchedulerConfig
     from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
     from xllm_py.sampling_params import SamplingParams
     from xllm_py.structured.spec import GrammarSpec
@@ -55,16 +58,20 @@ def bench_step(args) -> dict:
         def emit(self, out):  # outputs are not read
             pass
 
-    cfg = EngineConfig(model=args.model, scheduler=SchedulerConfig(
-        max_num_seqs=max(64, args.batch), batch_window_ms=0))
-    engine = LLMEngine(cfg)
-    prompt = engine.tokenizer.encode("The report lists every item with its price and date")[:16]
+    cfg = EngineConfig(model=args.model, cache=CacheConfig(num_blocks=1024),
+                       scheduler=SchedulerConfig(max_num_seqs=max(64, args.batch),
+                                                 batch_window_ms=0))
+    engines = {"unmasked": LLMEngine(cfg), "masked": LLMEngine(cfg)}
+    tok = engines["masked"].tokenizer
+    prompt = tok.encode("The report lists every item with its price and date")[:16]
     spec = GrammarSpec.json_schema(long_strings())
-    engine.grammars.compiler.prepare(spec).result()  # compiled: requests are added at once
-    per_round: dict[str, list[float]] = {"unmasked": [], "masked": []}
+    engines["masked"].grammars.compiler.prepare(spec).result()  # requests are added at once
+    times: dict[str, list[float]] = {"unmasked": [], "masked": []}
+    ratios: list[float] = []
+    round_ratios: list[float] = []
     batch_seen: dict[str, set] = {"unmasked": set(), "masked": set()}
     for r in range(args.repeat):
-        for kind in ("unmasked", "masked"):
+        for kind, engine in engines.items():
             for i in range(args.batch):
                 params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0,
                                         ignore_eos=True,
@@ -75,23 +82,31 @@ def bench_step(args) -> dict:
                     for q in engine.scheduler.running):
                 engine.step()  # the prefill
             engine.step()  # first decode step (warm)
-            times = []
-            for _ in range(args.steps):
+        pair = []
+        for _ in range(args.steps):  # alternate: unmasked step, masked step
+            step = {}
+            for kind, engine in engines.items():
                 batch_seen[kind].add(engine.scheduler.num_running)
                 t0 = time.perf_counter()
                 engine.step()
-                times.append(time.perf_counter() - t0)
-            per_round[kind].append(statistics.median(times) * 1000)
+                step[kind] = time.perf_counter() - t0
+                times[kind].append(step[kind] * 1000)
+            pair.append(step["masked"] / step["unmasked"])
+        ratios.extend(pair)
+        round_ratios.append(statistics.median(pair))
+        for engine in engines.values():
             while engine.scheduler.has_unfinished_requests():
                 engine.step()
-    engine.grammars.close()
-    ratios = [m / u for m, u in zip(per_round["masked"], per_round["unmasked"])]
+    for engine in engines.values():
+        engine.grammars.close()
+    med = statistics.median
     return {"model": args.model, "batch": args.batch, "steps": args.steps,
-            "vocab": engine.model_config.vocab_size,
-            "unmasked_ms": per_round["unmasked"], "masked_ms": per_round["masked"],
+            "vocab": engines["masked"].model_config.vocab_size,
+            "unmasked_ms": med(times["unmasked"]), "masked_ms": med(times["masked"]),
             "batch_sizes": {k: sorted(v) for k, v in batch_seen.items()},
-            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-            "ratio_max": max(ratios)}
+            "ratio_median": med(ratios), "round_ratios": round_ratios,
+            "ratio_p10": sorted(ratios)[len(ratios) // 10],
+            "ratio_p90": sorted(ratios)[(len(ratios) * 9) // 10]}
 
 
 def gguf_tokenizer():
@@ -103,7 +118,15 @@ def gguf_tokenizer():
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
-def bench_sampler(args, tokenizer, vocab: int, eos: list[int], label: str) -> dict:
+ENUMS = {"type": "object", "additionalProperties": False, "required": ["color"],
+         "properties": {"color": {"enum": ["red", "green", "blue"]}}}
+# Where the masks are taken: inside a string (most tokens allowed) and at an enum value
+# (a few allowed: the greedy pick of random logits is refused in every row).
+MASK_POINTS = (("string", lambda: long_strings(), '{"s0": "the price of'),
+               ("enum", lambda: ENUMS, '{"color": '))
+
+
+def bench_sampler(args, tokenizer, vocab: int, eos: list[int], label: str) -> list[dict]:
     import numpy as np
     import torch
 
@@ -112,37 +135,41 @@ def bench_sampler(args, tokenizer, vocab: int, eos: list[int], label: str) -> di
     from xllm_py.structured.spec import GrammarSpec
 
     compiler = GrammarCompiler(tokenizer, vocab, eos)
-    spec = GrammarSpec.json_schema(long_strings())
-    grammars = [compiler.matcher(spec) for _ in range(args.batch)]
     words = (compiler.ll_tokenizer.vocab_size + 31) // 32
-    bitmask = np.zeros((args.batch, words), dtype=np.int32)
-    prefix = compiler.ll_tokenizer.tokenize_str('{"s0": "the price of')
-    for g in grammars:  # inside a string: most tokens allowed, the mask is busy
-        assert not g.advance(prefix)
-    rows = [SamplingRow(temperature=0.0)] * args.batch
-    sampler = Sampler()
     with torch.inference_mode():
         base = torch.randn(args.batch, vocab)
-    t_plain, t_masked, t_fill = [], [], []
-    for _ in range(args.repeat * 4):
-        logits = base.clone()
-        t0 = time.perf_counter()
-        sampler(logits, rows)
-        t_plain.append(time.perf_counter() - t0)
-        logits = base.clone()
-        t0 = time.perf_counter()
-        fill_bitmask(compiler, grammars, bitmask)
-        t1 = time.perf_counter()
-        sampler(logits, rows, TokenMask(list(range(args.batch)), bitmask))
-        t_masked.append(time.perf_counter() - t0)
-        t_fill.append(t1 - t0)
-    allowed = int(np.unpackbits(bitmask[0].view(np.uint8)).sum())
-    compiler.close()
+    sampler = Sampler()
     med = statistics.median
-    return {"vocab": label, "batch": args.batch, "allowed_tokens_row0": allowed,
-            "argmax_ms": med(t_plain) * 1000, "masked_total_ms": med(t_masked) * 1000,
-            "mask_fill_ms": med(t_fill) * 1000,
-            "mask_apply_ms": (med(t_masked) - med(t_fill)) * 1000}
+    results = []
+    for point, schema, text in MASK_POINTS:
+        spec = GrammarSpec.json_schema(schema())
+        grammars = [compiler.matcher(spec) for _ in range(args.batch)]
+        prefix = compiler.ll_tokenizer.tokenize_str(text)
+        for g in grammars:
+            assert not g.advance(prefix)
+        bitmask = np.zeros((args.batch, words), dtype=np.int32)
+        for kind, rows in (("greedy", [SamplingRow(temperature=0.0)] * args.batch),
+                           ("sampled", [SamplingRow(temperature=1.0, top_p=0.95)] * args.batch)):
+            t_plain, t_masked, t_fill = [], [], []
+            for _ in range(args.repeat * 4):
+                logits = base.clone()
+                t0 = time.perf_counter()
+                sampler(logits, rows)
+                t_plain.append(time.perf_counter() - t0)
+                logits = base.clone()
+                t0 = time.perf_counter()
+                fill_bitmask(compiler, grammars, bitmask)
+                t1 = time.perf_counter()
+                sampler(logits, rows, TokenMask(list(range(args.batch)), bitmask))
+                t_masked.append(time.perf_counter() - t0)
+                t_fill.append(t1 - t0)
+            results.append({
+                "vocab": label, "batch": args.batch, "point": point, "rows": kind,
+                "allowed_tokens_row0": int(np.unpackbits(bitmask[0].view(np.uint8)).sum()),
+                "plain_ms": med(t_plain) * 1000, "masked_total_ms": med(t_masked) * 1000,
+                "mask_fill_ms": med(t_fill) * 1000})
+    compiler.close()
+    return results
 
 
 def bench_compile(args, tokenizer, vocab: int, eos: list[int], label: str) -> dict:
@@ -197,12 +224,12 @@ def main() -> None:
     out["step"] = bench_step(args)
     tok = Tokenizer.from_dir(resolve_model_dir(args.model))
     vocab = out["step"]["vocab"]
-    out["sampler"] = [bench_sampler(args, tok, vocab, tok.eos_token_ids, args.model)]
+    out["sampler"] = bench_sampler(args, tok, vocab, tok.eos_token_ids, args.model)
     out["compile"] = [bench_compile(args, tok, vocab, tok.eos_token_ids, args.model)]
     if args.gguf_vocab:
         hf = gguf_tokenizer()
         big = len(hf)
-        out["sampler"].append(bench_sampler(args, hf, big, [hf.eos_token_id], "gemma3-262k"))
+        out["sampler"] += bench_sampler(args, hf, big, [hf.eos_token_id], "gemma3-262k")
         out["compile"].append(bench_compile(args, hf, big, [hf.eos_token_id], "gemma3-262k"))
     if args.json:
         print(json.dumps(out, indent=1))
@@ -211,15 +238,15 @@ def main() -> None:
     print(f"ran with load average {out['load_avg']:.2f}, {out['threads']} torch threads")
     print(f"decode step, {s['model']} (vocab {s['vocab']}), batch {s['batch']} "
           f"(batch sizes seen {s['batch_sizes']}), median of {s['steps']} steps per round:")
-    print("  unmasked ms: " + " ".join(f"{x:.2f}" for x in s["unmasked_ms"]))
-    print("  masked ms:   " + " ".join(f"{x:.2f}" for x in s["masked_ms"]))
-    print(f"  masked / unmasked: {s['ratio_median']:.3f} (rounds {s['ratio_min']:.3f}"
-          f"-{s['ratio_max']:.3f})")
+    print(f"  step ms: unmasked {s['unmasked_ms']:.2f}, masked {s['masked_ms']:.2f} (medians)")
+    print(f"  masked / unmasked, paired steps: median {s['ratio_median']:.3f}, p10-p90 "
+          f"{s['ratio_p10']:.3f}-{s['ratio_p90']:.3f}; per round "
+          + " ".join(f"{x:.3f}" for x in s["round_ratios"]))
     for r in out["sampler"]:
-        print(f"sampler, vocab {r['vocab']}, batch {r['batch']} (row 0 allows "
-              f"{r['allowed_tokens_row0']} tokens): argmax {r['argmax_ms']:.2f} ms; masked "
-              f"{r['masked_total_ms']:.2f} ms = fill {r['mask_fill_ms']:.2f} + apply and "
-              f"argmax {r['mask_apply_ms']:.2f}")
+        print(f"sampler, vocab {r['vocab']}, batch {r['batch']}, {r['rows']} rows, masks at "
+              f"{r['point']} (row 0 allows {r['allowed_tokens_row0']} tokens): unmasked "
+              f"{r['plain_ms']:.2f} ms; masked {r['masked_total_ms']:.2f} ms (of which the "
+              f"masks' fill {r['mask_fill_ms']:.2f})")
     for r in out["compile"]:
         print(f"20-field schema, vocab {r['vocab']}: check {r['check_ms']:.2f} ms, matcher "
               f"{r['matcher_ms']:.2f} ms (max {r['matcher_ms_max']:.2f}), first mask "

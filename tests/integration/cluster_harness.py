@@ -143,16 +143,16 @@ def start_mix_cluster(h: Harness, num_engines: int = 2) -> tuple[ChildProcess, l
 
 async def kill_mid_stream_and_check_migration(
         svc: ChildProcess, engines: list[ChildProcess], prompts: list[str], max_tokens: int,
-        pause_bound_s: float) -> ChildProcess:
+        pause_bound_s: float, extra_body: dict | None = None) -> ChildProcess:
     """Greedy streams through the service; SIGKILL the engine of `engines` that runs the
     most of them (judged by the engines: on a loaded machine the client lags them by
     seconds) once each has a token relayed; then every stream must complete with the
     token ids and text of an uninterrupted run on the survivor, the moves counted in
     xllm_service_migrations_total, no pause longer than `pause_bound_s`. Returns the
-    surviving engine."""
+    surviving engine. `extra_body`: more request fields (e.g. a structured output)."""
     c = aclient(svc)
     runs = [{"ids": [], "text": "", "times": []} for _ in prompts]
-    body = {"ignore_eos": True, "return_token_ids": True}
+    body = {"ignore_eos": True, "return_token_ids": True, **(extra_body or {})}
 
     async def one(prompt: str, run: dict) -> None:
         stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,

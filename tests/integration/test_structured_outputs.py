@@ -13,7 +13,9 @@ import openai
 import pydantic
 import pytest
 
-from tests.integration.cluster_harness import Harness, client, metric, wait_drained
+from tests.integration.cluster_harness import (Harness, client,
+                                               kill_mid_stream_and_check_migration, metric,
+                                               start_mix_cluster, wait_drained)
 from xllm_py.utils.procs import engine_args, free_port, spawn
 
 pytestmark = pytest.mark.integration
@@ -275,3 +277,30 @@ def test_streamed_tool_calls_equal_the_full_response(target, mode):
     assert [(x["name"], x["arguments"]) for x in calls] == \
         [(t.function.name, t.function.arguments) for t in expected]
     assert all(x["id"].startswith("call_") for x in calls)
+
+
+# -- migration -------------------------------------------------------------------------------
+
+# Never complete within the test's tokens (at least 20,000 characters): every stream runs to
+# max_tokens, so the kill finds them all mid-stream.
+LONG_TEXT = "[a-z ]{20000,}"
+
+
+async def test_migrated_stream_resumes_its_grammar(etcd_server, tmp_path):
+    """SIGKILL the MIX engine that serves more constrained greedy streams: each resumes on
+    the other engine, whose matcher replays the tokens generated so far, and ends with
+    exactly the tokens of an uninterrupted constrained run (and within the grammar)."""
+    h = Harness(etcd_server.endpoint, "so-migrate/", tmp_path)
+    try:
+        svc, engines = start_mix_cluster(h, 2)
+        prompts = [f"a constrained story {i} begins" for i in range(4)]
+        survivor = await kill_mid_stream_and_check_migration(
+            svc, engines, prompts, max_tokens=600, pause_bound_s=h.ttl_s + 2.0 + 6.0,
+            extra_body={"structured_outputs": {"regex": LONG_TEXT}})
+        resp = client(survivor).completions.create(
+            model="tiny", prompt=prompts[0], max_tokens=600, temperature=0,
+            extra_body={"ignore_eos": True, "structured_outputs": {"regex": LONG_TEXT}})
+        assert re.fullmatch("[a-z ]+", resp.choices[0].text)
+        await wait_drained([survivor.http_url])
+    finally:
+        h.stop()

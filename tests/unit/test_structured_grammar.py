@@ -155,3 +155,20 @@ def test_sampler_picks_only_allowed_tokens_greedy_and_sampled_with_raw_logprobs(
                  [SamplingRow(temperature=0.0, num_logprobs=0)] * 2):
         out = Sampler()(logits, rows, TokenMask([1], bitmask[:1]))
         assert out.token_ids == [int(raw[0].argmax()), 35]
+
+
+def test_masked_greedy_keeps_allowed_picks_and_redoes_the_others():
+    from xllm_py.structured.token_mask import masked_greedy
+
+    torch.manual_seed(2)
+    logits = torch.randn(3, 64)
+    picks = logits.argmax(dim=-1).tolist()
+    bitmask = np.zeros((2, 2), dtype=np.int32)
+    for t in (picks[0], 7):  # row 0: its own pick allowed, and another token
+        bitmask[0, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    other = (picks[2] + 1) % 64  # row 2: only a token that is not its pick
+    bitmask[1, other // 32] |= np.int32(np.uint32(1 << (other % 32)).view(np.int32))
+    out = masked_greedy(logits, picks, TokenMask([0, 2], bitmask))
+    assert out == [picks[0], picks[1], other]
+    full = apply_token_mask(logits.clone(), TokenMask([0, 2], bitmask)).argmax(dim=-1).tolist()
+    assert out == full

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from xllm_py.outputs import TokenLogprob
-from xllm_py.structured.token_mask import TokenMask, apply_token_mask
+from xllm_py.structured.token_mask import TokenMask, apply_token_mask, masked_greedy
 
 logger = logging.getLogger(__name__)
 
@@ -97,25 +97,26 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  mask: TokenMask | None = None) -> SamplerOutput:
         """`mask`: the grammar masks of the rows with a structured-output constraint. On
-        the greedy hot path it is applied to `logits` in place (the caller's logits are
-        spent); elsewhere to a copy, so logprobs stay those of the raw logits."""
+        the greedy hot path only rows whose argmax the grammar refuses are masked (copies
+        of them); elsewhere the mask is applied to a copy, so logprobs stay those of the
+        raw logits."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [num_rows, vocab] with num_rows={len(rows)}, "
                 f"got shape {tuple(logits.shape)}")
-        # Hot path: greedy, no bias, no penalties, no logprobs (a mask is applied in place).
+        # Hot path: greedy, no bias, no penalties, no logprobs (a mask: masked_greedy).
         for row in rows:
             if (not row.is_greedy or row.has_penalties or row.num_logprobs is not None
                     or row.logit_bias):
                 break
         else:
-            if mask is not None:
-                logits = apply_token_mask(logits.float(), mask)
             if (logits.device.type == "cpu" and logits.dtype == torch.float32
                     and not logits.requires_grad):  # numpy: no thread-pool hand-off
                 ids = logits.numpy().argmax(axis=-1).tolist()
             else:
                 ids = logits.argmax(dim=-1).tolist()
+            if mask is not None:
+                ids = masked_greedy(logits, ids, mask)
             return SamplerOutput(ids, [None] * len(rows))
         return self._sample_general(logits, rows, mask)
 
