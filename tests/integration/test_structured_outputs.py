@@ -295,7 +295,7 @@ async def test_migrated_stream_resumes_its_grammar(etcd_server, tmp_path):
         svc, engines = start_mix_cluster(h, 2)
         prompts = [f"a constrained story {i} begins" for i in range(4)]
         survivor = await kill_mid_stream_and_check_migration(
-            svc, engines, prompts, max_tokens=600, pause_bound_s=h.ttl_s + 2.0 + 6.0,
+            svc, engines, prompts, max_tokens=1500, pause_bound_s=h.ttl_s + 2.0 + 6.0,
             extra_body={"structured_outputs": {"regex": LONG_TEXT}})
         resp = client(survivor).completions.create(
             model="tiny", prompt=prompts[0], max_tokens=600, temperature=0,
