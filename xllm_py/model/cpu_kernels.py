@@ -141,8 +141,10 @@ def _load() -> ctypes.CDLL | None:
             "xllm_linear_panels_f32": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
             "xllm_linear_large_f32": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
             "xllm_linear_panels_bf16": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
+            "xllm_linear_panels_i8": ([p, p, p, p, p, i32, i32, i32], ctypes.c_int),
             "xllm_linear_large_bf16": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
             "xllm_copy_chunks": ([p, p, i64], None),
+            "xllm_int8_blocks": ([p, i64, p, p], ctypes.c_int),
         }
         for name, (args, res) in signatures.items():
             fn = getattr(lib, name)
@@ -323,6 +325,40 @@ def linear_large(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     tensors, no kernels, or the kernel declined, e.g. out of memory): take another path.
     float32 or bfloat16 panels."""
     return _panel_linear("xllm_linear_large", x, panels, out_features, bias, 2**31 - 1)
+
+
+def linear_panels_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
+                       out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ W.T + bias`` for x [M <= PANEL_MAX_ROWS, K] float32 with W as int8 panels
+    [ceil(N/16), K, 16] and float32 scales [ceil(N/16), K/32, 16] (int8_panels.py): the
+    sums of float32 panels holding the same values. None: not handled."""
+    if (x.dim() != 2 or not 0 < x.shape[0] <= PANEL_MAX_ROWS or not x.is_contiguous()
+            or not _f32_cpu(x) or panels.dtype != torch.int8 or not panels.is_contiguous()
+            or not _f32_cpu(scales) or not scales.is_contiguous() or _load() is None):
+        return None
+    if bias is not None and (not _f32_cpu(bias) or not bias.is_contiguous()):
+        return None
+    k = panels.shape[1]
+    if x.shape[1] != k or panels.shape[0] * 16 < out_features or k % 32:
+        raise ValueError(f"linear: input has {x.shape[1]} features, weight expects {k}")
+    y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    rc = _lib.xllm_linear_panels_i8(x.data_ptr(), panels.data_ptr(), scales.data_ptr(),
+                                    0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                                    x.shape[0], out_features, k)
+    return y if rc == 0 else None
+
+
+def int8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q [N, K] int8, scales [N, K/32]) when every 32-value block of the float32 weight
+    [N, K] is exactly scale * integer (int8_panels.py), else None (also without kernels)."""
+    if (weight.dim() != 2 or not _f32_cpu(weight) or weight.shape[1] % 32
+            or _load() is None):
+        return None
+    w = weight.contiguous()
+    q = torch.empty(w.shape, dtype=torch.int8)
+    s = torch.empty(w.shape[0], w.shape[1] // 32, dtype=torch.float32)
+    rc = _lib.xllm_int8_blocks(w.data_ptr(), w.numel() // 32, q.data_ptr(), s.data_ptr())
+    return (q, s) if rc == 0 else None
 
 
 def _panel_linear(fn: str, x: torch.Tensor, panels: torch.Tensor, out_features: int,

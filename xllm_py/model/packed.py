@@ -27,7 +27,11 @@ multiply in float32: the same sums as float32 panels, half the bytes in memory a
 streamed per decode step. A weight with any value that bfloat16 cannot hold keeps float32
 panels, so ``"auto"`` never changes a result. ``"float32"`` always keeps float32;
 ``"bfloat16"`` rounds to it (and says how many weights it rounded). bfloat16 panels need
-the native kernels; without them the weights stay float32 (oneDNN).
+the native kernels; without them the weights stay float32 (oneDNN). Before bfloat16,
+``"auto"`` looks for a weight that is exactly int8 times a scale per 32 values (a GGUF
+Q8_0 or Q5_0 tensor, dequantized) and keeps it as int8 panels (int8_panels.py): the same
+sums again, from a quarter of the bytes; a tied LM head held so also serves the
+embedding's lookups, and the float32 table goes.
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ import torch
 from torch import nn
 
 from xllm_py.model import cpu_kernels
+from xllm_py.model.int8_panels import (PanelEmbedding, dequantize_panels, int8_blocks,
+                                       pack_int8_panels)
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +70,8 @@ class PackedLinear(nn.Module):
     kernels when they are available, else in oneDNN's blocked layout."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int = DEFAULT_BATCH_HINT,
-                 weight_dtype: torch.dtype = torch.float32) -> None:
+                 weight_dtype: torch.dtype = torch.float32,
+                 int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -74,8 +81,12 @@ class PackedLinear(nn.Module):
         # Exactly one of the two layouts. Panels [ceil(out/16), in, 16]: every row count
         # (linear_panels up to PANEL_MAX_ROWS, linear_large past that).
         # bfloat16 panels: the kernels widen them exactly (module docstring)
-        self._panels = (cpu_kernels.pack_panels(weight, weight_dtype)
-                        if cpu_kernels.linear_available() else None)
+        self._scales = None  # int8 panels: their float32 scales [np, K / 32, 16]
+        if int8 is not None and cpu_kernels.linear_available():
+            self._panels, self._scales = pack_int8_panels(*int8)
+        else:
+            self._panels = (cpu_kernels.pack_panels(weight, weight_dtype)
+                            if cpu_kernels.linear_available() else None)
         # oneDNN's packed weight, an opaque mkldnn tensor: kept as a plain attribute (not a
         # parameter/buffer, which state_dict and .to() would treat as a dense tensor).
         self._packed = None
@@ -90,7 +101,9 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype == torch.float32 and not x2.is_contiguous():
             x2 = x2.contiguous()  # a copy costs far less than the matmul's slower path
-        if x2.shape[0] <= cpu_kernels.PANEL_MAX_ROWS:
+        if self._scales is not None:
+            y = self._linear_int8(x2)
+        elif x2.shape[0] <= cpu_kernels.PANEL_MAX_ROWS:
             y = cpu_kernels.linear_panels(x2, self._panels, self.out_features, self.bias)
         else:
             y = cpu_kernels.linear_large(x2, self._panels, self.out_features, self.bias)
@@ -98,17 +111,32 @@ class PackedLinear(nn.Module):
             y = self._linear_from_panels(x2)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def _linear_int8(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """Int8 panels: the decode-size kernel, PANEL_MAX_ROWS rows at a time."""
+        step = cpu_kernels.PANEL_MAX_ROWS
+        parts = []
+        for r0 in range(0, x2.shape[0], step):
+            y = cpu_kernels.linear_panels_int8(x2[r0:r0 + step], self._panels, self._scales,
+                                               self.out_features, self.bias)
+            if y is None:
+                return None
+            parts.append(y)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def _linear_from_panels(self, x2: torch.Tensor) -> torch.Tensor:
         """The same product in torch, reading the panels in place: [M, K] @ [np, K, 16] is a
         batched matmul to [np, M, 16], whose panels side by side are the columns of y."""
         m, num = x2.shape[0], self._panels.shape[0]
-        y = torch.matmul(x2, self._panels.to(x2.dtype)).transpose(0, 1).reshape(m, num * 16)
+        panels = (self._panels if self._scales is None
+                  else dequantize_panels(self._panels, self._scales))
+        y = torch.matmul(x2, panels.to(x2.dtype)).transpose(0, 1).reshape(m, num * 16)
         y = y[:, :self.out_features]
         return y + self.bias if self.bias is not None else y.contiguous()
 
     def extra_repr(self) -> str:
-        layout = "onednn" if self._panels is None else (
-            "panels" if self._panels.dtype == torch.float32 else "panels-bf16")
+        layout = "onednn" if self._panels is None else {
+            torch.float32: "panels", torch.bfloat16: "panels-bf16",
+            torch.int8: "panels-int8"}[self._panels.dtype]
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"bias={self.bias is not None}, packed={layout}"
 
@@ -138,25 +166,31 @@ def pack_linears(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT,
         logger.info("linear weights not packed: %s", why)
         return 0
     panels = cpu_kernels.linear_available()
-    count = num_bf16 = num_rounded = 0
+    count = num_bf16 = num_int8 = num_rounded = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                dtype = torch.float32
-                if panels and weight_dtype != "float32":
+                dtype, int8 = torch.float32, None
+                if panels and weight_dtype == "auto":
+                    int8 = int8_blocks(child.weight)
+                if panels and weight_dtype != "float32" and int8 is None:
                     exact = is_bfloat16_valued(child.weight)
                     if exact or weight_dtype == "bfloat16":
                         dtype = torch.bfloat16
                         num_rounded += not exact
-                setattr(parent, name, PackedLinear(child, batch_hint, dtype))
+                setattr(parent, name, PackedLinear(child, batch_hint, dtype, int8))
                 count += 1
                 num_bf16 += dtype == torch.bfloat16
+                num_int8 += int8 is not None
     if num_rounded:
         logger.warning("weight dtype bfloat16: %d of %d linear weights rounded to bfloat16",
                        num_rounded, count)
+    if num_int8:
+        _embed_from_int8_head(model)
     if panels:
-        logger.info("packed %d linear layers as panels for the native kernels (%d in "
-                    "bfloat16, %d in float32)", count, num_bf16, count - num_bf16)
+        logger.info("packed %d linear layers as panels for the native kernels (%d in int8, "
+                    "%d in bfloat16, %d in float32)", count, num_int8, num_bf16,
+                    count - num_bf16 - num_int8)
     else:
         if weight_dtype == "bfloat16":
             logger.warning("weight dtype bfloat16 needs the native kernels: weights kept "
@@ -165,3 +199,15 @@ def pack_linears(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT,
                     "kernels unavailable: %s)", count, batch_hint,
                     cpu_kernels.unavailable_reason() or "no AVX2/FMA")
     return count
+
+
+def _embed_from_int8_head(model: nn.Module) -> None:
+    """A tied LM head held as int8 panels serves the embedding's lookups (the same values)."""
+    config = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    if (config is None or not getattr(config, "tie_word_embeddings", False) or inner is None
+            or not isinstance(head, PackedLinear) or head._scales is None
+            or not isinstance(getattr(inner, "embed_tokens", None), nn.Embedding)):
+        return
+    inner.embed_tokens = PanelEmbedding(head)

@@ -8,6 +8,7 @@
  * table[t / block_size] * block_size + t % block_size. Callers validate block ids and
  * lengths; the kernels read only the blocks a table names, up to seq_len tokens.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -454,6 +455,49 @@ static void panel_one_row_bf16(const float *x0, const uint16_t *pp, int32_t K, f
     _mm256_storeu_ps(tile + 8, _mm256_add_ps(e1, o1));
 }
 
+/* int8 panels: P[np][K][16] int8 and S[np][K / 32][16] float32, the weight at (k, j) is
+ * P[k][j] * S[k / 32][j] -- a GGUF Q8_0 or Q5_0 weight is exactly that (a float16 scale
+ * times a small integer: the product is exact in float32). Widened as they are loaded, the
+ * sums are those of float32 panels holding the same values, bit for bit, from a quarter of
+ * the bytes. K is a multiple of 32. */
+static inline __attribute__((always_inline)) void i8x16_load(const int8_t *p, const float *sc,
+                                                             __m256 *lo, __m256 *hi) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+    *lo = _mm256_mul_ps(a, _mm256_loadu_ps(sc));
+    *hi = _mm256_mul_ps(b, _mm256_loadu_ps(sc + 8));
+}
+
+/* panel_one_row on an int8 panel: the same fmas in the same order. */
+static void panel_one_row_i8(const float *x0, const int8_t *pp, const float *ps, int32_t K,
+                             float *tile) {
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0, w0, w1, w2, w3;
+    for (int32_t k = 0; k + 1 < K; k += 2) {
+        const float *sc = ps + (int64_t)(k / 32) * 16;
+        const __m256 a = _mm256_broadcast_ss(x0 + k), a2 = _mm256_broadcast_ss(x0 + k + 1);
+        i8x16_load(pp + (int64_t)k * 16, sc, &w0, &w1);
+        i8x16_load(pp + (int64_t)k * 16 + 16, sc, &w2, &w3);
+        e0 = _mm256_fmadd_ps(a, w0, e0);
+        e1 = _mm256_fmadd_ps(a, w1, e1);
+        o0 = _mm256_fmadd_ps(a2, w2, o0);
+        o1 = _mm256_fmadd_ps(a2, w3, o1);
+    }
+    _mm256_storeu_ps(tile, _mm256_add_ps(e0, o0));
+    _mm256_storeu_ps(tile + 8, _mm256_add_ps(e1, o1));
+}
+
+/* kn rows (from row k0) of an int8 panel -> float32 rows dst[kn][16] */
+static inline void i8_panel_rows(const int8_t *src, const float *ps, int32_t k0, int32_t kn,
+                                 float *dst) {
+    for (int32_t i = 0; i < kn; i++) {
+        __m256 lo, hi;
+        i8x16_load(src + (int64_t)i * 16, ps + (int64_t)((k0 + i) / 32) * 16, &lo, &hi);
+        _mm256_storeu_ps(dst + (int64_t)i * 16, lo);
+        _mm256_storeu_ps(dst + (int64_t)i * 16 + 8, hi);
+    }
+}
+
 /* kn rows of a bfloat16 panel -> float32 rows dst[kn][16]; prefetches ``pf`` (the next
  * chunk, NULL: none), one line per two rows. */
 static inline void bf16_panel_rows(const uint16_t *src, int32_t kn, float *dst,
@@ -573,9 +617,10 @@ static inline __attribute__((always_inline)) void panel_chunk(const float *xt, c
 }
 
 /* The work sharing of linear_panels inside a parallel region; xt: panel_pack_floats.
- * P: float32 panels, or bfloat16 ones with ``bf16``. */
-static void linear_panels_body(const float *x, const void *P, const float *b, float *y,
-                               int32_t M, int32_t N, int32_t K, float *xt, int bf16) {
+ * P: float32 panels, bfloat16 ones with ``bf16``, or int8 ones with their scales S. */
+static void linear_panels_body_s(const float *x, const void *P, const float *S, const float *b,
+                                 float *y, int32_t M, int32_t N, int32_t K, float *xt,
+                                 int bf16) {
     const int32_t np = (N + 15) / 16;
     const int32_t tiles = (M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS;
     if (M > 1) {
@@ -601,11 +646,15 @@ static void linear_panels_body(const float *x, const void *P, const float *b, fl
     for (int32_t p = 0; p < np; p++) {
         const float *pp = (const float *)P + (int64_t)p * K * 16;
         const uint16_t *pb = (const uint16_t *)P + (int64_t)p * K * 16;
+        const int8_t *pi = (const int8_t *)P + (int64_t)p * K * 16;
+        const float *ps = S != NULL ? S + (int64_t)p * (K / 32) * 16 : NULL;
         const int32_t n0 = p * 16, nv = N - n0 < 16 ? N - n0 : 16;
         float acc[XLLM_PANEL_MAX_ROWS + XLLM_TILE_ROWS][16];
-        float wide[XLLM_PANEL_KC * 16]; /* a bf16 chunk widened */
+        float wide[XLLM_PANEL_KC * 16]; /* a bf16 or int8 chunk widened */
         if (M == 1) {
-            if (bf16)
+            if (ps != NULL)
+                panel_one_row_i8(x, pi, ps, K, acc[0]);
+            else if (bf16)
                 panel_one_row_bf16(x, pb, K, acc[0]);
             else
                 panel_one_row(x, pp, K, acc[0]);
@@ -616,7 +665,10 @@ static void linear_panels_body(const float *x, const void *P, const float *b, fl
             for (int32_t k0 = 0; k0 < K; k0 += XLLM_PANEL_KC) {
                 const int32_t kn = K - k0 < XLLM_PANEL_KC ? K - k0 : XLLM_PANEL_KC;
                 const float *xk = xt + (int64_t)k0 * XLLM_TILE_ROWS;
-                if (bf16) {
+                if (ps != NULL) {
+                    i8_panel_rows(pi + (int64_t)k0 * 16, ps, k0, kn, wide);
+                    panel_chunk(xk, wide, kn, K, M, acc, 0);
+                } else if (bf16) {
                     const uint16_t *src = pb + (int64_t)k0 * 16;
                     bf16_panel_rows(src, kn, wide, k0 + kn < K ? src + (int64_t)kn * 16 : NULL);
                     panel_chunk(xk, wide, kn, K, M, acc, 0);
@@ -633,17 +685,32 @@ static void linear_panels_body(const float *x, const void *P, const float *b, fl
     }
 }
 
-static int linear_panels(const float *x, const void *P, const float *b, float *y, int32_t M,
-                         int32_t N, int32_t K, int bf16) {
-    if (M <= 0 || M > XLLM_PANEL_MAX_ROWS || K <= 0)
+static void linear_panels_body(const float *x, const void *P, const float *b, float *y,
+                               int32_t M, int32_t N, int32_t K, float *xt, int bf16) {
+    linear_panels_body_s(x, P, NULL, b, y, M, N, K, xt, bf16);
+}
+
+static int linear_panels_s(const float *x, const void *P, const float *S, const float *b,
+                           float *y, int32_t M, int32_t N, int32_t K, int bf16) {
+    if (M <= 0 || M > XLLM_PANEL_MAX_ROWS || K <= 0 || (S != NULL && K % 32))
         return -1;
     const size_t need = panel_pack_floats(M, K);
     float *xt = need ? panel_pack_buffer(need) : NULL;
     if (need && xt == NULL)
         return -1;
 #pragma omp parallel
-    linear_panels_body(x, P, b, y, M, N, K, xt, bf16);
+    linear_panels_body_s(x, P, S, b, y, M, N, K, xt, bf16);
     return 0;
+}
+
+static int linear_panels(const float *x, const void *P, const float *b, float *y, int32_t M,
+                         int32_t N, int32_t K, int bf16) {
+    return linear_panels_s(x, P, NULL, b, y, M, N, K, bf16);
+}
+
+int xllm_linear_panels_i8(const float *x, const int8_t *P, const float *S, const float *b,
+                          float *y, int32_t M, int32_t N, int32_t K) {
+    return linear_panels_s(x, P, S, b, y, M, N, K, 0);
 }
 
 int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
@@ -674,6 +741,11 @@ int xllm_linear_panels_bf16(const float *x, const uint16_t *P, const float *b, f
     (void)x; (void)P; (void)b; (void)y; (void)M; (void)N; (void)K;
     return -1;
 }
+int xllm_linear_panels_i8(const float *x, const int8_t *P, const float *S, const float *b,
+                          float *y, int32_t M, int32_t N, int32_t K) {
+    (void)x; (void)P; (void)S; (void)b; (void)y; (void)M; (void)N; (void)K;
+    return -1;
+}
 int xllm_linear_large_bf16(const float *x, const uint16_t *P, const float *b, float *y,
                            int32_t M, int32_t N, int32_t K) {
     (void)x; (void)P; (void)b; (void)y; (void)M; (void)N; (void)K;
@@ -681,6 +753,49 @@ int xllm_linear_large_bf16(const float *x, const uint16_t *P, const float *b, fl
 }
 #endif
 /* Without AVX2/FMA there is no xllm_decode_stack_f32: the model takes the per-op path. */
+
+/* Blocks of 32 floats that are exactly s * i, |i| <= 127 integers (int8_panels.py): for
+ * each block the first of s = max|w| / 127, max|w| / 16 that holds every value exactly
+ * (GGUF Q8_0, Q5_0) -> q[b][32], s[b]. Returns 0, or -1 when some block is neither (q and s
+ * then partly written). */
+int xllm_int8_blocks(const float *w, int64_t nb, int8_t *q, float *s) {
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
+    for (int64_t b = 0; b < nb; b++) {
+        if (bad)
+            continue;
+        const float *x = w + b * 32;
+        int8_t *qb = q + b * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++)
+            amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        if (amax == 0.0f) {
+            s[b] = 0.0f;
+            memset(qb, 0, 32);
+            continue;
+        }
+        const float levels[2] = {127.0f, 16.0f};
+        int found = 0;
+        for (int l = 0; l < 2 && !found; l++) {
+            const float sc = amax / levels[l];
+            int ok = 1;
+            for (int i = 0; i < 32 && ok; i++) {
+                const float r = rintf(x[i] / sc);
+                if (fabsf(r) > 127.0f || r * sc != x[i])
+                    ok = 0;
+                else
+                    qb[i] = (int8_t)r;
+            }
+            if (ok) {
+                s[b] = sc;
+                found = 1;
+            }
+        }
+        if (!found)
+            bad = 1;
+    }
+    return bad ? -1 : 0;
+}
 
 /* Copies n chunks, dst[i] <- src[i], each row an (address, length) pair of uint64 with equal
  * lengths on both sides: the KV transfer's mapped-pool path (kv_transfer/ucx/shared_memory.py)
