@@ -336,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
               f"  logs:            {cluster.log_dir}\n"
               f"  etcd:            {cluster.etcd_addr}{' (mutual TLS)' if args.tls else ''}\n"
               + (f"  certificates:    {cluster.log_dir / 'certs'}\n" if args.tls else "") + "\n"
-              f"Try:\n  curl {cluster.url}/v1/chat/completions{auth} -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-              f"\"Hello!\"}}], \"max_tokens\": 32}}'\n\nCtrl-C stops everything.", flush=True)
+              f"Try:\n  curl {cluster.url}/v1/completions{auth} -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{model}\", \"prompt\": \"The capital of France is\", "
+              f"\"max_tokens\": 24, \"temperature\": 0}}'\n\nCtrl-C stops everything.", flush=True)
         while not stopping[0]:
             time.sleep(0.5)
             dead = cluster.failed_child()

@@ -178,10 +178,10 @@ def test_launch_serves_and_stops_cleanly(launcher, tmp_path) -> None:
                          capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     body = json.loads(out.stdout)
-    assert body["object"] == "chat.completion", body
+    assert body["object"] == "text_completion", body
     assert body["model"] == model
-    assert body["choices"][0]["message"]["role"] == "assistant"
-    assert 1 <= body["usage"]["completion_tokens"] <= 32
+    assert body["choices"][0]["text"]
+    assert 1 <= body["usage"]["completion_tokens"] <= 24
 
     # SIGTERM: the launcher exits and takes every child with it (etcd included)
     seen.update(_related(proc.pid, markers))
