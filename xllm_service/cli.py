@@ -32,14 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--served-model-name", default=None, help="model id in the API")
     add_flag(p, "--max-model-len", type=int, default=None,
              help="context limit for validation (default: the model's max_position_embeddings)")
-    add_flag(p, "--load-balance-policy", default="LEAST_LOAD", type=str.upper,
+    add_flag(p, "--load-balance-policy", default="SLO_AWARE", type=str.upper,
              choices=["RR", "LEAST_LOAD", "CACHE_AWARE", "SLO_AWARE"],
              help="RR: round robin; LEAST_LOAD: fewest in-flight + waiting requests; "
                   "CACHE_AWARE: the longest cached prompt prefix (engines' heartbeat cache "
                   "events) among instances within 4 requests of the least loaded; "
-                  "SLO_AWARE: over prefill/decode instances, the path and instances whose "
-                  "predicted TTFT/TPOT (the engines' --latency-profile) meet the request's "
-                  "targets (else miss least); CACHE_AWARE over MIX instances")
+                  "SLO_AWARE (default): over prefill/decode instances, the path and "
+                  "instances whose predicted TTFT/TPOT (the latency profiles the engines "
+                  "measure at start-up) meet the request's targets (else miss least); "
+                  "without profiles CONDITIONAL's thresholds; CACHE_AWARE over MIX instances")
     add_flag(p, "--disagg-decision", default=None, type=str.upper,
              choices=["ALWAYS", "CONDITIONAL"],
              help="over prefill/decode instances: ALWAYS send the prompt to a prefill "
@@ -49,21 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--local-prefill-max-tokens", type=int, default=256,
              help="CONDITIONAL: prefill on the decode when at most this many prompt tokens "
                   "are not in its prefix cache")
-    add_flag(p, "--prefill-busy-tokens", type=int, default=4096,
-             help="CONDITIONAL: also prefill longer prompts on the decode while the least "
-                  "busy prefill instance has this many prompt tokens queued (0: never; "
-                  "SLO_AWARE: 0 keeps long prompts off the decode, else they go there "
-                  "when the prefills miss the targets and the decode meets them)")
     add_flag(p, "--pd-overhead-ms", type=float, default=20.0,
              help="SLO_AWARE: TTFT added by disaggregation (KV pull, hand-over RPCs)")
-    add_flag(p, "--decode-holding-ms", type=float, default=500.0,
-             help="SLO_AWARE: when a prompt the decode computes itself has waited this long "
-                  "for its first token (the decode's TPOT guard holds it), send short "
-                  "prompts to a prefill that meets the targets instead (0: off)")
-    add_flag(p, "--ttft-slo-ms", type=float, default=1000.0,
-             help="SLO_AWARE: TTFT target of a request without ttft_slo_ms (0: none)")
-    add_flag(p, "--tpot-slo-ms", type=float, default=50.0,
-             help="SLO_AWARE: TPOT target of a request without tpot_slo_ms (0: none)")
+    add_flag(p, "--ttft-slo-ms", type=float, default=None,
+             help="SLO_AWARE: TTFT target of a request without ttft_slo_ms (0: none; "
+                  "default: a 2048-token prompt alone on the slowest prefill, by the profiles)")
+    add_flag(p, "--tpot-slo-ms", type=float, default=None,
+             help="SLO_AWARE: TPOT target of a request without tpot_slo_ms (0: none; "
+                  "default: 1.25x a step of 8 streams of 1k context on the slowest decode)")
     add_flag(p, "--evict-grace-s", type=float, default=3.0,
              help="seconds a dead instance stays SUSPECT before it is evicted")
     add_flag(p, "--rpc-timeout", type=float, default=5.0, help="deadline of service RPCs (s)")
@@ -90,9 +84,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         router=RouterConfig(load_balance_policy=args.load_balance_policy,
                             disagg_decision=args.disagg_decision,
                             local_prefill_max_tokens=args.local_prefill_max_tokens,
-                            prefill_busy_tokens=args.prefill_busy_tokens,
                             pd_overhead_ms=args.pd_overhead_ms,
-                            decode_holding_ms=args.decode_holding_ms,
                             ttft_slo_ms=args.ttft_slo_ms,
                             tpot_slo_ms=args.tpot_slo_ms),
         relay=RelayConfig(rpc_timeout_s=args.rpc_timeout,

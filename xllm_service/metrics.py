@@ -10,6 +10,9 @@ which the HTTP layer registers into too: `ServiceBackend.metrics_registry`):
   xllm_service_inflight_requests{instance}        sub-requests depending on an instance
   xllm_service_prefix_cached_blocks{instance}     from the engines' heartbeat cache events
   xllm_service_instances{state}                   registered instances by state
+  xllm_service_slo_target_ms{target}              SLO_AWARE: the TTFT / TPOT target of a
+                                                  request that states none (the operator's,
+                                                  else derived from the latency profiles)
 
 Counters are kept here (`outcomes`, ...; tests read them); gauges are read from their
 owners when scraped.
@@ -29,7 +32,8 @@ PD_PATHS = ("decode", "pd")
 class ServiceMetrics:
     def __init__(self, inflight: Callable[[], list[tuple[str, int]]],
                  prefix_blocks: Callable[[], list[tuple[str, int]]] | None = None,
-                 instance_counts: Callable[[], dict[str, int]] | None = None) -> None:
+                 instance_counts: Callable[[], dict[str, int]] | None = None,
+                 slo_targets: Callable[[], tuple[float, float] | None] | None = None) -> None:
         self.outcomes: collections.Counter = collections.Counter()
         # (instance, outcome) -> requests; an instance counts every request it served
         self.instance_outcomes: collections.Counter = collections.Counter()
@@ -38,6 +42,7 @@ class ServiceMetrics:
         self._inflight = inflight
         self._prefix_blocks = prefix_blocks
         self._instance_counts = instance_counts
+        self._slo_targets = slo_targets
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -93,3 +98,11 @@ class ServiceMetrics:
             for state, n in sorted(self._instance_counts().items()):
                 instances.add_metric([state], n)
             yield instances
+        targets = self._slo_targets() if self._slo_targets is not None else None
+        if targets is not None:
+            slo = GaugeMetricFamily("xllm_service_slo_target_ms", "SLO_AWARE: the target of a "
+                                    "request that states none, in ms (0: none)",
+                                    labels=["target"])
+            for name, ms in zip(("ttft", "tpot"), targets):
+                slo.add_metric([name], ms)
+            yield slo

@@ -36,15 +36,16 @@ profile is a step's cost on a core of its own; on a shared machine the clock run
 and picks, in order: for a prompt whose uncached part is short (as above), the candidate
 meeting both targets with the lowest TTFT, the DECODE path or a PD pair (an idle prefill
 takes it: the decode's streams keep their pace), not the DECODE path of a decode holding
-prompts back while a PD pair meets both (`decode_holding_ms`: a prompt computed there has
-waited that long for its first token; the prompts held together go together, and stall its
-streams for as long); else the PD pair meeting both with the lowest TTFT; else the DECODE
-path meeting both (prefill overloaded; not with `prefill_busy_tokens` 0: long prompts
-never stall the decode's streams); else the candidate that misses least (sum of the
-relative overshoots), the DECODE path only for a short prompt that keeps the decode within
-its TPOT target (or without a prefill instance). Targets: the request's
-`ttft_slo_ms`/`tpot_slo_ms`, else the service's `--ttft-slo-ms`/`--tpot-slo-ms`; 0: none.
-Without a profile from every instance it falls back to `PDDecider` with LEAST_LOAD.
+prompts back while a PD pair meets both (slo_defaults `decode_holding_ms`: a prompt
+computed there has waited a third of its guard's hold limit for its first token; the
+prompts held together go together, and stall its streams for as long); else the PD pair
+meeting both with the lowest TTFT; else the candidate that misses least (sum of the
+relative overshoots), a long prompt never on the DECODE path (its stall spirals: issue 16),
+a short one only when it keeps the decode within its TPOT target (or without a prefill
+instance). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else the service's
+`--ttft-slo-ms`/`--tpot-slo-ms`, else what the instances' profiles support
+(`SloRouter.stated`, xllm_py/cluster/slo_defaults.py); 0: none. Without a profile from
+every instance it falls back to `PDDecider` with the policy (CACHE_AWARE).
 
 Torch-free: the master imports it.
 """
@@ -52,10 +53,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import time
 from typing import Callable, Sequence
 
+from xllm_py.cluster import slo_defaults
 from xllm_py.cluster.latency_profile import LatencyProfile, attn_pairs
 from xllm_py.cluster.prefill_order import Queued, finish_s
 from xllm_py.config import RouterConfig
@@ -63,6 +66,8 @@ from xllm_service.instance_table import InstanceInfo
 from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
 from xllm_service.router import LoadBalancePolicy, Path, Route, Router, policy_from_config
 from xllm_service.sub_request import InstanceWork
+
+logger = logging.getLogger(__name__)
 
 # Measured/predicted correction: weight of a new observation, and its bounds (1/x .. x).
 SCALE_ALPHA = 0.2
@@ -154,7 +159,7 @@ class SloPredictor:
         self.clock = clock
         # decode -> (sent at, prompt tokens) of the prompts sent to it to compute itself
         self._local: dict[str, collections.deque[tuple[float, int]]] = {}
-        self._profiles: dict[tuple[str, str], LatencyProfile | None] = {}
+        self._profiles: dict[str, tuple[dict, LatencyProfile | None]] = {}
         # (instance, "ttft" | "tpot") -> measured / predicted, a moving average
         self._scale: dict[tuple[str, str], float] = {}
 
@@ -196,23 +201,28 @@ class SloPredictor:
             sent.popleft()
         return sum(n for _, n in sent) / RECENT_LOCAL_S
 
-    def holding(self, decode: str) -> bool:
+    def holding(self, decode: InstanceInfo) -> bool:
         """Whether `decode` holds back prompts it computes itself: one the service sent it
-        has waited `decode_holding_ms` for its first token (its TPOT guard waits for its
-        streams to save up; a prompt sent now would wait too, and go in a burst)."""
-        limit = self.config.decode_holding_ms
-        pending = self.work(decode).pending_prompts  # oldest first
+        has waited a third of its TPOT guard's hold limit for its first token (slo_defaults
+        `decode_holding_ms`, from its profile: the guard waits for its streams to save up;
+        a prompt sent now would wait too, and go in a burst)."""
+        profile = self.profile(decode)
+        limit = slo_defaults.decode_holding_ms(profile) if profile is not None else 0.0
+        pending = self.work(decode.name).pending_prompts  # oldest first
         return bool(limit and pending and (self.clock() - pending[0][0]) * 1000.0 >= limit)
 
     def profile(self, info: InstanceInfo) -> LatencyProfile | None:
-        key = (info.name, info.incarnation_id)
-        if key not in self._profiles:
+        """The profile `info` registers (parsed once per registration: an engine registers
+        its own again as its steps correct it)."""
+        raw = info.meta.latency_profile
+        cached = self._profiles.get(info.name)
+        if cached is None or cached[0] != raw:
             try:
-                self._profiles[key] = (LatencyProfile.from_dict(info.meta.latency_profile)
-                                       if info.meta.latency_profile else None)
+                parsed = LatencyProfile.from_dict(raw) if raw else None
             except ValueError:
-                self._profiles[key] = None
-        return self._profiles[key]
+                parsed = None
+            cached = self._profiles[info.name] = (raw, parsed)
+        return cached[1]
 
     def _state(self, info: InstanceInfo) -> tuple[InstanceWork, int, int]:
         """(the service's work there, decoding sequences, their context tokens)."""
@@ -293,17 +303,45 @@ class SloRouter:
         self.predictor = predictor
         self.decider = decider
         self.policy = policy
+        self._derived_key: list = []
+        self._derived = (0.0, 0.0)
+        self._last = (self.config.ttft_slo_ms or 0.0, self.config.tpot_slo_ms or 0.0)
+
+    def stated(self, prefills: Sequence[InstanceInfo],
+               decodes: Sequence[InstanceInfo]) -> tuple[float, float]:
+        """The service's (TTFT, TPOT) targets in ms over these instances: the operator's
+        (--ttft-slo-ms / --tpot-slo-ms), else what their latency profiles support
+        (xllm_py/cluster/slo_defaults.py; 0 while an instance has none)."""
+        ttft, tpot = self.config.ttft_slo_ms, self.config.tpot_slo_ms
+        if ttft is None or tpot is None:
+            key = [(i.name, i.meta.latency_profile) for i in (*prefills, *decodes)]
+            if key != self._derived_key:
+                pd = [self.predictor.profile(i) for i in decodes]
+                pp = [self.predictor.profile(i) for i in prefills] or pd
+                whole = decodes and None not in pd and None not in pp
+                derived = ((slo_defaults.ttft_target_ms(pp), slo_defaults.tpot_target_ms(pd))
+                           if whole else (0.0, 0.0))
+                if whole and derived != self._derived:
+                    logger.info("SLO targets from the latency profiles: TTFT %.0f ms, TPOT "
+                                "%.1f ms", *derived)
+                self._derived, self._derived_key = derived, key
+            ttft = self._derived[0] if ttft is None else ttft
+            tpot = self._derived[1] if tpot is None else tpot
+        return ttft, tpot
 
     def targets(self, request: object) -> tuple[float, float]:
+        """The request's targets: its own, else the service's (`stated`, over the
+        instances it last routed over)."""
         ttft = getattr(request, "ttft_slo_ms", None)
         tpot = getattr(request, "tpot_slo_ms", None)
-        return (self.config.ttft_slo_ms if ttft is None else float(ttft),
-                self.config.tpot_slo_ms if tpot is None else float(tpot))
+        return (self._last[0] if ttft is None else float(ttft),
+                self._last[1] if tpot is None else float(tpot))
 
     def route(self, request: object, prefills: Sequence[InstanceInfo],
               decodes: Sequence[InstanceInfo]) -> Route:
         prompt = list(getattr(request, "prompt_token_ids", None) or [])
         max_tokens = int(getattr(request, "max_tokens", None) or 16)
+        self._last = self.stated(prefills, decodes)
         ttft_slo, tpot_slo = self.targets(request)
         chains: dict[int, list[int]] = {}
         uncached = {i.name: len(prompt) - self.decider.cache.cached_tokens(i, prompt, chains)
@@ -330,7 +368,7 @@ class SloRouter:
         ok_remote = [x for x in remote if meets(x)]
         short_ok = [x for x in local if uncached[x.route.target.name] <= limit and meets(x)]
         short = [x for x in short_ok
-                 if not (ok_remote and self.predictor.holding(x.route.target.name))]
+                 if not (ok_remote and self.predictor.holding(x.route.target))]
         if short:
             best = by_ttft(short + ok_remote)
             return self._chosen(best, "short prompt" + ("" if best.route.on_decode
@@ -339,8 +377,6 @@ class SloRouter:
         if ok_remote:  # (a short prompt here: every decode meeting it holds prompts)
             return self._chosen(by_ttft(ok_remote), "short prompt, decode holding prompts"
                                 if short_ok else "long prompt", ttft_slo, tpot_slo, uncached)
-        if self.config.prefill_busy_tokens and (ok := [x for x in local if meets(x)]):
-            return self._chosen(by_ttft(ok), "prefill busy", ttft_slo, tpot_slo, uncached)
         # Missing anyway: a long prompt stays off the decode (its prefill would stall the
         # streams there, and their TPOT, which then misses more targets: a spiral), and so
         # does a short one that would take the decode past its TPOT target (that miss is

@@ -223,6 +223,14 @@ class Router:
         return (float(getattr(request, "ttft_slo_ms", None) or 0.0),
                 float(getattr(request, "tpot_slo_ms", None) or 0.0))
 
+    def stated_targets(self) -> tuple[float, float] | None:
+        """SLO_AWARE: the service's (TTFT, TPOT) targets over the instances registered now
+        (the operator's, else derived from their profiles); None: no SLO routing."""
+        if self.slo is None:
+            return None
+        prefills, decodes, _ = self._candidates(())
+        return self.slo.stated(prefills, decodes)
+
     def observe(self, route: Route, ttft_ms: float | None, tpot_ms: float | None) -> None:
         """A request's measured TTFT/TPOT (SLO_AWARE corrects its predictions by them)."""
         if self.slo is not None and route.predicted is not None:

@@ -60,7 +60,8 @@ async def run_service(config: ServiceConfig) -> None:
     subs = SubRequests()
     router = build_router(config.router, registry.schedulable, subs.inflight, subs.work,
                           prefix_index)
-    metrics = ServiceMetrics(subs.inflight_by_instance, prefix_index.sizes, registry.counts)
+    metrics = ServiceMetrics(subs.inflight_by_instance, prefix_index.sizes, registry.counts,
+                             router.stated_targets)
     backend = ServiceBackend(tokenizer, config.model_name, max_len, router,
                              EngineClient(config.relay, channel_credentials(tls) if tls is not None else None), rpc_addr, config.relay, subs, metrics)
     registry.on_cache_event(prefix_index.update)

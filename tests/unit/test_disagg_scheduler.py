@@ -21,6 +21,7 @@ from xllm_py.engine.pd.config import PDSchedulerConfig
 from xllm_py.engine.pd.messages import HandOver, OfflinePull
 from xllm_py.engine.pd.phases import DecodePhase, PrefillPhase
 from xllm_py.engine.pd.scheduler import DisaggPDScheduler
+from xllm_py.engine.self_profile import start_up_profile
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.rpc.status import Status, StatusError
 from xllm_py.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ async def make_node():
                               cache=CacheConfig(enable_prefix_caching=False),
                               transfer=TransferConfig(mode=mode), latency_profile_path=profile)
         engine = LLMEngine(config)
+        start_up_profile(engine, config)  # (the file, as the engine process loads it)
         engine.start()
         meta = InstanceMeta(name=f"{role.value.lower()}:1", type=role, block_size=16,
                             addrs=["127.0.0.1:3"], cluster_ids=[3])

@@ -282,16 +282,18 @@ def test_slo_aware_short_prompt_goes_to_an_idle_prefill_that_answers_first():
 
 
 def test_slo_aware_short_prompt_skips_a_decode_holding_prompts():
-    """A prompt the decode computes itself that has waited decode_holding_ms for its
-    first token: the decode's guard holds prompts; a short one goes to a prefill meeting
-    the targets instead, and to the decode again when none does or once the hold ends."""
-    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    """A prompt the decode computes itself that has waited a third of the decode's hold
+    limit (its profile's prompt_hold_max_ms) for its first token: the decode's guard holds
+    prompts; a short one goes to a prefill meeting the targets instead, and to the decode
+    again when none does or once the hold ends; a decode without a guard holds nothing."""
+    p = inst("p", InstanceRole.PREFILL)
+    d = inst("d", InstanceRole.DECODE, {**PROFILE, "prompt_hold_max_ms": 750.0})
     now = [100.0]
     work = {"d": InstanceWork(pending_prefill_tokens=100,
                               pending_prompts=((99.7, 100, 0.0),)),  # sent 300 ms ago
             "p": prefill_queue(500)}  # busier than the decode: 50+ ms
     config = RouterConfig(load_balance_policy="SLO_AWARE", local_prefill_max_tokens=256,
-                          ttft_slo_ms=1000, tpot_slo_ms=50, decode_holding_ms=250)
+                          ttft_slo_ms=1000, tpot_slo_ms=50)
     get = lambda n: work.get(n, InstanceWork())  # noqa: E731
     predictor = SloPredictor(config, get, clock=lambda: now[0])
     r = SloRouter(config, predictor, PDDecider(config, PrefixCache(PrefixIndex()), get),
@@ -303,9 +305,9 @@ def test_slo_aware_short_prompt_skips_a_decode_holding_prompts():
     now[0] = 100.0
     work["p"] = prefill_queue(20000)  # the prefill misses the TTFT: the decode still
     assert r.route(req(100), [p], [d]).path is Path.DECODE
-    r.config = predictor.config = dataclasses.replace(config, decode_holding_ms=0)
     work["p"] = prefill_queue(500)
-    assert r.route(req(100), [p], [d]).path is Path.DECODE  # 0: no such check
+    d = inst("d", InstanceRole.DECODE, PROFILE)  # registered again, without a guard
+    assert r.route(req(100), [p], [d]).path is Path.DECODE
 
 
 def test_slo_aware_prefers_the_pd_pair_with_the_lowest_ttft():
@@ -316,17 +318,13 @@ def test_slo_aware_prefers_the_pd_pair_with_the_lowest_ttft():
     assert r.route(req(900), [p1, p2], [d]).instance_names == ("p2", "d")
 
 
-def test_slo_aware_falls_back_to_the_decode_when_the_prefill_misses_the_ttft():
+def test_slo_aware_keeps_a_long_prompt_off_the_decode_when_the_prefill_misses_the_ttft():
     p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
-    # 9000 prompt tokens queued on p: ~910 ms before this one; the decode is idle
+    # 9000 prompt tokens queued on p: ~910 ms before this one; the decode is idle and
+    # would meet both targets, but a long prompt never goes to the decode's streams
     work = {"p": prefill_queue(9000)}
     r = slo_router(work, local_prefill_max_tokens=0, ttft_slo_ms=500, tpot_slo_ms=50)
     route = r.route(req(900, max_tokens=64), [p], [d])
-    assert route.path is Path.DECODE and "prefill busy" in route.reason
-    # prefill_busy_tokens 0: a long prompt never goes to the decode's streams
-    strict = slo_router(work, local_prefill_max_tokens=0, ttft_slo_ms=500, tpot_slo_ms=50,
-                        prefill_busy_tokens=0)
-    route = strict.route(req(900, max_tokens=64), [p], [d])
     assert route.path is Path.PD and "no candidate meets" in route.reason
     # When neither meets its targets: the one that misses least. Its prompt would slow the
     # decode to 3 + 0.1 * 900 / 32 = 5.8 ms a token (81% over 3.2); PD's TTFT is

@@ -47,6 +47,11 @@ class LatencyProfile:
     # Prompt tokens per step while sequences decode (--max-prefill-tokens-while-decoding;
     # 0: the whole budget): the chunk size beside running streams.
     max_prefill_tokens_while_decoding: int = 0
+    # The longest context the instance takes (its --max-model-len; 0: unknown), and how
+    # long its TPOT guard holds a prompt back at most (0: no guard): what the service
+    # derives its defaults from (xllm_py/cluster/slo_defaults.py).
+    max_model_len: int = 0
+    prompt_hold_max_ms: float = 0.0
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int, decode_ctx_tokens: int) -> float:
         if prefill_tokens <= 0 and decode_seqs <= 0:
@@ -97,7 +102,7 @@ class LatencyProfile:
         if missing:
             raise ValueError(f"latency profile lacks {missing}")
         values: dict[str, Any] = {}
-        for key in (*KEYS, "prefill_ms_per_kpair"):  # (the pairs term: 0 in older profiles)
+        for key in (*KEYS, "prefill_ms_per_kpair", "prompt_hold_max_ms"):  # (0 in older ones)
             v = data.get(key, 0.0)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
                     or math.isinf(v):
@@ -105,7 +110,8 @@ class LatencyProfile:
             values[key] = float(v)
         budgets: dict[str, int] = {}
         for key, default, least in (("max_num_batched_tokens", 2048, 1),
-                                    ("max_prefill_tokens_while_decoding", 0, 0)):
+                                    ("max_prefill_tokens_while_decoding", 0, 0),
+                                    ("max_model_len", 0, 0)):
             v = data.get(key, default)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"latency profile {key} must be an integer >= {least}, "

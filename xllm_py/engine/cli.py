@@ -46,18 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
                   "wildcard --host, the machine's hostname)")
     add_flag(g, "--port", type=int, default=9000, help="HTTP port of the OpenAI API")
     add_flag(g, "--max-num-seqs", type=int, default=64, help="max sequences in a batch")
-    add_flag(g, "--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    add_flag(g, "--max-prefill-tokens-while-decoding", type=int, default=0,
+    add_flag(g, "--max-num-batched-tokens", type=int, default=None,
+             help="token budget per step (default 2048; a PREFILL with a latency profile: "
+                  "the largest power of two whose step takes a fifth of the TTFT target)")
+    add_flag(g, "--max-prefill-tokens-while-decoding", type=int, default=None,
              help="prompt tokens per step while sequences decode (0: the whole step budget); "
-                  "bounds how much a prompt chunk slows the running streams (a DECODE that "
-                  "prefills prompts itself, or a MIX)")
-    add_flag(g, "--prompt-tpot-target-ms", type=float, default=0.0,
+                  "bounds how much a prompt chunk slows the running streams (default: 0; a "
+                  "DECODE with a latency profile: derived from it, 64 on tiny-25m)")
+    add_flag(g, "--prompt-tpot-target-ms", type=float, default=None,
              help="prompt tokens beside decoding streams only while every stream's mean time "
-                  "per output token is predicted to stay within this (0: off; a DECODE "
-                  "that prefills prompts itself, or a MIX)")
-    add_flag(g, "--prompt-hold-max-ms", type=float, default=1000.0,
-             help="with --prompt-tpot-target-ms: a prompt held back this long is computed "
-                  "anyway")
+                  "per output token is predicted to stay within this; a prompt held back "
+                  "0.6x the profile's TTFT target (else 1 s) goes anyway (0: off; default: "
+                  "off, a DECODE with a latency profile: derived from it)")
     add_flag(g, "--max-model-len", type=int, default=2048, help="context length limit")
     add_flag(g, "--enable-chunked-prefill", type=parse_bool, default=True,
              help="split long prompts over steps under the token budget (true/false)")
@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--latency-profile", default=None,
              help="JSON step-cost profile registered for the service's SLO_AWARE routing "
                   "(the simulator's time model: python -m xllm_py.sim.profile --out FILE); "
-                  "none: the service routes this instance by load and prefix cache only")
+                  "default: a PREFILL or DECODE measures its own at start-up (a few "
+                  "seconds) and corrects it by its steps; 'off': none (the service routes "
+                  "this instance by load and prefix cache only)")
     add_flag(g, "--drain-timeout", type=float, default=30.0,
              help="on SIGTERM, seconds to finish the requests in flight (taking no new ones, "
                   "marked draining in etcd) before leaving; 0: leave at once; a second "
@@ -120,12 +122,13 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_memory_bytes=args.kv_cache_memory_mb * 1024 * 1024,
                         enable_prefix_caching=args.enable_prefix_cache)
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_prefill_tokens_while_decoding=(
-                                args.max_prefill_tokens_while_decoding),
-                            prompt_tpot_target_ms=args.prompt_tpot_target_ms,
-                            prompt_hold_max_ms=args.prompt_hold_max_ms,
+    given = {name: v for name in ("max_num_batched_tokens", "max_prefill_tokens_while_decoding",
+                                  "prompt_tpot_target_ms")
+             if (v := getattr(args, name)) is not None}
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, **given,
+                            from_profile=frozenset(
+                                {"max_num_batched_tokens", "max_prefill_tokens_while_decoding",
+                                 "prompt_tpot_target_ms", "prompt_hold_max_ms"} - set(given)),
                             max_model_len=args.max_model_len,
                             enable_chunked_prefill=args.enable_chunked_prefill,
                             batch_window_ms=args.batch_window_ms)

@@ -8,7 +8,6 @@ Stop: deregister, stop the PD scheduler, the gRPC servers, the worker, the repor
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 
@@ -17,7 +16,6 @@ import grpc
 from xllm_py.cluster.etcd_client import instance_key
 from xllm_py.cluster.instance_agent import InstanceAgent, LoadReport
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.cluster.meta_cache import MetaCache
 from xllm_py.config import EngineConfig, InstanceRole, advertised_host, etcd_credentials_from_env
 from xllm_py.engine.cache_events import CacheEvents
@@ -25,6 +23,7 @@ from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import LLMEngine
 from xllm_py.engine.pd.scheduler import DisaggPDScheduler
 from xllm_py.engine.pd.service import DisaggPDServicer
+from xllm_py.engine.self_profile import GUARD_SETTINGS, apply_derived, moved
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
 from xllm_py.parallel.tp_peers import TPGrpcPeers  # GrpcPeers + the TP ranks' fan-out
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
@@ -36,7 +35,7 @@ from xllm_py.utils.grpc_server import start_grpc_server
 
 logger = logging.getLogger(__name__)
 
-
+PROFILE_CHECK_S = 2.0  # how often a corrected latency profile is looked at
 
 class ClusterNode:
     def __init__(self, config: EngineConfig, engine: LLMEngine, backend) -> None:
@@ -57,6 +56,7 @@ class ClusterNode:
         self._channels = ChannelPool(self._client_credentials)
         self.metas = MetaCache(self._fetch_meta)
         self.cache_events = CacheEvents()  # for the service's cache-aware routing
+        self._profile_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -131,6 +131,8 @@ class ClusterNode:
             self.pd.start()
             servicer.pd = self.pd
         await self.agent.start()
+        if self.engine.profile_corrector is not None:
+            self._profile_task = asyncio.create_task(self._republish_profile())
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")
 
@@ -148,17 +150,33 @@ class ClusterNode:
         self.backend.metrics_refreshers.append(ranks.refresh)
 
     def _latency_profile(self) -> dict:
-        """--latency-profile (else a simulated engine's own time model, --simulate), with
-        this instance's step budget (its prompt chunk size)."""
-        path = self.config.latency_profile_path or self.config.simulate
-        if not path:
-            return {}
-        profile = LatencyProfile.load(path)
-        sched = self.config.scheduler
-        return dataclasses.replace(
-            profile, max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_prefill_tokens_while_decoding=sched.max_prefill_tokens_while_decoding,
-        ).to_dict()
+        """The profile the engine registers (self_profile.py: --latency-profile, a
+        simulated engine's time model, or measured at start-up); {}: none."""
+        profile = self.engine.latency_profile
+        return profile.to_dict() if profile is not None else {}
+
+    async def _republish_profile(self) -> None:
+        """Every PROFILE_CHECK_S: once the measured profile, corrected by the steps, moved
+        by more than a tenth, derive the TPOT guard's settings from it again and register
+        it (the service's predictions and targets follow)."""
+        corrector = self.engine.profile_corrector
+        published = self.engine.latency_profile
+        while True:
+            await asyncio.sleep(PROFILE_CHECK_S)
+            current = corrector.profile()
+            if not moved(published, current):
+                continue
+            try:
+                published = await asyncio.wrap_future(self.engine.call(
+                    lambda: apply_derived(self.engine, current, GUARD_SETTINGS)))
+                self.engine.latency_profile = published
+                self.agent.update_meta(latency_profile=published.to_dict())
+            except Exception as exc:  # (the next check tries again)
+                logger.warning("could not register the corrected latency profile: %s", exc)
+                continue
+            logger.info("latency profile corrected by %d steps (prompts x%.2f, decode x%.2f): "
+                        "registered again", corrector.num_observed, corrector.prefill_scale,
+                        corrector.decode_scale)
 
     def _kv_meta(self, cluster_id: int) -> InstanceMeta:
         mc = self.engine.model_config
@@ -202,6 +220,8 @@ class ClusterNode:
         return wire.instance_ids_from_proto(reply)
 
     async def stop(self) -> None:
+        if self._profile_task is not None:
+            self._profile_task.cancel()
         steps = []
         if self.agent is not None:
             steps.append(self.agent.stop())

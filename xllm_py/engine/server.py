@@ -1,6 +1,7 @@
 """The engine process: engine thread + OpenAI HTTP API (+ cluster RPCs with --etcd).
 
-Stages: load model -> start engine thread -> freeze the start-up heap out of the garbage
+Stages: load model -> latency profile (a PREFILL / DECODE in a cluster measures its own:
+self_profile.py) -> start engine thread -> freeze the start-up heap out of the garbage
 collector -> start HTTP API -> (cluster mode: start the
 DisaggPDService and worker gRPC servers, register in etcd, heartbeat) -> serve until
 SIGTERM/SIGINT (TP > 1: or a lost rank, see watch_tp_ranks) -> drain (below) ->
@@ -25,6 +26,7 @@ import time
 from xllm_py.config import EngineConfig
 from xllm_py.engine.async_engine import AsyncEngine
 from xllm_py.engine.llm_engine import LLMEngine
+from xllm_py.engine.self_profile import start_up_profile
 from xllm_py.utils.aio import wait_for
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ async def run_engine_server(config: EngineConfig, stop: asyncio.Event | None = N
         await check_etcd_endpoint(config.etcd_addr, config.etcd_namespace,
                                   config.security.etcd_tls)
     engine = create_engine(config)
+    start_up_profile(engine, config)  # (before the engine thread: it times steps itself)
     engine.start()
     backend = AsyncEngine(engine, config.served_model_name)
     app = build_app(backend, api_keys=config.security.api_keys,

@@ -72,6 +72,12 @@ class TpotGuard:
         self.last_decision = ""
         self.step_estimates: tuple[float | None, float | None] = (None, None)
 
+    def retarget(self, target_ms: float, max_hold_ms: float) -> None:
+        """New target and hold limit (derived from a latency profile corrected since)."""
+        if target_ms <= 0 or max_hold_ms < 0:
+            raise ValueError("target_ms must be positive, max_hold_ms >= 0")
+        self.target_s, self.max_hold_s = target_ms / 1000.0, max_hold_ms / 1000.0
+
     # -- what the scheduler tells it -------------------------------------------------
     def queued(self, request_id: str, now_s: float) -> None:
         self._queued_s[request_id] = now_s

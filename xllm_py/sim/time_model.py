@@ -10,8 +10,9 @@ term is prompt attention, quadratic in a prompt's length: a chunk of n tokens af
 computed ones attends to n*s + n*(n+1)/2 keys (`attn_pairs`); it is fitted from prompts
 of up to 1536 tokens (tiny-25m on one core: 128 tokens 110 ms, 1500 tokens 1.3 s, not
 the 0.83 s a linear fit up to 512 tokens predicts). The coefficients are fitted by
-non-negative least squares on the steps of a real engine serving workloads (profile.py),
-mixed steps included, and stored as JSON with what they were measured on.
+non-negative least squares (xllm_py/cluster/step_cost_fit.py) on the steps of a real
+engine serving workloads (profile.py), mixed steps included, and stored as JSON with what
+they were measured on.
 """
 from __future__ import annotations
 
@@ -20,35 +21,8 @@ import json
 import pathlib
 from typing import Sequence
 
-import numpy as np
-
-from xllm_py.cluster.latency_profile import attn_pairs
-
-
-@dataclasses.dataclass(frozen=True)
-class StepShape:
-    """What a step computes: prompt tokens (and the keys they attend to), decoding
-    sequences, their summed context."""
-
-    num_prefill_tokens: int = 0
-    num_decode_seqs: int = 0
-    num_decode_ctx_tokens: int = 0
-    num_prefill_pairs: int = 0
-
-    @classmethod
-    def of(cls, seqs: Sequence) -> "StepShape":
-        """From ScheduledSeq-like items (token_ids, start_pos): a one-token step past
-        position 0 is a decode, anything else computes prompt tokens."""
-        prefill = decodes = ctx = pairs = 0
-        for s in seqs:
-            n = len(s.token_ids)
-            if n == 1 and s.start_pos > 0:
-                decodes += 1
-                ctx += s.start_pos + 1
-            else:
-                prefill += n
-                pairs += attn_pairs(s.start_pos, n)
-        return cls(prefill, decodes, ctx, pairs)
+from xllm_py.cluster.latency_profile import attn_pairs  # noqa: F401 - re-exported
+from xllm_py.cluster.step_cost_fit import StepShape, fit_step_costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,29 +72,7 @@ class TimeModel:
         pathlib.Path(path).write_text(self.to_json() + "\n")
 
 
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients >= 0: drop the most negative one and refit."""
-    keep = list(range(x.shape[1]))
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-        if (coef >= 0).all() or len(keep) == 1:
-            out = np.zeros(x.shape[1])
-            out[keep] = np.maximum(coef, 0)
-            return out
-        keep.pop(int(np.argmin(coef)))
-
-
 def fit(samples: Sequence[tuple[StepShape, float]], source: dict | None = None) -> TimeModel:
     """Fit the coefficients to (shape, measured ms) pairs, all steps at once (a mixed
-    step's time is the sum of its prompt and decode terms)."""
-    kinds = {(bool(s.num_prefill_tokens), bool(s.num_decode_seqs)) for s, _ in samples}
-    if not {(True, False), (False, True)} <= kinds or len(samples) < 6:
-        raise ValueError("need >= 6 step samples, prefill-only and decode-only among them")
-    x = np.array([[0.0 if s.num_decode_seqs else 1.0, 1.0 if s.num_decode_seqs else 0.0,
-                   s.num_prefill_tokens, s.num_decode_seqs, s.num_decode_ctx_tokens,
-                   s.num_prefill_pairs / 1000] for s, _ in samples])
-    c = _nonneg_lstsq(x, np.array([ms for _, ms in samples]))
-    return TimeModel(prefill_base_ms=float(c[0]), decode_base_ms=float(c[1]),
-                     prefill_ms_per_token=float(c[2]), decode_ms_per_seq=float(c[3]),
-                     decode_ms_per_ctx_token=float(c[4]), prefill_ms_per_kpair=float(c[5]),
-                     source=dict(source or {}))
+    step's time is the sum of its prompt and decode terms; xllm_py/cluster/step_cost_fit.py)."""
+    return TimeModel(**fit_step_costs(samples), source=dict(source or {}))

@@ -86,7 +86,7 @@ class PrefillSide(PacingMixin):
         self._room = asyncio.Event()  # set when a placed prompt is handed over or ends
         self._dispatch_sem = asyncio.Semaphore(pd_config.max_dispatching)
         self._rr = itertools.count()
-        self._cost = cost_model(config, pd_config)  # None: FCFS
+        self._cost = cost_model(engine, pd_config)  # None: FCFS
         self._last_first_token_s = 0.0
         engine.set_hand_over(self._on_first_token)
 

@@ -14,9 +14,7 @@ import dataclasses
 import logging
 import time
 
-from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.cluster.prefill_order import PrefillCostModel, Queued, pick
-from xllm_py.config import EngineConfig
 from xllm_py.engine.pd.config import PDSchedulerConfig
 from xllm_py.engine.pd.phases import PrefillPhase, PrefillRequest
 
@@ -28,18 +26,14 @@ P = PrefillPhase
 PLACE_LEAD_S = 0.2
 
 
-def cost_model(config: EngineConfig, pd_config: PDSchedulerConfig) -> PrefillCostModel | None:
-    """The deadline order's predictions: this instance's latency profile (none: FCFS)."""
-    if pd_config.prefill_order != "deadline" or not config.latency_profile_path:
-        return None
-    try:
-        profile = LatencyProfile.load(config.latency_profile_path)
-    except (OSError, ValueError) as exc:
-        logger.warning("prefill order: FCFS (latency profile unreadable: %s)", exc)
+def cost_model(engine, pd_config: PDSchedulerConfig) -> PrefillCostModel | None:
+    """The deadline order's predictions: this instance's latency profile, as registered
+    at start-up (engine.latency_profile, xllm_py/engine/self_profile.py; none: FCFS)."""
+    profile = engine.latency_profile
+    if pd_config.prefill_order != "deadline" or profile is None:
         return None
     return PrefillCostModel(dataclasses.replace(
-        profile, max_num_batched_tokens=config.scheduler.max_num_batched_tokens))
-
+        profile, max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens))
 
 
 class PacingMixin:
