@@ -15,15 +15,18 @@ TPOT, end-to-end latency -> percentiles, throughput, goodput under SLOs -> table
     # mixed prompts: 70% of 128 tokens, 30% of 1024-2048 (Poisson arrivals at the rate)
     python benchmarks/bench_serving.py --compare --workload mixed --output-len 64 \\
         --request-rate 1 --num-requests 60 --setups pd mix
-    # the same three times (each round in a rotated order): the spread of pd-slo's
-    # goodput over the better of pd and mix, and its TPOT p99 against pd's
+    # the same three times (each round in a rotated order): the spread of the default
+    # set-up's goodput over the better of pd and mix, and its TPOT p99 against pd's
     python benchmarks/bench_serving.py --compare --workload mixed --output-len 64 \\
-        --request-rate 1 --num-requests 60 --setups pd mix pd-slo --repeat 3
+        --request-rate 1 --num-requests 60 --setups pd mix default --repeat 3
 
 Set-ups of --compare (``SETUPS``: name -> label and launcher flags): ``pd`` (1 prefill +
-1 decode, every prompt prefilled on the prefill engine), ``mix`` (2 MIX), ``pd-slo`` (1P+1D
-with the service's conditional disaggregation and SLO_AWARE routing, issue 16: runs once
-the service has those flags).
+1 decode, every prompt prefilled on the prefill engine: LEAST_LOAD, ALWAYS), ``mix`` (2
+MIX), ``default`` (1P+1D as the launcher starts it without flags: the service decides
+the path per request, SLO_AWARE over the latency profiles the engines measured at
+start-up). Without --slo-ttft-ms / --slo-tpot-ms each round's goodput is counted at the
+SLO the default set-up's service stated (its xllm_service_slo_target_ms, read at the end
+of its run).
 
 Definitions (as vLLM's benchmark_serving): TTFT = first token received - request sent;
 ITL = gaps between successive token chunks; TPOT = (e2e - TTFT) / (output tokens - 1) per
@@ -239,31 +242,44 @@ def _launch_args(args: argparse.Namespace, shape: list[str], log_dir: pathlib.Pa
 
 
 # --compare set-ups: name -> (column label, launcher flags), on the same cores one after
-# the other. pd-slo needs the service's conditional disaggregation and SLO_AWARE policy.
+# the other. "default": the cluster as `python -m xllm_py.launch` starts it, no flag (the
+# service decides the path per request, SLO_AWARE over the profiles the engines measure at
+# start-up, targets derived from them: issue 31); "pd": every prompt on the prefill.
 SETUPS: dict[str, tuple[str, list[str]]] = {
-    "pd": ("PD 1P+1D", ["--prefill", "1", "--decode", "1"]),
+    "pd": ("PD always", ["--prefill", "1", "--decode", "1",
+                         "--service-arg=--load-balance-policy=LEAST_LOAD",
+                         "--service-arg=--disagg-decision=ALWAYS"]),
     "mix": ("MIX x2", ["--mix", "2"]),
-    "pd-slo": ("PD cond+SLO", ["--prefill", "1", "--decode", "1",
-                               "--service-arg=--load-balance-policy=SLO_AWARE"]),
-    # (pd-slo's decode also caps the prompt tokens per step beside its streams: --decode-cap)
+    "default": ("PD default", ["--prefill", "1", "--decode", "1"]),
 }
+# The set-up whose service states the SLO the goodput is measured at (without --slo-*).
+STATES_SLO = "default"
+
+
+def stated_slo(url: str) -> tuple[float, float] | None:
+    """The (TTFT, TPOT) targets a service states (xllm_service_slo_target_ms on its
+    /metrics: the operator's, else derived from the latency profiles); None: none."""
+    text = httpx.get(url + "/metrics", timeout=10.0, trust_env=False).text
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("xllm_service_slo_target_ms{"):
+            name = line.split('target="', 1)[1].split('"', 1)[0]
+            found[name] = float(line.rsplit(" ", 1)[1])
+    return (found["ttft"], found["tpot"]) if {"ttft", "tpot"} <= set(found) else None
 
 
 def run_compare(args: argparse.Namespace, spec: WorkloadSpec, setups: list[str],
                 root: pathlib.Path) -> dict[str, Any]:
     """Same workload against each of `setups` (``SETUPS`` names), one after the other;
-    cluster logs under `root`/<set-up>."""
+    cluster logs under `root`/<set-up>; "stated": the SLO the STATES_SLO set-up's service
+    stated at the end of its run (None if not run)."""
     from xllm_py.launch import Cluster, build_parser as launch_parser
 
     summaries: dict[str, dict[str, Any]] = {}
     runs: dict[str, list[RequestResult]] = {}
+    stated = None
     for name in setups:
         label, shape = SETUPS[name]
-        if name == "pd-slo":  # the service aims at the SLO the goodput is measured at
-            shape = shape + [f"--service-arg=--{flag}={value:g}" for flag, value in (
-                ("ttft-slo-ms", args.slo_ttft_ms), ("tpot-slo-ms", args.slo_tpot_ms)) if value]
-            shape += [f"--decode-arg=--max-prefill-tokens-while-decoding={args.decode_cap}"]
-            shape += [f"--service-arg={a}" for a in args.slo_service_arg]
         log_dir = root / name
         cluster = Cluster(launch_parser().parse_args(_launch_args(args, shape, log_dir)))
         try:
@@ -273,9 +289,23 @@ def run_compare(args: argparse.Namespace, spec: WorkloadSpec, setups: list[str],
                         cluster.url, log_dir)
             summaries[label], runs[label] = asyncio.run(
                 bench_endpoint(cluster.url + "/v1", args, spec, label))
+            if name == STATES_SLO:
+                stated = stated_slo(cluster.url)
+                logger.info("%s states TTFT / TPOT targets %s ms", label, stated)
         finally:
             cluster.stop()
-    return {"summaries": summaries, "runs": runs}
+    return {"summaries": summaries, "runs": runs, "stated": stated}
+
+
+def at_stated_slo(args: argparse.Namespace, summaries: dict[str, Any],
+                  runs: dict[str, list[RequestResult]],
+                  stated: tuple[float, float] | None) -> dict[str, Any]:
+    """A round's summaries at the SLO its default set-up stated, where --slo-ttft-ms and
+    --slo-tpot-ms are not given (else as they are)."""
+    if stated is None or args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+        return summaries
+    return {label: summarize(runs[label], s["duration_s"], stated[0], stated[1],
+                             tuple(args.slo_tpot_grid)) for label, s in summaries.items()}
 
 
 def _result_rows(results: list[RequestResult]) -> list[dict[str, Any]]:
@@ -313,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids are drawn below this (default: the tiny model's vocabulary)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="TTFT target of the goodput (--compare without --slo-*: the SLO the "
+                        "default set-up's service states)")
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--slo-tpot-grid", type=float, nargs="*", default=[], metavar="MS",
                    help="goodput also at each of these TPOT targets (with --slo-ttft-ms), "
@@ -326,19 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--setups", nargs="+", choices=list(SETUPS), default=["pd", "mix"],
                    help="set-ups of --compare (default: pd mix)")
     g.add_argument("--launch-model", default="tiny", help="model for the local clusters")
-    g.add_argument("--slo-service-arg", action="append", default=[],
-                   help="pd-slo: extra service flag, e.g. --slo-service-arg=--prefill-busy-tokens=0 "
-                        "(long prompts never prefilled on the decode)")
-    g.add_argument("--decode-cap", type=int, default=64,
-                   help="pd-slo: prompt tokens per decode step beside running streams "
-                        "(the decode's --max-prefill-tokens-while-decoding; 0: no cap)")
     g.add_argument("--engine-arg", action="append", default=[],
                    help="extra engine flag, e.g. --engine-arg=--max-model-len=4096")
     g.add_argument("--prefill-arg", action="append", default=[],
-                   help="extra flag of the prefill engines (pd, pd-slo), e.g. "
+                   help="extra flag of the prefill engines (pd, default), e.g. "
                         "--prefill-arg=--max-num-batched-tokens=512")
     g.add_argument("--decode-arg", action="append", default=[],
-                   help="extra flag of the decode engines (pd, pd-slo), e.g. "
+                   help="extra flag of the decode engines (pd, default), e.g. "
                         "--decode-arg=--prompt-tpot-target-ms=18")
     g.add_argument("--kv-transfer-backend", choices=["ucx", "tcp"], default=None,
                    help="KV transfer backend of the PD cluster (default: the launcher's)")
@@ -349,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "each round and the spread of the goodput ratio")
     g.add_argument("--ratio-of", choices=list(SETUPS), default=None,
                    help="the set-up whose goodput is divided by the best other's "
-                        "(default: pd-slo when compared)")
+                        "(default: default when compared)")
     g.add_argument("--tpot-reference", choices=list(SETUPS), default=None,
                    help="the set-up whose TPOT p99 the ratio-of set-up's is set against "
                         "(default: pd when compared)")
@@ -393,7 +419,12 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeat):
             order = rotated(args.setups, i)
             out = run_compare(args, spec, order, root / f"round{i + 1}" if args.repeat > 1 else root)
-            rounds.append({"order": order, "summaries": out["summaries"], "runs": out["runs"]})
+            out["summaries"] = at_stated_slo(args, out["summaries"], out["runs"], out["stated"])
+            if out["stated"] is not None:
+                print(f"\nround {i + 1}: the default set-up states TTFT <= {out['stated'][0]:.0f}"
+                      f" ms, TPOT <= {out['stated'][1]:.1f} ms")
+            rounds.append({"order": order, "summaries": out["summaries"], "runs": out["runs"],
+                           "stated_slo_ms": out["stated"]})
             if args.repeat > 1:
                 print(f"\nround {i + 1} of {args.repeat} (order {' '.join(order)})")
                 print(format_table(_in_setup_order(args, out["summaries"])))
@@ -424,11 +455,14 @@ def main(argv: list[str] | None = None) -> int:
                                "environment": environment}
         if len(rounds) > 1:  # every round's summaries and requests
             doc["rounds"] = [{"order": r["order"], "summaries": r["summaries"],
+                              "stated_slo_ms": r["stated_slo_ms"],
                               "requests": {n: _result_rows(x) for n, x in r["runs"].items()}}
                              for r in rounds]
         else:
             doc["summaries"] = summaries
             doc["requests"] = {n: _result_rows(r) for n, r in runs.items()}
+        if len(rounds) == 1:
+            doc["stated_slo_ms"] = rounds[0]["stated_slo_ms"]
         doc["verdict"] = result_verdict
         pathlib.Path(args.json).write_text(json.dumps(_finite(doc), indent=1, allow_nan=False))
     if args.plot:
@@ -446,7 +480,7 @@ def _in_setup_order(args: argparse.Namespace, summaries: dict[str, Any]) -> dict
 def _verdict(args: argparse.Namespace, rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
     """--ratio-of's goodput over the best other set-up in each round (and its TPOT p99
     against --tpot-reference's); None when the run has no subject."""
-    subject = args.ratio_of or ("pd-slo" if "pd-slo" in args.setups else None)
+    subject = args.ratio_of or (STATES_SLO if STATES_SLO in args.setups else None)
     if not rounds or subject is None or len(args.setups) < 2:
         return None
     reference = args.tpot_reference or ("pd" if "pd" in args.setups else None)

@@ -23,23 +23,29 @@ class Harness:
         self.procs: list[ChildProcess] = []
 
     def service(self, name: str = "service", evict_grace_s: float = 2.0,
-                extra: list[str] | None = None) -> ChildProcess:
+                extra: list[str] | None = None, pd_always: bool = True) -> ChildProcess:
+        """`pd_always`: LEAST_LOAD, every prompt on a prefill (the tests of the PD
+        machinery; a policy in `extra` wins); False: the service's own defaults."""
         http, rpc = free_port(), free_port()
         proc = spawn(name, "xllm_service",
                      ["--model", "tiny", "--etcd", self.etcd, "--etcd-namespace", self.namespace,
                       "--etcd-ttl", str(self.ttl_s), "--http-port", str(http),
                       "--rpc-port", str(rpc), "--evict-grace-s", str(evict_grace_s),
+                      *(["--load-balance-policy", "LEAST_LOAD"] if pd_always else []),
                       *(extra or [])],
                      self.log_dir, http_url=f"http://127.0.0.1:{http}")
         self.procs.append(proc)
         return proc
 
     def engine(self, role: str, name: str, port: int | None = None,
-               extra: list[str] | None = None) -> ChildProcess:
+               extra: list[str] | None = None, profile: bool = False) -> ChildProcess:
+        """`profile`: a PREFILL / DECODE measures its latency profile at start-up, as by
+        default (else none, unless `extra` names a file: the tests of the PD machinery)."""
         port = port or free_port()
         args = engine_args(role, port, etcd=self.etcd, extra=[
             "--etcd-namespace", self.namespace, "--etcd-ttl", str(self.ttl_s),
-            "--heart-beat-interval", "0.3", *(extra or [])])
+            "--heart-beat-interval", "0.3", *([] if profile else ["--latency-profile", "off"]),
+            *(extra or [])])
         proc = spawn(name, "xllm_py.engine", args, self.log_dir,
                      http_url=f"http://127.0.0.1:{port}")
         self.procs.append(proc)

@@ -12,8 +12,8 @@ def _summary(goodput: float, grid: dict[str, float], tpot_p99: float) -> dict:
 
 
 def test_each_round_rotates_the_setups_so_no_setup_always_runs_first():
-    setups = ["pd", "mix", "pd-slo"]
-    assert [rotated(setups, i)[0] for i in range(4)] == ["pd", "mix", "pd-slo", "pd"]
+    setups = ["pd", "mix", "default"]
+    assert [rotated(setups, i)[0] for i in range(4)] == ["pd", "mix", "default", "pd"]
     assert sorted(rotated(setups, 2)) == sorted(setups)
 
 
@@ -53,25 +53,25 @@ def test_a_verdict_needs_the_subject_and_another_setup_in_every_round():
         verdict([{"A": _summary(1, {}, 1)}], "A")
 
 
-def test_the_bench_picks_pd_slo_over_the_others_and_pd_as_the_tpot_reference():
+def test_the_bench_picks_the_default_over_the_others_and_pd_as_the_tpot_reference():
     from benchmarks.bench_serving import _in_setup_order, _verdict, build_parser
 
     def parse(*extra):
         return build_parser().parse_args(["--compare", *extra])
 
-    summaries = {"MIX x2": _summary(1.0, {}, 200.0), "PD cond+SLO": _summary(1.5, {}, 19.0),
-                 "PD 1P+1D": _summary(0.3, {}, 20.0)}
-    rounds = [{"order": ["mix", "pd-slo", "pd"], "summaries": summaries}]
-    args = parse("--setups", "pd", "mix", "pd-slo")
-    assert list(_in_setup_order(args, summaries)) == ["PD 1P+1D", "MIX x2", "PD cond+SLO"]
+    summaries = {"MIX x2": _summary(1.0, {}, 200.0), "PD default": _summary(1.5, {}, 19.0),
+                 "PD always": _summary(0.3, {}, 20.0)}
+    rounds = [{"order": ["mix", "default", "pd"], "summaries": summaries}]
+    args = parse("--setups", "pd", "mix", "default")
+    assert list(_in_setup_order(args, summaries)) == ["PD always", "MIX x2", "PD default"]
     v = _verdict(args, rounds)
-    assert (v["subject"], v["reference"]) == ("PD cond+SLO", "PD 1P+1D")
+    assert (v["subject"], v["reference"]) == ("PD default", "PD always")
     assert v["goodput_ratio"]["run"] == pytest.approx([1.5])
     assert v["tpot_p99_diff_ms"] == pytest.approx([-1.0])
-    v = _verdict(parse("--setups", "pd", "mix", "pd-slo", "--ratio-of", "mix",
+    v = _verdict(parse("--setups", "pd", "mix", "default", "--ratio-of", "mix",
                        "--tpot-reference", "mix"), rounds)
     assert v["subject"] == "MIX x2" and v["reference"] is None
     assert v["goodput_ratio"]["run"] == pytest.approx([1.0 / 1.5])
-    assert _verdict(parse("--setups", "pd", "mix"), rounds) is None  # no pd-slo: no subject
+    assert _verdict(parse("--setups", "pd", "mix"), rounds) is None  # no default: no subject
     with pytest.raises(SystemExit, match="not one of --setups"):
-        _verdict(parse("--setups", "pd", "mix", "--ratio-of", "pd-slo"), rounds)
+        _verdict(parse("--setups", "pd", "mix", "--ratio-of", "default"), rounds)

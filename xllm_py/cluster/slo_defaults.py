@@ -2,23 +2,27 @@
 flags aims at, and how its engines schedule to get there. One place, read by the engines
 (xllm_py/engine/self_profile.py `apply_derived`) and the service (pd_decision.py).
 
-The decode's pace: one step of PACE_SEQS streams of PACE_CTX tokens of context each (a
-decode at moderate load; tiny-25m on one core: ~18 ms).
-  TPOT target       TPOT_OVER_PACE x the pace of the slowest decode (~25 ms on tiny-25m
-                    once corrected to the wall clock; issue 16's runs routed at 25 ms).
-  TTFT target       a TTFT_REF_TOKENS-token prompt (or the longest the instance takes)
-                    computed alone on the slowest prefill (no prefill: decode): any prompt
-                    sent to an idle instance meets it (~1.8-2.6 s on tiny-25m).
+The profiles are the cost of a step on a core of its own (xllm_py/engine/self_profile.py),
+so the targets say what the cluster can do, not how loaded the machine is now. The
+decode's pace: one step of PACE_SEQS streams of PACE_CTX tokens of context each (a decode
+at moderate load; tiny-25m: ~18 ms).
+  TPOT target       TPOT_OVER_PACE x the pace of the slowest decode (~23 ms on tiny-25m;
+                    issue 16's runs routed at 25 ms).
+  TTFT target       TTFT_OVER_ALONE x a TTFT_REF_TOKENS-token prompt (or the longest the
+                    instance takes) computed alone on the slowest prefill (no prefill: the
+                    decodes): the longest prompt meets it behind half of another (~2.7 s
+                    on tiny-25m).
   guard target      the decode's TPOT guard keeps its streams within GUARD_SHARE of the
                     TPOT target (~16 ms on tiny-25m, as measured best in issue 16: the rest
                     is the slack for the prompts it lets through at the hold limit and for
-                    bursts of streams, which no holding prevents).
+                    bursts of streams, which no holding prevents; ~15 ms).
   hold limit        a prompt the guard holds goes anyway after HOLD_SHARE of the TTFT
-                    target (it then still meets the target; ~1.5 s).
+                    target (it then still meets the target; ~1.6 s).
   decode holding    the service steps around a decode whose prompt has waited a third of
                     that decode's hold limit (the prompts held there go together later).
   decode chunk cap  prompt tokens per step beside streams: the power of two nearest the
-                    tokens two steps at the guard's target pay for (64 on tiny-25m).
+                    tokens three steps at the guard's target pay for (64 on tiny-25m,
+                    as issue 16 ran).
   prefill budget    a prefill's step token budget: the largest power of two whose step
                     takes at most PREFILL_STEP_SHARE of the TTFT target (512 on tiny-25m:
                     a short prompt behind a long one waits one such step for its turn in
@@ -36,11 +40,12 @@ PACE_SEQS = 8
 PACE_CTX = 1024
 TPOT_OVER_PACE = 1.25
 TTFT_REF_TOKENS = 2048
+TTFT_OVER_ALONE = 1.5
 GUARD_SHARE = 0.65
 HOLD_SHARE = 0.6
 HOLDING_SHARE = 1.0 / 3.0
 PREFILL_STEP_SHARE = 0.2
-CHUNK_STEPS = 2.0
+CHUNK_STEPS = 3.0
 MIN_BUDGET, MAX_BUDGET = 64, 2048
 MIN_CHUNK, MAX_CHUNK = 16, 512
 
@@ -60,7 +65,7 @@ def ttft_target_ms(prefills: Iterable[LatencyProfile]) -> float:
         n = min(TTFT_REF_TOKENS, p.max_model_len or TTFT_REF_TOKENS)
         return p.prefill_ms(n)
 
-    return max((alone(p) for p in prefills), default=0.0)
+    return max((TTFT_OVER_ALONE * alone(p) for p in prefills), default=0.0)
 
 
 def guard_target_ms(p: LatencyProfile) -> float:

@@ -325,7 +325,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> None:
-        t_begin = time.monotonic()
+        corrector = self.profile_corrector
+        c_begin = corrector.clock() if corrector is not None else 0.0
         sched_out = self.scheduler.schedule()
         seqs = sched_out.seqs
         if not seqs:
@@ -355,9 +356,8 @@ class LLMEngine:
                                    self.scheduler.tpot_guard)
         self._process_updates(updates, logprobs)
         self.recent_max_tbt_ms = max(self.recent_max_tbt_ms * 0.98, step_ms)
-        if self.profile_corrector is not None:  # (the whole step: what a stream waits)
-            self.profile_corrector.observe(StepShape.of(seqs),
-                                           (time.monotonic() - t_begin) * 1000)
+        if corrector is not None:  # (the whole step: what a stream waits)
+            corrector.observe(StepShape.of(seqs), (corrector.clock() - c_begin) * 1000)
 
     def _record_prompt_logprobs(self, seq, logits: torch.Tensor) -> None:
         """Logits rows at positions start_pos.. of a prefill chunk score the prompt tokens

@@ -14,11 +14,17 @@ after a long prefix is one step. Bounded: the shapes go cheapest first, each kin
 turn; one predicted (from the steps so far) to end past `budget_s` is left out, and
 every shape runs at most `REPEATS` times. On the 2-core VM, tiny-25m: ~2 s.
 
-`ProfileCorrector`, on the engine thread after every step: a moving average (weight
-ALPHA) of a step's measured time over the profile's prediction, one for prompt-only steps
-(the prompt terms) and one for decode steps (the decode terms), each bounded to 1/4..4 a
-step; `profile()` is the measured profile so corrected (what the cluster node registers
-again when it moved, cluster_node.py), the start-up one until steps are seen.
+Timed by the engine thread's CPU time where it computes alone (CPU, one torch thread:
+the cost on a core of its own, which another process's load does not move; the wall clock
+otherwise). The service scales the predictions to the wall clock the requests then see
+(pd_decision.py `SloPredictor.observe`), the TPOT guard measures its steps itself.
+
+`ProfileCorrector`, on the engine thread after every step (the whole step: scheduling,
+forward, sampling, outputs; on the same clock): a moving average (weight ALPHA) of its
+time over the profile's prediction, one for prompt-only steps (the prompt terms) and one
+for decode steps (the decode terms), each step's ratio bounded to 1/4..4; `profile()` is
+the measured profile so corrected (what the cluster node registers again when it moved
+by a tenth, cluster_node.py, with the TPOT guard's settings derived again from it).
 """
 from __future__ import annotations
 
@@ -42,25 +48,22 @@ RATIO_BOUND = 4.0
 
 def _plan(budget: int, max_seqs: int, max_ctx: int) -> list[tuple[str, tuple]]:
     """The shapes to time, in order: ("prompt", (start, tokens)), ("decode", (seqs, ctx)),
-    ("mixed", (seqs, ctx, start, tokens)); cheapest of each kind first."""
+    ("mixed", (seqs, ctx, start, tokens)); the cheap ones that fix every term first."""
     def chunk(n: int) -> int:
         return max(1, min(n, budget, max_ctx - 1))
 
     long_ctx = max(2, min(1024, max_ctx - 1))
-    prompts = [(0, chunk(16)), (0, chunk(64)), (0, chunk(256)),
-               (max(0, max_ctx // 2 - chunk(256)), chunk(256)), (0, chunk(1024)),
-               (max(0, max_ctx - 1 - chunk(256)), chunk(256))]
-    decodes = [(1, min(64, long_ctx)), (1, long_ctx), (min(4, max_seqs), 256),
-               (min(16, max_seqs), 256), (min(16, max_seqs), long_ctx),
-               (min(32, max_seqs), long_ctx)]
-    mixed = [(min(4, max_seqs), 256, 0, chunk(64)),
-             (min(8, max_seqs), long_ctx, max(0, max_ctx // 2 - chunk(64)), chunk(64))]
-    plan: list[tuple[str, tuple]] = []
-    for i in range(max(len(prompts), len(decodes))):
-        plan += [("prompt", p) for p in prompts[i:i + 1]]
-        plan += [("decode", d) for d in decodes[i:i + 1]]
-        if i < len(mixed):
-            plan.append(("mixed", mixed[i]))
+    mid = max(0, min(768, max_ctx - 1 - chunk(256)))
+    end = max(0, max_ctx - 1 - chunk(256))
+    # (the first six always run: each term of the fit is in them)
+    plan = [("prompt", (0, chunk(64))), ("decode", (1, min(64, long_ctx))),
+            ("prompt", (0, chunk(256))), ("decode", (min(16, max_seqs), 256)),
+            ("prompt", (mid, chunk(256))), ("decode", (min(16, max_seqs), long_ctx)),
+            ("mixed", (min(4, max_seqs), 256, 0, chunk(64))),
+            ("prompt", (0, chunk(1024))), ("decode", (min(32, max_seqs), long_ctx)),
+            ("prompt", (end, chunk(256))), ("decode", (1, long_ctx)),
+            ("mixed", (min(8, max_seqs), long_ctx, max(0, max_ctx // 2 - chunk(64)), chunk(64))),
+            ("prompt", (0, chunk(16))), ("decode", (min(4, max_seqs), 256))]
     return [x for i, x in enumerate(plan) if x not in plan[:i]]
 
 
@@ -109,7 +112,7 @@ def measure_profile(engine, budget_s: float = BUDGET_S,
     from xllm_py.engine.sampler import SamplingRow
 
     clock = clock or step_clock(engine)
-    t_start = time.perf_counter()
+    t_all = t_start = time.perf_counter()
     spent = [0.0, 0.0]  # the steps' clock and wall ms (the budget is wall time)
     sched = engine.scheduler.config
     bs = engine.scheduler.block_size
@@ -131,6 +134,7 @@ def measure_profile(engine, budget_s: float = BUDGET_S,
     num_blocks = engine.scheduler.kv.block_pool.num_usable_blocks + 1
     run(_seqs("prompt", (0, min(64, max_ctx - 1)), bs, vocab, num_blocks))  # warm-up
     run(_seqs("decode", (2, min(64, max_ctx - 1)), bs, vocab, num_blocks))
+    t_start, spent[:] = time.perf_counter(), [0.0, 0.0]  # (the budget starts after it)
     samples: list[tuple[StepShape, float]] = []
     skipped = 0
     for kind, shape in _plan(sched.max_num_batched_tokens, sched.max_num_seqs, max_ctx):
@@ -138,7 +142,7 @@ def measure_profile(engine, budget_s: float = BUDGET_S,
         step = StepShape.of(seqs)
         left_ms = (budget_s - (time.perf_counter() - t_start)) * 1000
         wall_per_ms = spent[1] / spent[0] if spent[0] > 0 else 1.0
-        if len(samples) >= 6 and _guess_ms(samples, step) * wall_per_ms * REPEATS > left_ms:
+        if len(samples) >= 6 and _guess_ms(samples, step) * wall_per_ms > left_ms:
             skipped += 1
             continue
         times = [run(seqs)]
@@ -153,7 +157,7 @@ def measure_profile(engine, budget_s: float = BUDGET_S,
                              max_model_len=engine.scheduler.max_model_len)
     logger.info("latency profile measured in %.1f s (%d step shapes, %d left out for time): "
                 "prompt %.3f ms/token + %.3f ms/kpair + %.1f ms a step; decode %.1f ms + %.2f "
-                "ms/seq + %.4f ms/context token", time.perf_counter() - t_start, len(samples),
+                "ms/seq + %.4f ms/context token", time.perf_counter() - t_all, len(samples),
                 skipped,
                 profile.prefill_ms_per_token, profile.prefill_ms_per_kpair,
                 profile.prefill_base_ms, profile.decode_base_ms, profile.decode_ms_per_seq,
@@ -174,10 +178,13 @@ def _guess_ms(samples: list[tuple[StepShape, float]], step: StepShape) -> float:
 
 
 class ProfileCorrector:
-    """The start-up profile corrected by what the engine's steps take (module docstring)."""
+    """The start-up profile corrected by what the engine's steps take (module docstring),
+    timed by `clock`: the one the profile was measured by (`step_clock`)."""
 
-    def __init__(self, profile: LatencyProfile) -> None:
+    def __init__(self, profile: LatencyProfile,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.base = profile
+        self.clock = clock
         self.prefill_scale = 1.0
         self.decode_scale = 1.0
         self.num_observed = 0
@@ -235,7 +242,7 @@ def start_up_profile(engine, config) -> LatencyProfile | None:
     profile = apply_derived(engine, profile)
     engine.latency_profile = profile
     if measured:
-        engine.profile_corrector = ProfileCorrector(profile)
+        engine.profile_corrector = ProfileCorrector(profile, step_clock(engine))
     return profile
 
 
