@@ -1,8 +1,9 @@
 """How far SLO_AWARE's predictions (xllm_service/pd_decision.py over a LatencyProfile) are
 from what an engine on this machine does.
 
-Stages: load the profile (--profile, the JSON of `python -m xllm_py.sim.profile`) -> build
-the real engine from the engine flags that follow -> for each case (B background streams
+Stages: build the real engine from the engine flags that follow -> its latency profile:
+--profile (the JSON of `python -m xllm_py.sim.profile`), else the one an engine measures
+at start-up (xllm_py/engine/self_profile.py, as a PREFILL / DECODE in a cluster does) -> for each case (B background streams
 decoding, then one probe prompt of U tokens): start the B streams, wait until each has a
 token, submit the probe; measure its TTFT and TPOT (wall clock) and the process's CPU
 time over the probe's life -> the prediction for the same state, as the service makes it
@@ -11,6 +12,7 @@ decoding with B + 1) -> table of measured vs predicted and the relative errors, 
 after the service's correction (one measured/predicted factor per instance: here, for
 each case, the median factor of the other cases); the versions and the load average.
 
+    python benchmarks/bench_predictor.py --model tiny-25m --num-threads 1
     python -m xllm_py.sim.profile --out /tmp/profile.json --model tiny --num-threads 1
     python benchmarks/bench_predictor.py --profile /tmp/profile.json --model tiny \
         --num-threads 1 --json bench_out/predictor.json
@@ -118,17 +120,25 @@ def rel(pred: float, meas: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python benchmarks/bench_predictor.py",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", required=True, help="latency profile JSON")
+    p.add_argument("--profile", default=None,
+                   help="latency profile JSON (default: measured at start-up, as an engine "
+                        "in a cluster does)")
     p.add_argument("--json", default=None, help="write the rows and errors here")
     p.add_argument("--seed", type=int, default=0)
     args, rest = p.parse_known_args(argv)
-    profile = LatencyProfile.from_dict(json.loads(open(args.profile).read()))
     config = config_from_args(engine_parser().parse_args(rest))
-    profile = LatencyProfile(**{**profile.to_dict(), "max_num_batched_tokens":
-                                config.scheduler.max_num_batched_tokens})
     from xllm_py.engine.llm_engine import LLMEngine
+    from xllm_py.engine.self_profile import measure_profile
 
     engine = LLMEngine(config)
+    if args.profile:
+        profile = LatencyProfile.from_dict(json.loads(open(args.profile).read()))
+    else:
+        t0 = time.perf_counter()
+        profile = measure_profile(engine)
+        print(f"profile measured at start-up in {time.perf_counter() - t0:.1f} s")
+    profile = LatencyProfile(**{**profile.to_dict(), "max_num_batched_tokens":
+                                config.scheduler.max_num_batched_tokens})
     engine.start()
     rng = random.Random(args.seed)
     vocab = engine.model_config.vocab_size
@@ -138,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.stop()
     env = report_environment()
-    print(f"load average {os.getloadavg()}; model {config.model}, profile {args.profile}")
+    print(f"load average {os.getloadavg()}; model {config.model}, profile "
+          f"{args.profile or 'measured at start-up'}")
     print(f"{'prompt':>6} {'bg':>3} {'TTFT ms':>9} {'pred':>8} {'err':>6} "
           f"{'TPOT ms':>8} {'pred':>7} {'err':>6} {'cpu/wall':>8}")
     for r in rows:
