@@ -1,29 +1,38 @@
 """--prompt-tpot-target-ms in a real engine: a prompt that arrives while a stream decodes
-is held back while the stream is over the target, then computed once it has waited
---prompt-hold-max-ms; its greedy tokens equal those of the same prompt alone, the stream
-runs on, and xllm_prompt_steps_held_total counts the held steps."""
+is held back while the stream is over the target, then computed once it has waited the
+hold limit derived from the engine's latency profile (xllm_py/cluster/slo_defaults.py);
+its greedy tokens equal those of the same prompt alone, the stream runs on, and
+xllm_prompt_steps_held_total counts the held steps."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import pytest
 
 from tests.integration.cluster_harness import client, metric
+from xllm_py.cluster.latency_profile import LatencyProfile
+from xllm_py.cluster.slo_defaults import hold_limit_ms
 from xllm_py.utils.procs import engine_args, free_port, spawn
 
 pytestmark = pytest.mark.integration
 
-HOLD_MS = 800.0
+# 0.5 ms a prompt token: a 2048-token prompt alone 1.02 s, so a hold limit of ~0.9 s
+PROFILE = LatencyProfile(prefill_base_ms=0.0, prefill_ms_per_token=0.5, decode_base_ms=1.0,
+                         decode_ms_per_seq=0.1, decode_ms_per_ctx_token=0.0)
+HOLD_MS = hold_limit_ms(PROFILE)
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs-tpot-guard")
+    profile = logs / "profile.json"
+    profile.write_text(json.dumps(PROFILE.to_dict()))
     port = free_port()
     # a target no stream can meet: every prompt beside a stream waits for the hold limit
     proc = spawn("mix-guard", "xllm_py.engine", engine_args("MIX", port, extra=[
-        "--prompt-tpot-target-ms", "0.001", "--prompt-hold-max-ms", str(HOLD_MS)]), logs,
+        "--prompt-tpot-target-ms", "0.001", "--latency-profile", str(profile)]), logs,
         http_url=f"http://127.0.0.1:{port}")
     try:
         proc.wait_ready(180)

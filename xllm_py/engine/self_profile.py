@@ -53,14 +53,17 @@ def _plan(budget: int, max_seqs: int, max_ctx: int) -> list[tuple[str, tuple]]:
         return max(1, min(n, budget, max_ctx - 1))
 
     long_ctx = max(2, min(1024, max_ctx - 1))
-    mid = max(0, min(768, max_ctx - 1 - chunk(256)))
+    mid = max(0, min(896, max_ctx - 1 - chunk(128)))
     end = max(0, max_ctx - 1 - chunk(256))
-    # (the first six always run: each term of the fit is in them)
+    # (the first six always run: each term of the fit is in them; short, so that a big
+    # model's six fit in a few seconds too: a 128-token chunk after 896 tokens is a
+    # third attention pairs)
     plan = [("prompt", (0, chunk(64))), ("decode", (1, min(64, long_ctx))),
-            ("prompt", (0, chunk(256))), ("decode", (min(16, max_seqs), 256)),
-            ("prompt", (mid, chunk(256))), ("decode", (min(16, max_seqs), long_ctx)),
+            ("prompt", (0, chunk(128))), ("decode", (min(16, max_seqs), 256)),
+            ("prompt", (mid, chunk(128))), ("decode", (min(16, max_seqs), long_ctx)),
             ("mixed", (min(4, max_seqs), 256, 0, chunk(64))),
             ("prompt", (0, chunk(1024))), ("decode", (min(32, max_seqs), long_ctx)),
+            ("prompt", (0, chunk(256))),
             ("prompt", (end, chunk(256))), ("decode", (1, long_ctx)),
             ("mixed", (min(8, max_seqs), long_ctx, max(0, max_ctx // 2 - chunk(64)), chunk(64))),
             ("prompt", (0, chunk(16))), ("decode", (min(4, max_seqs), 256))]
