@@ -11,11 +11,18 @@ not always fall on the same set-up) and this module reduces the rounds to
     tpot_p99_diff[round] = TPOT p99(subject) - TPOT p99(reference)   (ms)
 
 for the run's TPOT target and each target of --slo-tpot-grid (the TTFT target as given).
+Without --slo-ttft-ms / --slo-tpot-ms a round is counted at the SLO its default set-up's
+service stated (`stated_slo`, `at_stated_slo`).
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 from typing import Any
+
+import httpx
+
+from benchmarks.serving_metrics import summarize
 
 
 def rotated(setups: list[str], round_index: int) -> list[str]:
@@ -80,3 +87,26 @@ def format_verdict(v: dict[str, Any], at_least: float = 1.2) -> str:
                      + f"   median {statistics.median(d):+.1f}, no worse in "
                      f"{sum(x <= 0 for x in d)} of {len(d)}")
     return "\n".join(lines)
+
+
+def stated_slo(url: str) -> tuple[float, float] | None:
+    """The (TTFT, TPOT) targets a service states (xllm_service_slo_target_ms on its
+    /metrics: the operator's, else derived from the latency profiles); None: none."""
+    text = httpx.get(url + "/metrics", timeout=10.0, trust_env=False).text
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("xllm_service_slo_target_ms{"):
+            name = line.split('target="', 1)[1].split('"', 1)[0]
+            found[name] = float(line.rsplit(" ", 1)[1])
+    return (found["ttft"], found["tpot"]) if {"ttft", "tpot"} <= set(found) else None
+
+
+def at_stated_slo(args: argparse.Namespace, summaries: dict[str, Any],
+                  runs: dict[str, list],
+                  stated: tuple[float, float] | None) -> dict[str, Any]:
+    """A round's summaries at the SLO its default set-up stated, where --slo-ttft-ms and
+    --slo-tpot-ms are not given (else as they are)."""
+    if stated is None or args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+        return summaries
+    return {label: summarize(runs[label], s["duration_s"], stated[0], stated[1],
+                             tuple(args.slo_tpot_grid)) for label, s in summaries.items()}

@@ -65,9 +65,7 @@ class SchedulerConfig:
     prompt_hold_max_ms: float = 1000.0
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
-    # Settings above left to the instance's latency profile (their flags not given): set
-    # at start-up from it (xllm_py/engine/self_profile.py `apply_derived`, by role,
-    # xllm_py/cluster/slo_defaults.py); without a profile the values above stay.
+    # Those above left to the latency profile (engine/self_profile.py `apply_derived`).
     from_profile: frozenset[str] = frozenset()
     # Work arriving at an idle engine: keep taking requests that come in less than
     # llm_engine.BURST_GAP_S apart, for up to this long (or until a step's budget is waiting), so a
@@ -271,9 +269,8 @@ class EngineConfig:
     # SIGTERM: stop taking requests and finish the ones in flight for up to this long
     # before leaving the cluster (0: leave at once). A second signal cuts it short.
     drain_timeout_s: float = 30.0
-    # Step-cost profile (JSON, xllm_py.cluster.latency_profile) registered in the
-    # instance's meta for SLO_AWARE routing; None: a PREFILL or DECODE in a cluster
-    # measures its own at start-up (xllm_py/engine/self_profile.py); "off": none.
+    # Step-cost profile (JSON, xllm_py.cluster.latency_profile) registered for SLO_AWARE
+    # routing; None: measured at start-up (engine/self_profile.py); "off": none.
     latency_profile_path: str | None = None
     # A time-model profile (JSON, xllm_py/sim/profile.py): run the simulated engine, whose
     # forward is a sleep of the modelled step time (no torch), instead of the model.
@@ -370,10 +367,6 @@ POLICIES = ("RR", "ROUND_ROBIN", "LEAST_LOAD", "LL", "CACHE_AWARE", "PREFIX", "S
 class RouterConfig:
     """How the service picks instances (xllm_service.router, xllm_service.pd_decision)."""
     # RR, LEAST_LOAD, CACHE_AWARE or SLO_AWARE (see `xllm_service.router.make_policy`).
-    # SLO_AWARE (default): over prefill and decode instances with latency profiles (the
-    # engines measure theirs at start-up), the path and instances from predicted TTFT
-    # and TPOT; without profiles the thresholds of CONDITIONAL with CACHE_AWARE, which
-    # also picks among MIX instances.
     load_balance_policy: str = "SLO_AWARE"
     # LEAST_LOAD's load: in flight here + waiting + kv_usage_weight * KV usage (0..1).
     kv_usage_weight: float = 4.0
@@ -387,16 +380,12 @@ class RouterConfig:
     # CONDITIONAL: a prompt with at most this many tokens not in the decode's prefix cache
     # is prefilled on the decode itself.
     local_prefill_max_tokens: int = 256
-    # CONDITIONAL without latency profiles (the thresholds): longer prompts go to the
-    # decode too while the least busy prefill has this many prompt tokens queued (0:
-    # never). SLO_AWARE never sends a long prompt to a decode's streams (issue 16: the
-    # stall spirals).
+    # CONDITIONAL without profiles: longer prompts go to the decode too while the least
+    # busy prefill has this many prompt tokens queued (0: never; SLO_AWARE: never).
     prefill_busy_tokens: int = 4096
     # SLO_AWARE: PD's TTFT on top of the prefill (KV pull, hand-over RPCs).
     pd_overhead_ms: float = 20.0
-    # SLO_AWARE: targets of a request that sets none (ttft_slo_ms / tpot_slo_ms); None:
-    # derived from the instances' latency profiles (xllm_py/cluster/slo_defaults.py);
-    # 0: none.
+    # SLO_AWARE: targets of a request that sets none; None: from the profiles; 0: none.
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
 

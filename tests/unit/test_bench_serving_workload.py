@@ -56,7 +56,8 @@ def test_prefill_args_reach_only_the_set_ups_with_a_prefill(tmp_path):
 
 
 def test_goodput_is_counted_at_the_slo_the_default_set_up_states(monkeypatch):
-    from benchmarks.bench_serving import RequestResult, at_stated_slo, stated_slo
+    from benchmarks.bench_serving import RequestResult
+    from benchmarks.serving_rounds import at_stated_slo, stated_slo
     from benchmarks.serving_metrics import summarize
 
     def res(i: int, ttft: float, tpot: float) -> RequestResult:
@@ -76,7 +77,7 @@ def test_goodput_is_counted_at_the_slo_the_default_set_up_states(monkeypatch):
         text = ('# HELP x\nxllm_service_slo_target_ms{target="ttft"} 2716.5\n'
                 'xllm_service_slo_target_ms{target="tpot"} 22.9\n')
 
-    import benchmarks.bench_serving as bench
+    import benchmarks.serving_rounds as bench
     monkeypatch.setattr(bench.httpx, "get", lambda *a, **k: Reply())
     assert stated_slo("http://x") == (2716.5, 22.9)
     Reply.text = "xllm_service_requests_total 3\n"

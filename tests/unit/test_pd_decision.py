@@ -380,36 +380,6 @@ def test_the_decision_defaults_to_conditional_with_slo_aware_only(policy, decisi
         RouterConfig(disagg_decision="SOMETIMES")
 
 
-def test_slo_aware_targets_come_from_the_profiles_unless_stated():
-    from xllm_py.cluster import slo_defaults
-    from xllm_service.metrics import ServiceMetrics
-
-    p = inst("p", InstanceRole.PREFILL, {**PROFILE, "max_model_len": 1024})
-    d = inst("d", InstanceRole.DECODE)
-    derived = (slo_defaults.ttft_target_ms([LatencyProfile.from_dict(p.meta.latency_profile)]),
-               slo_defaults.tpot_target_ms([LatencyProfile.from_dict(PROFILE)]))
-    assert derived == (pytest.approx(1.5 * (2 * 1 + 102.4)), pytest.approx(1.25 * 10))  # 1024 tokens in 2 chunks; 8 seqs
-    r = slo_router({})  # no target given: the profiles'
-    route = r.route(req(100), [p], [d])
-    assert r.targets(req(100)) == derived
-    assert f"(targets {derived[0]:.0f}/{derived[1]:.0f} ms)" in route.reason
-    assert r.targets(req(100, tpot_slo_ms=7)) == (derived[0], 7)  # the request's own wins
-    r = slo_router({}, tpot_slo_ms=30)  # the operator's wins over the derived one
-    assert r.stated([p], [d]) == (derived[0], 30)
-    assert r.stated([inst("p", InstanceRole.PREFILL, None)], [d]) == (0.0, 30)
-    # the service states them on /metrics (over the instances registered now)
-    config = RouterConfig()  # the defaults: SLO_AWARE, targets from the profiles
-    router = build_router(config, lambda role: {InstanceRole.PREFILL: [p],
-                                                InstanceRole.DECODE: [d]}.get(role, []),
-                          lambda n: 0, no_work, PrefixIndex())
-    text = ServiceMetrics(lambda: [], slo_targets=router.stated_targets).render()
-    assert f'xllm_service_slo_target_ms{{target="tpot"}} {derived[1]}' in text
-    assert 'xllm_service_slo_target_ms{target="ttft"}' in text
-    least = build_router(RouterConfig(load_balance_policy="LEAST_LOAD"), lambda role: [],
-                         lambda n: 0, no_work, PrefixIndex())
-    assert "slo_target" not in ServiceMetrics(lambda: [], slo_targets=least.stated_targets).render()
-
-
 def test_conditional_router_with_mix_instances_only_routes_to_mix():
     m = inst("m", InstanceRole.MIX)
     router = build_router(RouterConfig(disagg_decision="CONDITIONAL"),

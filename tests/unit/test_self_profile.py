@@ -15,8 +15,10 @@ from xllm_py.cluster.step_cost_fit import StepShape, fit_step_costs
 from xllm_py.config import CacheConfig, EngineConfig, InstanceRole, SchedulerConfig
 from xllm_py.engine.cli import build_parser, config_from_args
 from xllm_py.engine.scheduler import ContinuousScheduler
+from xllm_py.engine.scheduler_types import ScheduledSeq, SchedulerOutput
 from xllm_py.engine.self_profile import (ProfileCorrector, apply_derived, derived_settings,
-                                         measure_profile, moved, start_up_profile)
+                                         measure_profile, moved, observe_steps,
+                                         start_up_profile)
 
 # tiny-25m on one core, as measured on the 2-core VM (prompt 0.62 ms a token, ...)
 TRUE = LatencyProfile(prefill_base_ms=5.0, prefill_ms_per_token=0.62, decode_base_ms=6.6,
@@ -109,6 +111,30 @@ def test_the_corrector_scales_each_kind_by_what_its_steps_take():
     assert moved(TRUE, p) and not moved(TRUE, TRUE)
     c.observe(StepShape(512), 1e9)  # one wild step moves it by a bounded amount
     assert c.prefill_scale == pytest.approx(1 + 0.05 * 3)
+
+
+def test_every_step_the_engine_runs_corrects_the_profile():
+    clock = [0.0]
+    outputs = [SchedulerOutput(seqs=[ScheduledSeq("a", [5], 99, [1] * 7, True)])]
+
+    class Engine:  # LLMEngine.step's shape: schedule, then the rest of the step
+        def __init__(self) -> None:
+            self.scheduler = types.SimpleNamespace(schedule=lambda: outputs[0])
+
+        def step(self) -> None:
+            self.scheduler.schedule()
+            clock[0] += 0.020
+
+    engine, corrector = Engine(), ProfileCorrector(TRUE, clock=lambda: clock[0])
+    observe_steps(engine, corrector)
+    for _ in range(100):
+        engine.step()
+    ratio = 20.0 / TRUE.decode_step_ms(1, 100)  # a decode step of 1 stream: 20 ms
+    assert corrector.num_observed == 100
+    assert corrector.decode_scale == pytest.approx(1 + (ratio - 1) * (1 - 0.95 ** 100))
+    outputs[0] = SchedulerOutput()  # nothing scheduled: nothing observed
+    engine.step()
+    assert corrector.num_observed == 100
 
 
 def test_defaults_derived_from_a_tiny_25m_profile():

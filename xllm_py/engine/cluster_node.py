@@ -131,7 +131,7 @@ class ClusterNode:
             self.pd.start()
             servicer.pd = self.pd
         await self.agent.start()
-        if self.engine.profile_corrector is not None:
+        if getattr(self.engine, "profile_corrector", None) is not None:
             self._profile_task = asyncio.create_task(self._republish_profile())
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")
@@ -152,7 +152,7 @@ class ClusterNode:
     def _latency_profile(self) -> dict:
         """The profile the engine registers (self_profile.py: --latency-profile, a
         simulated engine's time model, or measured at start-up); {}: none."""
-        profile = self.engine.latency_profile
+        profile = getattr(self.engine, "latency_profile", None)
         return profile.to_dict() if profile is not None else {}
 
     async def _republish_profile(self) -> None:

@@ -17,7 +17,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from xllm_py.cluster.step_cost_fit import StepShape
 from xllm_py.config import EngineConfig, InstanceRole
 from xllm_py.engine.engine_request import (  # noqa: F401 - EngineRequest is imported from here
     EngineRequest, HandOverHook, child_params, error_output, resolve_model_dir)
@@ -73,10 +72,6 @@ class LLMEngine:
         self.recent_max_ttft_ms = 0.0
         self.recent_max_tbt_ms = 0.0
         self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
-        # The latency profile it registers, and what corrects a measured one by the steps
-        # (self_profile.py; set at start-up, before the thread starts).
-        self.latency_profile = None
-        self.profile_corrector = None
         logger.info("engine ready: model %s, %d layers, %d KV blocks of %d tokens, loaded in %.2fs",
                     self.model_dir, mc.num_layers, num_blocks, block_size, time.monotonic() - t0)
 
@@ -325,8 +320,6 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> None:
-        corrector = self.profile_corrector
-        c_begin = corrector.clock() if corrector is not None else 0.0
         sched_out = self.scheduler.schedule()
         seqs = sched_out.seqs
         if not seqs:
@@ -356,8 +349,6 @@ class LLMEngine:
                                    self.scheduler.tpot_guard)
         self._process_updates(updates, logprobs)
         self.recent_max_tbt_ms = max(self.recent_max_tbt_ms * 0.98, step_ms)
-        if corrector is not None:  # (the whole step: what a stream waits)
-            corrector.observe(StepShape.of(seqs), (corrector.clock() - c_begin) * 1000)
 
     def _record_prompt_logprobs(self, seq, logits: torch.Tensor) -> None:
         """Logits rows at positions start_pos.. of a prefill chunk score the prompt tokens

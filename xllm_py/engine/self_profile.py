@@ -232,6 +232,7 @@ def start_up_profile(engine, config) -> LatencyProfile | None:
     here; None for a MIX or a standalone engine without a file (nothing reads it), or
     with `--latency-profile off`. The scheduler settings left to the profile are derived
     from it (`apply_derived`); a measured one is corrected by the steps from then on."""
+    engine.latency_profile = engine.profile_corrector = None
     path = config.latency_profile_path
     if path is not None and path.lower() in OFF:
         return None
@@ -246,7 +247,29 @@ def start_up_profile(engine, config) -> LatencyProfile | None:
     engine.latency_profile = profile
     if measured:
         engine.profile_corrector = ProfileCorrector(profile, step_clock(engine))
+        observe_steps(engine, engine.profile_corrector)
     return profile
+
+
+def observe_steps(engine, corrector: "ProfileCorrector") -> None:
+    """From now on every step of `engine` (LLMEngine.step: scheduling, forward, sampling,
+    outputs) tells `corrector` what it computed and what it took."""
+    step, schedule = engine.step, engine.scheduler.schedule
+    scheduled: list = []
+
+    def scheduling():
+        out = schedule()
+        scheduled.append(out)
+        return out
+
+    def observed_step() -> None:
+        scheduled.clear()
+        c0 = corrector.clock()
+        step()
+        if scheduled and scheduled[0].seqs:
+            corrector.observe(StepShape.of(scheduled[0].seqs), (corrector.clock() - c0) * 1000)
+
+    engine.scheduler.schedule, engine.step = scheduling, observed_step
 
 
 # What a corrected profile re-derives (the step budgets stay as set at start-up).

@@ -29,7 +29,7 @@ PLACE_LEAD_S = 0.2
 def cost_model(engine, pd_config: PDSchedulerConfig) -> PrefillCostModel | None:
     """The deadline order's predictions: this instance's latency profile, as registered
     at start-up (engine.latency_profile, xllm_py/engine/self_profile.py; none: FCFS)."""
-    profile = engine.latency_profile
+    profile = getattr(engine, "latency_profile", None)
     if pd_config.prefill_order != "deadline" or profile is None:
         return None
     return PrefillCostModel(dataclasses.replace(
