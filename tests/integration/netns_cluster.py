@@ -61,7 +61,7 @@ class NetCluster:
             "ctl", "service", "xllm_service",
             ["--etcd", self.etcd, "--host", self.ctl, "--http-port", str(HTTP_PORT),
              "--rpc-port", "8001", "--model", MODEL, "--etcd-ttl", str(TTL_S), "--evict-grace-s", str(GRACE_S),
-             "--rpc-timeout", "3"],
+             "--rpc-timeout", "3", "--load-balance-policy", "LEAST_LOAD"],  # (PD always)
             log_dir, http_url=self.svc_url)
         self.start_engine("p0")
         for d in self.decodes:
@@ -78,7 +78,8 @@ class NetCluster:
                 "--heart-beat-interval", "0.3", "--block-size", str(BLOCK),
                 "--num-blocks", "512", "--kv-transfer-backend", self.backend,
                 "--kv-cache-transfer-mode", self.mode, "--rpc-timeout", "3",
-                "--transfer-timeout", "6", "--instance-name", host, "--num-threads", "1"]
+                "--transfer-timeout", "6", "--instance-name", host, "--num-threads", "1",
+                "--latency-profile", "off"]
         env = UCX_OVER_TCP if self.backend == "ucx" else {}
         proc = self.lab.spawn(host, host, "xllm_py.engine", args, self.log_dir,
                               http_url=self.url(host), env=env)
