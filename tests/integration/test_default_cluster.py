@@ -28,8 +28,12 @@ def cluster(etcd_server, tmp_path_factory):
     h.procs.append(mix)
     try:
         svc = h.service(pd_always=False)
-        prefill = h.engine("PREFILL", "prefill", profile=True)
-        decode = h.engine("DECODE", "decode", profile=True)
+        # one torch thread each, as a pinned engine has: the profile is then timed by the
+        # engine thread's CPU clock (with two threads on a loaded machine, by the wall
+        # clock, and two instances' profiles can differ 100-fold)
+        one = ["--num-threads", "1"]
+        prefill = h.engine("PREFILL", "prefill", profile=True, extra=one)
+        decode = h.engine("DECODE", "decode", profile=True, extra=one)
         for p in (mix, prefill, decode):
             p.wait_ready(240)
         svc.wait_ready(60, path="/readiness")
