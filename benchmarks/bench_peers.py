@@ -254,6 +254,8 @@ def run_one(name: str, plan: dict[str, Any], args: argparse.Namespace, paths: di
         say(f"  {name}: FAILED: {exc}")
     finally:
         entry["rss_peak_bytes"] = server.stop()
+        say(f"  {name} stopped: ready after {entry.get('ready_s', math.nan):.0f} s, "
+            f"RSS peak {entry['rss_peak_bytes'] / 2**30:.2f} GiB")
     return entry
 
 
