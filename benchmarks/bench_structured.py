@@ -149,7 +149,7 @@ def bench_sampler(args, tokenizer, vocab: int, eos: list[int], label: str) -> li
             assert not g.advance(prefix)
         bitmask = np.zeros((args.batch, words), dtype=np.int32)
         for kind, rows in (("greedy", [SamplingRow(temperature=0.0)] * args.batch),
-                           ("sampled", [SamplingRow(temperature=1.0, top_p=0.95)] * args.batch)):
+                           ("sampled", [SamplingRow(temperature=1.0)] * args.batch)):
             t_plain, t_masked, t_fill = [], [], []
             for _ in range(args.repeat * 4):
                 logits = base.clone()

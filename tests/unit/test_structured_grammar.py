@@ -172,3 +172,13 @@ def test_masked_greedy_keeps_allowed_picks_and_redoes_the_others():
     assert out == [picks[0], picks[1], other]
     full = apply_token_mask(logits.clone(), TokenMask([0, 2], bitmask)).argmax(dim=-1).tolist()
     assert out == full
+    # rows that allow few tokens (a gather) and many (masked whole), ties included
+    rng = np.random.default_rng(3)
+    vocab = 4096
+    logits = torch.from_numpy(rng.integers(0, 4, size=(6, vocab)).astype(np.float32))
+    bitmask = rng.integers(-2**31, 2**31 - 1, size=(6, vocab // 32), dtype=np.int32)
+    bitmask[:3, 4:] = 0  # rows 0-2: four words allowed at most
+    picks = logits.argmax(dim=-1).tolist()
+    mask = TokenMask(list(range(6)), bitmask)
+    full = apply_token_mask(logits.clone(), mask).argmax(dim=-1).tolist()
+    assert masked_greedy(logits, picks, mask) == full

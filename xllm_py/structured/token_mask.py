@@ -87,12 +87,33 @@ def masked_greedy(logits: torch.Tensor, token_ids: list[int], mask: TokenMask) -
             or not (int(bits[j, token_ids[row] >> 5]) >> (token_ids[row] & 31)) & 1]
     if not redo:
         return token_ids
-    rows = [mask.rows[j] for j in redo]
-    with torch.inference_mode(logits.is_inference()):
-        sub = logits.index_select(0, torch.tensor(rows, device=logits.device)).float()
-        sub = _apply(sub, TokenMask(list(range(len(rows))), np.ascontiguousarray(bits[redo])))
-        fixed = sub.argmax(dim=-1).tolist()
     out = list(token_ids)
-    for row, token in zip(rows, fixed):
-        out[row] = token
+    vocab = logits.shape[1]
+    dense: list[int] = []  # rows that allow many tokens: masked whole
+    with torch.inference_mode(logits.is_inference()):
+        for j in redo:
+            allowed = _few_allowed(bits[j], vocab)
+            if allowed is None:
+                dense.append(j)
+            elif len(allowed):  # ascending ids: the first maximum, as argmax takes it
+                ids = torch.from_numpy(allowed).to(logits.device)
+                row = mask.rows[j]
+                out[row] = int(ids[logits[row].index_select(0, ids).float().argmax()])
+        if dense:
+            rows = [mask.rows[j] for j in dense]
+            sub = logits.index_select(0, torch.tensor(rows, device=logits.device)).float()
+            sub = _apply(sub, TokenMask(list(range(len(rows))), np.ascontiguousarray(bits[dense])))
+            for row, token in zip(rows, sub.argmax(dim=-1).tolist()):
+                out[row] = token
     return out
+
+
+def _few_allowed(words: np.ndarray, vocab: int) -> np.ndarray | None:
+    """The allowed token ids of one row's bitmask when they sit in few words (an enum, a
+    keyword, a digit: a gather beats masking the whole row), else None."""
+    nonzero = np.flatnonzero(words)
+    if len(nonzero) * 32 * 16 > vocab:
+        return None
+    bits = np.unpackbits(words[nonzero].view(np.uint8), bitorder="little").reshape(-1, 32)
+    ids = (nonzero[:, None] * 32 + np.arange(32))[bits.astype(bool)]
+    return ids[ids < vocab]
