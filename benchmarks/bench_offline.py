@@ -14,13 +14,15 @@ Rounds, each on the same cluster:
 The online streams carry a TPOT target (`tpot_slo_ms`) of `--tpot-target` x the round's
 alone TPOT p50 (the SLO they would be given on this machine as loaded now): that is what the decode keeps its offline work within (engine/offline_gate.py)
 and what its pulls check (engine/pd/offline_pull.py). The engines get one torch thread
-each, the prefill pinned to core 0 and the decode to core 1 (`--no-pin`: not pinned).
+each; the prefill, the service, etcd and this client are pinned to core 0 and the decode
+to core 1, as if it had a machine of its own (`--no-pin`: nothing pinned).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import re
 import sys
@@ -68,7 +70,11 @@ async def online_streams(url: str, n: int, streams: int, max_tokens: int,
     return {"requests": n, "failed": n - len(ok),
             "ttft_p50_ms": percentile([r.ttft_s for r in ok if r.ttft_s is not None], 50) * 1e3,
             "tpot_p50_ms": percentile(tpots, 50) * 1e3,
-            "tpot_p90_ms": percentile(tpots, 90) * 1e3}
+            "tpot_p90_ms": percentile(tpots, 90) * 1e3,
+            # where a TPOT goes: the hand-over (prefill's token to decode's first) and
+            # the decode's own token gaps
+            "handover_gap_p50_ms": percentile([r.itl_s[0] for r in ok if r.itl_s], 50) * 1e3,
+            "decode_itl_p50_ms": percentile([g for r in ok for g in r.itl_s[1:]], 50) * 1e3}
 
 
 async def flood(url: str, n: int, max_tokens: int, offline: bool) -> tuple[list, float]:
@@ -163,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     logs = pathlib.Path(tempfile.mkdtemp(prefix="bench-offline-"))
+    if not args.no_pin and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {0})  # this client, etcd and the service beside the prefill
     etcd = EmbeddedEtcd().start()
     procs = []
     try:
@@ -172,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         svc = spawn("service", "xllm_service", ["--etcd", etcd.endpoint, "--http-port", str(hp),
                                                 "--rpc-port", str(rp), *ttl,
                                                 "--evict-grace-s", "10"], logs,
-                    http_url=f"http://127.0.0.1:{hp}")
+                    http_url=f"http://127.0.0.1:{hp}", cpu=None if args.no_pin else 0)
         procs.append(svc)
         engines = {}
         for core, role in enumerate(("PREFILL", "DECODE")):

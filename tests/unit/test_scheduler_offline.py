@@ -208,6 +208,11 @@ def test_offline_has_room_is_the_pull_condition():
     clock.t += 0.005
     _step(sched, runner)
     assert sched.offline_has_room()
+    clock.t += 0.05  # a slow last step, then the stream ends and the engine idles: an
+    _step(sched, runner)  # idle decode must still pull (it was starved once for 120 s)
+    assert not sched.offline_has_room()
+    sched.finish_request(online.request_id, S.FINISHED_ABORTED)
+    assert sched.offline_has_room()
 
 
 def test_allocate_for_remote_takes_kv_from_offline_for_online_only():
@@ -229,17 +234,54 @@ def test_allocate_for_remote_takes_kv_from_offline_for_online_only():
 
 def test_gate_limits():
     gate = OfflineGate(max_tokens=64)
-    assert gate.limit(online_present=False, target_s=0.01) == math.inf
-    assert gate.limit(online_present=True, target_s=None) == math.inf
-    assert gate.limit(online_present=True, target_s=0.01) == 0
+    assert gate.limit(streams_present=False, target_s=0.01) == math.inf
+    assert gate.limit(streams_present=True, target_s=None) == 0  # streams not measured yet
     t = 0.0
-    for _ in range(30):  # fast online steps: the allowance grows to the budget
+    for _ in range(30):  # steady online steps of 1 ms: the allowance grows to the budget
         gate.begin_step(t, 0.01)
-        gate.carried(1)
+        gate.carried(1, 0)
         t += 0.001
-    assert gate.allowed == 64
-    gate.begin_step(t + 0.05, 0.01)  # one slow step halves it
+    assert gate.allowed == 64 and gate.base_s is not None and abs(gate.base_s - 0.001) < 1e-9
+    gate.begin_step(t + 0.005, 0.01)  # a step of 5 ms: past 1.25 x base, though within T
     assert gate.allowed == 32 and not gate.has_room(0.01)
-    gate.carried(0)
+    gate.carried(0, 0)
     gate.begin_step(t + 1.0, 0.01)  # a step without online decodes measures nothing
     assert gate.allowed == 32 and gate.has_room(0.01)
+
+
+def test_gate_keeps_offline_within_a_slack_of_the_streams_alone():
+    """No TPOT target: steps with offline tokens that cost the streams more than 1.25x
+    their steps alone shrink the allowance, cheaper ones (a flat cost curve) grow it;
+    the streams' base is measured on steps without offline tokens only."""
+    gate = OfflineGate(max_tokens=64)
+    t = 0.0
+
+    def step(interval_s: float, offline: int) -> None:
+        nonlocal t
+        gate.begin_step(t, None)
+        gate.carried(4, offline)
+        t += interval_s
+
+    for _ in range(5):
+        step(0.010, 0)  # the streams alone: 10 ms
+    for _ in range(40):  # offline rides at no cost (a flat step cost): it fills the budget
+        step(0.0105, gate.limit(True, None))
+    assert gate.allowed == 64 and abs(gate.base_s - 0.010) < 1e-3
+    for _ in range(10):  # offline makes the steps 1.5x: it is cut back
+        step(0.015 if gate.limit(True, None) else 0.010, gate.limit(True, None))
+    assert gate.allowed < 4
+def test_gate_counts_online_work_present_for_a_grace_period():
+    """Between the requests of a closed loop of online streams, offline work stays
+    limited; past GRACE_S without online work it runs at full batch."""
+    from xllm_py.engine.offline_gate import GRACE_S
+
+    gate = OfflineGate(max_tokens=64)
+    gate.allowed = 8
+    gate.begin_step(10.0, 0.01)
+    assert gate.limit(streams_present=True, target_s=0.01) == 8
+    gate.begin_step(10.0 + GRACE_S / 2, None)
+    assert gate.limit(streams_present=False, target_s=None) == 8
+    gate.allowed = 0
+    assert gate.limit(streams_present=False, target_s=None) == 1  # never an empty step
+    gate.begin_step(10.0 + GRACE_S * 1.5, None)
+    assert gate.limit(streams_present=False, target_s=None) == math.inf

@@ -168,7 +168,7 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
     def schedule(self) -> SchedulerOutput:
         """Online first: its running requests (decodes, then prompt chunks), then its
         waiting ones; offline requests only in what is left (seats, token budget, KV, and
-        the offline gate's time), their running ones first, then the suspended, then the
+        beside online streams the offline gate's time), their running ones first, then the suspended, then the
         waiting. Decode sequences come first in the output."""
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
@@ -192,12 +192,11 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
         #    online request was just preempted: the freed space belongs to it).
         self._admit_waiting(self.waiting, st, math.inf)
         # 3. Offline work in what is left.
-        online_present = bool(self.waiting) or any(not r.offline for r in self.running)
-        self._schedule_offline(st, self.offline_gate.limit(online_present, target_s))
+        self._schedule_offline(st, self.offline_gate.limit(bool(decodes), target_s))
         out.seqs = list(st.decodes.values()) + list(st.prompts.values())
         out.num_batched_tokens = sum(len(s.token_ids) for s in out.seqs)
         out.num_decode_seqs = len(st.decodes)
-        self.offline_gate.carried(st.online_decodes)
+        self.offline_gate.carried(st.online_decodes, st.offline_tokens)
         if self.tpot_guard is not None:
             self.tpot_guard.size_step(out.num_decode_seqs,
                                       out.num_batched_tokens - out.num_decode_seqs)

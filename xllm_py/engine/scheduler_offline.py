@@ -2,7 +2,7 @@
 
 Offline (batch) requests run only in the room online requests leave:
   waiting_offline (own queue, FCFS) -> RUNNING when a seat, the token budget, KV and the
-  offline gate (offline_gate.py: time beside online streams with a TPOT target) allow
+  offline gate (offline_gate.py: time beside online streams) allow
   -> SUSPENDED (out of the batch, KV kept) when online work needs its seat or the gate
   closes; back to RUNNING when the room returns (before any waiting offline request)
   -> PREEMPTED (KV freed, recomputed exactly from prompt + outputs later) when online
@@ -44,11 +44,15 @@ class OfflineMixin:
 
     def offline_has_room(self) -> bool:
         """Whether more offline work would fit now: a free seat, KV use under
-        PULL_KV_USAGE, and the online streams' last step under 0.9 x their TPOT target
-        (a PD decode's pull condition, as xLLM's check_able_to_pull)."""
-        return (len(self.running) + self.num_waiting + len(self.suspended)
-                < self.config.max_num_seqs and self.kv.usage < PULL_KV_USAGE
-                and self.offline_gate.has_room(self._offline_target_s()))
+        PULL_KV_USAGE, and no online stream here or their last step within the gate's
+        bound (0.9 x their TPOT target, 1.25 x their steps alone: a PD decode's pull
+        condition, as xLLM's check_able_to_pull)."""
+        if (len(self.running) + self.num_waiting + len(self.suspended)
+                >= self.config.max_num_seqs or self.kv.usage >= PULL_KV_USAGE):
+            return False
+        if not any(not r.offline for r in self.running):
+            return True  # no online stream: the gate's last interval is history
+        return self.offline_gate.has_room(self._offline_target_s())
 
     def _schedule_offline(self, st: StepState, limit: float) -> None:
         """Offline requests in the room online work left: running ones within `limit`
