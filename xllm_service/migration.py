@@ -46,6 +46,7 @@ import uuid
 
 import grpc
 
+from xllm_py.config import InstanceRole
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.router import NoInstanceError, Route
@@ -78,6 +79,14 @@ class MigrationMixin:
                         f"elsewhere, and it asked for n={p.n}, best_of={p.best_of or p.n}")
             logger.warning("instance %s evicted: failing request %s", info.name,
                            sub.engine_request_id)
+            if sub.route.is_pd and info.name != sub.route.decode.name:
+                # Its prefill died before the hand-over: the decode that set blocks aside
+                # for it (ours, or the one the prefill picked instead) frees them now,
+                # not after its orphan timeout.
+                for decode in self.router.schedulable(InstanceRole.DECODE):
+                    self._spawn(self.engines.cancel(decode.meta.rpc_address,
+                                                    sub.engine_request_id, sub.request_id,
+                                                    why))
             self._fail(sub, why)
 
     def _migrate(self, sub: SubRequest, dead: str, why: str = "") -> None:

@@ -78,8 +78,9 @@ class NetCluster:
                 "--heart-beat-interval", "0.3", "--block-size", str(BLOCK),
                 "--num-blocks", "512", "--kv-transfer-backend", self.backend,
                 "--kv-cache-transfer-mode", self.mode, "--rpc-timeout", "3",
-                "--transfer-timeout", "6", "--instance-name", host, "--num-threads", "1",
-                "--latency-profile", "off"]
+                "--transfer-timeout", "15", "--instance-name", host, "--num-threads", "1",
+                # every request moves its whole KV (no prefix hit from the reference run)
+                "--enable-prefix-cache", "false", "--latency-profile", "off"]
         env = UCX_OVER_TCP if self.backend == "ucx" else {}
         proc = self.lab.spawn(host, host, "xllm_py.engine", args, self.log_dir,
                               http_url=self.url(host), env=env)
@@ -116,6 +117,8 @@ class NetCluster:
     def blocks_used(self) -> dict[str, int]:
         out = {}
         for host in self.engines():
+            if not self.procs[host].alive():
+                continue  # drained or killed: it holds nothing
             try:
                 out[host] = int(metric(self.url(host), "xllm_kv_cache_blocks_used")
                                 + metric(self.url(host), "xllm_requests_running"))
@@ -156,8 +159,7 @@ class Run:
         return max((b - a for a, b in zip(self.times, self.times[1:])), default=0.0)
 
 
-async def stream(http: httpx.AsyncClient, url: str, run: Run, max_tokens: int,
-                 cancel_after_s: float | None = None) -> None:
+async def stream(http: httpx.AsyncClient, url: str, run: Run, max_tokens: int) -> None:
     body = {"model": MODEL, "prompt": run.prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, "return_token_ids": True}
     run.started = run.started or time.monotonic()
@@ -186,8 +188,6 @@ async def stream(http: httpx.AsyncClient, url: str, run: Run, max_tokens: int,
                     if ids:
                         run.ids += ids
                         run.times.append(time.monotonic())
-                if cancel_after_s is not None and time.monotonic() - run.started > cancel_after_s:
-                    return  # the client hangs up
         run.unclean = run.unclean or "the stream ended without [DONE]"
     except httpx.HTTPError as exc:
         run.unclean = f"{type(exc).__name__}: {exc}"
@@ -242,12 +242,16 @@ class Load:
         self.refs = {p: cache[(p, self.max_tokens)] for p in self.prompts}
 
     def start(self, prompt: str, cancel_after_s: float | None = None) -> Run:
+        """A stream of `prompt`; `cancel_after_s`: the client hangs up then (wherever the
+        request is: queued, prefilling, handing over, decoding)."""
         run = Run(prompt, started=time.monotonic())
+        task = asyncio.create_task(stream(self.http, self.cluster.svc_url, run,
+                                          self.max_tokens))
         if cancel_after_s is not None:
             self.cancelled.add(len(self.runs))
+            asyncio.get_running_loop().call_later(cancel_after_s, task.cancel)
         self.runs.append(run)
-        self._tasks.append((asyncio.create_task(
-            stream(self.http, self.cluster.svc_url, run, self.max_tokens, cancel_after_s)), run))
+        self._tasks.append((task, run))
         return run
 
     async def finish(self) -> None:
@@ -259,7 +263,7 @@ class Load:
             for t in still:
                 pending[t].hung = True
                 t.cancel()
-            await asyncio.gather(*still, return_exceptions=True)
+        await asyncio.gather(*(t for t, _ in self._tasks), return_exceptions=True)
         self._tasks = []
 
     def tally(self, fault: str, settle_s: float = 20.0) -> Tally:
@@ -267,7 +271,7 @@ class Load:
         for i, run in enumerate(self.runs):
             ref = self.refs[run.prompt]
             prefix_ok = run.ids == ref[:len(run.ids)]
-            if i in self.cancelled:
+            if i in self.cancelled and not run.done:
                 t.cancelled += 1
                 if not prefix_ok:
                     t.wrong += 1

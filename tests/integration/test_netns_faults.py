@@ -68,6 +68,7 @@ def _running(c: NetCluster, host: str) -> int:
 
 
 async def _decode_link_down(c: NetCluster, until_evicted: bool):
+    _everyone_up(c)
     load = Load(c, prompts(6), MAX_TOKENS, BOUND_S)
     try:
         await load.reference()
@@ -115,3 +116,156 @@ async def test_decode_link_down_past_its_lease(cluster):
     before its eviction: it tells the service what it dropped, the streams move (they
     used to hang until the service's idle timeout)."""
     await _decode_link_down(cluster, until_evicted=False)
+
+
+LONG = dict(words=16)  # prompts of ~50 tokens: 7 blocks, ~0.9 MB of KV to move each
+
+
+@pytest.mark.parametrize("cluster", ["ucx"], indirect=True)
+async def test_prefill_link_slowed_during_transfers(cluster):
+    """The prefill's link at 4 Mbit/s while its KV is pulled (a few hundred KB a request):
+    slower hand-overs, the same tokens."""
+    c = cluster
+    _everyone_up(c)
+    load = Load(c, prompts(6, offset=100, **LONG), 40, BOUND_S)
+    try:
+        await load.reference()
+        c.lab.slow("p0", "4mbit")
+        try:
+            for p in load.prompts:
+                load.start(p)
+            await load.finish()
+        finally:
+            c.lab.unslow("p0")
+        _check(c, load.tally(f"{c.backend}: prefill link at 4 Mbit/s", SETTLE_S))
+    finally:
+        await load.close()
+
+
+@pytest.mark.parametrize("cluster", ["ucx"], indirect=True)
+async def test_prefill_partitioned_from_the_decodes(cluster):
+    """The prefill cut off from every decode (subnets apart, ctl forwarding off) while all
+    still reach etcd and the service: streams already decoding go on; new requests end
+    with a clean error within the bound (or get through once it heals); after it heals
+    every request gets through again."""
+    c = cluster
+    _everyone_up(c)
+    load = Load(c, prompts(8, offset=200), 80, BOUND_S)
+    try:
+        await load.reference()
+        for p in load.prompts[:4]:
+            load.start(p)
+        await _wait(lambda: all(len(r.ids) >= 2 for r in load.runs), 20, "streams decoding",
+                    step_s=0.1)
+        c.lab.partition(True)
+        try:
+            for p in load.prompts[4:]:
+                load.start(p)
+            await asyncio.sleep(4.0)
+        finally:
+            c.lab.partition(False)
+        await load.finish()
+        during = load.tally(f"{c.backend}: prefill partitioned from the decodes 4s", SETTLE_S)
+        _check(c, during, allow_errors=True)
+        assert all(r.done for r in load.runs[:4]), "a stream already decoding failed"
+        after = Load(c, load.prompts[4:], 80, BOUND_S)
+        try:
+            after.refs = load.refs
+            for p in after.prompts:
+                after.start(p)
+            await after.finish()
+            _check(c, after.tally(f"{c.backend}: after the partition healed", SETTLE_S))
+        finally:
+            await after.close()
+    finally:
+        await load.close()
+
+
+@pytest.mark.parametrize("cluster", ["ucx"], indirect=True)
+async def test_cancel_at_each_moment_of_the_hand_over(cluster):
+    """Clients hang up at spread moments (queued, prefilling, KV in flight over a slowed
+    link, first decode tokens, decoding) beside streams that run to the end: those end
+    with the reference tokens, and nothing stays allocated anywhere."""
+    c = cluster
+    _everyone_up(c)
+    load = Load(c, prompts(9, offset=300, **LONG), 60, BOUND_S)
+    try:
+        await load.reference()
+        c.lab.slow("p0", "8mbit")
+        try:
+            for i, p in enumerate(load.prompts):
+                load.start(p, cancel_after_s=None if i % 3 == 2 else 0.05 + 0.4 * i)
+            await load.finish()
+        finally:
+            c.lab.unslow("p0")
+        tally = load.tally(f"{c.backend}: cancels across the hand-over", SETTLE_S)
+        _check(c, tally)
+        assert tally.cancelled >= 3
+    finally:
+        await load.close()
+
+
+def _everyone_up(c: NetCluster) -> None:
+    """An engine a previous test stopped (drained, killed) comes back first."""
+    for host in c.engines():
+        if not c.procs[host].alive():
+            c.start_engine(host).wait_ready(180)
+    c.wait_active(len(c.engines()), 30)
+
+
+@pytest.mark.parametrize("cluster", ["ucx"], indirect=True)
+async def test_prefill_drain_during_transfers(cluster):
+    """SIGTERM to the prefill while its KV is being pulled over a slowed link: the drain
+    waits for the hand-overs, the streams end with the reference tokens."""
+    c = cluster
+    _everyone_up(c)
+    load = Load(c, prompts(4, offset=400, **LONG), 40, BOUND_S)
+    try:
+        await load.reference()
+        c.lab.slow("p0", "4mbit")
+        try:
+            for p in load.prompts:
+                load.start(p)
+            await _wait(lambda: any(r.ids for r in load.runs), 20, "a first token",
+                        step_s=0.05)
+            c.procs["p0"].popen.send_signal(15)
+            await load.finish()
+        finally:
+            c.lab.unslow("p0")
+        tally = load.tally(f"{c.backend}: prefill drained during transfers", SETTLE_S)
+        print("\n" + tally.line(), tally.notes)
+        assert tally.hung == 0 and tally.wrong == 0 and tally.blocks_left == 0
+        assert tally.exact == len(load.runs), tally.notes  # the drain waited for the pulls
+        assert c.procs["p0"].popen.wait(30) == 0
+    finally:
+        await load.close()
+
+
+@pytest.mark.parametrize("cluster", ["ucx", "tcp"], indirect=True)
+async def test_prefill_killed_mid_transfer(cluster):
+    """SIGKILL to the prefill while decodes pull its KV over a slowed link: requests it
+    had handed over go on, the others end with a clean error; no decode keeps a block."""
+    c = cluster
+    _everyone_up(c)
+    load = Load(c, prompts(6, offset=500, **LONG), 40, BOUND_S)
+    try:
+        await load.reference()
+        c.lab.slow("p0", "4mbit")
+        try:
+            for p in load.prompts:
+                load.start(p)
+            await _wait(lambda: any(r.ids for r in load.runs), 20, "a first token",
+                        step_s=0.05)
+            await asyncio.sleep(0.3)
+            c.procs["p0"].kill()
+            await load.finish()
+        finally:
+            c.lab.unslow("p0")
+        tally = load.tally(f"{c.backend}: prefill killed mid-transfer", SETTLE_S)
+        print("\n" + tally.line())
+        for note in tally.notes:
+            print("   ", note)
+        assert tally.hung == 0 and tally.wrong == 0, tally.notes
+        assert tally.blocks_left == 0, tally.notes  # the decodes' blocks set aside for it
+    finally:
+        await load.close()

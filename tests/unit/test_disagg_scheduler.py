@@ -483,8 +483,22 @@ async def test_decode_cancel_mid_pull_frees_the_blocks_after_the_pull(make_node)
     assert not pd.reporter.outputs("r1")
 
 
-async def test_decode_cancel_before_first_generation_waits_for_it(make_node):
+async def test_decode_cancel_before_first_generation_frees_at_once_in_pull_mode(make_node):
+    """PULL: nothing but the decode's own pull writes into its blocks, so a cancel (the
+    service's, also when the prefill died before the hand-over) frees them now; a late
+    FirstGeneration is answered as for a dropped request."""
     engine, pd, peers = await make_node(DECODE)
+    blocks = await _add_on_decode(pd)
+    assert blocks and pd.cancel("r1") is True
+    assert pd.decode.phase("r1") is None
+    await until_free(engine)
+    await pd.first_generation([_first_generation("r1", blocks)])  # too late: nothing runs
+    await until_free(engine)
+    assert not pd.reporter.outputs("r1") and not peers.moves
+
+
+async def test_decode_cancel_before_first_generation_waits_for_it(make_node):
+    engine, pd, peers = await make_node(DECODE, KVTransferMode.PUSH)
     blocks = await _add_on_decode(pd)
     assert pd.cancel("r1") is True  # a PUSH may be writing into its blocks
     assert pd.decode.phase("r1") is DecodePhase.CANCELLED
@@ -496,7 +510,7 @@ async def test_decode_cancel_before_first_generation_waits_for_it(make_node):
 
 
 async def test_decode_cancelled_request_without_first_generation_is_reaped(make_node):
-    engine, pd, peers = await make_node(DECODE)
+    engine, pd, peers = await make_node(DECODE, KVTransferMode.PUSH)
     blocks = await _add_on_decode(pd)
     assert pd.cancel("r1") is True
     now = time.monotonic()

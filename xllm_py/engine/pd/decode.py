@@ -10,7 +10,8 @@ Stages of a request (its DecodePhase, see phases.py):
   A failed pull ends it FAILED (fail_remote_kvs: never decode on KV that did not
   arrive); a FirstGeneration that says `failed` DROPs it; one that never comes FAILs it
   after `orphan_timeout_s` so its blocks cannot leak.
-Cancel (the service's): ALLOCATED -> CANCELLED: freed when FirstGeneration comes (a
+Cancel (the service's): ALLOCATED -> DROPPED at once in PULL mode (nothing but our own
+pull writes into its blocks); PUSH: -> CANCELLED, freed when FirstGeneration comes (a
 PUSH may be writing into its blocks until then) or after `cancel_grace_s`; PULLING ->
 GONE: freed when the pull ends; DECODING: the engine aborts it. A FirstGeneration whose
 caller gives up (deadline, prefill gone) moves its pulls to GONE the same way: the
@@ -271,7 +272,14 @@ class DecodeSide:
         rec = self._requests.get(request_id)
         if rec is None:  # decoding (the engine's) or unknown
             return False
-        if rec.phase is D.ALLOCATED:  # a PUSH may be writing into its blocks right now
+        if rec.phase is D.ALLOCATED and self.config.transfer.mode is KVTransferMode.PULL:
+            # Only our own pull writes into its blocks: free them now (the service cancels
+            # here too when the prefill died before the hand-over; waiting for the orphan
+            # timeout held them a minute).
+            rid, child = rec.request_id, child_id(rec.request_id, 0)
+            self._end(rec, D.DROPPED)
+            self.engine.call(lambda: self._drop(rid, child))
+        elif rec.phase is D.ALLOCATED:  # a PUSH may be writing into its blocks right now
             rec.transition(D.CANCELLED)
             rec.cancelled_at = time.monotonic()
         elif rec.phase is D.PULLING:
