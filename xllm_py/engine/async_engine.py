@@ -94,6 +94,8 @@ class AsyncEngine:
         # Awaited before each /metrics render (a TP instance's other ranks' counters).
         self.metrics_refreshers: list[Callable[[], Awaitable[None]]] = []
         self.draining = False  # shutting down: new requests get a 503 (see server.drain)
+        # Parts that can break for good (the KV transfer): each answers why, or None.
+        self.health_checks: list[Callable[[], str | None]] = []
 
     async def refresh_metrics(self) -> None:
         """Run every refresher at once; one that fails is logged, the scrape goes on."""
@@ -110,6 +112,10 @@ class AsyncEngine:
         thread = self.engine._thread
         if thread is None or not thread.is_alive():
             return False, "engine loop is not running"
+        for check in self.health_checks:
+            why = check()
+            if why:
+                return False, why
         return True, "ok"
 
     def check_ready(self) -> tuple[bool, str]:

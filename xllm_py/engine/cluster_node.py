@@ -88,6 +88,7 @@ class ClusterNode:
                 keys.append(w.transfer_key)
         if transfer_addr:
             self._register_transfer_metrics(worker_addrs[1:])
+            self.backend.health_checks.append(self.worker.worker.backend.broken)
         self.reporter = GenerationsReporter(loop, self.name, self.engine.abort,
                                             timeout_s=cfg.rpc_timeout_s,
                                             credentials=self._client_credentials)

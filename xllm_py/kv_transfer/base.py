@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from xllm_py.kv_transfer.head_slices import Heads, check_heads, slice_block_bytes
+from xllm_py.kv_transfer.health import TransferHealth
 from xllm_py.kv_transfer.kv_storage import SMALL_LIST, KVCacheStorage
 from xllm_py.utils.aio import wait_for
 
@@ -178,6 +179,7 @@ class KVTransferBackend(abc.ABC):
         self._address: str | None = None
         self._closed = False
         self._stats = {"pulls": 0, "pushes": 0, "failures": 0, "bytes": 0, "served": 0}
+        self.health = TransferHealth()
 
     def _make_loop_thread(self) -> tuple[LoopThread, bool]:
         """(loop thread, owned). Backends whose library needs one loop per process override this."""
@@ -274,6 +276,10 @@ class KVTransferBackend(abc.ABC):
             if self._owns_loop:
                 self._lt.stop()
 
+    def broken(self) -> str | None:
+        """Why this transport is broken for good (TransferHealth), or None."""
+        return self.health.broken(loop_alive=self._closed or self._lt._thread.is_alive())
+
     def stats(self) -> dict[str, int]:
         return dict(self._stats)
 
@@ -333,6 +339,7 @@ class KVTransferBackend(abc.ABC):
                                else slice_block_bytes(self.storage, heads[2]))
         self._stats["pulls" if op == "pull" else "pushes"] += 1
         self._stats["bytes"] += nbytes
+        self.health.succeeded()
         return TransferResult(num_blocks=num_blocks, num_runs=len(runs), num_bytes=nbytes, path=path,
                               seconds=time.perf_counter() - t0)
 
@@ -341,10 +348,14 @@ class KVTransferBackend(abc.ABC):
         TransferTimeout, any transport error wrapped in a TransferError."""
         self._stats["failures"] += 1
         if isinstance(exc, TransferError):
-            return exc
-        if isinstance(exc, TimeoutError):  # (asyncio.TimeoutError too)
-            return TransferTimeout(f"{self.name}: {op} of {num_blocks} blocks from {peer_addr} timed out after {timeout:.3g}s")
-        return TransferError(f"{self.name}: {op} with {peer_addr} failed: {type(exc).__name__}: {exc}")
+            err = exc
+        elif isinstance(exc, TimeoutError):  # (asyncio.TimeoutError too)
+            err = TransferTimeout(f"{self.name}: {op} of {num_blocks} blocks from {peer_addr} timed out after {timeout:.3g}s")
+        else:
+            err = TransferError(f"{self.name}: {op} with {peer_addr} failed: {type(exc).__name__}: {exc}")
+        if not err.invalid_argument:  # (a refusal is an answer, not a broken transport)
+            self.health.failed(str(err))
+        return err
 
     async def _on_failure(self, peer_addr: str) -> None:
         """After a failed op the connection state is unknown: drop it (cancels pending I/O)."""
