@@ -249,6 +249,8 @@ class ServiceBackend(MigrationMixin):
         elif out.failed and self._dropped_by_its_instance(sub, instance_name, out):
             self._migrate(sub, instance_name, why=out.error_message)
         elif out.failed:
+            if sub.route.is_pd and sub.phase < SubPhase.STREAMING:
+                self._cancel_on_decodes(sub, out.error_message)
             self._deliver(sub, out)
         elif not sub.route.is_pd:
             self._advance(sub, SubPhase.STREAMING)

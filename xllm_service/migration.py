@@ -80,14 +80,18 @@ class MigrationMixin:
             logger.warning("instance %s evicted: failing request %s", info.name,
                            sub.engine_request_id)
             if sub.route.is_pd and info.name != sub.route.decode.name:
-                # Its prefill died before the hand-over: the decode that set blocks aside
-                # for it (ours, or the one the prefill picked instead) frees them now,
-                # not after its orphan timeout.
-                for decode in self.router.schedulable(InstanceRole.DECODE):
-                    self._spawn(self.engines.cancel(decode.meta.rpc_address,
-                                                    sub.engine_request_id, sub.request_id,
-                                                    why))
+                self._cancel_on_decodes(sub, why)  # its prefill died before the hand-over
             self._fail(sub, why)
+
+    def _cancel_on_decodes(self, sub: SubRequest, why: str) -> None:
+        """A PD sub ends failed before its decode took it over: a decode may still hold
+        the blocks it set aside for it (ours, or the one the prefill picked instead),
+        because the prefill that would tell it to drop them is dead or cut off from it.
+        Each decode is told (a Cancel of an id it does not hold is a no-op), so they are
+        freed now, not after the decode's orphan timeout."""
+        for decode in self.router.schedulable(InstanceRole.DECODE):
+            self._spawn(self.engines.cancel(decode.meta.rpc_address, sub.engine_request_id,
+                                            sub.request_id, why))
 
     def _migrate(self, sub: SubRequest, dead: str, why: str = "") -> None:
         """Re-key `sub` and hand it to another instance of the dead one's kind (DECODE for

@@ -55,6 +55,7 @@ class FakePeers:
         self.block_ids = block_ids if block_ids is not None else [0, 1, 2]
         self.full: set[str] = set()
         self.refuse: dict[str, Status] = {}
+        self.lost_answers: set[str] = set()  # decodes that place, but whose answer is lost
         self.links: list[tuple[str, str]] = []  # (decode, prefill)
         self.placements: list[tuple[str, str]] = []  # (request, decode)
         self.handovers: list[tuple[str, HandOver]] = []  # (decode, hand-over)
@@ -92,6 +93,8 @@ class FakePeers:
             return Placement(spec.request_id, self.refuse[decode.name],
                              message=f"{decode.name} refuses it")
         self.placements.append((spec.request_id, decode.name))
+        if decode.name in self.lost_answers:
+            raise StatusError(Status.DEADLINE_EXCEEDED, "AddNewRequests: Deadline Exceeded")
         return Placement(spec.request_id, Status.OK, list(self.block_ids), 0)
 
     async def first_generation(self, decode: InstanceMeta, handover: HandOver,

@@ -82,6 +82,22 @@ def _spec(rid: str = "r1", **kw) -> EngineRequestSpec:
 
 
 # ---------------------------------------------------------------------------- prefill
+async def test_a_placement_whose_answer_is_lost_is_dropped_on_that_decode(make_node):
+    """AddNewRequests reached the decode (it set blocks aside) but its answer was lost (a
+    cut link): the prefill tells that decode to drop them; the request goes on elsewhere
+    or fails saying why, never 'no KV space' (the blocks used to stay until the decode's
+    orphan timeout)."""
+    engine, pd, peers = await make_node(InstanceRole.PREFILL)
+    peers.lost_answers.add("decode:1")
+    pd.add_request(_spec())
+    await until(lambda: any(h.failed for _, h in peers.handovers), what="the drop")
+    assert [(d, h.request_id, h.failed) for d, h in peers.handovers
+            if h.failed] == [("decode:1", "r1", True)]
+    await until(lambda: pd.reporter.outputs("r1"), what="the request's end")
+    out = pd.reporter.outputs("r1")[-1]
+    assert "no KV space" not in out.error_message
+
+
 async def test_prefill_places_prefills_and_hands_over(make_node):
     engine, pd, peers = await make_node(InstanceRole.PREFILL)
     pd.add_request(_spec())

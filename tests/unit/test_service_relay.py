@@ -561,6 +561,10 @@ async def test_a_transfer_failure_is_not_moved():
     await feed(b, failure)
     code, message = await take(anext(stream))
     assert code == 502 and "KV pull failed" in message and engines.migrated == []
+    # Failed before its decode took over: every decode drops what it may have set aside
+    # for it (its prefill may be unable to tell them: dead, or cut off from them).
+    await asyncio.gather(*b._tasks)
+    assert sorted(engines.cancels) == [("10.0.0.2:1", rid), ("10.0.0.3:1", rid)]
 
 
 async def test_service_follows_the_decode_the_prefill_handed_the_request_to():

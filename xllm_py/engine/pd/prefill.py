@@ -210,6 +210,8 @@ class PrefillSide(PacingMixin):
                 raise
             return exc.message
         placement = await self._place(rec.spec, decode)
+        if isinstance(placement, str):  # not reached, or no answer
+            return placement
         if placement is None:
             return f"decode instance {name} has no KV space"
         if not placement.status.ok:  # decode's status, as it said it
@@ -223,9 +225,11 @@ class PrefillSide(PacingMixin):
         self._submit_prefill(rec)
         return None
 
-    async def _place(self, spec: EngineRequestSpec, decode: InstanceMeta) -> Placement | None:
+    async def _place(self, spec: EngineRequestSpec,
+                     decode: InstanceMeta) -> Placement | str | None:
         """AddNewRequests with bounded retries while decode has no KV space; None when it
-        stays full or cannot be reached."""
+        stays full, why when it could not be reached or did not answer (it may have set
+        blocks aside all the same: it is told to drop them)."""
         cfg = self.pd_config
         backoff = cfg.backoff_s
         for _ in range(cfg.attempts_per_decode):
@@ -234,7 +238,8 @@ class PrefillSide(PacingMixin):
             except StatusError as exc:
                 logger.warning("AddNewRequests to %s failed: %s", decode.name, exc.message)
                 self.links.forget(decode.name)
-                return None
+                self.spawn(self._tell_decode_to_drop(spec.request_id, decode))
+                return f"AddNewRequests to decode {decode.name} failed: {exc.message}"
             if placement.status is not Status.RESOURCE_EXHAUSTED:
                 return placement
             await asyncio.sleep(backoff)
