@@ -74,9 +74,12 @@ async def _decode_link_down(c: NetCluster, until_evicted: bool):
         await load.reference()
         for p in load.prompts:
             load.start(p)
-        await _wait(lambda: sum(_running(c, d) for d in c.decodes) == len(load.runs)
-                    and all(len(r.ids) >= 2 for r in load.runs), 20, "every stream decoding",
-                    step_s=0.1)
+        # every stream has tokens from its decode, and none has ended (judged by the
+        # client: on a loaded machine the engines' gauges lag a step behind)
+        await _wait(lambda: all(len(r.ids) >= 2 for r in load.runs)
+                    and sum(_running(c, d) for d in c.decodes) > 0, 30,
+                    "every stream decoding", step_s=0.1)
+        assert not any(r.done for r in load.runs), "a stream ended before the fault"
         counts = {d: _running(c, d) for d in c.decodes}
         victim = max(counts, key=counts.get)
         c.lab.down(victim)
