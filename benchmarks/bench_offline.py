@@ -34,11 +34,13 @@ import httpx
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (RequestResult, completion_body, percentile,  # noqa: E402
-                               report_environment, send_completion, thread_env)
+from benchmarks.common import (RequestResult, completion_body, get_model_id,  # noqa: E402
+                               percentile, report_environment, send_completion,
+                               thread_env)
 from xllm_py.cluster.etcd_server import EmbeddedEtcd  # noqa: E402
 from xllm_py.utils.procs import engine_args, free_port, spawn  # noqa: E402
 
+MODEL = ["tiny"]  # the id the service serves (read from /v1/models at start)
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi".split()
 
 
@@ -61,11 +63,13 @@ async def online_streams(url: str, n: int, streams: int, max_tokens: int,
         async def worker() -> None:
             while queue:
                 i = queue.pop(0)
-                body = completion_body("tiny", prompt(i, 24), max_tokens, stream=True, **extra)
+                body = completion_body(MODEL[0], prompt(i, 24), max_tokens, stream=True, **extra)
                 results.append(await send_completion(client, url, body))
 
         await asyncio.gather(*(worker() for _ in range(streams)))
     ok = [r for r in results if r.ok]
+    if not ok:
+        raise RuntimeError(f"every online request failed: {results[0].error}")
     tpots = [t for t in map(tpot_s, ok) if t is not None]
     return {"requests": n, "failed": n - len(ok),
             "ttft_p50_ms": percentile([r.ttft_s for r in ok if r.ttft_s is not None], 50) * 1e3,
@@ -83,7 +87,7 @@ async def flood(url: str, n: int, max_tokens: int, offline: bool) -> tuple[list,
     async with httpx.AsyncClient(timeout=900, trust_env=False, limits=limits) as client:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(send_completion(client, url, completion_body(
-            "tiny", prompt(1000 + i, 48), max_tokens, offline=offline)) for i in range(n)))
+            MODEL[0], prompt(1000 + i, 48), max_tokens, offline=offline)) for i in range(n)))
         return list(results), time.perf_counter() - t0
 
 
@@ -108,6 +112,7 @@ async def beside(url: str, args, target_ms: float, offline: bool) -> dict:
 
 
 async def run(svc: str, prefill: str, decode: str, args) -> dict:
+    MODEL[0] = await get_model_id(svc)
     await online_streams(svc, 4, 2, 8, None)  # warm-up: links, kernels
     await flood(svc, 8, 8, True)
     out: dict = {"rounds": []}
@@ -177,8 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         hp, rp = free_port(), free_port()
         # a long etcd lease: a loaded machine must not evict the engines mid-round
         ttl = ["--etcd-ttl", "15"]
-        svc = spawn("service", "xllm_service", ["--etcd", etcd.endpoint, "--http-port", str(hp),
-                                                "--rpc-port", str(rp), *ttl,
+        # PD always: every prompt on the prefill, every offline one pulled by the decode
+        svc = spawn("service", "xllm_service", ["--model", "tiny", "--etcd", etcd.endpoint,
+                                                "--http-port", str(hp), "--rpc-port", str(rp),
+                                                "--load-balance-policy", "LEAST_LOAD",
+                                                "--disagg-decision", "ALWAYS", *ttl,
                                                 "--evict-grace-s", "10"], logs,
                     http_url=f"http://127.0.0.1:{hp}", cpu=None if args.no_pin else 0)
         procs.append(svc)
