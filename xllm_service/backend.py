@@ -28,7 +28,8 @@ from typing import AsyncIterator
 import grpc
 
 from xllm_py.api.errors import InvalidRequestError, ServiceUnavailableError, TooManyRequestsError
-from xllm_py.config import InstanceRole, RelayConfig
+from xllm_py.config import InstanceRole
+from xllm_service.config import RelayConfig
 from xllm_py.outputs import RequestOutput
 from xllm_py.rpc import service as wire
 from xllm_py.rpc.convert import EngineRequestSpec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from xllm_py.api.limits import add_limit_flags, limits_from_args
-from xllm_py.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
+from xllm_service.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
 from xllm_py.model.catalog import DEFAULT_MODEL
 from xllm_py.utils.cli import add_flag
 from xllm_py.utils.security_cli import add_security_flags, security_from_args

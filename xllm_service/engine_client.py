@@ -10,7 +10,7 @@ from typing import Protocol
 
 import grpc
 
-from xllm_py.config import RelayConfig
+from xllm_service.config import RelayConfig
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc import service as wire
 from xllm_py.rpc.convert import EngineRequestSpec

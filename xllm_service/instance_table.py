@@ -25,7 +25,8 @@ import enum
 import logging
 
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.config import InstanceRole, RegistryConfig
+from xllm_py.config import InstanceRole
+from xllm_service.config import RegistryConfig
 
 logger = logging.getLogger(__name__)
 

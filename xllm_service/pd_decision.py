@@ -61,7 +61,7 @@ from typing import Callable, Sequence
 from xllm_py.cluster import slo_defaults
 from xllm_py.cluster.latency_profile import LatencyProfile, attn_pairs
 from xllm_py.cluster.prefill_order import Queued, finish_s
-from xllm_py.config import RouterConfig
+from xllm_service.config import RouterConfig
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
 from xllm_service.router import LoadBalancePolicy, Path, Route, Router, policy_from_config

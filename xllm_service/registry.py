@@ -25,7 +25,8 @@ import httpx
 
 from xllm_py.cluster.etcd_client import INSTANCE_PREFIX, EtcdClient, EtcdError, EventKind, parse_instance_key
 from xllm_py.cluster.instance_meta import InstanceMeta, InstanceMetaError
-from xllm_py.config import InstanceRole, RegistryConfig
+from xllm_py.config import InstanceRole
+from xllm_service.config import RegistryConfig
 from xllm_py.utils.aio import cancel_and_wait, wait_for
 from xllm_service.instance_table import (
     Change,

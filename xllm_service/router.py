@@ -15,7 +15,8 @@ import enum
 import itertools
 from typing import Callable, Sequence
 
-from xllm_py.config import InstanceRole, RouterConfig
+from xllm_py.config import InstanceRole
+from xllm_service.config import RouterConfig
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
 

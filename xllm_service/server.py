@@ -11,7 +11,8 @@ import asyncio
 import logging
 import signal
 
-from xllm_py.config import ServiceConfig, advertised_host, etcd_credentials_from_env
+from xllm_py.config import advertised_host, etcd_credentials_from_env
+from xllm_service.config import ServiceConfig
 from xllm_py.utils.aio import wait_for
 
 logger = logging.getLogger(__name__)

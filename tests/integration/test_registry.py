@@ -21,7 +21,8 @@ from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, instance_key
 from xllm_py.cluster.etcd_server import EmbeddedEtcd
 from xllm_py.cluster.instance_agent import InstanceAgent, LoadReport
 from xllm_py.cluster.instance_meta import InstanceMeta, new_incarnation_id, now_ms
-from xllm_py.config import InstanceRole, RegistryConfig
+from xllm_py.config import InstanceRole
+from xllm_service.config import RegistryConfig
 from xllm_py.engine.cache_events import CacheEvents
 from xllm_py.utils.procs import free_port
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc

@@ -7,7 +7,7 @@ import time
 
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.engine.llm_engine import LLMEngine
-from xllm_py.engine.pd.messages import HandOver, KVMove, PeerLink, Placement
+from xllm_py.pd_messages import HandOver, KVMove, PeerLink, Placement
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.rpc.status import Status, StatusError
 

@@ -18,7 +18,7 @@ from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import CacheConfig, EngineConfig, InstanceRole, KVTransferMode, TransferConfig
 from xllm_py.engine.llm_engine import LLMEngine
 from xllm_py.engine.pd.config import PDSchedulerConfig
-from xllm_py.engine.pd.messages import HandOver, OfflinePull
+from xllm_py.pd_messages import HandOver, OfflinePull
 from xllm_py.engine.pd.phases import DecodePhase, PrefillPhase
 from xllm_py.engine.pd.scheduler import DisaggPDScheduler
 from xllm_py.engine.self_profile import start_up_profile

@@ -12,7 +12,8 @@ import pytest
 from xllm_py.api.backend import GenerateRequest
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.cluster.latency_profile import LatencyProfile, attn_pairs
-from xllm_py.config import InstanceRole, RouterConfig
+from xllm_py.config import InstanceRole
+from xllm_service.config import RouterConfig
 from xllm_py.engine.block_pool import hash_block_tokens
 from xllm_py.engine.cache_events import hash_to_bytes
 from xllm_py.proto import xllm_pb2 as pb

@@ -14,7 +14,7 @@ from tests.unit.pd_fakes import FakePeers, Reporter, until, until_free
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import CacheConfig, EngineConfig, InstanceRole, KVTransferMode, TransferConfig
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
-from xllm_py.engine.pd.messages import HandOver, KVMove, PeerLink, Placement
+from xllm_py.pd_messages import HandOver, KVMove, PeerLink, Placement
 from xllm_py.engine.pd.phases import DecodePhase
 from xllm_py.engine.pd.scheduler import DisaggPDScheduler
 from xllm_py.rpc.convert import EngineRequestSpec

@@ -7,7 +7,7 @@ import pytest
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import InstanceRole
 from xllm_py.engine.pd.decode import handover_problem
-from xllm_py.engine.pd.messages import HandOver
+from xllm_py.pd_messages import HandOver
 from xllm_py.outputs import TokenLogprob
 from xllm_py.rpc.service import Heartbeat, heartbeat_problem
 from xllm_service.rpc_service import registration_problem

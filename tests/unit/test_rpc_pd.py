@@ -6,7 +6,7 @@ import pytest
 
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import InstanceRole
-from xllm_py.engine.pd.messages import HandOver, KVMove, Placement
+from xllm_py.pd_messages import HandOver, KVMove, Placement
 from xllm_py.outputs import TokenLogprob
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.rpc import pd as wire

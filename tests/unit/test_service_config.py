@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from xllm_py.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
+from xllm_service.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
 from xllm_service.__main__ import main
 from xllm_service.cli import build_parser, config_from_args
 

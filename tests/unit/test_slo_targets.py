@@ -9,7 +9,8 @@ import pytest
 from tests.unit.test_pd_decision import PROFILE, inst, no_work, req, slo_router
 from xllm_py.cluster import slo_defaults
 from xllm_py.cluster.latency_profile import LatencyProfile
-from xllm_py.config import InstanceRole, RouterConfig
+from xllm_py.config import InstanceRole
+from xllm_service.config import RouterConfig
 from xllm_service.metrics import ServiceMetrics
 from xllm_service.pd_decision import build_router
 from xllm_service.prefix_index import PrefixIndex

@@ -64,7 +64,7 @@ class ClusterNode:
         cluster_id = random.getrandbits(63)
         transfer_addr, worker_addr = "", ""
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
-            from xllm_py.engine.kv_worker_node import start_kv_worker
+            from xllm_py.kv_transfer.worker_node import start_kv_worker
 
             self.worker = await start_kv_worker(self.engine.storage, cfg.transfer, cfg.host,
                                                 cfg.worker_port, cluster_id,

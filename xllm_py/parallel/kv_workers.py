@@ -1,5 +1,5 @@
 """The KV workers of a tensor-parallel instance's ranks > 0 (rank 0's lives in the engine
-process, ``engine/kv_worker_node.py``; every rank has one, as every xLLM worker does).
+process, ``kv_transfer/worker_node.py``; every rank has one, as every xLLM worker does).
 
 Stages: rank 0 writes the settings (``KVWorkerSpec``) into the group's store and
 broadcasts START_KV_WORKER -> each rank > 0 starts, on an event-loop thread of its own,
@@ -72,7 +72,7 @@ class RankKVWorkerHost:
     def start(self, spec: KVWorkerSpec, rank: int, storage: KVCacheStorage,
               tls=None) -> RankKVWorker:
         """``tls``: the engine's TLSConfig (the WorkerService then serves mutual TLS only)."""
-        from xllm_py.engine.kv_worker_node import start_kv_worker
+        from xllm_py.kv_transfer.worker_node import start_kv_worker
         from xllm_py.tls import server_credentials
 
         transfer, port = spec.for_rank(rank)

@@ -7,7 +7,7 @@ the rank's own KV heads from each prefill rank that holds them (``mapping.kv_hea
 Prefill, PUSH: every move runs on its prefill rank's worker, into the decode rank's heads.
 A hand-over is done when every move is.
 
-``TPGrpcPeers`` is ``GrpcPeers`` (engine/pd/grpc_peers.py) with those fan-outs; both TP 1:
+``TPGrpcPeers`` is ``GrpcPeers`` (rpc/pd_peers.py) with those fan-outs; both TP 1:
 exactly GrpcPeers. The peer of a move is known by its rank 0's cluster id, the one a
 KVMove names (recorded when it linked).
 """
@@ -20,8 +20,8 @@ import logging
 import grpc
 
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.engine.pd.grpc_peers import GrpcPeers
-from xllm_py.engine.pd.messages import KVMove, PeerLink
+from xllm_py.rpc.pd_peers import GrpcPeers
+from xllm_py.pd_messages import KVMove, PeerLink
 from xllm_py.kv_transfer.mapping import kv_head_plan
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc import pd as wire

@@ -1,5 +1,5 @@
 """PD wire forms: the DisaggPDService / WorkerService messages the PD code sends and
-receives, built from and read into xllm_py.engine.pd.messages (no pb2 object leaves
+receives, built from and read into xllm_py.pd_messages (no pb2 object leaves
 xllm_py/rpc/ and the servicers).
 
 Status codes on the wire: `Status.http_status` in the integer fields
@@ -13,7 +13,7 @@ import dataclasses
 from typing import Sequence
 
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.engine.pd.messages import HandOver, KVMove, OfflinePull, PeerLink, Placement
+from xllm_py.pd_messages import HandOver, KVMove, OfflinePull, PeerLink, Placement
 from xllm_py.outputs import TokenLogprob
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.rpc.cluster import instance_meta_from_proto, instance_meta_to_proto

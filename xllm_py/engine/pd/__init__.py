@@ -5,12 +5,12 @@
   decode.py      DecodeSide: allocate -> take over -> pull -> decode; orphans, cancel
   links.py       Links: which peers are linked for KV transfer (prelink, LinkInstance)
   phases.py      PrefillPhase / DecodePhase: one state machine per side of a PD request
-  peers.py       PDPeers: the RPCs made to other processes; grpc_peers.py: over gRPC
-  messages.py    HandOver, Placement, KVMove, PeerLink (wire forms: xllm_py/rpc/pd.py)
+  peers.py       PDPeers: the RPCs made to other processes; xllm_py/rpc/pd_peers.py: over gRPC
   metrics.py     PDMetrics (prometheus_client)
   config.py      PDSchedulerConfig
   service.py     DisaggPDServicer: the DisaggPDService on every engine
 
-Import the modules, not this package: it stays empty so that xllm_py.rpc.pd can use
-messages.py without loading the engine.
+The messages the PD code exchanges with peers (HandOver, Placement, KVMove, PeerLink)
+are domain types in xllm_py/pd_messages.py, below the engine, so that the wire layer
+(xllm_py/rpc/pd.py) and TP (xllm_py/parallel/) use them without importing the engine.
 """

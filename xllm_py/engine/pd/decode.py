@@ -32,7 +32,7 @@ from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.migration import Resumption
 from xllm_py.engine.output_processor import child_id
 from xllm_py.engine.pd.config import PDSchedulerConfig, maybe_inject_fault
-from xllm_py.engine.pd.messages import HandOver, KVMove, Placement
+from xllm_py.pd_messages import HandOver, KVMove, Placement
 from xllm_py.engine.pd.metrics import PDMetrics
 from xllm_py.engine.pd.peers import PDPeers
 from xllm_py.engine.pd.phases import DecodePhase, DecodeRequest

@@ -15,7 +15,7 @@ import logging
 from typing import Awaitable, Callable
 
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.engine.pd.messages import PeerLink
+from xllm_py.pd_messages import PeerLink
 from xllm_py.engine.pd.peers import PDPeers
 from xllm_py.rpc.status import Status, StatusError
 

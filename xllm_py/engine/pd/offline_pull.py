@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 
 from xllm_py.engine.llm_engine import LLMEngine
 from xllm_py.engine.pd.links import MetaResolver
-from xllm_py.engine.pd.messages import OfflinePull
+from xllm_py.pd_messages import OfflinePull
 from xllm_py.engine.pd.metrics import PDMetrics
 from xllm_py.engine.pd.peers import PDPeers
 from xllm_py.rpc.status import StatusError

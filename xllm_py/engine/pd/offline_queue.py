@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 
-from xllm_py.engine.pd.messages import OfflinePull
+from xllm_py.pd_messages import OfflinePull
 from xllm_py.engine.pd.phases import PrefillPhase, PrefillRequest
 
 

@@ -4,7 +4,7 @@ Prefill calls a decode engine's DisaggPDService (link_instance, add_new_request,
 first_generation), a decode a prefill's (send_pull_signal); both sides call their own KV worker's WorkerService (push_kv,
 pull_kv, link_cluster). A failure raises StatusError: the status of the failed call
 (UNAVAILABLE, DEADLINE_EXCEEDED, FAILED_PRECONDITION for an incompatible peer, ...)
-with a message for the client. The gRPC implementation is grpc_peers.GrpcPeers; unit
+with a message for the client. The gRPC implementation is rpc/pd_peers.GrpcPeers; unit
 tests use a fake that runs in the test's process.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.engine.pd.messages import HandOver, KVMove, OfflinePull, PeerLink, Placement
+from xllm_py.pd_messages import HandOver, KVMove, OfflinePull, PeerLink, Placement
 from xllm_py.rpc.convert import EngineRequestSpec
 
 

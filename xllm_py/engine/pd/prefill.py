@@ -45,7 +45,7 @@ from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.output_processor import parent_of
 from xllm_py.engine.pd.config import PDSchedulerConfig, maybe_inject_fault
 from xllm_py.engine.pd.links import Links
-from xllm_py.engine.pd.messages import HandOver, KVMove, OfflinePull, Placement
+from xllm_py.pd_messages import HandOver, KVMove, OfflinePull, Placement
 from xllm_py.engine.pd.metrics import PDMetrics
 from xllm_py.engine.pd.offline_queue import OfflineQueue
 from xllm_py.engine.pd.prefill_pacing import PacingMixin, cost_model

@@ -3,7 +3,7 @@
   prefill.py  PrefillSide: queue, dispatch to a decode, prefill, hand-over (PREFILL role)
   decode.py   DecodeSide: allocate, take over, pull, reap orphans (DECODE role)
   offline_pull.py  OfflinePuller: a decode with room pulls offline work (SendPullSignal)
-  peers.py    PDPeers: every RPC made to another process (grpc_peers.GrpcPeers in a cluster)
+  peers.py    PDPeers: every RPC made to another process (rpc/pd_peers.GrpcPeers in a cluster)
   metrics.py  PDMetrics (prometheus_client)
 Lifecycle: constructed in ClusterNode once our meta is known -> start() (prefill: the
 dispatch and prelink loops; decode: the orphan reaper and the offline puller) -> the DisaggPDService servicer
@@ -26,7 +26,7 @@ from xllm_py.engine.migration import Resumption
 from xllm_py.engine.pd.config import PDSchedulerConfig
 from xllm_py.engine.pd.decode import DecodeSide
 from xllm_py.engine.pd.links import DecodeLister, Links, MetaResolver
-from xllm_py.engine.pd.messages import HandOver, OfflinePull, PeerLink, Placement
+from xllm_py.pd_messages import HandOver, OfflinePull, PeerLink, Placement
 from xllm_py.engine.pd.metrics import PDMetrics
 from xllm_py.engine.pd.offline_pull import OfflinePuller, PrefillLister
 from xllm_py.engine.pd.peers import PDPeers

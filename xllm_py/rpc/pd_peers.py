@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.engine.pd.messages import HandOver, KVMove, OfflinePull, PeerLink, Placement
+from xllm_py.pd_messages import HandOver, KVMove, OfflinePull, PeerLink, Placement
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc import pd as wire
 from xllm_py.rpc.convert import EngineRequestSpec
