@@ -38,20 +38,16 @@ from xllm_py.model import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
-# A prefill chunk takes the dense path on CPU from this many tokens and (query, key)
-# pairs. One thread, 8 heads (4 KV) of 64, ms per layer paged vs dense
-# (`python benchmarks/bench_attention.py [--prefix 1024]`, 2 runs): whole prompt of 1920
-# tokens 117-119 vs 61-63, 1024 32 vs 20-21, 256-512 within noise of each other, 64
-# 0.16-0.26 vs 0.18-0.29; 64 tokens after 1024 cached 4.1-5.7 vs 2.2-2.3.
+# A prefill chunk takes the dense path on CPU (gather the context once, causal SDPA) from
+# this many tokens and (query, key) pairs: below them the paged per-token kernel is as
+# fast, above them the dense path wins as the pairs grow (benchmarks/bench_attention.py;
+# figures in docs/benchmarks.md).
 DENSE_PREFILL_MIN_TOKENS = 64
 DENSE_PREFILL_MIN_PAIRS = 256 * 256
 # A chunk after a cached prefix takes it from fewer tokens: the paged kernel reads the
-# whole prefix once per query token, the dense path once per chunk. Same table, a chunk
-# of 16 tokens after 128 / 256 / 512 / 1024 cached: 0.21 vs 0.18, 0.25 vs 0.22, 0.52 vs
-# 0.37, 1.03 vs 0.72 ms (dense 0.70-0.89x); 32 tokens 0.52-0.69x; 8 tokens 0.87-1.27x.
-# Re-run after the decode kernel's L2 prefetch (2026-12-02, `python
-# benchmarks/bench_attention.py --lengths 8 16 32 --prefix P`): 16 tokens 0.62-0.89x,
-# 32 tokens 0.50-0.91x, 8 tokens 0.85-1.51x: the same rule.
+# whole prefix once per query token, the dense path once per chunk. From 16 tokens after
+# 128 cached the dense path is the faster; at 8 tokens the two are level, so short
+# chunks stay paged.
 DENSE_CHUNK_MIN_TOKENS = 16
 DENSE_CHUNK_MIN_PREFIX = 128
 

@@ -2,8 +2,8 @@
 
 Why: decode attention over the paged cache in torch needs a gather of every sequence's
 blocks into a new tensor and a masked SDPA per layer; at 32 sequences that is two thirds
-of a forward. The C kernel reads the blocks in place (online softmax per block), which
-measures 4-15x faster per layer (``benchmarks/bench_engine.py``, docs/DESIGN.md).
+of a forward. The C kernel reads the blocks in place (online softmax per block), with no
+gather and no mask (figures: docs/benchmarks.md).
 
 The sources are plain C + OpenMP (no Python or torch headers): ``cc`` builds them in
 under a second into ``$XLLM_KERNEL_CACHE`` (default ``~/.cache/xllm_py/kernels``;
@@ -48,11 +48,9 @@ _off = False  # set by disabled() (tests of the torch path)
 MAX_GROUP = 16  # query heads per KV head (csrc XLLM_MAX_GROUP)
 MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE = 256
-# linear_panels handles up to this many rows, linear_large more (same panels). All 33
-# matmuls of tiny-25m, 2 threads on the 2-core VM, panels vs oneDNN packed: 8.7 vs 11.9 ms
-# at 1 row, 20.0 vs 25.5 at 32, 42.4 vs 47.6 at 96, 69 vs 65 at 128. linear_large vs
-# oneDNN (4 shapes x 8 layers, interleaved, paired time ratio, median): 0.86 at 128 rows,
-# 0.92 at 512, 0.92 at 2048.
+# linear_panels handles up to this many rows (decode batches: there it is faster than
+# oneDNN's packed matmul, past it no longer), linear_large more, on the same panels, at
+# least as fast as oneDNN for prompts; so the panels are the one packed copy of a weight.
 PANEL_MAX_ROWS = 96
 PANEL_DTYPES = (torch.float32, torch.bfloat16)  # what the panels may hold
 

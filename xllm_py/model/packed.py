@@ -6,15 +6,12 @@
 kernels available it holds one copy, 16-column panels: up to ``PANEL_MAX_ROWS`` (~96,
 decode batches) ``cpu_kernels.linear_panels`` (a 6 x 16 register tile, weights read once
 per call), past that (prefill) ``cpu_kernels.linear_large`` (rows split between the
-threads, x packed per 6-row tile in L2, the panel walked in 256-row chunks). Both beat
-oneDNN on the same shapes (tiny-25m, 2 threads: 32 rows 20.0 vs 25.5 ms for the 33
-matmuls; paired time ratio 0.86 at 128 rows, 0.92 at 512 and 2048), so oneDNN's packed
-copy is not kept: half the linear-weight memory of keeping both (tiny-25m: 196 -> 98 MiB)
-and a 32 x 64-token prefill ~12% faster. Without the kernels (no compiler, no AVX2/FMA,
-``XLLM_CPU_KERNELS=0``) the weight is held in oneDNN's blocked layout instead, which runs
-decode-size matmuls 1.6-1.9x faster than sgemm and uses the second core
-(``benchmarks/bench_engine.py``, docs/DESIGN.md). ``--pack-weights false`` keeps the plain
-``nn.Linear``.
+threads, x packed per 6-row tile in L2, the panel walked in 256-row chunks). Both are
+at least as fast as oneDNN on the same shapes, so oneDNN's packed copy is not kept: one
+copy of each weight instead of two. Without the kernels (no compiler, no AVX2/FMA,
+``XLLM_CPU_KERNELS=0``) the weight is held in oneDNN's blocked layout instead, which is
+faster than sgemm at decode sizes and uses every core (figures: docs/benchmarks.md).
+``--pack-weights false`` keeps the plain ``nn.Linear``.
 
 Packing is used where it is known to be exact to float32 rounding and supported: CPU,
 float32 weights, a torch built with oneDNN. Elsewhere ``pack_linears`` leaves the model
@@ -46,8 +43,8 @@ from xllm_py.model.int8_panels import (PanelEmbedding, dequantize_panels, int8_b
 
 logger = logging.getLogger(__name__)
 
-# Rows per matmul that oneDNN's blocked layout is tuned for; any row count works (measured:
-# a hint of 32 is as fast as the exact size from 7 to 500 rows, a hint of 1 is not).
+# Rows per matmul that oneDNN's blocked layout is tuned for; any row count works (a hint of
+# 32 serves decode batches and prompt chunks alike; a hint of 1 slows the larger ones).
 DEFAULT_BATCH_HINT = 32
 
 

@@ -47,10 +47,9 @@ class PacingMixin:
         """Until the placed prompts leave room (one prompt always goes: a longer one
         than the limit waits for the others alone); in deadline order, also until the
         work placed ahead is within PLACE_LEAD_S of done: the next request is chosen
-        when the engine is about to take it, not a whole prompt earlier (a queue
-        simulation of issue 16's workload at 2.4 req/s, benchmarks/bench_prefill_order.py:
-        long prompts in time 74% choosing just in time, 52% a 1.3 s prompt ahead, FCFS
-        47%)."""
+        when the engine is about to take it, not a whole prompt earlier: chosen early it
+        rarely finds a request that can still make its deadline
+        (benchmarks/bench_prefill_order.py)."""
         limit = self.pd_config.max_placed_prompt_tokens
         while True:
             if limit and 0 < self.placed_prompt_tokens() >= limit:

@@ -123,9 +123,9 @@ class IovWorker:
               what: str = "transfer") -> concurrent.futures.Future:
         """Run the task ``make(track)`` on the worker thread; its future fails after ``timeout`` seconds.
 
-        (Posting the first requests from the calling thread instead, the worker being
-        UCS_THREAD_MODE_MULTI, measured no faster here: the two threads contend for the
-        worker's spinlock on 2 cores.)
+        (Every request is posted on the worker thread: posting from the calling thread
+        would need UCS_THREAD_MODE_MULTI, and the two threads would contend for the
+        worker's spinlock.)
         """
         fut: concurrent.futures.Future = concurrent.futures.Future()
         fut.add_done_callback(lambda f: self._wake() if f.cancelled() else None)

@@ -400,7 +400,7 @@ void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
 #define XLLM_TILE_ROWS 6
 #define XLLM_PANEL_MAX_ROWS 96 /* cpu_kernels.PANEL_MAX_ROWS */
 /* panel rows per chunk: 4 KB. With the next chunk prefetched and the chunk of x of every
- * tile (9 KB at 32 rows) it stays in L1; 128 rows measured ~8% slower at 32 rows. */
+ * tile (9 KB at 32 rows) it stays in L1; a chunk of 128 rows would not. */
 #define XLLM_PANEL_KC 64
 
 /* One panel row of 16 outputs for a single x row (M == 1: memory-bound, no tiling). */
@@ -518,7 +518,7 @@ static inline void bf16_panel_rows(const uint16_t *src, int32_t kn, float *dst,
  * not kept in registers), those of rows past ``rows`` unused: a partial last tile costs its
  * rows, not six (M = 32: 5 tiles + 2 rows, ~6% off the matmuls of a decode step).
  * ``pf``: also prefetch the panel's next chunk, one line per step (the first tile of a
- * chunk does it; measured ~8% off a decode step's matmuls at 32 rows). */
+ * chunk does it, so the chunk is in cache when the tiles reach it). */
 static inline __attribute__((always_inline)) void panel_tile(const float *xt, const float *pp,
                                                              int32_t k0, int32_t kn,
                                                              float (*acc)[16], const int pf,
@@ -640,8 +640,7 @@ static void linear_panels_body_s(const float *x, const void *P, const float *S, 
             }
         }
     }
-    /* static: dynamic pairs of panels measured the same in a whole decode step (though
-     * 3-18% faster for the matmuls alone on a noisy machine) */
+    /* static: every panel costs the same, so an even split needs no scheduling work */
 #pragma omp for schedule(static)
     for (int32_t p = 0; p < np; p++) {
         const float *pp = (const float *)P + (int64_t)p * K * 16;

@@ -17,20 +17,19 @@
  * its chunks are 64 rows of K, these 256. With bfloat16 panels (``_bf16``) each thread widens
  * the chunk of the panel it is about to use into a 16 KB float32 buffer (served to every
  * tile of its block from L1), then runs the same tiles: the same sums as float32 panels
- * holding the same values. Against oneDNN on its own packed copy (the
- * tiny-25m shapes, 8 layers, 2 threads): cpu_kernels.PANEL_MAX_ROWS, docs/DESIGN.md. */
+ * holding the same values (why these panels serve prompts too: cpu_kernels.PANEL_MAX_ROWS). */
 
 /* rows of x per block of one thread: 96 rows at K = 512 are 192 KB of packed x, which stay
- * in L2 while the panels stream past (48 and 192 measured within noise at 512 rows) */
+ * in L2 while the panels stream past */
 #define XLLM_LARGE_MC 96
 /* panel rows per chunk: 16 KB of panel, in L1 for every tile of the block; a tile reloads
- * its sums once per chunk (128 and 512 measured within noise at 512 rows) */
+ * its sums once per chunk */
 #define XLLM_LARGE_KC 256
 #define XLLM_LARGE_TILES (XLLM_LARGE_MC / XLLM_TILE_ROWS)
 #define XLLM_TILE_FLOATS (XLLM_TILE_ROWS * 16) /* one tile's sums in the accumulator */
 
 /* The tile loops start on a 32-byte boundary: left to chance (the build places them at
- * any offset) the kernel measured 2-8% slower at 128-2048 rows. */
+ * any offset) a loop that straddles a fetch boundary runs slower. */
 #pragma GCC push_options
 #pragma GCC optimize("align-loops=32")
 
