@@ -59,6 +59,7 @@ def panel_bytes(m: PackedLinear) -> int:
 
 def run(model_name: str, batch: int, context: int, steps: int) -> dict:
     from xllm_py.engine.sampler import Sampler, SamplingRow
+    from xllm_py.sampling_params import SamplingParams
 
     model, cfg = load_model(resolve_model(model_name))
     pack_linears(model)
@@ -79,7 +80,8 @@ def run(model_name: str, batch: int, context: int, steps: int) -> dict:
             seqs = [(0, context, tables[i])]
             model.forward_logits(ids, build_positions(seqs), AttentionMetadata.build(seqs, bs), kv)
         sampler = Sampler(seed=0)
-        rows = [SamplingRow(temperature=0.0 if i % 2 == 0 else 1.0) for i in range(batch)]
+        rows = [SamplingRow(SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0))
+                for i in range(batch)]
         tokens = torch.randint(0, vocab, (batch,), generator=g)
         wall = model_ms = sample_ms = 0.0
         for s in range(steps):

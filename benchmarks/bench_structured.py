@@ -131,6 +131,7 @@ def bench_sampler(args, tokenizer, vocab: int, eos: list[int], label: str) -> li
     import torch
 
     from xllm_py.engine.sampler import Sampler, SamplingRow
+    from xllm_py.sampling_params import SamplingParams
     from xllm_py.structured.compiler import GrammarCompiler, TokenMask, fill_bitmask
     from xllm_py.structured.spec import GrammarSpec
 
@@ -148,8 +149,8 @@ def bench_sampler(args, tokenizer, vocab: int, eos: list[int], label: str) -> li
         for g in grammars:
             assert not g.advance(prefix)
         bitmask = np.zeros((args.batch, words), dtype=np.int32)
-        for kind, rows in (("greedy", [SamplingRow(temperature=0.0)] * args.batch),
-                           ("sampled", [SamplingRow(temperature=1.0)] * args.batch)):
+        for kind, rows in (("greedy", [SamplingRow(SamplingParams(temperature=0.0))] * args.batch),
+                           ("sampled", [SamplingRow(SamplingParams(temperature=1.0))] * args.batch)):
             t_plain, t_masked, t_fill = [], [], []
             for _ in range(args.repeat * 4):
                 logits = base.clone()

@@ -1,5 +1,9 @@
 """SamplingParams: how one request samples and when it stops (pure Python, validated).
 
+The one form of a request's sampling parameters between its two ways in, the HTTP models
+(api/protocol.py) and the proto (rpc/convert.py), and the sampler, which reads them in
+place (engine/sampler.py `SamplingRow.params`).
+
 Invalid input raises `SamplingParamsError` (a `ValueError`) that names the offending
 parameter, so the HTTP layer can answer 400 with `param` set.
 """
@@ -11,7 +15,7 @@ import math
 from xllm_py.structured.spec import GrammarSpec
 
 # Below this temperature sampling is greedy (argmax).
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 # repetition_penalty divides or multiplies float32 logits: outside this range a logit
@@ -84,23 +88,16 @@ class SamplingParams:
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self.validate()
 
-    @classmethod
-    def from_request(cls, req: object) -> "SamplingParams":
-        """SamplingParams from any object with these field names (the HTTP layer's
-        GenerateRequest, ...): every field in `REQUEST_FIELDS` it has and is not None;
-        `best_of` <= n means none."""
-        kwargs = {}
-        for name in REQUEST_FIELDS:
-            value = getattr(req, name, None)
-            if value is not None:
-                kwargs[name] = list(value) if isinstance(value, (list, tuple)) else value
-        if kwargs.get("best_of") is not None and kwargs["best_of"] <= kwargs.get("n", 1):
-            kwargs["best_of"] = None
-        return cls(**kwargs)
-
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the request's token history (repetition, frequency or
+        presence penalty)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
 
     def validate(self) -> None:
         """Raise SamplingParamsError naming the first invalid parameter."""
@@ -197,7 +194,7 @@ def _normalize_logit_bias(value: object) -> object:
     return out
 
 
-# The fields a request sets (the HTTP layer's GenerateRequest carries exactly these): every
-# field but the ones the engine fills itself. The one list of sampling fields.
+# The fields a client sets: every field but the ones the engine fills itself. The HTTP
+# models take their values by these names (api/protocol.py `sampling_fields`).
 REQUEST_FIELDS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(SamplingParams) if not f.metadata.get("engine_only"))

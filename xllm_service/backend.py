@@ -85,7 +85,7 @@ class ServiceBackend(MigrationMixin):
             route = self.router.route(req)
         except NoInstanceError as exc:
             raise ServiceUnavailableError(str(exc)) from None
-        params = SamplingParams.from_request(req)
+        params = req.sampling
         split = route.on_decode_role  # generated on a decode: single-sequence subs
         if split and (params.n > 1 or (params.best_of or 0) > params.n):
             if (params.best_of or 0) > params.n:

@@ -340,7 +340,8 @@ class SloRouter:
     def route(self, request: object, prefills: Sequence[InstanceInfo],
               decodes: Sequence[InstanceInfo]) -> Route:
         prompt = list(getattr(request, "prompt_token_ids", None) or [])
-        max_tokens = int(getattr(request, "max_tokens", None) or 16)
+        sampling = getattr(request, "sampling", None)
+        max_tokens = int(getattr(sampling, "max_tokens", None) or 16)
         self._last = self.stated(prefills, decodes)
         ttft_slo, tpot_slo = self.targets(request)
         chains: dict[int, list[int]] = {}

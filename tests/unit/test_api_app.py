@@ -167,7 +167,7 @@ def test_stop_and_finish_reason_passthrough(client, backend):
     assert out.choices[0].text == "ab"
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].model_dump()["stop_reason"] == "c"
-    assert backend.requests[-1].stop == ["c"]
+    assert backend.requests[-1].sampling.stop == ["c"]
     out = client.completions.create(
         model=MODEL, prompt="x", max_tokens=10, extra_body={"stop_token_ids": [ord("b")]})
     assert out.choices[0].finish_reason == "stop"
@@ -180,7 +180,7 @@ def test_sampling_params_reach_backend(client, backend):
         presence_penalty=0.1, n=1, best_of=2, user="u",
         extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True,
                     "min_tokens": 1, "skip_special_tokens": False, "include_stop_str_in_output": True})
-    r = backend.requests[-1]
+    r = backend.requests[-1].sampling
     assert (r.temperature, r.top_p, r.top_k, r.min_p, r.seed, r.presence_penalty) == (0.5, 0.9, 5, 0.1, 7, 0.1)
     assert (r.repetition_penalty, r.ignore_eos, r.min_tokens, r.best_of) == (1.2, True, 1, 2)
     assert (r.skip_special_tokens, r.include_stop_str_in_output, r.max_tokens) == (False, True, 2)

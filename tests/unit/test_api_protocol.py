@@ -23,27 +23,52 @@ def test_unknown_fields_ignored_and_defaults_converted():
     gen = req.to_generate_request(
         "cmpl-1", [1, 2], prompt_text="SECRET", max_tokens=5, x_request_id="t", arrival_time=0.0
     )
-    assert (gen.top_k, gen.stop, gen.logprobs, gen.best_of, gen.temperature) == (-1, ["s"], 2, None, 1.0)
+    s = gen.sampling
+    assert (s.top_k, s.stop, s.logprobs, s.best_of, s.temperature, s.max_tokens) == \
+        (-1, ["s"], 2, None, 1.0, 5)
     assert "SECRET" not in gen.anon_repr()
 
 
-def test_generate_request_carries_exactly_the_request_fields_with_sampling_defaults():
-    """The one list of sampling fields (REQUEST_FIELDS, from SamplingParams) is the one the
-    HTTP layer's GenerateRequest carries, with SamplingParams' defaults."""
+def test_generate_request_carries_sampling_params_and_no_copy_of_their_fields():
+    """The sampling values travel as the one SamplingParams; GenerateRequest spells none of
+    its fields again."""
     import dataclasses
 
     from xllm_py.api.backend import GenerateRequest
     from xllm_py.sampling_params import REQUEST_FIELDS, SamplingParams
 
-    own = {"request_id", "prompt_token_ids", "prompt_text", "x_request_id", "stream", "arrival_time",
-           "ttft_slo_ms", "tpot_slo_ms", "offline"}
     names = {f.name for f in dataclasses.fields(GenerateRequest)}
-    assert names - own == set(REQUEST_FIELDS)
+    assert not names & {f.name for f in dataclasses.fields(SamplingParams)}
     assert "eos_token_ids" not in REQUEST_FIELDS  # the engine's own
-    gen, default = GenerateRequest("r", [1]), SamplingParams()
-    for name in REQUEST_FIELDS:
-        if name != "max_tokens":  # always resolved by the HTTP layer
-            assert getattr(gen, name) == getattr(default, name), name
+    assert GenerateRequest("r", [1]).sampling == SamplingParams()
+
+
+def test_every_client_sampling_field_reaches_the_sampling_params():
+    """Each field of REQUEST_FIELDS set in the HTTP body is in the GenerateRequest's
+    SamplingParams (a field the mapping forgot would keep its default)."""
+    from xllm_py.sampling_params import REQUEST_FIELDS
+    from xllm_py.structured.spec import GrammarSpec
+
+    body = dict(prompt="x", n=2, best_of=3, temperature=0.5, top_p=0.75, top_k=7, min_p=0.125,
+                frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.25, seed=11,
+                max_tokens=9, min_tokens=2, stop=["x"], stop_token_ids=[5], ignore_eos=True,
+                logprobs=2, prompt_logprobs=3, echo=True, skip_special_tokens=False,
+                include_stop_str_in_output=True, logit_bias={"5": 2.5},
+                structured_outputs={"regex": "[ab]+"})
+    expected = {k: v for k, v in body.items() if k != "prompt" and k != "structured_outputs"}
+    expected.update(logit_bias={5: 2.5}, structured=GrammarSpec("regex", "[ab]+"))
+    assert set(expected) == set(REQUEST_FIELDS), "give the new field a value here"
+    gen = _parse(CompletionRequest, **body).to_generate_request(
+        "r", [1], prompt_text=None, max_tokens=9, x_request_id=None, arrival_time=0.0)
+    assert {name: getattr(gen.sampling, name) for name in REQUEST_FIELDS} == expected
+
+
+def test_sampling_params_own_refusal_is_a_400():
+    req = _parse(CompletionRequest, prompt="x", repetition_penalty=1e5)  # positive, but
+    with pytest.raises(InvalidRequestError) as info:                  # past float32's room
+        req.to_generate_request("r", [1], prompt_text=None, max_tokens=4, x_request_id=None,
+                                arrival_time=0.0)
+    assert info.value.param == "repetition_penalty"
 
 
 def test_sampling_fields_name_only_what_the_client_set():

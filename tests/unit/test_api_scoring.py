@@ -47,7 +47,7 @@ def test_lm_eval_request_shape_scores_every_prompt_token_but_the_first(http, bac
     assert lp["tokens"] == ["3", "W", "c", "d", "a"]
     assert lp["text_offset"] == [0, 1, 2, 3, 4]
     assert lp["top_logprobs"][0] is None and lp["top_logprobs"][2] == {"c": P(2)}
-    assert backend.requests[0].prompt_logprobs == 1  # the engine was asked for them
+    assert backend.requests[0].sampling.prompt_logprobs == 1  # the engine was asked for them
 
 
 def test_max_tokens_zero_with_echo_returns_the_prompt_and_its_logprobs(http, backend):
@@ -103,7 +103,7 @@ def test_logit_bias_reaches_the_backend_with_integer_ids(http, backend):
     resp = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 1,
                                               "logit_bias": {"5": 100, "7": -100, "9": 0.5}})
     assert resp.status_code == 200, resp.text
-    assert backend.requests[0].logit_bias == {5: 100.0, 7: -100.0, 9: 0.5}
+    assert backend.requests[0].sampling.logit_bias == {5: 100.0, 7: -100.0, 9: 0.5}
 
 
 @pytest.mark.parametrize("bias", [{"x": 1}, {"-3": 1}, {"5": 100.5}, {"5": -101}, {"5": "1"},
@@ -235,4 +235,4 @@ def test_unimplemented_chat_extensions_are_a_400(http, backend, param, value):
     assert err["param"] == param
     resp = http.post("/v1/chat/completions", json={**body, param: not value})
     assert resp.status_code == 200, resp.text
-    assert backend.requests[-1].echo is False
+    assert backend.requests[-1].sampling.echo is False

@@ -1,4 +1,5 @@
-"""AsyncEngine's admission control and request -> SamplingParams mapping, with a stub engine."""
+"""AsyncEngine's admission control, and the request's SamplingParams reaching the engine as
+they are, with a stub engine."""
 from __future__ import annotations
 
 import types
@@ -30,31 +31,17 @@ async def test_full_queue_answers_429_and_submits_nothing():
     assert engine.submitted == []
 
 
-def test_generate_request_maps_to_sampling_params():
-    p = SamplingParams.from_request(GenerateRequest(
-        request_id="r", prompt_token_ids=[1], n=2, best_of=1, temperature=0.0, top_k=5,
-        stop=["x"], logprobs=3, seed=9, max_tokens=7))
-    assert (p.n, p.best_of, p.temperature, p.top_k, p.stop, p.logprobs, p.seed, p.max_tokens) == \
-        (2, None, 0.0, 5, ["x"], 3, 9, 7)
-    assert SamplingParams.from_request(GenerateRequest(request_id="r", prompt_token_ids=[1], n=1,
-                                                best_of=3)).best_of == 3
+async def test_the_requests_sampling_params_reach_the_engine_as_they_are():
+    import asyncio
 
-
-def test_every_request_field_reaches_sampling_params():
-    """GenerateRequest -> SamplingParams carries every field of REQUEST_FIELDS (the copies
-    of the list had drifted: echo and prompt_logprobs were dropped)."""
-    from xllm_py.sampling_params import REQUEST_FIELDS
-    from xllm_py.structured.spec import GrammarSpec
-
-    values = dict(n=2, best_of=3, temperature=0.5, top_p=0.75, top_k=7, min_p=0.125,
-                  frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.25, seed=11,
-                  max_tokens=9, min_tokens=2, stop=["x"], stop_token_ids=[5], ignore_eos=True,
-                  logprobs=2, prompt_logprobs=1, echo=True, skip_special_tokens=False,
-                  include_stop_str_in_output=True, logit_bias={5: 2.5},
-                  structured=GrammarSpec("regex", "[ab]+"))
-    assert set(values) == set(REQUEST_FIELDS), "give the new field a value here"
-    p = SamplingParams.from_request(GenerateRequest(request_id="r", prompt_token_ids=[1], **values))
-    assert {name: getattr(p, name) for name in REQUEST_FIELDS} == values
+    engine = stub_engine(num_waiting=0)
+    params = SamplingParams(n=2, temperature=0.0, top_k=5, seed=9, max_tokens=7)
+    gen = AsyncEngine(engine).generate(GenerateRequest("r", [1], sampling=params))
+    with pytest.raises(asyncio.TimeoutError):  # (the stub engine never answers)
+        await asyncio.wait_for(gen.__anext__(), 0.05)
+    await gen.aclose()
+    (submitted,) = engine.submitted
+    assert submitted.params is params
 
 
 async def test_non_streaming_requests_get_a_final_only_sink():

@@ -1,5 +1,6 @@
-"""LLMEngine._sampling_row: a request's sampler settings are built once and follow its
-output (the seeded draw's step index and the penalties' token history)."""
+"""LLMEngine._sampling_row: a request's sampler row is made once, carries the request's
+own SamplingParams (not a copy of its fields) and follows its output (the seeded draw's
+step index and the penalties' token history)."""
 from __future__ import annotations
 
 from xllm_py.engine.llm_engine import LLMEngine
@@ -15,7 +16,8 @@ def test_the_row_is_built_once_and_counts_the_outputs():
     request = Request("r#0", [5, 6, 7], SamplingParams(temperature=0.7, seed=3,
                                                        frequency_penalty=0.5))
     row = _row(request)
-    assert row.num_output_tokens_so_far == 0 and row.seed == 3
+    assert row.params is request.sampling_params
+    assert row.num_output_tokens_so_far == 0 and row.params.seed == 3
     request.append_output_token(11)
     request.append_output_token(12)
     again = _row(request)

@@ -17,6 +17,7 @@ from xllm_service.config import RouterConfig
 from xllm_py.engine.block_pool import hash_block_tokens
 from xllm_py.engine.cache_events import hash_to_bytes
 from xllm_py.proto import xllm_pb2 as pb
+from xllm_py.sampling_params import SamplingParams
 from xllm_service.backend import ServiceBackend
 from xllm_service.instance_table import InstanceInfo, InstanceState, LoadInfo
 from xllm_service.pd_decision import (PDDecider, PrefixCache, SloPredictor, SloRouter,
@@ -256,7 +257,8 @@ def slo_router(work: dict, **cfg) -> SloRouter:
 
 
 def req(n_prompt: int, **kw) -> GenerateRequest:
-    return GenerateRequest("r", list(range(n_prompt)), max_tokens=kw.pop("max_tokens", 10), **kw)
+    return GenerateRequest("r", list(range(n_prompt)),
+                           SamplingParams(max_tokens=kw.pop("max_tokens", 10)), **kw)
 
 
 def test_slo_aware_short_prompts_on_the_decode_long_ones_on_the_prefill():
@@ -408,7 +410,7 @@ def cond_backend(decodes=(D1,)) -> tuple[ServiceBackend, FakeEngines]:
 
 async def started(b, engines, prompt, n=1):
     before = len(engines.sent)
-    stream = b.generate(GenerateRequest("cmpl-1", prompt, stream=True, max_tokens=8, n=n))
+    stream = b.generate(GenerateRequest("cmpl-1", prompt, SamplingParams(max_tokens=8, n=n), stream=True))
     first = asyncio.ensure_future(anext(stream))
     for _ in range(100):
         if len(engines.sent) == before + n or first.done():

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from tests.unit.sampling_rows import srow
 from xllm_py.engine.sampler import Sampler, SamplingRow, apply_penalties, compute_probs
 from xllm_py.outputs import TokenLogprob
 
@@ -17,7 +18,7 @@ def random_logits(num_rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Ten
 
 def test_greedy_is_argmax():
     logits = random_logits(8)
-    out = Sampler(seed=0)(logits, [SamplingRow(temperature=0.0) for _ in range(8)])
+    out = Sampler(seed=0)(logits, [srow(temperature=0.0) for _ in range(8)])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 8
 
@@ -29,36 +30,36 @@ def test_empty_batch():
 
 def test_bad_input_raises():
     with pytest.raises(ValueError, match="num_rows=2"):
-        Sampler()(random_logits(3), [SamplingRow(temperature=0.0)] * 2)
+        Sampler()(random_logits(3), [srow(temperature=0.0)] * 2)
     with pytest.raises(ValueError, match="temperature"):
-        SamplingRow(temperature=-1.0)
+        srow(temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
-        SamplingRow(temperature=1.0, top_p=0.0)
+        srow(temperature=1.0, top_p=0.0)
     with pytest.raises(ValueError, match="out of range"):
-        apply_penalties(random_logits(1), [SamplingRow(temperature=1.0, presence_penalty=1.0,
+        apply_penalties(random_logits(1), [srow(temperature=1.0, presence_penalty=1.0,
                                                        output_token_ids=[VOCAB])])
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0, 100.0])
 def test_top_k_1_equals_greedy(temperature):
     logits = random_logits(16, seed=1)
-    rows = [SamplingRow(temperature=temperature, top_k=1) for _ in range(16)]
+    rows = [srow(temperature=temperature, top_k=1) for _ in range(16)]
     assert Sampler(seed=0)(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
 
 
 def test_tiny_top_p_picks_the_max_token():
     logits = random_logits(16, seed=2)
-    rows = [SamplingRow(temperature=5.0, top_p=1e-6) for _ in range(16)]
+    rows = [srow(temperature=5.0, top_p=1e-6) for _ in range(16)]
     assert Sampler(seed=0)(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
     # 1e-300 is 0 in float32: every token was dropped and the id drawn was the vocabulary
     # size (out of range: the next step failed). The best token always stays.
-    rows = [SamplingRow(temperature=1.0, top_p=1e-300) for _ in range(16)]
+    rows = [srow(temperature=1.0, top_p=1e-300) for _ in range(16)]
     assert Sampler(seed=0)(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
 
 
 def test_top_k_and_top_p_probs():
     logits = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.1, 0.4, 0.2, 0.3]]))
-    rows = [SamplingRow(temperature=1.0, top_k=2), SamplingRow(temperature=1.0, top_p=0.65)]
+    rows = [srow(temperature=1.0, top_k=2), srow(temperature=1.0, top_p=0.65)]
     probs = compute_probs(logits, rows)
     # top_k=2 keeps 0.4, 0.3; top_p=0.65 keeps the smallest set reaching 0.65: 0.4, 0.3.
     expected = torch.tensor([[0.0, 4 / 7, 0.0, 3 / 7], [0.0, 4 / 7, 0.0, 3 / 7]])
@@ -68,25 +69,25 @@ def test_top_k_and_top_p_probs():
 
 def test_min_p_filters_relative_to_max():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    probs = compute_probs(logits, [SamplingRow(temperature=1.0, min_p=0.5)])
+    probs = compute_probs(logits, [srow(temperature=1.0, min_p=0.5)])
     # threshold 0.5 * 0.5 = 0.25: keep 0.5 and 0.3.
     assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]), atol=1e-6)
     assert probs[0, 2].item() == 0.0 and probs[0, 3].item() == 0.0
     # Sampling never picks a filtered token.
-    rows = [SamplingRow(temperature=1.0, min_p=0.5) for _ in range(200)]
+    rows = [srow(temperature=1.0, min_p=0.5) for _ in range(200)]
     tokens = Sampler(seed=0)(logits.expand(200, 4).contiguous(), rows).token_ids
     assert set(tokens) == {0, 1}
 
 
 def test_temperature_scales_logits():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
-    probs = compute_probs(logits, [SamplingRow(temperature=0.5)])
+    probs = compute_probs(logits, [srow(temperature=0.5)])
     assert torch.allclose(probs, torch.softmax(logits / 0.5, dim=-1), atol=1e-7)
 
 
 def test_repetition_penalty_exact():
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 4.0]])
-    row = SamplingRow(temperature=1.0, repetition_penalty=2.0,
+    row = srow(temperature=1.0, repetition_penalty=2.0,
                       prompt_token_ids=[0, 1], output_token_ids=[1, 4])
     out = apply_penalties(logits, [row])
     assert out.tolist() == [[1.0, -4.0, 1.0, -1.0, 2.0]]
@@ -95,7 +96,7 @@ def test_repetition_penalty_exact():
 
 def test_frequency_and_presence_penalties_exact():
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 4.0]])
-    row = SamplingRow(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.25,
+    row = srow(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.25,
                       prompt_token_ids=[3, 3, 3], output_token_ids=[0, 0, 0, 2])
     out = apply_penalties(logits, [row])
     # token 0: 2 - 0.5*3 - 0.25 = 0.25; token 2: 1 - 0.5 - 0.25 = 0.25; prompt tokens ignored.
@@ -104,21 +105,21 @@ def test_frequency_and_presence_penalties_exact():
 
 def test_penalties_per_row():
     logits = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
-    rows = [SamplingRow(temperature=0.0),
-            SamplingRow(temperature=0.0, presence_penalty=1.0, output_token_ids=[2]),
-            SamplingRow(temperature=0.0, repetition_penalty=4.0, prompt_token_ids=[1])]
+    rows = [srow(temperature=0.0),
+            srow(temperature=0.0, presence_penalty=1.0, output_token_ids=[2]),
+            srow(temperature=0.0, repetition_penalty=4.0, prompt_token_ids=[1])]
     out = apply_penalties(logits, rows)
     assert out.tolist() == [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.25, 1.0]]
 
 
 def test_greedy_uses_penalised_logits():
     logits = torch.tensor([[3.0, 2.0, 0.0]])
-    row = SamplingRow(temperature=0.0, frequency_penalty=2.0, output_token_ids=[0])
+    row = srow(temperature=0.0, frequency_penalty=2.0, output_token_ids=[0])
     assert Sampler()(logits, [row]).token_ids == [1]
 
 
 def _seeded_row(seed: int, step: int) -> SamplingRow:
-    return SamplingRow(temperature=1.0, top_p=0.95, seed=seed, num_output_tokens_so_far=step)
+    return srow(temperature=1.0, top_p=0.95, seed=seed, num_output_tokens_so_far=step)
 
 
 def test_seeded_draw_independent_of_batch():
@@ -130,10 +131,10 @@ def test_seeded_draw_independent_of_batch():
         batch = logits.clone()
         batch[position] = target[0]
         for step in range(20):
-            rows = [SamplingRow(temperature=0.7, top_k=5) for _ in range(6)]
-            rows[1] = SamplingRow(temperature=0.0)
+            rows = [srow(temperature=0.7, top_k=5) for _ in range(6)]
+            rows[1] = srow(temperature=0.0)
             rows[2] = _seeded_row(99, step)
-            rows[4] = SamplingRow(temperature=1.3, min_p=0.1, presence_penalty=0.5,
+            rows[4] = srow(temperature=1.3, min_p=0.1, presence_penalty=0.5,
                                   output_token_ids=[1, 2])
             rows[position] = _seeded_row(1234, step)
             assert sampler(batch, rows).token_ids[position] == alone[step]
@@ -147,13 +148,13 @@ def test_seeded_top_k_top_p_independent_of_batch_width():
     logits = random_logits(3, seed=5, vocab=64)
 
     def row(step: int) -> SamplingRow:
-        return SamplingRow(temperature=0.9, top_k=10, top_p=0.8, seed=42,
+        return srow(temperature=0.9, top_k=10, top_p=0.8, seed=42,
                            num_output_tokens_so_far=step)
 
     sampler = Sampler()
     alone = [sampler(logits[:1], [row(step)]).token_ids[0] for step in range(30)]
     assert len(set(alone)) > 1
-    for other in (SamplingRow(temperature=1.0, top_k=20), SamplingRow(temperature=1.0)):
+    for other in (srow(temperature=1.0, top_k=20), srow(temperature=1.0)):
         batch = torch.stack([logits[1], logits[0], logits[2]])
         batched = [sampler(batch, [other, row(step), other]).token_ids[1] for step in range(30)]
         assert batched == alone
@@ -162,10 +163,10 @@ def test_seeded_top_k_top_p_independent_of_batch_width():
 def test_different_seeds_differ_on_flat_distribution():
     logits = torch.zeros((1, 1000))
     sampler = Sampler()
-    draws = [sampler(logits, [SamplingRow(temperature=1.0, seed=seed)]).token_ids[0]
+    draws = [sampler(logits, [srow(temperature=1.0, seed=seed)]).token_ids[0]
              for seed in range(10)]
     assert len(set(draws)) >= 8
-    steps = [sampler(logits, [SamplingRow(temperature=1.0, seed=5, num_output_tokens_so_far=s)])
+    steps = [sampler(logits, [srow(temperature=1.0, seed=5, num_output_tokens_so_far=s)])
              .token_ids[0] for s in range(10)]
     assert len(set(steps)) >= 8
 
@@ -174,7 +175,7 @@ def test_sampled_frequencies_follow_distribution():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
     num = 20000
     logits = torch.log(probs).expand(num, 5).contiguous()
-    tokens = Sampler(seed=0)(logits, [SamplingRow(temperature=1.0)] * num).token_ids
+    tokens = Sampler(seed=0)(logits, [srow(temperature=1.0)] * num).token_ids
     counts = torch.bincount(torch.tensor(tokens), minlength=5).float()
     expected = probs * num
     chi2 = (((counts - expected) ** 2) / expected).sum().item()
@@ -185,7 +186,7 @@ def test_seeded_frequencies_follow_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = torch.log(probs).unsqueeze(0)
     sampler = Sampler()
-    tokens = [sampler(logits, [SamplingRow(temperature=1.0, seed=s)]).token_ids[0]
+    tokens = [sampler(logits, [srow(temperature=1.0, seed=s)]).token_ids[0]
               for s in range(1500)]
     counts = torch.bincount(torch.tensor(tokens), minlength=3).float()
     expected = probs * 1500
@@ -194,10 +195,10 @@ def test_seeded_frequencies_follow_distribution():
 
 def test_logprobs_equal_log_softmax_of_raw_logits():
     logits = random_logits(3, seed=4)
-    rows = [SamplingRow(temperature=0.0, num_logprobs=3, frequency_penalty=5.0,
+    rows = [srow(temperature=0.0, logprobs=3, frequency_penalty=2.0,
                         output_token_ids=[int(logits[0].argmax())]),
-            SamplingRow(temperature=0.0),
-            SamplingRow(temperature=0.8, num_logprobs=0)]
+            srow(temperature=0.0),
+            srow(temperature=0.8, logprobs=0)]
     out = Sampler(seed=0)(logits, rows)
     expected = torch.log_softmax(logits, dim=-1)
     first = out.logprobs[0]
@@ -218,7 +219,7 @@ def test_logprobs_equal_log_softmax_of_raw_logits():
 
 def test_sampling_stays_inside_top_k():
     logits = random_logits(1, seed=6).expand(500, VOCAB).contiguous()
-    tokens = Sampler(seed=1)(logits, [SamplingRow(temperature=2.0, top_k=3)] * 500).token_ids
+    tokens = Sampler(seed=1)(logits, [srow(temperature=2.0, top_k=3)] * 500).token_ids
     assert set(tokens) == set(logits[0].topk(3).indices.tolist())
 
 
@@ -228,12 +229,12 @@ def test_logit_bias_plus_100_forces_a_token_and_minus_100_removes_one(temperatur
     best = logits.argmax(dim=-1).tolist()
     worst = logits.argmin(dim=-1).tolist()
     sampler = Sampler(seed=3)
-    forced = sampler(logits, [SamplingRow(temperature=temperature, logit_bias={w: 100.0})
+    forced = sampler(logits, [srow(temperature=temperature, logit_bias={w: 100.0})
                               for w in worst])
     assert forced.token_ids == worst
     # every row but the untouched last one loses its best token
-    rows = [SamplingRow(temperature=temperature, logit_bias={b: -100.0}) for b in best[:-1]]
-    rows.append(SamplingRow(temperature=0.0))
+    rows = [srow(temperature=temperature, logit_bias={b: -100.0}) for b in best[:-1]]
+    rows.append(srow(temperature=0.0))
     for _ in range(20 if temperature else 1):
         removed = sampler(logits, rows).token_ids
         assert all(t != b for t, b in zip(removed[:-1], best[:-1]))
@@ -247,13 +248,13 @@ def test_logit_bias_comes_before_penalties_and_leaves_logprobs_raw():
     logits = torch.zeros((1, VOCAB))
     logits[0, 4] = 2.0
     # +1 on token 5 (0 -> 1), then repetition penalty 2 on it (1 -> 0.5): token 4 stays best
-    row = SamplingRow(temperature=0.0, logit_bias={5: 1.0}, repetition_penalty=2.0,
-                      prompt_token_ids=[5], num_logprobs=1)
+    row = srow(temperature=0.0, logit_bias={5: 1.0}, repetition_penalty=2.0,
+                      prompt_token_ids=[5], logprobs=1)
     out = Sampler()(logits, [row])
     assert out.token_ids == [4]
     raw = torch.log_softmax(logits[0], dim=-1)
     assert out.logprobs[0].logprob == pytest.approx(raw[4].item(), abs=1e-6)
-    row = SamplingRow(temperature=0.0, logit_bias={5: 3.0}, num_logprobs=1)
+    row = srow(temperature=0.0, logit_bias={5: 3.0}, logprobs=1)
     out = Sampler()(logits, [row])
     assert out.token_ids == [5]
     assert out.logprobs[0].logprob == pytest.approx(raw[5].item(), abs=1e-6)
@@ -261,7 +262,7 @@ def test_logit_bias_comes_before_penalties_and_leaves_logprobs_raw():
 
 def test_logit_bias_outside_the_vocabulary_raises():
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        Sampler()(random_logits(1), [SamplingRow(temperature=0.0, logit_bias={VOCAB: 1.0})])
+        Sampler()(random_logits(1), [srow(temperature=0.0, logit_bias={VOCAB: 1.0})])
 
 
 def test_prompt_logprobs_are_log_softmax_with_top_k(monkeypatch):

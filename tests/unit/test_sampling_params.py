@@ -87,19 +87,3 @@ def test_validate_catches_later_mutation():
 
 def test_logit_bias_string_keys_become_token_ids():
     assert SamplingParams(logit_bias={"5": 100, "12": -1.5}).logit_bias == {5: 100, 12: -1.5}
-
-
-def test_from_request_takes_every_client_field_of_a_generate_request():
-    import dataclasses
-
-    from xllm_py.api.backend import GenerateRequest
-    from xllm_py.sampling_params import REQUEST_FIELDS
-
-    assert set(REQUEST_FIELDS) <= {f.name for f in dataclasses.fields(GenerateRequest)}
-    assert "eos_token_ids" not in REQUEST_FIELDS  # the engine fills it
-    req = GenerateRequest("r", [1], n=2, best_of=2, temperature=0.0, top_k=5, stop=("x",),
-                          stop_token_ids=[7], seed=None, max_tokens=9, echo=True)
-    p = SamplingParams.from_request(req)
-    assert (p.n, p.best_of, p.temperature, p.top_k, p.stop, p.stop_token_ids) == \
-        (2, None, 0.0, 5, ["x"], [7])  # best_of <= n: none
-    assert (p.seed, p.max_tokens, p.echo) == (None, 9, True)

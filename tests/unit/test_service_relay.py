@@ -14,6 +14,7 @@ from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import InstanceRole
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.rpc import service as wire
+from xllm_py.sampling_params import SamplingParams
 from xllm_service.backend import ServiceBackend
 from xllm_service.instance_table import InstanceInfo, InstanceState
 from xllm_service.router import RoundRobinPolicy, Route, Router
@@ -154,7 +155,7 @@ async def start_pd(b: ServiceBackend, engines: FakeEngines, n: int = 1):
     """A streaming client request on the (p, d) pair (or a MIX instance, on a backend
     with MIX ones); returns its generator, the pending first output and the engine
     request id."""
-    stream = b.generate(GenerateRequest("cmpl-1", [5, 6, 7], stream=True, max_tokens=8, n=n))
+    stream = b.generate(GenerateRequest("cmpl-1", [5, 6, 7], SamplingParams(max_tokens=8, n=n), stream=True))
     first = asyncio.ensure_future(anext(stream))
     for _ in range(100):
         if engines.sent or first.done():

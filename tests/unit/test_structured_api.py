@@ -51,7 +51,7 @@ def test_each_spelling_reaches_the_backend_as_one_spec(http, backend, route, bas
                                                         expected):
     resp = http.post(route, json={**base, "max_tokens": 2, **fields})
     assert resp.status_code == 200, resp.text
-    assert [r.structured for r in backend.requests] == [expected]
+    assert [r.sampling.structured for r in backend.requests] == [expected]
 
 
 @pytest.mark.parametrize("fields,param,words", [

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from xllm_py.engine.sampler import Sampler, SamplingRow
+from tests.unit.sampling_rows import srow
+from xllm_py.engine.sampler import Sampler
 from xllm_py.model.tiny import ensure_tiny_model
 from xllm_py.model.tokenizer import Tokenizer
 from xllm_py.structured import grammar
@@ -136,8 +137,8 @@ def test_sampler_picks_only_allowed_tokens_greedy_and_sampled_with_raw_logprobs(
     bitmask = np.zeros((2, 4), dtype=np.int32)
     bitmask[0, 1] = 1 << 3  # token 35
     bitmask[1, 2] = 0b110  # tokens 65, 66
-    rows = [SamplingRow(temperature=0.0), SamplingRow(temperature=0.0, num_logprobs=2),
-            SamplingRow(temperature=1.0, seed=3), SamplingRow(temperature=1.0, seed=4)]
+    rows = [srow(temperature=0.0), srow(temperature=0.0, logprobs=2),
+            srow(temperature=1.0, seed=3), srow(temperature=1.0, seed=4)]
     mask = TokenMask([1, 2], bitmask)
     out = Sampler(seed=0)(logits, rows, mask)
     assert out.token_ids[0] == int(raw[0].argmax())
@@ -146,13 +147,13 @@ def test_sampler_picks_only_allowed_tokens_greedy_and_sampled_with_raw_logprobs(
     assert out.logprobs[1].logprob == pytest.approx(expected)
     assert out.logprobs[1].top[0][0] == int(raw[1].argmax())  # top-k of the raw logits
     for _ in range(20):  # sampled rows under the mask, many draws
-        out = Sampler()(raw[:2].clone(), [SamplingRow(temperature=2.0)] * 2,
+        out = Sampler()(raw[:2].clone(), [srow(temperature=2.0)] * 2,
                         TokenMask([0, 1], bitmask))
         assert out.token_ids[0] == 35 and out.token_ids[1] in (65, 66)
     with torch.inference_mode():  # the model's logits are inference tensors
         logits = raw[:2].clone()
-    for rows in ([SamplingRow(temperature=0.0)] * 2,  # the greedy hot path: in place
-                 [SamplingRow(temperature=0.0, num_logprobs=0)] * 2):
+    for rows in ([srow(temperature=0.0)] * 2,  # the greedy hot path: in place
+                 [srow(temperature=0.0, logprobs=0)] * 2):
         out = Sampler()(logits, rows, TokenMask([1], bitmask[:1]))
         assert out.token_ids == [int(raw[0].argmax()), 35]
 

@@ -41,15 +41,15 @@ def test_tools_reach_the_template_and_choices_become_grammars(http, backend):
         assert _post(http, **body).status_code == 200
         req = backend.requests[0]
         assert tok.decode(req.prompt_token_ids).startswith("<|tool|>get_weather\n<|tool|>get_time")
-        assert (req.structured.kind if req.structured else None) == spec_kind
+        assert (req.sampling.structured.kind if req.sampling.structured else None) == spec_kind
         if spec_kind:
-            assert grammar.check(req.structured) is None
-    named = json.loads(req.structured.value)
+            assert grammar.check(req.sampling.structured) is None
+    named = json.loads(req.sampling.structured.value)
     assert named == TIME["function"]["parameters"]
     backend.reset()
     assert _post(http, tools=[WEATHER], tool_choice="none").status_code == 200
     req = backend.requests[0]
-    assert "<|tool|>" not in tok.decode(req.prompt_token_ids) and req.structured is None
+    assert "<|tool|>" not in tok.decode(req.prompt_token_ids) and req.sampling.structured is None
 
 
 def test_required_grammar_covers_every_tool_and_parallel_calls():

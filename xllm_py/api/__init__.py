@@ -5,8 +5,8 @@ package; the app lives in `xllm_py.api.app.build_app`, the server helpers in
 `xllm_py.api.server`.
 
 Layout (one file per thing it owns):
-  protocol.py            OpenAI request models; `sampling_fields()` maps them onto
-                         SamplingParams' names (sampling_params.REQUEST_FIELDS)
+  protocol.py            OpenAI request models -> one GenerateRequest per prompt, carrying
+                         the request's SamplingParams (made in `to_generate_request`)
   unsupported.py         the known parameters answered with a 400 (tools, response_format, ...)
   backend.py             GenerateBackend / GenerateRequest: the contract with the producer
   serving_base.py        request intake, stream and non-stream responses, errors, metrics

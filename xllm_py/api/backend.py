@@ -23,7 +23,7 @@ import time
 from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
 
 from xllm_py.outputs import RequestOutput
-from xllm_py.structured.spec import GrammarSpec
+from xllm_py.sampling_params import SamplingParams
 
 
 @runtime_checkable
@@ -41,13 +41,13 @@ class TokenizerLike(Protocol):
 
 @dataclasses.dataclass
 class GenerateRequest:
-    """One prompt to generate `n` choices for. The sampling fields are exactly
-    `xllm_py.sampling_params.REQUEST_FIELDS`, with SamplingParams' names and defaults
-    (except max_tokens, which the HTTP layer always resolves); backends turn them into
-    SamplingParams by that list (tests/unit/test_api_protocol.py keeps the two in step)."""
+    """One prompt to generate `sampling.n` choices for. `sampling` is the request's
+    SamplingParams, checked by the HTTP layer (its max_tokens always resolved against the
+    prompt); backends pass it on as it is, to the engine or over the wire."""
 
     request_id: str  # unique, minted by the HTTP layer ("cmpl-<hex>", "chatcmpl-<hex>-<i>")
     prompt_token_ids: list[int]
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     prompt_text: str | None = None  # for echo only; never log it
     x_request_id: str | None = None  # the client's X-Request-Id header (tracing)
     stream: bool = False
@@ -57,36 +57,14 @@ class GenerateRequest:
     tpot_slo_ms: float | None = None
     # Offline (batch) work: served only in the room online requests leave.
     offline: bool = False
-    # -- sampling (REQUEST_FIELDS) --
-    n: int = 1
-    best_of: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: disabled
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    max_tokens: int = 16  # always resolved (never None)
-    min_tokens: int = 0
-    stop: list[str] = dataclasses.field(default_factory=list)
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # number of top logprobs per token; None = off
-    prompt_logprobs: int | None = None
-    echo: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
-    structured: GrammarSpec | None = None  # structured output (checked by the HTTP layer)
 
     def anon_repr(self) -> str:
         """A log-safe description: ids and sizes, no prompt content."""
+        s = self.sampling
         return (
             f"GenerateRequest(request_id={self.request_id}, x_request_id={self.x_request_id}, "
-            f"num_prompt_tokens={len(self.prompt_token_ids)}, n={self.n}, best_of={self.best_of}, "
-            f"max_tokens={self.max_tokens}, stream={self.stream})"
+            f"num_prompt_tokens={len(self.prompt_token_ids)}, n={s.n}, best_of={s.best_of}, "
+            f"max_tokens={s.max_tokens}, stream={self.stream})"
         )
 
 

@@ -11,9 +11,9 @@ repetition_penalty, ignore_eos, stop_token_ids, prompt_logprobs, ...) are accept
 Everything accepted here can be held by the engine and by the wire (issue 15): every
 integer fits its proto field and every number is finite and fits a proto float
 (validation.py), and the request's work is bounded by the limits
-below (fan-out, stop lists); the sampling values also pass `SamplingParams` itself
-(`check_sampling`, called by the endpoint), so a request the HTTP layer takes is never
-refused later as a 500.
+below (fan-out, stop lists); the sampling values become the request's one
+`SamplingParams` here (`to_generate_request`), whose own checks are a 400 too, so a
+request the HTTP layer takes is never refused later as a 500.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from xllm_py.api.structured_request import StructuredFields
 from xllm_py.api.tool_choice import ToolRequest, tool_request
 from xllm_py.api.unsupported import UnsupportedFields
 from xllm_py.api.validation import check, check_wire_values, parse_model
-from xllm_py.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, REQUEST_FIELDS
+from xllm_py.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, REQUEST_FIELDS, SamplingParams,
+                                     SamplingParamsError)
 
 MAX_N = 128
 MAX_BEST_OF = 128
@@ -48,7 +49,6 @@ __all__ = [
     "CompletionRequest",
     "GenerateRequest",
     "StreamOptions",
-    "check_sampling",
     "parse_request",
 ]
 
@@ -225,12 +225,13 @@ class _CommonRequest(UnsupportedFields, StructuredFields):
         """The client's sampling values under SamplingParams' names (REQUEST_FIELDS), less
         max_tokens (the endpoint resolves it against the prompt). A field the client left
         unset is left out, so its default is SamplingParams' own. Fields with the OpenAI
-        name of a sampling field are copied; the others are converted here."""
+        name of a sampling field are taken by that name; the others are converted here."""
         fields: dict[str, Any] = {
             name: getattr(self, name) for name in REQUEST_FIELDS if name in type(self).model_fields
         }
         fields.update(
             max_tokens=None,
+            best_of=self.best_of if (self.best_of or 0) > self.n else None,  # <= n: none
             top_k=self.top_k or None,  # 0: off, as the default -1
             stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or []),
@@ -251,9 +252,17 @@ class _CommonRequest(UnsupportedFields, StructuredFields):
         x_request_id: str | None,
         arrival_time: float,
     ) -> GenerateRequest:
+        """One prompt's GenerateRequest, its SamplingParams made here: the one place the
+        HTTP values become them (SamplingParams' own refusal is a 400 naming the
+        parameter)."""
+        try:
+            sampling = SamplingParams(**self.sampling_fields(), max_tokens=max_tokens)
+        except SamplingParamsError as e:
+            raise InvalidRequestError(e.message, param=e.param) from None
         return GenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
             prompt_text=prompt_text,
             x_request_id=x_request_id,
             stream=self.stream,
@@ -261,8 +270,6 @@ class _CommonRequest(UnsupportedFields, StructuredFields):
             ttft_slo_ms=self.ttft_slo_ms,
             tpot_slo_ms=self.tpot_slo_ms,
             offline=self.offline,
-            max_tokens=max_tokens,
-            **self.sampling_fields(),
         )
 
 
@@ -433,16 +440,3 @@ def parse_request(cls: type[_R], body: bytes) -> _R:
     req = parse_model(cls, body)
     req.check_values()
     return req
-
-
-def check_sampling(gen: GenerateRequest) -> None:
-    """The request's sampling values as the engine will take them (SamplingParams' own
-    checks): a refusal there is the client's 400 here, not a backend 500 later."""
-    from xllm_py.sampling_params import SamplingParams, SamplingParamsError
-
-    try:
-        SamplingParams.from_request(gen)
-    except SamplingParamsError as e:
-        raise InvalidRequestError(e.message, param=e.param) from None
-
-

@@ -47,7 +47,7 @@ from xllm_py.api.generations import (
     start_streams,
 )
 from xllm_py.api.logprobs import TokenText
-from xllm_py.api.protocol import _CommonRequest, check_sampling, parse_request
+from xllm_py.api.protocol import _CommonRequest, parse_request
 from xllm_py.api.sse import DONE_EVENT, SSEResponse, dumps, sse_event
 from xllm_py.api.structured_request import check_spec
 from xllm_py.structured import grammar
@@ -139,7 +139,7 @@ class OpenAIServing:
                     self._intake, body, x_request_id, arrival_time)
             else:
                 req, ctx, gen_reqs = self._intake(body, x_request_id, arrival_time)
-            spec = gen_reqs[0].structured if gen_reqs else None
+            spec = gen_reqs[0].sampling.structured if gen_reqs else None
             if spec is not None:  # compiled off the loop unless its verdict is cached
                 if grammar.is_checked(spec):
                     check_spec(spec, req.output_param())
@@ -178,8 +178,6 @@ class OpenAIServing:
         req = parse_request(self.request_cls, body)
         self.check_model(req.model)
         ctx, gen_reqs = self._prepare(req, x_request_id, arrival_time)
-        for g in gen_reqs:
-            check_sampling(g)
         return req, ctx, gen_reqs
 
     def _prepare(

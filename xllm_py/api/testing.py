@@ -98,14 +98,14 @@ class ScriptedBackend:
 
     @classmethod
     def _prompt_logprobs(cls, req: GenerateRequest) -> list[TokenLogprob | None] | None:
-        if req.prompt_logprobs is None:
+        if req.sampling.prompt_logprobs is None:
             return None
         entries: list[TokenLogprob | None] = [None]
         for i, token in enumerate(req.prompt_token_ids[1:], start=1):
             lp = cls.prompt_logprob_of(i)
             top = [(token, lp)] + [(ord("A") + r, lp - 1.0 - r)
-                                   for r in range(req.prompt_logprobs)]
-            entries.append(TokenLogprob(token, lp, top[:req.prompt_logprobs]))
+                                   for r in range(req.sampling.prompt_logprobs)]
+            entries.append(TokenLogprob(token, lp, top[:req.sampling.prompt_logprobs]))
         return entries
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
@@ -113,20 +113,21 @@ class ScriptedBackend:
             self.requests.append(req)
         if self.busy:
             raise BackendBusyError("fake backend is full")
-        texts = [""] * req.n
-        done = [False] * req.n
+        texts = [""] * req.sampling.n
+        done = [False] * req.sampling.n
         finished = False
         prompt_logprobs = self._prompt_logprobs(req)
-        if req.max_tokens == 0:
+        if req.sampling.max_tokens == 0:
             finished = True
             yield RequestOutput(
                 request_id=req.request_id, finished=True,
-                outputs=[CompletionDelta(index=j, finish_reason="length") for j in range(req.n)],
+                outputs=[CompletionDelta(index=j, finish_reason="length")
+                         for j in range(req.sampling.n)],
                 num_prompt_tokens=len(req.prompt_token_ids),
                 prompt_token_ids=req.prompt_token_ids, prompt_logprobs=prompt_logprobs)
             return
         try:
-            for step in range(req.max_tokens):
+            for step in range(req.sampling.max_tokens):
                 if self.token_delay:
                     await asyncio.sleep(self.token_delay)
                 else:
@@ -139,24 +140,25 @@ class ScriptedBackend:
                     )
                     return
                 deltas = []
-                for j in range(req.n):
+                for j in range(req.sampling.n):
                     if done[j]:
                         continue
                     token = self.token_for(step, j)
                     text = chr(token)
                     delta = CompletionDelta(index=j, text=text, token_ids=[token])
-                    if req.logprobs is not None:
-                        top = [(self.token_for(step, j + r), -0.5 * (r + 1)) for r in range(req.logprobs)]
+                    if req.sampling.logprobs is not None:
+                        top = [(self.token_for(step, j + r), -0.5 * (r + 1))
+                               for r in range(req.sampling.logprobs)]
                         delta.logprobs = [TokenLogprob(token, -0.5, top)]
                     texts[j] += text
-                    for s in req.stop:
+                    for s in req.sampling.stop:
                         if texts[j].endswith(s):
-                            if not req.include_stop_str_in_output:
+                            if not req.sampling.include_stop_str_in_output:
                                 delta.text = text[: len(text) - len(s)] if len(s) <= len(text) else ""
                             delta.finish_reason, delta.stop_reason = "stop", s
-                    if token in req.stop_token_ids:
+                    if token in req.sampling.stop_token_ids:
                         delta.finish_reason, delta.stop_reason = "stop", token
-                    if delta.finish_reason is None and step == req.max_tokens - 1:
+                    if delta.finish_reason is None and step == req.sampling.max_tokens - 1:
                         delta.finish_reason = "length"
                     done[j] = delta.finish_reason is not None
                     deltas.append(delta)

@@ -18,7 +18,6 @@ from prometheus_client import CollectorRegistry
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.metrics import EngineStatsCollector
 from xllm_py.outputs import RequestOutput
-from xllm_py.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +134,7 @@ class AsyncEngine:
         if self.engine.scheduler.num_waiting >= self.max_waiting:
             raise TooManyRequestsError(
                 f"engine has {self.engine.scheduler.num_waiting} waiting requests; try again later")
-        params = SamplingParams.from_request(req)
+        params = req.sampling
         sink = QueueSink(asyncio.get_running_loop(), final_only=not getattr(req, "stream", True))
         self.engine.submit(EngineRequest(
             req.request_id, list(req.prompt_token_ids), params, sink,

@@ -407,22 +407,16 @@ class LLMEngine:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_str)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
-        """The request's row, built (and validated) once; its output count kept current.
-        The penalties read the request's own token lists, which grow in place."""
+        """The request's row (its SamplingParams as they are), made once; its output count
+        kept current. The penalties read the request's own token lists, which grow in place."""
         row = request.sampling_row
         if row is None:
-            p = request.sampling_params
-            needs_history = (p.frequency_penalty != 0 or p.presence_penalty != 0
-                             or p.repetition_penalty != 1.0)
             from xllm_py.engine.sampler import SamplingRow
 
-            row = SamplingRow(
-                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-                frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
-                repetition_penalty=p.repetition_penalty, seed=p.seed,
-                output_token_ids=request.output_token_ids if needs_history else (),
-                prompt_token_ids=request.prompt_token_ids if needs_history else (),
-                num_logprobs=p.logprobs, logit_bias=p.logit_bias or None)
+            p = request.sampling_params
+            history = p.has_penalties
+            row = SamplingRow(p, output_token_ids=request.output_token_ids if history else (),
+                              prompt_token_ids=request.prompt_token_ids if history else ())
             request.sampling_row = row
         row.num_output_tokens_so_far = len(request.output_token_ids)
         return row

@@ -25,58 +25,33 @@ from collections.abc import Sequence
 import torch
 
 from xllm_py.outputs import TokenLogprob
+from xllm_py.sampling_params import GREEDY_EPS, SamplingParams
 from xllm_py.structured.token_mask import TokenMask, apply_token_mask, masked_greedy
 
 logger = logging.getLogger(__name__)
 
-_SAMPLING_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 
 
 @dataclasses.dataclass
 class SamplingRow:
-    """Sampling settings of one row of the logits batch (plain values, no SamplingParams)."""
+    """One row of the logits batch: the request's SamplingParams as the request carries
+    them (the sampler reads them in place), and the token history of the request that its
+    penalties and seeded draws need."""
 
-    temperature: float
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: off
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None  # reproducible per request
+    params: SamplingParams
     # With a seed: the step index, so that the draw is a function of (seed, step) only.
     num_output_tokens_so_far: int = 0
     output_token_ids: Sequence[int] = ()  # frequency / presence penalties
     prompt_token_ids: Sequence[int] = ()  # repetition penalty covers prompt + output
-    num_logprobs: int | None = None  # None: no logprobs; k: chosen token's logprob + top-k
-    logit_bias: dict[int, float] | None = None  # token id -> bias; None or empty: none
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.num_logprobs is not None and self.num_logprobs < 0:
-            raise ValueError(f"num_logprobs must be None or >= 0, got {self.num_logprobs}")
-        if self.num_output_tokens_so_far < 0:
-            raise ValueError(
-                f"num_output_tokens_so_far must be >= 0, got {self.num_output_tokens_so_far}")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS or self.top_k == 1
+        return self.params.is_greedy or self.params.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
+        return self.params.has_penalties
 
 
 @dataclasses.dataclass
@@ -106,8 +81,8 @@ class Sampler:
                 f"got shape {tuple(logits.shape)}")
         # Hot path: greedy, no bias, no penalties, no logprobs (a mask: masked_greedy).
         for row in rows:
-            if (not row.is_greedy or row.has_penalties or row.num_logprobs is not None
-                    or row.logit_bias):
+            if (not row.is_greedy or row.has_penalties or row.params.logprobs is not None
+                    or row.params.logit_bias):
                 break
         else:
             if (logits.device.type == "cpu" and logits.dtype == torch.float32
@@ -124,7 +99,7 @@ class Sampler:
                         mask: TokenMask | None = None) -> SamplerOutput:
         raw_logits = logits
         logits = logits.float()
-        if any(row.logit_bias for row in rows):
+        if any(row.params.logit_bias for row in rows):
             logits = apply_logit_bias(logits, rows)
         if any(row.has_penalties for row in rows):
             logits = apply_penalties(logits, rows)
@@ -142,7 +117,7 @@ class Sampler:
                 token_ids[idx] = self._sample_random(logits[idx], [rows[i] for i in random_idx])
 
         logprobs: list[TokenLogprob | None] = [None] * num_rows
-        logprob_idx = [i for i, row in enumerate(rows) if row.num_logprobs is not None]
+        logprob_idx = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if logprob_idx:
             entries = _compute_logprobs(raw_logits, token_ids, rows, logprob_idx)
             for i, entry in zip(logprob_idx, entries):
@@ -156,7 +131,7 @@ class Sampler:
         from a generator seeded with (seed, step) for seeded rows.
         """
         probs = compute_probs(logits, rows)
-        unseeded = [i for i, row in enumerate(rows) if row.seed is None]
+        unseeded = [i for i, row in enumerate(rows) if row.params.seed is None]
         uniforms = [0.0] * len(rows)
         if unseeded:
             for i, u in zip(unseeded, torch.rand(len(unseeded), dtype=torch.float64,
@@ -165,8 +140,8 @@ class Sampler:
         if len(unseeded) < len(rows):
             gen = self._seeded_generator
             for i, row in enumerate(rows):
-                if row.seed is not None:
-                    gen.manual_seed(_mix_seed(row.seed, row.num_output_tokens_so_far))
+                if row.params.seed is not None:
+                    gen.manual_seed(_mix_seed(row.params.seed, row.num_output_tokens_so_far))
                     uniforms[i] = torch.rand(1, dtype=torch.float64, generator=gen).item()
         cdf = probs.cumsum(dim=-1)
         total = cdf[:, -1:]
@@ -198,7 +173,7 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     token_idx: list[int] = []
     biases: list[float] = []
     for i, row in enumerate(rows):
-        for token_id, bias in (row.logit_bias or {}).items():
+        for token_id, bias in (row.params.logit_bias or {}).items():
             if not 0 <= token_id < vocab_size:
                 raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary "
                                  f"of {vocab_size} tokens")
@@ -226,11 +201,11 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     vocab_size = out.shape[1]
     device = out.device
 
-    rep_idx = [i for i, row in enumerate(rows) if row.repetition_penalty != 1.0]
+    rep_idx = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
     if rep_idx:
         seqs = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in rep_idx]
         present = _token_counts(seqs, vocab_size, device) > 0
-        penalty = torch.tensor([rows[i].repetition_penalty for i in rep_idx],
+        penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep_idx],
                                dtype=out.dtype, device=device).unsqueeze(1)
         idx = torch.tensor(rep_idx, device=device)
         sub = out[idx]
@@ -238,13 +213,13 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         out[idx] = torch.where(present, penalised, sub)
 
     freq_idx = [i for i, row in enumerate(rows)
-                if row.frequency_penalty != 0.0 or row.presence_penalty != 0.0]
+                if row.params.frequency_penalty != 0.0 or row.params.presence_penalty != 0.0]
     if freq_idx:
         counts = _token_counts([list(rows[i].output_token_ids) for i in freq_idx],
                                vocab_size, device)
-        frequency = torch.tensor([rows[i].frequency_penalty for i in freq_idx],
+        frequency = torch.tensor([rows[i].params.frequency_penalty for i in freq_idx],
                                  dtype=out.dtype, device=device).unsqueeze(1)
-        presence = torch.tensor([rows[i].presence_penalty for i in freq_idx],
+        presence = torch.tensor([rows[i].params.presence_penalty for i in freq_idx],
                                 dtype=out.dtype, device=device).unsqueeze(1)
         idx = torch.tensor(freq_idx, device=device)
         out[idx] = out[idx] - frequency * counts - presence * (counts > 0).to(out.dtype)
@@ -263,14 +238,14 @@ def compute_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
             f"got shape {tuple(logits.shape)}")
     device = logits.device
     vocab_size = logits.shape[1]
-    temps = [row.temperature if row.temperature >= _SAMPLING_EPS else 1.0 for row in rows]
+    temps = [row.params.temperature if row.params.temperature >= GREEDY_EPS else 1.0 for row in rows]
     logits = logits.float()
     if any(t != 1.0 for t in temps):
         logits = logits / torch.tensor(temps, dtype=logits.dtype, device=device).unsqueeze(1)
 
-    top_k = [row.top_k if 0 < row.top_k < vocab_size else vocab_size for row in rows]
+    top_k = [row.params.top_k if 0 < row.params.top_k < vocab_size else vocab_size for row in rows]
     need_top_k = any(k < vocab_size for k in top_k)
-    need_top_p = any(row.top_p < 1.0 for row in rows)
+    need_top_p = any(row.params.top_p < 1.0 for row in rows)
     if need_top_k or need_top_p:
         max_k = max(top_k)
         if max_k < vocab_size:  # every row has a top_k: no full sort
@@ -282,7 +257,7 @@ def compute_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
             k = torch.tensor(top_k, device=device)
             values = values.masked_fill(positions.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
         if need_top_p:
-            top_p = torch.tensor([row.top_p for row in rows], dtype=values.dtype, device=device)
+            top_p = torch.tensor([row.params.top_p for row in rows], dtype=values.dtype, device=device)
             # Keep a token while the mass of the better tokens is below top_p * total: a
             # sequential prefix sum, so a row's result does not depend on the batch's width.
             weights = (values - values[:, :1]).exp()
@@ -295,8 +270,8 @@ def compute_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
         logits = torch.full_like(logits, float("-inf")).scatter_(-1, indices, values)
 
     probs = logits.softmax(dim=-1)
-    if any(row.min_p > 0.0 for row in rows):
-        min_p = torch.tensor([row.min_p for row in rows], dtype=probs.dtype, device=device)
+    if any(row.params.min_p > 0.0 for row in rows):
+        min_p = torch.tensor([row.params.min_p for row in rows], dtype=probs.dtype, device=device)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         filtered = probs.masked_fill(probs < threshold, 0.0)
         # Renormalise only the rows that use min_p, so other rows stay bit-identical
@@ -313,7 +288,7 @@ def _compute_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     logprobs = torch.log_softmax(raw_logits[index].float(), dim=-1)
     chosen_ids = token_ids[index]
     chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
-    max_k = min(max(rows[i].num_logprobs or 0 for i in idx), logprobs.shape[1])
+    max_k = min(max(rows[i].params.logprobs or 0 for i in idx), logprobs.shape[1])
     top_values_list: list[list[float]] = []
     top_ids_list: list[list[int]] = []
     if max_k > 0:
@@ -322,7 +297,7 @@ def _compute_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     chosen_ids_list = chosen_ids.tolist()
     result = []
     for j, i in enumerate(idx):
-        k = min(rows[i].num_logprobs or 0, max_k)
+        k = min(rows[i].params.logprobs or 0, max_k)
         top = list(zip(top_ids_list[j][:k], top_values_list[j][:k])) if k else []
         result.append(TokenLogprob(token_id=chosen_ids_list[j], logprob=chosen[j], top=top))
     return result

@@ -113,6 +113,7 @@ def measure_profile(engine, budget_s: float = BUDGET_S,
     thread starts (nothing else may use the KV pool meanwhile). The budget is wall time;
     `clock` times the steps (default `step_clock`)."""
     from xllm_py.engine.sampler import SamplingRow
+    from xllm_py.sampling_params import SamplingParams
 
     clock = clock or step_clock(engine)
     t_all = t_start = time.perf_counter()
@@ -122,7 +123,7 @@ def measure_profile(engine, budget_s: float = BUDGET_S,
     max_ctx = min(engine.scheduler.max_model_len,
                   (engine.scheduler.kv.block_pool.num_usable_blocks - 1) * bs)
     vocab = engine.model_config.vocab_size
-    greedy = SamplingRow(temperature=0.0)
+    greedy = SamplingRow(SamplingParams(temperature=0.0))
 
     def run(seqs: list[ScheduledSeq]) -> float:
         t0, w0 = clock(), time.perf_counter()

@@ -1,9 +1,10 @@
 """proto <-> domain conversions at the gRPC boundary (no pb2 objects beyond this module).
 
-Proto3 scalars have no "unset": zero means "default" for n, best_of, top_p and
-repetition_penalty; temperature, seed and prompt_logprobs carry explicit has_* flags, and
-so does max_tokens (0 is valid: score the prompt only; a sender without has_max_tokens
-means unset by 0). See the rules above params_to_proto. tests/unit/test_protos.py
+Proto3 scalars have no "unset": zero means "default" for the fields whose default is not
+zero (n, best_of, top_p, repetition_penalty); temperature, seed and prompt_logprobs carry
+explicit has_* flags, and so does max_tokens (0 is valid: score the prompt only; a sender
+without has_max_tokens means unset by 0). The rules are read from the schemas
+(`_field_rules`, above params_to_proto). tests/unit/test_protos.py
 round-trips every SamplingParams field, so a new field that is not carried here fails there.
 """
 from __future__ import annotations
@@ -38,32 +39,39 @@ class EngineRequestSpec:
     tpot_slo_ms: int = 0
 
 
-# How SamplingParams travels in a DisaggRequest, field by field. A field of the same name
-# in the proto carries it as it is, unless it is listed here: for _ZERO_UNSET the proto
-# zero means "unset" (SamplingParams' default), _FLAGGED ones say so in has_<name>, and
-# top_k, stop, logprobs, max_tokens and logit_bias are converted by hand below. A
-# SamplingParams field with no proto field of its name and no rule here fails at import
-# (_SAME_NAME).
-_ZERO_UNSET = ("n", "best_of", "top_p", "repetition_penalty")
-_FLAGGED = ("temperature", "seed", "prompt_logprobs")
+# How SamplingParams travels in a DisaggRequest. Every rule is read from the two schemas,
+# not listed by field, except _OWN: the fields whose proto form differs (top_k's 0 = off,
+# stop as StopSequence, logprobs as a flag + top_logprobs, max_tokens's legacy 0, the
+# logit_bias map, the grammar message), converted by hand below. Of the others, each with
+# a proto field of its name: one with a `has_<name>` flag in the proto is sent with it
+# (_FLAGGED); a number whose SamplingParams default is None or not 0 has "zero means
+# unset" (_ZERO_UNSET); the rest (flags, lists, numbers defaulting to 0) travel as they are
+# (_SAME_NAME). A SamplingParams field with no proto field of its name and not in _OWN
+# fails at import.
 _OWN = ("top_k", "stop", "logprobs", "max_tokens", "logit_bias", "structured")
 
 
-def _same_name_fields() -> tuple[str, ...]:
+def _field_rules() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     proto_fields = pb.DisaggRequest.DESCRIPTOR.fields_by_name
-    special = set(_ZERO_UNSET + _FLAGGED + _OWN)
-    names = []
+    same, zero_unset, flagged = [], [], []
     for f in dataclasses.fields(SamplingParams):
-        if f.name in special:
+        if f.name in _OWN:
             continue
         if f.name not in proto_fields:
             raise RuntimeError(f"SamplingParams.{f.name} has no DisaggRequest field: add one "
                                f"to xllm.proto or a rule in rpc/convert.py")
-        names.append(f.name)
-    return tuple(names)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if "has_" + f.name in proto_fields:
+            flagged.append(f.name)
+        elif default is None or (isinstance(default, (int, float))
+                                 and not isinstance(default, bool) and default != 0):
+            zero_unset.append(f.name)
+        else:
+            same.append(f.name)
+    return tuple(same), tuple(zero_unset), tuple(flagged)
 
 
-_SAME_NAME = _same_name_fields()
+_SAME_NAME, _ZERO_UNSET, _FLAGGED = _field_rules()
 
 
 def params_to_proto(params: SamplingParams, msg: pb.DisaggRequest) -> None:
