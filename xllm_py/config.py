@@ -118,14 +118,13 @@ class UCXConfig:
     # (ucx/env.py UCX_IOV_DEFAULTS; UCX names without the UCX_ prefix), in (name, value) pairs.
     iov_overrides: tuple[tuple[str, str], ...] = ()
     # UCXPY_PROGRESS_MODE / UCXPY_ENABLE_PYTHON_FUTURE: how ucxx is initialised. Futures
-    # completed by ucxx's notifier thread: 4.0 - 4.8 GB/s vs 1.3 - 2.5 with the yield-polling
-    # loop, which steals the CPU (ucx/env.py has the table).
+    # completed by ucxx's notifier thread: the yield-polling loop would steal the CPU the
+    # transfer needs (ucx/env.py).
     progress_mode: str = "thread"
     python_future: bool = True
     # Tag path (CUDA pools, modes direct/gather): ``direct`` (zero-copy, one message per slice)
     # only for at most this many messages of at least this average slice size, else ``gather``
-    # (the measurements are in ucx/path_tag.py TagPath.choose_mode: fragmented 64 MB direct
-    # 743 ms vs gather 68 ms; contiguous 64 MB, 8 MB slices, direct 33 ms vs gather 60 ms).
+    # (ucx/path_tag.py TagPath.choose_mode: a message's fixed cost dominates small slices).
     direct_max_msgs: int = 1024
     direct_min_slice_bytes: int = 256 << 10
     # Mapped-pool transfers up to this size are copied on the caller's thread (~0.1 ms at

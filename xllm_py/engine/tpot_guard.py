@@ -5,8 +5,7 @@ itself, issue 16's conditional disaggregation; a MIX) puts the prompt's cost on 
 every running stream waits for. A cap on the prompt tokens per step bounds the stall of
 one step, not what a stream's mean time per output token (TPOT, what an SLO counts)
 ends at: a burst of short prompts computed back to back adds one chunk after another to
-the same streams (issue 16's run: a dozen 65-80 ms steps in a row on streams otherwise
-at 15 ms, TPOT p99 32 ms against PD always' 19).
+the same streams, and their mean TPOT climbs with every chunk.
 
 With a target T, a step carries prompt tokens only while every decoding stream is
 predicted to end within T a token on average:

@@ -1,24 +1,13 @@
 """UCX settings for KV transfer, in one place, applied before ucxx is imported.
 
-Measured on the 2-core development VM (64 MB tag message between two processes,
-ucxx 0.52 / UCX 1.21, python futures on):
-
-===========================================  ===========
-settings                                     GB/s (best)
-===========================================  ===========
-ucxx defaults (sockaddr endpoint, tcp/lo)    0.5 - 0.6
-UCX_TLS=sm,self,tcp (sockaddr ep + err. h.)  0.6  (sm is excluded by peer error handling)
-worker-address ep, no err. handling          1.3  (sysv + cma, rndv default)
-  + UCX_RNDV_SCHEME=put_zcopy                1.9
-  + UCX_RNDV_SCHEME=get_zcopy                4.0 - 4.8  (numpy memcpy: ~4.8)
-same, without python futures                 1.3 - 2.5  (yield-polling loop steals the CPU)
-===========================================  ===========
-
-Host memory now goes through a UCP context of its own (``UCX_IOV_DEFAULTS`` below,
-``iov_worker.py``): one iov tag message per pull, 2-core VM, bench_kv_transfer.py:
-256 MB contiguous 4.7 - 6.2 GB/s (53 - 66% of memcpy), fragmented 4.1 - 4.7 GB/s;
-ucx_perftest tag_bw here: 32 MB sm (cma get) 3.3 - 3.5 GB/s, posix 6.1 - 6.4 GB/s,
-2048 x 16 KiB iov 4.3 - 5.5 GB/s.
+Why these settings: an endpoint made from the peer's worker address without error
+handling may use shared memory (sysv, cma), which a sockaddr endpoint with peer error
+handling may not (it falls back to tcp over loopback); the rendezvous protocol reads the
+sender's buffer (``UCX_RNDV_SCHEME=get_zcopy``), the fastest of the schemes for large
+messages; python futures are completed by ucxx's notifier thread, where a yield-polling
+loop would take the CPU the copy needs. Host memory goes through a UCP context of its own
+(``UCX_IOV_DEFAULTS`` below, ``iov_worker.py``): one iov tag message per pull. Figures:
+docs/benchmarks.md (``bench_kv_transfer.py``).
 
 For the tag path (CUDA memory, modes direct/gather) the backend uses two endpoints per peer: a sockaddr control endpoint with error
 handling (tcp; detects a dead peer) and a data endpoint created from the peer's worker
@@ -62,7 +51,7 @@ UCX_ENV_DEFAULTS_GPU: dict[str, str] = {
 # (UCXConfig.iov_overrides).
 UCX_IOV_DEFAULTS: dict[str, str] = {
     # Same-host peers only (shared memory; cma for rendezvous reads). With tcp in the list
-    # every rendezvous send costs ~90 us more here (ucx_perftest-style loop, 1 MB: 120 vs 30 us).
+    # every rendezvous send pays for the tcp transport's wire-up too.
     # A peer this context cannot reach (another host) falls back to the ucxx tag path.
     "TLS": "sm,self",
 }

@@ -145,11 +145,9 @@ class TagPath:
 
     def choose_mode(self, runs: list[Run], heads: Heads | None = None) -> str:
         """direct (zero-copy, one message per slice) only for few, large slices
-        (UCXConfig.direct_max_msgs / direct_min_slice_bytes); a head slice: gather.
-
-        Measured (2-core VM, 16 KiB slices, 4 layers): per-message overhead dominates small
-        slices: fragmented 64 MB direct 743 ms vs gather 68 ms; contiguous 64 MB (8 MB
-        slices) direct 33 ms vs gather 60 ms; contiguous 1 MB: equal within noise.
+        (UCXConfig.direct_max_msgs / direct_min_slice_bytes); a head slice: gather. Each
+        message has a fixed cost, which dominates small slices: many small slices are
+        gathered into one message, a few large ones go as they are (no copy).
         """
         if heads is not None:
             return "gather"

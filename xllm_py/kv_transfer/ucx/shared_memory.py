@@ -14,10 +14,9 @@ Where it does not apply, nothing changes: a pool UCX could not allocate as share
 (``rkey_ptr`` answers UNREACHABLE), peers in different IPC namespaces or on other hosts,
 CUDA pools, ``XLLM_UCX_MAP=0`` (``UCXConfig.map_peer_pools``): transfers take the iov message path.
 
-Measured on the 2-core VM (256 MB): memcpy from a mapped System V segment runs at numpy
-memcpy speed (8.9 - 9.2 GB/s against 9.7 - 11) when both pools sit at the same offset in a
-page; at different offsets (e.g. 0 and 64) the same copy runs at 3 GB/s. Both sides
-allocate here, at ``POOL_OFFSET`` (the offset torch's allocator gives a large tensor,
+memcpy from a mapped System V segment runs at plain memcpy speed only when both pools sit
+at the same offset in a page (at different offsets, e.g. 0 and 64, it runs at a fraction
+of it). Both sides allocate here, at ``POOL_OFFSET`` (the offset torch's allocator gives a large tensor,
 which also suits the iov path when a mapping is not possible).
 """
 from __future__ import annotations

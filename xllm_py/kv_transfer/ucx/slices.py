@@ -9,13 +9,11 @@ mapped path copies them row for row between the two pools in one native call, th
 path sends / receives them as one iov message (the side whose pool holds exactly the
 slice's heads describes whole slices instead: UCX does not need the two sides cut alike).
 
-Measured (2-core VM, load ~2, float16, 4 layers, 16 slots, 4 of 8 heads: 512-byte rows;
-``bench_kv_transfer.py --heads 4``, 64 MB of blocks): mapped, the slice (32 MB) 9.6-12.6 ms
-against 4.4-5.5 ms for the whole contiguous blocks (those copy 2 MB pieces, streamed),
-12-16 vs 12-22 ms fragmented; iov, 7.0-8.6 vs 8.4-10.7 ms contiguous. Rows as iov entries
-against a gather into a staging buffer + one contiguous message + a scatter (emulated in
-one process, 32 MB slice): 6.8-13 vs 16-40 ms; within noise at 2-8 MB. A row copy with
-non-temporal stores (as ``copy_chunks`` does from 1 KB) was slower for these rows.
+Rows as iov entries, not a gather into a staging buffer + one contiguous message + a
+scatter: the rows go straight from pool to pool, with no copy on either side
+(``bench_kv_transfer.py --heads 4``; figures in docs/benchmarks.md). Rows are copied with
+plain stores: they are short, and non-temporal stores (as ``copy_chunks`` uses from 1 KB)
+do not pay off for them.
 
 Peers of different TP (same model: same layers, block size, head_dim, dtype) link with
 pools that differ only in ``num_kv_heads``: between them only head slices are valid, a
