@@ -36,6 +36,8 @@ from xllm_py.config import KernelConfig
 if TYPE_CHECKING:
     import numpy as np
 
+    from xllm_py.model.kquant_panels import KQuantPanels
+
 logger = logging.getLogger(__name__)
 
 _SRC = pathlib.Path(__file__).with_name("csrc") / "cpu_kernels.c"
@@ -143,6 +145,8 @@ def _load() -> ctypes.CDLL | None:
             "xllm_linear_large_bf16": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
             "xllm_copy_chunks": ([p, p, i64], None),
             "xllm_int8_blocks": ([p, i64, p, p], ctypes.c_int),
+            "xllm_linear_panels_kq": ([i32, p, p, p, p, p, p, p, p, i32, i32, i32], ctypes.c_int),
+            "xllm_dequant_panels_kq": ([i32, p, p, p, p, p, i32, i32, p], ctypes.c_int),
         }
         for name, (args, res) in signatures.items():
             fn = getattr(lib, name)
@@ -344,6 +348,40 @@ def linear_panels_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tens
                                     0 if bias is None else bias.data_ptr(), y.data_ptr(),
                                     x.shape[0], out_features, k)
     return y if rc == 0 else None
+
+
+def _kq_ptrs(kq: KQuantPanels) -> list[int | None]:
+    return [None if t is None else t.data_ptr() for t in (kq.q, kq.sc, kq.mn, kq.d, kq.dm)]
+
+
+def linear_panels_kquant(x: torch.Tensor, kq: KQuantPanels,
+                         bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ W.T + bias`` for x [M <= PANEL_MAX_ROWS, K] float32 with W as GGUF Q4_K / Q6_K
+    panels (kquant_panels.py): the sums of float32 panels holding the dequantized weight.
+    None: not handled."""
+    if (x.dim() != 2 or not 0 < x.shape[0] <= PANEL_MAX_ROWS or not x.is_contiguous()
+            or not _f32_cpu(x) or _load() is None):
+        return None
+    if bias is not None and (not _f32_cpu(bias) or not bias.is_contiguous()):
+        return None
+    if x.shape[1] != kq.in_features:
+        raise ValueError(f"linear: input has {x.shape[1]} features, weight expects "
+                         f"{kq.in_features}")
+    y = torch.empty(x.shape[0], kq.out_features, dtype=x.dtype)
+    rc = _lib.xllm_linear_panels_kq(kq.type_id, x.data_ptr(), *_kq_ptrs(kq),
+                                    0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                                    x.shape[0], kq.out_features, kq.in_features)
+    return y if rc == 0 else None
+
+
+def dequantize_kquant_panels(kq: KQuantPanels) -> torch.Tensor | None:
+    """The float32 panels [np, K, 16] the kernels widen ``kq`` to; None without them."""
+    if _load() is None:
+        return None
+    out = torch.empty(kq.num_panels, kq.in_features, 16, dtype=torch.float32)
+    rc = _lib.xllm_dequant_panels_kq(kq.type_id, *_kq_ptrs(kq), kq.num_panels,
+                                     kq.in_features, out.data_ptr())
+    return out if rc == 0 else None
 
 
 def int8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

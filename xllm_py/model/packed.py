@@ -37,7 +37,7 @@ import logging
 import torch
 from torch import nn
 
-from xllm_py.model import cpu_kernels
+from xllm_py.model import cpu_kernels, kquant_panels
 from xllm_py.model.int8_panels import (PanelEmbedding, dequantize_panels, int8_blocks,
                                        pack_int8_panels)
 
@@ -68,7 +68,8 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, batch_hint: int = DEFAULT_BATCH_HINT,
                  weight_dtype: torch.dtype = torch.float32,
-                 int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 int8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 kquant: kquant_panels.KQuantPanels | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -79,7 +80,11 @@ class PackedLinear(nn.Module):
         # (linear_panels up to PANEL_MAX_ROWS, linear_large past that).
         # bfloat16 panels: the kernels widen them exactly (module docstring)
         self._scales = None  # int8 panels: their float32 scales [np, K / 32, 16]
-        if int8 is not None and cpu_kernels.linear_available():
+        self._kq = None  # GGUF Q4_K / Q6_K panels (kquant_panels.py); _panels: their values
+        if kquant is not None and cpu_kernels.linear_available():
+            self._kq = kquant
+            self._panels = kquant.q
+        elif int8 is not None and cpu_kernels.linear_available():
             self._panels, self._scales = pack_int8_panels(*int8)
         else:
             self._panels = (cpu_kernels.pack_panels(weight, weight_dtype)
@@ -98,8 +103,12 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype == torch.float32 and not x2.is_contiguous():
             x2 = x2.contiguous()  # a copy costs far less than the matmul's slower path
-        if self._scales is not None:
-            y = self._linear_int8(x2)
+        if self._kq is not None:
+            y = self._linear_in_steps(x2, lambda x: cpu_kernels.linear_panels_kquant(
+                x, self._kq, self.bias))
+        elif self._scales is not None:
+            y = self._linear_in_steps(x2, lambda x: cpu_kernels.linear_panels_int8(
+                x, self._panels, self._scales, self.out_features, self.bias))
         elif x2.shape[0] <= cpu_kernels.PANEL_MAX_ROWS:
             y = cpu_kernels.linear_panels(x2, self._panels, self.out_features, self.bias)
         else:
@@ -108,13 +117,13 @@ class PackedLinear(nn.Module):
             y = self._linear_from_panels(x2)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def _linear_int8(self, x2: torch.Tensor) -> torch.Tensor | None:
-        """Int8 panels: the decode-size kernel, PANEL_MAX_ROWS rows at a time."""
+    @staticmethod
+    def _linear_in_steps(x2: torch.Tensor, kernel) -> torch.Tensor | None:
+        """Int8 or K-quant panels: the decode-size kernel, PANEL_MAX_ROWS rows at a time."""
         step = cpu_kernels.PANEL_MAX_ROWS
         parts = []
         for r0 in range(0, x2.shape[0], step):
-            y = cpu_kernels.linear_panels_int8(x2[r0:r0 + step], self._panels, self._scales,
-                                               self.out_features, self.bias)
+            y = kernel(x2[r0:r0 + step])
             if y is None:
                 return None
             parts.append(y)
@@ -124,14 +133,19 @@ class PackedLinear(nn.Module):
         """The same product in torch, reading the panels in place: [M, K] @ [np, K, 16] is a
         batched matmul to [np, M, 16], whose panels side by side are the columns of y."""
         m, num = x2.shape[0], self._panels.shape[0]
-        panels = (self._panels if self._scales is None
-                  else dequantize_panels(self._panels, self._scales))
+        if self._kq is not None:
+            panels = self._kq.dequantize()
+        elif self._scales is not None:
+            panels = dequantize_panels(self._panels, self._scales)
+        else:
+            panels = self._panels
         y = torch.matmul(x2, panels.to(x2.dtype)).transpose(0, 1).reshape(m, num * 16)
         y = y[:, :self.out_features]
         return y + self.bias if self.bias is not None else y.contiguous()
 
     def extra_repr(self) -> str:
-        layout = "onednn" if self._panels is None else {
+        layout = "onednn" if self._panels is None else f"panels-{self._kq.qtype}" if (
+            self._kq is not None) else {
             torch.float32: "panels", torch.bfloat16: "panels-bf16",
             torch.int8: "panels-int8"}[self._panels.dtype]
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
@@ -163,31 +177,33 @@ def pack_linears(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT,
         logger.info("linear weights not packed: %s", why)
         return 0
     panels = cpu_kernels.linear_available()
-    count = num_bf16 = num_int8 = num_rounded = 0
+    count = num_bf16 = num_int8 = num_kq = num_rounded = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                dtype, int8 = torch.float32, None
+                dtype, int8, kq = torch.float32, None, None
                 if panels and weight_dtype == "auto":
-                    int8 = int8_blocks(child.weight)
-                if panels and weight_dtype != "float32" and int8 is None:
+                    kq = kquant_panels.for_linear(child)
+                    int8 = int8_blocks(child.weight) if kq is None else None
+                if panels and weight_dtype != "float32" and int8 is None and kq is None:
                     exact = is_bfloat16_valued(child.weight)
                     if exact or weight_dtype == "bfloat16":
                         dtype = torch.bfloat16
                         num_rounded += not exact
-                setattr(parent, name, PackedLinear(child, batch_hint, dtype, int8))
+                setattr(parent, name, PackedLinear(child, batch_hint, dtype, int8, kq))
                 count += 1
                 num_bf16 += dtype == torch.bfloat16
                 num_int8 += int8 is not None
+                num_kq += kq is not None
     if num_rounded:
         logger.warning("weight dtype bfloat16: %d of %d linear weights rounded to bfloat16",
                        num_rounded, count)
     if num_int8:
         _embed_from_int8_head(model)
     if panels:
-        logger.info("packed %d linear layers as panels for the native kernels (%d in int8, "
-                    "%d in bfloat16, %d in float32)", count, num_int8, num_bf16,
-                    count - num_bf16 - num_int8)
+        logger.info("packed %d linear layers as panels for the native kernels (%d in GGUF "
+                    "Q4_K/Q6_K, %d in int8, %d in bfloat16, %d in float32)", count, num_kq,
+                    num_int8, num_bf16, count - num_bf16 - num_int8 - num_kq)
     else:
         if weight_dtype == "bfloat16":
             logger.warning("weight dtype bfloat16 needs the native kernels: weights kept "

@@ -616,6 +616,27 @@ static inline __attribute__((always_inline)) void panel_chunk(const float *xt, c
                         acc + full * XLLM_TILE_ROWS, 0, M - full * XLLM_TILE_ROWS);
 }
 
+/* x [M > 1][K] packed by tiles into xt (panel_pack_floats), shared among the threads of
+ * the parallel region (ends in the loop's barrier). */
+static void panel_pack_x(const float *x, int32_t M, int32_t K, float *xt) {
+    const int32_t tiles = (M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS;
+#pragma omp for schedule(static)
+    for (int32_t t = 0; t < tiles; t++) {
+        float *dst = xt + (int64_t)t * K * XLLM_TILE_ROWS;
+        for (int32_t r = 0; r < XLLM_TILE_ROWS; r++) {
+            const int32_t m = t * XLLM_TILE_ROWS + r;
+            if (m < M) {
+                const float *src = x + (int64_t)m * K;
+                for (int32_t k = 0; k < K; k++)
+                    dst[(int64_t)k * XLLM_TILE_ROWS + r] = src[k];
+            } else {
+                for (int32_t k = 0; k < K; k++)
+                    dst[(int64_t)k * XLLM_TILE_ROWS + r] = 0.0f;
+            }
+        }
+    }
+}
+
 /* The work sharing of linear_panels inside a parallel region; xt: panel_pack_floats.
  * P: float32 panels, bfloat16 ones with ``bf16``, or int8 ones with their scales S. */
 static void linear_panels_body_s(const float *x, const void *P, const float *S, const float *b,
@@ -623,23 +644,8 @@ static void linear_panels_body_s(const float *x, const void *P, const float *S, 
                                  int bf16) {
     const int32_t np = (N + 15) / 16;
     const int32_t tiles = (M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS;
-    if (M > 1) {
-#pragma omp for schedule(static)
-        for (int32_t t = 0; t < tiles; t++) {
-            float *dst = xt + (int64_t)t * K * XLLM_TILE_ROWS;
-            for (int32_t r = 0; r < XLLM_TILE_ROWS; r++) {
-                const int32_t m = t * XLLM_TILE_ROWS + r;
-                if (m < M) {
-                    const float *src = x + (int64_t)m * K;
-                    for (int32_t k = 0; k < K; k++)
-                        dst[(int64_t)k * XLLM_TILE_ROWS + r] = src[k];
-                } else {
-                    for (int32_t k = 0; k < K; k++)
-                        dst[(int64_t)k * XLLM_TILE_ROWS + r] = 0.0f;
-                }
-            }
-        }
-    }
+    if (M > 1)
+        panel_pack_x(x, M, K, xt);
     /* static: every panel costs the same, so an even split needs no scheduling work */
 #pragma omp for schedule(static)
     for (int32_t p = 0; p < np; p++) {
@@ -724,7 +730,20 @@ int xllm_linear_panels_bf16(const float *x, const uint16_t *P, const float *b, f
 
 #include "decode_layer.c"
 #include "linear_large.c"
+#include "kquant.c"
 #else
+int xllm_linear_panels_kq(int32_t type, const float *x, const void *Q, const void *SC,
+                          const void *MN, const float *D, const float *DM, const float *b,
+                          float *y, int32_t M, int32_t N, int32_t K) {
+    (void)type; (void)x; (void)Q; (void)SC; (void)MN; (void)D; (void)DM; (void)b; (void)y;
+    (void)M; (void)N; (void)K;
+    return -1;
+}
+int xllm_dequant_panels_kq(int32_t type, const void *Q, const void *SC, const void *MN,
+                           const float *D, const float *DM, int32_t np, int32_t K, float *out) {
+    (void)type; (void)Q; (void)SC; (void)MN; (void)D; (void)DM; (void)np; (void)K; (void)out;
+    return -1;
+}
 int xllm_linear_panels_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
                            int32_t N, int32_t K) {
     (void)x; (void)P; (void)b; (void)y; (void)M; (void)N; (void)K;
