@@ -53,6 +53,8 @@ class Timers:
 def panel_bytes(m: PackedLinear) -> int:
     if m._panels is None:
         return 0
+    if getattr(m, "_kq", None) is not None:  # GGUF Q4_K / Q6_K panels
+        return m._kq.nbytes
     n = m._panels.numel() * m._panels.element_size()
     return n + (0 if m._scales is None else m._scales.numel() * 4)
 

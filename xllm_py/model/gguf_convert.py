@@ -5,8 +5,12 @@ rest of the project loads like any other: config.json (the HF config the GGUF me
 stands for), generation_config.json, tokenizer.json + tokenizer_config.json (built from
 the GGUF's vocabulary, with the chat template the family uses when the file has none) and
 model.safetensors (every tensor dequantized to float32 by the ``gguf`` package's own
-readers, named as the HF checkpoint names it). ``with_weights=False`` (the master) writes
-all but the weights. Concurrent processes wait on one lock; the files are written to a
+readers, named as the HF checkpoint names it), and beside it gguf/blocks.safetensors: the
+file's own blocks (uint8 rows, as ``GGUFReader`` gives them) of every weight in a type the
+native kernels keep quantized (Q4_K, Q6_K: kquant_panels.py), under the same HF names, in
+a folder of its own so that tools globbing ``*.safetensors`` never take them for weights.
+``with_weights=False`` (the master) writes all but the weights. A directory written
+without the blocks (before they were kept) gets them added in place, under the lock. Concurrent processes wait on one lock; the files are written to a
 temporary folder and renamed into place.
 
 Supported: architecture ``gemma3`` (Gemma 3 text). Facts about what the converter that
@@ -30,7 +34,9 @@ from typing import Any, Iterator
 
 logger = logging.getLogger(__name__)
 
-_FORMAT_VERSION = 1  # bump when the files written here change
+_FORMAT_VERSION = 1  # bump when the files written here change (not for the blocks: added)
+_BLOCK_TYPES = ("Q4_K", "Q6_K")  # kept as raw blocks too (kquant_panels.TYPES)
+BLOCKS_FILE = pathlib.Path("gguf") / "blocks.safetensors"
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _GEMMA3_LAYER_TENSORS = {
@@ -227,6 +233,28 @@ def dequantized_tensors(reader: Any) -> Iterator[tuple[str, Any]]:
         yield name, arr
 
 
+def write_blocks(reader: Any, out: pathlib.Path, source: str) -> int:
+    """out/gguf/blocks.safetensors: the raw blocks of the file's 2-D weights in
+    ``_BLOCK_TYPES`` (HF names; their types in the metadata, JSON under "types"), written to
+    a temporary name and renamed. Returns how many."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    blocks: dict[str, Any] = {}
+    types: dict[str, str] = {}
+    for t in reader.tensors:
+        if t.tensor_type.name in _BLOCK_TYPES and len(t.shape) == 2 and t.name != "token_embd.weight":
+            name = hf_tensor_name(t.name)
+            blocks[name] = np.ascontiguousarray(t.data, dtype=np.uint8)
+            types[name] = t.tensor_type.name
+    path = out / BLOCKS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(blocks, str(tmp), metadata={"types": json.dumps(types), "source": source})
+    os.replace(tmp, path)
+    return len(blocks)
+
+
 def _write_dir(gguf_path: pathlib.Path, out: pathlib.Path, with_weights: bool) -> None:
     from gguf import GGUFReader
 
@@ -248,6 +276,7 @@ def _write_dir(gguf_path: pathlib.Path, out: pathlib.Path, with_weights: bool) -
 
         save_file(dict(dequantized_tensors(reader)), str(out / "model.safetensors"),
                   metadata={"format": "pt", "source": gguf_path.name})
+        write_blocks(reader, out, gguf_path.name)
     (out / ".complete").write_text(str(_FORMAT_VERSION))
 
 
@@ -256,6 +285,10 @@ def _is_current(path: pathlib.Path) -> bool:
         return (path / ".complete").read_text().strip() == str(_FORMAT_VERSION)
     except OSError:
         return False
+
+
+def _has_blocks(path: pathlib.Path) -> bool:
+    return (path / BLOCKS_FILE).is_file()
 
 
 @contextlib.contextmanager
@@ -286,11 +319,18 @@ def ensure_gguf_model_dir(gguf_path: str | pathlib.Path, *, with_weights: bool =
     root = pathlib.Path(cache_dir) if cache_dir is not None else cache_root()
     target = root / f"{src.stem}-{key}"
     files_only = root / f"{src.stem}-{key}.noweights"
-    if _is_current(target) or (not with_weights and _is_current(files_only)):
-        return target if _is_current(target) else files_only
+    if _is_current(target) and (_has_blocks(target) or not with_weights):
+        return target
+    if not with_weights and _is_current(files_only):
+        return files_only
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{src.stem}-{key}.lock"):
         dest = target if with_weights else files_only
+        if _is_current(target) and not _has_blocks(target):  # written before the blocks
+            from gguf import GGUFReader
+
+            logger.info("adding the GGUF blocks of %s to its model directory", src.name)
+            write_blocks(GGUFReader(str(src)), target, src.name)
         if _is_current(target) or _is_current(dest):
             return target if _is_current(target) else dest
         logger.info("converting %s to a model directory (once: it is cached in %s)",

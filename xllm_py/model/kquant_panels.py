@@ -31,13 +31,13 @@ import numpy as np
 import torch
 
 from xllm_py.model import cpu_kernels
+from xllm_py.model.gguf_convert import BLOCKS_FILE
 
 logger = logging.getLogger(__name__)
 
 QK_K = 256
 # GGMLQuantizationType name -> (value, bytes per 256-value block)
 TYPES = {"Q4_K": (12, 144), "Q6_K": (14, 210)}
-BLOCKS_FILE = pathlib.Path("gguf") / "blocks.safetensors"  # in a converted model dir
 
 
 @dataclass

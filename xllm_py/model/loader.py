@@ -4,7 +4,9 @@ Stages: check the directory (config.json, tokenizer.json, safetensors weights) -
 ``ModelConfig`` -> read every tensor header and check names and shapes against the model
 (fail before loading anything) -> build the model on the ``meta`` device, allocate it
 empty on the target device -> stream tensors one at a time with ``safe_open`` into the
-parameters (q/k/v and gate/up go into row slices of the fused weights).
+parameters (q/k/v and gate/up go into row slices of the fused weights) -> from a
+converted GGUF, the raw blocks of its K-quant weights onto their linears
+(kquant_panels.attach_blocks; packing keeps those weights quantized).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
+from xllm_py.model import kquant_panels
 from xllm_py.model.config import ModelConfig
 from xllm_py.model.llama import LlamaForCausalLM
 
@@ -221,6 +224,9 @@ def load_model(model_dir: str | pathlib.Path, dtype: str | torch.dtype = "float3
                               flush=True)
     if show_progress:
         print(file=sys.stderr)
+    # a converted GGUF's K-quant blocks, for the packing to keep them quantized
+    kquant_panels.attach_blocks(model, path, {name: (t.param, t.row_start)
+                                              for name, t in targets.items()})
     model.requires_grad_(False)
     model.eval()
     elapsed = time.perf_counter() - started

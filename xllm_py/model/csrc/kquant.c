@@ -73,19 +73,16 @@ static inline __attribute__((always_inline)) void q4k_scales(const struct kq_pan
     *dm1 = _mm256_mul_ps(_mm256_loadu_ps(dm + 8), m1);
 }
 
-/* Q4_K rows k, k + 1 (16 bytes of nibbles) -> w0, w1 (row k), w2, w3 (row k + 1). */
-static inline __attribute__((always_inline)) void q4k_pair(const uint8_t *q, __m256 ds0,
-                                                           __m256 ds1, __m256 dm0, __m256 dm1,
-                                                           __m256 *w0, __m256 *w1, __m256 *w2,
-                                                           __m256 *w3) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)q), m = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
-    *w0 = _mm256_fmsub_ps(ds0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dm0);
-    *w1 = _mm256_fmsub_ps(ds1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dm1);
-    *w2 = _mm256_fmsub_ps(ds0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
-                          dm0);
-    *w3 = _mm256_fmsub_ps(ds1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))),
-                          dm1);
+/* Q4_K row k (8 bytes of nibbles) -> w0 (columns 0-7), w1 (8-15): each byte widened to a
+ * 32-bit lane holds column i in its low nibble and column i + 8 in the next four bits. */
+static inline __attribute__((always_inline)) void q4k_row(const uint8_t *q, __m256 ds0,
+                                                          __m256 ds1, __m256 dm0, __m256 dm1,
+                                                          __m256 *w0, __m256 *w1) {
+    const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    const __m256i lo = _mm256_and_si256(z, _mm256_set1_epi32(0x0F));
+    const __m256i hi = _mm256_srli_epi32(z, 4);
+    *w0 = _mm256_fmsub_ps(ds0, _mm256_cvtepi32_ps(lo), dm0);
+    *w1 = _mm256_fmsub_ps(ds1, _mm256_cvtepi32_ps(hi), dm1);
 }
 
 /* Q6_K sub-block s (16 rows): D * SC for the 16 columns. */
@@ -101,27 +98,24 @@ static inline __attribute__((always_inline)) void q6k_scales(const struct kq_pan
 /* Q6_K row k (16 int8) -> w0, w1. */
 static inline __attribute__((always_inline)) void q6k_row(const uint8_t *q, __m256 ds0, __m256 ds1,
                                                           __m256 *w0, __m256 *w1) {
-    __m256 a, b;
-    i8x16_float(_mm_loadu_si128((const __m128i *)q), &a, &b);
-    *w0 = _mm256_mul_ps(ds0, a);
-    *w1 = _mm256_mul_ps(ds1, b);
+    const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+    *w0 = _mm256_mul_ps(ds0, _mm256_cvtepi32_ps(a));
+    *w1 = _mm256_mul_ps(ds1, _mm256_cvtepi32_ps(b));
 }
 
 /* rows [k0, k0 + kn) of a panel (k0 a multiple of 32, kn of 16) -> float32 dst[kn][16] */
 static void kq_panel_rows(int type, const struct kq_panel *a, int32_t k0, int32_t kn,
                           float *dst) {
-    __m256 ds0 = _mm256_setzero_ps(), ds1 = ds0, dm0 = ds0, dm1 = ds0, w0, w1, w2, w3;
+    __m256 ds0 = _mm256_setzero_ps(), ds1 = ds0, dm0 = ds0, dm1 = ds0, w0, w1;
     if (type == XLLM_KQ_Q4K) {
-        for (int32_t i = 0; i < kn; i += 2) {
+        for (int32_t i = 0; i < kn; i++) {
             const int32_t k = k0 + i;
             if (k % 32 == 0)
                 q4k_scales(a, k / 32, &ds0, &ds1, &dm0, &dm1);
-            q4k_pair(a->q + (int64_t)k * 8, ds0, ds1, dm0, dm1, &w0, &w1, &w2, &w3);
-            float *o = dst + (int64_t)i * 16;
-            _mm256_storeu_ps(o, w0);
-            _mm256_storeu_ps(o + 8, w1);
-            _mm256_storeu_ps(o + 16, w2);
-            _mm256_storeu_ps(o + 24, w3);
+            q4k_row(a->q + (int64_t)k * 8, ds0, ds1, dm0, dm1, &w0, &w1);
+            _mm256_storeu_ps(dst + (int64_t)i * 16, w0);
+            _mm256_storeu_ps(dst + (int64_t)i * 16 + 8, w1);
         }
     } else {
         for (int32_t i = 0; i < kn; i++) {
@@ -147,7 +141,8 @@ static void kq_one_row(int type, const float *x0, const struct kq_panel *a, int3
                 if ((k & 7) == 0) /* the next sub-block's nibbles: 4 lines ahead */
                     _mm_prefetch((const char *)(a->q + (int64_t)k * 8 + 256), _MM_HINT_T0);
                 const __m256 x = _mm256_broadcast_ss(x0 + k), x2 = _mm256_broadcast_ss(x0 + k + 1);
-                q4k_pair(a->q + (int64_t)k * 8, ds0, ds1, dm0, dm1, &w0, &w1, &w2, &w3);
+                q4k_row(a->q + (int64_t)k * 8, ds0, ds1, dm0, dm1, &w0, &w1);
+                q4k_row(a->q + (int64_t)k * 8 + 8, ds0, ds1, dm0, dm1, &w2, &w3);
                 e0 = _mm256_fmadd_ps(x, w0, e0);
                 e1 = _mm256_fmadd_ps(x, w1, e1);
                 o0 = _mm256_fmadd_ps(x2, w2, o0);
