@@ -186,7 +186,10 @@ def unavailable_reason() -> str:
 
 
 def _f32_cpu(*ts: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
+    for t in ts:  # a loop, not all(genexpr): called for every kernel call
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return False
+    return True
 
 
 def _cache_layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -350,10 +353,6 @@ def linear_panels_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tens
     return y if rc == 0 else None
 
 
-def _kq_ptrs(kq: KQuantPanels) -> list[int | None]:
-    return [None if t is None else t.data_ptr() for t in (kq.q, kq.sc, kq.mn, kq.d, kq.dm)]
-
-
 def linear_panels_kquant(x: torch.Tensor, kq: KQuantPanels,
                          bias: torch.Tensor | None) -> torch.Tensor | None:
     """``x @ W.T + bias`` for x [M <= PANEL_MAX_ROWS, K] float32 with W as GGUF Q4_K / Q6_K
@@ -368,7 +367,8 @@ def linear_panels_kquant(x: torch.Tensor, kq: KQuantPanels,
         raise ValueError(f"linear: input has {x.shape[1]} features, weight expects "
                          f"{kq.in_features}")
     y = torch.empty(x.shape[0], kq.out_features, dtype=x.dtype)
-    rc = _lib.xllm_linear_panels_kq(kq.type_id, x.data_ptr(), *_kq_ptrs(kq),
+    t, q, sc, mn, d, dm = kq.args
+    rc = _lib.xllm_linear_panels_kq(t, x.data_ptr(), q, sc, mn, d, dm,
                                     0 if bias is None else bias.data_ptr(), y.data_ptr(),
                                     x.shape[0], kq.out_features, kq.in_features)
     return y if rc == 0 else None
@@ -379,8 +379,7 @@ def dequantize_kquant_panels(kq: KQuantPanels) -> torch.Tensor | None:
     if _load() is None:
         return None
     out = torch.empty(kq.num_panels, kq.in_features, 16, dtype=torch.float32)
-    rc = _lib.xllm_dequant_panels_kq(kq.type_id, *_kq_ptrs(kq), kq.num_panels,
-                                     kq.in_features, out.data_ptr())
+    rc = _lib.xllm_dequant_panels_kq(*kq.args, kq.num_panels, kq.in_features, out.data_ptr())
     return out if rc == 0 else None
 
 

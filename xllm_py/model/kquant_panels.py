@@ -53,9 +53,10 @@ class KQuantPanels:
     d: torch.Tensor
     dm: torch.Tensor | None
 
-    @property
-    def type_id(self) -> int:
-        return TYPES[self.qtype][0]
+    def __post_init__(self) -> None:
+        # the kernels' arguments: type, then the arrays' addresses (they never move)
+        self.args = (TYPES[self.qtype][0],) + tuple(
+            None if t is None else t.data_ptr() for t in (self.q, self.sc, self.mn, self.d, self.dm))
 
     @property
     def num_panels(self) -> int:

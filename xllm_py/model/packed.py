@@ -28,7 +28,10 @@ the native kernels; without them the weights stay float32 (oneDNN). Before bfloa
 ``"auto"`` looks for a weight that is exactly int8 times a scale per 32 values (a GGUF
 Q8_0 or Q5_0 tensor, dequantized) and keeps it as int8 panels (int8_panels.py): the same
 sums again, from a quarter of the bytes; a tied LM head held so also serves the
-embedding's lookups, and the float32 table goes.
+embedding's lookups, and the float32 table goes. Before that, a weight the loader gave GGUF
+Q4_K or Q6_K blocks (a converted GGUF) that hold its values exactly stays in them as
+K-quant panels (kquant_panels.py): the same sums once more, from 0.59 or 1.08 bytes a
+weight.
 """
 from __future__ import annotations
 
@@ -103,12 +106,9 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype == torch.float32 and not x2.is_contiguous():
             x2 = x2.contiguous()  # a copy costs far less than the matmul's slower path
-        if self._kq is not None:
-            y = self._linear_in_steps(x2, lambda x: cpu_kernels.linear_panels_kquant(
-                x, self._kq, self.bias))
-        elif self._scales is not None:
-            y = self._linear_in_steps(x2, lambda x: cpu_kernels.linear_panels_int8(
-                x, self._panels, self._scales, self.out_features, self.bias))
+        if self._kq is not None or self._scales is not None:
+            y = (self._linear_quantized(x2) if x2.shape[0] <= cpu_kernels.PANEL_MAX_ROWS
+                 else self._linear_in_steps(x2))
         elif x2.shape[0] <= cpu_kernels.PANEL_MAX_ROWS:
             y = cpu_kernels.linear_panels(x2, self._panels, self.out_features, self.bias)
         else:
@@ -117,13 +117,19 @@ class PackedLinear(nn.Module):
             y = self._linear_from_panels(x2)
         return y.view(*x.shape[:-1], self.out_features)
 
-    @staticmethod
-    def _linear_in_steps(x2: torch.Tensor, kernel) -> torch.Tensor | None:
-        """Int8 or K-quant panels: the decode-size kernel, PANEL_MAX_ROWS rows at a time."""
+    def _linear_quantized(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """K-quant or int8 panels, up to PANEL_MAX_ROWS rows."""
+        if self._kq is not None:
+            return cpu_kernels.linear_panels_kquant(x2, self._kq, self.bias)
+        return cpu_kernels.linear_panels_int8(x2, self._panels, self._scales,
+                                              self.out_features, self.bias)
+
+    def _linear_in_steps(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """K-quant or int8 panels: the decode-size kernel, PANEL_MAX_ROWS rows at a time."""
         step = cpu_kernels.PANEL_MAX_ROWS
         parts = []
         for r0 in range(0, x2.shape[0], step):
-            y = kernel(x2[r0:r0 + step])
+            y = self._linear_quantized(x2[r0:r0 + step])
             if y is None:
                 return None
             parts.append(y)
