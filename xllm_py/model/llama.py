@@ -20,6 +20,7 @@ from xllm_py.model.attention import (AttentionMetadata, AttentionPlan, attend, p
 from xllm_py.model.config import SLIDING, ModelConfig
 from xllm_py.model.fused_decode import FusedDecoder
 from xllm_py.model.gemma3 import Gemma3DecoderLayer
+from xllm_py.model.gemma3_decode import Gemma3DecodeRunner
 from xllm_py.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class LlamaForCausalLM(nn.Module):
         # Decode batches through one native call per layer (fused_decode.py); False: off.
         self.fused_decode = True
         self._fused: tuple[int, FusedDecoder | None] = (0, None)
+        self._gemma_runner: tuple[int, Gemma3DecodeRunner | None] = (0, None)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -200,6 +202,11 @@ class LlamaForCausalLM(nn.Module):
                     (1,), plan.num_tokens - 1)
                 rows_plan = plan_rows(attn_metadata, rows, positions, block_size,
                                       self.windows[last])
+            runner = self._decode_runner() if rows is None else None
+            if runner is not None:  # Gemma 3 decode steps: the same kernels, less Python
+                done = runner.run(hidden, {w: local if w and local is not None else cos_sin
+                                           for w in plans}, kv_caches, plans, self.windows)
+        if done is None:
             residual = None
             for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
                 r, rp = (rows, rows_plan) if i == last else (None, None)
@@ -220,6 +227,15 @@ class LlamaForCausalLM(nn.Module):
         if self._fused[0] != key:
             self._fused = (key, FusedDecoder.build(self))
         return self._fused[1]
+
+    def _decode_runner(self) -> Gemma3DecodeRunner | None:
+        """Built on first use and again when the layers' linears are replaced (packing)."""
+        if not self.fused_decode or not self.config.sandwich_norm or not len(self.model.layers):
+            return None
+        key = id(self.model.layers[0].self_attn.qkv_proj)
+        if self._gemma_runner[0] != key:
+            self._gemma_runner = (key, Gemma3DecodeRunner.build(self))
+        return self._gemma_runner[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
