@@ -64,7 +64,7 @@ def model_dir(tmp_path_factory) -> pathlib.Path:
 
 
 def _logits(model, cfg, ids: list[int]) -> torch.Tensor:
-    caches = allocate_kv_caches(cfg.num_layers, 32, 4, cfg.num_kv_heads, cfg.head_dim)
+    caches = allocate_kv_caches(cfg.num_layers, 40, 4, cfg.num_kv_heads, cfg.head_dim)
     seqs = [(0, len(ids), list(range(1, 1 + (len(ids) + 3) // 4)))]
     with torch.inference_mode():
         return model.forward_logits(torch.tensor(ids), build_positions(seqs),
@@ -97,5 +97,5 @@ def test_packed_model_keeps_them_quantized_with_the_same_logits(model_dir):
     assert l0.self_attn.o_proj._kq is None
     assert l0.mlp.down_proj._kq.qtype == "Q6_K"
     assert l0.mlp.gate_up_proj._kq.qtype == "Q4_K"
-    ids = list(range(5, 40))
-    assert torch.equal(_logits(model, cfg, ids), _logits(float_model, cfg, ids))
+    for ids in (list(range(5, 40)), [i % 200 for i in range(130)]):  # decode-size, prompt-size
+        assert torch.equal(_logits(model, cfg, ids), _logits(float_model, cfg, ids))

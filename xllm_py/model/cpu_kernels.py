@@ -146,6 +146,8 @@ def _load() -> ctypes.CDLL | None:
             "xllm_copy_chunks": ([p, p, i64], None),
             "xllm_int8_blocks": ([p, i64, p, p], ctypes.c_int),
             "xllm_linear_panels_kq": ([i32, p, p, p, p, p, p, p, p, i32, i32, i32], ctypes.c_int),
+            "xllm_linear_large_kq": ([i32, p, p, p, p, p, p, p, p, i32, i32, i32], ctypes.c_int),
+            "xllm_linear_large_i8": ([p, p, p, p, p, i32, i32, i32], ctypes.c_int),
             "xllm_dequant_panels_kq": ([i32, p, p, p, p, p, i32, i32, p], ctypes.c_int),
         }
         for name, (args, res) in signatures.items():
@@ -334,10 +336,11 @@ def linear_large(x: torch.Tensor, panels: torch.Tensor, out_features: int,
 
 def linear_panels_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
                        out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``x @ W.T + bias`` for x [M <= PANEL_MAX_ROWS, K] float32 with W as int8 panels
-    [ceil(N/16), K, 16] and float32 scales [ceil(N/16), K/32, 16] (int8_panels.py): the
-    sums of float32 panels holding the same values. None: not handled."""
-    if (x.dim() != 2 or not 0 < x.shape[0] <= PANEL_MAX_ROWS or not x.is_contiguous()
+    """``x @ W.T + bias`` for x [M, K] float32 with W as int8 panels [ceil(N/16), K, 16] and
+    float32 scales [ceil(N/16), K/32, 16] (int8_panels.py): the sums of float32 panels
+    holding the same values (linear_panels' up to PANEL_MAX_ROWS rows, linear_large's
+    past that). None: not handled."""
+    if (x.dim() != 2 or not 0 < x.shape[0] or not x.is_contiguous()
             or not _f32_cpu(x) or panels.dtype != torch.int8 or not panels.is_contiguous()
             or not _f32_cpu(scales) or not scales.is_contiguous() or _load() is None):
         return None
@@ -347,18 +350,19 @@ def linear_panels_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tens
     if x.shape[1] != k or panels.shape[0] * 16 < out_features or k % 32:
         raise ValueError(f"linear: input has {x.shape[1]} features, weight expects {k}")
     y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-    rc = _lib.xllm_linear_panels_i8(x.data_ptr(), panels.data_ptr(), scales.data_ptr(),
-                                    0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                                    x.shape[0], out_features, k)
+    fn = _lib.xllm_linear_panels_i8 if x.shape[0] <= PANEL_MAX_ROWS else _lib.xllm_linear_large_i8
+    rc = fn(x.data_ptr(), panels.data_ptr(), scales.data_ptr(),
+            0 if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], out_features, k)
     return y if rc == 0 else None
 
 
 def linear_panels_kquant(x: torch.Tensor, kq: KQuantPanels,
                          bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``x @ W.T + bias`` for x [M <= PANEL_MAX_ROWS, K] float32 with W as GGUF Q4_K / Q6_K
-    panels (kquant_panels.py): the sums of float32 panels holding the dequantized weight.
-    None: not handled."""
-    if (x.dim() != 2 or not 0 < x.shape[0] <= PANEL_MAX_ROWS or not x.is_contiguous()
+    """``x @ W.T + bias`` for x [M, K] float32 with W as GGUF Q4_K / Q6_K panels
+    (kquant_panels.py): the sums of float32 panels holding the dequantized weight
+    (linear_panels' up to PANEL_MAX_ROWS rows, linear_large's past that). None: not
+    handled."""
+    if (x.dim() != 2 or not 0 < x.shape[0] or not x.is_contiguous()
             or not _f32_cpu(x) or _load() is None):
         return None
     if bias is not None and (not _f32_cpu(bias) or not bias.is_contiguous()):
@@ -368,9 +372,9 @@ def linear_panels_kquant(x: torch.Tensor, kq: KQuantPanels,
                          f"{kq.in_features}")
     y = torch.empty(x.shape[0], kq.out_features, dtype=x.dtype)
     t, q, sc, mn, d, dm = kq.args
-    rc = _lib.xllm_linear_panels_kq(t, x.data_ptr(), q, sc, mn, d, dm,
-                                    0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                                    x.shape[0], kq.out_features, kq.in_features)
+    fn = _lib.xllm_linear_panels_kq if x.shape[0] <= PANEL_MAX_ROWS else _lib.xllm_linear_large_kq
+    rc = fn(t, x.data_ptr(), q, sc, mn, d, dm, 0 if bias is None else bias.data_ptr(),
+            y.data_ptr(), x.shape[0], kq.out_features, kq.in_features)
     return y if rc == 0 else None
 
 

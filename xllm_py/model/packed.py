@@ -106,9 +106,11 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype == torch.float32 and not x2.is_contiguous():
             x2 = x2.contiguous()  # a copy costs far less than the matmul's slower path
-        if self._kq is not None or self._scales is not None:
-            y = (self._linear_quantized(x2) if x2.shape[0] <= cpu_kernels.PANEL_MAX_ROWS
-                 else self._linear_in_steps(x2))
+        if self._kq is not None:
+            y = cpu_kernels.linear_panels_kquant(x2, self._kq, self.bias)
+        elif self._scales is not None:
+            y = cpu_kernels.linear_panels_int8(x2, self._panels, self._scales,
+                                               self.out_features, self.bias)
         elif x2.shape[0] <= cpu_kernels.PANEL_MAX_ROWS:
             y = cpu_kernels.linear_panels(x2, self._panels, self.out_features, self.bias)
         else:
@@ -116,24 +118,6 @@ class PackedLinear(nn.Module):
         if y is None:  # the kernels declined (disabled, out of memory, other dtype...)
             y = self._linear_from_panels(x2)
         return y.view(*x.shape[:-1], self.out_features)
-
-    def _linear_quantized(self, x2: torch.Tensor) -> torch.Tensor | None:
-        """K-quant or int8 panels, up to PANEL_MAX_ROWS rows."""
-        if self._kq is not None:
-            return cpu_kernels.linear_panels_kquant(x2, self._kq, self.bias)
-        return cpu_kernels.linear_panels_int8(x2, self._panels, self._scales,
-                                              self.out_features, self.bias)
-
-    def _linear_in_steps(self, x2: torch.Tensor) -> torch.Tensor | None:
-        """K-quant or int8 panels: the decode-size kernel, PANEL_MAX_ROWS rows at a time."""
-        step = cpu_kernels.PANEL_MAX_ROWS
-        parts = []
-        for r0 in range(0, x2.shape[0], step):
-            y = self._linear_quantized(x2[r0:r0 + step])
-            if y is None:
-                return None
-            parts.append(y)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _linear_from_panels(self, x2: torch.Tensor) -> torch.Tensor:
         """The same product in torch, reading the panels in place: [M, K] @ [np, K, 16] is a

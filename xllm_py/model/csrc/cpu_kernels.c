@@ -729,9 +729,21 @@ int xllm_linear_panels_bf16(const float *x, const uint16_t *P, const float *b, f
 }
 
 #include "decode_layer.c"
-#include "linear_large.c"
 #include "kquant.c"
+#include "linear_large.c"
 #else
+int xllm_linear_large_i8(const float *x, const int8_t *P, const float *S, const float *b,
+                         float *y, int32_t M, int32_t N, int32_t K) {
+    (void)x; (void)P; (void)S; (void)b; (void)y; (void)M; (void)N; (void)K;
+    return -1;
+}
+int xllm_linear_large_kq(int32_t type, const float *x, const void *Q, const void *SC,
+                         const void *MN, const float *D, const float *DM, const float *b,
+                         float *y, int32_t M, int32_t N, int32_t K) {
+    (void)type; (void)x; (void)Q; (void)SC; (void)MN; (void)D; (void)DM; (void)b; (void)y;
+    (void)M; (void)N; (void)K;
+    return -1;
+}
 int xllm_linear_panels_kq(int32_t type, const float *x, const void *Q, const void *SC,
                           const void *MN, const float *D, const float *DM, const float *b,
                           float *y, int32_t M, int32_t N, int32_t K) {

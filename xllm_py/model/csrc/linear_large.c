@@ -17,7 +17,19 @@
  * its chunks are 64 rows of K, these 256. With bfloat16 panels (``_bf16``) each thread widens
  * the chunk of the panel it is about to use into a 16 KB float32 buffer (served to every
  * tile of its block from L1), then runs the same tiles: the same sums as float32 panels
- * holding the same values (why these panels serve prompts too: cpu_kernels.PANEL_MAX_ROWS). */
+ * holding the same values (why these panels serve prompts too: cpu_kernels.PANEL_MAX_ROWS).
+ * Int8 and K-quant panels (``_i8``, ``_kq``: int8_panels.py, kquant.c) widen their chunks
+ * the same way: the sums of float32 panels holding the same values, in this kernel's order. */
+
+/* What the panels hold besides float32: bfloat16 (bf16), int8 with float32 scales (i8), or
+ * a K-quant type (kq, kquant.c). */
+struct large_src {
+    int bf16;
+    const float *i8_scales;
+    int kq_type;
+    const void *kq_sc, *kq_mn;
+    const float *kq_d, *kq_dm;
+};
 
 /* rows of x per block of one thread: 96 rows at K = 512 are 192 KB of packed x, which stay
  * in L2 while the panels stream past */
@@ -163,8 +175,12 @@ static float *large_buffer(size_t need) {
 }
 
 static int linear_large(const float *x, const void *P, const float *b, float *y, int32_t M,
-                        int32_t N, int32_t K, int bf16) {
-    if (M <= 0 || N <= 0 || K <= 0)
+                        int32_t N, int32_t K, const struct large_src *src) {
+    const int bf16 = src != NULL && src->bf16;
+    const float *i8s = src != NULL ? src->i8_scales : NULL;
+    const int kqt = src != NULL ? src->kq_type : 0;
+    const int widen = bf16 || i8s != NULL || kqt;
+    if (M <= 0 || N <= 0 || K <= 0 || (i8s != NULL && K % 32) || (kqt && K % 256))
         return -1;
     const int32_t np = (N + 15) / 16;
     const int32_t tiles = (M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS;
@@ -172,8 +188,8 @@ static int linear_large(const float *x, const void *P, const float *b, float *y,
      * accumulator: XLLM_LARGE_MC * K * 4 bytes is a multiple of 64, so acc stays aligned */
     const size_t xt_floats = (size_t)XLLM_LARGE_MC * K;
     const size_t acc_floats = (size_t)XLLM_LARGE_MC * 16;
-    /* then, with bf16 panels, the widened chunk (also 64-byte aligned) */
-    const size_t need = xt_floats + 16 + acc_floats + (bf16 ? XLLM_LARGE_KC * 16 : 0);
+    /* then, with bf16 / int8 / K-quant panels, the widened chunk (also 64-byte aligned) */
+    const size_t need = xt_floats + 16 + acc_floats + (widen ? XLLM_LARGE_KC * 16 : 0);
     int fail = 0;
     /* Blocks of up to XLLM_LARGE_TILES tiles taken dynamically (a thread the host slows
      * down takes fewer), at least two per thread so that small M still splits evenly. */
@@ -217,7 +233,18 @@ static int linear_large(const float *x, const void *P, const float *b, float *y,
                     const float *w = pp + (int64_t)k0 * 16;
                     /* the next chunk (of this panel or the next), unless this is the end */
                     const float *pf = p + 1 < np || k0 + kn < K ? w + (int64_t)kn * 16 : NULL;
-                    if (bf16) {
+                    if (kqt) {
+                        const struct kq_panel a = kq_panel_at(kqt, P, src->kq_sc, src->kq_mn,
+                                                              src->kq_d, src->kq_dm, p, K);
+                        kq_panel_rows(kqt, &a, k0, kn, wide);
+                        w = wide;
+                        pf = NULL;
+                    } else if (i8s != NULL) {
+                        i8_panel_rows((const int8_t *)P + (int64_t)p * K * 16 + (int64_t)k0 * 16,
+                                      i8s + (int64_t)p * (K / 32) * 16, k0, kn, wide);
+                        w = wide;
+                        pf = NULL;
+                    } else if (bf16) {
                         const uint16_t *src = pb + (int64_t)k0 * 16;
                         bf16_panel_rows(src, kn, wide, pf != NULL ? src + (int64_t)kn * 16 : NULL);
                         w = wide;
@@ -258,11 +285,29 @@ static int linear_large(const float *x, const void *P, const float *b, float *y,
 
 int xllm_linear_large_f32(const float *x, const float *P, const float *b, float *y, int32_t M,
                           int32_t N, int32_t K) {
-    return linear_large(x, P, b, y, M, N, K, 0);
+    return linear_large(x, P, b, y, M, N, K, NULL);
 }
 
 int xllm_linear_large_bf16(const float *x, const uint16_t *P, const float *b, float *y,
                            int32_t M, int32_t N, int32_t K) {
-    return linear_large(x, P, b, y, M, N, K, 1);
+    const struct large_src src = {1, NULL, 0, NULL, NULL, NULL, NULL};
+    return linear_large(x, P, b, y, M, N, K, &src);
 }
+
+int xllm_linear_large_i8(const float *x, const int8_t *P, const float *S, const float *b,
+                         float *y, int32_t M, int32_t N, int32_t K) {
+    const struct large_src src = {0, S, 0, NULL, NULL, NULL, NULL};
+    return linear_large(x, P, b, y, M, N, K, &src);
+}
+
+int xllm_linear_large_kq(int32_t type, const float *x, const void *Q, const void *SC,
+                         const void *MN, const float *D, const float *DM, const float *b,
+                         float *y, int32_t M, int32_t N, int32_t K) {
+    if ((type != XLLM_KQ_Q4K && type != XLLM_KQ_Q6K) ||
+        (type == XLLM_KQ_Q4K && (MN == NULL || DM == NULL)))
+        return -1;
+    const struct large_src src = {0, NULL, type, SC, MN, D, DM};
+    return linear_large(x, Q, b, y, M, N, K, &src);
+}
+
 #pragma GCC pop_options
