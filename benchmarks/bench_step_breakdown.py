@@ -27,9 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from xllm_py.model import llama  # noqa: E402
+from xllm_py.model import attention, llama  # noqa: E402
 from xllm_py.model.attention import AttentionMetadata, allocate_kv_caches, build_positions  # noqa: E402
 from xllm_py.model.catalog import resolve_model  # noqa: E402
+from xllm_py.model.gemma3_decode import Gemma3DecodeRunner  # noqa: E402
 from xllm_py.model.loader import load_model  # noqa: E402
 from xllm_py.model.packed import PackedLinear, pack_linears  # noqa: E402
 
@@ -71,6 +72,9 @@ def run(model_name: str, batch: int, context: int, steps: int) -> dict:
     PackedLinear.forward = timers.wrap(
         lambda self, *a: "lm_head" if self is head else "linears", PackedLinear.forward)
     llama.attend = timers.wrap(lambda *a: "attention", llama.attend)
+    # Gemma 3 decode steps run through Gemma3DecodeRunner: its linears and attention
+    attention.attend = timers.wrap(lambda *a: "attention", attention.attend)
+    Gemma3DecodeRunner._linear = timers.wrap(lambda *a: "linears", Gemma3DecodeRunner._linear)
     bs = 16
     nb = (context + steps) // bs + 2
     kv = allocate_kv_caches(cfg.num_layers, batch * nb + 1, bs, cfg.num_kv_heads, cfg.head_dim)
