@@ -78,7 +78,7 @@ class NetCluster:
                 "--heart-beat-interval", "0.3", "--block-size", str(BLOCK),
                 "--num-blocks", "512", "--kv-transfer-backend", self.backend,
                 "--kv-cache-transfer-mode", self.mode, "--rpc-timeout", "3",
-                "--transfer-timeout", "15", "--instance-name", host, "--num-threads", "1",
+                "--instance-name", host, "--num-threads", "1",
                 # every request moves its whole KV (no prefix hit from the reference run)
                 "--enable-prefix-cache", "false", "--latency-profile", "off"]
         env = UCX_OVER_TCP if self.backend == "ucx" else {}

@@ -66,7 +66,8 @@ async def test_sigterm_drains_a_mix_engine_behind_the_service(etcd_server, tmp_p
             await aclient(stopping).completions.create(model="tiny", prompt="hi", max_tokens=2)
         assert e.value.status_code == 503 and "draining" in e.value.message
         news = await asyncio.gather(*(c.completions.create(
-            model="tiny", prompt=f"short {i}", max_tokens=4) for i in range(4)))
+            model="tiny", prompt=f"short {i}", max_tokens=4,
+            extra_body={"ignore_eos": True}) for i in range(4)))
         assert [n.usage.completion_tokens for n in news] == [4] * 4
         assert stopping.alive()  # still finishing its streams
 

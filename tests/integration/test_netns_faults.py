@@ -9,6 +9,7 @@ left, longest pause). Skipped where not root or `ip netns` is missing (CI runs a
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 
 import pytest
@@ -208,6 +209,14 @@ async def test_cancel_at_each_moment_of_the_hand_over(cluster):
         await load.close()
 
 
+def _stopped(c: NetCluster, host: str, timeout_s: float = 30.0) -> None:
+    """`host`'s engine has exited: it is given `timeout_s` to end a drain, then killed."""
+    try:
+        c.procs[host].popen.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        c.procs[host].kill()
+
+
 def _everyone_up(c: NetCluster) -> None:
     """An engine a previous test stopped (drained, killed) comes back first."""
     for host in c.engines():
@@ -242,6 +251,7 @@ async def test_prefill_drain_during_transfers(cluster):
         assert c.procs["p0"].popen.wait(30) == 0
     finally:
         await load.close()
+        _stopped(c, "p0")  # never left draining for the next test
 
 
 @pytest.mark.parametrize("cluster", ["ucx", "tcp"], indirect=True)
