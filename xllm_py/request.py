@@ -158,6 +158,9 @@ class Request:
         # Owned by KVCacheManager: the block table and the hash chain of full blocks.
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
+        # Hybrid models (kv_groups.py): the tables of KV groups 1.. (group 0's is
+        # block_ids), as long as it; a sliding group's blocks before its window are 0.
+        self.group_block_ids: list[list[int]] = []
         # Stop token id or stop string that ended the request; None for EOS / length.
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

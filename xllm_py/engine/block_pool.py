@@ -5,6 +5,11 @@ Block lifecycle:
     (ref 0, back at the free-queue tail, hash kept so a later prefix hit can revive it)
     -> evicted (taken from the free-queue head for a new owner; its hash is dropped).
 
+Hybrid models (hybrid_kv.py): `num_groups` > 1 KV groups cache their blocks under
+hashes of their own, each naming the group-0 hash it stands beside (`report_hash`); a
+group-0 hash is reported stored (take_events) only while every group holds its block,
+so the service's prefix index never counts a block some layer type lacks.
+
 Block 0 is reserved as the null/padding block: it is never handed out, so padded block
 tables and padded slot mappings may point at it without touching live KV.
 
@@ -29,7 +34,8 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_groups: int = 1) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
         if block_size <= 0:
@@ -49,6 +55,11 @@ class BlockPool:
         self._removed_events: dict[int, None] = {}
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_groups = num_groups
+        # num_groups > 1: per cached block the hash it reports; per reported hash the
+        # number of groups holding it
+        self._report_of: dict[int, int] = {}
+        self._holders: dict[int, int] = {}
 
     # -- stats ---------------------------------------------------------------------
     @property
@@ -138,11 +149,12 @@ class BlockPool:
             return None
         return self._cached.get(block_hash)
 
-    def cache_block(self, block_id: int, block_hash: int) -> bool:
+    def cache_block(self, block_id: int, block_hash: int, report_hash: int | None = None) -> bool:
         """Register a full, computed block under its hash. False if not cached.
 
         A block with the same contents already cached keeps the map entry; this block
-        then stays unhashed and is reused like any other once freed.
+        then stays unhashed and is reused like any other once freed. `report_hash` (hybrid
+        pools): the group-0 hash this block's group stands beside (default: its own).
         """
         self._check_id(block_id)
         if not self.enable_prefix_caching:
@@ -153,11 +165,32 @@ class BlockPool:
             return False
         self._block_hash[block_id] = block_hash
         self._cached[block_hash] = block_id
+        if self.num_groups > 1:
+            block_hash = self._hold(block_hash, block_hash if report_hash is None else report_hash)
+            if block_hash is None:
+                return True
         if block_hash in self._removed_events:
             del self._removed_events[block_hash]
         else:
             self._stored_events[block_hash] = None
         return True
+
+    def _hold(self, block_hash: int, report: int) -> int | None:
+        """One more group holds `report`: it, once every group does."""
+        self._report_of[block_hash] = report
+        count = self._holders.get(report, 0) + 1
+        self._holders[report] = count
+        return report if count == self.num_groups else None
+
+    def _release(self, block_hash: int) -> int | None:
+        """One group less holds the hash `block_hash` reports: it, if all did before."""
+        report = self._report_of.pop(block_hash)
+        count = self._holders[report]
+        if count > 1:
+            self._holders[report] = count - 1
+        else:
+            del self._holders[report]
+        return report if count == self.num_groups else None
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._block_hash[block_id]
@@ -165,6 +198,10 @@ class BlockPool:
             return
         self._block_hash[block_id] = None
         del self._cached[block_hash]
+        if self.num_groups > 1:
+            block_hash = self._release(block_hash)
+            if block_hash is None:
+                return
         if block_hash in self._stored_events:
             del self._stored_events[block_hash]
         else:

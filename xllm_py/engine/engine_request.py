@@ -33,8 +33,9 @@ class EngineRequest:
     num_unread: int | None = None
 
 
-# PD prefill's hand-over hook (LLMEngine.set_hand_over): (update, delta, block_ids).
-HandOverHook = Callable[[RequestUpdate, Any, list[int]], None]
+# PD prefill's hand-over hook (LLMEngine.set_hand_over): (update, delta, block tables:
+# one per KV group, KVCacheManager.tables).
+HandOverHook = Callable[[RequestUpdate, Any, list[list[int]]], None]
 
 
 def resolve_model_dir(model: str) -> str:

@@ -5,7 +5,8 @@ Per request:
     None = cannot now) -> cache_full_blocks (as blocks fill with computed KV) -> free.
 
 The block table lives on `Request.block_ids`; the hash chain of its full blocks on
-`Request.block_hashes`. Pure Python: no torch, no grpc.
+`Request.block_hashes`. Hybrid models (sliding-window and full-attention layers):
+HybridKVCacheManager (hybrid_kv.py), a table per KV group. Pure Python: no torch, no grpc.
 """
 from __future__ import annotations
 
@@ -36,6 +37,26 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
 
+    def tables(self, request: Request) -> list[list[int]]:
+        """The request's block tables, one per KV group (here: one)."""
+        return [request.block_ids]
+
+    def held_blocks(self) -> dict[str, int]:
+        """Blocks referenced by live requests, by attention type."""
+        return {"full": self.block_pool.num_used_blocks}
+
+    def max_tokens_for_one(self, max_chunk_tokens: int) -> int:
+        """The longest context one request can hold in the whole pool."""
+        return self.block_pool.num_usable_blocks * self.block_size
+
+    def handover_block_ids(self, tables: list[list[int]], num_cached: int,
+                           num_prompt: int) -> list[int]:
+        """The blocks of `tables` a peer lacks: prompt positions [num_cached, num_prompt)."""
+        return tables[0][num_cached // self.block_size:cdiv(num_prompt, self.block_size)]
+
+    def trim(self, request: Request, first_pos: int) -> None:
+        """Release blocks no token from `first_pos` on reads (none here)."""
+
     def get_block_ids(self, request_id: str) -> list[int]:
         request = self._requests.get(request_id)
         return list(request.block_ids) if request is not None else []
@@ -63,12 +84,14 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[int] | None = None,
+        first_pos: int | None = None,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `new_computed_blocks` (prefix hits from get_computed_blocks, first allocation
         only) are shared, not copied. Returns the newly allocated block ids, or None
-        when there is not enough free space (nothing changes then).
+        when there is not enough free space (nothing changes then). `first_pos` (the
+        next position computed) matters to sliding-window groups only (hybrid_kv.py).
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")

@@ -44,10 +44,11 @@ class LLMEngine:
         self.tp = None  # TP > 1: the other ranks, behind self.model (xllm_py/parallel/)
         num_blocks = self._load_model(config)
         mc = self.model_config
-        block_size = config.cache.block_size
         max_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
-        self.scheduler = ContinuousScheduler(sched_cfg, config.cache, num_blocks)
+        groups = getattr(self, "kv_groups", None)  # (model_setup; a simulated engine: none)
+        self.scheduler = ContinuousScheduler(
+            sched_cfg, config.cache, num_blocks, group_windows=groups.group_windows if groups else (0,))
         # The scheduler caps the context at what the KV pool can hold for one request.
         self.max_model_len = self.scheduler.max_model_len
         self.outputs = OutputProcessor(self.tokenizer)
@@ -73,7 +74,7 @@ class LLMEngine:
         self.recent_max_tbt_ms = 0.0
         self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
         logger.info("engine ready: model %s, %d layers, %d KV blocks of %d tokens, loaded in %.2fs",
-                    self.model_dir, mc.num_layers, num_blocks, block_size, time.monotonic() - t0)
+                    self.model_dir, mc.num_layers, num_blocks, config.cache.block_size, time.monotonic() - t0)
 
     def _load_model(self, config: EngineConfig) -> int:
         """Load the model and tokenizer, allocate the KV pool (model_setup.py). Returns the
@@ -377,9 +378,9 @@ class LLMEngine:
                 ttft = self.outputs.emit_step(deltas, parent_id)
                 if ttft is not None:
                     self.recent_max_ttft_ms = max(self.recent_max_ttft_ms * 0.98, ttft * 1000)
-        for upd, delta, block_ids, parent_id in handovers:
+        for upd, delta, tables, parent_id in handovers:
             self.outputs.drop_parent(parent_id)
-            self._hand_over(upd, delta, block_ids)
+            self._hand_over(upd, delta, tables)
 
     def _process_update(self, upd, logprobs: dict[str, Any], by_parent: dict[str, list],
                         handovers: list) -> None:
@@ -397,8 +398,8 @@ class LLMEngine:
         if delta is not None:
             by_parent.setdefault(parent_id, []).append(delta)
         if self._hand_over is not None:  # PD prefill: every request, at its first token
-            block_ids = list(request.block_ids) if request is not None else []
-            handovers.append((upd, delta, block_ids, parent_id))
+            tables = [list(t) for t in self.scheduler.kv.tables(request)] if request else [[]]
+            handovers.append((upd, delta, tables, parent_id))
 
     def _finish_by_stop_string(self, request_id: str, stop_str: str) -> None:
         request = self.scheduler.get_request(request_id)

@@ -59,10 +59,24 @@ class EngineStatsCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         """The families without reading the engine (it may not be running yet)."""
-        return self._families({})
+        yield from self._families({})
+        yield self._held({})
 
     def collect(self) -> Iterator[Metric]:
-        return self._families(self._engine.stats())
+        yield from self._families(self._engine.stats())
+        kv = getattr(getattr(self._engine, "scheduler", None), "kv", None)
+        yield self._held(kv.held_blocks() if kv is not None else {})
+
+    @staticmethod
+    def _held(held: dict[str, int]) -> Metric:
+        """Blocks live requests hold per attention type (a hybrid model's sliding-window
+        layers hold only their window: engine/hybrid_kv.py)."""
+        family = GaugeMetricFamily(
+            "xllm_kv_cache_blocks_held", "KV blocks held by live requests, by the attention "
+            "type of the layers they serve", labels=["attention"])
+        for kind, n in held.items():
+            family.add_metric([kind], n)
+        return family
 
     @staticmethod
     def _families(stats: dict) -> Iterator[Metric]:

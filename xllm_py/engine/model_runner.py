@@ -35,6 +35,11 @@ def _num_prompt_rows(seq) -> int:
     return getattr(seq, "num_prompt_logprob_rows", 0)
 
 
+def _group_tables(seq) -> list | None:
+    """Hybrid models: the seq's tables of KV groups 1.. (ScheduledSeq.group_tables)."""
+    return getattr(seq, "group_tables", None)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: str = "cpu") -> None:
@@ -123,7 +128,26 @@ class ModelRunner:
             slot_mapping=slots_t, query_start_loc=qsl, seq_lens=lens_t, context_lens=pos_t,
             block_tables=flat[4 * n:].view(n, width), max_query_len=1,
             max_seq_len=max(pos) + 1)
+        if _group_tables(seqs[0]) is not None:
+            meta.group_slots, meta.group_tables = self._group_arrays(seqs, width)
         return ids_t, pos_t, meta, sample_idx
+
+    def _group_arrays(self, seqs: Sequence, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's slots [G-1, n] and tables [G-1, n, width] of KV groups 1..
+        (hybrid models)."""
+        bs = self.block_size
+        slots: list[int] = []
+        tables: list[int] = []
+        for j in range(len(seqs[0].group_tables)):
+            for s in seqs:
+                table = s.group_tables[j]
+                slots.append(table[s.start_pos // bs] * bs + s.start_pos % bs)
+                tables.extend(table)
+                tables.extend([0] * (width - len(table)))
+        n = len(seqs)
+        slots_t = torch.tensor(slots, dtype=torch.int64, device=self.device).view(-1, n)
+        tables_t = torch.tensor(tables, dtype=torch.int64, device=self.device).view(-1, n, width)
+        return slots_t, tables_t
 
     def _prepare_mixed(self, seqs: Sequence) -> tuple[torch.Tensor, torch.Tensor,
                                                       AttentionMetadata, list[int]]:
@@ -138,7 +162,8 @@ class ModelRunner:
                 sample_idx.append(len(input_ids) - 1)
         meta = AttentionMetadata.build(
             [(s.start_pos, len(s.token_ids), s.block_table) for s in seqs],
-            self.block_size, self.device)
+            self.block_size, self.device,
+            [s.group_tables for s in seqs] if _group_tables(seqs[0]) is not None else None)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids_t, pos_t, meta, sample_idx

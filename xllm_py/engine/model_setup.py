@@ -18,14 +18,16 @@ if TYPE_CHECKING:
 
 
 def load_engine_model(engine: "LLMEngine", config: EngineConfig) -> int:
-    """Sets engine.model_dir, model, model_config, tokenizer, storage, runner, sampler
-    (and tp at TP > 1); returns the number of KV blocks."""
+    """Sets engine.model_dir, model, model_config, tokenizer, kv_groups, storage, runner,
+    sampler (and tp at TP > 1); returns the number of KV blocks. A hybrid model's pool
+    holds kv_groups.num_slots cache tensors, not one per layer (model/kv_groups.py)."""
     import torch
 
     from xllm_py.engine.model_runner import ModelRunner
     from xllm_py.engine.sampler import Sampler
     from xllm_py.kv_transfer.factory import pool_allocator
     from xllm_py.kv_transfer.kv_storage import KVCacheStorage, parse_dtype
+    from xllm_py.model.kv_groups import kv_groups
     from xllm_py.model.loader import load_model
     from xllm_py.model.packed import pack_linears
 
@@ -46,20 +48,21 @@ def load_engine_model(engine: "LLMEngine", config: EngineConfig) -> int:
             pack_linears(engine.model, weight_dtype=config.weight_dtype)
     engine.tokenizer = Tokenizer.from_dir(model_dir)
     mc = engine.model_config
+    groups = engine.kv_groups = kv_groups([mc.layer_window(i) for i in range(mc.num_layers)])
     block_size = config.cache.block_size
     num_blocks = config.cache.num_blocks
     dtype = parse_dtype(config.dtype)
     num_kv_heads = engine.tp.num_local_kv_heads if engine.tp else mc.num_kv_heads
     if num_blocks is None:  # (TP: --kv-cache-memory-mb per rank)
-        block_bytes = (2 * mc.num_layers * block_size * num_kv_heads * mc.head_dim
+        block_bytes = (2 * groups.num_slots * block_size * num_kv_heads * mc.head_dim
                        * torch.finfo(dtype).bits // 8)
         num_blocks = max(2, config.cache.kv_cache_memory_bytes // block_bytes)
-    engine.storage = KVCacheStorage(mc.num_layers, num_blocks, block_size, num_kv_heads,
+    engine.storage = KVCacheStorage(groups.num_slots, num_blocks, block_size, num_kv_heads,
                                     mc.head_dim, dtype, device=config.device,
                                     allocator=pool_allocator(config))
     if engine.tp:
         engine.tp.init_kv(num_blocks)
-    engine.runner = ModelRunner(engine.model, engine.storage.layer_caches(), block_size,
-                                config.device)
+    engine.runner = ModelRunner(engine.model, groups.layer_caches(engine.storage.layer_caches()),
+                                block_size, config.device)
     engine.sampler = Sampler()
     return num_blocks

@@ -31,6 +31,7 @@ from typing import Callable
 
 from xllm_py.config import CacheConfig, SchedulerConfig
 from xllm_py.engine.block_pool import BlockPool
+from xllm_py.engine.hybrid_kv import HybridKVCacheManager
 from xllm_py.engine.kv_cache_manager import KVCacheManager
 from xllm_py.engine.offline_gate import OfflineGate
 from xllm_py.engine.scheduler_offline import OfflineMixin
@@ -53,21 +54,26 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
         num_blocks: int | None = None,
         kv_cache_manager: KVCacheManager | None = None,
         clock: Callable[[], float] = time.monotonic,
+        group_windows: tuple[int, ...] = (0,),
     ) -> None:
+        """`group_windows`: the KV groups' windows (model/kv_groups.py; one group of full
+        attention unless the model mixes sliding-window layers in)."""
         if kv_cache_manager is None:
             num_blocks = num_blocks if num_blocks is not None else cache_config.num_blocks
             if num_blocks is None:
                 raise ValueError("num_blocks is required (or pass a kv_cache_manager)")
-            pool = BlockPool(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-            kv_cache_manager = KVCacheManager(pool)
+            pool = BlockPool(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                             num_groups=len(group_windows))
+            kv_cache_manager = (KVCacheManager(pool) if len(group_windows) == 1
+                                else HybridKVCacheManager(pool, group_windows))
         self.config = scheduler_config
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
-        pool = kv_cache_manager.block_pool
         # A lone request must always fit in the cache, or preemption could loop forever;
         # without chunked prefill, its whole recompute must fit in one step's budget.
         self.max_model_len = min(
-            scheduler_config.max_model_len, pool.num_usable_blocks * self.block_size
+            scheduler_config.max_model_len,
+            kv_cache_manager.max_tokens_for_one(scheduler_config.max_num_batched_tokens)
         )
         if not scheduler_config.enable_chunked_prefill:
             self.max_model_len = min(self.max_model_len, scheduler_config.max_num_batched_tokens)
@@ -327,8 +333,10 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
                                              request.finish_reason, request.stop_reason,
                                              num_cached_tokens=cached))
             elif request.remote_decode:
-                # Prefill of a PD pair: its part ends here; KV stays until sent.
+                # Prefill of a PD pair: its part ends here; KV stays until sent (of a
+                # sliding-window layer's, only what the decode's first token reads).
                 request.transition(S.SENDING_KV)
+                self.kv.trim(request, request.num_computed_tokens)
                 self.running.remove(request)
                 updates.append(RequestUpdate(request.request_id, [token_id], True, "length",
                                              kv_held=True, num_cached_tokens=cached))
@@ -371,6 +379,8 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
             token_ids=request.all_token_ids[start:end],
             start_pos=start,
             block_table=list(request.block_ids),
+            group_tables=([list(t) for t in request.group_block_ids]
+                          if request.group_block_ids else None),
             sample=end == request.num_tokens and request.sampling_params.max_tokens != 0,
             num_prompt_logprob_rows=num_prompt_rows if _scores_prompt(request) else 0,
         )

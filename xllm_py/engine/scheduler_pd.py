@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 
-from xllm_py.engine.kv_cache_manager import cdiv
 from xllm_py.engine.scheduler_types import RemoteAllocation, RequestUpdate
 from xllm_py.request import Request, RequestStatus
 
@@ -33,7 +32,8 @@ class RemoteKVMixin:
         self._check_new(request)
         computed_blocks, num_cached = self.kv.get_computed_blocks(request)
         num_new = request.num_prompt_tokens + 1 - num_cached
-        while self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+        first_pos = request.num_prompt_tokens  # (the first token: the window it reads)
+        while self.kv.allocate_slots(request, num_new, computed_blocks, first_pos) is None:
             victim = None if request.offline else self._offline_victim()
             if victim is None:
                 return None
@@ -43,12 +43,11 @@ class RemoteKVMixin:
         request.num_cached_tokens = num_cached
         request.transition(S.WAITING_FOR_REMOTE_KVS)
         self.requests[request.request_id] = request
-        first_new = num_cached // self.block_size
-        last = cdiv(request.num_prompt_tokens, self.block_size)
         return RemoteAllocation(
             request_id=request.request_id,
             block_ids=list(request.block_ids),
-            new_block_ids=request.block_ids[first_new:last],
+            new_block_ids=self.kv.handover_block_ids(self.kv.tables(request), num_cached,
+                                                     request.num_prompt_tokens),
             num_cached_tokens=num_cached,
         )
 

@@ -16,6 +16,8 @@ class ScheduledSeq:
     block_table: list[int]  # the full table after allocation
     sample: bool  # this step reaches the last known token: sample one
     num_prompt_logprob_rows: int = 0  # leading tokens whose logits score a prompt token
+    # Hybrid models: the tables of KV groups 1.. (Request.group_block_ids); None: one group
+    group_tables: list[list[int]] | None = None
 
 
 @dataclasses.dataclass
@@ -46,7 +48,9 @@ class RemoteAllocation:
     request_id: str
     block_ids: list[int]  # the full block table
     # Blocks the peer must fill: those covering prompt positions [num_cached_tokens,
-    # num_prompt_tokens). Blocks shared via the prefix cache are not in it.
+    # num_prompt_tokens). Blocks shared via the prefix cache are not in it. Hybrid
+    # models: per KV group in order, of a sliding group only the window's
+    # (KVCacheManager.handover_block_ids).
     new_block_ids: list[int]
     num_cached_tokens: int
 

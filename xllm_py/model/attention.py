@@ -5,8 +5,8 @@ Cache layout (docs/DESIGN.md): per layer K and V, each
 ``block_id * block_size + offset``.
 
 One step runs in three stages:
-1. ``AttentionMetadata`` describes the ragged batch (built by the caller, e.g. with
-   ``AttentionMetadata.build``).
+1. ``AttentionMetadata`` (attention_metadata.py) describes the ragged batch (built by
+   the caller, e.g. with ``AttentionMetadata.build``).
 2. ``plan_attention`` turns it into index/mask tensors once per step (shared by all layers).
 3. Per layer, the new K/V go to ``slot_mapping`` (``write_kv``, or the model's fused
    q/k-norm + RoPE + store kernel), then ``attend``: decode sequences (one new token) and
@@ -29,12 +29,12 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from xllm_py.model import cpu_kernels
+from xllm_py.model.attention_metadata import AttentionMetadata, build_positions  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -59,76 +59,6 @@ def takes_dense_path(num_tokens: int, prefix: int) -> bool:
         return True
     return (num_tokens >= DENSE_PREFILL_MIN_TOKENS
             and num_tokens * (prefix + num_tokens) >= DENSE_PREFILL_MIN_PAIRS)
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
-    query_start_loc: torch.Tensor  # [B+1] int64, token offsets of each sequence
-    seq_lens: torch.Tensor  # [B] int64, context incl. the new tokens
-    context_lens: torch.Tensor  # [B] int64, tokens already cached before this step
-    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
-    max_query_len: int
-    max_seq_len: int
-
-    @classmethod
-    def build(cls, seqs: Sequence[tuple[int, int, Sequence[int]]], block_size: int,
-              device: torch.device | str = "cpu") -> "AttentionMetadata":
-        """Build from ``(start_pos, num_new_tokens, block_table)`` per sequence.
-
-        Token ``i`` of a sequence sits at position ``start_pos + i``; its slot is taken from
-        ``block_table[pos // block_size]``.
-        """
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        if not seqs:
-            raise ValueError("AttentionMetadata.build needs at least one sequence")
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        ctx_lens: list[int] = []
-        tables: list[list[int]] = []
-        for i, (start, n, table) in enumerate(seqs):
-            if start < 0 or n <= 0:
-                raise ValueError(
-                    f"sequence {i}: start_pos must be >= 0 and num_new_tokens > 0, "
-                    f"got ({start}, {n})")
-            end = start + n
-            if len(table) * block_size < end:
-                raise ValueError(
-                    f"sequence {i}: block table of {len(table)} blocks holds "
-                    f"{len(table) * block_size} tokens, needs {end}")
-            for pos in range(start, end):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-            ctx_lens.append(start)
-            tables.append(list(table))
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(
-            slot_mapping=as_t(slots),
-            query_start_loc=as_t(qsl),
-            seq_lens=as_t(seq_lens),
-            context_lens=as_t(ctx_lens),
-            block_tables=as_t(padded),
-            max_query_len=max(n for _, n, _ in seqs),
-            max_seq_len=max(seq_lens),
-        )
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.seq_lens.shape[0])
-
-
-def build_positions(seqs: Sequence[tuple[int, int, Sequence[int]]],
-                    device: torch.device | str = "cpu") -> torch.Tensor:
-    """Positions [T] for the same ``(start_pos, num_new_tokens, block_table)`` list."""
-    pos: list[int] = []
-    for start, n, _ in seqs:
-        pos.extend(range(start, start + n))
-    return torch.tensor(pos, dtype=torch.int64, device=device)
 
 
 @dataclass

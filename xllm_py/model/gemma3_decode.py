@@ -114,11 +114,12 @@ class Gemma3DecodeRunner:
         return out
 
     def run(self, hidden: torch.Tensor, cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]],
-            kv_caches: list, plans: dict, windows: list[int]
+            kv_caches: list, plans: dict, windows: list
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every layer for a decode-only step from the embeddings ``hidden`` [T, hidden]:
         (last layer's output, residual) as the per-op loop returns them, or None (nothing
-        done) when this step does not qualify. ``cos_sin`` and ``plans``: per window."""
+        done) when this step does not qualify. ``cos_sin`` and ``plans``: per key that
+        ``windows`` names for each layer (its window and KV group, model/kv_groups.py)."""
         t = int(hidden.shape[0])
         if not (0 < t <= cpu_kernels.PANEL_MAX_ROWS and hidden.dtype == torch.float32
                 and hidden.is_contiguous() and hidden.shape[1] == self._hidden):

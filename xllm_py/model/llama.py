@@ -21,6 +21,7 @@ from xllm_py.model.config import SLIDING, ModelConfig
 from xllm_py.model.fused_decode import FusedDecoder
 from xllm_py.model.gemma3 import Gemma3DecoderLayer
 from xllm_py.model.gemma3_decode import Gemma3DecodeRunner
+from xllm_py.model.kv_groups import kv_groups
 from xllm_py.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,11 @@ class LlamaForCausalLM(nn.Module):
                                           config.max_position_embeddings, config.rope_scaling)
         # sliding-window layers: their own RoPE base (Gemma 3), else the one table
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]
+        # per layer its KV group (hybrid models: sliding and full layers have block tables
+        # of their own, AttentionMetadata.for_group)
+        self.kv_groups = kv_groups(self.windows)
+        self._layer_keys = list(zip(self.windows, self.kv_groups.layer_group))
+        self._plan_keys = sorted(set(self._layer_keys))
         self.rotary_local = None
         if config.layer_types and SLIDING in config.layer_types and config.rope_local_theta:
             self.rotary_local = RotaryEmbedding(config.head_dim, config.rope_local_theta,
@@ -189,9 +195,11 @@ class LlamaForCausalLM(nn.Module):
         done = fused.run(hidden, cos_sin, kv_caches, plan) if fused is not None else None
         rows = rows_plan = None
         if done is None:
-            # a plan and a RoPE table per attention type (sliding layers: their window)
-            plans = {w: plan if not w else plan_attention(attn_metadata, block_size, w)
-                     for w in set(self.windows)}
+            # a plan per (attention type, KV group) (sliding layers: their window) and a
+            # RoPE table per attention type
+            plans = {key: plan if key == (0, 0) else plan_attention(
+                attn_metadata.for_group(key[1]), block_size, key[0]) for key in self._plan_keys}
+            groups = self.kv_groups.layer_group
             local = None if self.rotary_local is None else self.rotary_local.cos_sin(
                 positions, attn_metadata.max_seq_len, hidden.dtype)
             last = len(self.model.layers) - 1
@@ -200,19 +208,20 @@ class LlamaForCausalLM(nn.Module):
                 # no row kept: one stands in (the last layer still stores every K/V)
                 rows = keep_rows if keep_rows.numel() else keep_rows.new_full(
                     (1,), plan.num_tokens - 1)
-                rows_plan = plan_rows(attn_metadata, rows, positions, block_size,
-                                      self.windows[last])
+                rows_plan = plan_rows(attn_metadata.for_group(groups[last]), rows, positions,
+                                      block_size, self.windows[last])
             runner = self._decode_runner() if rows is None else None
             if runner is not None:  # Gemma 3 decode steps: the same kernels, less Python
-                done = runner.run(hidden, {w: local if w and local is not None else cos_sin
-                                           for w in plans}, kv_caches, plans, self.windows)
+                # (its plans and RoPE tables per layer key: (window, KV group))
+                done = runner.run(hidden, {k: local if k[0] and local is not None else cos_sin
+                                           for k in plans}, kv_caches, plans, self._layer_keys)
         if done is None:
             residual = None
             for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
                 r, rp = (rows, rows_plan) if i == last else (None, None)
                 w = self.windows[i]
                 cs = local if w and local is not None else cos_sin
-                hidden, residual = layer(hidden, residual, cs, cache, plans[w], r, rp)
+                hidden, residual = layer(hidden, residual, cs, cache, plans[w, groups[i]], r, rp)
             done = hidden, residual
         out = self.model.norm(*done)
         if keep_rows is not None:

@@ -4,7 +4,10 @@ A message is a fixed header ``int64[HEADER_LEN]`` (command + sizes) and, for a s
 int64 payload holding every index tensor of the step back to back::
 
     ids[T] positions[T] slot_mapping[T] query_start_loc[B+1] seq_lens[B]
-    context_lens[B] block_tables[B*W] keep_rows[K]
+    context_lens[B] block_tables[B*W] keep_rows[K] group_slots[(G-1)*T]
+    group_tables[(G-1)*B*W]
+
+(the last two: KV groups 1.. of a hybrid model, header[8] = G - 1; model/kv_groups.py).
 
 Two broadcasts per step whatever its size; the receivers rebuild the same
 ``AttentionMetadata`` views from the payload.
@@ -18,7 +21,7 @@ import torch
 
 from xllm_py.model.attention import AttentionMetadata
 
-HEADER_LEN = 8
+HEADER_LEN = 9
 
 
 class Command(enum.IntEnum):
@@ -57,24 +60,31 @@ def encode_step(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
              m.context_lens, m.block_tables.reshape(-1)]
     if keep is not None:
         parts.append(keep)
+    groups = 0
+    if m.group_slots is not None:
+        groups = int(m.group_slots.shape[0])
+        parts += [m.group_slots.reshape(-1), m.group_tables.reshape(-1)]
     payload = torch.cat([p.to("cpu", torch.int64) for p in parts])
     h = header(Command.STEP, t, b, w, -1 if keep is None else int(keep.shape[0]),
-               m.max_query_len, m.max_seq_len, int(step.logits))
+               m.max_query_len, m.max_seq_len, int(step.logits), groups)
     return h, payload
 
 
 def payload_len(h: torch.Tensor) -> int:
     t, b, w, k = (int(x) for x in h[1:5])
-    return 3 * t + (b + 1) + 2 * b + b * w + max(k, 0)
+    g = int(h[8])
+    return 3 * t + (b + 1) + 2 * b + b * w + max(k, 0) + g * (t + b * w)
 
 
 def decode_step(h: torch.Tensor, payload: torch.Tensor,
                 device: torch.device) -> StepInputs:
-    t, b, w, k, max_q, max_s, logits = (int(x) for x in h[1:8])
+    t, b, w, k, max_q, max_s, logits, g = (int(x) for x in h[1:9])
     flat = payload.to(device)
-    sizes = [t, t, t, b + 1, b, b, b * w, max(k, 0)]
-    ids, pos, slots, qsl, lens, ctx, tables, keep = flat.split(sizes)
+    sizes = [t, t, t, b + 1, b, b, b * w, max(k, 0), g * t, g * b * w]
+    ids, pos, slots, qsl, lens, ctx, tables, keep, g_slots, g_tables = flat.split(sizes)
     meta = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl, seq_lens=lens,
                              context_lens=ctx, block_tables=tables.view(b, w),
                              max_query_len=max_q, max_seq_len=max_s)
+    if g:
+        meta.group_slots, meta.group_tables = g_slots.view(g, t), g_tables.view(g, b, w)
     return StepInputs(ids, pos, meta, keep if k >= 0 else None, bool(logits))

@@ -24,6 +24,7 @@ from xllm_py.config import EngineConfig
 from xllm_py.kv_transfer.factory import pool_allocator
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, parse_dtype
 from xllm_py.model.config import ModelConfig
+from xllm_py.model.kv_groups import KVGroups, kv_groups
 from xllm_py.model.packed import pack_linears
 from xllm_py.parallel.group import TPGroup
 from xllm_py.parallel.kv_workers import RankKVWorkerHost, serve_start_request
@@ -61,10 +62,15 @@ def load_rank(config: EngineConfig, model_dir: str, group: TPGroup
 
 def make_storage(config: EngineConfig, mc: ModelConfig, shard: TPShard, num_blocks: int,
                  device: torch.device) -> KVCacheStorage:
-    """The rank's KV pool: every block of the instance, for the rank's KV heads only."""
-    return KVCacheStorage(mc.num_layers, num_blocks, config.cache.block_size,
+    """The rank's KV pool: every block of the instance, for the rank's KV heads only (a
+    cache tensor per KV group slot: model/kv_groups.py)."""
+    return KVCacheStorage(_groups(mc).num_slots, num_blocks, config.cache.block_size,
                           shard.num_kv_heads, mc.head_dim, parse_dtype(config.dtype),
                           device=device, allocator=pool_allocator(config))
+
+
+def _groups(mc: ModelConfig) -> KVGroups:
+    return kv_groups([mc.layer_window(i) for i in range(mc.num_layers)])
 
 
 def serve(config: EngineConfig, model: torch.nn.Module, mc: ModelConfig, shard: TPShard,
@@ -84,7 +90,7 @@ def serve(config: EngineConfig, model: torch.nn.Module, mc: ModelConfig, shard: 
             continue
         if cmd == Command.INIT_KV:  # (not an inference tensor: the KV worker writes it too)
             storage = make_storage(config, mc, shard, int(hdr[1]), group.device)
-            caches = storage.layer_caches()
+            caches = _groups(mc).layer_caches(storage.layer_caches())
             continue
         if cmd == Command.START_KV_WORKER:
             kv_worker = serve_start_request(group.store, group.rank, storage, kv_worker,

@@ -272,15 +272,15 @@ class PrefillSide(PacingMixin):
         self.spawn(self._tell_decode_to_drop(request_id, rec.decode))
 
     # ------------------------------------------------------------------ hand-over
-    def _on_first_token(self, upd, delta, block_ids: list[int]) -> None:
+    def _on_first_token(self, upd, delta, tables: list[list[int]]) -> None:
         """Engine thread: a request sampled its first token (KV held, or it ended)."""
         finished_here = delta is not None and delta.finish_reason is not None
         first = delta.token_ids[0] if delta and delta.token_ids else None
         lp = delta.logprobs[0] if delta and delta.logprobs else None
-        self.loop.call_soon_threadsafe(self._first_token, upd.request_id, block_ids, first,
+        self.loop.call_soon_threadsafe(self._first_token, upd.request_id, tables, first,
                                        lp, finished_here, upd.kv_held)
 
-    def _first_token(self, child: str, block_ids: list[int], first: int | None,
+    def _first_token(self, child: str, tables: list[list[int]], first: int | None,
                      lp: TokenLogprob | None, finished_here: bool, kv_held: bool) -> None:
         rec = self._requests.get(parent_of(child)[0])
         if rec is None or rec.phase is not P.PREFILLING:  # cancelled while the step ran:
@@ -290,7 +290,7 @@ class PrefillSide(PacingMixin):
         self._observe_prefill(rec)
         rec.transition(P.HANDING_OVER)
         self._room.set()
-        self.spawn(self._hand_over(rec, child, block_ids, first, lp, finished_here, kv_held))
+        self.spawn(self._hand_over(rec, child, tables, first, lp, finished_here, kv_held))
 
     def _observe_prefill(self, rec: PrefillRequest) -> None:
         """Its prompt's compute time: from when the engine took it (submitted, or the
@@ -302,7 +302,7 @@ class PrefillSide(PacingMixin):
                 self._cost.observe(len(rec.spec.prompt_token_ids), now - start)
         self._last_first_token_s = now
 
-    async def _hand_over(self, rec: PrefillRequest, child: str, block_ids: list[int],
+    async def _hand_over(self, rec: PrefillRequest, child: str, tables: list[list[int]],
                          first_token: int | None, lp: TokenLogprob | None,
                          finished_here: bool, kv_held: bool) -> None:
         """Move the KV (PUSH) and tell decode to take over (or to drop its blocks)."""
@@ -318,7 +318,7 @@ class PrefillSide(PacingMixin):
             handover.failed, handover.status_msg = True, "finished on prefill"
         else:
             try:
-                self._fill_handover(handover, rec, block_ids, first_token, lp)
+                self._fill_handover(handover, rec, tables, first_token, lp)
                 if mode == KVTransferMode.PUSH:
                     await self._push(rec, handover.block_ids)
             except StatusError as exc:  # decode must still hear of it to free its blocks
@@ -353,13 +353,12 @@ class PrefillSide(PacingMixin):
                         len(handover.block_ids) * self.engine.storage.block_bytes,
                         (time.monotonic() - t0) * 1000, handover.mode)
 
-    def _fill_handover(self, handover: HandOver, rec: PrefillRequest, block_ids: list[int],
+    def _fill_handover(self, handover: HandOver, rec: PrefillRequest, tables: list[list[int]],
                        first_token: int, lp: TokenLogprob | None) -> None:
-        """First token (with logprobs) and where our KV is: the blocks decode lacks."""
-        bs = self.config.cache.block_size
-        first_block = rec.num_cached_on_decode // bs
-        num_prompt_blocks = -(-len(rec.spec.prompt_token_ids) // bs)
-        src = block_ids[first_block:num_prompt_blocks]
+        """First token (with logprobs) and where our KV is: the blocks decode lacks (of a
+        sliding-window layer only its window's: KVCacheManager.handover_block_ids)."""
+        src = self.engine.scheduler.kv.handover_block_ids(
+            tables, rec.num_cached_on_decode, len(rec.spec.prompt_token_ids))
         if len(src) != len(rec.decode_blocks):
             raise StatusError(Status.INTERNAL, f"block count mismatch: prefill {len(src)}, "
                                                f"decode {len(rec.decode_blocks)}")

@@ -1,0 +1,171 @@
+"""KV groups by attention type (model/kv_groups.py) and HybridKVCacheManager: sliding
+groups hold only their window (the rest back in the pool while the request runs), hits
+are used only where every group has what the next token reads, the service hears of a
+block only while every group holds it, a hand-over lists only the window's blocks."""
+from __future__ import annotations
+
+import pytest
+
+from xllm_py.config import CacheConfig, SchedulerConfig
+from xllm_py.engine.block_pool import NULL_BLOCK_ID, BlockPool, hash_block_tokens
+from xllm_py.engine.hybrid_kv import HybridKVCacheManager, group_hash
+from xllm_py.engine.scheduler import ContinuousScheduler
+from xllm_py.model.kv_groups import kv_groups
+from xllm_py.request import Request
+from xllm_py.sampling_params import SamplingParams
+
+BS = 4
+W = 6  # a window shorter than two blocks
+WINDOWS = (0, W, W)  # group 0 full, two sliding groups
+
+
+def _manager(num_blocks: int = 64, caching: bool = True) -> HybridKVCacheManager:
+    return HybridKVCacheManager(BlockPool(num_blocks, BS, caching, num_groups=3), WINDOWS)
+
+
+def _req(rid: str, n: int, start: int = 100) -> Request:
+    return Request(rid, list(range(start, start + n)), SamplingParams(max_tokens=8))
+
+
+def _held(table: list[int]) -> list[int]:
+    return [i for i, b in enumerate(table) if b != NULL_BLOCK_ID]
+
+
+def test_groups_of_gemma3_270m_and_of_one_type():
+    windows = [512 if (i + 1) % 6 else 0 for i in range(18)]  # layers 5, 11, 17 full
+    g = kv_groups(windows)
+    assert g.num_slots == 3 and g.group_windows == (0, 512, 512, 512, 512, 512)
+    assert [g.layer_group[i] for i in (5, 11, 17)] == [0, 0, 0]
+    assert [g.layer_slot[i] for i in (5, 11, 17)] == [0, 1, 2]
+    for j in range(1, 6):  # each sliding group: three layers, one per slot
+        assert sorted(g.layer_slot[i] for i in range(18) if g.layer_group[i] == j) == [0, 1, 2]
+    plain = kv_groups([0] * 4)
+    assert (plain.num_slots, plain.group_windows, plain.layer_slot) == (4, (0,), (0, 1, 2, 3))
+    assert plain.layer_caches("abcd") == list("abcd")
+
+
+def test_sliding_groups_keep_only_the_window_while_running():
+    kv = _manager()
+    r = _req("a", 20)
+    assert kv.allocate_slots(r, 20) is not None  # the prompt in one chunk: 5 blocks each
+    tables = kv.tables(r)
+    assert [len(t) for t in tables] == [5, 5, 5] and all(_held(t) == [0, 1, 2, 3, 4] for t in tables)
+    r.num_computed_tokens = 20
+    r.append_output_token(1)
+    used_before = kv.block_pool.num_used_blocks
+    assert kv.allocate_slots(r, 1) is not None  # position 20 reads 15..20: blocks 3..5
+    assert _held(tables[0]) == list(range(6))
+    assert _held(tables[1]) == _held(tables[2]) == [3, 4, 5]
+    assert kv.block_pool.num_used_blocks == used_before + 3 - 6
+    for pos in range(21, 40):  # decoding on: never more than ceil(W / B) + 1 per sliding group
+        r.num_computed_tokens = pos
+        r.append_output_token(1)
+        if pos % BS == 0:
+            assert kv.allocate_slots(r, 1) is not None
+        assert len(_held(tables[1])) <= -(-W // BS) + 1
+    assert kv.held_blocks() == {"full": 10, "sliding": 2 * len(_held(tables[1]))}
+    kv.free(r)
+    assert kv.block_pool.num_used_blocks == 0 and r.block_ids == [] == r.group_block_ids[0]
+
+
+def test_need_is_summed_over_groups_and_nothing_changes_when_short():
+    kv = _manager(num_blocks=1 + 8)  # 8 usable: a 12-token prompt needs 3 x 3 blocks
+    r = _req("a", 12)
+    assert kv.allocate_slots(r, 12) is None
+    assert r.block_ids == [] and kv.block_pool.num_free_blocks == 8
+    assert kv.allocate_slots(r, 8) is not None  # a chunk of 8: 2 x 3 blocks
+    assert kv.block_pool.num_free_blocks == 2
+
+
+def test_prefix_hit_past_the_window_takes_only_the_window():
+    kv = _manager()
+    a = _req("a", 21)
+    kv.allocate_slots(a, 21)
+    a.num_computed_tokens = 21
+    kv.cache_full_blocks(a)
+    kv.free(a)
+    b = _req("b", 23)  # shares a's 21 tokens: 5 full blocks cached in every group
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 20
+    # the token at 20 reads 15..20: sliding groups take blocks 3, 4 of the hit
+    assert [_held(h) for h in hits] == [[0, 1, 2, 3, 4], [3, 4], [3, 4]]
+    assert kv.allocate_slots(b, 3, hits) is not None
+    assert _held(b.group_block_ids[0]) == [3, 4, 5] and _held(b.block_ids) == list(range(6))
+    assert kv.block_pool.num_prefix_hit_tokens == 20
+
+
+def test_hit_shrinks_to_where_the_sliding_window_is_cached():
+    kv = _manager()
+    a = _req("a", 21)
+    kv.allocate_slots(a, 21)
+    a.num_computed_tokens = 21
+    kv.cache_full_blocks(a)
+    hashes = list(a.block_hashes)
+    kv.free(a)
+    pool = kv.block_pool
+    # evict sliding group 2's block 3: a hit at 20 (reads blocks 3, 4) is no longer whole
+    victim = pool.get_cached_block(group_hash(hashes[3], 2))
+    pool.touch([victim])
+    pool.free_blocks([victim])
+    pool._free_queue.move_to_end(victim, last=False)
+    pool.get_new_blocks(1)
+    _, n = kv.get_computed_blocks(_req("b", 23))
+    assert n == 12  # at 12 the window (blocks 1, 2) is whole in every group
+
+
+def test_events_report_a_block_only_while_every_group_holds_it():
+    kv = _manager()
+    a = _req("a", 8)
+    kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    kv.cache_full_blocks(a)
+    stored, removed = kv.block_pool.take_events()
+    h0 = hash_block_tokens(None, a.all_token_ids[:4])
+    assert stored == [h0, a.block_hashes[1]] and removed == []
+    kv.free(a)
+    pool = kv.block_pool
+    pool.get_new_blocks(pool.num_free_blocks)  # evicts everything
+    stored, removed = pool.take_events()
+    assert stored == [] and sorted(removed) == sorted([h0, a.block_hashes[1]])
+
+
+def test_handover_lists_full_prompt_and_sliding_window():
+    kv = _manager()
+    tables = [list(range(10, 16)), [0, 0, 0, 23, 24, 25], [0, 0, 0, 33, 34, 35]]
+    # a 21-token prompt: the decode's first token (at 21) reads 16..20: blocks 4, 5
+    assert kv.handover_block_ids(tables, 0, 21) == [10, 11, 12, 13, 14, 15, 24, 25, 34, 35]
+    assert kv.handover_block_ids(tables, 20, 21) == [15, 25, 35]
+
+
+def test_decode_allocates_only_the_window_for_a_remote_prompt():
+    sched = ContinuousScheduler(SchedulerConfig(), CacheConfig(block_size=BS), num_blocks=64,
+                                group_windows=WINDOWS)
+    r = _req("a", 21)
+    alloc = sched.allocate_for_remote(r)
+    assert len(r.block_ids) == 6 and _held(r.group_block_ids[0]) == [4, 5]
+    assert len(alloc.new_block_ids) == 6 + 2 + 2  # prompt blocks 0..5, sliding 4, 5
+    assert sched.kv.block_pool.num_used_blocks == 6 + 2 * 2
+    sched.abort_request("a")
+    assert sched.kv.block_pool.num_used_blocks == 0
+
+
+def test_prefill_keeps_only_the_window_while_sending():
+    sched = ContinuousScheduler(SchedulerConfig(max_num_batched_tokens=64), CacheConfig(block_size=BS),
+                                num_blocks=64, group_windows=WINDOWS)
+    r = Request("a", list(range(100, 121)), SamplingParams(max_tokens=8), remote_decode=True)
+    sched.add_request(r)
+    out = sched.schedule()
+    assert out.seqs[0].group_tables is not None and len(out.seqs[0].group_tables) == 2
+    sched.update_from_output(out, {"a": 7})
+    assert _held(r.group_block_ids[0]) == _held(r.group_block_ids[1]) == [4, 5]
+    assert sched.finish_sending("a")
+    assert sched.kv.block_pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_one_request_may_use_more_than_the_pool_over_the_groups(chunk):
+    kv = _manager(num_blocks=1 + 30)
+    longest = kv.max_tokens_for_one(chunk)
+    cap = -(-(W - 1 + chunk) // BS) + 1
+    assert longest // BS + 2 * min(longest // BS, cap) <= 30
+    assert longest >= 30 // 3 * BS  # never worse than every group holding everything
