@@ -197,8 +197,15 @@ class LlamaForCausalLM(nn.Module):
         if done is None:
             # a plan per (attention type, KV group) (sliding layers: their window) and a
             # RoPE table per attention type
-            plans = {key: plan if key == (0, 0) else plan_attention(
-                attn_metadata.for_group(key[1]), block_size, key[0]) for key in self._plan_keys}
+            # (without the groups' tables, e.g. a warm-up step, every group reads group 0's)
+            grouped = attn_metadata.group_slots is not None
+            plans: dict[tuple[int, int], AttentionPlan] = {}
+            for w, g in self._plan_keys:
+                src = (w, g if grouped else 0)
+                if src not in plans:
+                    plans[src] = plan if src == (0, 0) else plan_attention(
+                        attn_metadata.for_group(src[1]), block_size, w)
+                plans[w, g] = plans[src]
             groups = self.kv_groups.layer_group
             local = None if self.rotary_local is None else self.rotary_local.cos_sin(
                 positions, attn_metadata.max_seq_len, hidden.dtype)
