@@ -40,3 +40,20 @@ def test_step_round_trip():
 def test_command_header():
     h = header(Command.INIT_KV, 96)
     assert h.tolist() == [int(Command.INIT_KV), 96] + [0] * (HEADER_LEN - 2)
+
+
+def test_step_round_trip_with_kv_group_tables():
+    """A hybrid model's step (model/kv_groups.py): the slots and tables of KV groups 1..
+    travel too, and each group's metadata is its own."""
+    groups = [[[0, 8], [0, 9]], [[0, 0, 6], [5, 0, 11]]]  # per seq: groups 1 and 2
+    meta = AttentionMetadata.build([(4, 2, [3, 7]), (9, 1, [1, 4, 2])], block_size=4,
+                                   group_tables=groups)
+    step = StepInputs(torch.arange(3) + 100, torch.tensor([4, 5, 9]), meta, None, True)
+    h, payload = encode_step(step)
+    assert payload.numel() == payload_len(h)
+    got = decode_step(h, payload, torch.device("cpu")).meta
+    assert got.group_slots.tolist() == [[8 * 4, 8 * 4 + 1, 6 * 4 + 1], [9 * 4, 9 * 4 + 1, 11 * 4 + 1]]
+    g2 = got.for_group(2)
+    assert g2.block_tables.tolist() == [[0, 9, 0], [5, 0, 11]]
+    assert g2.slot_mapping.tolist() == got.group_slots[1].tolist()
+    assert got.for_group(0) is got and got.for_group(0).slot_mapping.tolist() == [28, 29, 9]
