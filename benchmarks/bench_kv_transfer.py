@@ -22,6 +22,11 @@ and the time of each link. The key is checked once per connection (in the hello)
 path is the same, and cluster TLS covers the gRPC that links and starts transfers, not the
 KV bytes.
 
+``--hybrid-kv`` (instead of the above, its own flags: benchmarks/hybrid_kv_handover.py):
+the bytes a PD hand-over of a Gemma 3 prompt moves (``xllm_kv_transfer_bytes_total``) and
+the long prompts one decode pool holds, before and after the sliding-window layers got
+blocks of their own (engine/hybrid_kv.py).
+
 ``--heads N``: the same pulls again as KV head slices, as a decode rank of another TP
 reads them: a second puller whose pool holds N of the peer's 8 heads pulls heads
 ``[0, N)`` of the same source blocks (kv_transfer/ucx/slices.py: per (kv, layer) of each
@@ -192,6 +197,10 @@ async def bench_backend(args: argparse.Namespace, sizes: list[int],
 
 
 def main() -> None:
+    if "--hybrid-kv" in sys.argv[1:]:
+        from benchmarks.hybrid_kv_handover import main as hybrid_kv
+
+        sys.exit(hybrid_kv([a for a in sys.argv[1:] if a != "--hybrid-kv"]))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["ucx", "tcp"], default="ucx")
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256])
@@ -206,6 +215,9 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=0, metavar="N",
                    help=f"also pull heads [0, N) of the same blocks (of {GEOM['num_kv_heads']}) into a pool of N "
                         "heads (instances of different TP); report slice vs whole-block times")
+    p.add_argument("--hybrid-kv", action="store_true",
+                   help="instead: a Gemma 3 hand-over's bytes and a decode's capacity before and "
+                        "after the hybrid KV layout (its flags: --hybrid-kv --help)")
     args = p.parse_args()
     if args.heads and not 0 < args.heads < GEOM["num_kv_heads"]:
         p.error(f"--heads must be in [1, {GEOM['num_kv_heads']})")

@@ -1,7 +1,7 @@
 """What the hybrid KV cache (engine/hybrid_kv.py) saves on Gemma 3: the bytes of a PD
 hand-over and the requests one decode pool holds, before and after, in one run.
 
-    python benchmarks/bench_hybrid_kv.py [--model gemma-3-270m] [--prompt-tokens 2000]
+    python benchmarks/bench_kv_transfer.py --hybrid-kv [--model gemma-3-270m] [--prompt-tokens 2000]
         [--block-size 16] [--mode PULL|PUSH] [--kv-cache-memory-mb 256]
         [--context 4000] [--no-cluster] [--json]
 
@@ -126,7 +126,8 @@ def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="bench_kv_transfer.py --hybrid-kv",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma-3-270m")
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--block-size", type=int, default=16)
@@ -172,6 +173,3 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['capacity_ratio']:.2f}x")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
