@@ -169,3 +169,25 @@ def test_one_request_may_use_more_than_the_pool_over_the_groups(chunk):
     cap = -(-(W - 1 + chunk) // BS) + 1
     assert longest // BS + 2 * min(longest // BS, cap) <= 30
     assert longest >= 30 // 3 * BS  # never worse than every group holding everything
+
+
+def test_pool_metric_says_what_each_type_holds():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from xllm_py.engine.metrics import EngineStatsCollector
+
+    kv = _manager()
+    r = _req("a", 21)
+    kv.allocate_slots(r, 21, first_pos=21)  # as a decode takes it: sliding keeps blocks 4, 5
+
+    class _Engine:
+        scheduler = type("S", (), {"kv": kv})()
+
+        def stats(self):
+            return {}
+
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(_Engine()))
+    text = generate_latest(registry).decode()
+    assert 'xllm_kv_cache_blocks_held{attention="full"} 6.0' in text
+    assert 'xllm_kv_cache_blocks_held{attention="sliding"} 4.0' in text
