@@ -126,3 +126,41 @@ def test_decode_only_plan_uses_fast_path():
     assert plan.prefill is None and plan.decode is not None and plan.decode.token_idx is None
     assert plan.decode.key_mask.shape == (2, 1, 1, 8)
     assert plan.decode.key_mask[:, 0, 0].sum(-1).tolist() == [6, 3]
+
+
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("dense", [False, True], ids=["paged", "dense-chunks"])
+def test_retable_equals_a_plan_of_the_other_groups_tables(window, dense, monkeypatch):
+    """A hybrid model's other KV groups (model/kv_groups.py) re-use one plan per window
+    over their own tables and slots: the same outputs as a plan made for them."""
+    from xllm_py.model.attention import retable
+
+    if dense:
+        monkeypatch.setattr(attention, "DENSE_PREFILL_MIN_TOKENS", 5)
+        monkeypatch.setattr(attention, "DENSE_PREFILL_MIN_PAIRS", 40)
+    g = torch.Generator().manual_seed(2)
+    # a decode at 9, a chunk of 7 after 4 cached, a whole prompt of 11
+    steps = [(9, 1), (4, 7), (0, 11)]
+    group1 = [[3, 17, 8], [2, 5, 29], [7, 16, 27]]
+    group2 = [[12, 22, 9], [25, 13, 6], [19, 23, 10]]
+    k_cache, v_cache = allocate_kv_caches(1, NB, BS, KVH, HD)[0]
+    k_cache.normal_(generator=g)
+    v_cache.normal_(generator=g)
+    md = AttentionMetadata.build([(s, n, t) for (s, n), t in zip(steps, group1)], BS,
+                                 group_tables=[[t] for t in group2])
+    q = torch.randn(19, H, HD, generator=g)
+    k = torch.randn(19, KVH, HD, generator=g)
+    v = torch.randn(19, KVH, HD, generator=g)
+    other = md.for_group(1)
+    direct = plan_attention(other, BS, window)
+    moved = retable(plan_attention(md, BS, window), other, BS)
+    assert torch.equal(moved.slot_mapping, direct.slot_mapping)
+    outs = []
+    for plan in (direct, moved):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outs.append(paged_attention(q, k, v, kc, vc, plan))
+    assert torch.equal(outs[0], outs[1])
+    if dense:
+        assert moved.prefill.dense and all(
+            torch.equal(a.key_slots, b.key_slots)
+            for a, b in zip(moved.prefill.dense, direct.prefill.dense))

@@ -144,10 +144,11 @@ class ModelRunner:
                 slots.append(table[s.start_pos // bs] * bs + s.start_pos % bs)
                 tables.extend(table)
                 tables.extend([0] * (width - len(table)))
-        n = len(seqs)
-        slots_t = torch.tensor(slots, dtype=torch.int64, device=self.device).view(-1, n)
-        tables_t = torch.tensor(tables, dtype=torch.int64, device=self.device).view(-1, n, width)
-        return slots_t, tables_t
+        n, g = len(seqs), len(seqs[0].group_tables)
+        flat = torch.frombuffer(array.array("q", slots + tables), dtype=torch.int64)
+        if flat.device != self.device:
+            flat = flat.to(self.device)
+        return flat[:g * n].view(g, n), flat[g * n:].view(g, n, width)
 
     def _prepare_mixed(self, seqs: Sequence) -> tuple[torch.Tensor, torch.Tensor,
                                                       AttentionMetadata, list[int]]:

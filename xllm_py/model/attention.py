@@ -26,6 +26,7 @@ never hold NaN/Inf, which a mask cannot cancel.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class _DecodeGroup:
     seq_lens: torch.Tensor  # [Bd] int64
     block_size: int
     window: int = 0  # > 0: a query sees only its last `window` positions (sliding layers)
+    seq_idx: torch.Tensor | None = None  # [Bd] its sequences in the batch; None = all
 
     @functools.cached_property
     def key_mask(self) -> torch.Tensor:
@@ -98,6 +100,8 @@ class _PrefillGroup:
     dense: list["_DenseChunk"] = field(default_factory=list)
     paged_rows: torch.Tensor | None = None
     window: int = 0
+    seq_idx: torch.Tensor | None = None  # [Bp] its sequences in the batch; None = all
+    seq_of_tok: torch.Tensor | None = None  # [Tp] each query token's sequence in the group
 
 
 @dataclass
@@ -107,6 +111,8 @@ class _DenseChunk:
     rows: slice  # its query rows in the prefill group (contiguous)
     key_slots: torch.Tensor  # [len] cache slots of positions seq_len - len .. seq_len - 1
     mask: torch.Tensor | None  # [n, len] bool after a cached prefix or in a window; None = is_causal
+    seq: int = 0  # its sequence in the prefill group
+    key_pos: torch.Tensor | None = None  # [len] the positions of key_slots
 
 
 @dataclass
@@ -145,6 +151,7 @@ def plan_attention(md: AttentionMetadata, block_size: int, window: int = 0) -> A
     d_max = int(seq_lens_host[is_decode].max())
     decode = _decode_group(d_tok, md.block_tables[d_seq], md.seq_lens[d_seq], d_max, block_size,
                            window)
+    decode.seq_idx = d_seq
     p_qsl_start = md.query_start_loc[p_seq]
     p_qlens = q_lens[p_seq]
     p_qsl = torch.zeros(p_seq.shape[0] + 1, dtype=torch.int64, device=dev)
@@ -158,7 +165,26 @@ def plan_attention(md: AttentionMetadata, block_size: int, window: int = 0) -> A
     prefill = _prefill_group(p_tok, p_qsl, md.seq_lens[p_seq], md.context_lens[p_seq],
                              md.block_tables[p_seq], md.max_query_len, p_max_seq,
                              block_size, num_p_tokens, window)
+    prefill.seq_idx = p_seq
     return AttentionPlan(md.slot_mapping, num_tokens, decode, prefill)
+
+
+def retable(plan: AttentionPlan, md: AttentionMetadata, block_size: int) -> AttentionPlan:
+    """``plan`` (plan_attention of this step, any window) over the slots and block tables
+    of ``md``: the same batch in another KV group's blocks (AttentionMetadata.for_group).
+    The masks are shared; only what indexes the cache is made again."""
+    d, p = plan.decode, plan.prefill
+    if d is not None:
+        tables = md.block_tables if d.seq_idx is None else md.block_tables[d.seq_idx]
+        d = dataclasses.replace(d, block_tables=tables[:, :d.block_tables.shape[1]])
+    if p is not None:
+        tables = md.block_tables if p.seq_idx is None else md.block_tables[p.seq_idx]
+        tables = tables[:, :p.block_tables.shape[1]]
+        dense = [dataclasses.replace(c, key_slots=tables[c.seq, c.key_pos // block_size]
+                                     * block_size + c.key_pos % block_size) for c in p.dense]
+        p = dataclasses.replace(p, block_tables=tables, tok_tables=tables[p.seq_of_tok],
+                                dense=dense)
+    return AttentionPlan(md.slot_mapping, plan.num_tokens, d, p)
 
 
 def plan_rows(md: AttentionMetadata, rows: torch.Tensor, positions: torch.Tensor,
@@ -208,7 +234,7 @@ def _prefill_group(token_idx: torch.Tensor | None, query_start_loc: torch.Tensor
     tables = block_tables[:, :nblk]
     group = _PrefillGroup(token_idx, dest, num_seqs, max_q, tables, mask[:, None],
                           tables[seq_of_tok], context_lens[seq_of_tok] + offset + 1,
-                          window=window)
+                          window=window, seq_of_tok=seq_of_tok)
     if max_q >= min(DENSE_PREFILL_MIN_TOKENS, DENSE_CHUNK_MIN_TOKENS):
         _plan_dense(group, query_start_loc, context_lens, block_size, num_tokens)
     return group
@@ -237,7 +263,7 @@ def _plan_dense(g: _PrefillGroup, query_start_loc: torch.Tensor, context_lens: t
             mask = pos[None, :] <= q_pos[:, None]
             if g.window:
                 mask &= pos[None, :] > q_pos[:, None] - g.window
-        g.dense.append(_DenseChunk(slice(start, end), slots, mask))
+        g.dense.append(_DenseChunk(slice(start, end), slots, mask, i, pos))
         paged[start:end] = False
     if g.dense:
         g.paged_rows = torch.nonzero(paged).flatten().to(dev)

@@ -16,7 +16,7 @@ from torch import nn
 
 from xllm_py.model import cpu_kernels
 from xllm_py.model.attention import (AttentionMetadata, AttentionPlan, attend, plan_attention,
-                                     plan_rows, write_kv)
+                                     plan_rows, retable, write_kv)
 from xllm_py.model.config import SLIDING, ModelConfig
 from xllm_py.model.fused_decode import FusedDecoder
 from xllm_py.model.gemma3 import Gemma3DecoderLayer
@@ -202,9 +202,11 @@ class LlamaForCausalLM(nn.Module):
             plans: dict[tuple[int, int], AttentionPlan] = {}
             for w, g in self._plan_keys:
                 src = (w, g if grouped else 0)
-                if src not in plans:
-                    plans[src] = plan if src == (0, 0) else plan_attention(
-                        attn_metadata.for_group(src[1]), block_size, w)
+                if src not in plans:  # another group of this window: its plan re-tabled
+                    same = next((plans[k] for k in plans if k[0] == w), None)
+                    md = attn_metadata.for_group(src[1])
+                    plans[src] = (plan if src == (0, 0) else plan_attention(md, block_size, w)
+                                  if same is None else retable(same, md, block_size))
                 plans[w, g] = plans[src]
             groups = self.kv_groups.layer_group
             local = None if self.rotary_local is None else self.rotary_local.cos_sin(
