@@ -95,8 +95,8 @@ def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
         svc = spawn(f"service-{tag}", "xllm_service", [
             "--model", str(model_dir), "--etcd", etcd, "--etcd-namespace", f"{tag}/",
             "--http-port", str(hp), "--rpc-port", str(rp), "--load-balance-policy",
-            "LEAST_LOAD", "--etcd-ttl", "15", "--evict-grace-s", "10"], logs,
-            http_url=f"http://127.0.0.1:{hp}")
+            "LEAST_LOAD", "--disagg-decision", "ALWAYS", "--etcd-ttl", "15",
+            "--evict-grace-s", "10"], logs, http_url=f"http://127.0.0.1:{hp}")
         procs.append(svc)
         engines = {}
         for role in ("PREFILL", "DECODE"):
@@ -119,7 +119,10 @@ def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
             "model": str(model_dir), "prompt": prompt, "max_tokens": 2, "temperature": 0,
             "ignore_eos": True})
         r.raise_for_status()
-        return {"bytes": _bytes_moved(mover) - before, "seconds": time.monotonic() - t0}
+        moved = _bytes_moved(mover) - before
+        if moved <= 0:
+            raise RuntimeError(f"{tag}: no KV was handed over (logs in {logs})")
+        return {"bytes": moved, "seconds": time.monotonic() - t0}
     finally:
         for p in reversed(procs):
             p.terminate()
