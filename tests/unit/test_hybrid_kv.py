@@ -191,3 +191,25 @@ def test_pool_metric_says_what_each_type_holds():
     text = generate_latest(registry).decode()
     assert 'xllm_kv_cache_blocks_held{attention="full"} 6.0' in text
     assert 'xllm_kv_cache_blocks_held{attention="sliding"} 4.0' in text
+
+
+def test_decode_hit_then_remote_prompt_takes_the_window_of_its_end():
+    """A decode with a prefix hit of 20 tokens takes a 33-token prompt from a peer: the
+    full group shares 5 blocks and gets 4 new; sliding groups hold only the blocks the
+    token at 33 reads (7, 8), none of the hit's; the hand-over lists blocks 5..8 of the
+    full group and 7, 8 of each sliding group."""
+    sched = ContinuousScheduler(SchedulerConfig(), CacheConfig(block_size=BS), num_blocks=64,
+                                group_windows=WINDOWS)
+    a = Request("a", list(range(100, 121)), SamplingParams(max_tokens=1))
+    sched.add_request(a)
+    out = sched.schedule()
+    sched.update_from_output(out, {"a": 7})  # done (max_tokens 1): its blocks cached
+    b = Request("b", list(range(100, 133)), SamplingParams(max_tokens=8))
+    alloc = sched.allocate_for_remote(b)
+    assert alloc.num_cached_tokens == 20
+    assert len(b.block_ids) == 9 and all(_held(t) == [7, 8] for t in b.group_block_ids)
+    assert alloc.new_block_ids == (b.block_ids[5:9] + b.group_block_ids[0][7:9]
+                                   + b.group_block_ids[1][7:9])
+    assert sched.kv.block_pool.num_used_blocks == 9 + 2 * 2
+    sched.abort_request("b")
+    assert sched.kv.block_pool.num_used_blocks == 0
