@@ -116,7 +116,7 @@ def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
         prompt = random_token_prompts(1, args.prompt_tokens, 262_144, seed=5)[0]
         t0 = time.monotonic()
         r = httpx.post(f"{svc.http_url}/v1/completions", trust_env=False, timeout=600, json={
-            "model": str(model_dir), "prompt": prompt, "max_tokens": 2, "temperature": 0,
+            "model": model_dir.name, "prompt": prompt, "max_tokens": 2, "temperature": 0,
             "ignore_eos": True})
         r.raise_for_status()
         moved = _bytes_moved(mover) - before

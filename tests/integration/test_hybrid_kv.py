@@ -95,7 +95,7 @@ def test_pd_hands_over_the_window_and_equals_transformers(etcd_server, tmp_path,
         svc.wait_ready(60, path="/readiness")
         c = client(svc)
         for prompt, tokens in zip(prompts[:4], expected):
-            r = c.completions.create(model=str(path), prompt=prompt, max_tokens=len(tokens),
+            r = c.completions.create(model=path.name, prompt=prompt, max_tokens=len(tokens),
                                      temperature=0,
                                      extra_body={"ignore_eos": True, "return_token_ids": True})
             assert r.choices[0].model_extra["token_ids"] == tokens, f"{len(prompt)} tokens"

@@ -108,7 +108,7 @@ class ClusterNode:
             ports=[int(a.rsplit(":", 1)[1]) for a in transfer_addrs],
             dp_size=1, model=self.backend.model_name, block_size=cfg.cache.block_size,
             kv_layout=KV_LAYOUT, kv_dtype=cfg.dtype, tp_size=cfg.tensor_parallel_size,
-            num_layers=mc.num_layers,
+            num_layers=self.engine.storage.meta.num_layers,  # (KV pool tensors: kv_groups.py)
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             num_blocks=self.engine.storage.num_blocks,
             http_address=f"{self.addr_host}:{cfg.port}",
@@ -183,7 +183,7 @@ class ClusterNode:
         mc = self.engine.model_config
         return InstanceMeta(name=self.name, model=self.backend.model_name,
                             block_size=self.config.cache.block_size, kv_layout=KV_LAYOUT,
-                            kv_dtype=self.config.dtype, num_layers=mc.num_layers,
+                            kv_dtype=self.config.dtype, num_layers=self.engine.storage.meta.num_layers,
                             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
 
     def _load(self) -> LoadReport:
