@@ -1,7 +1,7 @@
 """The hybrid KV cache (engine/hybrid_kv.py) on a small random Gemma 3 whose window (6
 tokens) is shorter than two blocks of 4, against transformers: greedy tokens of a MIX
 engine whose prompt chunks straddle the window, then a prefix-cache hit past the window;
-a PD pair (PULL and PUSH) gives the same tokens while its hand-overs move only the
+a PD pair (PULL and PUSH, equal and different TP) gives the same tokens while its hand-overs move only the
 sliding layers' window; every pool returns to 0 blocks."""
 from __future__ import annotations
 
@@ -80,16 +80,18 @@ def test_mix_chunks_and_hit_past_the_window_equal_transformers(gemma):
         engine.stop()
 
 
-@pytest.mark.parametrize("mode", ["PULL", "PUSH"])
-def test_pd_hands_over_the_window_and_equals_transformers(etcd_server, tmp_path, gemma, mode):
+@pytest.mark.parametrize("mode,p_tp,d_tp", [("PULL", 1, 1), ("PUSH", 1, 1), ("PULL", 2, 1),
+                                            ("PUSH", 1, 2)])
+def test_pd_hands_over_the_window_and_equals_transformers(etcd_server, tmp_path, gemma, mode,
+                                                          p_tp, d_tp):
     path, prompts, expected = gemma
-    h = Harness(etcd_server.endpoint, f"hybrid-{mode}/", tmp_path)
+    h = Harness(etcd_server.endpoint, f"hybrid-{mode}{p_tp}{d_tp}/", tmp_path)
     common = ["--model", str(path), "--block-size", str(BLOCK), "--num-blocks", "200",
               "--kv-cache-transfer-mode", mode]
     try:
         svc = h.service(extra=["--model", str(path)])
-        prefill = h.engine("PREFILL", "prefill", extra=common)
-        decode = h.engine("DECODE", "decode", extra=common)
+        prefill = h.engine("PREFILL", "prefill", extra=[*common, "--tp", str(p_tp)])
+        decode = h.engine("DECODE", "decode", extra=[*common, "--tp", str(d_tp)])
         for p in (prefill, decode):
             p.wait_ready(240)
         svc.wait_ready(60, path="/readiness")
@@ -109,6 +111,7 @@ def test_pd_hands_over_the_window_and_equals_transformers(etcd_server, tmp_path,
         full = sum(-(-len(p) // BLOCK) for p in prompts[:4])
         sliding = sum(len(range(max(0, len(p) - WINDOW + 1) // BLOCK, -(-len(p) // BLOCK)))
                       for p in prompts[:4])
-        assert moved == (full + 2 * sliding) * block_bytes < 3 * full * block_bytes
+        # (one KV head: every decode rank holds it, and receives it)
+        assert moved == (full + 2 * sliding) * block_bytes * d_tp < 3 * full * block_bytes * d_tp
     finally:
         h.stop()
