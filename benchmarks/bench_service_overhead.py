@@ -65,7 +65,8 @@ def start_stack(logs: pathlib.Path, tls: bool, procs: list, etcds: list):
     etcds.append(etcd)
     tag = "-tls" if tls else ""
     hp, rp, ep = free_port(), free_port(), free_port()
-    svc = spawn(f"service{tag}", "xllm_service", ["--etcd", etcd.endpoint, "--http-port", str(hp),
+    svc = spawn(f"service{tag}", "xllm_service", ["--etcd", etcd.endpoint, "--model", "tiny",
+                                                  "--http-port", str(hp),
                                                   "--rpc-port", str(rp), *sec["service"]], logs,
                 http_url=f"http://127.0.0.1:{hp}")
     eng = spawn(f"engine{tag}", "xllm_py.engine",
