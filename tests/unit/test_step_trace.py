@@ -81,7 +81,8 @@ def test_summary_prices_prompt_chunks_against_decode_only_steps_of_the_same_batc
     sm = summarize(steps, slow_ms=30)
     assert sm["steps"] == 9 and sm["with_streams"] == 8
     assert sm["decode_only_by_batch"][2] == {"steps": 5, "ms_p50": 10.0, "ms_p90": 10.0,
-                                             "context_p50": 300}
+                                             "context_p50": 300, "between_ms_p50": 10.0}
+    assert sm["decode_only_by_batch"][3]["between_ms_p50"] is None  # one step: no gap
     riding = sm["prompts_beside_streams"]
     assert riding["slack"] == {"steps": 1, "prompt_tokens": 64, "stall_stream_ms": 80.0}
     assert riding["hold limit"]["stall_stream_ms"] == pytest.approx(70.0)
@@ -94,6 +95,18 @@ def test_summary_prices_prompt_chunks_against_decode_only_steps_of_the_same_batc
     assert "hold limit" in text and "decode only 1" in text
     assert "prompt-only steps (no streams): 1, 512 tokens" in text
     assert sm["guard_measured_over_estimate"] == {}  # no estimates in these lines
+
+
+def test_summary_says_how_long_the_loop_spends_between_decode_steps():
+    # 25 ms steps 25.4 ms apart: 0.4 ms between them; an idle wait (2 s) and the step
+    # after a prompt chunk do not count
+    steps = ([_step(i * 0.0254, 25.0, decode_seqs=1) for i in range(4)]
+             + [_step(2.5, 25.0, decode_seqs=1), _step(2.6, 40.0, decode_seqs=1, prompt_tokens=8),
+                _step(2.9, 25.0, decode_seqs=1)])
+    d = summarize(steps)["decode_only_by_batch"][1]
+    assert d["between_ms_p50"] == pytest.approx(0.4)
+    assert "between p50 (ms)" in format_summary(summarize(steps))
+    assert "0.40" in format_summary(summarize(steps))
 
 
 def test_summary_sets_the_guards_estimates_against_the_steps():

@@ -90,8 +90,19 @@ def summarize(steps: Iterable[dict[str, Any]], slow_ms: float = 30.0) -> dict[st
     for s in steps:
         if s["decode_seqs"] and not s["prompt_tokens"]:
             by_batch[s["decode_seqs"]].append(s)
+    # The loop's time between two decode-only steps of a batch (the next step's start less
+    # this one's end): output processing, detokenizing, command draining, schedule(); what
+    # a stream's TPOT carries beside the steps. Gaps of a second or more are idle waits.
+    between: dict[int, list[float]] = collections.defaultdict(list)
+    for a, b in zip(steps, steps[1:]):
+        if (a["decode_seqs"] == b["decode_seqs"] and a["decode_seqs"]
+                and not a["prompt_tokens"] and not b["prompt_tokens"]):
+            gap_ms = (b["t"] - a["t"]) * 1000 - a["ms"]
+            if 0 <= gap_ms < _IDLE_GAP_MS:
+                between[a["decode_seqs"]].append(gap_ms)
     decode_only = {b: {"steps": len(xs), **_ms_p50_p90(xs),
-                       "context_p50": _pct([x["decode_context"] for x in xs], 50)}
+                       "context_p50": _pct([x["decode_context"] for x in xs], 50),
+                       "between_ms_p50": _pct(between[b], 50) if between[b] else None}
                    for b, xs in sorted(by_batch.items())}
     riding = collections.defaultdict(lambda: {"steps": 0, "prompt_tokens": 0, "stall_stream_ms": 0.0})
     slow = collections.Counter()
@@ -128,6 +139,9 @@ def summarize(steps: Iterable[dict[str, Any]], slow_ms: float = 30.0) -> dict[st
             "slow_ms": slow_ms, "slow_steps_with_streams": dict(slow)}
 
 
+_IDLE_GAP_MS = 1000.0
+
+
 def _ms_p50_p90(steps: list[dict[str, Any]]) -> dict[str, float]:
     ms = [s["ms"] for s in steps]
     return {"ms_p50": _pct(ms, 50), "ms_p90": _pct(ms, 90)}
@@ -144,10 +158,12 @@ def format_summary(sm: dict[str, Any]) -> str:
     lines = [f"{sm['steps']} steps ({sm['with_streams']} with decoding streams), busy "
              f"{sm['busy_s']:.1f} s of {sm['span_s']:.1f} s"]
     if sm["decode_only_by_batch"]:
-        lines.append("decode-only steps: batch  steps  ms p50  ms p90  context p50")
+        lines.append("decode-only steps: batch  steps  ms p50  ms p90  context p50"
+                     "  between p50 (ms)")
     for b, d in sm["decode_only_by_batch"].items():
+        gap = "-" if d.get("between_ms_p50") is None else f"{d['between_ms_p50']:.2f}"
         lines.append(f"  {b:>21}  {d['steps']:>5}  {d['ms_p50']:>6.1f}  {d['ms_p90']:>6.1f}"
-                     f"  {d['context_p50']:>11}")
+                     f"  {d['context_p50']:>11}  {gap:>16}")
     if sm["prompts_beside_streams"]:
         lines.append("prompt tokens beside streams, by the guard's answer: steps, tokens, "
                      "stall (stream-ms over a decode-only step of the batch)")
