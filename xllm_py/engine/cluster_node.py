@@ -25,6 +25,7 @@ from xllm_py.engine.pd.scheduler import DisaggPDScheduler
 from xllm_py.engine.pd.service import DisaggPDServicer
 from xllm_py.engine.self_profile import GUARD_SETTINGS, apply_derived, moved
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
+from xllm_py.kv_transfer.in_process import InProcessWorker
 from xllm_py.parallel.tp_peers import TPGrpcPeers  # GrpcPeers + the TP ranks' fan-out
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc import cluster as wire
@@ -122,8 +123,10 @@ class ClusterNode:
                                    etcd_tls=cfg.security.etcd_tls)
         self.meta = self.agent.meta  # with its incarnation id
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
+            local = InProcessWorker(self.worker.worker, cfg.rpc_timeout_s,
+                                    cfg.transfer.timeout_s)  # TP 1 moves: no gRPC to itself
             peers = TPGrpcPeers(self.meta, cfg.rpc_timeout_s, cfg.transfer.timeout_s,
-                                self._client_credentials)
+                                self._client_credentials, local)
             self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter, peers,
                                         self.metas.get, self._list_decodes,
                                         registry=self.backend.metrics_registry,

@@ -8,7 +8,8 @@ Prefill, PUSH: every move runs on its prefill rank's worker, into the decode ran
 A hand-over is done when every move is.
 
 ``TPGrpcPeers`` is ``GrpcPeers`` (rpc/pd_peers.py) with those fan-outs; both TP 1:
-exactly GrpcPeers. The peer of a move is known by its rank 0's cluster id, the one a
+GrpcPeers, except that the moves and links of our own worker go straight to it when it
+lives in this process (``local``, kv_transfer/in_process.py): no gRPC call to ourselves. The peer of a move is known by its rank 0's cluster id, the one a
 KVMove names (recorded when it linked).
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import grpc
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.rpc.pd_peers import GrpcPeers
 from xllm_py.pd_messages import KVMove, PeerLink
+from xllm_py.kv_transfer.in_process import InProcessWorker
 from xllm_py.kv_transfer.mapping import kv_head_plan
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc import pd as wire
@@ -50,10 +52,12 @@ def rank_moves(num_kv_heads: int, src_tp: int, dst_tp: int) -> list[RankMove]:
 
 class TPGrpcPeers(GrpcPeers):
     def __init__(self, meta: InstanceMeta, rpc_timeout_s: float, transfer_timeout_s: float,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 local: InProcessWorker | None = None) -> None:
         super().__init__(meta.worker_rpc_addrs[0] if meta.worker_rpc_addrs else "",
                          rpc_timeout_s, transfer_timeout_s, credentials)
         self.meta = meta
+        self.local = local  # rank 0's worker, in this process (TP 1 pairs use it directly)
         self._peers: dict[int, InstanceMeta] = {}  # rank 0's cluster id -> linked peer
         # One GrpcPeers per rank's worker (rank 0's is this one).
         self._ranks = [self] + [GrpcPeers(a, rpc_timeout_s, transfer_timeout_s, credentials)
@@ -90,7 +94,7 @@ class TPGrpcPeers(GrpcPeers):
     async def push_kv(self, move: KVMove) -> None:
         decode = self._peer(move)
         if not self._is_tp(decode):
-            await super().push_kv(move)
+            await (self.local.push_kv(move) if self.local else super().push_kv(move))
             return
         moves = rank_moves(self.meta.num_kv_heads, self.meta.tp_size, decode.tp_size)
         await asyncio.gather(*(self._transfer(
@@ -104,7 +108,7 @@ class TPGrpcPeers(GrpcPeers):
     async def link_cluster(self, link: PeerLink) -> None:
         prefill = link.meta
         if not self._is_tp(prefill):
-            await super().link_cluster(link)
+            await (self.local.link_cluster(link) if self.local else super().link_cluster(link))
             return
         if prefill is None:
             raise StatusError(Status.FAILED_PRECONDITION, "a tensor-parallel decode needs "
@@ -128,7 +132,7 @@ class TPGrpcPeers(GrpcPeers):
     async def pull_kv(self, move: KVMove) -> None:
         prefill = self._peer(move)
         if not self._is_tp(prefill):
-            await super().pull_kv(move)
+            await (self.local.pull_kv(move) if self.local else super().pull_kv(move))
             return
         moves = rank_moves(self.meta.num_kv_heads, prefill.tp_size, self.meta.tp_size)
         await asyncio.gather(*(self._transfer(
