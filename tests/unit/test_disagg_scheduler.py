@@ -558,5 +558,7 @@ async def test_decode_take_over_then_cancel_is_the_engines(make_node):
 
 async def test_only_a_prefill_engine_hands_requests_over(make_node):
     engine, pd, peers = await make_node(DECODE)
+    engine.set_connector(pd.connector)  # (the decode's: it hands nothing over)
+    pd.connector.hands_over = True  # (a prefill's)
     with pytest.raises(ValueError, match="only a PREFILL engine"):
-        engine.set_hand_over(lambda upd, delta, block_ids: None)
+        engine.set_connector(pd.connector)

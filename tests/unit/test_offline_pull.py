@@ -4,7 +4,6 @@ counts pulls sent / answered / failed, and waits for what it was handed."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 
 from tests.unit.pd_fakes import FakePeers
 from tests.unit.sched_utils import create_requests, create_scheduler
@@ -13,19 +12,8 @@ from xllm_py.config import InstanceRole
 from xllm_py.engine.pd import offline_pull
 from xllm_py.engine.pd.metrics import PDMetrics
 from xllm_py.engine.pd.offline_pull import OfflinePuller
+from xllm_py.engine.remote_kv import offline_room
 from xllm_py.rpc.status import Status, StatusError
-
-
-class _Engine:
-    """What the puller reads of an engine: its scheduler, and `call` (run here)."""
-
-    def __init__(self, scheduler) -> None:
-        self.scheduler = scheduler
-
-    def call(self, fn):
-        fut = concurrent.futures.Future()
-        fut.set_result(fn())
-        return fut
 
 
 def _puller(sched, peers, arrivals=lambda: 0):
@@ -36,7 +24,10 @@ def _puller(sched, peers, arrivals=lambda: 0):
         return InstanceMeta(name=name, type=InstanceRole.PREFILL, rpc_address="127.0.0.1:1")
 
     metrics = PDMetrics(lambda: 0)
-    return OfflinePuller(_Engine(sched), "decode:1", peers, prefills, resolve, metrics,
+    async def room():  # (the engine answers the connector's OfflineRoom this way)
+        return offline_room(sched)
+
+    return OfflinePuller(room, "decode:1", peers, prefills, resolve, metrics,
                          arrivals), metrics
 
 

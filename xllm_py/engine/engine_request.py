@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
 
 from xllm_py.engine.output_processor import OutputSink
-from xllm_py.engine.scheduler import RequestUpdate
 from xllm_py.sampling_params import SamplingParams
 
 
@@ -31,11 +29,6 @@ class EngineRequest:
     usage_prompt_tokens: int | None = None
     generated_offset: int = 0
     num_unread: int | None = None
-
-
-# PD prefill's hand-over hook (LLMEngine.set_hand_over): (update, delta, block tables:
-# one per KV group, KVCacheManager.tables).
-HandOverHook = Callable[[RequestUpdate, Any, list[list[int]]], None]
 
 
 def resolve_model_dir(model: str) -> str:

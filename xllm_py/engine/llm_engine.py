@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from xllm_py.config import EngineConfig, InstanceRole
 from xllm_py.engine.engine_request import (  # noqa: F401 - EngineRequest is imported from here
-    EngineRequest, HandOverHook, child_params, error_output, resolve_model_dir)
+    EngineRequest, child_params, error_output, resolve_model_dir)
 from xllm_py.engine.grammars import EngineGrammars
+from xllm_py.engine.kv_connector import KVConnector
 from xllm_py.engine.output_processor import OutputProcessor, child_id, parent_of
-from xllm_py.engine.scheduler import ContinuousScheduler, RemoteAllocation, RequestUpdate
+from xllm_py.engine.remote_kv import RemoteKV
+from xllm_py.engine.scheduler import ContinuousScheduler
 from xllm_py.engine.step_trace import StepTrace
 from xllm_py.request import Request, RequestStatus, prompt_token_error
 
@@ -63,10 +65,11 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         # Hooks run on the engine thread at the end of every step (e.g. flush Generations).
         self.step_listeners: list[Callable[[], None]] = []
-        # PD role (set_hand_over): a PREFILL engine hands every request over at its first
-        # token; None: requests run to the end here.
+        # The KV connector (kv_connector.py; PD: pd/connector.py), polled every turn of
+        # the loop; a PREFILL's hands every request over at its first token.
         self.role = config.role
-        self._hand_over: HandOverHook | None = None
+        self.connector = KVConnector()
+        self.remote_kv = RemoteKV(self)
         self.num_steps = 0
         self.num_step_failures = 0  # steps that raised (their requests failed with them)
         self.num_generated_tokens = 0
@@ -132,16 +135,28 @@ class LLMEngine:
         self._commands.put(("call", (fn, fut)))
         return fut
 
-    def set_hand_over(self, hand_over: HandOverHook) -> None:
-        """Make this PREFILL engine a PD prefill: every request ends here at its first
-        sampled token, its KV held (SENDING_KV) until `scheduler.finish_sending`, and
-        `hand_over(update, delta, block_ids)` is called on the engine thread with that
-        step's RequestUpdate, its CompletionDelta (None if nothing was emitted) and the
-        request's block table. Call before requests arrive; raises ValueError on another
-        role."""
-        if self.role != InstanceRole.PREFILL:
+    def wake(self) -> None:
+        """Make the engine thread poll its connector now (any thread)."""
+        self._commands.put(("wake", None))
+
+    def set_connector(self, connector: KVConnector) -> None:
+        """Install the KV connector (before requests arrive). One that hands requests over
+        (`hands_over`) makes this a PD prefill: every request ends here at its first
+        sampled token, its KV held (SENDING_KV) until the connector's SendDone; raises
+        ValueError on another role."""
+        if connector.hands_over and self.role != InstanceRole.PREFILL:
             raise ValueError(f"only a PREFILL engine hands requests over, not {self.role.value}")
-        self._hand_over = hand_over
+        self.connector = connector
+
+    @property
+    def num_not_started(self) -> int:
+        """Requests waiting for their first step, and commands not run yet (any thread)."""
+        return self.scheduler.num_waiting + self.num_queued_commands
+
+    def handover_block_ids(self, tables: list[list[int]], num_cached: int,
+                           num_prompt: int) -> list[int]:
+        """The blocks a PD decode lacks (KVCacheManager.handover_block_ids; pure)."""
+        return self.scheduler.kv.handover_block_ids(tables, num_cached, num_prompt)
 
     def _run(self) -> None:
         while not self._stopped.is_set():
@@ -178,12 +193,14 @@ class LLMEngine:
                 return
 
     def _drain_commands(self, timeout: float | None) -> bool:
-        """Run the queued commands, after waiting up to ``timeout`` s for the first one
-        (None: do not wait). Returns whether any ran."""
+        """Run the connector's events and the queued commands, after waiting up to
+        ``timeout`` s for the first command (None: do not wait). Returns whether any ran."""
+        polled = self.remote_kv.poll()
         try:
-            cmd = self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=timeout) if timeout and not polled else (
+                self._commands.get_nowait())
         except queue.Empty:
-            return False
+            return polled
         while True:
             kind, arg = cmd
             try:
@@ -206,6 +223,7 @@ class LLMEngine:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
+                self.remote_kv.poll()  # (what a "wake" came for)
                 return True
 
     # ------------------------------------------------------------------ requests
@@ -231,38 +249,6 @@ class LLMEngine:
             return
         for request in requests:
             self.scheduler.add_request(request)
-
-    def add_remote(self, req: EngineRequest) -> RemoteAllocation | str | None:
-        """Engine thread. PD decode (and migration with KV): admit `req` as one sequence
-        whose prompt KV comes from a peer, its blocks allocated now (prefix aware) and
-        the request waiting for that KV (`scheduler.finish_remote_kvs`). Returns the
-        allocation, None when there is no KV space now, or why it cannot be served."""
-        # The prompt's logprobs (if asked for) come from the prefill: decode computes none.
-        req = dataclasses.replace(req, params=dataclasses.replace(
-            req.params, n=1, best_of=None, prompt_logprobs=None))
-        requests = self._admit(req, limit_what="decode can hold at most {} tokens per request")
-        if isinstance(requests, str):
-            return requests
-        try:
-            alloc = self.scheduler.allocate_for_remote(requests[0])
-        except ValueError as exc:
-            alloc = str(exc)
-        if alloc is None or isinstance(alloc, str):
-            self.outputs.drop_parent(req.request_id)
-            return alloc
-        problem = self.grammars.prepare_remote(requests[0], req)
-        if problem is not None:
-            self.scheduler.abort_request(requests[0].request_id)
-            self.outputs.drop_parent(req.request_id)
-            return problem
-        self.outputs.set_cached_tokens(req.request_id, alloc.num_cached_tokens)
-        return alloc
-
-    def take_remote_tokens(self, child: str, token_ids: list[int]) -> RequestUpdate | None:
-        """Engine thread, PD decode: the prompt's KV and first tokens came: the request
-        joins the decode batch and its grammar replays them (EngineGrammars.join_remote).
-        A finished update when they already end it."""
-        return self.grammars.join_remote(self.scheduler, child, token_ids)
 
     def _admit(self, req: EngineRequest,
                limit_what: str = "this model's context is {} tokens") -> list[Request] | str:
@@ -380,7 +366,7 @@ class LLMEngine:
                     self.recent_max_ttft_ms = max(self.recent_max_ttft_ms * 0.98, ttft * 1000)
         for upd, delta, tables, parent_id in handovers:
             self.outputs.drop_parent(parent_id)
-            self._hand_over(upd, delta, tables)
+            self.connector.request_finished(upd, delta, tables)
 
     def _process_update(self, upd, logprobs: dict[str, Any], by_parent: dict[str, list],
                         handovers: list) -> None:
@@ -397,7 +383,7 @@ class LLMEngine:
             finish_reason, upd.stop_reason, self._finish_by_stop_string)
         if delta is not None:
             by_parent.setdefault(parent_id, []).append(delta)
-        if self._hand_over is not None:  # PD prefill: every request, at its first token
+        if self.connector.hands_over:  # PD prefill: every request, at its first token
             tables = [list(t) for t in self.scheduler.kv.tables(request)] if request else [[]]
             handovers.append((upd, delta, tables, parent_id))
 

@@ -2,13 +2,13 @@
 
 Stages of a request (its DecodePhase, see phases.py):
   AddNewRequests -> the engine admits it with blocks for prompt + 1 (prefix aware,
-  `LLMEngine.add_remote`) -> ALLOCATED: the block ids prefill must fill go back
+  the connector's AdmitRemote, engine/remote_kv.py) -> ALLOCATED: the block ids prefill must fill go back
   (RESOURCE_EXHAUSTED: no KV space now; INVALID_ARGUMENT: it cannot be served here)
   -> FirstGeneration -> PULLING: our worker pulls prefill's KV (PUSH: it is already in
-  our blocks) -> DECODING: finish_remote_kvs puts it in the decode batch with prefill's
-  first token; every later token goes to the service through Generations.
-  A failed pull ends it FAILED (fail_remote_kvs: never decode on KV that did not
-  arrive); a FirstGeneration that says `failed` DROPs it; one that never comes FAILs it
+  our blocks) -> DECODING: the connector's RecvDone moves the engine's request from
+  WAITING_FOR_REMOTE_KVS into the decode batch with prefill's first token; every later
+  token goes to the service through Generations.
+  A failed pull ends it FAILED (RecvFailed: never decode on KV that did not arrive); a FirstGeneration that says `failed` DROPs it; one that never comes FAILs it
   after `orphan_timeout_s` so its blocks cannot leak.
 Cancel (the service's): ALLOCATED -> DROPPED at once in PULL mode (nothing but our own
 pull writes into its blocks); PUSH: -> CANCELLED, freed when FirstGeneration comes (a
@@ -30,13 +30,13 @@ from xllm_py.config import EngineConfig, KVTransferMode
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.migration import Resumption
-from xllm_py.engine.output_processor import child_id
 from xllm_py.engine.pd.config import PDSchedulerConfig, maybe_inject_fault
+from xllm_py.engine.kv_connector import RemoteAllocation
+from xllm_py.engine.pd.connector import PDConnector
 from xllm_py.pd_messages import HandOver, KVMove, Placement
 from xllm_py.engine.pd.metrics import PDMetrics
 from xllm_py.engine.pd.peers import PDPeers
 from xllm_py.engine.pd.phases import DecodePhase, DecodeRequest
-from xllm_py.engine.scheduler import RemoteAllocation
 from xllm_py.rpc import pd as wire
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.rpc.status import Status, StatusError
@@ -47,10 +47,11 @@ D = DecodePhase
 
 
 class DecodeSide:
-    def __init__(self, engine: LLMEngine, config: EngineConfig, pd_config: PDSchedulerConfig,
-                 reporter: GenerationsReporter, peers: PDPeers, metrics: PDMetrics,
-                 spawn: Callable[[Coroutine], asyncio.Task]) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine, connector: PDConnector, config: EngineConfig,
+                 pd_config: PDSchedulerConfig, reporter: GenerationsReporter, peers: PDPeers,
+                 metrics: PDMetrics, spawn: Callable[[Coroutine], asyncio.Task]) -> None:
+        self.engine = engine  # (its model config and pool size; the connector for the rest)
+        self.connector = connector
         self.config = config
         self.pd_config = pd_config
         self.reporter = reporter
@@ -72,9 +73,6 @@ class DecodeSide:
         if phase.is_final():
             self._requests.pop(rec.request_id, None)
 
-    async def _on_engine(self, fn):
-        return await asyncio.wrap_future(self.engine.call(fn))
-
     # ------------------------------------------------------------------ AddNewRequests
     async def add_new_requests(self, prefill_name: str,
                                items: list[EngineRequestSpec | Placement]) -> list[Placement]:
@@ -86,12 +84,12 @@ class DecodeSide:
                 replies.append(spec)
                 continue
             rid = spec.request_id
-            if rid in self._requests or rid in self.engine.outputs:
+            if rid in self._requests:  # (the engine refuses an id it runs)
                 replies.append(Placement(rid, Status.INVALID_ARGUMENT,
                                          message="duplicate request id"))
                 continue
             try:
-                alloc = await self._on_engine(lambda spec=spec: self._admit(spec))
+                alloc = await self._admit(spec)
             except Exception as exc:  # nothing stays allocated: add_remote frees on failure
                 logger.exception("request %s: admitting it on decode failed", rid)
                 alloc = f"request refused ({type(exc).__name__})"
@@ -108,13 +106,13 @@ class DecodeSide:
                                          alloc.num_cached_tokens))
         return replies
 
-    def _admit(self, spec: EngineRequestSpec, usage_prompt_tokens: int | None = None,
-               generated_offset: int = 0,
-               num_unread: int | None = None) -> RemoteAllocation | str | None:
-        """Engine thread: LLMEngine.add_remote with a sink to the service."""
+    async def _admit(self, spec: EngineRequestSpec, usage_prompt_tokens: int | None = None,
+                     generated_offset: int = 0,
+                     num_unread: int | None = None) -> RemoteAllocation | str | None:
+        """The engine admits it (AdmitRemote), with a sink to the service."""
         sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
                                   spec.request_id)
-        return self.engine.add_remote(EngineRequest(
+        return await self.connector.admit_remote(EngineRequest(
             spec.request_id, spec.prompt_token_ids, spec.params, sink, arrival_time=0.0,
             usage_prompt_tokens=usage_prompt_tokens, generated_offset=generated_offset,
             num_unread=num_unread, offline=spec.offline, tpot_slo_ms=spec.tpot_slo_ms))
@@ -141,15 +139,14 @@ class DecodeSide:
             return f"unknown request {rid}"
         if rec.phase not in (D.ALLOCATED, D.CANCELLED):
             return f"request {rid} is {rec.phase.value}: FirstGeneration came twice"
-        child = child_id(rid, 0)
         if h.failed or rec.phase is D.CANCELLED:
             self._end(rec, D.DROPPED)
-            await self._on_engine(lambda: self._drop(rid, child))
+            await self.connector.drop(rid)
             return ""
         problem = handover_problem(h, len(rec.new_block_ids), self.engine.model_config.vocab_size)
         if problem:  # it cannot be decoded: end it here and free its blocks
             self._end(rec, D.FAILED)
-            await self._on_engine(lambda: self._fail(rid, child, problem, 400))
+            await self.connector.recv_failed(rid, problem, 400)
             return f"request {rid}: {problem}"
         t0 = time.monotonic()
         rec.transition(D.PULLING)
@@ -159,19 +156,19 @@ class DecodeSide:
         except StatusError as exc:
             self.metrics.transfer_failures.inc()
             self._end(rec, D.FAILED)
-            message = exc.message
-            await self._on_engine(lambda: self._fail(rid, child, message))
-            return message
+            await self.connector.recv_failed(rid, exc.message, Status.BAD_GATEWAY.http_status)
+            return exc.message
         except BaseException:  # stopping: the blocks must not stay held
             self._end(rec, D.FAILED)
-            self.engine.call(lambda: self._fail(rid, child, "decode instance stopped"))
+            self.connector.recv_failed(rid, "decode instance stopped",
+                                       Status.BAD_GATEWAY.http_status)
             raise
         if rec.phase is D.GONE:
             self._end(rec, D.DROPPED)
-            await self._on_engine(lambda: self._drop(rid, child))
+            await self.connector.drop(rid)
             return f"request {rid} was cancelled during its KV transfer"
         self._end(rec, D.DECODING)
-        await self._on_engine(lambda: self._start_decoding(rid, child, h))
+        await self.connector.recv_done(rid, h.token_ids, h.logprobs)
         logger.info("PD decode took over request %s from %s: %d blocks, %d bytes (%d cached "
                     "tokens) in %.1f ms (%s)", rid, rec.prefill_name, len(rec.new_block_ids),
                     len(rec.new_block_ids) * self.engine.storage.block_bytes,
@@ -195,48 +192,14 @@ class DecodeSide:
                                   + r.generated[:-1], params=r.params)
         # generated[-1] comes as a first token, fed silently: what was unread before it
         # is one less (none if its text completed everything).
-        alloc = await self._on_engine(lambda: self._admit(
-            ext, r.num_prompt_tokens, k - 1, None if unread is None else max(0, unread - 1)))
+        alloc = await self._admit(
+            ext, r.num_prompt_tokens, k - 1, None if unread is None else max(0, unread - 1))
         if alloc is None or isinstance(alloc, str):
             return f"{rid}: {alloc or 'no KV space on decode'}"
         self._requests[rid] = DecodeRequest(ext, kv.prefill_name or "migration source",
                                             alloc.new_block_ids, alloc.num_cached_tokens)
         return await self._take_over(dataclasses.replace(
             kv, request_id=rid, token_ids=[r.generated[-1]], logprobs=[None]))
-
-    # ------------------------------------------------------------------ engine thread
-    def _drop(self, parent_id: str, child: str) -> None:
-        self.engine.scheduler.abort_request(child)
-        self.engine.outputs.drop_parent(parent_id)
-
-    def _fail(self, parent_id: str, child: str, message: str,
-              code: int = Status.BAD_GATEWAY.http_status) -> None:
-        self.engine.scheduler.fail_remote_kvs(child, message)
-        self.engine.outputs.fail_parent(parent_id, code, message)
-
-    def _start_decoding(self, parent_id: str, child: str, h: HandOver) -> None:
-        try:
-            self._join_decode_batch(parent_id, child, h)
-        except Exception as exc:  # after allocation: whatever failed, free it
-            logger.exception("request %s: starting to decode failed", parent_id)
-            if self.engine.scheduler.get_request(child) is not None:
-                self.engine.scheduler.abort_request(child)
-            self.engine.outputs.fail_parent(parent_id, Status.INTERNAL.http_status,
-                                            f"decode could not start ({type(exc).__name__})")
-
-    def _join_decode_batch(self, parent_id: str, child: str, h: HandOver) -> None:
-        engine = self.engine
-        if engine.scheduler.get_request(child) is None:
-            engine.outputs.drop_parent(parent_id)
-            return
-        upd = engine.take_remote_tokens(child, h.token_ids)
-        # The first token was reported by prefill: feed it to the detokenizer silently.
-        engine.outputs.process(child, h.token_ids, h.logprobs or None, None, None,
-                               lambda rid, s: None)
-        if upd is not None:  # the first token already ends the request
-            engine.outputs.process(child, [], None, upd.finish_reason, upd.stop_reason,
-                                   lambda rid, s: None)
-            engine.outputs.drop_parent(parent_id)
 
     # ------------------------------------------------------------------ reaping, cancel
     async def reap_loop(self) -> None:
@@ -254,16 +217,16 @@ class DecodeSide:
                          rec.cancelled_at is not None
                          and now - rec.cancelled_at > self.cancel_grace_s))]
         for rec in stale:
-            rid, child = rec.request_id, child_id(rec.request_id, 0)
+            rid = rec.request_id
             if rec.phase is D.CANCELLED:
                 self._end(rec, D.DROPPED)
-                self.engine.call(lambda rid=rid, child=child: self._drop(rid, child))
+                self.connector.drop(rid)
                 continue
             logger.warning("request %s: no FirstGeneration within %.0fs; freeing its blocks",
                            rid, timeout)
             self._end(rec, D.FAILED)
-            self.engine.call(lambda rid=rid, child=child: self._fail(
-                rid, child, "prefill instance never handed the request over"))
+            self.connector.recv_failed(rid, "prefill instance never handed the request over",
+                                       Status.BAD_GATEWAY.http_status)
         return [rec.request_id for rec in stale]
 
     def cancel(self, request_id: str) -> bool:
@@ -276,9 +239,8 @@ class DecodeSide:
             # Only our own pull writes into its blocks: free them now (the service cancels
             # here too when the prefill died before the hand-over; waiting for the orphan
             # timeout held them a minute).
-            rid, child = rec.request_id, child_id(rec.request_id, 0)
             self._end(rec, D.DROPPED)
-            self.engine.call(lambda: self._drop(rid, child))
+            self.connector.drop(rec.request_id)
         elif rec.phase is D.ALLOCATED:  # a PUSH may be writing into its blocks right now
             rec.transition(D.CANCELLED)
             rec.cancelled_at = time.monotonic()

@@ -2,8 +2,9 @@
 `check_able_to_pull`: KV use < 0.9 and the last decode step < 0.9 x the TPOT target).
 
 Stages, repeated:
-  room? (engine thread: `scheduler.offline_has_room()`: a free seat, KV use under 0.9,
-  the online streams' last step under 0.9 x their TPOT target; no online stream: room)
+  room? (the connector's OfflineRoom, answered in the engine's step:
+  engine/remote_kv.offline_room: a free seat, KV use under 0.9, the online streams' last
+  step under 0.9 x their TPOT target; no online stream: room)
   -> a prefill from the master's list, round robin (the list kept PREFILL_LIST_TTL_S)
   -> SendPullSignal(PullSignal{our name, free seats, free KV tokens}), with the RPC
   deadline -> the prefill hands over n offline requests (AddNewRequests to us, as any
@@ -19,7 +20,6 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from xllm_py.engine.llm_engine import LLMEngine
 from xllm_py.engine.pd.links import MetaResolver
 from xllm_py.pd_messages import OfflinePull
 from xllm_py.engine.pd.metrics import PDMetrics
@@ -35,13 +35,15 @@ PREFILL_LIST_TTL_S = 2.0
 
 # Names of the schedulable prefill instances (from the master).
 PrefillLister = Callable[[], Awaitable[list[str]]]
+# (free seats, free KV tokens) for offline work, or None (PDConnector.offline_room).
+RoomAsker = Callable[[], Awaitable[tuple[int, int] | None]]
 
 
 class OfflinePuller:
-    def __init__(self, engine: LLMEngine, name: str, peers: PDPeers,
+    def __init__(self, room: RoomAsker, name: str, peers: PDPeers,
                  list_prefills: PrefillLister, resolve_meta: MetaResolver,
                  metrics: PDMetrics, arrivals: Callable[[], int]) -> None:
-        self.engine = engine
+        self.room = room
         self.name = name
         self.peers = peers
         self.list_prefills = list_prefills
@@ -67,7 +69,7 @@ class OfflinePuller:
 
     async def pull_once(self) -> int | None:
         """One pull if there is room: the requests handed (None: no room or no prefill)."""
-        room = await asyncio.wrap_future(self.engine.call(self._room))
+        room = await self.room()
         if room is None:
             return None
         seats, free_tokens = room
@@ -88,17 +90,6 @@ class OfflinePuller:
             logger.info("prefill %s hands %d offline requests over", prefill.name, handed)
             await self._settle(before + handed)
         return handed
-
-    def _room(self) -> tuple[int, int] | None:
-        """Engine thread: (free seats, free KV tokens), or None."""
-        sched = self.engine.scheduler
-        if not sched.offline_has_room():
-            return None
-        seats = sched.config.max_num_seqs - len(sched.requests)
-        if seats <= 0:
-            return None
-        pool = sched.kv.block_pool
-        return seats, pool.num_free_blocks * sched.block_size
 
     async def _settle(self, target: int) -> None:
         """Until the requests handed have been placed here, or PULL_SETTLE_S."""

@@ -15,10 +15,10 @@ Stages of a request (its PrefillPhase, see phases.py):
   fails the request with decode's status)
   -> PREFILLING: the engine computes the prompt and samples the first token, which goes
   to the service (finished_on_prefill_instance); the engine holds the KV (SENDING_KV)
-  and calls the hand-over hook
+  and tells the connector (pd/connector.py: request_finished)
   -> HANDING_OVER: PUSH mode: our worker writes the KV into decode's blocks; then
   FirstGeneration to decode (PULL: where our KV is); decode confirms or fails; our
-  blocks are freed (finish_sending) either way
+  blocks are freed either way (the connector's SendDone)
   -> FINISHED, or FAILED (reported to the service with its status; a decode that could
   not be reached is named so the service can migrate; a step of the engine that failed
   the request before its first token: the engine reported it, decode is told to drop).
@@ -27,7 +27,7 @@ that placed it meanwhile is told to drop it); PREFILLING: decode is told to drop
 blocks it set aside and the engine aborts the request (if the step sampling its first
 token already ran, the hook finds it cancelled and frees the held KV); HANDING_OVER:
 nothing to do, the hand-over ends as usual.
-Phases change on the event loop only; the engine thread's hook hands over to it.
+Phases change on the event loop only; the connector brings the engine's word to it.
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.output_processor import parent_of
 from xllm_py.engine.pd.config import PDSchedulerConfig, maybe_inject_fault
+from xllm_py.engine.pd.connector import PDConnector
 from xllm_py.engine.pd.links import Links
 from xllm_py.pd_messages import HandOver, KVMove, OfflinePull, Placement
 from xllm_py.engine.pd.metrics import PDMetrics
@@ -65,11 +66,12 @@ _PENDING = (P.QUEUED, P.DISPATCHING, P.PREFILLING)  # not handed over yet
 
 
 class PrefillSide(PacingMixin):
-    def __init__(self, engine: LLMEngine, config: EngineConfig, pd_config: PDSchedulerConfig,
-                 meta: InstanceMeta, reporter: GenerationsReporter, links: Links,
-                 peers: PDPeers, metrics: PDMetrics,
-                 spawn: Callable[[Coroutine], asyncio.Task]) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine, connector: PDConnector, config: EngineConfig,
+                 pd_config: PDSchedulerConfig, meta: InstanceMeta,
+                 reporter: GenerationsReporter, links: Links, peers: PDPeers,
+                 metrics: PDMetrics, spawn: Callable[[Coroutine], asyncio.Task]) -> None:
+        self.engine = engine  # (submit; its pool and KV layout, read only)
+        self.connector = connector
         self.config = config
         self.pd_config = pd_config
         self.meta = meta
@@ -78,7 +80,6 @@ class PrefillSide(PacingMixin):
         self.peers = peers
         self.metrics = metrics
         self.spawn = spawn
-        self.loop = asyncio.get_running_loop()
         self._requests: dict[str, PrefillRequest] = {}  # until a final phase
         self._online: list[PrefillRequest] = []  # arrival order
         self._offline = OfflineQueue()
@@ -88,7 +89,8 @@ class PrefillSide(PacingMixin):
         self._rr = itertools.count()
         self._cost = cost_model(engine, pd_config)  # None: FCFS
         self._last_first_token_s = 0.0
-        engine.set_hand_over(self._on_first_token)
+        connector.on_first_token = self._first_token
+        connector.on_failed = self._engine_failed
 
     def phase(self, request_id: str) -> PrefillPhase | None:
         rec = self._requests.get(request_id)
@@ -260,7 +262,7 @@ class PrefillSide(PacingMixin):
         step) ends its record too, or it would hold its place (and decode's blocks)."""
         def on_output(out: RequestOutput) -> bool:
             if out.finished and out.error_code:
-                self.loop.call_soon_threadsafe(self._engine_failed, request_id)
+                self.connector.request_failed(request_id)
             return True
         return on_output
 
@@ -272,20 +274,13 @@ class PrefillSide(PacingMixin):
         self.spawn(self._tell_decode_to_drop(request_id, rec.decode))
 
     # ------------------------------------------------------------------ hand-over
-    def _on_first_token(self, upd, delta, tables: list[list[int]]) -> None:
-        """Engine thread: a request sampled its first token (KV held, or it ended)."""
-        finished_here = delta is not None and delta.finish_reason is not None
-        first = delta.token_ids[0] if delta and delta.token_ids else None
-        lp = delta.logprobs[0] if delta and delta.logprobs else None
-        self.loop.call_soon_threadsafe(self._first_token, upd.request_id, tables, first,
-                                       lp, finished_here, upd.kv_held)
-
     def _first_token(self, child: str, tables: list[list[int]], first: int | None,
                      lp: TokenLogprob | None, finished_here: bool, kv_held: bool) -> None:
+        """A request sampled its first token (its KV held, or it ended)."""
         rec = self._requests.get(parent_of(child)[0])
         if rec is None or rec.phase is not P.PREFILLING:  # cancelled while the step ran:
             if kv_held:                                     # its abort found nothing
-                self.engine.call(lambda: self.engine.scheduler.finish_sending(child))
+                self.connector.send_done(child)
             return
         self._observe_prefill(rec)
         rec.transition(P.HANDING_OVER)
@@ -340,7 +335,7 @@ class PrefillSide(PacingMixin):
                 unreachable = decode.name  # (PUSH: the push into it failed first)
         finally:
             if kv_held:
-                self.engine.call(lambda: self.engine.scheduler.finish_sending(child))
+                self.connector.send_done(child)
         if error is not None:
             self.metrics.transfer_failures.inc()
             self._end(rec, P.FAILED)
@@ -357,7 +352,7 @@ class PrefillSide(PacingMixin):
                        first_token: int, lp: TokenLogprob | None) -> None:
         """First token (with logprobs) and where our KV is: the blocks decode lacks (of a
         sliding-window layer only its window's: KVCacheManager.handover_block_ids)."""
-        src = self.engine.scheduler.kv.handover_block_ids(
+        src = self.engine.handover_block_ids(
             tables, rec.num_cached_on_decode, len(rec.spec.prompt_token_ids))
         if len(src) != len(rec.decode_blocks):
             raise StatusError(Status.INTERNAL, f"block count mismatch: prefill {len(src)}, "

@@ -9,7 +9,8 @@ Lifecycle: constructed in ClusterNode once our meta is known -> start() (prefill
 dispatch and prelink loops; decode: the orphan reaper and the offline puller) -> the DisaggPDService servicer
 (service.py) calls in with domain values -> stop() cancels the loops and the tasks in
 flight and closes the peers' channels.
-Everything that touches the engine's scheduler runs on the engine thread (engine.call).
+The sides reach the engine through one PDConnector (connector.py), which the engine
+polls in its step: no PD module touches the engine's scheduler or output processor.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import LLMEngine
 from xllm_py.engine.migration import Resumption
 from xllm_py.engine.pd.config import PDSchedulerConfig
+from xllm_py.engine.pd.connector import PDConnector
 from xllm_py.engine.pd.decode import DecodeSide
 from xllm_py.engine.pd.links import DecodeLister, Links, MetaResolver
 from xllm_py.pd_messages import HandOver, OfflinePull, PeerLink, Placement
@@ -58,15 +60,19 @@ class DisaggPDScheduler:
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
         self.puller: OfflinePuller | None = None
+        self.connector = PDConnector(asyncio.get_running_loop(), engine.wake,
+                                     hands_over=self.role == InstanceRole.PREFILL)
+        engine.set_connector(self.connector)
         if self.role == InstanceRole.PREFILL:
-            self.prefill = PrefillSide(engine, config, pd_config, meta, reporter, self.links,
-                                       peers, self.metrics, self._spawn)
+            self.prefill = PrefillSide(engine, self.connector, config, pd_config, meta,
+                                       reporter, self.links, peers, self.metrics, self._spawn)
         else:
-            self.decode = DecodeSide(engine, config, pd_config, reporter, peers, self.metrics,
-                                     self._spawn)
+            self.decode = DecodeSide(engine, self.connector, config, pd_config, reporter,
+                                     peers, self.metrics, self._spawn)
             if list_prefills is not None and resolve_meta is not None:
                 decode = self.decode
-                self.puller = OfflinePuller(engine, meta.name, peers, list_prefills,
+                self.puller = OfflinePuller(self.connector.offline_room, meta.name, peers,
+                                            list_prefills,
                                             resolve_meta, self.metrics,
                                             lambda: decode.num_offline_placed)
 

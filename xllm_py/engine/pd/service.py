@@ -98,7 +98,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         """RESOURCE_EXHAUSTED when this instance holds as many requests not started yet as
         it takes (`APILimits.max_pending_requests`): the service tries another one, and
         answers 429 when every one is full."""
-        queued = self.engine.scheduler.num_waiting + self.engine.num_queued_commands
+        queued = self.engine.num_not_started
         if self.pd is not None and self.pd.prefill is not None:
             queued += self.pd.prefill.num_pending()
         limit = self.engine.config.api.max_pending_requests
