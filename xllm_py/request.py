@@ -1,17 +1,27 @@
-"""Request and its state machine (pure Python).
+"""Request and its state machine, the one request status of an engine (pure Python).
 
-Lifecycles (every status change goes through `Request.transition`, checked against
-`_ALLOWED`):
+Lifecycles (every status change goes through a `transition` checked against `_ALLOWED`:
+`Request.transition` for the engine's sequences, the same table for the PD records of
+engine/pd/phases.py, which name these statuses by their PD phase):
 
     MIX:      WAITING -> RUNNING (<-> PREEMPTED) -> FINISHED_*
-    prefill:  WAITING -> RUNNING (<-> PREEMPTED) -> SENDING_KV -> FINISHED_LENGTH_CAPPED
-              (SENDING_KV holds the blocks until the KV transfer is confirmed)
-    decode:   WAITING -> WAITING_FOR_REMOTE_KVS -> RUNNING (<-> PREEMPTED) -> FINISHED_*
+    prefill:  WAITING (PD: queued) -> DISPATCHING (PD: finding a decode) -> RUNNING
+              (<-> PREEMPTED) -> SENDING_KV -> FINISHED_LENGTH_CAPPED
+              (SENDING_KV holds the blocks until the KV transfer is confirmed; the engine's
+              sequence starts at WAITING when the record is RUNNING)
+    decode:   WAITING -> WAITING_FOR_REMOTE_KVS -> RECEIVING_KVS -> RUNNING (<-> PREEMPTED)
+              -> FINISHED_*; the record only (the engine's sequence waits throughout):
+              WAITING_FOR_REMOTE_KVS -> REMOTE_KVS_CANCELLED -> FINISHED_ABORTED (cancelled
+              before the KV came: its blocks kept until no push can write into them),
+              RECEIVING_KVS -> RECEIVING_KVS_CANCELLED -> FINISHED_ABORTED | FINISHED_ERROR
+              (cancelled during its transfer: freed once the transfer ended)
     offline:  as above, and RUNNING <-> SUSPENDED (out of the batch for online work, its
               KV kept); SUSPENDED -> PREEMPTED when online work needs that KV (freed,
               recomputed later from prompt + outputs)
 
-Any live state may end in FINISHED_ABORTED or FINISHED_ERROR.
+Any live state may end in FINISHED_ABORTED or FINISHED_ERROR, except where a KV transfer
+may still touch the blocks: RECEIVING_KVS ends through RUNNING, FINISHED_ERROR or
+RECEIVING_KVS_CANCELLED, REMOTE_KVS_CANCELLED only in FINISHED_ABORTED.
 """
 from __future__ import annotations
 
@@ -36,6 +46,14 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = 9
     # Offline only: out of the batch while online work needs the room, its KV kept.
     SUSPENDED = 10
+    # PD prefill: placing the request on a decode (link, AddNewRequests), before the engine.
+    DISPATCHING = 11
+    # PD decode: FirstGeneration came; the KV is being moved into the blocks set aside.
+    RECEIVING_KVS = 12
+    # PD decode: cancelled before its KV came; blocks kept while a push may write them.
+    REMOTE_KVS_CANCELLED = 13
+    # PD decode: cancelled during its KV transfer; blocks freed once the transfer ended.
+    RECEIVING_KVS_CANCELLED = 14
 
     def is_finished(self) -> bool:
         return self in _FINISHED
@@ -56,9 +74,23 @@ _ALLOWED: dict[RequestStatus, set[RequestStatus]] = {
     RequestStatus.WAITING: {
         RequestStatus.RUNNING,
         RequestStatus.WAITING_FOR_REMOTE_KVS,
+        RequestStatus.DISPATCHING,
         *_FAILED,
     },
-    RequestStatus.WAITING_FOR_REMOTE_KVS: {RequestStatus.RUNNING, *_FAILED},
+    RequestStatus.DISPATCHING: {RequestStatus.RUNNING, *_FAILED},
+    RequestStatus.WAITING_FOR_REMOTE_KVS: {
+        RequestStatus.RUNNING,
+        RequestStatus.RECEIVING_KVS,
+        RequestStatus.REMOTE_KVS_CANCELLED,
+        *_FAILED,
+    },
+    RequestStatus.RECEIVING_KVS: {
+        RequestStatus.RUNNING,
+        RequestStatus.RECEIVING_KVS_CANCELLED,
+        RequestStatus.FINISHED_ERROR,
+    },
+    RequestStatus.REMOTE_KVS_CANCELLED: {RequestStatus.FINISHED_ABORTED},
+    RequestStatus.RECEIVING_KVS_CANCELLED: {*_FAILED},
     RequestStatus.RUNNING: {
         RequestStatus.PREEMPTED,
         RequestStatus.SUSPENDED,

@@ -1,19 +1,22 @@
-"""The PD phase machines (xllm_py/engine/pd/phases.py): every edge of both tables, legal
-ones taken, illegal ones refused without a change."""
+"""The PD records (xllm_py/engine/pd/phases.py) take statuses of the one request status
+(xllm_py/request.py), checked against its one table (every edge of which
+tests/unit/test_request.py takes): each side's phases are named statuses, every phase
+change a side makes is an edge of that table, the changes that would free blocks under
+a KV transfer are not, and a refused change leaves the record as it was."""
 from __future__ import annotations
 
 import itertools
 
 import pytest
 
-from xllm_py.engine.pd.phases import (_DECODE_ALLOWED, _PREFILL_ALLOWED, DecodePhase,
-                                      DecodeRequest, PrefillPhase, PrefillRequest,
-                                      is_transition_allowed)
+from xllm_py.engine.pd.phases import DecodePhase, DecodeRequest, PrefillPhase, PrefillRequest
+from xllm_py.request import RequestStatus, is_transition_allowed
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.sampling_params import SamplingParams
 
-P, D = PrefillPhase, DecodePhase
+P, D, S = PrefillPhase, DecodePhase, RequestStatus
 
+# Every change prefill.py and decode.py make (their docstrings' diagrams).
 PREFILL_EDGES = {
     (P.QUEUED, P.DISPATCHING), (P.QUEUED, P.CANCELLED),
     (P.DISPATCHING, P.PREFILLING), (P.DISPATCHING, P.FAILED), (P.DISPATCHING, P.CANCELLED),
@@ -33,41 +36,44 @@ def _spec() -> EngineRequestSpec:
     return EngineRequestSpec("r1", "r1", [1, 2, 3], SamplingParams(max_tokens=4))
 
 
-def _record(phase):
-    if isinstance(phase, PrefillPhase):
-        return PrefillRequest(_spec(), phase=phase)
-    return DecodeRequest(_spec(), "prefill:1", [0], 0, phase=phase)
+def test_phases_are_distinct_statuses_of_the_one_machine():
+    for side in (P.ALL, D.ALL):
+        assert len(set(side)) == len(side) and all(isinstance(p, RequestStatus) for p in side)
+    assert (P.QUEUED, P.PREFILLING, P.HANDING_OVER) == (S.WAITING, S.RUNNING, S.SENDING_KV)
+    assert (D.ALLOCATED, D.DECODING) == (S.WAITING_FOR_REMOTE_KVS, S.RUNNING)
 
 
-def test_tables_cover_every_phase():
-    assert set(_PREFILL_ALLOWED) == set(PrefillPhase)
-    assert set(_DECODE_ALLOWED) == set(DecodePhase)
+@pytest.mark.parametrize("old, new", sorted(PREFILL_EDGES | DECODE_EDGES))
+def test_every_change_a_side_makes_is_an_edge_of_the_table(old, new):
+    assert is_transition_allowed(old, new)
+    record = (DecodeRequest(_spec(), "prefill:1", [0], 0, phase=old) if old in D.ALL
+              and (old, new) in DECODE_EDGES else PrefillRequest(_spec(), phase=old))
+    record.transition(new)
+    assert record.phase is new
 
 
-@pytest.mark.parametrize("old, new", [*itertools.product(PrefillPhase, PrefillPhase),
-                                      *itertools.product(DecodePhase, DecodePhase)],
-                         ids=lambda p: f"{type(p).__name__[:-5]}.{p.name}")
-def test_every_edge(old, new):
-    record = _record(old)
-    if (old, new) in PREFILL_EDGES | DECODE_EDGES:
+@pytest.mark.parametrize("old, new", [
+    (D.PULLING, D.DROPPED),  # the pull may still write into its blocks
+    (D.CANCELLED, D.PULLING), (D.CANCELLED, D.FAILED), (D.GONE, D.DECODING),
+    (P.QUEUED, P.HANDING_OVER), (P.DISPATCHING, P.HANDING_OVER),
+])
+def test_no_shortcut_past_a_transfer_or_a_placement(old, new):
+    assert not is_transition_allowed(old, new)
+
+
+@pytest.mark.parametrize("old, new", sorted(
+    (a, b) for a, b in itertools.product(D.ALL, D.ALL) if (a, b) not in DECODE_EDGES
+    and not is_transition_allowed(a, b)))
+def test_a_refused_change_leaves_the_record_as_it_was(old, new):
+    record = DecodeRequest(_spec(), "prefill:1", [0], 0, phase=old)
+    with pytest.raises(ValueError, match=f"r1: transition {old.name} -> {new.name}"):
         record.transition(new)
-        assert record.phase is new and is_transition_allowed(old, new)
-    else:
-        with pytest.raises(ValueError, match=f"r1: illegal PD phase change {old.name} -> "
-                                             f"{new.name}"):
-            record.transition(new)
-        assert record.phase is old and not is_transition_allowed(old, new)
+    assert record.phase is old
 
 
-def test_final_phases_are_the_ones_without_a_way_out():
-    assert {p for p in PrefillPhase if p.is_final()} == {P.FINISHED, P.FAILED, P.CANCELLED}
-    assert {p for p in DecodePhase if p.is_final()} == {D.DECODING, D.DROPPED, D.FAILED}
-
-
-def test_a_phase_of_one_side_is_never_a_step_of_the_other():
-    assert not is_transition_allowed(P.QUEUED, D.ALLOCATED)
-    with pytest.raises(ValueError):
-        _record(D.ALLOCATED).transition(P.DISPATCHING)
+def test_the_decode_record_leaves_where_the_table_has_it_run_or_end():
+    assert D.LEAVES == (S.RUNNING, S.FINISHED_ABORTED, S.FINISHED_ERROR)
+    assert all(p.is_finished() for p in D.LEAVES[1:])
 
 
 def test_records_start_where_each_side_starts():

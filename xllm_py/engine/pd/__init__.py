@@ -4,7 +4,8 @@
   prefill.py     PrefillSide: queue -> dispatch to a decode -> prefill -> hand-over
   decode.py      DecodeSide: allocate -> take over -> pull -> decode; orphans, cancel
   links.py       Links: which peers are linked for KV transfer (prelink, LinkInstance)
-  phases.py      PrefillPhase / DecodePhase: one state machine per side of a PD request
+  connector.py   PDConnector: the engine's KV connector, the PD code's only way to the engine
+  phases.py      the PD records of a request; their phases are RequestStatus values
   peers.py       PDPeers: the RPCs made to other processes; xllm_py/rpc/pd_peers.py: over gRPC
   metrics.py     PDMetrics (prometheus_client)
   config.py      PDSchedulerConfig

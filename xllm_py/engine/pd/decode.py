@@ -37,6 +37,7 @@ from xllm_py.pd_messages import HandOver, KVMove, Placement
 from xllm_py.engine.pd.metrics import PDMetrics
 from xllm_py.engine.pd.peers import PDPeers
 from xllm_py.engine.pd.phases import DecodePhase, DecodeRequest
+from xllm_py.request import RequestStatus
 from xllm_py.rpc import pd as wire
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.rpc.status import Status, StatusError
@@ -64,13 +65,13 @@ class DecodeSide:
         self.cancel_grace_s = config.transfer.timeout_s + config.rpc_timeout_s
         self.num_offline_placed = 0  # offline requests placed here (the puller's count)
 
-    def phase(self, request_id: str) -> DecodePhase | None:
+    def phase(self, request_id: str) -> RequestStatus | None:
         rec = self._requests.get(request_id)
         return rec.phase if rec is not None else None
 
-    def _end(self, rec: DecodeRequest, phase: DecodePhase) -> None:
+    def _end(self, rec: DecodeRequest, phase: RequestStatus) -> None:
         rec.transition(phase)
-        if phase.is_final():
+        if phase in D.LEAVES:
             self._requests.pop(rec.request_id, None)
 
     # ------------------------------------------------------------------ AddNewRequests
@@ -138,7 +139,7 @@ class DecodeSide:
         if rec is None:
             return f"unknown request {rid}"
         if rec.phase not in (D.ALLOCATED, D.CANCELLED):
-            return f"request {rid} is {rec.phase.value}: FirstGeneration came twice"
+            return f"request {rid} is {rec.phase.name}: FirstGeneration came twice"
         if h.failed or rec.phase is D.CANCELLED:
             self._end(rec, D.DROPPED)
             await self.connector.drop(rid)

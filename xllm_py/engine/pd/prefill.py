@@ -52,6 +52,7 @@ from xllm_py.engine.pd.offline_queue import OfflineQueue
 from xllm_py.engine.pd.prefill_pacing import PacingMixin, cost_model
 from xllm_py.engine.pd.peers import PDPeers
 from xllm_py.engine.pd.phases import PrefillPhase, PrefillRequest
+from xllm_py.request import RequestStatus
 from xllm_py.outputs import RequestOutput, TokenLogprob
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.rpc.status import Status, StatusError
@@ -92,7 +93,7 @@ class PrefillSide(PacingMixin):
         connector.on_first_token = self._first_token
         connector.on_failed = self._engine_failed
 
-    def phase(self, request_id: str) -> PrefillPhase | None:
+    def phase(self, request_id: str) -> RequestStatus | None:
         rec = self._requests.get(request_id)
         return rec.phase if rec is not None else None
 
@@ -100,7 +101,7 @@ class PrefillSide(PacingMixin):
         """Requests not handed over yet (queued, finding a decode, prefilling)."""
         return sum(1 for r in self._requests.values() if r.phase in _PENDING)
 
-    def _end(self, rec: PrefillRequest, phase: PrefillPhase) -> None:
+    def _end(self, rec: PrefillRequest, phase: RequestStatus) -> None:
         rec.transition(phase)
         self._requests.pop(rec.request_id, None)
         self._room.set()
