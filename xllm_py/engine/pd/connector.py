@@ -14,6 +14,7 @@ the event loop; none of them touches the engine's scheduler or output processor.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 from typing import Any, Callable
 
@@ -21,6 +22,8 @@ from xllm_py.engine.engine_request import EngineRequest
 from xllm_py.engine.kv_connector import (AdmitRemote, Drop, Event, KVConnector, OfflineRoom,
                                          RecvDone, RecvFailed, RemoteAllocation, SendDone)
 from xllm_py.outputs import TokenLogprob
+
+logger = logging.getLogger(__name__)
 
 # (child id, block tables, first token or None, its logprob, finished on prefill, kv held)
 FirstTokenHook = Callable[[str, list[list[int]], int | None, TokenLogprob | None, bool, bool],
@@ -45,7 +48,10 @@ class PDConnector(KVConnector):
         return fut
 
     def _to_loop(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: the node is stopping
+            logger.debug("event loop closed; %s not delivered", getattr(fn, "__name__", fn))
 
     # ---------------------------------------------------------------- engine thread
     def poll(self) -> list[tuple[Event, Any]]:
