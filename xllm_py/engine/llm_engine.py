@@ -5,7 +5,8 @@ Lifecycle of a request on a MIX instance:
   step: schedule -> forward -> sample -> update_from_output -> output processor ->
   RequestOutput to the request's sink -> finished sequences free their blocks.
 Everything that touches the scheduler runs on the engine thread; other threads reach it
-through `submit`, `abort` and `call` (which runs a function on the engine thread).
+through `submit`, `abort`, `call` (which runs a function on the engine thread) and the
+KV connector (kv_connector.py), whose events every turn of the loop applies (remote_kv.py).
 """
 from __future__ import annotations
 
@@ -147,6 +148,11 @@ class LLMEngine:
         if connector.hands_over and self.role != InstanceRole.PREFILL:
             raise ValueError(f"only a PREFILL engine hands requests over, not {self.role.value}")
         self.connector = connector
+
+    @property
+    def step_budget_tokens(self) -> int:
+        """Tokens a step may compute (max_num_batched_tokens, as the profile set it)."""
+        return self.scheduler.config.max_num_batched_tokens
 
     @property
     def num_not_started(self) -> int:

@@ -1,15 +1,16 @@
 """DecodeSide: the decode role of a PD pair, on top of LLMEngine.
 
-Stages of a request (its DecodePhase, see phases.py):
-  AddNewRequests -> the engine admits it with blocks for prompt + 1 (prefix aware,
-  the connector's AdmitRemote, engine/remote_kv.py) -> ALLOCATED: the block ids prefill must fill go back
-  (RESOURCE_EXHAUSTED: no KV space now; INVALID_ARGUMENT: it cannot be served here)
-  -> FirstGeneration -> PULLING: our worker pulls prefill's KV (PUSH: it is already in
-  our blocks) -> DECODING: the connector's RecvDone moves the engine's request from
-  WAITING_FOR_REMOTE_KVS into the decode batch with prefill's first token; every later
-  token goes to the service through Generations.
-  A failed pull ends it FAILED (RecvFailed: never decode on KV that did not arrive); a FirstGeneration that says `failed` DROPs it; one that never comes FAILs it
-  after `orphan_timeout_s` so its blocks cannot leak.
+Stages of a request (its record's status, named by DecodePhase, see phases.py):
+  AddNewRequests -> the engine admits it with blocks for prompt + 1 (prefix aware; the
+  connector's AdmitRemote, engine/remote_kv.py) -> ALLOCATED: the block ids prefill must
+  fill go back (RESOURCE_EXHAUSTED: no KV space now; INVALID_ARGUMENT: it cannot be
+  served here) -> FirstGeneration -> PULLING: our worker pulls prefill's KV (PUSH: it is
+  already in our blocks) -> DECODING: the connector's RecvDone moves the engine's request
+  from WAITING_FOR_REMOTE_KVS into the decode batch with prefill's first token; every
+  later token goes to the service through Generations.
+  A failed pull ends it FAILED (RecvFailed: never decode on KV that did not arrive); a
+  FirstGeneration that says `failed` DROPs it; one that never comes FAILs it after
+  `orphan_timeout_s` so its blocks cannot leak.
 Cancel (the service's): ALLOCATED -> DROPPED at once in PULL mode (nothing but our own
 pull writes into its blocks); PUSH: -> CANCELLED, freed when FirstGeneration comes (a
 PUSH may be writing into its blocks until then) or after `cancel_grace_s`; PULLING ->

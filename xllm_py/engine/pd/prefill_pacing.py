@@ -33,7 +33,7 @@ def cost_model(engine, pd_config: PDSchedulerConfig) -> PrefillCostModel | None:
     if pd_config.prefill_order != "deadline" or profile is None:
         return None
     return PrefillCostModel(dataclasses.replace(
-        profile, max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens))
+        profile, max_num_batched_tokens=engine.step_budget_tokens))
 
 
 class PacingMixin:
