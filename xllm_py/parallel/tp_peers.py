@@ -8,8 +8,9 @@ Prefill, PUSH: every move runs on its prefill rank's worker, into the decode ran
 A hand-over is done when every move is.
 
 ``TPGrpcPeers`` is ``GrpcPeers`` (rpc/pd_peers.py) with those fan-outs; both TP 1:
-GrpcPeers, except that the moves and links of our own worker go straight to it when it
-lives in this process (``local``, kv_transfer/in_process.py): no gRPC call to ourselves. The peer of a move is known by its rank 0's cluster id, the one a
+GrpcPeers. The moves and links of rank 0's worker, which lives in this process, go
+straight to it (``local``, kv_transfer/in_process.py): no gRPC call to ourselves; ranks
+> 0 are other processes, reached through their WorkerService. The peer of a move is known by its rank 0's cluster id, the one a
 KVMove names (recorded when it linked).
 """
 from __future__ import annotations
@@ -57,7 +58,7 @@ class TPGrpcPeers(GrpcPeers):
         super().__init__(meta.worker_rpc_addrs[0] if meta.worker_rpc_addrs else "",
                          rpc_timeout_s, transfer_timeout_s, credentials)
         self.meta = meta
-        self.local = local  # rank 0's worker, in this process (TP 1 pairs use it directly)
+        self.local = local  # rank 0's worker, in this process (called directly)
         self._peers: dict[int, InstanceMeta] = {}  # rank 0's cluster id -> linked peer
         # One GrpcPeers per rank's worker (rank 0's is this one).
         self._ranks = [self] + [GrpcPeers(a, rpc_timeout_s, transfer_timeout_s, credentials)
@@ -97,12 +98,22 @@ class TPGrpcPeers(GrpcPeers):
             await (self.local.push_kv(move) if self.local else super().push_kv(move))
             return
         moves = rank_moves(self.meta.num_kv_heads, self.meta.tp_size, decode.tp_size)
-        await asyncio.gather(*(self._transfer(
-            "push", self._rank_worker(m.src_rank).PushKVCache, wire.push_to_proto(
-                dataclasses.replace(move, cluster_id=decode.cluster_ids[m.dst_rank],
-                                    addr=decode.addrs[m.dst_rank],
-                                    transfer_key=_key(decode, m.dst_rank)), m.heads))
+        await asyncio.gather(*(self._move(
+            "push", m.src_rank, dataclasses.replace(
+                move, cluster_id=decode.cluster_ids[m.dst_rank], addr=decode.addrs[m.dst_rank],
+                transfer_key=_key(decode, m.dst_rank)), m.heads)
             for m in moves))
+
+    async def _move(self, op: str, rank: int, move: KVMove, heads) -> None:
+        """One move on our rank ``rank``'s worker: rank 0's in this process directly."""
+        if rank == 0 and self.local is not None:
+            await (self.local.pull_kv if op == "pull" else self.local.push_kv)(move, heads)
+            return
+        worker = self._rank_worker(rank)
+        if op == "pull":
+            await self._transfer(op, worker.PullKVCache, wire.pull_to_proto(move, heads))
+        else:
+            await self._transfer(op, worker.PushKVCache, wire.push_to_proto(move, heads))
 
     # ---- decode: a prefill links; PULL
     async def link_cluster(self, link: PeerLink) -> None:
@@ -124,7 +135,9 @@ class TPGrpcPeers(GrpcPeers):
                                        transfer_keys=[_key(prefill, s) for s in ranks])
             sub = PeerLink(link.instance_name, [prefill.cluster_ids[s] for s in ranks],
                            [prefill.addrs[s] for s in ranks], meta)
-            if rank == 0:  # (this object is rank 0's GrpcPeers)
+            if rank == 0 and self.local is not None:  # our own worker, in this process
+                await self.local.link_cluster(sub)
+            elif rank == 0:  # (this object is rank 0's GrpcPeers)
                 await super().link_cluster(sub)
             else:
                 await self._ranks[rank].link_cluster(sub)
@@ -135,11 +148,10 @@ class TPGrpcPeers(GrpcPeers):
             await (self.local.pull_kv(move) if self.local else super().pull_kv(move))
             return
         moves = rank_moves(self.meta.num_kv_heads, prefill.tp_size, self.meta.tp_size)
-        await asyncio.gather(*(self._transfer(
-            "pull", self._rank_worker(m.dst_rank).PullKVCache, wire.pull_to_proto(
-                dataclasses.replace(move, cluster_id=prefill.cluster_ids[m.src_rank],
-                                    addr=prefill.addrs[m.src_rank],
-                                    transfer_key=_key(prefill, m.src_rank)), m.heads))
+        await asyncio.gather(*(self._move(
+            "pull", m.dst_rank, dataclasses.replace(
+                move, cluster_id=prefill.cluster_ids[m.src_rank], addr=prefill.addrs[m.src_rank],
+                transfer_key=_key(prefill, m.src_rank)), m.heads)
             for m in moves))
 
 
