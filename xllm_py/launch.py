@@ -52,8 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
              help="PULL: decode fetches the prompt's KV from prefill; PUSH: prefill writes it")
     add_flag(p, "--kv-transfer-backend", default="ucx", choices=["ucx", "tcp"],
              help="how KV blocks move between engines")
-    add_flag(p, "--pin-cores", action="store_true",
-             help="pin each engine to its own core (round robin over the available cores)")
+    add_flag(p, "--pin-cores", nargs="?", const="on", default="auto",
+             choices=["auto", "on", "off"],
+             help="auto: when there are no more engines than cores, each engine gets cores "
+                  "of its own (an equal share; its torch threads follow), so engines do not "
+                  "fight over cores (their latency profiles and steps stay true); on: also "
+                  "when there are more (round robin, one core each); off: never")
     add_flag(p, "--ready-timeout", type=float, default=300.0,
              help="seconds to wait for every engine and the service to be ready")
     add_flag(p, "--engine-arg", action="append", default=[],
@@ -137,12 +141,11 @@ class Cluster:
                              self.log_dir, http_url=self.url)
         self.children.append(self.service)
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        roles = engine_roles(a)
+        shares = core_shares(a.pin_cores, cores, [engine_tp(a, role) for role, _ in roles])
         engines = []
-        for n, (role, i) in enumerate(engine_roles(a)):
+        for (role, i), cpu in zip(roles, shares):
             port = free_port(a.host)
-            tp = {"MIX": a.mix_tp, "PREFILL": a.prefill_tp, "DECODE": a.decode_tp}[role]
-            # (a TP engine's ranks need a core each: it is not pinned to one)
-            cpu = cores[n % len(cores)] if a.pin_cores and cores and tp == 1 else None
             proc = spawn(f"{role.lower()}-{i}", "xllm_py.engine",
                          engine_args(role, port, etcd=self.etcd_addr, model=a.model, host=a.host,
                                      extra=engine_flags(a, role, self.security["engine"])),
@@ -184,6 +187,25 @@ class Cluster:
         return next((p for p in self.children if not p.alive()), None)
 
 
+def engine_tp(a: argparse.Namespace, role: str) -> int:
+    return {"MIX": a.mix_tp, "PREFILL": a.prefill_tp, "DECODE": a.decode_tp}[role]
+
+
+def core_shares(mode: str, cores: list[int], tps: list[int]) -> list[list[int] | None]:
+    """The cores each engine is pinned to (None: not pinned). `auto`: when the engines are
+    no more than the cores and all TP 1 (a TP engine's ranks are processes of their own),
+    engine k gets the k-th of len(tps) equal slices of `cores`; `on`: one core each, round
+    robin (TP 1 engines); `off`: none."""
+    n = len(tps)
+    if mode == "off" or not cores or not n:
+        return [None] * n
+    if mode == "on":
+        return [[cores[k % len(cores)]] if tp == 1 else None for k, tp in enumerate(tps)]
+    if n > len(cores) or any(tp != 1 for tp in tps):
+        return [None] * n
+    return [cores[k * len(cores) // n:(k + 1) * len(cores) // n] for k in range(n)]
+
+
 def engine_roles(a: argparse.Namespace) -> list[tuple[str, int]]:
     if a.mix:
         return [("MIX", i) for i in range(a.mix)]
@@ -192,7 +214,7 @@ def engine_roles(a: argparse.Namespace) -> list[tuple[str, int]]:
 
 def engine_flags(a: argparse.Namespace, role: str, security: list[str] = ()) -> list[str]:
     """The flags an engine of `role` gets beyond its role, model, address and etcd."""
-    tp = {"MIX": a.mix_tp, "PREFILL": a.prefill_tp, "DECODE": a.decode_tp}[role]
+    tp = engine_tp(a, role)
     own = {"MIX": [], "PREFILL": a.prefill_arg, "DECODE": a.decode_arg}[role]
     return ["--kv-cache-transfer-mode", a.kv_cache_transfer_mode,
             "--kv-transfer-backend", a.kv_transfer_backend, *security,

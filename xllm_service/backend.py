@@ -33,6 +33,7 @@ from xllm_service.config import RelayConfig
 from xllm_py.outputs import RequestOutput
 from xllm_py.rpc import service as wire
 from xllm_py.rpc.convert import EngineRequestSpec
+from xllm_py.rpc.status import Status
 from xllm_py.sampling_params import SamplingParams
 from xllm_py.utils.aio import wait_for
 from xllm_service.engine_client import SEND_ERRORS, Engines
@@ -42,6 +43,9 @@ from xllm_service.router import NoInstanceError, Path, Route, Router
 from xllm_service.sub_request import SubPhase, SubRequest, SubRequests
 
 logger = logging.getLogger(__name__)
+# an engine's code for "a peer failed": for a PD sub, its KV transfer
+KV_LOST = Status.BAD_GATEWAY.http_status
+UNAVAILABLE = Status.UNAVAILABLE.http_status
 # A latency target travels as an int32 of ms (DisaggRequest.ttft_slo / tpot_slo).
 SLO_MAX_MS = 2**31 - 1
 
@@ -249,6 +253,16 @@ class ServiceBackend(MigrationMixin):
                 f"({out.error_message})"))
         elif out.failed and self._dropped_by_its_instance(sub, instance_name, out):
             self._migrate(sub, instance_name, why=out.error_message)
+        elif out.failed and out.error_code == KV_LOST and self._awaiting_take_over(sub):
+            self._recompute_on_a_decode(sub, f"its KV could not reach the decode "
+                                             f"({out.error_message})")
+        elif (out.failed and out.error_code == KV_LOST and sub.route.is_pd
+              and sub.phase is SubPhase.DISPATCHED and not gen.on_prefill
+              and instance_name != sub.route.target.name):
+            sub.kv_lost = out.error_message  # the decode failed its pull before the first
+            # token came in from the prefill: recomputed once it has
+        elif out.failed and self._unplaced_by_its_prefill(sub, instance_name, out):
+            self._serve_on_a_decode(sub, out.error_message)
         elif out.failed:
             if sub.route.is_pd and sub.phase < SubPhase.STREAMING:
                 self._cancel_on_decodes(sub, out.error_message)
@@ -264,6 +278,9 @@ class ServiceBackend(MigrationMixin):
                 self._deliver(sub, h)
             if held:
                 self._release_prefill(sub)
+            elif sub.kv_lost and self._awaiting_take_over(sub):
+                self._recompute_on_a_decode(sub, f"its KV could not reach the decode "
+                                                 f"({sub.kv_lost})")
         elif sub.phase in (SubPhase.FIRST_RELAYED, SubPhase.STREAMING):
             self._advance(sub, SubPhase.STREAMING)
             self._deliver(sub, out)
@@ -299,9 +316,26 @@ class ServiceBackend(MigrationMixin):
         died, or hangs) after its first token was relayed, and before any decode output:
         it moves to another decode like one whose decode was evicted, rather than
         failing. (After a decode output the decode has it: its eviction decides.)"""
-        return (sub.route.is_pd and out.unreachable_instance == sub.route.decode.name
-                and len(sub.generated) == 1 and not sub.held and sub.spec is not None
-                and sub.single_sequence and not sub.phase.is_done)
+        return (self._awaiting_take_over(sub)
+                and out.unreachable_instance == sub.route.decode.name)
+
+    @staticmethod
+    def _awaiting_take_over(sub: SubRequest) -> bool:
+        """A PD sub whose prefill's first token is relayed and no decode output yet: the
+        decode has not taken it over (it may still be pulling the KV). It can resume from
+        that token on any decode by recomputing the prompt (MultiGenerations, no KV)."""
+        return (sub.route.is_pd and len(sub.generated) == 1 and not sub.held
+                and sub.spec is not None and sub.single_sequence and not sub.phase.is_done)
+
+    @staticmethod
+    def _unplaced_by_its_prefill(sub: SubRequest, instance_name: str,
+                                 out: RequestOutput) -> bool:
+        """Its prefill failed it before any token because no decode could be reached or
+        take it (a partition between the prefill and the decodes: 502/503): nothing was
+        relayed, so a decode can serve it whole."""
+        return (sub.route.is_pd and instance_name == sub.route.target.name
+                and sub.phase is SubPhase.DISPATCHED and not sub.generated and not sub.held
+                and sub.spec is not None and out.error_code in (KV_LOST, UNAVAILABLE))
 
     @staticmethod
     def _dropped_by_its_instance(sub: SubRequest, instance_name: str,

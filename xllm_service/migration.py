@@ -32,7 +32,9 @@ registered, the sub had already generated max_tokens (its last output was lost),
 MultiGenerations fails or refuses, the request fails with a 503 that says why. Outcomes
 are counted in `xllm_service_migrations_total{outcome="ok"|"failed"}` ("ok": the new
 instance accepted it). A sub re-keyed again (its new instance evicted during the RPC)
-ignores the stale RPC's answer. Still failed with a 503: a MIX request with n > 1 or
+ignores the stale RPC's answer. The same move recomputes a PD sub whose KV never reached
+its decode (its prefill died after relaying the first token, or the transfer failed: an
+engine's 502) on a decode (`_recompute_on_a_decode`). Still failed with a 503: a MIX request with n > 1 or
 best_of > 1 (the message says why: its sequences are interleaved in one engine request,
 and only one sequence's tokens can be handed over), and requests with no token relayed
 yet (PD: prefill's first token).
@@ -48,6 +50,7 @@ import grpc
 
 from xllm_py.config import InstanceRole
 from xllm_py.rpc.convert import EngineRequestSpec
+from xllm_service.engine_client import SEND_ERRORS
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.router import NoInstanceError, Route
 from xllm_service.sub_request import SubPhase, SubRequest
@@ -65,13 +68,18 @@ class MigrationMixin:
         """An instance is gone: the requests that still depend on it (see
         `_release_prefill`) move to another instance of its kind if it was generating them
         (their decode, or their MIX instance), they are single-sequence and a token was
-        relayed (see the module docstring), else end with an error now."""
+        relayed (see the module docstring); a PD sub whose prefill died after relaying its
+        first token, before a decode took it over, is recomputed on a decode; the others
+        end with an error now."""
         for sub in self.subs.pop_instance(info.name):
             if sub.phase.is_done:
                 continue
             why = f"instance {info.name} left the cluster while serving the request"
             if sub.serving == info.name and sub.generated and sub.spec is not None:
                 self._migrate(sub, info.name)
+                continue
+            if info.name == sub.route.target.name and self._awaiting_take_over(sub):
+                self._recompute_on_a_decode(sub, f"its prefill {info.name} left the cluster")
                 continue
             if sub.serving == info.name and sub.spec is not None and not sub.single_sequence:
                 p = sub.spec.params
@@ -92,6 +100,47 @@ class MigrationMixin:
         for decode in self.router.schedulable(InstanceRole.DECODE):
             self._spawn(self.engines.cancel(decode.meta.rpc_address, sub.engine_request_id,
                                             sub.request_id, why))
+
+    def _recompute_on_a_decode(self, sub: SubRequest, why: str) -> None:
+        """A PD sub lost its KV before its decode took it over (its prefill died, or the
+        transfer failed) with the first token relayed: like vLLM's recompute policy for a
+        failed KV load, a decode computes the prompt again and resumes after that token
+        (MultiGenerations without KV), instead of the client getting an error. Whatever a
+        decode set aside for it under the old id is dropped first."""
+        self._cancel_on_decodes(sub, why)
+        self._migrate(sub, sub.route.target.name, why=why)
+
+    def _serve_on_a_decode(self, sub: SubRequest, why: str) -> None:
+        """A PD sub its prefill could not place on any decode, before any token: a decode
+        serves it whole (the DECODE path: Generate under a fresh id, as conditional
+        disaggregation sends short prompts), else the client gets the prefill's error."""
+        prefill = sub.route.target.name
+        try:
+            target = self.router.route_decode(sub.spec)
+        except NoInstanceError as exc:
+            self._fail(sub, f"{why}; no decode to serve it instead: {exc}")
+            return
+        self._cancel_on_decodes(sub, why)
+        old_id, new_id = sub.engine_request_id, new_engine_id(sub.request_id, sub.index_offset)
+        route = Route(target, on_decode=True, reason=f"prefill {prefill} could not place it")
+        self.subs.rekey(sub, new_id, route)
+        spec = dataclasses.replace(sub.spec, request_id=new_id, service_request_id=new_id,
+                                   prefill_name="", decode_name="")
+        sub.spec = spec
+        logger.warning("request %s: prefill %s could not place it on a decode; %s serves it "
+                       "whole as %s", old_id, prefill, target.name, new_id)
+        self._log_route(new_id, route, len(spec.prompt_token_ids))
+        self._spawn(self._send_whole(sub, spec, target, why))
+
+    async def _send_whole(self, sub: SubRequest, spec: EngineRequestSpec,
+                          target: InstanceInfo, why: str) -> None:
+        try:
+            status = await self.engines.generate(target.meta.rpc_address, spec)
+            error = "" if status.ok else status.message or "refused"
+        except SEND_ERRORS as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if error and sub.engine_request_id == spec.service_request_id:
+            self._fail(sub, f"{why}; {target.name} could not serve it instead: {error}")
 
     def _migrate(self, sub: SubRequest, dead: str, why: str = "") -> None:
         """Re-key `sub` and hand it to another instance of the dead one's kind (DECODE for

@@ -86,6 +86,9 @@ class SubRequest:
     request_id: str = ""  # the client request's id (engine ids are made from it)
     phase: SubPhase = SubPhase.DISPATCHED
     held: list[RequestOutput] = dataclasses.field(default_factory=list)  # PD, HOLDING
+    # PD: its decode's KV transfer failed before the prefill's first token was in (the
+    # message): once that token is relayed, a decode recomputes the prompt
+    kv_lost: str = ""
     generated: list[int] = dataclasses.field(default_factory=list)  # relayed token ids
     num_read: int = 0  # of those, how many the client has the text of
     # monotonic times: Generate sent, first and last token relayed (SLO_AWARE measures)

@@ -213,3 +213,39 @@ def test_decode_hit_then_remote_prompt_takes_the_window_of_its_end():
     assert sched.kv.block_pool.num_used_blocks == 9 + 2 * 2
     sched.abort_request("b")
     assert sched.kv.block_pool.num_used_blocks == 0
+
+
+def test_preemption_frees_every_group_and_the_recompute_is_exact():
+    """Two requests decode in a pool too small for both: the later one is preempted, its
+    blocks in every group go back (the pool then holds only the survivor's), it is
+    recomputed from prompt + outputs when room comes back, and both end with the tokens
+    of a run in a pool large enough; the pool ends empty."""
+    from tests.unit.sched_utils import FakeRunner, assert_scheduler_empty, create_requests
+
+    def run(num_blocks: int):
+        sched = ContinuousScheduler(
+            SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64),
+            CacheConfig(block_size=BS), num_blocks=num_blocks, group_windows=WINDOWS)
+        assert sched.max_model_len >= 40  # one request alone always fits
+        for r in create_requests(2, 10, max_tokens=30):
+            sched.add_request(r)
+        runner, outputs, preempted = FakeRunner(BS), {"req-0": [], "req-1": []}, []
+        for _ in range(500):
+            if not sched.has_schedulable_requests():
+                break
+            out = sched.schedule()
+            for rid in out.preempted_ids:
+                victim = sched.get_request(rid)
+                assert victim.block_ids == [] and all(g == [] for g in victim.group_block_ids)
+                held = sum(len(_held(t)) for t in sched.kv.tables(sched.get_request("req-0")))
+                assert sched.kv.block_pool.num_used_blocks == held
+                preempted.append(rid)
+            for u in sched.update_from_output(out, runner.step(out)):
+                outputs[u.request_id] += u.new_token_ids
+        assert_scheduler_empty(sched)
+        return outputs, preempted
+
+    roomy, none = run(1 + 64)
+    tight, preempted = run(1 + 24)  # 10 + 30 tokens: 10 full blocks + 2 x 2-3 sliding each
+    assert none == [] and set(preempted) == {"req-1"}
+    assert tight == roomy and all(len(t) == 30 for t in tight.values())

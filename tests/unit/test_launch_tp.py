@@ -1,7 +1,7 @@
 """The launcher's tensor-parallel flags: refused combinations fail before anything starts."""
 from __future__ import annotations
 
-from xllm_py.launch import build_parser, main, tp_error
+from xllm_py.launch import build_parser, core_shares, main, tp_error
 
 
 def _args(*argv: str):
@@ -19,3 +19,19 @@ def test_tp_combinations(capsys):
     assert "must be >= 1" in tp_error(_args("--mix", "1", "--mix-tp", "0"))
     assert main(["--prefill-tp", "0", "--decode-tp", "1"]) == 2
     assert "tensor-parallel sizes must be >= 1" in capsys.readouterr().err
+
+
+def test_engines_get_cores_of_their_own_by_default():
+    """auto (the default): no more engines than cores, all TP 1 -> equal disjoint slices
+    (their torch threads follow the affinity); more engines, or a TP engine -> unpinned."""
+    assert _args().pin_cores == "auto" and _args("--pin-cores").pin_cores == "on"
+    assert core_shares("auto", [0, 1], [1, 1]) == [[0], [1]]
+    assert core_shares("auto", [0, 1, 2, 3], [1, 1]) == [[0, 1], [2, 3]]
+    assert core_shares("auto", [0, 1, 2], [1, 1]) == [[0], [1, 2]]
+    assert core_shares("auto", [0, 1], [1]) == [[0, 1]]
+    assert core_shares("auto", [0, 1], [1, 1, 1]) == [None] * 3
+    assert core_shares("auto", [0, 1, 2, 3], [2, 1]) == [None, None]
+    assert core_shares("on", [0, 1], [1, 1, 1]) == [[0], [1], [0]]
+    assert core_shares("on", [0, 1], [2, 1]) == [None, [1]]
+    assert core_shares("off", [0, 1], [1, 1]) == [None, None]
+    assert core_shares("auto", [], [1]) == [None]

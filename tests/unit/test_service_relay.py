@@ -199,16 +199,11 @@ async def test_prefill_eviction_spares_a_request_streaming_from_decode(decode_fi
     assert b.metrics.instance_outcomes == {("p", "ok"): 1, ("d", "ok"): 1}  # both still count it
 
 
-@pytest.mark.parametrize("seen", ["prefill-only", "decode-held"])
-async def test_prefill_eviction_fails_a_request_before_decode_output(seen):
-    b, engines = pd_backend()
+async def test_prefill_eviction_fails_a_request_before_its_first_token():
+    """Decode's token 2 is in, but prefill's token 1 never will be: nothing to resume from."""
+    b, engines = pd_backend(decodes=(DECODE, DECODE2))
     stream, first, rid = await start_pd(b, engines)
-    if seen == "prefill-only":  # first token in, decode may still be pulling the KV
-        await feed(b, gen(rid, [1], on_prefill=True))
-        assert await take(first) == [1]
-        first = anext(stream)
-    else:  # decode's token 2 is in, but prefill's token 1 never will be
-        await feed(b, gen(rid, [2]))
+    await feed(b, gen(rid, [2]))
     assert b.inflight("p") == 1
 
     b.on_evict(PREFILL)
@@ -218,6 +213,33 @@ async def test_prefill_eviction_fails_a_request_before_decode_output(seen):
         await anext(stream)
     assert b.metrics.instance_outcomes == {("p", "error"): 1, ("d", "error"): 1}
     assert (b.inflight("p"), b.inflight("d")) == (0, 0)
+    assert engines.migrated == []
+
+
+@pytest.mark.parametrize("decodes", [2, 1], ids=["two-decodes", "one-decode"])
+async def test_prefill_eviction_after_its_first_token_recomputes_on_a_decode(decodes):
+    """Prefill's first token is relayed, no decode output yet (the decode may still be
+    pulling the KV from the dead prefill): a decode recomputes the prompt and resumes after
+    that token (the dead prefill is no decode, so the one decode will do); the blocks set
+    aside under the old id are dropped on every decode; the old id's late outputs are
+    refused."""
+    b, engines = pd_backend(decodes=(DECODE, DECODE2)[:decodes])
+    stream, first, rid = await start_pd(b, engines)
+    await feed(b, gen(rid, [1], on_prefill=True, text="a"))
+    assert await take(first) == [1]
+
+    b.on_evict(PREFILL)
+    await asyncio.gather(*b._tasks)
+    (addr, item), = engines.migrated
+    assert list(item.generated_token_ids) == [1] and not item.HasField("kv")
+    assert b.metrics.migrations == {"ok": 1}
+    assert sorted(c[1] for c in engines.cancels) == [rid] * decodes
+    reply = await b.on_generations(pb.DisaggStreamGenerations(gens=[gen(rid, [9])]))
+    assert [s.ok for s in reply.all_status] == [False]
+    new_id = item.request.service_req_id
+    await feed(b, gen(new_id, [2, 3], finished=True))
+    last = await asyncio.wait_for(anext(stream), 1.0)
+    assert last.finished and not last.failed and last.outputs[0].token_ids == [2, 3]
 
 
 @pytest.mark.parametrize("decode_started", [False, True])
@@ -550,22 +572,78 @@ async def test_a_drop_notice_from_another_instance_is_an_ordinary_failure():
     assert code == 503 and message == "instance p dropped it" and engines.migrated == []
 
 
-async def test_a_transfer_failure_is_not_moved():
-    """A decode that was reached but could not take over (e.g. its KV pull failed) fails
-    the request: that is not an instance that is gone."""
+async def test_a_transfer_failure_before_the_first_token_is_recomputed_once_it_is_in():
+    """The decode's pull failed and said so before the prefill's first token reached the
+    service (they race): the failure waits for that token, then a decode recomputes."""
+    b, engines = pd_backend(decodes=(DECODE, DECODE2))
+    stream, first, rid = await start_pd(b, engines)
+    failure = gen(rid, [], finished=True, code=502)
+    failure.gen_status.status_msg = "KV pull failed"
+    await b.on_generations(pb.DisaggStreamGenerations(gens=[failure], instance_name="d"))
+    assert not first.done() and engines.migrated == []
+    await feed(b, gen(rid, [1], on_prefill=True))
+    assert await take(first) == [1]
+    await asyncio.gather(*b._tasks)
+    (addr, item), = engines.migrated
+    assert list(item.generated_token_ids) == [1]
+    await feed(b, gen(item.request.service_req_id, [2], finished=True))
+    last = await asyncio.wait_for(anext(stream), 1.0)
+    assert last.finished and not last.failed and last.outputs[0].token_ids == [2]
+
+
+@pytest.mark.parametrize("code", [502, 500])
+async def test_a_transfer_failure_is_recomputed_on_a_decode(code):
+    """A decode that was reached but could not take over because its KV pull failed (the
+    engines' 502: a peer failed) after the first token was relayed: a decode recomputes
+    the prompt (vLLM's recompute policy for a failed KV load) and the stream goes on.
+    Another failure (500) reaches the client; every decode drops what it may have set
+    aside for the request (its prefill may be unable to tell them: dead, or cut off)."""
     b, engines = pd_backend(decodes=(DECODE, DECODE2))
     stream, first, rid = await start_pd(b, engines)
     await feed(b, gen(rid, [1], on_prefill=True))
     assert await take(first) == [1]
-    failure = gen(rid, [], finished=True, code=502)
+    failure = gen(rid, [], finished=True, code=code)
     failure.gen_status.status_msg = "decode could not take over: KV pull failed"
     await feed(b, failure)
-    code, message = await take(anext(stream))
-    assert code == 502 and "KV pull failed" in message and engines.migrated == []
-    # Failed before its decode took over: every decode drops what it may have set aside
-    # for it (its prefill may be unable to tell them: dead, or cut off from them).
     await asyncio.gather(*b._tasks)
     assert sorted(engines.cancels) == [("10.0.0.2:1", rid), ("10.0.0.3:1", rid)]
+    if code != 502:
+        code_seen, message = await take(anext(stream))
+        assert code_seen == code and "KV pull failed" in message and engines.migrated == []
+        return
+    (addr, item), = engines.migrated
+    assert list(item.generated_token_ids) == [1] and not item.HasField("kv")
+    new_id = item.request.service_req_id
+    await feed(b, gen(new_id, [2, 3], finished=True))
+    last = await asyncio.wait_for(anext(stream), 1.0)
+    assert last.finished and not last.failed and last.outputs[0].token_ids == [2, 3]
+
+
+@pytest.mark.parametrize("code", [503, 502, 500])
+async def test_a_request_its_prefill_could_not_place_is_served_whole_by_a_decode(code):
+    """The prefill could not reach any decode (a partition between them: 503, or 502) and
+    failed the request before any token: a decode serves it whole under a fresh id (the
+    DECODE path); the old id's late outputs are refused. Another failure reaches the client."""
+    b, engines = pd_backend(decodes=(DECODE,))
+    stream, first, rid = await start_pd(b, engines)
+    failure = gen(rid, [], finished=True, code=code)
+    failure.gen_status.status_msg = "cannot link decode d: UNAVAILABLE"
+    await b.on_generations(pb.DisaggStreamGenerations(gens=[failure], instance_name="p"))
+    await asyncio.gather(*b._tasks)
+    if code == 500:
+        assert await take(first) == (500, "cannot link decode d: UNAVAILABLE")
+        assert engines.sent == [rid]
+        return
+    new_id = engines.sent[-1]
+    assert new_id != rid and engines.sent == [rid, new_id]
+    assert (b.inflight("p"), b.inflight("d")) == (0, 1)
+    reply = await b.on_generations(pb.DisaggStreamGenerations(gens=[gen(rid, [9])]))
+    assert [s.ok for s in reply.all_status] == [False]
+    await feed(b, gen(new_id, [1]))
+    assert await take(first) == [1]
+    await feed(b, gen(new_id, [2], finished=True))
+    last = await asyncio.wait_for(anext(stream), 1.0)
+    assert last.finished and not last.failed and last.outputs[0].token_ids == [2]
 
 
 async def test_service_follows_the_decode_the_prefill_handed_the_request_to():

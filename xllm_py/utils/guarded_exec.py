@@ -2,7 +2,8 @@
 
 Binds PROGRAM to the process that started it, then execs it in place (same pid):
 SIGTERM when PARENT_PID dies (PR_SET_PDEATHSIG survives exec), so a killed launcher or
-test never leaves engines or etcd behind; pinned to CPU unless it is "-".
+test never leaves engines or etcd behind; pinned to CPU (one core, or a comma-separated
+list of them) unless it is "-".
 
 Why not `subprocess.Popen(preexec_fn=...)`: a preexec_fn makes CPython fork() instead of
 vfork(), which runs gRPC's fork handlers in the child; grpcio 1.80+ restarts its epoll
@@ -30,7 +31,7 @@ def main(argv: list[str]) -> int:  # returns only when it refuses to start
         return 1
     if cpu != "-" and hasattr(os, "sched_setaffinity"):
         try:
-            os.sched_setaffinity(0, {int(cpu)})
+            os.sched_setaffinity(0, {int(c) for c in cpu.split(",")})
         except OSError:
             pass
     os.execv(program[0], program)  # (raises OSError when it cannot exec)

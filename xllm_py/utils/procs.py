@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Sequence
 
 import httpx
 
@@ -26,11 +27,11 @@ logger = logging.getLogger(__name__)
 GUARD_SCRIPT = pathlib.Path(__file__).with_name("guarded_exec.py")
 
 
-def guarded(argv: list[str], cpu: int | None = None) -> list[str]:
-    """`argv` wrapped so that it gets SIGTERM when this process dies and runs on `cpu`
-    (Linux): see guarded_exec.py for why this is not a preexec_fn."""
-    return [sys.executable, "-S", str(GUARD_SCRIPT), str(os.getpid()),
-            "-" if cpu is None else str(cpu), *argv]
+def guarded(argv: list[str], cpu: int | Sequence[int] | None = None) -> list[str]:
+    """`argv` wrapped so that it gets SIGTERM when this process dies and runs on `cpu` (a
+    core or several; Linux): see guarded_exec.py for why this is not a preexec_fn."""
+    cpus = "-" if cpu is None else str(cpu) if isinstance(cpu, int) else ",".join(map(str, cpu))
+    return [sys.executable, "-S", str(GUARD_SCRIPT), str(os.getpid()), cpus, *argv]
 
 
 _handed_out: set[int] = set()
@@ -128,8 +129,9 @@ class ChildProcess:
 
 def spawn(name: str, module: str, args: list[str], log_dir: pathlib.Path,
           http_url: str | None = None, env: dict[str, str] | None = None,
-          cpu: int | None = None) -> ChildProcess:
-    """python -m <module> <args>, output to <log_dir>/<name>.log. `cpu` pins it (Linux)."""
+          cpu: int | Sequence[int] | None = None) -> ChildProcess:
+    """python -m <module> <args>, output to <log_dir>/<name>.log. `cpu` pins it to one core
+    or several (Linux)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     argv = [sys.executable, "-m", module, *args]
