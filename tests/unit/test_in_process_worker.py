@@ -8,18 +8,11 @@ import torch
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.kv_transfer import create_backend
 from xllm_py.kv_transfer.in_process import InProcessWorker
-from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.worker_service import KVWorker
 from xllm_py.parallel.tp_peers import TPGrpcPeers
 from xllm_py.pd_messages import KVMove, PeerLink
 from xllm_py.rpc.status import Status, StatusError
-
-
-def storage(seed: int | None = None) -> KVCacheStorage:
-    s = KVCacheStorage(num_layers=2, num_blocks=32, block_size=4, num_kv_heads=2, head_dim=8)
-    if seed is not None:
-        s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(seed)))
-    return s
+from tests.unit.test_kv_worker_service import storage
 
 
 @pytest.fixture
