@@ -93,6 +93,12 @@ class LLMEngine:
         self._thread = threading.Thread(target=self._run, name="xllm-engine", daemon=True)
         self._thread.start()
 
+    def run_here(self) -> None:
+        """Run the engine loop in the calling thread (the one that built the engine: see
+        server.start_engine_thread) until `stop()`."""
+        self._thread = threading.current_thread()
+        self._run()
+
     def stop(self) -> None:
         self._stopped.set()
         self._commands.put(("wake", None))
