@@ -36,8 +36,11 @@ ignores the stale RPC's answer. The same move recomputes a PD sub whose KV never
 its decode (its prefill died after relaying the first token, or the transfer failed: an
 engine's 502) on a decode (`_recompute_on_a_decode`). Still failed with a 503: a MIX request with n > 1 or
 best_of > 1 (the message says why: its sequences are interleaved in one engine request,
-and only one sequence's tokens can be handed over), and requests with no token relayed
-yet (PD: prefill's first token).
+and only one sequence's tokens can be handed over).
+A request with nothing relayed yet (the client has seen no token) whose instance dies
+is sent again whole (`_resend_unstarted`): a MIX or DECODE-path one to another instance
+of its kind, a PD one whose prefill died to a decode that serves it whole; the client
+only waits longer for its first token. Counted as migrations too.
 """
 from __future__ import annotations
 
@@ -81,6 +84,9 @@ class MigrationMixin:
             if info.name == sub.route.target.name and self._awaiting_take_over(sub):
                 self._recompute_on_a_decode(sub, f"its prefill {info.name} left the cluster")
                 continue
+            if self._unstarted_on(sub, info.name):
+                self._resend_unstarted(sub, info.name, why)
+                continue
             if sub.serving == info.name and sub.spec is not None and not sub.single_sequence:
                 p = sub.spec.params
                 why += (f"; it cannot be migrated: only a single-sequence request can resume "
@@ -110,35 +116,70 @@ class MigrationMixin:
         self._cancel_on_decodes(sub, why)
         self._migrate(sub, sub.route.target.name, why=why)
 
-    def _serve_on_a_decode(self, sub: SubRequest, why: str) -> None:
-        """A PD sub its prefill could not place on any decode, before any token: a decode
-        serves it whole (the DECODE path: Generate under a fresh id, as conditional
-        disaggregation sends short prompts), else the client gets the prefill's error."""
+    def _serve_on_a_decode(self, sub: SubRequest, why: str, counted: bool = False) -> None:
+        """A PD sub its prefill could not place on any decode (or that died), before any
+        token: a decode serves it whole (the DECODE path: Generate under a fresh id, as
+        conditional disaggregation sends short prompts), else the client gets the error.
+        `counted`: a move off an evicted instance (xllm_service_migrations_total)."""
         prefill = sub.route.target.name
         try:
             target = self.router.route_decode(sub.spec)
         except NoInstanceError as exc:
+            if counted:
+                self.metrics.migrations["failed"] += 1
             self._fail(sub, f"{why}; no decode to serve it instead: {exc}")
             return
         self._cancel_on_decodes(sub, why)
-        old_id, new_id = sub.engine_request_id, new_engine_id(sub.request_id, sub.index_offset)
         route = Route(target, on_decode=True, reason=f"prefill {prefill} could not place it")
+        logger.warning("request %s: prefill %s could not serve it; %s serves it whole",
+                       sub.engine_request_id, prefill, target.name)
+        self._send_elsewhere(sub, target, route, why, counted)
+
+    @staticmethod
+    def _unstarted_on(sub: SubRequest, dead: str) -> bool:
+        """Nothing of `sub` reached its client, and the dead instance is the one computing
+        it: a MIX or DECODE-path sub on it, or a PD sub whose prefill it was."""
+        return (sub.phase is SubPhase.DISPATCHED and not sub.generated and not sub.held
+                and sub.spec is not None
+                and dead == (sub.route.target.name if sub.route.is_pd else sub.serving))
+
+    def _resend_unstarted(self, sub: SubRequest, dead: str, why: str) -> None:
+        """`_unstarted_on`: send it again whole, elsewhere (the module docstring)."""
+        if sub.route.is_pd:
+            self._serve_on_a_decode(sub, why, counted=True)
+            return
+        pick = self.router.route_decode if sub.route.on_decode_role else self.router.route_mix
+        try:
+            target = pick(sub.spec, exclude=[dead])
+        except NoInstanceError as exc:
+            self.metrics.migrations["failed"] += 1
+            self._fail(sub, f"{why}; no other instance to send it to: {exc}")
+            return
+        logger.warning("instance %s lost before request %s's first token: sending it to %s",
+                       dead, sub.engine_request_id, target.name)
+        route = Route(target, on_decode=sub.route.on_decode, reason=f"{dead} left the cluster")
+        self._send_elsewhere(sub, target, route, why, counted=True)
+
+    def _send_elsewhere(self, sub: SubRequest, target: InstanceInfo, route: Route, why: str,
+                        counted: bool) -> None:
+        """Re-key `sub` onto `route` under a fresh id and Generate it whole on `target`."""
+        new_id = new_engine_id(sub.request_id, sub.index_offset)
         self.subs.rekey(sub, new_id, route)
         spec = dataclasses.replace(sub.spec, request_id=new_id, service_request_id=new_id,
                                    prefill_name="", decode_name="")
         sub.spec = spec
-        logger.warning("request %s: prefill %s could not place it on a decode; %s serves it "
-                       "whole as %s", old_id, prefill, target.name, new_id)
         self._log_route(new_id, route, len(spec.prompt_token_ids))
-        self._spawn(self._send_whole(sub, spec, target, why))
+        self._spawn(self._send_whole(sub, spec, target, why, counted))
 
     async def _send_whole(self, sub: SubRequest, spec: EngineRequestSpec,
-                          target: InstanceInfo, why: str) -> None:
+                          target: InstanceInfo, why: str, counted: bool = False) -> None:
         try:
             status = await self.engines.generate(target.meta.rpc_address, spec)
             error = "" if status.ok else status.message or "refused"
         except SEND_ERRORS as exc:
             error = f"{type(exc).__name__}: {exc}"
+        if counted:
+            self.metrics.migrations["failed" if error else "ok"] += 1
         if error and sub.engine_request_id == spec.service_request_id:
             self._fail(sub, f"{why}; {target.name} could not serve it instead: {error}")
 

@@ -18,8 +18,10 @@ from xllm_py.utils.procs import engine_args, free_port, spawn
 
 pytestmark = pytest.mark.integration
 
-# 0.5 ms a prompt token: a 2048-token prompt alone 1.02 s, so a hold limit of ~0.9 s
-PROFILE = LatencyProfile(prefill_base_ms=0.0, prefill_ms_per_token=0.5, decode_base_ms=1.0,
+# 0.1 ms a prompt token: a 2048-token prompt alone 0.2 s, so a hold limit of ~0.18 s,
+# well inside the stream below however fast the machine steps it (2000 tokens: ~0.5 s
+# at the tiny model's fastest), and far above a 30-token prompt's unheld TTFT
+PROFILE = LatencyProfile(prefill_base_ms=0.0, prefill_ms_per_token=0.1, decode_base_ms=1.0,
                          decode_ms_per_seq=0.1, decode_ms_per_ctx_token=0.0)
 HOLD_MS = hold_limit_ms(PROFILE)
 
@@ -67,7 +69,7 @@ def test_a_prompt_beside_an_over_target_stream_waits_for_the_hold_limit(engine):
 
     def run_stream() -> None:
         for chunk in c.completions.create(
-                model="tiny", prompt=list(range(5, 20)), max_tokens=1500, temperature=0,
+                model="tiny", prompt=list(range(5, 20)), max_tokens=2000, temperature=0,
                 stream=True, extra_body={"ignore_eos": True, "return_token_ids": True}):
             stream_tokens.extend(chunk.choices[0].model_extra.get("token_ids") or []
                                  if chunk.choices else [])
@@ -90,3 +92,5 @@ def test_a_prompt_beside_an_over_target_stream_waits_for_the_hold_limit(engine):
     while len(stream_tokens) == n:  # the stream runs on after the held prompt
         assert time.monotonic() < deadline, "the stream stalled"
         time.sleep(0.05)
+    assert done.wait(60), "the stream did not end"
+    assert len(stream_tokens) == 2000  # and it ran to its end

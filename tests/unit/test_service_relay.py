@@ -502,13 +502,48 @@ async def test_mix_eviction_fails_the_request_with_no_other_mix():
     assert 'xllm_service_migrations_total{outcome="failed"} 1' in b.metrics_text()
 
 
-async def test_mix_eviction_before_any_token_fails_the_request():
-    """Nothing relayed yet: nothing to resume from (the plain 503, no migration)."""
+async def test_mix_eviction_before_any_token_sends_the_request_again_whole():
+    """Nothing relayed yet: the request goes whole to another MIX (a plain Generate under
+    a fresh id, n > 1 too), and its stream is that instance's; late outputs of the old id
+    are refused."""
     b, engines = mix_backend()
+    stream, rid, pending = await mix_migrate_after(b, engines, [], [], n=2)
+    old, new_id = engines.sent
+    assert old == rid and new_id != rid and new_id.startswith("cmpl-1-0-")
+    assert engines.migrated == [] and b.metrics.migrations == {"ok": 1}
+    assert (b.inflight("m"), b.inflight("m2")) == (0, 1)
+    reply = await b.on_generations(pb.DisaggStreamGenerations(gens=[gen(rid, [9])]))
+    assert [s.ok for s in reply.all_status] == [False]
+    await feed(b, gen(new_id, [1], finished=True))
+    last = await asyncio.wait_for(pending, 1.0)
+    assert last.finished and not last.failed and last.outputs[0].token_ids == [1]
+
+
+async def test_mix_eviction_before_any_token_fails_the_request_with_no_other_mix():
+    b, engines = mix_backend(mixes=(MIX,))
     stream, rid, pending = await mix_migrate_after(b, engines, [], [])
     code, message = await take(pending)
-    assert code == 503 and message == "instance m left the cluster while serving the request"
-    assert engines.migrated == [] and b.metrics.migrations == {}
+    assert code == 503 and message.startswith(
+        "instance m left the cluster while serving the request; no other instance")
+    assert engines.sent == [rid] and b.metrics.migrations == {"failed": 1}
+
+
+async def test_prefill_eviction_before_anything_relayed_serves_it_on_a_decode():
+    """The prefill died with nothing relayed (no token from it or a decode): a decode
+    serves the request whole under a fresh id; the decodes drop what they set aside."""
+    b, engines = pd_backend(decodes=(DECODE, DECODE2))
+    stream, first, rid = await start_pd(b, engines)
+    b.on_evict(PREFILL)
+    await asyncio.gather(*b._tasks)
+    old, new_id = engines.sent
+    assert old == rid and new_id != rid
+    assert {req for _, req in engines.cancels} == {rid}
+    assert b.metrics.migrations == {"ok": 1} and b.inflight("p") == 0
+    await feed(b, gen(new_id, [4]))
+    assert await take(first) == [4]
+    await feed(b, gen(new_id, [5], finished=True))
+    last = await asyncio.wait_for(anext(stream), 1.0)
+    assert last.finished and not last.failed and last.outputs[0].token_ids == [5]
 
 
 @pytest.mark.parametrize("decodes", [2, 1], ids=["another-decode", "no-other-decode"])

@@ -77,6 +77,7 @@ class GenerationsReporter:
         self._wakeups: dict[str, asyncio.Event] = {}
         self._channels = ChannelPool(credentials)
         self._streams: dict[str, PipelinedStream] = {}
+        self._sending = 0  # outputs in a call not answered yet
         self.num_calls = 0
         # service addr -> engine request id -> the notice of its drop (not yet answered)
         self._dropped: dict[str, dict[str, object]] = {}
@@ -90,6 +91,14 @@ class GenerationsReporter:
         """Any thread. Buffered until flush()."""
         with self._lock:
             self._pending.setdefault(service_addr, []).append(gen)
+
+    def num_unsent(self) -> int:
+        """Event loop: outputs no service has answered yet (buffered, queued or in a call):
+        a drain waits for them, or a service would see the request's instance leave
+        before its last tokens."""
+        with self._lock:
+            buffered = sum(len(v) for v in self._pending.values())
+        return buffered + sum(len(v) for v in self._queues.values()) + self._sending
 
     def flush(self) -> None:
         """Engine thread, end of step: hand the step's outputs to the event loop."""
@@ -131,6 +140,7 @@ class GenerationsReporter:
     async def _send(self, addr: str, gens: list[Outgoing]) -> None:
         request = wire.generations_to_proto([g.message for g in gens], self.instance_name)
         reply = None
+        self._sending += len(gens)
         try:
             reply = await self._stream(addr).request(request, self.timeout_s)
             self.num_calls += 1
@@ -141,6 +151,8 @@ class GenerationsReporter:
                 reply = await self._send_unary(addr, request)
         except asyncio.TimeoutError:
             logger.warning("Generations to %s timed out after %.1fs", addr, self.timeout_s)
+        finally:
+            self._sending -= len(gens)
         if reply is None:
             logger.warning("aborting %d requests of service %s", len(gens), addr)
             why = f"instance {self.instance_name} could not reach the service and dropped it"

@@ -17,6 +17,7 @@ decode or MIX engine was generating move to another instance once this one leave
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import os
@@ -177,11 +178,14 @@ DRAIN_SETTLE_S = 0.5
 
 def in_flight(engine: LLMEngine, cluster) -> int:
     """Requests still using this engine: submitted, scheduled, waiting, or (PD) not handed
-    over, and KV blocks held for a transfer (a prefill keeps them until decode pulled)."""
+    over, and KV blocks held for a transfer (a prefill keeps them until decode pulled);
+    outputs its services have not answered yet count too."""
     s = engine.stats()
     pending = cluster.pd.num_pending() if cluster is not None and cluster.pd is not None else 0
+    unsent = (cluster.reporter.num_unsent()
+              if cluster is not None and cluster.reporter is not None else 0)
     return int(s["running"] + s["waiting"] + pending + (s["kv_blocks_used"] > 0)
-               + (engine.num_queued_commands > 0))
+               + (engine.num_queued_commands > 0) + (unsent > 0))
 
 
 async def drain(engine: LLMEngine, backend: AsyncEngine, cluster, timeout_s: float,
@@ -228,3 +232,15 @@ def freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
     logger.debug("froze %d start-up objects out of the garbage collector", gc.get_freeze_count())
+    release_free_heap()
+
+
+def release_free_heap() -> None:
+    """Give the pages malloc holds free back to the system (glibc's malloc_trim): loading
+    a GGUF frees ~0.3 GB of dequantized copies that the loading thread's malloc arena
+    otherwise keeps (gemma-3-270m's resident set 1.20 -> 0.92 GB). A no-op elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
