@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    from xllm_py.utils.omp_env import set_omp_env
+
+    set_omp_env()  # (before the server module loads torch)
     from xllm_py.engine.server import run_engine_server
 
     from xllm_py.cluster.etcd_startup import EtcdStartupError

@@ -95,7 +95,8 @@ async def start_engine_thread(config: EngineConfig) -> LLMEngine:
     counts every team's threads and, with more of them than cores, lets its workers barely
     spin between parallel regions: a gemma-3-270m decode step at batch 1 on 2 cores took
     14.7 ms stepped by another thread than the one that loaded the model, 9.5 ms by the
-    same one (the decode runner's 90 short regions a step pay a wake-up each)."""
+    same one (the decode runner's 90 short regions a step pay a wake-up each). How long
+    the workers spin: xllm_py/utils/omp_env.py."""
     loop = asyncio.get_running_loop()
     ready: asyncio.Future = loop.create_future()
 
