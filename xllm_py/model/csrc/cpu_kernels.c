@@ -639,6 +639,16 @@ static inline __attribute__((always_inline)) void panel_chunk(const float *xt, c
 }
 
 #if !defined(XLLM_AVX512) /* there: panels_avx512.c, the first tile widens */
+/* y rows [M][n0, n0 + nv) = acc (+ b) */
+static inline void panel_store_rows(float *y, const float (*acc)[16], int32_t M, int32_t N,
+                                    int32_t n0, int32_t nv, const float *b) {
+    for (int32_t m = 0; m < M; m++) {
+        float *yr = y + (int64_t)m * N + n0;
+        for (int32_t j = 0; j < nv; j++)
+            yr[j] = acc[m][j] + (b != NULL ? b[n0 + j] : 0.0f);
+    }
+}
+
 /* panel_chunk over kn rows (from row k0) of an int8 panel (q: the chunk's rows, ps: the
  * panel's scales), widened into wide[kn][16] first. */
 static inline __attribute__((always_inline)) void panel_chunk_i8(
@@ -722,11 +732,7 @@ static void linear_panels_body_s(const float *x, const void *P, const float *S, 
                 }
             }
         }
-        for (int32_t m = 0; m < M; m++) {
-            float *yr = y + (int64_t)m * N + n0;
-            for (int32_t j = 0; j < nv; j++)
-                yr[j] = acc[m][j] + (b != NULL ? b[n0 + j] : 0.0f);
-        }
+        panel_store_rows(y, (const float (*)[16])acc, M, N, n0, nv, b);
     }
 }
 

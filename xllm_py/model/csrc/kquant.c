@@ -342,11 +342,7 @@ static void kq_panels_body(int type, const float *x, const void *Q, const void *
                                wide);
             }
         }
-        for (int32_t m = 0; m < M; m++) {
-            float *yr = y + (int64_t)m * N + n0;
-            for (int32_t j = 0; j < nv; j++)
-                yr[j] = acc[m][j] + (b != NULL ? b[n0 + j] : 0.0f);
-        }
+        panel_store_rows(y, (const float (*)[16])acc, M, N, n0, nv, b);
     }
 }
 

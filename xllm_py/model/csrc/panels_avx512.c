@@ -209,3 +209,14 @@ static inline __attribute__((always_inline)) void panel_chunk_i8(
     XLLM_TILE_ROWS_SWITCH(rows, panel_tile_i8, xt, q, ps, k0, kn, wide, acc)
     panel_chunk_rest(xt, wide, kn, K, M, acc);
 }
+
+/* y rows [M][n0, n0 + nv) = acc (+ b): one masked store per row (nv < 16: the partial last
+ * panel), the same additions as the scalar loop of the AVX2 build. */
+static inline void panel_store_rows(float *y, const float (*acc)[16], int32_t M, int32_t N,
+                                    int32_t n0, int32_t nv, const float *b) {
+    const __mmask16 k = (__mmask16)((1u << nv) - 1);
+    const __m512 bias = b != NULL ? _mm512_maskz_loadu_ps(k, b + n0) : _mm512_setzero_ps();
+    for (int32_t m = 0; m < M; m++)
+        _mm512_mask_storeu_ps(y + (int64_t)m * N + n0, k,
+                              _mm512_add_ps(_mm512_loadu_ps(acc[m]), bias));
+}
