@@ -182,11 +182,20 @@ class KernelConfig:
     enabled: bool = True  # XLLM_CPU_KERNELS=0: the torch path everywhere
     cache_dir: str | None = None  # XLLM_KERNEL_CACHE (None: ~/.cache/xllm_py/kernels)
     cc: str | None = None  # CC (None: cc, else gcc, on PATH)
+    # XLLM_CPU_ISA: "avx2" builds the AVX2/FMA kernels even where the CPU has AVX-512 (to
+    # compare or test both), "avx512" asks for the AVX-512 ones; None (unset, "auto"): the
+    # widest the CPU has (/proc/cpuinfo), also what a request past it gets
+    isa: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.isa not in (None, "avx2", "avx512"):
+            raise ValueError(f"XLLM_CPU_ISA must be avx2, avx512 or auto, got {self.isa!r}")
 
     @classmethod
     def from_env(cls) -> "KernelConfig":
+        isa = (os.environ.get("XLLM_CPU_ISA") or "auto").strip().lower()
         return cls(enabled=_env_on("XLLM_CPU_KERNELS"), cache_dir=os.environ.get("XLLM_KERNEL_CACHE") or None,
-                   cc=os.environ.get("CC") or None)
+                   cc=os.environ.get("CC") or None, isa=None if isa == "auto" else isa)
 
 
 def model_cache_dir_from_env() -> str | None:

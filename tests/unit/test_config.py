@@ -57,7 +57,15 @@ def test_ucx_kernel_and_model_settings_from_env(monkeypatch):
     monkeypatch.setenv("XLLM_CPU_KERNELS", "0")
     monkeypatch.setenv("XLLM_KERNEL_CACHE", "/tmp/k")
     monkeypatch.setenv("CC", "clang")
+    monkeypatch.delenv("XLLM_CPU_ISA", raising=False)
     assert KernelConfig.from_env() == KernelConfig(enabled=False, cache_dir="/tmp/k", cc="clang")
+    monkeypatch.setenv("XLLM_CPU_ISA", "AVX2")
+    assert KernelConfig.from_env().isa == "avx2"
+    monkeypatch.setenv("XLLM_CPU_ISA", "auto")
+    assert KernelConfig.from_env().isa is None
+    monkeypatch.setenv("XLLM_CPU_ISA", "sse2")
+    with pytest.raises(ValueError, match="XLLM_CPU_ISA"):
+        KernelConfig.from_env()
     monkeypatch.setenv("XLLM_CACHE_DIR", "/tmp/m")
     assert model_cache_dir_from_env() == "/tmp/m"
 

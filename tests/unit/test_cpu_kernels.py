@@ -13,6 +13,7 @@ from xllm_py.model import cpu_kernels
 from xllm_py.model.attention import (AttentionMetadata, attend, decode_attention_torch,
                                      plan_attention)
 from xllm_py.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from xllm_py.model.int8_panels import pack_int8_panels
 from xllm_py.model.packed import PackedLinear, pack_linears
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
@@ -295,3 +296,81 @@ def test_linear_large_declines_what_it_does_not_handle() -> None:
     assert cpu_kernels.linear_large(torch.randn(4, 200, 16), panels, 20, None) is None
     with cpu_kernels.disabled():
         assert cpu_kernels.linear_large(torch.randn(200, 16), panels, 20, None) is None
+
+
+both_isas = pytest.mark.skipif(
+    not (cpu_kernels.linear_available()
+         and {"avx2", "fma", *cpu_kernels._AVX512} <= cpu_kernels._cpu_flags()),
+    reason="needs a CPU with AVX-512 (to run both builds)")
+
+
+def _each_isa(fn):
+    """fn() under the AVX2 build and under the AVX-512 one: {isa: result}."""
+    out = {}
+    for isa in ("avx2", "avx512"):
+        with cpu_kernels.built_for(isa):
+            assert cpu_kernels.isa() == isa
+            out[isa] = fn()
+    return out
+
+
+@both_isas
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_avx512_build_gives_the_avx2_floats(dtype: str) -> None:
+    """The AVX-512 panel kernels (csrc/panels_avx512.c) run every output's fmas in the AVX2
+    kernels' order, on the same widened weights: the same floats, bit for bit. Partial
+    panels (N % 16), rows past whole tiles of either build (6 and 12), K of no round size
+    (int8: multiples of 32 only); one row, decode batches and linear_large's prompt rows."""
+    rng = torch.Generator().manual_seed(11)
+    for n, k in ((37, 67), (101, 300), (16, 640), (5, 33)) if dtype != "int8" else (
+            (37, 96), (101, 320), (9, 640)):
+        w = torch.randn(n, k, generator=rng)
+        b = torch.randn(n, generator=rng)
+        if dtype == "int8":
+            q = torch.randint(-127, 128, (n, k), generator=rng, dtype=torch.int8)
+            s = torch.rand(n, k // 32, generator=rng) / 64
+            panels, scales = pack_int8_panels(q, s)
+        else:
+            panels = cpu_kernels.pack_panels(w, getattr(torch, dtype))
+        for rows in (1, 2, 5, 6, 7, 11, 12, 13, 25, 32, 96, 97, 131, 250):
+            x = torch.randn(rows, k, generator=rng)
+
+            def run() -> torch.Tensor:
+                if dtype == "int8":
+                    return cpu_kernels.linear_panels_int8(x, panels, scales, n, b)
+                if rows <= cpu_kernels.PANEL_MAX_ROWS:
+                    return cpu_kernels.linear_panels(x, panels, n, b)
+                return cpu_kernels.linear_large(x, panels, n, b)
+
+            got = _each_isa(run)
+            assert got["avx2"] is not None and got["avx512"] is not None
+            assert torch.equal(got["avx2"], got["avx512"]), (n, k, rows)
+            want = _reference(x, panels, n, b, dtype, scales if dtype == "int8" else None)
+            assert (got["avx512"] - want).abs().max().item() < 1e-3
+
+
+def _reference(x: torch.Tensor, panels: torch.Tensor, n: int, b: torch.Tensor, dtype: str,
+               scales: torch.Tensor | None) -> torch.Tensor:
+    """The product in float64 from the panels' values."""
+    p = panels.double() if scales is None else (
+        panels.double().view(panels.shape[0], -1, 32, 16) * scales.double()[:, :, None]
+    ).view(panels.shape)
+    w = p.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
+    return (x.double() @ w.T + b.double()).float()
+
+
+
+def test_isa_is_the_widest_the_cpu_has_unless_told(monkeypatch) -> None:
+    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    assert cpu_kernels._isa(None, avx512) == "avx512"
+    assert cpu_kernels._isa("avx2", avx512) == "avx2"
+    assert cpu_kernels._isa(None, avx512 - {"avx512vl"}) == "avx2"
+    assert cpu_kernels._isa("avx512", {"avx2", "fma"}) == "avx2"  # its code would fault
+    assert cpu_kernels._isa(None, {"sse2"}) == ""
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: avx512)
+    assert {"-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl",
+            "-mavx512dq"} <= set(cpu_kernels._compile_flags())
+    assert "-mavx512f" not in cpu_kernels._compile_flags("avx2")
+    assert "-mavx2" in cpu_kernels._compile_flags("avx2")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"sse2"})
+    assert "-mavx2" not in cpu_kernels._compile_flags()

@@ -136,3 +136,25 @@ def test_real_file_tensors_bit_for_bit():
                            want.view(torch.int32)), t.name
         seen += 1
     assert seen == 36  # 18 attention outputs, 18 MLP down projections
+
+
+@pytest.mark.skipif(not {"avx2", "fma", *cpu_kernels._AVX512} <= cpu_kernels._cpu_flags(),
+                    reason="needs a CPU with AVX-512 (to run both builds)")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_avx512_build_gives_the_avx2_floats(qtype):
+    """Widened in __m512 (csrc/kquant.c), the same values and the same order of fmas as
+    AVX2: the same floats, bit for bit, one row, decode batches and prompts; N % 16 != 0."""
+    raw = _random_blocks(qtype, 77, 768, seed=5)
+    kq = kquant_panels.from_blocks(qtype, raw, 768)
+    bias = torch.randn(77)
+    for rows in (1, 3, 13, 32, 97, 200):
+        x = torch.randn(rows, 768)
+        got = {}
+        for isa in ("avx2", "avx512"):
+            with cpu_kernels.built_for(isa):
+                got[isa] = cpu_kernels.linear_panels_kquant(x, kq, bias)
+                panels = cpu_kernels.dequantize_kquant_panels(kq)
+                got[isa + " values"] = panels
+        assert got["avx2"] is not None and torch.equal(got["avx2"], got["avx512"]), rows
+        assert torch.equal(got["avx2 values"].view(torch.int32),
+                           got["avx512 values"].view(torch.int32))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import logging
 import os
@@ -68,13 +69,37 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _compile_flags() -> list[str]:
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+
+
+_ISAS = ("", "avx2", "avx512")  # narrowest first
+
+
+def _isa(requested: str | None, cpu: set[str]) -> str:
+    """The instruction set the kernels are built for: the widest this CPU has, or
+    ``requested`` (KernelConfig.isa) when the CPU has that: "avx512" (the panel kernels'
+    12 x 16 tiles of __m512, about twice the matmul throughput of AVX2 on cores with
+    512-bit FMA pipes), "avx2", or "" (the scalar build: no native matmuls)."""
+    best = ("avx512" if {"avx2", "fma", *_AVX512} <= cpu
+            else "avx2" if {"avx2", "fma"} <= cpu else "")
+    if requested is None:
+        return best
+    if _ISAS.index(requested) > _ISAS.index(best):  # its instructions would fault here
+        logger.warning("XLLM_CPU_ISA=%s: this CPU lacks it, building for %s", requested,
+                       best or "no SIMD")
+        return best
+    return requested
+
+
+def _compile_flags(isa: str | None = None) -> list[str]:
     # -fno-trapping-math lets the exp loops vectorise (torch builds with the same)
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu99", "-fno-trapping-math",
              "-fno-math-errno"]
-    cpu = _cpu_flags()
-    if {"avx2", "fma"} <= cpu:
+    chosen = _isa(isa, _cpu_flags())
+    if chosen in ("avx2", "avx512"):
         flags += ["-mavx2", "-mfma"]
+    if chosen == "avx512":
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
     return flags
 
 
@@ -87,7 +112,7 @@ def _build(config: KernelConfig) -> pathlib.Path:
     cc = config.cc or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    flags = _compile_flags()
+    flags = _compile_flags(config.isa)
     # the main source and the files it includes (every file in csrc/)
     src = b"".join(f.read_bytes() for f in sorted(_SRC.parent.glob("*.c")))
     key = hashlib.sha256(src + " ".join([cc] + flags).encode()).hexdigest()[:16]
@@ -109,6 +134,43 @@ def _build(config: KernelConfig) -> pathlib.Path:
     return out
 
 
+_SIGNATURES = {  # name: (argtypes, restype)
+    "xllm_paged_decode_attention_f32": (
+        ["p", "p", "p", "p", "i64", "p", "i64", "p", "i32", "i32", "i32", "i32", "i32", "f32",
+         "i64"], "int"),
+    "xllm_add_rms_norm_f32": (["p", "p", "p", "p", "i64", "i32", "f32"], None),
+    "xllm_qk_norm_rope_store_f32": (
+        ["p", "p", "p", "p", "p", "p", "p", "f32", "p", "p", "i64", "i32", "i32", "i32"], "int"),
+    "xllm_silu_and_mul_f32": (["p", "p", "i64", "i32"], None),
+    "xllm_linear_panels_f32": (["p", "p", "p", "p", "i32", "i32", "i32"], "int"),
+    "xllm_linear_large_f32": (["p", "p", "p", "p", "i32", "i32", "i32"], "int"),
+    "xllm_linear_panels_bf16": (["p", "p", "p", "p", "i32", "i32", "i32"], "int"),
+    "xllm_linear_panels_i8": (["p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
+    "xllm_linear_large_bf16": (["p", "p", "p", "p", "i32", "i32", "i32"], "int"),
+    "xllm_copy_chunks": (["p", "p", "i64"], None),
+    "xllm_int8_blocks": (["p", "i64", "p", "p"], "int"),
+    "xllm_linear_panels_kq": (
+        ["i32", "p", "p", "p", "p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
+    "xllm_linear_large_kq": (
+        ["i32", "p", "p", "p", "p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
+    "xllm_linear_large_i8": (["p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
+    "xllm_dequant_panels_kq": (["i32", "p", "p", "p", "p", "p", "i32", "i32", "p"], "int"),
+}
+_CTYPES = {"p": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32,
+           "f32": ctypes.c_float, "int": ctypes.c_int, None: None}
+
+
+def _open(config: KernelConfig) -> tuple[ctypes.CDLL, pathlib.Path]:
+    """Builds (or finds) the library for ``config`` and loads it, its functions typed."""
+    path = _build(config)
+    lib = ctypes.CDLL(str(path))
+    for name, (args, res) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = [_CTYPES[a] for a in args]
+        fn.restype = _CTYPES[res]
+    return lib, path
+
+
 def _load() -> ctypes.CDLL | None:
     global _lib, _tried, _why_not
     if _off:
@@ -124,39 +186,44 @@ def _load() -> ctypes.CDLL | None:
             _why_not = "disabled by XLLM_CPU_KERNELS"
             return None
         try:
-            path = _build(config)
-            lib = ctypes.CDLL(str(path))
+            lib, path = _open(config)
         except Exception as e:  # noqa: BLE001 - any failure means: use the torch path
             _why_not = str(e)
             logger.warning("CPU kernels unavailable, using the torch path: %s", e)
             return None
-        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-        signatures = {
-            "xllm_paged_decode_attention_f32": (
-                [p, p, p, p, i64, p, i64, p, i32, i32, i32, i32, i32, f32, i64], ctypes.c_int),
-            "xllm_add_rms_norm_f32": ([p, p, p, p, i64, i32, f32], None),
-            "xllm_qk_norm_rope_store_f32": (
-                [p, p, p, p, p, p, p, f32, p, p, i64, i32, i32, i32], ctypes.c_int),
-            "xllm_silu_and_mul_f32": ([p, p, i64, i32], None),
-            "xllm_linear_panels_f32": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
-            "xllm_linear_large_f32": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
-            "xllm_linear_panels_bf16": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
-            "xllm_linear_panels_i8": ([p, p, p, p, p, i32, i32, i32], ctypes.c_int),
-            "xllm_linear_large_bf16": ([p, p, p, p, i32, i32, i32], ctypes.c_int),
-            "xllm_copy_chunks": ([p, p, i64], None),
-            "xllm_int8_blocks": ([p, i64, p, p], ctypes.c_int),
-            "xllm_linear_panels_kq": ([i32, p, p, p, p, p, p, p, p, i32, i32, i32], ctypes.c_int),
-            "xllm_linear_large_kq": ([i32, p, p, p, p, p, p, p, p, i32, i32, i32], ctypes.c_int),
-            "xllm_linear_large_i8": ([p, p, p, p, p, i32, i32, i32], ctypes.c_int),
-            "xllm_dequant_panels_kq": ([i32, p, p, p, p, p, i32, i32, p], ctypes.c_int),
-        }
-        for name, (args, res) in signatures.items():
-            fn = getattr(lib, name)
-            fn.argtypes = args
-            fn.restype = res
         _lib = lib
-        logger.info("CPU kernels loaded from %s", path)
+        logger.info("CPU kernels (%s) loaded from %s",
+                    _isa(config.isa, _cpu_flags()) or "scalar", path)
         return _lib
+
+
+def isa() -> str:
+    """What the kernels in use were built for: "avx512", "avx2" or "" (see ``_isa``)."""
+    if _load() is None:
+        return ""
+    return _isa(KernelConfig.from_env().isa if _built_for is None else _built_for,
+                _cpu_flags())
+
+
+_built_for: str | None = None  # set by built_for()
+
+
+@contextlib.contextmanager
+def built_for(isa_name: str) -> Iterator[None]:
+    """Within the block every kernel call goes to the build for ``isa_name`` ("avx2" or
+    "avx512", which the CPU must have): tests compare the builds in one process. Not for
+    use while other threads call the kernels."""
+    global _lib, _tried, _built_for
+    if _isa(isa_name, _cpu_flags()) != isa_name:
+        raise ValueError(f"this CPU cannot run the {isa_name} kernels")
+    lib, _ = _open(dataclasses.replace(KernelConfig.from_env(), isa=isa_name))
+    _load()  # decide the default first, so that it is restored afterwards
+    prev = _lib, _tried, _built_for
+    _lib, _tried, _built_for = lib, True, isa_name
+    try:
+        yield
+    finally:
+        _lib, _tried, _built_for = prev
 
 
 @contextlib.contextmanager

@@ -385,8 +385,9 @@ void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
 
 /* y [M, N] = x [M, K] @ W^T (+ b) for decode-size M, W packed once as panels
  * P[ceil(N / 16)][K][16] (row n of W at panel n / 16, column n % 16; zero padded).
- * Each thread takes whole panels; a 6 x 16 tile of y lives in 12 AVX registers while the
- * panel streams through once per 6 rows of x (from L1/L2 after the first pass), so the
+ * Each thread takes whole panels; a 6 x 16 tile of y lives in 12 AVX registers (AVX-512
+ * builds: 12 x 16 in 12 registers, panels_avx512.c) while the
+ * panel streams through once per tile of x (from L1/L2 after the first pass), so the
  * weights come from memory once per call. Returns -1 without AVX2/FMA (caller: oneDNN).
  *
  * The panels are float32 or bfloat16 (the ``_bf16`` entry points: a checkpoint stored in
@@ -397,12 +398,23 @@ void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
  * of the panel once into a 4 KB buffer that serves every tile. */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+/* rows of x per register tile: 6 x 16 in 12 AVX2 registers, 12 x 16 in 12 AVX-512 ones
+ * (panels_avx512.c: why) */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define XLLM_AVX512 1
+#define XLLM_TILE_ROWS 12
+#else
 #define XLLM_TILE_ROWS 6
+#endif
 #define XLLM_PANEL_MAX_ROWS 96 /* cpu_kernels.PANEL_MAX_ROWS */
 /* panel rows per chunk: 4 KB. With the next chunk prefetched and the chunk of x of every
  * tile (9 KB at 32 rows) it stays in L1; a chunk of 128 rows would not. */
 #define XLLM_PANEL_KC 64
 
+#if defined(XLLM_AVX512)
+#include "panels_avx512.c"
+#else
 /* One panel row of 16 outputs for a single x row (M == 1: memory-bound, no tiling). */
 static void panel_one_row(const float *x0, const float *pp, int32_t K, float *tile) {
     __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
@@ -576,7 +588,9 @@ static inline __attribute__((always_inline)) void panel_tile_rows(const float *x
     }
 }
 
-/* x packed by tiles, xt[tile][K][6] (rows past M zero), needs tiles * K * 6 floats: the
+#endif /* XLLM_AVX512 */
+
+/* x packed by tiles, xt[tile][K][XLLM_TILE_ROWS] (rows past M zero): the
  * calling thread's buffer, kept between calls (a fresh large malloc is an mmap that page
  * faults on every call). NULL when memory runs out. */
 static float *panel_pack_buffer(size_t need) {
@@ -596,18 +610,14 @@ static size_t panel_pack_floats(int32_t M, int32_t K) {
     return M > 1 ? (size_t)((M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS) * K * XLLM_TILE_ROWS : 0;
 }
 
-/* Every tile of x over kn rows of one panel: xt packed x from the chunk's first row
- * (tile t at xt + t * K * 6), w the panel's rows [kn][16] (pf: in place in the panel,
- * prefetch the next chunk). */
-static inline __attribute__((always_inline)) void panel_chunk(const float *xt, const float *w,
-                                                              int32_t kn, int32_t K, int32_t M,
-                                                              float (*acc)[16], const int pf) {
+/* The tiles of x after the first over kn rows of one panel: xt packed x from the chunk's
+ * first row (tile t at xt + t * K * XLLM_TILE_ROWS), w the panel's rows [kn][16]. */
+static inline __attribute__((always_inline)) void panel_chunk_rest(const float *xt,
+                                                                   const float *w, int32_t kn,
+                                                                   int32_t K, int32_t M,
+                                                                   float (*acc)[16]) {
     const int32_t tiles = (M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS;
-    const int32_t full = M / XLLM_TILE_ROWS; /* tiles of six rows */
-    if (full > 0)
-        panel_tile(xt, w, 0, kn, acc, pf, XLLM_TILE_ROWS);
-    else
-        panel_tile_rows(xt, w, 0, kn, acc, pf, M);
+    const int32_t full = M / XLLM_TILE_ROWS; /* whole tiles */
     for (int32_t t = 1; t < full; t++)
         panel_tile(xt + (int64_t)t * K * XLLM_TILE_ROWS, w, 0, kn, acc + t * XLLM_TILE_ROWS, 0,
                    XLLM_TILE_ROWS);
@@ -615,6 +625,47 @@ static inline __attribute__((always_inline)) void panel_chunk(const float *xt, c
         panel_tile_rows(xt + (int64_t)full * K * XLLM_TILE_ROWS, w, 0, kn,
                         acc + full * XLLM_TILE_ROWS, 0, M - full * XLLM_TILE_ROWS);
 }
+
+/* Every tile of x over kn rows of one panel, as panel_chunk_rest (pf: w in place in the
+ * panel, prefetch the next chunk). */
+static inline __attribute__((always_inline)) void panel_chunk(const float *xt, const float *w,
+                                                              int32_t kn, int32_t K, int32_t M,
+                                                              float (*acc)[16], const int pf) {
+    if (M >= XLLM_TILE_ROWS)
+        panel_tile(xt, w, 0, kn, acc, pf, XLLM_TILE_ROWS);
+    else
+        panel_tile_rows(xt, w, 0, kn, acc, pf, M);
+    panel_chunk_rest(xt, w, kn, K, M, acc);
+}
+
+#if !defined(XLLM_AVX512) /* there: panels_avx512.c, the first tile widens */
+/* y rows [M][n0, n0 + nv) = acc (+ b) */
+static inline void panel_store_rows(float *y, const float (*acc)[16], int32_t M, int32_t N,
+                                    int32_t n0, int32_t nv, const float *b) {
+    for (int32_t m = 0; m < M; m++) {
+        float *yr = y + (int64_t)m * N + n0;
+        for (int32_t j = 0; j < nv; j++)
+            yr[j] = acc[m][j] + (b != NULL ? b[n0 + j] : 0.0f);
+    }
+}
+
+/* panel_chunk over kn rows (from row k0) of an int8 panel (q: the chunk's rows, ps: the
+ * panel's scales), widened into wide[kn][16] first. */
+static inline __attribute__((always_inline)) void panel_chunk_i8(
+        const float *xt, const int8_t *q, const float *ps, int32_t k0, int32_t kn, int32_t K,
+        int32_t M, float (*acc)[16], float *wide) {
+    i8_panel_rows(q, ps, k0, kn, wide);
+    panel_chunk(xt, wide, kn, K, M, acc, 0);
+}
+
+/* the same for kn rows of a bfloat16 panel (src: the chunk's rows, pf: bf16_panel_rows') */
+static inline __attribute__((always_inline)) void panel_chunk_bf16(
+        const float *xt, const uint16_t *src, const uint16_t *pf, int32_t kn, int32_t K,
+        int32_t M, float (*acc)[16], float *wide) {
+    bf16_panel_rows(src, kn, wide, pf);
+    panel_chunk(xt, wide, kn, K, M, acc, 0);
+}
+#endif
 
 /* x [M > 1][K] packed by tiles into xt (panel_pack_floats), shared among the threads of
  * the parallel region (ends in the loop's barrier). */
@@ -671,22 +722,17 @@ static void linear_panels_body_s(const float *x, const void *P, const float *S, 
                 const int32_t kn = K - k0 < XLLM_PANEL_KC ? K - k0 : XLLM_PANEL_KC;
                 const float *xk = xt + (int64_t)k0 * XLLM_TILE_ROWS;
                 if (ps != NULL) {
-                    i8_panel_rows(pi + (int64_t)k0 * 16, ps, k0, kn, wide);
-                    panel_chunk(xk, wide, kn, K, M, acc, 0);
+                    panel_chunk_i8(xk, pi + (int64_t)k0 * 16, ps, k0, kn, K, M, acc, wide);
                 } else if (bf16) {
                     const uint16_t *src = pb + (int64_t)k0 * 16;
-                    bf16_panel_rows(src, kn, wide, k0 + kn < K ? src + (int64_t)kn * 16 : NULL);
-                    panel_chunk(xk, wide, kn, K, M, acc, 0);
+                    panel_chunk_bf16(xk, src, k0 + kn < K ? src + (int64_t)kn * 16 : NULL, kn,
+                                     K, M, acc, wide);
                 } else {
                     panel_chunk(xk, pp + (int64_t)k0 * 16, kn, K, M, acc, 1);
                 }
             }
         }
-        for (int32_t m = 0; m < M; m++) {
-            float *yr = y + (int64_t)m * N + n0;
-            for (int32_t j = 0; j < nv; j++)
-                yr[j] = acc[m][j] + (b != NULL ? b[n0 + j] : 0.0f);
-        }
+        panel_store_rows(y, (const float (*)[16])acc, M, N, n0, nv, b);
     }
 }
 

@@ -49,6 +49,142 @@ static inline struct kq_panel kq_panel_at(int type, const void *Q, const void *S
     return a;
 }
 
+#if defined(XLLM_AVX512)
+/* AVX-512: a panel row of 16 columns widens into one __m512, by the same float operations
+ * as the AVX2 code below (the same floats), and the sums run in the same order. */
+
+/* 16 uint8 / int8 -> float32, exact */
+static inline __attribute__((always_inline)) __m512 u8x16_float(__m128i v) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
+static inline __attribute__((always_inline)) __m512 i8x16_float(__m128i v) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+
+/* Q4_K sub-block s (32 rows): D * SC and DM * MN for the 16 columns. */
+static inline __attribute__((always_inline)) void q4k_scales(const struct kq_panel *a, int32_t s,
+                                                             __m512 *ds, __m512 *dm) {
+    const float *d = a->d + (int64_t)(s / 8) * 16, *m = a->dm + (int64_t)(s / 8) * 16;
+    *ds = _mm512_mul_ps(_mm512_loadu_ps(d),
+                        u8x16_float(_mm_loadu_si128((const __m128i *)(a->sc + (int64_t)s * 16))));
+    *dm = _mm512_mul_ps(_mm512_loadu_ps(m),
+                        u8x16_float(_mm_loadu_si128((const __m128i *)(a->mn + (int64_t)s * 16))));
+}
+
+/* Q4_K row k (8 bytes of nibbles): columns 0-7 are the low nibbles, 8-15 the high ones, so
+ * the two halves side by side are the 16 columns in order. */
+static inline __attribute__((always_inline)) __m512 q4k_row(const uint8_t *q, __m512 ds,
+                                                            __m512 dm) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)q), m = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_unpacklo_epi64(_mm_and_si128(b, m),
+                                         _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    return _mm512_fmsub_ps(ds, u8x16_float(v), dm);
+}
+
+/* Q6_K sub-block s (16 rows): D * SC for the 16 columns. */
+static inline __attribute__((always_inline)) __m512 q6k_scales(const struct kq_panel *a,
+                                                               int32_t s) {
+    return _mm512_mul_ps(_mm512_loadu_ps(a->d + (int64_t)(s / 16) * 16),
+                         i8x16_float(_mm_loadu_si128((const __m128i *)(a->sc + (int64_t)s * 16))));
+}
+
+/* Q6_K row k (16 int8) */
+static inline __attribute__((always_inline)) __m512 q6k_row(const uint8_t *q, __m512 ds) {
+    return _mm512_mul_ps(ds, i8x16_float(_mm_loadu_si128((const __m128i *)q)));
+}
+
+/* rows [k0, k0 + kn) of a panel (k0 a multiple of 32, kn of 16) -> float32 dst[kn][16] */
+static void kq_panel_rows(int type, const struct kq_panel *a, int32_t k0, int32_t kn,
+                          float *dst) {
+    __m512 ds = _mm512_setzero_ps(), dm = ds;
+    if (type == XLLM_KQ_Q4K) {
+        for (int32_t i = 0; i < kn; i++) {
+            const int32_t k = k0 + i;
+            if (k % 32 == 0)
+                q4k_scales(a, k / 32, &ds, &dm);
+            _mm512_storeu_ps(dst + (int64_t)i * 16, q4k_row(a->q + (int64_t)k * 8, ds, dm));
+        }
+    } else {
+        for (int32_t i = 0; i < kn; i++) {
+            const int32_t k = k0 + i;
+            if (k % 16 == 0)
+                ds = q6k_scales(a, k / 16);
+            _mm512_storeu_ps(dst + (int64_t)i * 16, q6k_row(a->q + (int64_t)k * 16, ds));
+        }
+    }
+}
+
+/* panel_one_row on a K-quant panel: the same fmas in the same order (K % 256 == 0). */
+static void kq_one_row(int type, const float *x0, const struct kq_panel *a, int32_t K,
+                       float *tile) {
+    __m512 e = _mm512_setzero_ps(), o = e, ds, dm;
+    if (type == XLLM_KQ_Q4K) {
+        for (int32_t s = 0; s < K / 32; s++) {
+            q4k_scales(a, s, &ds, &dm);
+            for (int32_t k = s * 32; k < s * 32 + 32; k += 2) {
+                if ((k & 7) == 0) /* the next sub-block's nibbles: 4 lines ahead */
+                    _mm_prefetch((const char *)(a->q + (int64_t)k * 8 + 256), _MM_HINT_T0);
+                e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k]), q4k_row(a->q + (int64_t)k * 8, ds, dm), e);
+                o = _mm512_fmadd_ps(_mm512_set1_ps(x0[k + 1]),
+                                    q4k_row(a->q + (int64_t)k * 8 + 8, ds, dm), o);
+            }
+        }
+    } else {
+        for (int32_t s = 0; s < K / 16; s++) {
+            ds = q6k_scales(a, s);
+            for (int32_t k = s * 16; k < s * 16 + 16; k += 2) {
+                if ((k & 3) == 0)
+                    _mm_prefetch((const char *)(a->q + (int64_t)k * 16 + 512), _MM_HINT_T0);
+                e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k]), q6k_row(a->q + (int64_t)k * 16, ds), e);
+                o = _mm512_fmadd_ps(_mm512_set1_ps(x0[k + 1]),
+                                    q6k_row(a->q + (int64_t)k * 16 + 16, ds), o);
+            }
+        }
+    }
+    _mm512_storeu_ps(tile, _mm512_add_ps(e, o));
+}
+
+/* The first tile of a chunk of a K-quant panel (kn rows from row k0, whole sub-blocks),
+ * widening each row as it goes and leaving it in wide[kn][16] for the other tiles (as
+ * panel_tile_i8, panels_avx512.c: why). */
+static inline __attribute__((always_inline)) void kq_tile_first(
+        int type, const float *xt, const struct kq_panel *kp, int32_t k0, int32_t kn,
+        float *wide, float (*acc)[16], const int rows) {
+    XLLM_TILE_BEGIN(acc, rows)
+    const float *a = xt;
+    __m512 ds, dm;
+    if (type == XLLM_KQ_Q4K) {
+        for (int32_t g = 0; g < kn; g += 32) {
+            q4k_scales(kp, (k0 + g) / 32, &ds, &dm);
+            for (int32_t i = g; i < g + 32; i++, a += XLLM_TILE_ROWS) {
+                const __m512 w0 = q4k_row(kp->q + (int64_t)(k0 + i) * 8, ds, dm);
+                _mm512_storeu_ps(wide + (int64_t)i * 16, w0);
+                XLLM_TILE_FMA()
+            }
+        }
+    } else {
+        for (int32_t g = 0; g < kn; g += 16) {
+            ds = q6k_scales(kp, (k0 + g) / 16);
+            for (int32_t i = g; i < g + 16; i++, a += XLLM_TILE_ROWS) {
+                const __m512 w0 = q6k_row(kp->q + (int64_t)(k0 + i) * 16, ds);
+                _mm512_storeu_ps(wide + (int64_t)i * 16, w0);
+                XLLM_TILE_FMA()
+            }
+        }
+    }
+    XLLM_TILE_END(acc, rows)
+}
+
+/* panel_chunk over rows [k0, k0 + kn) of a K-quant panel (M > 1), widened into wide by
+ * the first tile. */
+static void kq_panel_chunk(int type, const float *xt, const struct kq_panel *kp, int32_t k0,
+                           int32_t kn, int32_t K, int32_t M, float (*acc)[16], float *wide) {
+    const int rows = M < XLLM_TILE_ROWS ? M : XLLM_TILE_ROWS;
+    XLLM_TILE_ROWS_SWITCH(rows, kq_tile_first, type, xt, kp, k0, kn, wide, acc)
+    panel_chunk_rest(xt, wide, kn, K, M, acc);
+}
+
+#else
 /* 16 uint8 (or int8) -> float32 [2][8], exact */
 static inline __attribute__((always_inline)) void u8x16_float(__m128i v, __m256 *lo, __m256 *hi) {
     *lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
@@ -169,6 +305,14 @@ static void kq_one_row(int type, const float *x0, const struct kq_panel *a, int3
     _mm256_storeu_ps(tile + 8, _mm256_add_ps(e1, o1));
 }
 
+/* panel_chunk over rows [k0, k0 + kn) of a K-quant panel (M > 1), widened into wide first */
+static void kq_panel_chunk(int type, const float *xt, const struct kq_panel *kp, int32_t k0,
+                           int32_t kn, int32_t K, int32_t M, float (*acc)[16], float *wide) {
+    kq_panel_rows(type, kp, k0, kn, wide);
+    panel_chunk(xt, wide, kn, K, M, acc, 0);
+}
+#endif /* XLLM_AVX512 */
+
 static int kq_sizes_ok(int type, int32_t M, int32_t N, int32_t K) {
     return (type == XLLM_KQ_Q4K || type == XLLM_KQ_Q6K) && N > 0 && K > 0 && K % 256 == 0 &&
            M > 0 && M <= XLLM_PANEL_MAX_ROWS;
@@ -194,15 +338,11 @@ static void kq_panels_body(int type, const float *x, const void *Q, const void *
             memset(acc, 0, sizeof(float) * 16 * (size_t)(tiles * XLLM_TILE_ROWS));
             for (int32_t k0 = 0; k0 < K; k0 += XLLM_PANEL_KC) {
                 const int32_t kn = K - k0 < XLLM_PANEL_KC ? K - k0 : XLLM_PANEL_KC;
-                kq_panel_rows(type, &a, k0, kn, wide);
-                panel_chunk(xt + (int64_t)k0 * XLLM_TILE_ROWS, wide, kn, K, M, acc, 0);
+                kq_panel_chunk(type, xt + (int64_t)k0 * XLLM_TILE_ROWS, &a, k0, kn, K, M, acc,
+                               wide);
             }
         }
-        for (int32_t m = 0; m < M; m++) {
-            float *yr = y + (int64_t)m * N + n0;
-            for (int32_t j = 0; j < nv; j++)
-                yr[j] = acc[m][j] + (b != NULL ? b[n0 + j] : 0.0f);
-        }
+        panel_store_rows(y, (const float (*)[16])acc, M, N, n0, nv, b);
     }
 }
 

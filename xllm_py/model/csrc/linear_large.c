@@ -5,7 +5,7 @@
  *
  * The rows go to the threads in blocks of up to XLLM_LARGE_MC rows, taken dynamically (no
  * shared work; a thread the host slows down takes fewer blocks): each thread packs its
- * block by 6-row tiles into its own buffer
+ * block by 6-row tiles (AVX-512 builds: 12-row) into its own buffer
  * (xt[tile][K][6], kept in L2 while every panel streams past), then for each panel walks K
  * in chunks of XLLM_LARGE_KC rows (16 KB of panel: it stays in L1 for every tile of the
  * block; the first tile prefetches the next chunk) and each tile in a 6 x 16 register
@@ -45,6 +45,110 @@ struct large_src {
 #pragma GCC push_options
 #pragma GCC optimize("align-loops=32")
 
+#if defined(XLLM_AVX512)
+/* AVX-512: 12-row tiles (panels_avx512.c: why), one __m512 per row; the same fmas in the
+ * same order per output as the AVX2 tile below, so the same floats. */
+
+/* x rows [rows <= 12][K] (row stride K) -> dst[K][12], rows past ``rows`` zero; per 8
+ * columns an 8 x 8 transpose of rows 0-7 and a 4 x 8 one of rows 8-11 in registers. */
+static void large_pack_tile(const float *x, int32_t K, int rows, float *dst) {
+    const __m256 z = _mm256_setzero_ps();
+    const float *xr[XLLM_TILE_ROWS];
+    for (int r = 0; r < XLLM_TILE_ROWS; r++)
+        xr[r] = x + (int64_t)(r < rows ? r : 0) * K;
+    int32_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 r[XLLM_TILE_ROWS];
+        for (int i = 0; i < XLLM_TILE_ROWS; i++)
+            r[i] = i < rows ? _mm256_loadu_ps(xr[i] + k) : z;
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 t8 = _mm256_unpacklo_ps(r[8], r[9]), t9 = _mm256_unpackhi_ps(r[8], r[9]);
+        const __m256 ta = _mm256_unpacklo_ps(r[10], r[11]), tb = _mm256_unpackhi_ps(r[10], r[11]);
+        /* s0..s3: rows 0-3 of columns (c, c + 4); s4..s7 rows 4-7; u0..u3 rows 8-11 */
+        const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        const __m256 u0 = _mm256_shuffle_ps(t8, ta, 0x44), u1 = _mm256_shuffle_ps(t8, ta, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t9, tb, 0x44), u3 = _mm256_shuffle_ps(t9, tb, 0xEE);
+        float *d = dst + (int64_t)k * XLLM_TILE_ROWS;
+#define XLLM_COL(c, s, t, u, hi)                                                            \
+    _mm256_storeu_ps(d + 12 * c, _mm256_permute2f128_ps(s, t, hi ? 0x31 : 0x20));           \
+    _mm_storeu_ps(d + 12 * c + 8, hi ? _mm256_extractf128_ps(u, 1) : _mm256_castps256_ps128(u));
+        XLLM_COL(0, s0, s4, u0, 0) XLLM_COL(1, s1, s5, u1, 0) XLLM_COL(2, s2, s6, u2, 0)
+        XLLM_COL(3, s3, s7, u3, 0) XLLM_COL(4, s0, s4, u0, 1) XLLM_COL(5, s1, s5, u1, 1)
+        XLLM_COL(6, s2, s6, u2, 1) XLLM_COL(7, s3, s7, u3, 1)
+#undef XLLM_COL
+    }
+    for (; k < K; k++)
+        for (int r = 0; r < XLLM_TILE_ROWS; r++)
+            dst[(int64_t)k * XLLM_TILE_ROWS + r] = r < rows ? xr[r][k] : 0.0f;
+}
+
+/* One 12 x 16 tile (its first ``rows``, a constant at every call) over kn steps: as the
+ * AVX2 large_tile below (a = packed x [kn][12], acc [12][16] 64-byte aligned). */
+static inline __attribute__((always_inline)) void large_tile(
+        const float *a, const float *w, int32_t kn, float *acc, const int load,
+        const float *pf, float *yt, int64_t ldy, const float *bias, const int rows) {
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
+    __m512 c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+#define XLLM_LOAD(r)                                   \
+    if (rows > r)                                      \
+        c##r = _mm512_load_ps(acc + 16 * r);
+    if (load) {
+        XLLM_EACH_ROW(XLLM_LOAD)
+    }
+#undef XLLM_LOAD
+    for (int32_t i = 0; i < kn; i++, a += XLLM_TILE_ROWS, w += 16) {
+        const __m512 w0 = _mm512_loadu_ps(w);
+        if (pf)
+            _mm_prefetch((const char *)(pf + 16 * i), _MM_HINT_T0);
+#define XLLM_ROW(r)                                                \
+    if (rows > r)                                                  \
+        c##r = _mm512_fmadd_ps(_mm512_set1_ps(a[r]), w0, c##r);
+        XLLM_EACH_ROW(XLLM_ROW)
+#undef XLLM_ROW
+    }
+    if (yt) {
+        const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+#define XLLM_STORE(r)                                              \
+    if (rows > r)                                                  \
+        _mm512_storeu_ps(yt + ldy * r, _mm512_add_ps(c##r, b0));
+        XLLM_EACH_ROW(XLLM_STORE)
+#undef XLLM_STORE
+    } else {
+#define XLLM_STORE(r)                                  \
+    if (rows > r)                                      \
+        _mm512_store_ps(acc + 16 * r, c##r);
+        XLLM_EACH_ROW(XLLM_STORE)
+#undef XLLM_STORE
+    }
+}
+
+/* large_tile for a partial tile of 1..11 rows known only at run time. */
+static inline __attribute__((always_inline)) void large_tile_rows(
+        const float *a, const float *w, int32_t kn, float *acc, int load, const float *pf,
+        float *yt, int64_t ldy, const float *bias, int rows) {
+    switch (rows) {
+    case 1: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 1); break;
+    case 2: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 2); break;
+    case 3: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 3); break;
+    case 4: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 4); break;
+    case 5: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 5); break;
+    case 6: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 6); break;
+    case 7: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 7); break;
+    case 8: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 8); break;
+    case 9: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 9); break;
+    case 10: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 10); break;
+    case 11: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 11); break;
+    default: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 12); break;
+    }
+}
+
+#else
 /* x rows [rows <= 6][K] (row stride K) -> dst[K][6], rows past ``rows`` zero; an 8 x 8
  * transpose in registers per 8 columns (6 rows and 2 zero rows). The 8-float stores
  * overlap: each writes 2 floats past its 6 x 8 block, which the next store overwrites,
@@ -154,6 +258,8 @@ static inline __attribute__((always_inline)) void large_tile_rows(
     default: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 6); break;
     }
 }
+
+#endif /* XLLM_AVX512 */
 
 /* The calling thread's buffer, 64-byte aligned (the accumulator's aligned loads), kept
  * between calls (a fresh large malloc is an mmap that page faults on every call); its
