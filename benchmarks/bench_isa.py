@@ -8,7 +8,7 @@ Runs ``bench_step_breakdown.py --json`` once per build per round, alternating
 moves both builds' figures alike within a round, so the per-round ratios are the figure,
 not the milliseconds. Prints, per batch, each build's median and range of the whole step,
 the LM head, the block linears and the rest, and the median (min-max) of the per-round
-AVX2 / AVX-512 ratios. Needs a CPU with AVX-512 (cpu_kernels._isa).
+AVX2 / AVX-512 ratios. Needs a CPU with AVX-512 (kernel_build.choose_isa).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from xllm_py.model import cpu_kernels, kquant_panels
+from xllm_py.model import cpu_kernels, kernel_build, kquant_panels
 from xllm_py.model.packed import PackedLinear, pack_linears
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.linear_available(),
@@ -138,7 +138,7 @@ def test_real_file_tensors_bit_for_bit():
     assert seen == 36  # 18 attention outputs, 18 MLP down projections
 
 
-@pytest.mark.skipif(not {"avx2", "fma", *cpu_kernels._AVX512} <= cpu_kernels._cpu_flags(),
+@pytest.mark.skipif(not {"avx2", "fma", *kernel_build.AVX512} <= kernel_build.cpu_flags(),
                     reason="needs a CPU with AVX-512 (to run both builds)")
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_avx512_build_gives_the_avx2_floats(qtype):

@@ -5,8 +5,8 @@ blocks into a new tensor and a masked SDPA per layer; at 32 sequences that is tw
 of a forward. The C kernel reads the blocks in place (online softmax per block), with no
 gather and no mask (figures: docs/benchmarks.md).
 
-The sources are plain C + OpenMP (no Python or torch headers): ``cc`` builds them in
-under a second into ``$XLLM_KERNEL_CACHE`` (default ``~/.cache/xllm_py/kernels``;
+The sources are plain C + OpenMP (no Python or torch headers): ``cc`` builds them
+(kernel_build.py: for the widest instruction set the CPU has) in under a second into ``$XLLM_KERNEL_CACHE`` (default ``~/.cache/xllm_py/kernels``;
 ``config.KernelConfig`` reads the variables), one
 file per source/flags hash, written atomically so concurrent processes can race safely.
 The library links to the OpenMP runtime torch has loaded, so it shares torch's threads.
@@ -20,19 +20,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import hashlib
 import logging
-import os
 import pathlib
-import shutil
-import subprocess
-import tempfile
 import threading
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from xllm_py.config import KernelConfig
+from xllm_py.model import kernel_build
 
 if TYPE_CHECKING:
     import numpy as np
@@ -41,7 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SRC = pathlib.Path(__file__).with_name("csrc") / "cpu_kernels.c"
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -56,82 +51,6 @@ MAX_BLOCK_SIZE = 256
 # least as fast as oneDNN for prompts; so the panels are the one packed copy of a weight.
 PANEL_MAX_ROWS = 96
 PANEL_DTYPES = (torch.float32, torch.bfloat16)  # what the panels may hold
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
-
-
-_ISAS = ("", "avx2", "avx512")  # narrowest first
-
-
-def _isa(requested: str | None, cpu: set[str]) -> str:
-    """The instruction set the kernels are built for: the widest this CPU has, or
-    ``requested`` (KernelConfig.isa) when the CPU has that: "avx512" (the panel kernels'
-    12 x 16 tiles of __m512, about twice the matmul throughput of AVX2 on cores with
-    512-bit FMA pipes), "avx2", or "" (the scalar build: no native matmuls)."""
-    best = ("avx512" if {"avx2", "fma", *_AVX512} <= cpu
-            else "avx2" if {"avx2", "fma"} <= cpu else "")
-    if requested is None:
-        return best
-    if _ISAS.index(requested) > _ISAS.index(best):  # its instructions would fault here
-        logger.warning("XLLM_CPU_ISA=%s: this CPU lacks it, building for %s", requested,
-                       best or "no SIMD")
-        return best
-    return requested
-
-
-def _compile_flags(isa: str | None = None) -> list[str]:
-    # -fno-trapping-math lets the exp loops vectorise (torch builds with the same)
-    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu99", "-fno-trapping-math",
-             "-fno-math-errno"]
-    chosen = _isa(isa, _cpu_flags())
-    if chosen in ("avx2", "avx512"):
-        flags += ["-mavx2", "-mfma"]
-    if chosen == "avx512":
-        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-    return flags
-
-
-def _cache_dir(config: KernelConfig) -> pathlib.Path:
-    d = config.cache_dir
-    return pathlib.Path(d) if d else pathlib.Path.home() / ".cache" / "xllm_py" / "kernels"
-
-
-def _build(config: KernelConfig) -> pathlib.Path:
-    cc = config.cc or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    flags = _compile_flags(config.isa)
-    # the main source and the files it includes (every file in csrc/)
-    src = b"".join(f.read_bytes() for f in sorted(_SRC.parent.glob("*.c")))
-    key = hashlib.sha256(src + " ".join([cc] + flags).encode()).hexdigest()[:16]
-    out = _cache_dir(config) / f"cpu_kernels-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run([cc, *flags, "-o", tmp, str(_SRC)], capture_output=True,
-                             text=True, timeout=120)
-        if res.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)  # atomic: a racing process sees the old name or the whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
 
 
 _SIGNATURES = {  # name: (argtypes, restype)
@@ -162,7 +81,7 @@ _CTYPES = {"p": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32,
 
 def _open(config: KernelConfig) -> tuple[ctypes.CDLL, pathlib.Path]:
     """Builds (or finds) the library for ``config`` and loads it, its functions typed."""
-    path = _build(config)
+    path = kernel_build.build(config)
     lib = ctypes.CDLL(str(path))
     for name, (args, res) in _SIGNATURES.items():
         fn = getattr(lib, name)
@@ -193,7 +112,7 @@ def _load() -> ctypes.CDLL | None:
             return None
         _lib = lib
         logger.info("CPU kernels (%s) loaded from %s",
-                    _isa(config.isa, _cpu_flags()) or "scalar", path)
+                    kernel_build.choose_isa(config.isa, kernel_build.cpu_flags()) or "scalar", path)
         return _lib
 
 
@@ -201,8 +120,8 @@ def isa() -> str:
     """What the kernels in use were built for: "avx512", "avx2" or "" (see ``_isa``)."""
     if _load() is None:
         return ""
-    return _isa(KernelConfig.from_env().isa if _built_for is None else _built_for,
-                _cpu_flags())
+    return kernel_build.choose_isa(KernelConfig.from_env().isa if _built_for is None else _built_for,
+                kernel_build.cpu_flags())
 
 
 _built_for: str | None = None  # set by built_for()
@@ -214,7 +133,7 @@ def built_for(isa_name: str) -> Iterator[None]:
     "avx512", which the CPU must have): tests compare the builds in one process. Not for
     use while other threads call the kernels."""
     global _lib, _tried, _built_for
-    if _isa(isa_name, _cpu_flags()) != isa_name:
+    if kernel_build.choose_isa(isa_name, kernel_build.cpu_flags()) != isa_name:
         raise ValueError(f"this CPU cannot run the {isa_name} kernels")
     lib, _ = _open(dataclasses.replace(KernelConfig.from_env(), isa=isa_name))
     _load()  # decide the default first, so that it is restored afterwards

@@ -16,11 +16,11 @@ environment wins.
 """
 from __future__ import annotations
 
-import os
+from xllm_py.config import apply_env_defaults
 
-SPINCOUNT = "10000"
+OMP_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
 
 
 def set_omp_env() -> None:
     """Call before torch is imported."""
-    os.environ.setdefault("GOMP_SPINCOUNT", SPINCOUNT)
+    apply_env_defaults(OMP_ENV_DEFAULTS)
