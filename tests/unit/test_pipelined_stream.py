@@ -117,3 +117,56 @@ async def test_a_stream_that_missed_a_deadline_is_replaced():
         assert reply.all_status[0].message == "c" and FirstStreamHangs.streams == 2
         await stream.close()
     await server.stop(0)
+
+
+class SlowToDieCall:
+    """A stand-in for one bidi call whose cancellation reaches its reader only when the
+    test says (`die`), as a call over a cut link can: replies come from `replies`."""
+
+    def __init__(self) -> None:
+        self.replies: asyncio.Queue = asyncio.Queue()
+        self.written: list = []
+
+    async def write(self, message) -> None:
+        self.written.append(message)
+
+    def cancel(self) -> None:
+        pass  # noticed by the reader only on die()
+
+    def die(self) -> None:
+        self.replies.put_nowait(None)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        reply = await self.replies.get()
+        if reply is None:
+            raise asyncio.CancelledError
+        return reply
+
+
+async def test_a_dying_call_never_takes_the_next_calls_replies():
+    """A request times out (its call is reset), the next one goes on a new call, and only
+    then does the old call's reader end: the new request still gets its own reply (with
+    one queue for every call, the old reader failed it and its reply went to the request
+    after it)."""
+    calls: list[SlowToDieCall] = []
+
+    def open_call() -> SlowToDieCall:
+        calls.append(SlowToDieCall())
+        return calls[-1]
+
+    stream = PipelinedStream(open_call)
+    with pytest.raises(asyncio.TimeoutError):
+        await stream.request("m1", timeout=0.05)
+    second = asyncio.ensure_future(stream.request("m2", timeout=5))
+    third = asyncio.ensure_future(stream.request("m3", timeout=5))
+    await asyncio.sleep(0.01)
+    assert len(calls) == 2 and calls[1].written == ["m2", "m3"]
+    calls[0].die()
+    await asyncio.sleep(0.01)
+    calls[1].replies.put_nowait("reply to m2")
+    calls[1].replies.put_nowait("reply to m3")
+    assert await second == "reply to m2" and await third == "reply to m3"
+    await stream.close()

@@ -67,32 +67,49 @@ class StreamBroken(ConnectionError):
         self.unsupported = unsupported  # the peer has no such streaming RPC (older peer)
 
 
+class _OpenCall:
+    """One bidi call of a PipelinedStream and the futures of the requests written on it,
+    oldest first: its replies go to these only, never to another call's."""
+
+    def __init__(self, call: "grpc.aio.StreamStreamCall") -> None:
+        self.call = call
+        self.pending: collections.deque[asyncio.Future] = collections.deque()
+        self.reader: asyncio.Task | None = None
+
+
 class PipelinedStream:
     """Request/reply over one long-lived bidi stream whose server answers every message
     once, in order. Requests are pipelined (no wait for the previous reply); replies are
-    matched first-in first-out. A broken stream fails every pending request with
-    StreamBroken and is reopened on the next request."""
+    matched first-in first-out within their call. A broken stream fails every request
+    pending on it with StreamBroken and is reopened on the next request; a call being torn
+    down never touches the requests of the one opened after it (a shared queue once let
+    a dying call fail the new call's requests, whose replies then went to the requests
+    after them: another message's statuses)."""
 
     def __init__(self, open_call: Callable[[], "grpc.aio.StreamStreamCall"]) -> None:
         self._open = open_call
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._reader: asyncio.Task | None = None
-        self._pending: collections.deque[asyncio.Future] = collections.deque()
+        self._cur: _OpenCall | None = None
         self._write_lock = asyncio.Lock()
         self.unsupported = False  # set once the peer answered UNIMPLEMENTED: use unary
 
-    def _ensure_open(self) -> grpc.aio.StreamStreamCall:
-        if self._call is None:
-            self._call = self._open()
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop(self._call))
-        return self._call
+    def _ensure_open(self) -> _OpenCall:
+        if self._cur is None:
+            self._cur = _OpenCall(self._open())
+            self._cur.reader = asyncio.get_running_loop().create_task(
+                self._read_loop(self._cur))
+        return self._cur
 
-    async def _read_loop(self, call: "grpc.aio.StreamStreamCall") -> None:
+    def _close(self, c: _OpenCall) -> None:
+        if self._cur is c:
+            self._cur = None
+            c.call.cancel()
+
+    async def _read_loop(self, c: _OpenCall) -> None:
         error: BaseException = StreamBroken("stream closed by the peer")
         try:
-            async for reply in call:
-                if self._pending:
-                    fut = self._pending.popleft()
+            async for reply in c.call:
+                if c.pending:
+                    fut = c.pending.popleft()
                     if not fut.done():
                         fut.set_result(reply)
         except grpc.aio.AioRpcError as exc:
@@ -104,10 +121,10 @@ class PipelinedStream:
         except asyncio.CancelledError:
             error = StreamBroken("stream cancelled")
         finally:
-            if self._call is call:
-                self._call = None
-            while self._pending:
-                fut = self._pending.popleft()
+            if self._cur is c:
+                self._cur = None
+            while c.pending:
+                fut = c.pending.popleft()
                 if not fut.done():
                     fut.set_exception(error)
 
@@ -118,17 +135,15 @@ class PipelinedStream:
                                unsupported=True)
         fut = asyncio.get_running_loop().create_future()
         async with self._write_lock:
-            call = self._ensure_open()
-            self._pending.append(fut)
+            c = self._ensure_open()
+            c.pending.append(fut)
             try:
-                await call.write(message)
+                await c.call.write(message)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-                error = await self._write_error(call, exc)
+                error = await self._write_error(c.call, exc)
                 if not fut.done():
                     fut.set_exception(error)
-                if self._call is call:
-                    self._call = None
-                    call.cancel()
+                self._close(c)
         try:
             return await wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
@@ -136,9 +151,7 @@ class PipelinedStream:
             # maybe delivered): a peer gone without a reset (a partition) would otherwise
             # make every later request wait out its own deadline on it.
             fut.cancel()
-            if self._call is call:
-                self._call = None
-                call.cancel()
+            self._close(c)
             raise
         except StreamBroken as exc:
             if exc.unsupported:
@@ -160,8 +173,8 @@ class PipelinedStream:
         return StreamBroken(f"stream write failed: {exc}", maybe_delivered=False)
 
     async def close(self) -> None:
-        call, self._call = self._call, None
-        if call is not None:
-            call.cancel()
-        if self._reader is not None:
-            self._reader.cancel()
+        c, self._cur = self._cur, None
+        if c is not None:
+            c.call.cancel()
+            if c.reader is not None:
+                c.reader.cancel()
