@@ -407,6 +407,30 @@ void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
 #else
 #define XLLM_TILE_ROWS 6
 #endif
+/* TILE(..., r) for a tile of 1..XLLM_TILE_ROWS rows known only at run time (a partial
+ * tile), r a constant in each call so the tile's unused rows compile away; TILE: a tile
+ * function whose last argument is the rows. */
+#define XLLM_TILE_CASE_(TILE, r, ...) case r: TILE(__VA_ARGS__, r); break;
+#if defined(XLLM_AVX512)
+#define XLLM_TILE_ROWS_SWITCH(rows, TILE, ...)                                             \
+    switch (rows) {                                                                        \
+    XLLM_TILE_CASE_(TILE, 1, __VA_ARGS__) XLLM_TILE_CASE_(TILE, 2, __VA_ARGS__)            \
+    XLLM_TILE_CASE_(TILE, 3, __VA_ARGS__) XLLM_TILE_CASE_(TILE, 4, __VA_ARGS__)            \
+    XLLM_TILE_CASE_(TILE, 5, __VA_ARGS__) XLLM_TILE_CASE_(TILE, 6, __VA_ARGS__)            \
+    XLLM_TILE_CASE_(TILE, 7, __VA_ARGS__) XLLM_TILE_CASE_(TILE, 8, __VA_ARGS__)            \
+    XLLM_TILE_CASE_(TILE, 9, __VA_ARGS__) XLLM_TILE_CASE_(TILE, 10, __VA_ARGS__)           \
+    XLLM_TILE_CASE_(TILE, 11, __VA_ARGS__)                                                 \
+    default: TILE(__VA_ARGS__, 12); break;                                                 \
+    }
+#else
+#define XLLM_TILE_ROWS_SWITCH(rows, TILE, ...)                                             \
+    switch (rows) {                                                                        \
+    XLLM_TILE_CASE_(TILE, 1, __VA_ARGS__) XLLM_TILE_CASE_(TILE, 2, __VA_ARGS__)            \
+    XLLM_TILE_CASE_(TILE, 3, __VA_ARGS__) XLLM_TILE_CASE_(TILE, 4, __VA_ARGS__)            \
+    XLLM_TILE_CASE_(TILE, 5, __VA_ARGS__)                                                  \
+    default: TILE(__VA_ARGS__, 6); break;                                                  \
+    }
+#endif
 #define XLLM_PANEL_MAX_ROWS 96 /* cpu_kernels.PANEL_MAX_ROWS */
 /* panel rows per chunk: 4 KB. With the next chunk prefetched and the chunk of x of every
  * tile (9 KB at 32 rows) it stays in L1; a chunk of 128 rows would not. */
@@ -575,20 +599,15 @@ static inline __attribute__((always_inline)) void panel_tile(const float *xt, co
 #undef XLLM_STORE
 }
 
-/* panel_tile for a tile of 1..6 rows known only at run time (a partial tile). */
-static inline __attribute__((always_inline)) void panel_tile_rows(const float *xt, const float *pp, int32_t k0, int32_t kn,
-                            float (*acc)[16], const int pf, const int rows) {
-    switch (rows) {
-    case 1: panel_tile(xt, pp, k0, kn, acc, pf, 1); break;
-    case 2: panel_tile(xt, pp, k0, kn, acc, pf, 2); break;
-    case 3: panel_tile(xt, pp, k0, kn, acc, pf, 3); break;
-    case 4: panel_tile(xt, pp, k0, kn, acc, pf, 4); break;
-    case 5: panel_tile(xt, pp, k0, kn, acc, pf, 5); break;
-    default: panel_tile(xt, pp, k0, kn, acc, pf, 6); break;
-    }
-}
 
 #endif /* XLLM_AVX512 */
+
+/* panel_tile for a partial tile known only at run time. */
+static inline __attribute__((always_inline)) void panel_tile_rows(
+        const float *xt, const float *pp, int32_t k0, int32_t kn, float (*acc)[16], const int pf,
+        const int rows) {
+    XLLM_TILE_ROWS_SWITCH(rows, panel_tile, xt, pp, k0, kn, acc, pf)
+}
 
 /* x packed by tiles, xt[tile][K][XLLM_TILE_ROWS] (rows past M zero): the
  * calling thread's buffer, kept between calls (a fresh large malloc is an mmap that page

@@ -128,26 +128,6 @@ static inline __attribute__((always_inline)) void large_tile(
     }
 }
 
-/* large_tile for a partial tile of 1..11 rows known only at run time. */
-static inline __attribute__((always_inline)) void large_tile_rows(
-        const float *a, const float *w, int32_t kn, float *acc, int load, const float *pf,
-        float *yt, int64_t ldy, const float *bias, int rows) {
-    switch (rows) {
-    case 1: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 1); break;
-    case 2: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 2); break;
-    case 3: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 3); break;
-    case 4: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 4); break;
-    case 5: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 5); break;
-    case 6: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 6); break;
-    case 7: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 7); break;
-    case 8: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 8); break;
-    case 9: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 9); break;
-    case 10: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 10); break;
-    case 11: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 11); break;
-    default: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 12); break;
-    }
-}
-
 #else
 /* x rows [rows <= 6][K] (row stride K) -> dst[K][6], rows past ``rows`` zero; an 8 x 8
  * transpose in registers per 8 columns (6 rows and 2 zero rows). The 8-float stores
@@ -245,21 +225,14 @@ static inline __attribute__((always_inline)) void large_tile(
     }
 }
 
-/* large_tile for a partial tile of 1..5 rows known only at run time. */
+#endif /* XLLM_AVX512 */
+
+/* large_tile for a partial tile known only at run time. */
 static inline __attribute__((always_inline)) void large_tile_rows(
         const float *a, const float *w, int32_t kn, float *acc, int load, const float *pf,
         float *yt, int64_t ldy, const float *bias, int rows) {
-    switch (rows) {
-    case 1: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 1); break;
-    case 2: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 2); break;
-    case 3: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 3); break;
-    case 4: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 4); break;
-    case 5: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 5); break;
-    default: large_tile(a, w, kn, acc, load, pf, yt, ldy, bias, 6); break;
-    }
+    XLLM_TILE_ROWS_SWITCH(rows, large_tile, a, w, kn, acc, load, pf, yt, ldy, bias)
 }
-
-#endif /* XLLM_AVX512 */
 
 /* The calling thread's buffer, 64-byte aligned (the accumulator's aligned loads), kept
  * between calls (a fresh large malloc is an mmap that page faults on every call); its

@@ -126,28 +126,6 @@ static inline __attribute__((always_inline)) void panel_tile(const float *xt, co
     XLLM_TILE_END(acc, rows)
 }
 
-/* panel_tile for a tile of 1..12 rows known only at run time (a partial tile); TILE: a
- * tile function whose last argument is the rows. */
-#define XLLM_TILE_ROWS_SWITCH(rows, TILE, ...)                                             \
-    switch (rows) {                                                                        \
-    case 1: TILE(__VA_ARGS__, 1); break;                                                   \
-    case 2: TILE(__VA_ARGS__, 2); break;                                                   \
-    case 3: TILE(__VA_ARGS__, 3); break;                                                   \
-    case 4: TILE(__VA_ARGS__, 4); break;                                                   \
-    case 5: TILE(__VA_ARGS__, 5); break;                                                   \
-    case 6: TILE(__VA_ARGS__, 6); break;                                                   \
-    case 7: TILE(__VA_ARGS__, 7); break;                                                   \
-    case 8: TILE(__VA_ARGS__, 8); break;                                                   \
-    case 9: TILE(__VA_ARGS__, 9); break;                                                   \
-    case 10: TILE(__VA_ARGS__, 10); break;                                                 \
-    case 11: TILE(__VA_ARGS__, 11); break;                                                 \
-    default: TILE(__VA_ARGS__, 12); break;                                                 \
-    }
-static inline __attribute__((always_inline)) void panel_tile_rows(const float *xt, const float *pp, int32_t k0, int32_t kn,
-                            float (*acc)[16], const int pf, const int rows) {
-    XLLM_TILE_ROWS_SWITCH(rows, panel_tile, xt, pp, k0, kn, acc, pf)
-}
-
 /* The first tile of a chunk of an int8 panel (kn rows from row k0: whole 32-row scale
  * blocks), widening each row as it goes and leaving it in wide[kn][16] for the other
  * tiles: the widening runs between the fmas instead of in a pass of its own (the 512-bit
