@@ -6,9 +6,10 @@ of a forward. The C kernel reads the blocks in place (online softmax per block),
 gather and no mask (figures: docs/benchmarks.md).
 
 The sources are plain C + OpenMP (no Python or torch headers): ``cc`` builds them
-(kernel_build.py: for the widest instruction set the CPU has) in under a second into ``$XLLM_KERNEL_CACHE`` (default ``~/.cache/xllm_py/kernels``;
-``config.KernelConfig`` reads the variables), one
-file per source/flags hash, written atomically so concurrent processes can race safely.
+(kernel_build.py: for the widest instruction set the CPU has) in under a second into
+``$XLLM_KERNEL_CACHE`` (default ``~/.cache/xllm_py/kernels``; ``config.KernelConfig``
+reads the variables), one file per source/flags hash, written atomically so concurrent
+processes can race safely.
 The library links to the OpenMP runtime torch has loaded, so it shares torch's threads.
 
 Everything degrades: no compiler, a failed build, ``XLLM_CPU_KERNELS=0`` or an
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_lib_isa = ""  # what _lib was built for
 _tried = False
 _why_not = ""
 _off = False  # set by disabled() (tests of the torch path)
@@ -79,19 +81,21 @@ _CTYPES = {"p": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32,
            "f32": ctypes.c_float, "int": ctypes.c_int, None: None}
 
 
-def _open(config: KernelConfig) -> tuple[ctypes.CDLL, pathlib.Path]:
-    """Builds (or finds) the library for ``config`` and loads it, its functions typed."""
-    path = kernel_build.build(config)
+def _open(config: KernelConfig) -> tuple[ctypes.CDLL, str, pathlib.Path]:
+    """Builds (or finds) the library for ``config`` and loads it, its functions typed;
+    with the instruction set it was built for (kernel_build.choose_isa)."""
+    isa_name = kernel_build.choose_isa(config.isa, kernel_build.cpu_flags())
+    path = kernel_build.build(config, isa_name)
     lib = ctypes.CDLL(str(path))
     for name, (args, res) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = [_CTYPES[a] for a in args]
         fn.restype = _CTYPES[res]
-    return lib, path
+    return lib, isa_name, path
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried, _why_not
+    global _lib, _lib_isa, _tried, _why_not
     if _off:
         return None
     if _tried:  # every kernel call comes here: no lock once decided
@@ -105,26 +109,20 @@ def _load() -> ctypes.CDLL | None:
             _why_not = "disabled by XLLM_CPU_KERNELS"
             return None
         try:
-            lib, path = _open(config)
+            lib, isa_name, path = _open(config)
         except Exception as e:  # noqa: BLE001 - any failure means: use the torch path
             _why_not = str(e)
             logger.warning("CPU kernels unavailable, using the torch path: %s", e)
             return None
-        _lib = lib
-        logger.info("CPU kernels (%s) loaded from %s",
-                    kernel_build.choose_isa(config.isa, kernel_build.cpu_flags()) or "scalar", path)
+        _lib, _lib_isa = lib, isa_name
+        logger.info("CPU kernels (%s) loaded from %s", isa_name or "scalar", path)
         return _lib
 
 
 def isa() -> str:
-    """What the kernels in use were built for: "avx512", "avx2" or "" (see ``_isa``)."""
-    if _load() is None:
-        return ""
-    return kernel_build.choose_isa(KernelConfig.from_env().isa if _built_for is None else _built_for,
-                kernel_build.cpu_flags())
-
-
-_built_for: str | None = None  # set by built_for()
+    """What the kernels in use were built for: "avx512", "avx2" or "" (scalar, or none:
+    kernel_build.choose_isa)."""
+    return _lib_isa if _load() is not None else ""
 
 
 @contextlib.contextmanager
@@ -132,17 +130,17 @@ def built_for(isa_name: str) -> Iterator[None]:
     """Within the block every kernel call goes to the build for ``isa_name`` ("avx2" or
     "avx512", which the CPU must have): tests compare the builds in one process. Not for
     use while other threads call the kernels."""
-    global _lib, _tried, _built_for
+    global _lib, _lib_isa, _tried
     if kernel_build.choose_isa(isa_name, kernel_build.cpu_flags()) != isa_name:
         raise ValueError(f"this CPU cannot run the {isa_name} kernels")
-    lib, _ = _open(dataclasses.replace(KernelConfig.from_env(), isa=isa_name))
+    lib, _, _ = _open(dataclasses.replace(KernelConfig.from_env(), isa=isa_name))
     _load()  # decide the default first, so that it is restored afterwards
-    prev = _lib, _tried, _built_for
-    _lib, _tried, _built_for = lib, True, isa_name
+    prev = _lib, _lib_isa, _tried
+    _lib, _lib_isa, _tried = lib, isa_name, True
     try:
         yield
     finally:
-        _lib, _tried, _built_for = prev
+        _lib, _lib_isa, _tried = prev
 
 
 @contextlib.contextmanager

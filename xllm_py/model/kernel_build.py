@@ -4,6 +4,7 @@ flags, and the shared library itself, cached per sources/flags hash and written
 atomically (concurrent processes race safely). Torch-free: cpu_kernels.py loads it."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -19,15 +20,17 @@ logger = logging.getLogger(__name__)
 SRC = pathlib.Path(__file__).with_name("csrc") / "cpu_kernels.c"
 
 
-def cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo, read once)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
@@ -36,7 +39,7 @@ AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 ISAS = ("", "avx2", "avx512")  # narrowest first
 
 
-def choose_isa(requested: str | None, cpu: set[str]) -> str:
+def choose_isa(requested: str | None, cpu: frozenset[str] | set[str]) -> str:
     """The instruction set the kernels are built for: the widest this CPU has, or
     ``requested`` (KernelConfig.isa) when the CPU has that: "avx512" (the panel kernels'
     12 x 16 tiles of __m512, about twice the matmul throughput of AVX2 on cores with
@@ -52,15 +55,15 @@ def choose_isa(requested: str | None, cpu: set[str]) -> str:
     return requested
 
 
-def compile_flags(isa: str | None = None) -> list[str]:
+def compile_flags(isa: str) -> list[str]:
+    """The compiler's flags for a build for ``isa`` (one choose_isa gave)."""
     # -fno-trapping-math lets the exp loops vectorise (torch builds with the same)
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu99", "-fno-trapping-math",
              "-fno-math-errno"]
-    chosen = choose_isa(isa, cpu_flags())
-    if chosen in ("avx2", "avx512"):
+    if isa in ("avx2", "avx512"):
         flags += ["-mavx2", "-mfma"]
-    if chosen == "avx512":
-        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    if isa == "avx512":
+        flags += ["-m" + f for f in AVX512]
     return flags
 
 
@@ -69,11 +72,12 @@ def cache_dir(config: KernelConfig) -> pathlib.Path:
     return pathlib.Path(d) if d else pathlib.Path.home() / ".cache" / "xllm_py" / "kernels"
 
 
-def build(config: KernelConfig) -> pathlib.Path:
+def build(config: KernelConfig, isa: str) -> pathlib.Path:
+    """The shared library for ``isa`` (choose_isa's), built unless one is cached."""
     cc = config.cc or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    flags = compile_flags(config.isa)
+    flags = compile_flags(isa)
     # the main source and the files it includes (every file in csrc/)
     src = b"".join(f.read_bytes() for f in sorted(SRC.parent.glob("*.c")))
     key = hashlib.sha256(src + " ".join([cc] + flags).encode()).hexdigest()[:16]
