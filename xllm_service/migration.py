@@ -140,17 +140,15 @@ class MigrationMixin:
         """Nothing of `sub` reached its client, and the dead instance is the one computing
         it: a MIX or DECODE-path sub on it, or a PD sub whose prefill it was."""
         return (sub.phase is SubPhase.DISPATCHED and not sub.generated and not sub.held
-                and sub.spec is not None
-                and dead == (sub.route.target.name if sub.route.is_pd else sub.serving))
+                and sub.spec is not None and dead == sub.route.target.name)
 
     def _resend_unstarted(self, sub: SubRequest, dead: str, why: str) -> None:
         """`_unstarted_on`: send it again whole, elsewhere (the module docstring)."""
         if sub.route.is_pd:
             self._serve_on_a_decode(sub, why, counted=True)
             return
-        pick = self.router.route_decode if sub.route.on_decode_role else self.router.route_mix
         try:
-            target = pick(sub.spec, exclude=[dead])
+            target = self._another_of_its_kind(sub, dead)
         except NoInstanceError as exc:
             self.metrics.migrations["failed"] += 1
             self._fail(sub, f"{why}; no other instance to send it to: {exc}")
@@ -183,6 +181,12 @@ class MigrationMixin:
         if error and sub.engine_request_id == spec.service_request_id:
             self._fail(sub, f"{why}; {target.name} could not serve it instead: {error}")
 
+    def _another_of_its_kind(self, sub: SubRequest, dead: str) -> InstanceInfo:
+        """An instance to move `sub` to from `dead`: a decode for a PD or DECODE-path sub,
+        a MIX for a MIX one (NoInstanceError: none other is registered)."""
+        pick = self.router.route_decode if sub.route.on_decode_role else self.router.route_mix
+        return pick(sub.spec, exclude=[dead])
+
     def _migrate(self, sub: SubRequest, dead: str, why: str = "") -> None:
         """Re-key `sub` and hand it to another instance of the dead one's kind (DECODE for
         a PD sub, MIX for a MIX one) with MultiGenerations (async)."""
@@ -192,10 +196,8 @@ class MigrationMixin:
         if spec.params.max_tokens is not None and k >= spec.params.max_tokens:
             reason = "it had generated max_tokens but its last output was lost"
         else:
-            pick = (self.router.route_decode if sub.route.on_decode_role
-                    else self.router.route_mix)
             try:
-                target = pick(spec, exclude=[dead])
+                target = self._another_of_its_kind(sub, dead)
             except NoInstanceError as exc:
                 reason = str(exc)
         if target is None:
