@@ -5,14 +5,12 @@ GOMP_SPINCOUNT: how long a libgomp worker spins for the next parallel region bef
 sleeps. libgomp's default (300,000 spins, ~3 ms) with an engine's team on cores of its
 own, or a near-zero one once the process has more threads than cores. A decode step is
 ~90 short regions a few microseconds apart (the Gemma 3 decode runner), so a worker
-that sleeps pays a wake-up per region (gemma-3-270m at batch 1: 14.1 ms a step against
-9.3 ms); one that spins 3 ms after every step burns a core between steps, which a
-machine whose cores are shared (several engines, a service, a client) pays for: the
-other processes' event loops run late (tests/integration/test_mix_migration.py under
-two busy loops on 2 cores: the streams ended 25.6 s after the kill against 6.9 s).
-10,000 spins (~0.1 ms) cover the gaps within a step and stop soon after it: TPOT at
-batch 1 as with the default (10 ms), the migration test 5.9 s. A value in the
-environment wins.
+that sleeps pays a wake-up per region (gemma-3-270m at batch 1, measured before the
+engine thread loaded the model: 14.1 ms a step against 9.3 ms); one that spins 3 ms
+after every step burns a core between steps, which a machine whose cores are shared
+(several engines, a service, a client) pays for: the other processes' event loops run
+late. 10,000 spins (~0.1 ms) cover the gaps within a step and stop soon after it
+(figures: docs/benchmarks.md, "GOMP_SPINCOUNT"). A value in the environment wins.
 """
 from __future__ import annotations
 
