@@ -3,6 +3,7 @@ one submitted but not yet picked up, and a second signal or the timeout ends it.
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
 
@@ -55,3 +56,15 @@ async def test_second_signal_or_timeout_ends_the_drain(engine):
     engine.abort("long-1")
     assert await asyncio.wait_for(drain(engine, AsyncEngine(engine), None, 30.0,
                                         asyncio.Event()), 5 + DRAIN_SETTLE_S)
+
+
+def test_outputs_no_service_answered_yet_keep_the_engine_in_flight(engine):
+    """In a cluster, an idle engine whose last outputs are still on their way to the
+    service is not drained yet: leaving then would make the service move finished
+    streams (GenerationsReporter.num_unsent)."""
+    reporter = types.SimpleNamespace(num_unsent=lambda: 3)
+    cluster = types.SimpleNamespace(pd=None, reporter=reporter)
+    assert in_flight(engine, None) == 0
+    assert in_flight(engine, cluster) == 1
+    reporter.num_unsent = lambda: 0
+    assert in_flight(engine, cluster) == 0
