@@ -32,17 +32,20 @@ their context). For each candidate, the decode path on each decode and PD on eac
           request's max_tokens steps), spread over half its max_tokens steps (a stream
           running there, halfway through its output, takes that stall too),
 each scaled by a moving average of measured / predicted per instance (`observe`: the
-profile is a step's cost on a core of its own; on a shared machine the clock runs slower),
-and picks, in order: for a prompt whose uncached part is short (as above), the candidate
+profile is a step's cost on a core of its own; on a shared machine the clock runs slower);
+on the DECODE path of a decode whose TPOT guard binds (the TPOT above the target it
+registered), the guard's pace instead (`_guarded`: the streams keep its target, the
+prompt gets the time they save under it, up to its hold limit). It picks, in order: for a prompt whose uncached part is short (as above), the candidate
 meeting both targets with the lowest TTFT, the DECODE path or a PD pair (an idle prefill
 takes it: the decode's streams keep their pace), not the DECODE path of a decode holding
 prompts back while a PD pair meets both (slo_defaults `decode_holding_ms`: a prompt
 computed there has waited a third of its guard's hold limit for its first token; the
 prompts held together go together, and stall its streams for as long); else the PD pair
-meeting both with the lowest TTFT; else the candidate that misses least (sum of the
-relative overshoots), a long prompt never on the DECODE path (its stall spirals: issue 16),
-a short one only when it keeps the decode within its TPOT target (or without a prefill
-instance). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else the service's
+meeting both with the lowest TTFT; else (the prefills are behind) the DECODE path of a
+long prompt meeting both (an idle decode, or one whose guard fits it in); else the
+candidate that misses least (sum of the relative overshoots), a long prompt never on the
+DECODE path (its stall spirals: issue 16), a short one only when it keeps the decode
+within its TPOT target (or without a prefill instance). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else the service's
 `--ttft-slo-ms`/`--tpot-slo-ms`, else what the instances' profiles support
 (`SloRouter.stated`, xllm_py/cluster/slo_defaults.py); 0: none. Without a profile from
 every instance it falls back to `PDDecider` with the policy (CACHE_AWARE).
@@ -51,37 +54,20 @@ Torch-free: the master imports it.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
-import math
-import time
 from typing import Callable, Sequence
 
 from xllm_py.cluster import slo_defaults
-from xllm_py.cluster.latency_profile import LatencyProfile, attn_pairs
-from xllm_py.cluster.prefill_order import Queued, finish_s
+from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_service.config import RouterConfig
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
 from xllm_service.router import LoadBalancePolicy, Path, Route, Router, policy_from_config
+from xllm_service.slo_predictor import Prediction, SloPredictor
 from xllm_service.sub_request import InstanceWork
 
 logger = logging.getLogger(__name__)
-
-# Measured/predicted correction: weight of a new observation, and its bounds (1/x .. x).
-SCALE_ALPHA = 0.2
-SCALE_MAX = 50.0
-
-# Prompt tokens the service sent to a decode to compute over this many seconds give the
-# rate at which it will likely get more while a new stream runs there (a burst of short
-# prompts stalls every stream through its life, not only by those queued when it starts).
-RECENT_LOCAL_S = 2.0
-
-# Context assumed per sequence an instance reports running that the service did not send
-# (another service's): the profile's context term needs a number.
-DEFAULT_CTX_PER_SEQ = 512
-
 
 class PrefixCache:
     """Cached prompt tokens per instance, from the heartbeat cache events (PrefixIndex),
@@ -132,167 +118,6 @@ class PDDecider:
         return Decision(False, f"{uncached} uncached prompt tokens on {decode.name} > {limit}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Prediction:
-    route: Route
-    ttft_ms: float
-    tpot_ms: float
-
-    def miss(self, ttft_slo_ms: float, tpot_slo_ms: float) -> float:
-        """Relative overshoot of the targets (0: meets both; a 0 target: none)."""
-        m = 0.0
-        if ttft_slo_ms > 0:
-            m += max(0.0, self.ttft_ms / ttft_slo_ms - 1.0)
-        if tpot_slo_ms > 0:
-            m += max(0.0, self.tpot_ms / tpot_slo_ms - 1.0)
-        return m
-
-
-class SloPredictor:
-    """TTFT and TPOT of a request on a candidate, from the instances' profiles and what
-    they are doing now (the service's requests there; heartbeat running count)."""
-
-    def __init__(self, config: RouterConfig, work: Callable[[str], InstanceWork],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
-        self.work = work
-        self.clock = clock
-        # decode -> (sent at, prompt tokens) of the prompts sent to it to compute itself
-        self._local: dict[str, collections.deque[tuple[float, int]]] = {}
-        self._profiles: dict[str, tuple[dict, LatencyProfile | None]] = {}
-        # (instance, "ttft" | "tpot") -> measured / predicted, a moving average
-        self._scale: dict[tuple[str, str], float] = {}
-
-    def scale(self, name: str, what: str) -> float:
-        return self._scale.get((name, what), 1.0)
-
-    def observe(self, route: Route, ttft_ms: float | None, tpot_ms: float | None) -> None:
-        """Correct the instances' predictions by what a request measured: the profile is
-        the cost of a step on a core of its own; a shared machine, or a model the profile
-        under-fits, runs slower. TTFT corrects the instance that computed the prompt,
-        TPOT the one that decoded it."""
-        pred_ttft, pred_tpot = route.predicted
-        if not route.corrects_ttft:
-            ttft_ms = None
-        if route.is_pd and ttft_ms is not None:  # the overhead is not the profile's to scale
-            overhead = self.config.pd_overhead_ms
-            pred_ttft, ttft_ms = pred_ttft - overhead, max(0.0, ttft_ms - overhead)
-        for name, what, pred, meas in ((route.target.name, "ttft", pred_ttft, ttft_ms),
-                                       (route.serving.name, "tpot", pred_tpot, tpot_ms)):
-            if meas is None or pred <= 0:
-                continue
-            ratio = meas / (pred / self.scale(name, what))  # against the raw profile
-            ratio = min(SCALE_MAX, max(1.0 / SCALE_MAX, ratio))  # (a measured 0: the floor)
-            old = self._scale.get((name, what))
-            self._scale[(name, what)] = ratio if old is None else (
-                old + SCALE_ALPHA * (ratio - old))
-
-    def note_local(self, decode: str, tokens: int) -> None:
-        """The service sent `tokens` prompt tokens to `decode` to compute itself."""
-        self._local.setdefault(decode, collections.deque()).append((self.clock(), tokens))
-
-    def recent_local_rate(self, decode: str) -> float:
-        """Prompt tokens a second sent to `decode` to compute itself, over RECENT_LOCAL_S."""
-        sent = self._local.get(decode)
-        if not sent:
-            return 0.0
-        since = self.clock() - RECENT_LOCAL_S
-        while sent and sent[0][0] < since:
-            sent.popleft()
-        return sum(n for _, n in sent) / RECENT_LOCAL_S
-
-    def holding(self, decode: InstanceInfo) -> bool:
-        """Whether `decode` holds back prompts it computes itself: one the service sent it
-        has waited a third of its TPOT guard's hold limit for its first token (slo_defaults
-        `decode_holding_ms`, from its profile: the guard waits for its streams to save up;
-        a prompt sent now would wait too, and go in a burst)."""
-        profile = self.profile(decode)
-        limit = slo_defaults.decode_holding_ms(profile) if profile is not None else 0.0
-        pending = self.work(decode.name).pending_prompts  # oldest first
-        return bool(limit and pending and (self.clock() - pending[0][0]) * 1000.0 >= limit)
-
-    def profile(self, info: InstanceInfo) -> LatencyProfile | None:
-        """The profile `info` registers (parsed once per registration: an engine registers
-        its own again as its steps correct it)."""
-        raw = info.meta.latency_profile
-        cached = self._profiles.get(info.name)
-        if cached is None or cached[0] != raw:
-            try:
-                parsed = LatencyProfile.from_dict(raw) if raw else None
-            except ValueError:
-                parsed = None
-            cached = self._profiles[info.name] = (raw, parsed)
-        return cached[1]
-
-    def _state(self, info: InstanceInfo) -> tuple[InstanceWork, int, int]:
-        """(the service's work there, decoding sequences, their context tokens)."""
-        w = self.work(info.name)
-        seqs, ctx = w.decoding_seqs, w.decoding_ctx_tokens
-        others = max(0, info.load.running - seqs)
-        ctx += others * (ctx // seqs if seqs else DEFAULT_CTX_PER_SEQ)
-        return w, seqs + others, ctx
-
-    def _prefill_ttft_ms(self, info: InstanceInfo, profile: LatencyProfile, work: InstanceWork,
-                         uncached: int, own_pairs: int, ttft_slo_ms: float) -> float:
-        """TTFT of a prompt sent now to prefill instance `info`, which takes its queue in
-        deadline order (xllm_py/cluster/prefill_order.py; the service's prompts there, each
-        whole as if not started): an on-time prompt does not wait behind late ones."""
-        scale = self.scale(info.name, "ttft")
-        now = self.clock()
-
-        def queued(sent_s: float, tokens: int, slo_ms: float, pairs: int | None = None) -> Queued:
-            return Queued(sent_s + slo_ms / 1000.0 if slo_ms > 0 else math.inf,
-                          profile.prefill_ms(tokens, pairs=pairs) / 1000.0 * scale)
-
-        queue = [queued(*p) for p in work.pending_prompts]
-        queue.append(queued(now, uncached, ttft_slo_ms, own_pairs))
-        return (finish_s(queue, len(queue) - 1, now) - now) * 1000.0
-
-    def predict(self, route: Route, prompt_len: int, uncached: int,
-                max_tokens: int, ttft_slo_ms: float = 0.0) -> Prediction | None:
-        decode = route.serving
-        pd = self.profile(decode)
-        pp = self.profile(route.target)
-        if pd is None or pp is None:
-            return None
-        work_d, seqs_d, ctx_d = self._state(decode)
-        queued_d = work_d.pending_prefill_tokens
-        own_pairs = attn_pairs(prompt_len - uncached, uncached)
-        # whether this prompt waits behind others where it is computed (its TTFT then
-        # corrects nothing: Route.corrects_ttft)
-        if route.is_pd:
-            work_p = self.work(route.target.name)
-            waited = bool(work_p.pending_prompts)
-            ttft = self._prefill_ttft_ms(route.target, pp, work_p, uncached, own_pairs,
-                                         ttft_slo_ms)
-            local, local_pairs = queued_d, work_d.pending_prefill_pairs
-        else:
-            local_pairs = work_d.pending_prefill_pairs + own_pairs
-            ttft = pd.prefill_ms(queued_d + uncached, seqs_d, ctx_d, local_pairs)
-            local = queued_d + uncached
-            waited = bool(queued_d)
-        # The prompt tokens the decode computes stall every stream it runs; a stream halfway
-        # through its output absorbs the stall over the half it has left, at most one
-        # prompt chunk per step (a token's cost: its own and the keys it attends to).
-        # Those it will likely get meanwhile count too: the recent rate over this
-        # stream's life (one decode step a token).
-        per_token = (pd.prefill_ms_per_token
-                     + pd.prefill_ms_per_kpair * local_pairs / max(1, local) / 1000)
-        step = pd.decode_step_ms(seqs_d + 1, ctx_d + prompt_len)
-        life_s = max_tokens * step * self.scale(decode.name, "tpot") / 1000.0
-        coming = self.recent_local_rate(decode.name) * life_s
-        stall = per_token * min((local + coming) / max(1, max_tokens // 2),
-                                pd.prompt_chunk(seqs_d + 1))
-        tpot = step + stall
-        if route.is_pd:  # (scaled in the queue's order)
-            ttft += self.config.pd_overhead_ms
-        else:
-            ttft *= self.scale(route.target.name, "ttft")
-        tpot *= self.scale(decode.name, "tpot")
-        return Prediction(dataclasses.replace(route, predicted=(ttft, tpot),
-                                              corrects_ttft=not waited), ttft, tpot)
-
-
 class SloRouter:
     """SLO_AWARE's choice of path and instances over prefill and decode instances
     (module docstring); `policy` picks when predictions are missing."""
@@ -305,19 +130,20 @@ class SloRouter:
         self.policy = policy
         self._derived_key: list = []
         self._derived = (0.0, 0.0)
+        self._first: dict[str, tuple[str, LatencyProfile | None]] = {}  # (_first_profile)
         self._last = (self.config.ttft_slo_ms or 0.0, self.config.tpot_slo_ms or 0.0)
 
     def stated(self, prefills: Sequence[InstanceInfo],
                decodes: Sequence[InstanceInfo]) -> tuple[float, float]:
         """The service's (TTFT, TPOT) targets in ms over these instances: the operator's
-        (--ttft-slo-ms / --tpot-slo-ms), else what their latency profiles support
-        (xllm_py/cluster/slo_defaults.py; 0 while an instance has none)."""
+        (--ttft-slo-ms / --tpot-slo-ms), else what the latency profiles they registered
+        first support (xllm_py/cluster/slo_defaults.py; 0 while an instance has none)."""
         ttft, tpot = self.config.ttft_slo_ms, self.config.tpot_slo_ms
         if ttft is None or tpot is None:
-            key = [(i.name, i.meta.latency_profile) for i in (*prefills, *decodes)]
+            pd = [self._first_profile(i) for i in decodes]
+            pp = [self._first_profile(i) for i in prefills] or pd
+            key = [pd, pp]
             if key != self._derived_key:
-                pd = [self.predictor.profile(i) for i in decodes]
-                pp = [self.predictor.profile(i) for i in prefills] or pd
                 whole = decodes and None not in pd and None not in pp
                 derived = ((slo_defaults.ttft_target_ms(pp), slo_defaults.tpot_target_ms(pd))
                            if whole else (0.0, 0.0))
@@ -328,6 +154,16 @@ class SloRouter:
             ttft = self._derived[0] if ttft is None else ttft
             tpot = self._derived[1] if tpot is None else tpot
         return ttft, tpot
+
+    def _first_profile(self, info: InstanceInfo) -> LatencyProfile | None:
+        """The first profile this incarnation of `info` registered (what it measured at
+        start-up): the targets stay what the cluster can do while the engines' own
+        corrections move the predictions (self_profile.py `ProfileCorrector`)."""
+        now = self.predictor.profile(info)
+        seen = self._first.get(info.name)
+        if now is None or seen is None or seen[0] != info.incarnation_id:
+            seen = self._first[info.name] = (info.incarnation_id, now)
+        return seen[1]
 
     def targets(self, request: object) -> tuple[float, float]:
         """The request's targets: its own, else the service's (`stated`, over the
@@ -378,6 +214,12 @@ class SloRouter:
         if ok_remote:  # (a short prompt here: every decode meeting it holds prompts)
             return self._chosen(by_ttft(ok_remote), "short prompt, decode holding prompts"
                                 if short_ok else "long prompt", ttft_slo, tpot_slo, uncached)
+        # No PD pair meets both (the prefills are behind): a long prompt on a decode that
+        # meets both, its TPOT guard keeping the streams there within their target.
+        long_ok = [x for x in local if uncached[x.route.target.name] > limit and meets(x)]
+        if long_ok:
+            return self._chosen(by_ttft(long_ok), "long prompt, prefill behind", ttft_slo,
+                                tpot_slo, uncached)
         # Missing anyway: a long prompt stays off the decode (its prefill would stall the
         # streams there, and their TPOT, which then misses more targets: a spiral), and so
         # does a short one that would take the decode past its TPOT target (that miss is

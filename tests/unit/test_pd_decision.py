@@ -320,14 +320,15 @@ def test_slo_aware_prefers_the_pd_pair_with_the_lowest_ttft():
     assert r.route(req(900), [p1, p2], [d]).instance_names == ("p2", "d")
 
 
-def test_slo_aware_keeps_a_long_prompt_off_the_decode_when_the_prefill_misses_the_ttft():
+def test_slo_aware_sends_a_long_prompt_to_an_idle_decode_when_the_prefill_misses_the_ttft():
     p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
     # 9000 prompt tokens queued on p: ~910 ms before this one; the decode is idle and
-    # would meet both targets, but a long prompt never goes to the decode's streams
+    # meets both targets (91 ms, no stream to stall): its core takes the prompt
     work = {"p": prefill_queue(9000)}
     r = slo_router(work, local_prefill_max_tokens=0, ttft_slo_ms=500, tpot_slo_ms=50)
     route = r.route(req(900, max_tokens=64), [p], [d])
-    assert route.path is Path.PD and "no candidate meets" in route.reason
+    assert route.path is Path.DECODE and "long prompt, prefill behind" in route.reason
+    assert route.predicted[0] == pytest.approx(1 + 0.1 * 900)
     # When neither meets its targets: the one that misses least. Its prompt would slow the
     # decode to 3 + 0.1 * 900 / 32 = 5.8 ms a token (81% over 3.2); PD's TTFT is
     # 1020 ms (13% over 900)
@@ -554,3 +555,26 @@ async def test_the_backend_reports_what_a_request_measured():
     await asyncio.wait_for(anext(stream), 1)
     (path, ttft, tpot), = seen
     assert path is Path.DECODE and ttft >= 0 and tpot >= 0
+
+
+def test_a_decode_whose_tpot_guard_binds_takes_a_long_prompt_only_within_its_hold_limit():
+    """The guard keeps the decode's streams at its target G and gives a prompt the time
+    they save under it (1 - step / G); a prompt it would hold past its hold limit goes
+    anyway, at the unguarded pace, and stalls the streams as predicted without it."""
+    p = inst("p", InstanceRole.PREFILL)
+    guarded = {**PROFILE, "prompt_tpot_target_ms": 8.0, "prompt_hold_max_ms": 1000.0}
+    d = inst("d", InstanceRole.DECODE, guarded, running=4)
+    work = {"p": prefill_queue(9000)}  # the PD pair: TTFT ~910 ms + the overhead
+    r = slo_router(work, local_prefill_max_tokens=0, ttft_slo_ms=800, tpot_slo_ms=9)
+    # 5 streams: a step 7 ms; the prompt beside them unguarded: 2.8 ms more (9.8 > 8):
+    # guarded, 1 - 7/8 of the time, its 90 ms of compute take 720 ms, the streams keep 8
+    route = r.route(req(900, max_tokens=64), [p], [d])
+    assert route.path is Path.DECODE and "prefill behind" in route.reason
+    assert route.predicted == (pytest.approx(90 / (1 - 7 / 8)), pytest.approx(8.0))
+    # held 500 ms at most: it goes then, unguarded (TPOT 9.8 > 9): the PD pair misses less
+    d = inst("d", InstanceRole.DECODE, {**guarded, "prompt_hold_max_ms": 500.0}, running=4)
+    route = r.route(req(900, max_tokens=64), [p], [d])
+    assert route.path is Path.PD and "no candidate meets" in route.reason
+    # without a guard: 9.8 ms a token > 9: the PD pair too
+    d = inst("d", InstanceRole.DECODE, PROFILE, running=4)
+    assert r.route(req(900, max_tokens=64), [p], [d]).path is Path.PD

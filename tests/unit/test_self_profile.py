@@ -99,18 +99,26 @@ def test_the_fit_keeps_every_term_non_negative_and_needs_both_kinds():
         fit_step_costs([(StepShape(0, 1, 10), 1.0)] * 6)
 
 
-def test_the_corrector_scales_each_kind_by_what_its_steps_take():
+def test_the_corrector_adds_to_each_kinds_base_what_its_steps_take_beyond_it():
     c = ProfileCorrector(TRUE)
-    for _ in range(200):
-        c.observe(StepShape(0, 8, 8192), 2 * TRUE.decode_step_ms(8, 8192))  # twice as slow
+    for _ in range(200):  # decode steps at one shape take 3 ms more than the profile says
+        c.observe(StepShape(0, 8, 8192), TRUE.decode_step_ms(8, 8192) + 3.0)
         c.observe(StepShape(300, 4, 1000), 1000.0)  # a mixed step teaches neither kind
-    assert c.decode_scale == pytest.approx(2.0, rel=1e-3) and c.prefill_scale == 1.0
+    assert c.decode_extra_ms == pytest.approx(3.0, rel=1e-3) and c.prefill_extra_ms == 0.0
     p = c.profile()
-    assert p.decode_step_ms(3, 100) == pytest.approx(2 * TRUE.decode_step_ms(3, 100), rel=1e-3)
+    # the same 3 ms at every other shape: the per-seq and per-context terms are kept
+    for seqs, ctx in ((1, 100), (32, 32 * 1900)):
+        assert p.decode_step_ms(seqs, ctx) == pytest.approx(TRUE.decode_step_ms(seqs, ctx) + 3.0,
+                                                            rel=1e-3)
+    assert p.decode_ms_per_ctx_token == TRUE.decode_ms_per_ctx_token
     assert p.prefill_ms(512) == pytest.approx(TRUE.prefill_ms(512))
     assert moved(TRUE, p) and not moved(TRUE, TRUE)
     c.observe(StepShape(512), 1e9)  # one wild step moves it by a bounded amount
-    assert c.prefill_scale == pytest.approx(1 + 0.05 * 3)
+    assert c.prefill_extra_ms == pytest.approx(0.05 * 3 * TRUE.step_ms(512, 0, 0))
+    for _ in range(500):  # steps far faster than predicted: bounded to a quarter
+        c.observe(StepShape(0, 1, 10), 0.01)
+    assert c.profile().decode_step_ms(1, 10) == pytest.approx(TRUE.decode_step_ms(1, 10) / 4,
+                                                              rel=1e-3)
 
 
 def test_every_step_the_engine_runs_corrects_the_profile():
@@ -129,9 +137,9 @@ def test_every_step_the_engine_runs_corrects_the_profile():
     observe_steps(engine, corrector)
     for _ in range(100):
         engine.step()
-    ratio = 20.0 / TRUE.decode_step_ms(1, 100)  # a decode step of 1 stream: 20 ms
+    extra = 20.0 - TRUE.decode_step_ms(1, 100)  # a decode step of 1 stream: 20 ms
     assert corrector.num_observed == 100
-    assert corrector.decode_scale == pytest.approx(1 + (ratio - 1) * (1 - 0.95 ** 100))
+    assert corrector.decode_extra_ms == pytest.approx(extra * (1 - 0.95 ** 100))
     outputs[0] = SchedulerOutput()  # nothing scheduled: nothing observed
     engine.step()
     assert corrector.num_observed == 100
@@ -189,6 +197,8 @@ def test_a_decode_gets_its_guard_from_the_profile_and_registers_its_settings():
     assert engine.scheduler.config.max_prefill_tokens_while_decoding == 64
     assert (p.max_prefill_tokens_while_decoding, p.max_num_batched_tokens) == (64, 2048)
     assert p.prompt_hold_max_ms == engine.scheduler.config.prompt_hold_max_ms > 0
+    assert p.prompt_tpot_target_ms == engine.scheduler.config.prompt_tpot_target_ms > 0
+    assert LatencyProfile.from_dict(p.to_dict()) == p  # (as the service reads it)
     # corrected later: the guard follows, the step budgets stay
     slower = dataclasses.replace(TRUE, decode_base_ms=2 * TRUE.decode_base_ms)
     apply_derived(engine, slower, ("prompt_tpot_target_ms", "prompt_hold_max_ms"))

@@ -41,3 +41,22 @@ def test_slo_aware_targets_come_from_the_profiles_unless_stated():
     least = build_router(RouterConfig(load_balance_policy="LEAST_LOAD"), lambda role: [],
                          lambda n: 0, no_work, PrefixIndex())
     assert "slo_target" not in ServiceMetrics(lambda: [], slo_targets=least.stated_targets).render()
+
+
+def test_targets_stay_what_an_incarnation_measured_first():
+    """An engine registers its profile again as its steps correct it: the predictions
+    follow, the stated targets stay (rounds of one benchmark against one target); an
+    instance that restarts (a new incarnation) states them anew."""
+    p = inst("p", InstanceRole.PREFILL)
+    d = inst("d", InstanceRole.DECODE)
+    r = slo_router({})
+    first = r.stated([p], [d])
+    slower = {**PROFILE, "decode_base_ms": 9.0}
+    d_corrected = inst("d", InstanceRole.DECODE, slower)
+    assert r.stated([p], [d_corrected]) == first
+    assert r.predictor.profile(d_corrected).decode_base_ms == 9.0  # (what routing uses)
+    d_restarted = inst("d", InstanceRole.DECODE, slower)
+    d_restarted.meta.incarnation_id = "i-d-2"
+    assert r.stated([p], [d_restarted]) == (first[0], pytest.approx(first[1] + 1.25 * 7))
+    d_none = inst("d", InstanceRole.DECODE, None)  # none registered: none stated
+    assert r.stated([p], [d_none]) == (0.0, 0.0)

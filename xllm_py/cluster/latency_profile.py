@@ -52,6 +52,9 @@ class LatencyProfile:
     # derives its defaults from (xllm_py/cluster/slo_defaults.py).
     max_model_len: int = 0
     prompt_hold_max_ms: float = 0.0
+    # The mean time a token its TPOT guard keeps its streams within while it computes
+    # prompts beside them (0: no guard): how the service predicts a prompt it sends there.
+    prompt_tpot_target_ms: float = 0.0
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int, decode_ctx_tokens: int) -> float:
         if prefill_tokens <= 0 and decode_seqs <= 0:
@@ -102,7 +105,8 @@ class LatencyProfile:
         if missing:
             raise ValueError(f"latency profile lacks {missing}")
         values: dict[str, Any] = {}
-        for key in (*KEYS, "prefill_ms_per_kpair", "prompt_hold_max_ms"):  # (0 in older ones)
+        for key in (*KEYS, "prefill_ms_per_kpair", "prompt_hold_max_ms",
+                    "prompt_tpot_target_ms"):  # (0 in older ones)
             v = data.get(key, 0.0)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
                     or math.isinf(v):

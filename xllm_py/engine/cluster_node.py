@@ -178,9 +178,9 @@ class ClusterNode:
             except Exception as exc:  # (the next check tries again)
                 logger.warning("could not register the corrected latency profile: %s", exc)
                 continue
-            logger.info("latency profile corrected by %d steps (prompts x%.2f, decode x%.2f): "
-                        "registered again", corrector.num_observed, corrector.prefill_scale,
-                        corrector.decode_scale)
+            logger.info("latency profile corrected by %d steps (prompt steps %+.2f ms, decode "
+                        "steps %+.2f ms): registered again", corrector.num_observed,
+                        corrector.prefill_extra_ms, corrector.decode_extra_ms)
 
     def _kv_meta(self, cluster_id: int) -> InstanceMeta:
         mc = self.engine.model_config

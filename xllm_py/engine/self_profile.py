@@ -20,11 +20,17 @@ otherwise). The service scales the predictions to the wall clock the requests th
 (pd_decision.py `SloPredictor.observe`), the TPOT guard measures its steps itself.
 
 `ProfileCorrector`, on the engine thread after every step (the whole step: scheduling,
-forward, sampling, outputs; on the same clock): a moving average (weight ALPHA) of its
-time over the profile's prediction, one for prompt-only steps (the prompt terms) and one
-for decode steps (the decode terms), each step's ratio bounded to 1/4..4; `profile()` is
-the measured profile so corrected (what the cluster node registers again when it moved
-by a tenth, cluster_node.py, with the TPOT guard's settings derived again from it).
+forward, sampling, outputs; on the same clock): a moving average (weight ALPHA) of what
+the step took beyond the profile's prediction, one for prompt-only steps (added to the
+prompt base) and one for decode steps (added to the decode base), each step's time
+bounded to 1/4..4 x the prediction; `profile()` is the measured profile so corrected (what
+the cluster node registers again when it moved by a tenth, cluster_node.py, with the TPOT
+guard's settings derived again from it). Additive: what the start-up steps leave out is
+per step (scheduling, outputs: the same at any context), and the steps an engine runs are
+the shapes it happens to get (a decode at short contexts); a scale learned there would
+move every term, the per-token and per-context ones the start-up fit measured over the
+whole range, and with them the targets the service derives (issue 31's rounds: a TPOT
+target of 11.5 ms in two rounds, 20.0 ms in a third, with one cluster and one workload).
 """
 from __future__ import annotations
 
@@ -189,8 +195,8 @@ class ProfileCorrector:
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.base = profile
         self.clock = clock
-        self.prefill_scale = 1.0
-        self.decode_scale = 1.0
+        self.prefill_extra_ms = 0.0
+        self.decode_extra_ms = 0.0
         self.num_observed = 0
 
     def observe(self, shape: StepShape, ms: float) -> None:
@@ -199,28 +205,28 @@ class ProfileCorrector:
         p = self.base
         if shape.num_decode_seqs and not shape.num_prefill_tokens:
             predicted = p.decode_step_ms(shape.num_decode_seqs, shape.num_decode_ctx_tokens)
-            self.decode_scale = _ema(self.decode_scale, ms / predicted if predicted else 1.0)
+            self.decode_extra_ms = _ema(self.decode_extra_ms, ms, predicted)
         elif shape.num_prefill_tokens and not shape.num_decode_seqs:
             predicted = (p.step_ms(shape.num_prefill_tokens, 0, 0)
                          + p.prefill_ms_per_kpair * shape.num_prefill_pairs / 1000)
-            self.prefill_scale = _ema(self.prefill_scale, ms / predicted if predicted else 1.0)
+            self.prefill_extra_ms = _ema(self.prefill_extra_ms, ms, predicted)
         else:
             return  # (a mixed step's time is both kinds': neither corrects alone)
         self.num_observed += 1
 
     def profile(self) -> LatencyProfile:
-        p, sp, sd = self.base, self.prefill_scale, self.decode_scale
+        p = self.base
         return dataclasses.replace(
-            p, prefill_base_ms=p.prefill_base_ms * sp,
-            prefill_ms_per_token=p.prefill_ms_per_token * sp,
-            prefill_ms_per_kpair=p.prefill_ms_per_kpair * sp,
-            decode_base_ms=p.decode_base_ms * sd, decode_ms_per_seq=p.decode_ms_per_seq * sd,
-            decode_ms_per_ctx_token=p.decode_ms_per_ctx_token * sd)
+            p, prefill_base_ms=max(0.0, p.prefill_base_ms + self.prefill_extra_ms),
+            decode_base_ms=max(0.0, p.decode_base_ms + self.decode_extra_ms))
 
 
-def _ema(old: float, ratio: float) -> float:
-    ratio = min(RATIO_BOUND, max(1.0 / RATIO_BOUND, ratio))
-    return old + ALPHA * (ratio - old)
+def _ema(old: float, ms: float, predicted: float) -> float:
+    """`old` moved towards this step's time beyond `predicted` (bounded, module docstring)."""
+    if predicted <= 0:
+        return old
+    ms = min(RATIO_BOUND * predicted, max(predicted / RATIO_BOUND, ms))
+    return old + ALPHA * (ms - predicted - old)
 
 
 # ---------------------------------------------------------------- start-up and derived
@@ -320,7 +326,9 @@ def apply_derived(engine, p: LatencyProfile,
         p, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_prefill_tokens_while_decoding=cfg.max_prefill_tokens_while_decoding,
         max_model_len=sched.max_model_len,
-        prompt_hold_max_ms=cfg.prompt_hold_max_ms if sched.tpot_guard is not None else 0.0)
+        prompt_hold_max_ms=cfg.prompt_hold_max_ms if sched.tpot_guard is not None else 0.0,
+        prompt_tpot_target_ms=(cfg.prompt_tpot_target_ms if sched.tpot_guard is not None
+                               else 0.0))
 
 
 def moved(old: LatencyProfile, new: LatencyProfile, by: float = 0.1) -> bool:
