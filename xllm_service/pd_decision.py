@@ -34,10 +34,11 @@ their context). For each candidate, the decode path on each decode and PD on eac
 each scaled by a moving average of measured / predicted per instance (`observe`: the
 profile is a step's cost on a core of its own; on a shared machine the clock runs slower);
 on the DECODE path of a decode whose TPOT guard binds (the TPOT above the target it
-registered), the guard's pace instead (`_guarded`: the streams keep its target, the
-prompt gets the time they save under it, up to its hold limit). It picks, in order: for a prompt whose uncached part is short (as above), the candidate
-meeting both targets with the lowest TTFT, the DECODE path or a PD pair (an idle prefill
-takes it: the decode's streams keep their pace), not the DECODE path of a decode holding
+registered), the guard's pace instead (slo_predictor.py `_guarded`: the streams keep its
+target, the prompt gets the time they save under it, up to its hold limit). It picks, in
+order: for a prompt whose uncached part is short (as above), the candidate meeting both
+targets with the lowest TTFT, the DECODE path or a PD pair (an idle prefill takes it: the
+decode's streams keep their pace), not the DECODE path of a decode holding
 prompts back while a PD pair meets both (slo_defaults `decode_holding_ms`: a prompt
 computed there has waited a third of its guard's hold limit for its first token; the
 prompts held together go together, and stall its streams for as long); else the PD pair
@@ -45,9 +46,10 @@ meeting both with the lowest TTFT; else (the prefills are behind) the DECODE pat
 long prompt meeting both (an idle decode, or one whose guard fits it in); else the
 candidate that misses least (sum of the relative overshoots), a long prompt never on the
 DECODE path (its stall spirals: issue 16), a short one only when it keeps the decode
-within its TPOT target (or without a prefill instance). Targets: the request's `ttft_slo_ms`/`tpot_slo_ms`, else the service's
-`--ttft-slo-ms`/`--tpot-slo-ms`, else what the instances' profiles support
-(`SloRouter.stated`, xllm_py/cluster/slo_defaults.py); 0: none. Without a profile from
+within its TPOT target (or without a prefill instance). Targets: the request's
+`ttft_slo_ms`/`tpot_slo_ms`, else the service's `--ttft-slo-ms`/`--tpot-slo-ms`, else what
+the profiles the instances registered first support (`SloRouter.stated`,
+xllm_py/cluster/slo_defaults.py); 0: none. Without a profile from
 every instance it falls back to `PDDecider` with the policy (CACHE_AWARE).
 
 Torch-free: the master imports it.
@@ -140,6 +142,9 @@ class SloRouter:
         first support (xllm_py/cluster/slo_defaults.py; 0 while an instance has none)."""
         ttft, tpot = self.config.ttft_slo_ms, self.config.tpot_slo_ms
         if ttft is None or tpot is None:
+            if len(self._first) > 2 * (len(prefills) + len(decodes)) + 16:  # (gone ones)
+                here = {i.name for i in (*prefills, *decodes)}
+                self._first = {k: v for k, v in self._first.items() if k in here}
             pd = [self._first_profile(i) for i in decodes]
             pp = [self._first_profile(i) for i in prefills] or pd
             key = [pd, pp]
