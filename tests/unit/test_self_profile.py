@@ -113,6 +113,9 @@ def test_the_corrector_adds_to_each_kinds_base_what_its_steps_take_beyond_it():
     assert p.decode_ms_per_ctx_token == TRUE.decode_ms_per_ctx_token
     assert p.prefill_ms(512) == pytest.approx(TRUE.prefill_ms(512))
     assert moved(TRUE, p) and not moved(TRUE, TRUE)
+    # at the pace the targets are set by (8 streams of 1024 tokens, ~20 ms): 1 ms is not
+    # a tenth of it
+    assert not moved(TRUE, dataclasses.replace(TRUE, decode_base_ms=TRUE.decode_base_ms + 1))
     c.observe(StepShape(512), 1e9)  # one wild step moves it by a bounded amount
     assert c.prefill_extra_ms == pytest.approx(0.05 * 3 * TRUE.step_ms(512, 0, 0))
     for _ in range(500):  # steps far faster than predicted: bounded to a quarter

@@ -332,7 +332,12 @@ def apply_derived(engine, p: LatencyProfile,
 
 
 def moved(old: LatencyProfile, new: LatencyProfile, by: float = 0.1) -> bool:
-    """Whether the corrected profile moved by more than `by` (relative) since `old`."""
-    pairs = ((old.decode_step_ms(1, 0), new.decode_step_ms(1, 0)),
+    """Whether the corrected profile moved by more than `by` (relative) since `old`, at
+    the shapes the derived settings are taken at (a decode at the pace slo_defaults sets
+    targets by, a 512-token prompt): a decode step of one stream at no context is mostly
+    the base the corrections add to, and moved by a tenth every few seconds."""
+    from xllm_py.cluster import slo_defaults as d
+
+    pairs = ((d.decode_pace_ms(old), d.decode_pace_ms(new)),
              (old.prefill_ms(512), new.prefill_ms(512)))
     return any(abs(b - a) > by * a for a, b in pairs if a > 0)
