@@ -5,8 +5,8 @@ at start-up (xllm_py/engine/self_profile.py, xllm_py/cluster/slo_defaults.py); t
 goodput of bench_serving is counted against them, so a start that measures a slower
 machine than the last one moves the bar.
 
-Stages: per start, the default cluster as `python -m xllm_py.launch --prefill 1 --decode 1`
-starts it (embedded etcd, engines pinned to cores) -> wait until the service states both
+Stages: per start, the cluster bench_serving's `default` set-up is (`python -m
+xllm_py.launch --prefill 1 --decode 1`, no other flag) as the launcher starts it (embedded etcd, engines pinned to cores) -> wait until the service states both
 targets (its /metrics) -> the targets and the decode's profile line from its log -> stop
 -> the range and the spread (max / min) of each target over the starts, the median
 profile time; versions and load average.
@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import report_environment  # noqa: E402
 from benchmarks.serving_rounds import stated_slo  # noqa: E402
+from benchmarks.bench_serving import SETUPS, STATES_SLO  # noqa: E402
 from benchmarks.bench_startup import MEASURED  # noqa: E402
 
 WAIT_S = 60.0
@@ -39,9 +40,8 @@ def one_start(model: str, log_dir: pathlib.Path) -> tuple[tuple[float, float], f
     from xllm_py.utils.procs import free_port
 
     cluster = Cluster(build_parser().parse_args(
-        ["--prefill", "1", "--decode", "1", "--model", model, "--http-port",
-         str(free_port()), "--log-dir", str(log_dir), "--log-level", "WARNING",
-         "--pin-cores"]))
+        [*SETUPS[STATES_SLO][1], "--model", model, "--http-port", str(free_port()),
+         "--log-dir", str(log_dir), "--log-level", "WARNING", "--pin-cores"]))
     cluster.start()
     try:
         deadline = time.monotonic() + WAIT_S

@@ -61,7 +61,6 @@ import logging
 from typing import Callable, Sequence
 
 from xllm_py.cluster import slo_defaults
-from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_service.config import RouterConfig
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
@@ -130,9 +129,7 @@ class SloRouter:
         self.predictor = predictor
         self.decider = decider
         self.policy = policy
-        self._derived_key: list = []
-        self._derived = (0.0, 0.0)
-        self._first: dict[str, tuple[str, LatencyProfile | None]] = {}  # (_first_profile)
+        self._derived = (0.0, 0.0)  # the targets last derived (logged when they change)
         self._last = (self.config.ttft_slo_ms or 0.0, self.config.tpot_slo_ms or 0.0)
 
     def stated(self, prefills: Sequence[InstanceInfo],
@@ -142,33 +139,18 @@ class SloRouter:
         first support (xllm_py/cluster/slo_defaults.py; 0 while an instance has none)."""
         ttft, tpot = self.config.ttft_slo_ms, self.config.tpot_slo_ms
         if ttft is None or tpot is None:
-            if len(self._first) > 2 * (len(prefills) + len(decodes)) + 16:  # (gone ones)
-                here = {i.name for i in (*prefills, *decodes)}
-                self._first = {k: v for k, v in self._first.items() if k in here}
-            pd = [self._first_profile(i) for i in decodes]
-            pp = [self._first_profile(i) for i in prefills] or pd
-            key = [pd, pp]
-            if key != self._derived_key:
-                whole = decodes and None not in pd and None not in pp
-                derived = ((slo_defaults.ttft_target_ms(pp), slo_defaults.tpot_target_ms(pd))
-                           if whole else (0.0, 0.0))
-                if whole and derived != self._derived:
-                    logger.info("SLO targets from the latency profiles: TTFT %.0f ms, TPOT "
-                                "%.1f ms", *derived)
-                self._derived, self._derived_key = derived, key
-            ttft = self._derived[0] if ttft is None else ttft
-            tpot = self._derived[1] if tpot is None else tpot
+            pd = [self.predictor.first_profile(i) for i in decodes]
+            pp = [self.predictor.first_profile(i) for i in prefills] or pd
+            whole = decodes and None not in pd and None not in pp
+            derived = ((slo_defaults.ttft_target_ms(pp), slo_defaults.tpot_target_ms(pd))
+                       if whole else (0.0, 0.0))
+            if whole and derived != self._derived:
+                logger.info("SLO targets from the latency profiles: TTFT %.0f ms, TPOT "
+                            "%.1f ms", *derived)
+            self._derived = derived
+            ttft = derived[0] if ttft is None else ttft
+            tpot = derived[1] if tpot is None else tpot
         return ttft, tpot
-
-    def _first_profile(self, info: InstanceInfo) -> LatencyProfile | None:
-        """The first profile this incarnation of `info` registered (what it measured at
-        start-up): the targets stay what the cluster can do while the engines' own
-        corrections move the predictions (self_profile.py `ProfileCorrector`)."""
-        now = self.predictor.profile(info)
-        seen = self._first.get(info.name)
-        if now is None or seen is None or seen[0] != info.incarnation_id:
-            seen = self._first[info.name] = (info.incarnation_id, now)
-        return seen[1]
 
     def targets(self, request: object) -> tuple[float, float]:
         """The request's targets: its own, else the service's (`stated`, over the

@@ -61,7 +61,8 @@ class SloPredictor:
         self.clock = clock
         # decode -> (sent at, prompt tokens) of the prompts sent to it to compute itself
         self._local: dict[str, collections.deque[tuple[float, int]]] = {}
-        self._profiles: dict[str, tuple[dict, LatencyProfile | None]] = {}
+        # name -> what `_registered` returns
+        self._profiles: dict[str, tuple] = {}
         # (instance, "ttft" | "tpot") -> measured / predicted, a moving average
         self._scale: dict[tuple[str, str], float] = {}
 
@@ -116,15 +117,28 @@ class SloPredictor:
     def profile(self, info: InstanceInfo) -> LatencyProfile | None:
         """The profile `info` registers (parsed once per registration: an engine registers
         its own again as its steps correct it)."""
-        raw = info.meta.latency_profile
+        return self._registered(info)[1]
+
+    def first_profile(self, info: InstanceInfo) -> LatencyProfile | None:
+        """The first profile this incarnation of `info` registered (what it measured at
+        start-up; None while it registers none): what the service states its targets by,
+        while the engines' own corrections move the predictions (self_profile.py
+        `ProfileCorrector`)."""
+        return self._registered(info)[3]
+
+    def _registered(self, info: InstanceInfo) -> tuple:
+        """(raw, parsed, incarnation, first parsed) of what `info` registers now."""
+        raw, incarnation = info.meta.latency_profile, info.incarnation_id
         cached = self._profiles.get(info.name)
-        if cached is None or cached[0] != raw:
+        if cached is None or cached[0] != raw or cached[2] != incarnation:
             try:
                 parsed = LatencyProfile.from_dict(raw) if raw else None
             except ValueError:
                 parsed = None
-            cached = self._profiles[info.name] = (raw, parsed)
-        return cached[1]
+            kept = cached is not None and cached[2] == incarnation and parsed is not None
+            first = cached[3] if kept and cached[3] is not None else parsed
+            cached = self._profiles[info.name] = (raw, parsed, incarnation, first)
+        return cached
 
     def _state(self, info: InstanceInfo) -> tuple[InstanceWork, int, int]:
         """(the service's work there, decoding sequences, their context tokens)."""

@@ -60,7 +60,3 @@ def test_targets_stay_what_an_incarnation_measured_first():
     assert r.stated([p], [d_restarted]) == (first[0], pytest.approx(first[1] + 1.25 * 7))
     d_none = inst("d", InstanceRole.DECODE, None)  # none registered: none stated
     assert r.stated([p], [d_none]) == (0.0, 0.0)
-    # instances that left are forgotten once they outnumber those here
-    for k in range(40):
-        r.stated([inst(f"p{k}", InstanceRole.PREFILL)], [d_none])
-    assert len(r._first) <= 2 * 2 + 16 + 2

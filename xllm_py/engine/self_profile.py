@@ -39,6 +39,7 @@ import logging
 import time
 from typing import Callable
 
+from xllm_py.cluster import slo_defaults as d
 from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.cluster.step_cost_fit import StepShape, fit_step_costs
 from xllm_py.engine.scheduler_types import ScheduledSeq
@@ -288,8 +289,6 @@ def derived_settings(sched, role: str, p: LatencyProfile,
     """The scheduler settings of `sched.from_profile` (the flags not given; of those, the
     ones in `only`) for an instance of `role` and profile `p`
     (xllm_py/cluster/slo_defaults.py)."""
-    from xllm_py.cluster import slo_defaults as d
-
     names = {n for n in sched.from_profile if only is None or n in only}
     out: dict = {}
     if role == "PREFILL" and "max_num_batched_tokens" in names:
@@ -322,13 +321,13 @@ def apply_derived(engine, p: LatencyProfile,
                                          max_hold_ms=cfg.prompt_hold_max_ms)
         else:
             sched.tpot_guard.retarget(cfg.prompt_tpot_target_ms, cfg.prompt_hold_max_ms)
+    guarded = sched.tpot_guard is not None  # (the guard's settings: 0 without one)
     return dataclasses.replace(
         p, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_prefill_tokens_while_decoding=cfg.max_prefill_tokens_while_decoding,
         max_model_len=sched.max_model_len,
-        prompt_hold_max_ms=cfg.prompt_hold_max_ms if sched.tpot_guard is not None else 0.0,
-        prompt_tpot_target_ms=(cfg.prompt_tpot_target_ms if sched.tpot_guard is not None
-                               else 0.0))
+        prompt_hold_max_ms=cfg.prompt_hold_max_ms if guarded else 0.0,
+        prompt_tpot_target_ms=cfg.prompt_tpot_target_ms if guarded else 0.0)
 
 
 def moved(old: LatencyProfile, new: LatencyProfile, by: float = 0.1) -> bool:
@@ -336,8 +335,6 @@ def moved(old: LatencyProfile, new: LatencyProfile, by: float = 0.1) -> bool:
     the shapes the derived settings are taken at (a decode at the pace slo_defaults sets
     targets by, a 512-token prompt): a decode step of one stream at no context is mostly
     the base the corrections add to, and moved by a tenth every few seconds."""
-    from xllm_py.cluster import slo_defaults as d
-
     pairs = ((d.decode_pace_ms(old), d.decode_pace_ms(new)),
              (old.prefill_ms(512), new.prefill_ms(512)))
     return any(abs(b - a) > by * a for a, b in pairs if a > 0)
