@@ -1,14 +1,21 @@
 """Suite-wide settings: `gpu` tests are skipped where CUDA is absent; where it is present,
 UCX gets the CUDA transports from the start (it reads its settings once per process, and
-host-memory tests import ucxx before the CUDA ones)."""
+host-memory tests import ucxx before the CUDA ones). Every engine of the run keeps its disk
+KV tier in one directory of this run (XLLM_KV_TIER_DIR), so no test finds blocks an earlier
+run left on disk."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 
 def pytest_configure(config):
+    if "XLLM_KV_TIER_DIR" not in os.environ:
+        os.environ["XLLM_KV_TIER_DIR"] = tempfile.mkdtemp(prefix="xllm-kv-tiers-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("XLLM_KV_TIER_DIR"), ignore_errors=True))
     try:
         import torch
 

@@ -51,6 +51,31 @@ class CacheConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TierConfig:
+    """The KV tiers below the pool (xllm_py/kv_tiers/, engine/kv_tiering.py)."""
+    # Host-memory tier: None sizes it from the machine (kv_tiering_setup.py), 0 turns it off.
+    host_bytes: int | None = None
+    # Disk tier: a directory (None: $XLLM_KV_TIER_DIR, else ~/.cache/xllm_py/kv_tiers) and its bound (None:
+    # from the free space there, 0: off).
+    disk_dir: str | None = None
+    disk_bytes: int | None = None
+    # The shared Mooncake Store: its master HOST:PORT (None: off); its metadata service
+    # (None: the cluster's etcd); memory this engine contributes to the store's pool.
+    store: str | None = None
+    store_metadata: str | None = None
+    store_segment_bytes: int = 0
+    store_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("host_bytes", "disk_bytes"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        if self.store_segment_bytes < 0 or self.store_timeout_s <= 0:
+            raise ValueError("store_segment_bytes must be >= 0 and store_timeout_s > 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     # Per-step token budget shared by prefill chunks and decode tokens.
@@ -203,6 +228,12 @@ def model_cache_dir_from_env() -> str | None:
     return os.environ.get("XLLM_CACHE_DIR") or None
 
 
+def kv_tier_dir_from_env() -> str | None:
+    """XLLM_KV_TIER_DIR: where the disk KV tiers live unless --kv-disk-tier-dir says (None:
+    ~/.cache/xllm_py/kv_tiers); one directory per model and layout under it."""
+    return os.environ.get("XLLM_KV_TIER_DIR") or None
+
+
 @dataclasses.dataclass(frozen=True)
 class APILimits:
     """Work one OpenAI HTTP server takes (engine's own API and the service; issue 15).
@@ -263,6 +294,7 @@ class EngineConfig:
     # else float32; "float32" / "bfloat16" force it (bfloat16 rounds).
     weight_dtype: str = "auto"
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    tiers: TierConfig = dataclasses.field(default_factory=TierConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
     # Cluster

@@ -201,6 +201,11 @@ class Request:
         self.sampling_row: object | None = None
         # Owned by the engine: the structured-output matcher (structured/compiler.py).
         self.grammar: object | None = None
+        # KV tiers (engine/kv_tiering.py): while True the scheduler does not admit it (its
+        # prefix is being looked up below the pool); then the prefix found (StagedPrefix:
+        # first_block, num_blocks, data), taken at admission.
+        self.tier_pending = False
+        self.tier_prefix: object | None = None
 
     # -- token views -------------------------------------------------------------
     @property

@@ -1,15 +1,15 @@
-"""LLMEngine._sampling_row: a request's sampler row is made once, carries the request's
+"""sampler.request_row: a request's sampler row is made once, carries the request's
 own SamplingParams (not a copy of its fields) and follows its output (the seeded draw's
 step index and the penalties' token history)."""
 from __future__ import annotations
 
-from xllm_py.engine.llm_engine import LLMEngine
+from xllm_py.engine.sampler import request_row
 from xllm_py.request import Request
 from xllm_py.sampling_params import SamplingParams
 
 
 def _row(request: Request):
-    return LLMEngine._sampling_row(None, request)  # uses only the request
+    return request_row(request)
 
 
 def test_the_row_is_built_once_and_counts_the_outputs():

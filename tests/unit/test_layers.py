@@ -11,7 +11,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-BELOW_ENGINE = ("rpc", "parallel", "kv_transfer", "cluster", "model", "utils", "api")
+BELOW_ENGINE = ("rpc", "parallel", "kv_transfer", "kv_tiers", "cluster", "model", "utils", "api")
 MAX_LINES = 450
 
 

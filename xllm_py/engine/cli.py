@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 
 from xllm_py.api.limits import add_limit_flags, limits_from_args
-from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode,
+from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode, TierConfig,
                             SchedulerConfig, TransferConfig, transfer_config_from_env)
 from xllm_py.model.catalog import DEFAULT_MODEL
 from xllm_py.utils.cli import add_flag, parse_bool
@@ -72,6 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--kv-cache-memory-mb", type=int, default=256, help="memory for the KV pool")
     add_flag(g, "--enable-prefix-cache", "--enable-prefix-caching", type=parse_bool, default=True,
              help="reuse KV blocks of shared prompt prefixes (true/false)")
+    g = p.add_argument_group("KV tiers (below the pool)")
+    add_flag(g, "--kv-host-tier-mb", type=int, default=None,
+             help="host memory for KV blocks the pool computed (default: 1/8 of the memory "
+                  "available at start, at most 8192; 0: off)")
+    add_flag(g, "--kv-disk-tier-dir", default=None,
+             help="directory of the disk tier (default: ~/.cache/xllm_py/kv_tiers)")
+    add_flag(g, "--kv-disk-tier-mb", type=int, default=None,
+             help="bound of the disk tier (default: 1/4 of the free space there, at most "
+                  "16384; 0: off)")
+    add_flag(g, "--kv-store", default=None, metavar="HOST:PORT|off",
+             help="the Mooncake Store's master: KV blocks shared by every instance (default "
+                  "off; python -m xllm_py.launch starts one)")
+    add_flag(g, "--kv-store-metadata", default=None, metavar="URL",
+             help="the store's metadata service (etcd://HOST:PORT or http://HOST:PORT/metadata; "
+                  "default: the cluster's etcd)")
+    add_flag(g, "--kv-store-segment-mb", type=int, default=0,
+             help="memory this engine adds to the store's pool (default 0: the launcher "
+                  "runs a segment host, python -m xllm_py.kv_tiers.segment_host)")
     g = p.add_argument_group("cluster")
     add_flag(g, "--etcd", "--etcd-addr", default=None,
              help="etcd HOST:PORT; registers the instance and serves requests from xllm_service")
@@ -132,6 +150,13 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                             max_model_len=args.max_model_len,
                             enable_chunked_prefill=args.enable_chunked_prefill,
                             batch_window_ms=args.batch_window_ms)
+    mb = 1 << 20
+    tiers = TierConfig(
+        host_bytes=None if args.kv_host_tier_mb is None else args.kv_host_tier_mb * mb,
+        disk_dir=args.kv_disk_tier_dir,
+        disk_bytes=None if args.kv_disk_tier_mb is None else args.kv_disk_tier_mb * mb,
+        store=None if args.kv_store in (None, "", "off") else args.kv_store,
+        store_metadata=args.kv_store_metadata, store_segment_bytes=args.kv_store_segment_mb * mb)
     transfer = transfer_config_from_env(TransferConfig(
         mode=KVTransferMode(args.kv_cache_transfer_mode), backend=args.kv_transfer_backend,
         listen_host=args.host, listen_port=args.transfer_listen_port,
@@ -144,7 +169,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         served_model_name=args.served_model_name,
         seed=args.seed, num_threads=args.num_threads, pack_weights=args.pack_weights,
         weight_dtype=args.weight_dtype,
-        cache=cache, scheduler=sched, transfer=transfer,
+        cache=cache, tiers=tiers, scheduler=sched, transfer=transfer,
         etcd_addr=args.etcd, etcd_namespace=args.etcd_namespace, etcd_ttl_s=args.etcd_ttl,
         heartbeat_interval_s=args.heart_beat_interval, instance_name=args.instance_name,
         disagg_pd_port=args.disagg_pd_port, worker_port=args.worker_port,

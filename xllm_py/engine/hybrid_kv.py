@@ -185,6 +185,23 @@ class HybridKVCacheManager(KVCacheManager):
         if kept is not None:
             self._drop_stale(self.tables(request), kept, first_pos)
 
+    def _log_windows(self, request: Request, k: int) -> None:
+        """Log each sliding group's blocks that a later hit of `k` blocks reads (the window
+        before them), from the request's table or, where it let them go already, from the
+        pool's cache. Logged where a hit is likely to end: the request's prompt (the same
+        prompt again, a PD prefill's hand-over) and all it cached (the next turn of a
+        conversation); a hit ending elsewhere finds the full groups' blocks only, and
+        stops at the last of these points before it."""
+        hashes, pool = request.block_hashes, self.block_pool
+        for j in self._sliding:
+            table = self.tables(request)[j]
+            for i in range(self.first_kept_block(j, k * self.block_size), k):
+                block = table[i] if i < len(table) and table[i] else None
+                if block is None or pool.block_hash(block) != group_hash(hashes[i], j):
+                    block = pool.get_cached_block(group_hash(hashes[i], j))
+                if block is not None:
+                    self._log_offload(block, j, hashes[i])
+
     def _drop_stale(self, tables: list[list[int]], kept: list[int], first_pos: int) -> None:
         pool = self.block_pool
         for j in self._sliding:
@@ -206,13 +223,20 @@ class HybridKVCacheManager(KVCacheManager):
             return
         hashes = self._update_block_hashes(request, num_full)
         for j, table in enumerate(self.tables(request)):
+            offload = self._offloads is not None and not self.group_windows[j]
             for i in range(start, num_full):
-                if table[i]:
-                    pool.cache_block(table[i], group_hash(hashes[i], j), hashes[i])
+                if table[i] and pool.cache_block(table[i], group_hash(hashes[i], j), hashes[i]) \
+                        and offload:
+                    self._log_offload(table[i], j, hashes[i])
         self._num_cached_blocks[rid] = num_full
+        end = request.num_prompt_tokens // self.block_size  # (a hit of the whole prompt)
+        if self._offloads is not None and start < end <= num_full:
+            self._log_windows(request, end)
 
     def free(self, request: Request) -> None:
         """Release every group's blocks, the tail first (its prefix is evicted last)."""
+        if self._offloads is not None and request.request_id in self._requests:
+            self._log_windows(request, self._num_cached_blocks.get(request.request_id, 0))
         self._requests.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self._kept_from.pop(request.request_id, None)

@@ -5,7 +5,14 @@ Per request:
     None = cannot now) -> cache_full_blocks (as blocks fill with computed KV) -> free.
 
 The block table lives on `Request.block_ids`; the hash chain of its full blocks on
-`Request.block_hashes`. Hybrid models (sliding-window and full-attention layers):
+`Request.block_hashes`.
+
+KV tiers (engine/kv_tiering.py): with `enable_offload`, each block this manager caches
+(a full-attention group's, as it fills; a sliding group's, only the window a later hit
+ending where the request ended would read, when the request is freed) is logged with a
+reference held, so it cannot be reused before the engine copied it out
+(`take_offloads`, then `release_offloads`). A prefix found in the tiers is loaded into
+blocks the first allocation sets aside for it (`tier_loads`). Hybrid models (sliding-window and full-attention layers):
 HybridKVCacheManager (hybrid_kv.py), a table per KV group. Pure Python: no torch, no grpc.
 """
 from __future__ import annotations
@@ -23,11 +30,71 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
+    group_windows: tuple[int, ...] = (0,)
+
     def __init__(self, block_pool: BlockPool) -> None:
         self.block_pool = block_pool
         self.block_size = block_pool.block_size
         self._requests: dict[str, Request] = {}  # requests that hold blocks
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already hashed
+        # (block id, group, chain hash) of cached blocks to copy to the tiers, each holding
+        # one reference; None: no tiers
+        self._offloads: list[tuple[int, int, int]] | None = None
+
+    # -- KV tiers ------------------------------------------------------------------------
+    def enable_offload(self) -> None:
+        if self._offloads is None:
+            self._offloads = []
+
+    def take_offloads(self) -> list[tuple[int, int, int]]:
+        """The blocks logged since the last call; each still holds its reference until
+        `release_offloads`."""
+        items, self._offloads = self._offloads or [], [] if self._offloads is not None else None
+        return items
+
+    def release_offloads(self, items: list[tuple[int, int, int]]) -> None:
+        self.block_pool.free_blocks(block_id for block_id, _, _ in items)
+
+    def _log_offload(self, block_id: int, group: int, chain_hash: int) -> None:
+        self.block_pool.touch((block_id,))
+        self._offloads.append((block_id, group, chain_hash))
+
+    def first_kept_block(self, group: int, first_pos: int) -> int:
+        """The first entry group `group` must hold while the next token computed is at
+        `first_pos` (0 but for sliding-window groups, hybrid_kv.py)."""
+        return 0
+
+    def tier_blocks(self, first: int, last: int) -> list[tuple[int, int]]:
+        """(group, block index) of every block a prefix hit of `last` blocks needs at
+        indices >= `first`: what a tier load must supply beyond `first` pool blocks."""
+        out = []
+        for j in range(len(self.group_windows)):
+            keep = self.first_kept_block(j, last * self.block_size)
+            out.extend((j, i) for i in range(max(first, keep), last))
+        return out
+
+    def tier_hit(self, request: Request, num_cached: int) -> int:
+        """Tokens computed once `request`'s prefix from the KV tiers (`Request.tier_prefix`:
+        engine/kv_tiering.py) joins the `num_cached` of the pool: more only where the
+        tiers hold every block needed from there on, one token always left to compute."""
+        staged = request.tier_prefix
+        if staged is None:
+            return num_cached
+        first, last = num_cached // self.block_size, staged.num_blocks
+        if first < staged.first_block or last <= first or last * self.block_size >= request.num_tokens \
+                or any(b not in staged.data for b in self.tier_blocks(first, last)):
+            return num_cached
+        return last * self.block_size
+
+    def tier_loads(self, request: Request, num_cached: int, loaded: int) -> list[tuple[int, object]]:
+        """(block id, bytes) to write into the blocks the first allocation set aside for
+        tokens [num_cached, loaded) (tier_hit's); the staged prefix is consumed."""
+        staged, request.tier_prefix = request.tier_prefix, None
+        if loaded <= num_cached:
+            return []
+        tables, bs = self.tables(request), self.block_size
+        return [(tables[j][i], staged.data[(j, i)])
+                for j, i in self.tier_blocks(num_cached // bs, loaded // bs)]
 
     @property
     def usage(self) -> float:
@@ -133,7 +200,9 @@ class KVCacheManager:
             return
         hashes = self._update_block_hashes(request, num_full)
         for i in range(start, num_full):
-            self.block_pool.cache_block(request.block_ids[i], hashes[i])
+            block_id = request.block_ids[i]
+            if self.block_pool.cache_block(block_id, hashes[i]) and self._offloads is not None:
+                self._log_offload(block_id, 0, hashes[i])
         self._num_cached_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:

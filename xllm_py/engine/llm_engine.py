@@ -23,6 +23,7 @@ from xllm_py.engine.engine_request import (  # noqa: F401 - EngineRequest is imp
     EngineRequest, child_params, error_output, resolve_model_dir)
 from xllm_py.engine.grammars import EngineGrammars
 from xllm_py.engine.kv_connector import KVConnector
+from xllm_py.engine.kv_tiering_setup import build_tiering
 from xllm_py.engine.output_processor import OutputProcessor, child_id, parent_of
 from xllm_py.engine.remote_kv import RemoteKV
 from xllm_py.engine.scheduler import ContinuousScheduler
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # (torch: imported by _load_model, not with the engine loop)
     import torch
 
     from xllm_py.engine.sampler import SamplingRow
+
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,11 @@ class LLMEngine:
         self.recent_max_ttft_ms = 0.0
         self.recent_max_tbt_ms = 0.0
         self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
+        # The KV tiers below the pool (kv_tiering.py).
+        self.tiering = None if groups is None else build_tiering(
+            config, self.model_dir, self.storage, self.scheduler.kv, self.wake)
+        if self.tiering is not None:
+            self.step_listeners.append(self.tiering.flush_offloads)
         logger.info("engine ready: model %s, %d layers, %d KV blocks of %d tokens, loaded in %.2fs",
                     self.model_dir, mc.num_layers, num_blocks, config.cache.block_size, time.monotonic() - t0)
 
@@ -108,6 +115,8 @@ class LLMEngine:
             self.tp.shutdown()
         if self.step_trace is not None:
             self.step_trace.close()
+        if self.tiering is not None:
+            self.tiering.close()
         self.grammars.close()
 
     def submit(self, req: EngineRequest) -> None:
@@ -174,6 +183,8 @@ class LLMEngine:
         while not self._stopped.is_set():
             idle = not self.scheduler.has_schedulable_requests()
             self._drain_commands(0.5 if idle else None)
+            if self.tiering is not None:
+                self.tiering.poll()
             if idle and self.scheduler.has_schedulable_requests():
                 self._gather_burst()
             if self._stopped.is_set():
@@ -193,10 +204,8 @@ class LLMEngine:
 
     def _gather_burst(self) -> None:
         """Work came to an idle engine: take what follows less than BURST_GAP_S apart, for
-        up to the batch window or until a step's budget is waiting, so that a burst of
-        requests (clients send and the HTTP server parses one at a time) starts as one
-        batch. Started at once, its first step would take one or two requests, and the
-        rest would wait for that step, then run as a second prefill."""
+        up to the batch window or until a step's budget is waiting, so that a burst (sent
+        and parsed one request at a time) starts as one batch, not as two prefills."""
         window = self.config.scheduler.batch_window_ms / 1000
         deadline = time.monotonic() + window
         while not self._stopped.is_set() and not self.scheduler.waiting_fills_a_step():
@@ -261,6 +270,8 @@ class LLMEngine:
             return
         for request in requests:
             self.scheduler.add_request(request)
+            if self.tiering is not None:
+                self.tiering.prefetch(request)
 
     def _admit(self, req: EngineRequest,
                limit_what: str = "this model's context is {} tokens") -> list[Request] | str:
@@ -324,6 +335,8 @@ class LLMEngine:
         if not seqs:
             return
         t0 = time.monotonic()
+        if sched_out.loads:  # (prefixes from the KV tiers: into the pool first)
+            self.tiering.scatter(sched_out.loads)
         step_logits = self.runner.execute_step(seqs)
         logits = step_logits.sample
         for i, rows in step_logits.prompt:
@@ -406,19 +419,10 @@ class LLMEngine:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_str)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
-        """The request's row (its SamplingParams as they are), made once; its output count
-        kept current. The penalties read the request's own token lists, which grow in place."""
-        row = request.sampling_row
-        if row is None:
-            from xllm_py.engine.sampler import SamplingRow
+        """The request's sampler row (sampler.request_row; a simulated engine has none)."""
+        from xllm_py.engine.sampler import request_row
 
-            p = request.sampling_params
-            history = p.has_penalties
-            row = SamplingRow(p, output_token_ids=request.output_token_ids if history else (),
-                              prompt_token_ids=request.prompt_token_ids if history else ())
-            request.sampling_row = row
-        row.num_output_tokens_so_far = len(request.output_token_ids)
-        return row
+        return request_row(request)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, float]:

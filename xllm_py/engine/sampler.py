@@ -356,3 +356,18 @@ def _mix_seed(seed: int, step: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def request_row(request) -> SamplingRow:
+    """A request's row (its SamplingParams as they are), made once and kept on the request;
+    its output count kept current. The penalties read the request's own token lists, which
+    grow in place."""
+    row = request.sampling_row
+    if row is None:
+        p = request.sampling_params
+        history = p.has_penalties
+        row = SamplingRow(p, output_token_ids=request.output_token_ids if history else (),
+                          prompt_token_ids=request.prompt_token_ids if history else ())
+        request.sampling_row = row
+    row.num_output_tokens_so_far = len(request.output_token_ids)
+    return row

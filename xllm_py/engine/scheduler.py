@@ -8,16 +8,15 @@ One engine step:
 Request stages (see xllm_py/request.py for the state machine):
     add_request -> waiting queue -> admitted when its KV fits (prefix hits skip compute)
     -> running: decode tokens first, then prefill chunks, under a per-step token budget
-    (prompt tokens beside decoding streams: at most max_prefill_tokens_while_decoding, and
-    with prompt_tpot_target_ms only what keeps every stream's mean TPOT within it:
-    tpot_guard.py)
+    (beside decoding streams: at most max_prefill_tokens_while_decoding, and only what
+    keeps every stream's mean TPOT within prompt_tpot_target_ms: tpot_guard.py)
     -> preempted (blocks freed, recomputed later from prompt + outputs) or finished
-    (blocks freed at once); max_tokens 0 ends right after the prefill. Prompt logprobs:
+    (blocks freed at once); max_tokens 0 ends right after the prefill; a request whose
+    prefix the KV tiers are looking up waits (engine/kv_tiering.py). Prompt logprobs:
     computed from scratch (cached blocks have KV, no logits; see _scores_prompt). PD hooks
     (scheduler_pd.py): allocate_for_remote / finish_remote_kvs / fail_remote_kvs (decode
-    side), remote_decode requests and finish_sending (prefill).
-    Offline requests (scheduler_offline.py): only in the room online work leaves; suspended
-    (KV kept) or preempted when online work needs it.
+    side), remote_decode requests and finish_sending (prefill). Offline requests
+    (scheduler_offline.py): in the room online work leaves; suspended or preempted for it.
 
 Pure Python: no torch, no grpc.
 """
@@ -113,8 +112,9 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
         return bool(self.requests)
 
     def has_schedulable_requests(self) -> bool:
-        """Whether schedule() may have work: waiting, running or suspended requests."""
-        return bool(self.waiting or self.running or self.waiting_offline or self.suspended)
+        """Whether schedule() may have work (a request waiting for its KV tiers' lookup: not)."""
+        return bool(self.running or self.waiting_offline or self.suspended
+                    or any(not r.tier_pending for r in self.waiting))
 
     def waiting_fills_a_step(self) -> bool:
         """Whether the waiting requests alone fill a step (its sequence or token budget)."""
@@ -248,7 +248,8 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
         """Admit the head of `queue` while KV, budget, seats (and for offline work its
         limit) allow. An online request takes seats and KV from offline work."""
         while queue and not st.online_preempted and st.budget > 0:
-            request = queue[0]
+            if (request := next((r for r in queue if not r.tier_pending), None)) is None:
+                return  # (each waits for its KV tiers' lookup)
             if st.num_seqs >= self.config.max_num_seqs:
                 return
             if len(self.running) >= self.config.max_num_seqs:
@@ -259,20 +260,23 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
                 continue
             computed_blocks, num_cached = (  # cached blocks have no logits: recompute
                 ([], 0) if _scores_prompt(request) else self.kv.get_computed_blocks(request))
+            loaded = self.kv.tier_hit(request, num_cached)  # (with the KV tiers' blocks)
             room = min(st.budget, st.prompt_budget, offline_limit - st.offline_tokens)
-            num_new = self._num_new_tokens(request, num_cached, max(0, int(room)))
+            num_new = self._num_new_tokens(request, loaded, max(0, int(room)))
             if num_new == 0:
                 return
-            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            if self.kv.allocate_slots(request, loaded - num_cached + num_new, computed_blocks,
+                                      first_pos=loaded) is None:
                 victim = None if request.offline else self._offline_victim()
                 if victim is None:
                     return  # FCFS: the head waits for space
                 self._preempt(victim, st)
                 continue
-            queue.popleft()
+            queue.remove(request)
+            st.out.loads.extend(self.kv.tier_loads(request, num_cached, loaded))
             if request.status == S.WAITING:
-                request.num_cached_tokens = num_cached
-            request.num_computed_tokens = num_cached
+                request.num_cached_tokens = loaded
+            request.num_computed_tokens = loaded
             request.transition(S.RUNNING)
             self.running.append(request)
             self._add_seq(request, num_new, st, is_decode=False)

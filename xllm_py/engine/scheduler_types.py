@@ -29,6 +29,9 @@ class SchedulerOutput:
     # Requests that finished (any reason) since the previous schedule(): the runner may
     # drop per-request state (seeded generators, penalties) for them.
     finished_ids: list[str] = dataclasses.field(default_factory=list)
+    # (block id, bytes) of prefixes from the KV tiers: written into the pool before the
+    # step's forward (engine/kv_tiering.py)
+    loads: list[tuple[int, object]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

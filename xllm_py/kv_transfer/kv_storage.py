@@ -234,6 +234,24 @@ class KVCacheStorage:
             raise ValueError(f"buffer has {buffer.numel()} elements, expected {n * self.block_bytes // self.kv.element_size()}")
         self._wide.index_copy_(1, idx, self._wide_view_of(buffer.to(self.device).contiguous(), n))
 
+    def read_block_rows(self, ids: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """Copy blocks out one row each: a uint8 [len(ids), block_bytes], row i block ids[i]'s
+        (K, V) x layer slices in order (the KV tiers store a block as one value)."""
+        import torch
+
+        idx = self._index(ids, unique=False)
+        rows = self._wide.index_select(1, idx).transpose(0, 1).contiguous()
+        return rows.view(torch.uint8).view(idx.numel(), -1)
+
+    def write_block_rows(self, ids: Sequence[int] | np.ndarray, rows: torch.Tensor) -> None:
+        """Write rows made by ``read_block_rows`` (uint8 [len(ids), block_bytes]) into blocks."""
+        idx = self._index(ids, unique=True)
+        n = idx.numel()
+        if rows.numel() != n * self.block_bytes:
+            raise ValueError(f"expected {n} rows of {self.block_bytes} bytes, got {rows.numel()} bytes")
+        wide = rows.to(self.device).contiguous().view(-1).view(self._wide.dtype)
+        self._wide.index_copy_(1, idx, wide.view(n, 2 * self.num_layers, -1).transpose(0, 1))
+
     def _wide_view_of(self, buf: torch.Tensor, n: int) -> torch.Tensor:
         import torch
 

@@ -1,0 +1,186 @@
+"""TierStack: the tiers below one engine's pool, fastest first (host, disk, store), with a
+background writer.
+
+Writes are write-through: each block the pool computes is offered once (`offer`) and the
+writer thread puts it into every tier. A CPU engine computes KV at a few MB/s a core, far
+below what memory, a disk or the store take, so a block costs one copy per tier and
+eviction never has to write anything (a restart finds every block on disk, the other
+instances every block in the store). The writer's queue is bounded: when it is full an
+offer is dropped and counted, and the engine step never waits.
+
+Reads (`where`, `read`: the engine's loader thread) look in the fastest tier first; a block
+read from the disk or the store is kept in host memory for the next read.
+
+Counters per tier (hits, misses, bytes, load seconds), the store's errors and the writer's
+drops are plain attributes the engine's /metrics reads.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from xllm_py.kv_tiers.disk import DiskTier
+from xllm_py.kv_tiers.host import HostTier
+from xllm_py.kv_tiers.store import MooncakeStore
+
+logger = logging.getLogger(__name__)
+
+TIERS = ("host", "disk", "store")
+# Keys known to be in the store (put or read here): bounded, oldest forgotten first.
+STORE_KNOWN_MAX = 1 << 20
+
+
+@dataclasses.dataclass
+class TierCounters:
+    hits: int = 0  # blocks read from this tier
+    misses: int = 0  # blocks looked for here and not found
+    bytes: int = 0
+    load_s: float = 0.0
+    written: int = 0  # blocks put here
+
+
+class TierStack:
+    def __init__(self, host: HostTier | None = None, disk: DiskTier | None = None,
+                 store: MooncakeStore | None = None, queue_items: int = 256) -> None:
+        self.host, self.disk, self.store = host, disk, store
+        self.counters = {name: TierCounters() for name in TIERS}
+        self.num_dropped_blocks = 0  # offers the writer's full queue refused
+        self._store_known: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_items)
+        self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
+        self._writer.start()
+
+    @property
+    def tiers(self) -> list[str]:
+        return [name for name in TIERS if getattr(self, name) is not None]
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(timeout=5)
+        if self.store is not None:
+            self.store.close()
+
+    # -- writes (offer: engine thread; the rest: the writer thread) ----------------------
+    def known(self, key: str) -> bool:
+        """Whether every tier already has `key` (an offer of it would change nothing)."""
+        return ((self.host is None or self.host.contains(key))
+                and (self.disk is None or self.disk.contains(key))
+                and (self.store is None or key in self._store_known))
+
+    def offer(self, keys: Sequence[str], rows: Any) -> bool:
+        """Queue blocks for writing (`rows[i]`: the bytes of `keys[i]`, any buffer); False
+        when the queue is full (the blocks are dropped and counted)."""
+        try:
+            self._queue.put_nowait((list(keys), rows))
+        except queue.Full:
+            self.num_dropped_blocks += len(keys)
+            return False
+        return True
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every offer so far is written (tests, shutdown)."""
+        done = threading.Event()
+        try:
+            self._queue.put(done, timeout=timeout)
+        except queue.Full:
+            return False
+        return done.wait(timeout)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                self._write(*item)
+            except Exception:
+                logger.exception("KV tier writer: a batch of blocks was lost")
+
+    def _write(self, keys: list[str], rows: Any) -> None:
+        datas = [bytes(rows[i]) for i in range(len(keys))]
+        for key, data in zip(keys, datas):
+            if self.host is not None and not self.host.contains(key):
+                self.host.put(key, data)
+                self.counters["host"].written += 1
+            if self.disk is not None and not self.disk.contains(key) and self.disk.put(key, data):
+                self.counters["disk"].written += 1
+        if self.store is not None:
+            new = [(k, d) for k, d in zip(keys, datas) if k not in self._store_known]
+            if new and self.store.available:
+                self.counters["store"].written += self.store.put([k for k, _ in new],
+                                                                 [d for _, d in new])
+                if self.store.available:
+                    self._note_in_store(k for k, _ in new)
+
+    def _note_in_store(self, keys) -> None:
+        known = self._store_known
+        for key in keys:
+            known[key] = None
+            known.move_to_end(key)
+        while len(known) > STORE_KNOWN_MAX:
+            known.popitem(last=False)
+
+    # -- reads (the loader thread) -----------------------------------------------------
+    def where(self, keys: Sequence[str]) -> list[str | None]:
+        """The fastest tier holding each key (None: none does). The store is asked once,
+        for the keys no local tier has; when it cannot answer they are misses."""
+        out: list[str | None] = []
+        ask: list[int] = []
+        for i, key in enumerate(keys):
+            if self.host is not None and self.host.contains(key):
+                out.append("host")
+            elif self.disk is not None and self.disk.contains(key):
+                out.append("disk")
+            else:
+                out.append(None)
+                ask.append(i)
+        if ask and self.store is not None and self.store.available:
+            found = self.store.exist([keys[i] for i in ask])
+            for i, there in zip(ask, found or []):
+                if there:
+                    out[i] = "store"
+        return out
+
+    def read(self, keys: Sequence[str], where: Sequence[str | None]) -> list[bytes | None]:
+        """Each key's bytes from the tier `where` names (None: a miss, e.g. a corrupt file
+        or a store that stopped answering). Disk and store reads are kept in host memory."""
+        out: list[bytes | None] = [None] * len(keys)
+        by_tier: dict[str, list[int]] = {}
+        for i, tier in enumerate(where):
+            if tier is not None:
+                by_tier.setdefault(tier, []).append(i)
+        for tier, idx in by_tier.items():
+            t0 = time.perf_counter()
+            if tier == "store":
+                got = self.store.get([keys[i] for i in idx])
+            else:
+                src = self.host if tier == "host" else self.disk
+                got = [src.get(keys[i]) for i in idx]
+            c = self.counters[tier]
+            c.load_s += time.perf_counter() - t0
+            for i, data in zip(idx, got):
+                if data is None:
+                    c.misses += 1
+                    continue
+                out[i] = data
+                c.hits += 1
+                c.bytes += len(data)
+                if tier != "host" and self.host is not None:
+                    self.host.put(keys[i], data)
+                if tier == "store":
+                    self._note_in_store((keys[i],))
+        return out
+
+    def count_misses(self, num_blocks: int) -> None:
+        """Blocks a prompt looked for below the pool that no tier had."""
+        for name in self.tiers:
+            self.counters[name].misses += num_blocks
