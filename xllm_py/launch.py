@@ -1,9 +1,10 @@
 """python -m xllm_py.launch: a whole PD cluster on this machine with one command.
 
 Stages: (--tls: a CA and certificates in the log dir) -> etcd (embedded binary, or --etcd)
--> xllm_service -> N prefill + M decode engines
-(or K MIX with --mix K) -> wait until the service is ready -> print the endpoint and a
-curl -> run until Ctrl-C / SIGTERM -> stop engines, service, etcd; no process left.
+-> the Mooncake Store (its master and a segment host; --kv-store) -> xllm_service -> N
+prefill + M decode engines (or K MIX with --mix K) -> wait until the service is ready ->
+print the endpoint and a curl -> run until Ctrl-C / SIGTERM -> stop engines, service,
+store, etcd; no process left.
 """
 from __future__ import annotations
 
@@ -52,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
              help="PULL: decode fetches the prompt's KV from prefill; PUSH: prefill writes it")
     add_flag(p, "--kv-transfer-backend", default="ucx", choices=["ucx", "tcp"],
              help="how KV blocks move between engines")
+    add_flag(p, "--kv-store", default="embedded", metavar="embedded|off|HOST:PORT",
+             help="the Mooncake Store every engine shares KV blocks through: embedded starts "
+                  "one (its master and a segment host; metadata in etcd), HOST:PORT uses that "
+                  "master, off runs the engines with their local tiers only")
+    add_flag(p, "--kv-store-mb", type=int, default=None,
+             help="memory of the embedded store (default: 1/8 of the memory available, at "
+                  "most 8192)")
     add_flag(p, "--pin-cores", nargs="?", const="on", default="auto",
              choices=["auto", "on", "off"],
              help="auto: when there are no more engines than cores, each engine gets cores "
@@ -113,6 +121,8 @@ class Cluster:
         self.children: list[ChildProcess] = []
         self.service: ChildProcess | None = None
         self.security: dict[str, list[str]] = {}
+        self.store = None  # EmbeddedMooncake
+        self.kv_store: str | None = None if args.kv_store in ("off", "embedded") else args.kv_store
 
     @property
     def url(self) -> str:
@@ -135,6 +145,8 @@ class Cluster:
             self.etcd = EmbeddedEtcd(host="127.0.0.1", tls=tls).start()
             self.etcd_addr = self.etcd.endpoint
             logger.info("etcd at %s", self.etcd_addr)
+        if a.kv_store == "embedded":
+            self._start_store()
         rpc_port = a.rpc_port or free_port(a.host)
         self.service = spawn("service", "xllm_service",
                              service_argv(a, self.etcd_addr, rpc_port, self.security["service"]),
@@ -148,12 +160,29 @@ class Cluster:
             port = free_port(a.host)
             proc = spawn(f"{role.lower()}-{i}", "xllm_py.engine",
                          engine_args(role, port, etcd=self.etcd_addr, model=a.model, host=a.host,
-                                     extra=engine_flags(a, role, self.security["engine"])),
+                                     extra=engine_flags(a, role, self.security["engine"],
+                                                        self.kv_store)),
                          self.log_dir, http_url=f"http://{a.host}:{port}", cpu=cpu)
             self.children.append(proc)
             engines.append(proc)
         self._wait_ready([(p, "/health") for p in engines] + [(self.service, "/readiness")],
                          a.ready_timeout)
+
+    def _start_store(self) -> None:
+        """The embedded Mooncake Store, where this machine can run one (else one line
+        saying what to install, and the engines keep their local tiers)."""
+        from xllm_py.engine.kv_tiering_setup import HOST_MAX, HOST_SHARE, available_memory_bytes
+        from xllm_py.kv_tiers.embedded import EmbeddedMooncake, store_unavailable
+
+        why = ("the cluster's etcd uses TLS (give --kv-store HOST:PORT and the engines "
+               "--kv-store-metadata)" if self.args.tls else store_unavailable())
+        if why:
+            logger.warning("KV store off: %s", why)
+            return
+        size_mb = self.args.kv_store_mb or min(HOST_MAX, available_memory_bytes() // HOST_SHARE) >> 20
+        self.store = EmbeddedMooncake(self.etcd_addr, self.log_dir, host=self.args.host,
+                                      size_mb=max(size_mb, 64)).start()
+        self.kv_store = self.store.master_addr
 
     def _wait_ready(self, waits: list[tuple[ChildProcess, str]], timeout_s: float) -> None:
         """Each child ready in turn, watching them all: one that exits ends the wait."""
@@ -180,6 +209,8 @@ class Cluster:
                     proc.popen.send_signal(signal.SIGTERM)
             for proc in group:
                 proc.terminate(timeout_s=10)
+        if self.store is not None:
+            self.store.stop()
         if self.etcd is not None:
             self.etcd.stop()
 
@@ -212,12 +243,14 @@ def engine_roles(a: argparse.Namespace) -> list[tuple[str, int]]:
     return [("PREFILL", i) for i in range(a.prefill)] + [("DECODE", i) for i in range(a.decode)]
 
 
-def engine_flags(a: argparse.Namespace, role: str, security: list[str] = ()) -> list[str]:
+def engine_flags(a: argparse.Namespace, role: str, security: list[str] = (),
+                 kv_store: str | None = None) -> list[str]:
     """The flags an engine of `role` gets beyond its role, model, address and etcd."""
     tp = engine_tp(a, role)
     own = {"MIX": [], "PREFILL": a.prefill_arg, "DECODE": a.decode_arg}[role]
     return ["--kv-cache-transfer-mode", a.kv_cache_transfer_mode,
             "--kv-transfer-backend", a.kv_transfer_backend, *security,
+            *(["--kv-store", kv_store] if kv_store else []),
             *(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *a.engine_arg, *own]
 
 
@@ -357,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
               f"  OpenAI endpoint: {cluster.url}/v1\n"
               f"  logs:            {cluster.log_dir}\n"
               f"  etcd:            {cluster.etcd_addr}{' (mutual TLS)' if args.tls else ''}\n"
+              f"  KV store:        {cluster.kv_store or 'off (local KV tiers only)'}\n"
               + (f"  certificates:    {cluster.log_dir / 'certs'}\n" if args.tls else "") + "\n"
               f"Try:\n  curl {cluster.url}/v1/completions{auth} -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"prompt\": \"The capital of France is\", "

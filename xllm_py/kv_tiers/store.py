@@ -43,7 +43,7 @@ class MooncakeStore:
     name = "store"
 
     def __init__(self, master: str, metadata: str, local_host: str = "127.0.0.1",
-                 segment_bytes: int = 0, buffer_bytes: int = 128 << 20,
+                 segment_bytes: int = 0, buffer_bytes: int = 64 << 20,
                  timeout_s: float = 2.0, retry_s: float = 2.0,
                  client_factory: Callable[[], Any] | None = None) -> None:
         self.master = master
