@@ -93,7 +93,8 @@ class EmbeddedMooncake:
             self._master = subprocess.Popen(
                 guarded([binary, f"--rpc_port={self.port}", f"--rpc_address={self.host}",
                          f"--metrics_port={free_port(self.host)}", "--logtostderr"]),
-                stdout=log, stderr=subprocess.STDOUT)
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)  # (a Ctrl-C for the launcher is not for the store)
         deadline = time.monotonic() + self.startup_timeout_s
         while not _listening(self.host, self.port):
             if self._master.poll() is not None or time.monotonic() > deadline:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 
 from xllm_py.kv_tiers.store import load_client_class
 from xllm_py.utils.cli import add_flag, setup_logging
@@ -46,15 +48,28 @@ def main(argv: list[str] | None = None) -> int:
               "its master running?", file=sys.stderr)
         return 1
     logger.info("%s: %d MB for the store at %s", READY, a.size_mb, a.master)
-    stop = threading.Event()
+    # A flag, not a threading.Event: Event.set() in a signal handler deadlocks when the
+    # signal lands while the main thread's Event.wait() holds the Event's lock.
+    stopping = [False]
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+        signal.signal(sig, lambda *_: stopping.__setitem__(0, True))
+    while not stopping[0]:
+        time.sleep(0.2)
+    # Unmount the segment if the master answers soon; a master that is gone would hold
+    # the call for seconds, and exiting frees the memory anyway.
+    closer = threading.Thread(target=_close, args=(client,), daemon=True)
+    closer.start()
+    closer.join(timeout=3)
+    # (os._exit: the client's destructor would try the master again, as long as it takes)
+    logging.shutdown()
+    os._exit(0)
+
+
+def _close(client) -> None:
     try:
         client.close()
-    except Exception:  # (its master may be gone)
+    except Exception:
         logger.debug("closing the store client failed", exc_info=True)
-    return 0
 
 
 if __name__ == "__main__":
