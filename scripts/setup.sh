@@ -85,7 +85,17 @@ else
   INSTALLED=1
 fi
 
-run "$VPY" -m pip install -q -e ".[test,ucx]"
+run "$VPY" -m pip install -q -e ".[test,ucx,kvstore]"
+# The Mooncake Store's client needs two system libraries (no RDMA device, no GPU): as root,
+# install them; otherwise say what to install (the engines then keep their local KV tiers).
+if [ "$(uname -s)" = Linux ] && ! { ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 && ldconfig -p 2>/dev/null | grep -q libnuma.so.1; }; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    run apt-get install -y -qq libibverbs1 libnuma1 || { run apt-get update -qq && run apt-get install -y -qq libibverbs1 libnuma1; } \
+      || echo "note: apt-get could not install libibverbs1 libnuma1: the KV store stays off"
+  else
+    echo "note: the Mooncake KV store needs libibverbs1 and libnuma1 (e.g. sudo apt-get install libibverbs1 libnuma1)"
+  fi
+fi
 
 if [ "$DRY" = 1 ]; then
   echo "(dry run: nothing was installed)"
