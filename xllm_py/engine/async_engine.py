@@ -90,6 +90,8 @@ class AsyncEngine:
         # The process's one metrics registry: /metrics renders it (engine/metrics.py).
         self.metrics_registry = CollectorRegistry(auto_describe=True)
         self.metrics_registry.register(EngineStatsCollector(engine))
+        if engine.tiering is not None:
+            self.metrics_registry.register(engine.tiering.collector())
         # Awaited before each /metrics render (a TP instance's other ranks' counters).
         self.metrics_refreshers: list[Callable[[], Awaitable[None]]] = []
         self.draining = False  # shutting down: new requests get a 503 (see server.drain)

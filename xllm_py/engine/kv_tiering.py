@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 from xllm_py.engine.hybrid_kv import group_hash
 from xllm_py.kv_tiers.keys import TierKeyspace
+from xllm_py.kv_tiers.metrics import TierCollector
 from xllm_py.kv_tiers.stack import TierStack
 from xllm_py.request import Request
 
@@ -73,6 +74,11 @@ class KVTiering:
         self._jobs.put(None)
         self._loader.join(timeout=5)
         self.stack.close()
+
+    def collector(self) -> TierCollector:
+        """Its Prometheus metrics (kv_tiers/metrics.py)."""
+        return TierCollector(self.stack, lambda: {"loaded_tokens": self.num_loaded_tokens,
+                                                  "lookups": self.num_lookups})
 
     def key(self, chain_hash: int, group: int) -> str:
         return self.keyspace.key(group_hash(chain_hash, group), group)
