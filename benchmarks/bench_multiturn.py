@@ -236,18 +236,21 @@ def landings(records: Sequence[Turn]) -> list[tuple[Turn, bool]]:
             if r.turn > 0 and r.instance and prev.get((r.conv, r.turn - 1))]
 
 
-def wrong_tokens(ref: Sequence[Turn], run: Sequence[Turn]) -> tuple[int, int]:
-    """(turns whose answer differs from the reference's, token positions that differ)."""
+def wrong_tokens(ref: Sequence[Turn], run: Sequence[Turn]) -> list[dict[str, int]]:
+    """The turns whose answer differs from the reference's: conversation, turn (from 1),
+    the first position that differs and how many do."""
     by_key = {(r.conv, r.turn): r.token_ids for r in ref}
-    turns = tokens = 0
+    out = []
     for r in run:
         want = by_key.get((r.conv, r.turn))
         if want is None:
             continue
-        diff = sum(a != b for a, b in zip(want, r.token_ids)) + abs(len(want) - len(r.token_ids))
-        turns += diff > 0
-        tokens += diff
-    return turns, tokens
+        diff = [i for i, (a, b) in enumerate(zip(want, r.token_ids)) if a != b]
+        n = len(diff) + abs(len(want) - len(r.token_ids))
+        if n:
+            out.append({"conv": r.conv, "turn": r.turn + 1, "tokens": n,
+                        "first": diff[0] if diff else min(len(want), len(r.token_ids))})
+    return out
 
 
 # ---------------------------------------------------------------------------- summaries
@@ -473,6 +476,9 @@ def print_report(result: dict[str, Any], turns: int) -> None:
         print(f"{name:<9} {p['computed_tokens']:>9} {p['cached_tokens']:>11} "
               f"{_fmt(p['output_tok_s'], '.1f'):>10} {_fmt(p['tpot_p50_ms'], '.1f'):>12} "
               f"{p['failed']:>7} {sum(s['wrong_tokens'] for s in c['runs']):>10}  {moved}")
+        for m in [m for s in c["runs"] for m in s["mismatches"]][:5]:
+            print(f"{'':<9}   differs from tiers off: conversation {m['conv']} turn {m['turn']}, "
+                  f"{m['tokens']} tokens from token {m['first']}")
         for tier, values in sorted(c["tiers_metrics"].items()):
             shown = ", ".join(f"{k.removeprefix('xllm_kv_tier_')} {v:g}"
                               for k, v in sorted(values.items()))
@@ -498,14 +504,22 @@ def print_report(result: dict[str, Any], turns: int) -> None:
             print(f"  after the restart, tier {tier}: {shown}")
 
 
+def mark_wrong(summary: dict[str, Any], ref: Sequence[Turn], records: Sequence[Turn]) -> None:
+    """The run's answers against the tiers-off reference, and its turns, into `summary`."""
+    summary["mismatches"] = wrong_tokens(ref, records)
+    summary["wrong_turns"] = len(summary["mismatches"])
+    summary["wrong_tokens"] = sum(m["tokens"] for m in summary["mismatches"])
+    summary["turns"] = [dataclasses.asdict(r) for r in records]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gemma-3-270m", help="the launcher's --model")
-    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--conversations", type=int, default=6)
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-len", type=int, default=600, help="shared system prompt tokens")
-    p.add_argument("--user-len", type=int, default=400, help="new user tokens per turn")
-    p.add_argument("--answer-len", type=int, default=48, help="greedy tokens per answer")
+    p.add_argument("--system-len", type=int, default=400, help="shared system prompt tokens")
+    p.add_argument("--user-len", type=int, default=256, help="new user tokens per turn")
+    p.add_argument("--answer-len", type=int, default=32, help="greedy tokens per answer")
     p.add_argument("--concurrency", type=int, default=2, help="requests in flight")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--topologies", default="pd,mix", help="comma list of pd, mix")
@@ -556,7 +570,7 @@ def main() -> None:
     for name, rs in runs.items():
         ref = runs.get(name.split("-")[0] + "-off", [(None, None)])[0][1] or rs[0][1]
         for s, recs in rs:
-            s["wrong_turns"], s["wrong_tokens"] = wrong_tokens(ref, recs)
+            mark_wrong(s, ref, recs)
         tiers: dict[str, dict[str, float]] = {}
         for s, _ in rs:
             for tier, values in s["tiers_metrics"].items():
@@ -569,8 +583,7 @@ def main() -> None:
                         for topo in topologies if f"{topo}-on" in runs}
     if fault is not None:
         s, recs = fault
-        s["wrong_turns"], s["wrong_tokens"] = wrong_tokens(runs[f"{args.fault_topology}-off"][0][1],
-                                                           recs)
+        mark_wrong(s, runs[f"{args.fault_topology}-off"][0][1], recs)
         result["fault"] = {**s["fault"], "config": s["config"], "wrong_turns": s["wrong_turns"],
                            "wrong_tokens": s["wrong_tokens"], "run": s}
     print_report(result, args.turns)

@@ -81,9 +81,10 @@ def test_landings_and_a_summary():
 
 def test_wrong_tokens_against_the_reference():
     ref = [_turn(0, 0, tokens=(1, 2, 3)), _turn(0, 1, tokens=(4, 5))]
-    assert wrong_tokens(ref, ref) == (0, 0)
-    run = [_turn(0, 0, tokens=(1, 9, 3)), _turn(0, 1, tokens=(4,))]
-    assert wrong_tokens(ref, run) == (2, 2)
+    assert wrong_tokens(ref, ref) == []
+    run = [_turn(0, 0, tokens=(1, 9, 8)), _turn(0, 1, tokens=(4,))]
+    assert wrong_tokens(ref, run) == [{"conv": 0, "turn": 1, "tokens": 2, "first": 1},
+                                      {"conv": 0, "turn": 2, "tokens": 1, "first": 1}]
 
 
 def test_ratios_round_by_round():
