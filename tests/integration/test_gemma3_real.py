@@ -3,7 +3,8 @@ transformers loading the same GGUF in float32: the tokenizer's ids on English te
 greedy output at prompts of ~10, ~600 and ~1100 tokens (across the 512-token sliding
 window) from a MIX engine (prompt chunks of 256 tokens straddling the window, then a
 prefix-cache hit past it) and from PD pairs behind the service (PULL and PUSH: the
-sliding layers' KV handed over for their window only, engine/hybrid_kv.py)."""
+sliding layers' KV handed over for their window only, engine/hybrid_kv.py); the same
+prompt once other prompts pushed it out of the pools (600 blocks), from the KV tiers."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +21,9 @@ pytest.importorskip("gguf")
 MODEL = "gemma-3-270m"
 NEW_TOKENS = 8
 LENGTHS = (10, 600, 1100)
+# A pool that holds one 1100-token prompt (69 full-attention blocks and the sliding
+# groups' blocks, cached as they leave the window: ~410) but not three.
+POOL_BLOCKS = 600
 
 
 def _english() -> str:
@@ -44,11 +48,12 @@ def reference():
     ids = ours.encode(_english() * 3)
     assert ids[0] == 2 and len(ids) > max(LENGTHS)  # BOS first, as the GGUF says
     prompts = [ids[:n] for n in LENGTHS]
+    prompts += [[2] + ids[i * 2000:i * 2000 + 1100] for i in (1, 2)]  # (fillers: no reference)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     expected = []
     with torch.no_grad():
-        for p in prompts:
+        for p in prompts[:len(LENGTHS)]:
             out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                               max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                               pad_token_id=0)
@@ -69,7 +74,7 @@ def test_tokenizer_ids_equal_transformers(reference):
 def servers(etcd_server, tmp_path_factory):
     logs = tmp_path_factory.mktemp("gemma3-logs")
     h = Harness(etcd_server.endpoint, "gemma3-real/", logs)
-    common = ["--max-model-len", "2048"]
+    common = ["--max-model-len", "2048", "--num-blocks", str(POOL_BLOCKS)]
     mix_port = free_port()
     mix = spawn("mix", "xllm_py.engine", engine_args(
         "MIX", mix_port, model=MODEL, extra=[*common, "--max-num-batched-tokens", "256"]),
@@ -106,7 +111,7 @@ def test_greedy_equals_transformers(reference, servers, where):
     _, _, prompts, expected = reference
     svc, mix, svc_push = servers
     c = client({"mix": mix, "pd": svc, "pd-push": svc_push}[where])
-    got = [_greedy(c, p) for p in prompts]
+    got = [_greedy(c, p) for p in prompts[:len(LENGTHS)]]
     assert got == expected, [(len(p), g, e) for p, g, e in zip(prompts, got, expected)]
 
 
@@ -120,6 +125,24 @@ def test_prefix_hit_past_the_window_equals_transformers(reference, servers):
     hits = metric(mix.http_url, "xllm_prefix_cache_hit_tokens_total")
     assert _greedy(c, prompts[2]) == expected[2]
     assert metric(mix.http_url, "xllm_prefix_cache_hit_tokens_total") - hits >= 1024
+
+
+@pytest.mark.parametrize("where", ["mix", "pd", "pd-push"])
+def test_a_prefix_from_the_kv_tiers_equals_transformers(reference, servers, where):
+    """Two other 1100-token prompts take the pool (PD: the prefill's) from the ~1100-token
+    prompt; it comes back whole from the engine's host tier (the sliding groups' window
+    before its last block included), and the tokens are transformers'."""
+    _, _, prompts, expected = reference
+    svc, mix, svc_push = servers
+    c = client({"mix": mix, "pd": svc, "pd-push": svc_push}[where])
+    _greedy(c, prompts[2])
+    for filler in prompts[len(LENGTHS):]:
+        _greedy(c, filler)
+    out = c.completions.create(model=MODEL, prompt=prompts[2], max_tokens=NEW_TOKENS,
+                               temperature=0, extra_body={"ignore_eos": True,
+                                                          "return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == expected[2]
+    assert out.usage.prompt_tokens_details.cached_tokens == (len(prompts[2]) - 1) // 16 * 16
 
 
 def test_chat_answers_in_english(servers):
