@@ -375,6 +375,8 @@ class ChatCompletionRequest(_CommonRequest):
     SUPPORTED = ("tools", "tool_choice", "parallel_tool_calls")
     # The tool-call format its choices are read in (serving_chat; None: no tools).
     _tool_format: str | None = PrivateAttr(default=None)
+    # The request of another API this chat request serves (Responses, Messages), if any.
+    _origin: Any = PrivateAttr(default=None)
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False

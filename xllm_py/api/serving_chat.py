@@ -37,7 +37,7 @@ class OpenAIServingChat(OpenAIServing):
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         fmt = ctx.req._tool_format
         if fmt is not None:
-            content, calls = parse(choice.text, fmt, True, _tool_name(ctx))
+            content, calls = parse(choice.text, fmt, True, tool_name(ctx))
             if calls:
                 message = {"role": "assistant", "content": content.strip() or None,
                            "tool_calls": message_tool_calls(calls)}
@@ -75,7 +75,7 @@ class OpenAIServingChat(OpenAIServing):
         fmt = ctx.req._tool_format
         if fmt is not None:
             if choice.tool_stream is None:
-                choice.tool_stream = ToolStream(fmt, _tool_name(ctx))
+                choice.tool_stream = ToolStream(fmt, tool_name(ctx))
             text, calls = choice.tool_stream.feed(delta.text, delta.finish_reason is not None)
             if calls:
                 out["tool_calls"] = calls
@@ -104,7 +104,7 @@ class OpenAIServingChat(OpenAIServing):
         return {"content": chat_logprobs(entries, num_top, ctx.token_text)}
 
 
-def _tool_name(ctx: RequestContext) -> str | None:
+def tool_name(ctx: RequestContext) -> str | None:
     tools = ctx.req.tool_request()
     return tools.name if tools is not None else None
 
