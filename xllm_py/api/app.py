@@ -1,7 +1,8 @@
 """FastAPI app serving the OpenAI API over a GenerateBackend (engine MIX instance or service).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET /
-DELETE /v1/responses/{id}, serving_responses.py), GET /v1/models,
+DELETE /v1/responses/{id}, serving_responses.py), POST /v1/messages (Anthropic's,
+serving_messages.py), GET /v1/models,
 GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's shapes), GET /version,
 GET /health, GET /readiness, GET /metrics, GET /openapi.json (the request bodies' real
 schemas). Limits (xllm_py.config.APILimits): body size (413) and admission (429), see
@@ -33,6 +34,8 @@ from xllm_py.api.serving_completions import OpenAIServingCompletion
 from xllm_py.api.response_store import MemoryResponseStore, ResponseStore
 from xllm_py.api.responses_protocol import ResponsesRequest
 from xllm_py.api.serving_responses import OpenAIServingResponses
+from xllm_py.api.messages_protocol import MessagesRequest
+from xllm_py.api.serving_messages import AnthropicServingMessages
 from xllm_py.api.serving_tokenization import OpenAIServingTokenization
 from xllm_py.config import APILimits
 
@@ -57,6 +60,7 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
     chat = OpenAIServingChat(backend, metrics, served_model_name, admission)
     responses = OpenAIServingResponses(backend, metrics, served_model_name, admission,
                                        response_store or MemoryResponseStore())
+    messages = AnthropicServingMessages(backend, metrics, served_model_name, admission)
     model_name = completions.model_name
     created = int(time.time())
     app = FastAPI(title="xllm-py", docs_url=None, redoc_url=None)
@@ -65,6 +69,7 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
     app.state.completions = completions
     app.state.chat = chat
     app.state.responses = responses
+    app.state.messages = messages
     app.state.metrics = metrics
     app.state.backend = backend
     if api_keys:
@@ -100,6 +105,9 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
 
     app.add_api_route("/v1/responses", responses.handle, methods=["POST"],
                       openapi_extra=body_schema(ResponsesRequest))
+
+    app.add_api_route("/v1/messages", messages.handle, methods=["POST"],
+                      openapi_extra=body_schema(MessagesRequest))
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
@@ -170,5 +178,6 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type=PROMETHEUS_CONTENT_TYPE)
 
-    install_openapi(app, [completions.request_cls, chat.request_cls, ResponsesRequest])
+    install_openapi(app, [completions.request_cls, chat.request_cls, ResponsesRequest,
+                           MessagesRequest])
     return app
