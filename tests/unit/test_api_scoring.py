@@ -207,7 +207,7 @@ def test_version(http):
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
     ("use_beam_search", True),
-    ("allowed_token_ids", [1]),
+    ("prompt_embeds", "x"),
 ])
 def test_unsupported_parameter_is_a_400_naming_it(http, backend, param, value):
     for route, extra in (("/v1/completions", {"prompt": "a"}),

@@ -193,6 +193,9 @@ class OpenAIServing:
     ) -> tuple[RequestContext, list[GenerateRequest]]:
         tokenizer = self.backend.tokenizer()
         prompts = self._prompts(req, tokenizer)
+        req.apply_tokenizer(tokenizer)  # (vllm_extras.py: bad_words, truncate_prompt_tokens)
+        for p in prompts:
+            p.token_ids = req.truncated(p.token_ids, self.backend.max_model_len)
         max_tokens = [self._max_tokens(req, len(p.token_ids)) for p in prompts]
         base_id = f"{self.id_prefix}{self.id_sep}{_random_hex()}"
         gen_reqs = [

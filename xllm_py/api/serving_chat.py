@@ -31,7 +31,9 @@ class OpenAIServingChat(OpenAIServing):
                                 "named": "arguments"}[tools.mode]
         return [Prompt(token_ids=render_chat(
             tokenizer, req.template_messages(),
-            tools=tools.template_tools() if tools is not None else None), text=None)]
+            tools=tools.template_tools() if tools is not None else None,
+            chat_template=req.chat_template, template_kwargs=req.chat_template_kwargs),
+            text=None)]
 
     def _render_choice(self, ctx: RequestContext, choice: Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
@@ -111,16 +113,23 @@ def tool_name(ctx: RequestContext) -> str | None:
 
 def render_chat(tokenizer: TokenizerLike, messages: list[dict[str, Any]], *,
                 add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of messages through the chat template (400 if the template refuses them);
-    `tools` reach the template (HF templates render them) when given."""
-    extra = {"tools": tools} if tools else {}
+    `tools` reach the template (HF templates render them) when given; `chat_template`
+    replaces the model's, `template_kwargs` are more variables of it."""
+    extra: dict[str, Any] = {**(template_kwargs or {})}
+    if tools:
+        extra["tools"] = tools
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
     try:
         rendered = tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, **extra)
     except Exception as e:  # e.g. jinja: "roles must alternate user/assistant"
         raise InvalidRequestError(
-            f"chat template could not be applied: {str(e)[:200]}", param="messages"
+            f"chat template could not be applied: {str(e)[:200]}",
+            param="messages" if chat_template is None else "chat_template"
         ) from e
     if isinstance(rendered, str):
         return list(tokenizer.encode(rendered, add_special_tokens=add_special_tokens))
