@@ -1,9 +1,10 @@
-"""OpenAI's Responses API and Anthropic's Messages API end to end, through the official
-openai and anthropic SDKs, on a MIX engine (responses stored in its memory) and on a PD
-pair behind the service (responses stored in etcd): greedy equalities with the chat path,
-a conversation continued through previous_response_id, text.format under a schema, tool
-calls and their results fed back, and bad requests answered in each API's error shape
-without reaching an engine."""
+"""The API dialects beyond chat completions end to end: OpenAI's Responses API and
+Anthropic's Messages API through the official openai and anthropic SDKs, and vLLM's
+request extras, on a MIX engine (responses stored in its memory) and on a PD pair behind
+the service (responses stored in etcd, the extras carried to the decode): greedy
+equalities with the chat path, a conversation continued through previous_response_id,
+text.format under a schema, tool calls and their results fed back, and bad requests
+answered in each API's error shape without reaching an engine."""
 from __future__ import annotations
 
 import asyncio
@@ -218,6 +219,46 @@ def test_bad_requests_in_each_apis_shape_allocate_nothing(target):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert [metric(u, "xllm_generation_tokens_total") for u in urls] == before
     asyncio.run(wait_drained(urls))
+
+
+def test_vllm_extras_hold_on_every_token(target):
+    """allowed_token_ids and bad_words bound every greedy token (on PD the prefill's first
+    and the decode's rest); truncate_prompt_tokens keeps the prompt's tail; a chat_template
+    of the request's own renders the prompt the completions endpoint is given."""
+    proc, _ = target
+    c = client(proc)
+    base = dict(model="tiny", prompt="The story so far:", max_tokens=12, temperature=0)
+    free = c.completions.create(extra_body={"return_token_ids": True}, **base)
+    free_ids = free.choices[0].model_extra["token_ids"]
+    allowed = sorted(set(free_ids[1:4]) | {11, 12, 13})
+    bound = c.completions.create(extra_body={"return_token_ids": True,
+                                             "allowed_token_ids": allowed}, **base)
+    ids = bound.choices[0].model_extra["token_ids"]
+    assert ids and set(ids) <= set(allowed)
+    word = free.choices[0].text.strip().split()[0]
+    banned = c.completions.create(extra_body={"bad_words": [word], "return_token_ids": True},
+                                  **base)
+    out = banned.choices[0].model_extra["token_ids"]
+    for seq in (_token_ids(proc, word), _token_ids(proc, " " + word)):
+        assert not any(out[i:i + len(seq)] == seq for i in range(len(out))), (word, out)
+    assert out != free_ids
+    cut = c.completions.create(extra_body={"truncate_prompt_tokens": 3}, **base)
+    tail = c.completions.create(**{**base, "prompt": _token_ids(proc, base["prompt"], True)[-3:]})
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text == tail.choices[0].text
+    template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}{{ suffix }}"
+    chat = c.chat.completions.create(
+        model="tiny", max_tokens=8, temperature=0, messages=[{"role": "user", "content": "hi"}],
+        extra_body={"chat_template": template, "chat_template_kwargs": {"suffix": " ok"}})
+    same = c.completions.create(model="tiny", max_tokens=8, temperature=0,
+                                prompt=_token_ids(proc, "<<hi>> ok"))
+    assert chat.choices[0].message.content == same.choices[0].text
+
+
+def _token_ids(proc, text, add_special_tokens=False):
+    r = httpx.post(proc.http_url + "/tokenize", json={
+        "model": "tiny", "prompt": text, "add_special_tokens": add_special_tokens},
+        timeout=10, trust_env=False)
+    return r.json()["tokens"]
 
 
 async def test_the_etcd_store_is_shared_bounded_and_expires(etcd_server, etcd_namespace):
