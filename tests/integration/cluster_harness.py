@@ -67,6 +67,13 @@ class Harness:
             p.terminate()
 
 
+def standalone_mix(log_dir: pathlib.Path, extra: list[str]) -> ChildProcess:
+    """A MIX engine of its own (no etcd, no service) on a free port; not yet ready."""
+    port = free_port()
+    return spawn("engine-mix", "xllm_py.engine", engine_args("MIX", port, extra=extra),
+                 log_dir, http_url=f"http://127.0.0.1:{port}")
+
+
 def client(proc: ChildProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=proc.http_url + "/v1", api_key="x", max_retries=0,
                          timeout=60)

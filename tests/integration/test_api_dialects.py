@@ -17,10 +17,10 @@ import jsonschema
 import openai
 import pytest
 
-from tests.integration.cluster_harness import Harness, client, metric, wait_drained
+from tests.integration.cluster_harness import (Harness, client, metric, standalone_mix,
+                                               wait_drained)
 from xllm_py.api.response_store import ResponseStoreLimits
 from xllm_py.cluster.etcd_client import EtcdClient
-from xllm_py.utils.procs import engine_args, free_port, spawn
 from xllm_service.response_store import EtcdResponseStore
 
 pytestmark = pytest.mark.integration
@@ -41,9 +41,7 @@ def target(request, etcd_server, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"logs-{request.param}")
     common = ["--block-size", "8", "--num-blocks", "512"]
     if request.param == "MIX":
-        port = free_port()
-        proc = spawn("engine-mix", "xllm_py.engine", engine_args("MIX", port, extra=common),
-                     logs, http_url=f"http://127.0.0.1:{port}")
+        proc = standalone_mix(logs, common)
         try:
             proc.wait_ready(180)
             yield proc, [proc.http_url]
@@ -52,12 +50,7 @@ def target(request, etcd_server, tmp_path_factory):
         return
     h = Harness(etcd_server.endpoint, "resp-msg/", logs)
     try:
-        svc = h.service()
-        prefill = h.engine("PREFILL", "prefill", extra=common)
-        decode = h.engine("DECODE", "decode", extra=common)
-        for p in (prefill, decode):
-            p.wait_ready(180)
-        svc.wait_ready(60, path="/readiness")
+        svc, prefill, decode = h.pd_tp_cluster(common, 1, 1)
         yield svc, [prefill.http_url, decode.http_url]
     finally:
         h.stop()
