@@ -247,6 +247,40 @@ def test_vllm_extras_hold_on_every_token(target):
     assert chat.choices[0].message.content == same.choices[0].text
 
 
+@pytest.mark.parametrize("n, length_penalty", [(2, 1.0), (4, 0.5)])
+def test_beam_search_best_beam_equals_transformers(target, n, length_penalty):
+    """use_beam_search on /v1/completions: the best beam equals transformers'
+    generate(num_beams=n, do_sample=False) on the same checkpoint, on MIX and through PD."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    proc, urls = target
+    hf = _hf_tiny(transformers, torch)
+    c = client(proc)
+    for text in ("The story so far:", "Once upon a time"):
+        ids = _token_ids(proc, text, True)
+        resp = c.completions.create(model="tiny", prompt=ids, max_tokens=10, n=n, extra_body={
+            "use_beam_search": True, "length_penalty": length_penalty, "return_token_ids": True})
+        out = hf.generate(torch.tensor([ids]), num_beams=n, do_sample=False, max_new_tokens=10,
+                          length_penalty=length_penalty)[0].tolist()[len(ids):]
+        eos = hf.generation_config.eos_token_id
+        end = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
+        assert resp.choices[0].model_extra["token_ids"] == out[:end]
+        assert len(resp.choices) == n
+    asyncio.run(wait_drained(urls))
+
+
+_HF: dict = {}
+
+
+def _hf_tiny(transformers, torch):
+    if "tiny" not in _HF:
+        from xllm_py.model.tiny import ensure_tiny_model
+        _HF["tiny"] = transformers.AutoModelForCausalLM.from_pretrained(
+            str(ensure_tiny_model("tiny")), dtype=torch.float32).eval()
+    return _HF["tiny"]
+
+
 def _token_ids(proc, text, add_special_tokens=False):
     r = httpx.post(proc.http_url + "/tokenize", json={
         "model": "tiny", "prompt": text, "add_special_tokens": add_special_tokens},

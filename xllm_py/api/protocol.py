@@ -280,10 +280,13 @@ PromptType = Union[str, list[int], list[str], list[list[int]]]
 
 
 class CompletionRequest(_CommonRequest):
+    SUPPORTED = ("use_beam_search",)
     prompt: PromptType
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    use_beam_search: bool = False  # (beam_search.py: n beams)
+    length_penalty: float = 1.0
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -303,6 +306,11 @@ class CompletionRequest(_CommonRequest):
             check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                    f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         check(self.suffix is None, "suffix", "suffix is not supported")
+        if self.use_beam_search:
+            for name, ok in (("stream", not self.stream), ("best_of", self.best_of is None),
+                             ("logprobs", self.logprobs is None), ("echo", not self.echo),
+                             ("response_format", self.output_spec() is None)):
+                check(ok, name, f"{name} is not supported with use_beam_search")
         prompts = self.prompt_list()
         check(len(prompts) > 0, "prompt", "prompt must not be empty")
         self.check_fanout(len(prompts))

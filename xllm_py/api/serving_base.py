@@ -94,16 +94,13 @@ class OpenAIServing:
         """A finished choice of the full response, less the fields common to both endpoints."""
         raise NotImplementedError
 
-    def _response_fields(self, ctx: RequestContext) -> dict[str, Any]:
-        """Extra top-level fields of the full response."""
+    def _response_fields(self, ctx: RequestContext) -> dict[str, Any]:  # (top-level extras)
         return {}
 
-    def _stream_preamble(self, ctx: RequestContext) -> list[dict[str, Any]]:
-        """Chunk choices sent before any output."""
+    def _stream_preamble(self, ctx: RequestContext) -> list[dict[str, Any]]:  # (before output)
         return []
 
-    def _opens_with_prompt(self, ctx: RequestContext) -> bool:
-        """True if a choice's first chunk carries something even without output (echo)."""
+    def _opens_with_prompt(self, ctx: RequestContext) -> bool:  # (echo)
         return False
 
     def _render_delta(
@@ -162,7 +159,7 @@ class OpenAIServing:
 
         logger.debug("request %s: %d prompt(s), n=%d", ctx.request_id, len(gen_reqs), req.n)
         try:
-            gens = Generations(start_streams(self.backend, gen_reqs),
+            gens = Generations(self._streams(req, gen_reqs),
                                on_cancel=ticket.release if ticket is not None else None)
         except APIError as e:
             if ticket is not None:
@@ -173,6 +170,10 @@ class OpenAIServing:
         if req.stream:
             return await self._stream(raw, ctx, gens)
         return await self._complete(raw, ctx, gens)
+
+    def _streams(self, req: Any, gen_reqs: list[GenerateRequest]) -> list[Any]:
+        """One stream of RequestOutputs per prompt (completions' beam search: its own)."""
+        return start_streams(self.backend, gen_reqs)
 
     async def _parse(self, body: bytes, large: bool) -> _CommonRequest:
         """The checked request of `body` (400 / 404 on a bad one); a large body is parsed
@@ -401,9 +402,8 @@ class OpenAIServing:
             chunk["usage"] = None
         return chunk
 
-    def _stream_choice(
-        self, ctx: RequestContext, choice: Choice, delta: CompletionDelta
-    ) -> dict[str, Any] | None:
+    def _stream_choice(self, ctx: RequestContext, choice: Choice,
+                       delta: CompletionDelta) -> dict[str, Any] | None:
         first = not choice.started
         if not (delta.text or delta.token_ids or delta.finish_reason
                 or (first and self._opens_with_prompt(ctx))):
