@@ -40,8 +40,9 @@ def target(request, etcd_server, tmp_path_factory):
     """(the process the client talks to, [every engine's URL])."""
     logs = tmp_path_factory.mktemp(f"logs-{request.param}")
     common = ["--block-size", "8", "--num-blocks", "512"]
+    trust = ["--trust-request-chat-template"]  # (the chat_template test)
     if request.param == "MIX":
-        proc = standalone_mix(logs, common)
+        proc = standalone_mix(logs, [*common, *trust])
         try:
             proc.wait_ready(180)
             yield proc, [proc.http_url]
@@ -50,7 +51,7 @@ def target(request, etcd_server, tmp_path_factory):
         return
     h = Harness(etcd_server.endpoint, "resp-msg/", logs)
     try:
-        svc, prefill, decode = h.pd_tp_cluster(common, 1, 1)
+        svc, prefill, decode = h.pd_tp_cluster(common, 1, 1, service_extra=trust)
         yield svc, [prefill.http_url, decode.http_url]
     finally:
         h.stop()

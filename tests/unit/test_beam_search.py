@@ -70,7 +70,8 @@ def test_the_finished_beams_are_transformers_own(hf, width, length_penalty):
 
 @pytest.mark.parametrize("body, param", [
     ({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"),
-    ({"best_of": 3}, "best_of"), ({"n": 30}, "n"),
+    ({"best_of": 3}, "best_of"), ({"n": 30}, "n"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"length_penalty": 1e300}, "length_penalty"),
 ])
 def test_what_beam_search_does_not_combine_with_is_a_400(server, backend, body, param):
     r = httpx.post(server[1].base_url + "/v1/completions", json={

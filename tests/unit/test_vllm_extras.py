@@ -66,7 +66,7 @@ def test_bad_words_and_truncation_reach_the_request(http, backend):
     ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
     ({"bad_words": [""]}, "bad_words"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
-    ({"chat_template": "{% for %}"}, "chat_template"),
+    ({"chat_template": "{{ messages[0].content }}"}, "chat_template"),  # (not trusted)
 ])
 def test_bad_extras_are_a_400(http, backend, body, param):
     r = http.post("/v1/chat/completions", json={

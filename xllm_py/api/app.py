@@ -58,6 +58,7 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
     admission = Admission(limits)
     completions = OpenAIServingCompletion(backend, metrics, served_model_name, admission)
     chat = OpenAIServingChat(backend, metrics, served_model_name, admission)
+    chat.trust_chat_template = limits.trust_request_chat_template
     responses = OpenAIServingResponses(backend, metrics, served_model_name, admission,
                                        response_store or MemoryResponseStore())
     messages = AnthropicServingMessages(backend, metrics, served_model_name, admission)

@@ -306,9 +306,12 @@ class CompletionRequest(_CommonRequest):
             check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                    f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         check(self.suffix is None, "suffix", "suffix is not supported")
+        check(-10 <= self.length_penalty <= 10, "length_penalty",  # (length ** it: a float)
+              f"length_penalty must be in [-10, 10], got {self.length_penalty}")
         if self.use_beam_search:
             for name, ok in (("stream", not self.stream), ("best_of", self.best_of is None),
                              ("logprobs", self.logprobs is None), ("echo", not self.echo),
+                             ("prompt_logprobs", self.prompt_logprobs is None),
                              ("response_format", self.output_spec() is None)):
                 check(ok, name, f"{name} is not supported with use_beam_search")
         prompts = self.prompt_list()

@@ -24,7 +24,14 @@ class OpenAIServingChat(OpenAIServing):
     chunk_object_name = "chat.completion.chunk"
     prompt_param = "messages"
 
+    # A request's own chat_template is rendered only where the server trusts them.
+    trust_chat_template = False
+
     def _prompts(self, req: ChatCompletionRequest, tokenizer: TokenizerLike) -> list[Prompt]:
+        if req.chat_template is not None and not self.trust_chat_template:
+            raise InvalidRequestError(
+                "chat_template is not accepted by this server (start it with "
+                "--trust-request-chat-template)", param="chat_template")
         tools = req.tool_request()
         if tools is not None:
             req._tool_format = {"auto": format_for(tokenizer), "required": "json_array",
