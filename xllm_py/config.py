@@ -249,6 +249,9 @@ class APILimits:
     max_pending_requests: int = 1024
     max_pending_tokens: int = 2 << 20
     retry_after_s: int = 1
+    # vLLM's --trust-request-chat-template: a request's own chat_template is rendered only
+    # then (a template is code: a sandboxed one can still loop for long).
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_pending_requests", "max_pending_tokens",

@@ -75,6 +75,11 @@ class SamplingParams:
     # The HTTP layer builds it (response_format, structured_outputs, guided_*, tools)
     # and checks it; the engine compiles it against its vocabulary.
     structured: GrammarSpec | None = None
+    # vLLM's allowed_token_ids: only these tokens may be sampled (empty: any token).
+    allowed_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # vLLM's bad_words as token sequences (the HTTP layer tokenizes the words): a
+    # sequence's last token is never sampled where the output ends with the rest of it.
+    bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
     # Filled by the engine from the model's generation config, not by clients.
     eos_token_ids: list[int] = dataclasses.field(
         default_factory=list, metadata={"engine_only": True})
@@ -85,6 +90,8 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self.eos_token_ids = list(self.eos_token_ids)
+        self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words_token_ids = [list(seq) for seq in self.bad_words_token_ids]
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self.validate()
 
@@ -98,6 +105,17 @@ class SamplingParams:
         presence penalty)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether sampling changes the logits before it picks (bias, allowed tokens, bad
+        words): the sampler's general path."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the request's token history (penalties, bad words)."""
+        return self.has_penalties or bool(self.bad_words_token_ids)
 
     def validate(self) -> None:
         """Raise SamplingParamsError naming the first invalid parameter."""
@@ -141,7 +159,10 @@ class SamplingParams:
             )
         if not all(isinstance(s, str) and s for s in self.stop):
             raise SamplingParamsError("stop", "stop must be a list of non-empty strings")
-        for name in ("stop_token_ids", "eos_token_ids"):
+        if not all(isinstance(seq, list) and seq and all(_is_int(t) and t >= 0 for t in seq)
+                   for seq in self.bad_words_token_ids):
+            raise SamplingParamsError("bad_words", "bad_words must be non-empty token sequences")
+        for name in ("stop_token_ids", "eos_token_ids", "allowed_token_ids"):
             ids = getattr(self, name)
             if not all(_is_int(t) and t >= 0 for t in ids):
                 raise SamplingParamsError(name, f"{name} must be a list of token ids >= 0")

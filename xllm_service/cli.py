@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from xllm_py.api.limits import add_limit_flags, limits_from_args
+from xllm_py.api.response_store import ResponseStoreLimits
 from xllm_service.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
 from xllm_py.model.catalog import DEFAULT_MODEL
 from xllm_py.utils.cli import add_flag
@@ -67,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
              help="the Batch API's files and batches, shared by the cluster's services "
                   "(a shared volume across hosts; default: <temp dir>/xllm-batches/"
                   "<etcd namespace>)")
+    add_flag(p, "--responses-max", type=int, default=1000,
+             help="the Responses API's stored responses (in etcd): at most this many, the "
+                  "oldest dropped first")
+    add_flag(p, "--responses-ttl-s", type=float, default=3600.0,
+             help="a stored response expires this long after it was written (s)")
     add_limit_flags(p)
     add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_security_flags(p)
@@ -90,4 +96,6 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         relay=RelayConfig(rpc_timeout_s=args.rpc_timeout,
                           idle_timeout_s=args.request_idle_timeout),
         security=security_from_args(args),
-        api=limits_from_args(args), batch_dir=args.batch_dir)
+        api=limits_from_args(args), batch_dir=args.batch_dir,
+        responses=ResponseStoreLimits(max_responses=args.responses_max,
+                                      ttl_s=args.responses_ttl_s))

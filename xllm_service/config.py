@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from xllm_py.api.response_store import ResponseStoreLimits
 from xllm_py.config import APILimits, SecurityConfig
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +132,8 @@ class ServiceConfig:
     # The Batch API's files, batches and journals (xllm_service/batch/), shared by every
     # service of the cluster; "": <temp dir>/xllm-batches/<etcd namespace> (one host).
     batch_dir: str = ""
+    # The Responses API's stored responses (in etcd: every service of the cluster reads them).
+    responses: ResponseStoreLimits = dataclasses.field(default_factory=ResponseStoreLimits)
 
     def __post_init__(self) -> None:
         if self.etcd_ttl_s <= 0:

@@ -34,6 +34,7 @@ async def run_service(config: ServiceConfig) -> None:
     from xllm_service.metrics import ServiceMetrics
     from xllm_service.prefix_index import PrefixIndex
     from xllm_service.registry import Registry
+    from xllm_service.response_store import EtcdResponseStore
     from xllm_service.pd_decision import build_router
     from xllm_service.rpc_service import (ProxyRegistrations, XllmRpcServicer, bind_server,
                                           start_serving)
@@ -79,7 +80,8 @@ async def run_service(config: ServiceConfig) -> None:
 
     app = build_app(backend, served_model_name=config.model_name,
                     api_keys=config.security.api_keys,
-                    protect_metrics=config.security.protect_metrics, limits=config.api)
+                    protect_metrics=config.security.protect_metrics, limits=config.api,
+                    response_store=EtcdResponseStore(etcd, config.responses))
     batches = BatchService(app, config.batch_root, config.security.api_keys,
                            lambda: election.is_master)
     batches.start()

@@ -51,10 +51,11 @@ class Harness:
         self.procs.append(proc)
         return proc
 
-    def pd_tp_cluster(self, common: list[str], p_tp: int, d_tp: int):
-        """A service with one PREFILL of TP `p_tp` and one DECODE of TP `d_tp` (engine
-        flags `common`), all ready: (service, prefill, decode)."""
-        svc = self.service()
+    def pd_tp_cluster(self, common: list[str], p_tp: int, d_tp: int,
+                      service_extra: list[str] | None = None):
+        """A service (flags `service_extra`) with one PREFILL of TP `p_tp` and one DECODE of
+        TP `d_tp` (engine flags `common`), all ready: (service, prefill, decode)."""
+        svc = self.service(extra=service_extra)
         prefill = self.engine("PREFILL", "prefill", extra=[*common, "--tp", str(p_tp)])
         decode = self.engine("DECODE", "decode", extra=[*common, "--tp", str(d_tp)])
         for p in (prefill, decode):
@@ -65,6 +66,13 @@ class Harness:
     def stop(self) -> None:
         for p in reversed(self.procs):
             p.terminate()
+
+
+def standalone_mix(log_dir: pathlib.Path, extra: list[str]) -> ChildProcess:
+    """A MIX engine of its own (no etcd, no service) on a free port; not yet ready."""
+    port = free_port()
+    return spawn("engine-mix", "xllm_py.engine", engine_args("MIX", port, extra=extra),
+                 log_dir, http_url=f"http://127.0.0.1:{port}")
 
 
 def client(proc: ChildProcess) -> openai.OpenAI:

@@ -15,8 +15,8 @@ import pytest
 
 from tests.integration.cluster_harness import (Harness, client,
                                                kill_mid_stream_and_check_migration, metric,
-                                               start_mix_cluster, wait_drained)
-from xllm_py.utils.procs import engine_args, free_port, spawn
+                                               standalone_mix, start_mix_cluster,
+                                               wait_drained)
 
 pytestmark = pytest.mark.integration
 
@@ -38,9 +38,7 @@ def target(request, etcd_server, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"logs-{request.param}")
     common = ["--block-size", "8", "--num-blocks", "512"]
     if request.param == "MIX":
-        port = free_port()
-        proc = spawn("engine-mix", "xllm_py.engine", engine_args("MIX", port, extra=common),
-                     logs, http_url=f"http://127.0.0.1:{port}")
+        proc = standalone_mix(logs, common)
         try:
             proc.wait_ready(180)
             yield proc, [proc.http_url], request.param

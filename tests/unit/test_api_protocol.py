@@ -5,6 +5,7 @@ import pytest
 
 from xllm_py.api.errors import InvalidRequestError
 from xllm_py.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from xllm_py.api.testing import FakeTokenizer
 
 
 def _parse(cls, **body):
@@ -54,11 +55,16 @@ def test_every_client_sampling_field_reaches_the_sampling_params():
                 max_tokens=9, min_tokens=2, stop=["x"], stop_token_ids=[5], ignore_eos=True,
                 logprobs=2, prompt_logprobs=3, echo=True, skip_special_tokens=False,
                 include_stop_str_in_output=True, logit_bias={"5": 2.5},
-                structured_outputs={"regex": "[ab]+"})
-    expected = {k: v for k, v in body.items() if k != "prompt" and k != "structured_outputs"}
-    expected.update(logit_bias={5: 2.5}, structured=GrammarSpec("regex", "[ab]+"))
+                structured_outputs={"regex": "[ab]+"}, allowed_token_ids=[5, 6],
+                bad_words=["ab"])
+    expected = {k: v for k, v in body.items()
+                if k not in ("prompt", "structured_outputs", "bad_words")}
+    expected.update(logit_bias={5: 2.5}, structured=GrammarSpec("regex", "[ab]+"),
+                    bad_words_token_ids=[[97, 98], [32, 97, 98]])  # "ab" and " ab"
     assert set(expected) == set(REQUEST_FIELDS), "give the new field a value here"
-    gen = _parse(CompletionRequest, **body).to_generate_request(
+    req = _parse(CompletionRequest, **body)
+    req.apply_tokenizer(FakeTokenizer())
+    gen = req.to_generate_request(
         "r", [1], prompt_text=None, max_tokens=9, x_request_id=None, arrival_time=0.0)
     assert {name: getattr(gen.sampling, name) for name in REQUEST_FIELDS} == expected
 

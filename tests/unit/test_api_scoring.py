@@ -206,8 +206,8 @@ def test_version(http):
 @pytest.mark.parametrize("param,value", [
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
-    ("use_beam_search", True),
-    ("allowed_token_ids", [1]),
+    ("prompt_embeds", "x"),
+    ("lora_request", {"lora_name": "a"}),
 ])
 def test_unsupported_parameter_is_a_400_naming_it(http, backend, param, value):
     for route, extra in (("/v1/completions", {"prompt": "a"}),

@@ -58,6 +58,8 @@ _NON_DEFAULT = {
     "echo": True, "skip_special_tokens": False, "include_stop_str_in_output": True,
     "eos_token_ids": [2, 11], "logit_bias": {5: 100.0, 7: -2.5},
     "structured": GrammarSpec("json", '{"type":"object"}', ""),
+    "allowed_token_ids": [5, 9, 300],
+    "bad_words_token_ids": [[7], [8, 9, 10]],
 }
 
 

@@ -17,7 +17,8 @@ SERVICE_MODULES = (
     "xllm_service.cli", "xllm_service.election", "xllm_service.engine_client",
     "xllm_service.instance_table", "xllm_service.metrics", "xllm_service.prefix_index",
     "xllm_service.registry", "xllm_service.router", "xllm_service.rpc_service",
-    "xllm_service.sub_request", "xllm_py.api.app", "xllm_py.api.server",
+    "xllm_service.sub_request", "xllm_service.response_store", "xllm_py.api.app",
+    "xllm_py.api.server",
     "xllm_py.cluster.etcd_client", "xllm_py.model.config", "xllm_py.model.tiny",
     "xllm_py.model.tokenizer", "xllm_py.rpc.service",
 )

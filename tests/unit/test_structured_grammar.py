@@ -92,6 +92,21 @@ def test_whitespace_is_bounded_under_an_enum_schema(tok, compiler):
     assert " " not in tok.decode(compact) and "\n" not in tok.decode(compact)
 
 
+def test_tool_call_grammars_are_compact_json(tok, compiler):
+    """tool_choice required / named: no free whitespace for a weak model to wander in."""
+    from xllm_py.api.tool_choice import tool_request
+
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": ENUMS}}]
+    for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+        spec = tool_request(tools, choice, False).grammar()
+        for seed in range(4):
+            text = tok.decode(_walk(tok, compiler, spec, seed))
+            assert " " not in text and "\n" not in text, text
+            value = json.loads(text)
+            args = value[0]["parameters"] if choice == "required" else value
+            assert args["color"] in ("red", "green", "blue")
+
+
 def test_bitmask_of_a_batch_matches_each_matcher_alone(tok, compiler):
     specs = [GrammarSpec.json_schema(ENUMS), GrammarSpec("regex", "[0-9]+"),
              GrammarSpec.choices(["yes", "no"])]

@@ -12,6 +12,14 @@ Layout (one file per thing it owns):
   serving_base.py        request intake, stream and non-stream responses, errors, metrics
   serving_completions.py /v1/completions: prompts, echo, rendering of its choices
   serving_chat.py        /v1/chat/completions: chat template, rendering of its choices
+  serving_responses.py   /v1/responses (OpenAI's Responses API) on the chat path;
+    responses_protocol.py  its request -> a chat request; response_store.py: stored responses
+  serving_messages.py    /v1/messages (Anthropic's Messages API) on the chat path;
+    messages_protocol.py   its request -> a chat request
+  output_blocks.py       a choice as text and tool-call blocks (Responses items, Messages blocks)
+  chat_messages.py       chat messages as the template reads them
+  vllm_extras.py         allowed_token_ids, bad_words, truncate_prompt_tokens
+  beam_search.py         use_beam_search on /v1/completions, over the backend
   serving_tokenization.py  /tokenize and /detokenize (vLLM's shapes)
   logprobs.py            the two OpenAI logprobs formats, and vLLM's prompt_logprobs
   context.py             per-request state: prompts, choices, the fold of backend outputs

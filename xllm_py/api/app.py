@@ -1,6 +1,8 @@
 """FastAPI app serving the OpenAI API over a GenerateBackend (engine MIX instance or service).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET /
+DELETE /v1/responses/{id}, serving_responses.py), POST /v1/messages (Anthropic's,
+serving_messages.py), GET /v1/models,
 GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's shapes), GET /version,
 GET /health, GET /readiness, GET /metrics, GET /openapi.json (the request bodies' real
 schemas). Limits (xllm_py.config.APILimits): body size (413) and admission (429), see
@@ -29,6 +31,11 @@ from xllm_py.api.openapi import body_schema, install_openapi
 from xllm_py.api.serving_base import OFFLOOP_BODY_BYTES
 from xllm_py.api.serving_chat import OpenAIServingChat
 from xllm_py.api.serving_completions import OpenAIServingCompletion
+from xllm_py.api.response_store import MemoryResponseStore, ResponseStore
+from xllm_py.api.responses_protocol import ResponsesRequest
+from xllm_py.api.serving_responses import OpenAIServingResponses
+from xllm_py.api.messages_protocol import MessagesRequest
+from xllm_py.api.serving_messages import AnthropicServingMessages
 from xllm_py.api.serving_tokenization import OpenAIServingTokenization
 from xllm_py.config import APILimits
 
@@ -39,16 +46,22 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
               api_keys: Sequence[str] = (), protect_metrics: bool = False,
-              limits: APILimits | None = None) -> FastAPI:
+              limits: APILimits | None = None,
+              response_store: ResponseStore | None = None) -> FastAPI:
     """The OpenAI-compatible app; `app.state.completions` / `.chat` / `.metrics` /
     `.admission` for introspection. With `api_keys`, every route but the probes (and
     /metrics unless `protect_metrics`) needs `Authorization: Bearer <key>`
-    (xllm_py.api.auth)."""
+    (xllm_py.api.auth). `response_store` keeps the Responses API's stored responses
+    (default: in this process, MemoryResponseStore)."""
     limits = limits or APILimits()
     metrics = APIMetrics(getattr(backend, "metrics_registry", None))
     admission = Admission(limits)
     completions = OpenAIServingCompletion(backend, metrics, served_model_name, admission)
     chat = OpenAIServingChat(backend, metrics, served_model_name, admission)
+    chat.trust_chat_template = limits.trust_request_chat_template
+    responses = OpenAIServingResponses(backend, metrics, served_model_name, admission,
+                                       response_store or MemoryResponseStore())
+    messages = AnthropicServingMessages(backend, metrics, served_model_name, admission)
     model_name = completions.model_name
     created = int(time.time())
     app = FastAPI(title="xllm-py", docs_url=None, redoc_url=None)
@@ -56,6 +69,8 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
     app.state.admission = admission
     app.state.completions = completions
     app.state.chat = chat
+    app.state.responses = responses
+    app.state.messages = messages
     app.state.metrics = metrics
     app.state.backend = backend
     if api_keys:
@@ -88,6 +103,20 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
                       openapi_extra=body_schema(completions.request_cls))
     app.add_api_route("/v1/chat/completions", chat.handle, methods=["POST"],
                       openapi_extra=body_schema(chat.request_cls))
+
+    app.add_api_route("/v1/responses", responses.handle, methods=["POST"],
+                      openapi_extra=body_schema(ResponsesRequest))
+
+    app.add_api_route("/v1/messages", messages.handle, methods=["POST"],
+                      openapi_extra=body_schema(MessagesRequest))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return JSONResponse(await responses.get(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return JSONResponse(await responses.delete(response_id))
 
     model_card = {
         "id": model_name,
@@ -150,5 +179,6 @@ def build_app(backend: GenerateBackend, *, served_model_name: str | None = None,
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type=PROMETHEUS_CONTENT_TYPE)
 
-    install_openapi(app, [completions.request_cls, chat.request_cls])
+    install_openapi(app, [completions.request_cls, chat.request_cls, ResponsesRequest,
+                           MessagesRequest])
     return app

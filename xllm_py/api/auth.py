@@ -1,5 +1,6 @@
 """API keys on the OpenAI HTTP API (`--api-key`, `--api-key-file`): OpenAI-style
-`Authorization: Bearer <key>`, 401 with an OpenAI error body otherwise.
+`Authorization: Bearer <key>` (or Anthropic-style `x-api-key: <key>`), 401 with an OpenAI
+error body otherwise.
 
 Open without a key: the probes (/health, /readiness) and, unless `protect_metrics`, /metrics.
 Keys are compared in constant time (hmac.compare_digest, against every key) and never logged:
@@ -62,14 +63,18 @@ class APIKeys:
 
 
 def bearer_token(scope: Scope) -> bytes | None:
-    """The token of an `Authorization: Bearer <token>` header, else None."""
+    """The token of an `Authorization: Bearer <token>` header, else of an `x-api-key`
+    header (how Anthropic's clients send it), else None."""
+    api_key = None
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
             if scheme.lower() == b"bearer" and token.strip():
                 return token.strip()
             return None
-    return None
+        if name == b"x-api-key" and value.strip():
+            api_key = value.strip()
+    return api_key
 
 
 _UNAUTHORIZED = json.dumps({"error": {

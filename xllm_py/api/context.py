@@ -68,6 +68,8 @@ class RequestContext:
     token_text: TokenText
     arrival_time: float
     first_token_time: float | None = None
+    # The endpoint's own state of this response (Responses / Messages: its output blocks).
+    state: Any = None
 
     @property
     def n(self) -> int:

@@ -161,10 +161,13 @@ def add_limit_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
              help="prompt tokens (x sequences) in flight beyond which new requests get 429")
     add_flag(parser, "--retry-after", type=int, default=d.retry_after_s,
              help="Retry-After (s) of a 429")
+    add_flag(parser, "--trust-request-chat-template", action="store_true",
+             help="render a chat request's own chat_template (else a 400): a template is code")
 
 
 def limits_from_args(args: argparse.Namespace) -> APILimits:
     return APILimits(max_body_bytes=args.max_body_bytes,
                      max_pending_requests=args.max_pending_requests,
                      max_pending_tokens=args.max_pending_tokens,
-                     retry_after_s=args.retry_after)
+                     retry_after_s=args.retry_after,
+                     trust_request_chat_template=args.trust_request_chat_template)

@@ -17,18 +17,19 @@ request the HTTP layer takes is never refused later as a 500.
 """
 from __future__ import annotations
 
-import json
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, TypeVar, Union
 
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from xllm_py.api.backend import GenerateRequest
+from xllm_py.api.chat_messages import ChatMessage
 from xllm_py.api.errors import InvalidRequestError
 from xllm_py.api.structured_request import StructuredFields
 from xllm_py.api.tool_choice import ToolRequest, tool_request
 from xllm_py.api.unsupported import UnsupportedFields
 from xllm_py.api.validation import check, check_wire_values, parse_model
+from xllm_py.api.vllm_extras import VLLMExtraFields
 from xllm_py.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, REQUEST_FIELDS, SamplingParams,
                                      SamplingParamsError)
 
@@ -59,7 +60,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class _CommonRequest(UnsupportedFields, StructuredFields):
+class _CommonRequest(UnsupportedFields, StructuredFields, VLLMExtraFields):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -175,6 +176,7 @@ class _CommonRequest(UnsupportedFields, StructuredFields):
                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         self.logit_bias_ids()
         self.output_spec()
+        self.check_extras()
 
     def logit_bias_ids(self) -> dict[int, float]:
         """logit_bias with integer token ids; 400 (param logit_bias) for a key that is not
@@ -239,6 +241,7 @@ class _CommonRequest(UnsupportedFields, StructuredFields):
             prompt_logprobs=self.num_prompt_logprobs(),
             logit_bias=self.logit_bias_ids() or None,
             structured=self.output_spec(),
+            **self.extra_sampling_fields(),
         )
         return {name: value for name, value in fields.items() if value is not None}
 
@@ -277,10 +280,13 @@ PromptType = Union[str, list[int], list[str], list[list[int]]]
 
 
 class CompletionRequest(_CommonRequest):
+    SUPPORTED = ("use_beam_search",)
     prompt: PromptType
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    use_beam_search: bool = False  # (beam_search.py: n beams)
+    length_penalty: float = 1.0
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -300,6 +306,14 @@ class CompletionRequest(_CommonRequest):
             check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                    f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         check(self.suffix is None, "suffix", "suffix is not supported")
+        check(-10 <= self.length_penalty <= 10, "length_penalty",  # (length ** it: a float)
+              f"length_penalty must be in [-10, 10], got {self.length_penalty}")
+        if self.use_beam_search:
+            for name, ok in (("stream", not self.stream), ("best_of", self.best_of is None),
+                             ("logprobs", self.logprobs is None), ("echo", not self.echo),
+                             ("prompt_logprobs", self.prompt_logprobs is None),
+                             ("response_format", self.output_spec() is None)):
+                check(ok, name, f"{name} is not supported with use_beam_search")
         prompts = self.prompt_list()
         check(len(prompts) > 0, "prompt", "prompt must not be empty")
         self.check_fanout(len(prompts))
@@ -320,66 +334,19 @@ class CompletionRequest(_CommonRequest):
         return list(p)  # type: ignore[arg-type]
 
 
-class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool message: the call it answers
-
-    def to_template_dict(self) -> dict[str, Any]:
-        if isinstance(self.content, list):
-            texts = []
-            for part in self.content:
-                if part.type != "text" or part.text is None:
-                    raise InvalidRequestError(
-                        f"unsupported content part type {part.type!r}; only text parts are served",
-                        param="messages",
-                    )
-                texts.append(part.text)
-            content: str = "\n".join(texts)
-        else:
-            content = self.content or ""
-        out: dict[str, Any] = {"role": self.role, "content": content}
-        if self.name is not None:
-            out["name"] = self.name
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:
-            out["tool_calls"] = [template_tool_call(c) for c in self.tool_calls]
-        return out
-
-
-def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message's tool call as chat templates read it: the function's
-    arguments as an object (the API carries them as JSON text), also at the top level."""
-    fn = call.get("function") if isinstance(call.get("function"), dict) else {}
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            pass
-    fn = {**fn, "arguments": args}
-    return {**call, "function": fn, "name": fn.get("name"), "arguments": args}
-
-
 class ChatCompletionRequest(_CommonRequest):
-    SUPPORTED = ("tools", "tool_choice", "parallel_tool_calls")
+    SUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "chat_template")
     # The tool-call format its choices are read in (serving_chat; None: no tools).
     _tool_format: str | None = PrivateAttr(default=None)
+    # The request of another API this chat request serves (Responses, Messages), if any.
+    _origin: Any = PrivateAttr(default=None)
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     # vLLM chat extensions not implemented: a 400 unless left at their default
+    chat_template: str | None = None  # (vllm_extras.py)
+    chat_template_kwargs: dict[str, Any] | None = None
     echo: bool | None = None
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
@@ -406,6 +373,9 @@ class ChatCompletionRequest(_CommonRequest):
             value = getattr(self, name)
             check(value is None or value == default, name,
                    f"{name}={value} is not supported on chat completions")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_ARGS)
+        check(not reserved, "chat_template_kwargs", f"chat_template_kwargs cannot set "
+              f"{', '.join(reserved)} (the request's own fields)")
         if self.top_logprobs is not None:
             check(0 <= self.top_logprobs <= MAX_LOGPROBS, "top_logprobs",
                    f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
@@ -431,6 +401,10 @@ class ChatCompletionRequest(_CommonRequest):
             found.append(("tool_choice", spec))
         return found
 
+
+# What a chat template is given from the request itself, not from chat_template_kwargs.
+_TEMPLATE_ARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                            "chat_template"})
 
 _R = TypeVar("_R", bound=_CommonRequest)
 

@@ -65,7 +65,8 @@ class OpenAIServing:
     attributes and the `_prompts` / `_render_*` hooks."""
 
     request_cls: ClassVar[type[_CommonRequest]]
-    id_prefix: ClassVar[str]  # response ids: "<prefix>-<32 hex>"
+    id_prefix: ClassVar[str]  # response ids: "<prefix><id_sep><32 hex>"
+    id_sep: ClassVar[str] = "-"
     object_name: ClassVar[str]  # "object" of a full response
     chunk_object_name: ClassVar[str]  # "object" of a stream chunk
     prompt_param: ClassVar[str]  # the request field a too-long prompt is blamed on
@@ -93,16 +94,13 @@ class OpenAIServing:
         """A finished choice of the full response, less the fields common to both endpoints."""
         raise NotImplementedError
 
-    def _response_fields(self, ctx: RequestContext) -> dict[str, Any]:
-        """Extra top-level fields of the full response."""
+    def _response_fields(self, ctx: RequestContext) -> dict[str, Any]:  # (top-level extras)
         return {}
 
-    def _stream_preamble(self, ctx: RequestContext) -> list[dict[str, Any]]:
-        """Chunk choices sent before any output."""
+    def _stream_preamble(self, ctx: RequestContext) -> list[dict[str, Any]]:  # (before output)
         return []
 
-    def _opens_with_prompt(self, ctx: RequestContext) -> bool:
-        """True if a choice's first chunk carries something even without output (echo)."""
+    def _opens_with_prompt(self, ctx: RequestContext) -> bool:  # (echo)
         return False
 
     def _render_delta(
@@ -134,11 +132,13 @@ class OpenAIServing:
         try:
             self.check_ready()
             body = await raw.body()
-            if len(body) > OFFLOOP_BODY_BYTES:
-                req, ctx, gen_reqs = await asyncio.to_thread(
-                    self._intake, body, x_request_id, arrival_time)
+            large = len(body) > OFFLOOP_BODY_BYTES
+            req = await self._parse(body, large)
+            if large:
+                ctx, gen_reqs = await asyncio.to_thread(
+                    self._prepare, req, x_request_id, arrival_time)
             else:
-                req, ctx, gen_reqs = self._intake(body, x_request_id, arrival_time)
+                ctx, gen_reqs = self._prepare(req, x_request_id, arrival_time)
             spec = gen_reqs[0].sampling.structured if gen_reqs else None
             if spec is not None:  # compiled off the loop unless its verdict is cached
                 if grammar.is_checked(spec):
@@ -150,43 +150,55 @@ class OpenAIServing:
                     sum(len(g.prompt_token_ids) for g in gen_reqs) * max(req.n, req.best_of or 1))
         except APIError as e:
             self._count_error(e)
-            return _error_response(e)
+            return self._error_response(e)
         except Exception as e:  # tokenizer / template failures: a 500 with an OpenAI body
             logger.exception("preparing a %s request failed", self.object_name)
             err = APIError(f"internal error ({type(e).__name__})", status_code=500)
             self._count_error(err)
-            return _error_response(err)
+            return self._error_response(err)
 
         logger.debug("request %s: %d prompt(s), n=%d", ctx.request_id, len(gen_reqs), req.n)
         try:
-            gens = Generations(start_streams(self.backend, gen_reqs),
+            gens = Generations(self._streams(req, gen_reqs),
                                on_cancel=ticket.release if ticket is not None else None)
         except APIError as e:
             if ticket is not None:
                 ticket.release()
             self._count_error(e)
-            return _error_response(e, ctx.headers())
+            return self._error_response(e, ctx.headers())
 
         if req.stream:
             return await self._stream(raw, ctx, gens)
         return await self._complete(raw, ctx, gens)
 
-    def _intake(
-        self, body: bytes, x_request_id: str | None, arrival_time: float
-    ) -> tuple[_CommonRequest, RequestContext, list[GenerateRequest]]:
-        """Parse, check and tokenize (thread-safe: may run off the event loop)."""
+    def _streams(self, req: Any, gen_reqs: list[GenerateRequest]) -> list[Any]:
+        """One stream of RequestOutputs per prompt (completions' beam search: its own)."""
+        return start_streams(self.backend, gen_reqs)
+
+    async def _parse(self, body: bytes, large: bool) -> _CommonRequest:
+        """The checked request of `body` (400 / 404 on a bad one); a large body is parsed
+        in a worker thread. Endpoints that must look something up first (a stored
+        conversation) override it."""
+        if large:
+            return await asyncio.to_thread(self._parse_body, body)
+        return self._parse_body(body)
+
+    def _parse_body(self, body: bytes) -> _CommonRequest:
+        """Parse and check (thread-safe: may run off the event loop)."""
         req = parse_request(self.request_cls, body)
         self.check_model(req.model)
-        ctx, gen_reqs = self._prepare(req, x_request_id, arrival_time)
-        return req, ctx, gen_reqs
+        return req
 
     def _prepare(
         self, req: _CommonRequest, x_request_id: str | None, arrival_time: float
     ) -> tuple[RequestContext, list[GenerateRequest]]:
         tokenizer = self.backend.tokenizer()
         prompts = self._prompts(req, tokenizer)
+        req.apply_tokenizer(tokenizer)  # (vllm_extras.py: bad_words, truncate_prompt_tokens)
+        for p in prompts:
+            p.token_ids = req.truncated(p.token_ids, self.backend.max_model_len)
         max_tokens = [self._max_tokens(req, len(p.token_ids)) for p in prompts]
-        base_id = f"{self.id_prefix}-{_random_hex()}"
+        base_id = f"{self.id_prefix}{self.id_sep}{_random_hex()}"
         gen_reqs = [
             req.to_generate_request(
                 base_id if len(prompts) == 1 else f"{base_id}-{i}",
@@ -233,6 +245,10 @@ class OpenAIServing:
             )
         return requested
 
+    def _error_response(self, e: APIError, headers: dict[str, str] | None = None) -> Response:
+        """An error answered before the response started (the endpoint's error shape)."""
+        return error_response(e, headers)
+
     # -- non-stream -----------------------------------------------------------------------
 
     async def _complete(self, raw: Request, ctx: RequestContext, gens: Generations) -> Response:
@@ -249,12 +265,21 @@ class OpenAIServing:
         except APIError as e:
             self._count_error(e)
             logger.warning("request %s failed: %d %s", ctx.request_id, e.status_code, e.message)
-            return _error_response(e, ctx.headers())
+            return self._error_response(e, ctx.headers())
         finally:
             gens.cancel()
 
         self._observe(ctx)
-        body = {
+        try:
+            body = await self._full_response(ctx)
+        except APIError as e:
+            self._count_error(e)
+            return self._error_response(e, ctx.headers())
+        return Response(dumps(body), media_type="application/json", headers=ctx.headers())
+
+    async def _full_response(self, ctx: RequestContext) -> dict[str, Any]:
+        """The non-stream response body of a finished request."""
+        return {
             "id": ctx.request_id,
             "object": self.object_name,
             "created": ctx.created,
@@ -263,7 +288,6 @@ class OpenAIServing:
             "usage": ctx.usage(),
             **self._response_fields(ctx),
         }
-        return Response(dumps(body), media_type="application/json", headers=ctx.headers())
 
     def _full_choice(self, ctx: RequestContext, c: Choice) -> dict[str, Any]:
         choice = self._render_choice(ctx, c)
@@ -290,7 +314,7 @@ class OpenAIServing:
             gens.cancel()
             self._count_error(e)
             logger.warning("request %s failed: %d %s", ctx.request_id, e.status_code, e.message)
-            return _error_response(e, ctx.headers())
+            return self._error_response(e, ctx.headers())
         return SSEResponse(
             self._sse(ctx, gens, first_events, first is None),
             headers={**ctx.headers(), "Cache-Control": "no-cache"}, on_close=gens.cancel,
@@ -305,14 +329,13 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         outcome = m.OUTCOME_CANCELLED
         try:
-            for chunk_choice in self._stream_preamble(ctx):
-                yield sse_event(self._chunk(ctx, [chunk_choice]))
+            for event in self._sse_open(ctx):
+                yield event
             events = first_events
             while True:
                 for choice, delta in events:
-                    chunk_choice = self._stream_choice(ctx, choice, delta)
-                    if chunk_choice is not None:
-                        yield sse_event(self._chunk(ctx, [chunk_choice]))
+                    for event in self._sse_delta(ctx, choice, delta):
+                        yield event
                 if ended:
                     break
                 try:
@@ -326,19 +349,11 @@ class OpenAIServing:
                         "request %s failed mid-stream: %d %s", ctx.request_id, e.status_code,
                         e.message,
                     )
-                    yield sse_event(e.to_dict())
-                    yield DONE_EVENT
+                    for event in self._sse_error(ctx, e):
+                        yield event
                     return
-            if ctx.req.include_usage():
-                yield sse_event({
-                    "id": ctx.request_id,
-                    "object": self.chunk_object_name,
-                    "created": ctx.created,
-                    "model": ctx.model,
-                    "choices": [],
-                    "usage": ctx.usage(),
-                })
-            yield DONE_EVENT
+            for event in await self._sse_close(ctx):
+                yield event
             outcome = m.OUTCOME_SUCCESS
             self._observe(ctx)
         finally:
@@ -347,6 +362,31 @@ class OpenAIServing:
                 logger.info("request %s: client disconnected mid-stream, cancelled", ctx.request_id)
             if outcome != m.OUTCOME_SUCCESS:
                 self.metrics.count(outcome)
+
+    # The stream's events (SSE text); an endpoint with its own event types overrides them.
+
+    def _sse_open(self, ctx: RequestContext) -> list[str]:
+        return [sse_event(self._chunk(ctx, [c])) for c in self._stream_preamble(ctx)]
+
+    def _sse_delta(self, ctx: RequestContext, choice: Choice, delta: CompletionDelta) -> list[str]:
+        chunk_choice = self._stream_choice(ctx, choice, delta)
+        return [] if chunk_choice is None else [sse_event(self._chunk(ctx, [chunk_choice]))]
+
+    def _sse_error(self, ctx: RequestContext, e: APIError) -> list[str]:
+        return [sse_event(e.to_dict()), DONE_EVENT]
+
+    async def _sse_close(self, ctx: RequestContext) -> list[str]:
+        events = []
+        if ctx.req.include_usage():
+            events.append(sse_event({
+                "id": ctx.request_id,
+                "object": self.chunk_object_name,
+                "created": ctx.created,
+                "model": ctx.model,
+                "choices": [],
+                "usage": ctx.usage(),
+            }))
+        return [*events, DONE_EVENT]
 
     def _chunk(self, ctx: RequestContext, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk: dict[str, Any] = {
@@ -362,9 +402,8 @@ class OpenAIServing:
             chunk["usage"] = None
         return chunk
 
-    def _stream_choice(
-        self, ctx: RequestContext, choice: Choice, delta: CompletionDelta
-    ) -> dict[str, Any] | None:
+    def _stream_choice(self, ctx: RequestContext, choice: Choice,
+                       delta: CompletionDelta) -> dict[str, Any] | None:
         first = not choice.started
         if not (delta.text or delta.token_ids or delta.finish_reason
                 or (first and self._opens_with_prompt(ctx))):
@@ -402,8 +441,10 @@ def _random_hex() -> str:
     return f"{random.getrandbits(128):032x}"
 
 
-def _error_response(e: APIError, headers: dict[str, str] | None = None) -> Response:
+def error_response(e: APIError, headers: dict[str, str] | None = None,
+                   body: dict[str, Any] | None = None) -> Response:
+    """The JSON error response of `e` (`body`: another API's error shape of it)."""
     return Response(
-        dumps(e.to_dict()), status_code=e.status_code, media_type="application/json",
-        headers={**(headers or {}), **e.headers()},
+        dumps(e.to_dict() if body is None else body), status_code=e.status_code,
+        media_type="application/json", headers={**(headers or {}), **e.headers()},
     )

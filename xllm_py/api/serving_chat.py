@@ -24,20 +24,29 @@ class OpenAIServingChat(OpenAIServing):
     chunk_object_name = "chat.completion.chunk"
     prompt_param = "messages"
 
+    # A request's own chat_template is rendered only where the server trusts them.
+    trust_chat_template = False
+
     def _prompts(self, req: ChatCompletionRequest, tokenizer: TokenizerLike) -> list[Prompt]:
+        if req.chat_template is not None and not self.trust_chat_template:
+            raise InvalidRequestError(
+                "chat_template is not accepted by this server (start it with "
+                "--trust-request-chat-template)", param="chat_template")
         tools = req.tool_request()
         if tools is not None:
             req._tool_format = {"auto": format_for(tokenizer), "required": "json_array",
                                 "named": "arguments"}[tools.mode]
         return [Prompt(token_ids=render_chat(
             tokenizer, req.template_messages(),
-            tools=tools.template_tools() if tools is not None else None), text=None)]
+            tools=tools.template_tools() if tools is not None else None,
+            chat_template=req.chat_template, template_kwargs=req.chat_template_kwargs),
+            text=None)]
 
     def _render_choice(self, ctx: RequestContext, choice: Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         fmt = ctx.req._tool_format
         if fmt is not None:
-            content, calls = parse(choice.text, fmt, True, _tool_name(ctx))
+            content, calls = parse(choice.text, fmt, True, tool_name(ctx))
             if calls:
                 message = {"role": "assistant", "content": content.strip() or None,
                            "tool_calls": message_tool_calls(calls)}
@@ -75,7 +84,7 @@ class OpenAIServingChat(OpenAIServing):
         fmt = ctx.req._tool_format
         if fmt is not None:
             if choice.tool_stream is None:
-                choice.tool_stream = ToolStream(fmt, _tool_name(ctx))
+                choice.tool_stream = ToolStream(fmt, tool_name(ctx))
             text, calls = choice.tool_stream.feed(delta.text, delta.finish_reason is not None)
             if calls:
                 out["tool_calls"] = calls
@@ -104,23 +113,30 @@ class OpenAIServingChat(OpenAIServing):
         return {"content": chat_logprobs(entries, num_top, ctx.token_text)}
 
 
-def _tool_name(ctx: RequestContext) -> str | None:
+def tool_name(ctx: RequestContext) -> str | None:
     tools = ctx.req.tool_request()
     return tools.name if tools is not None else None
 
 
 def render_chat(tokenizer: TokenizerLike, messages: list[dict[str, Any]], *,
                 add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of messages through the chat template (400 if the template refuses them);
-    `tools` reach the template (HF templates render them) when given."""
-    extra = {"tools": tools} if tools else {}
+    `tools` reach the template (HF templates render them) when given; `chat_template`
+    replaces the model's, `template_kwargs` are more variables of it."""
+    extra: dict[str, Any] = {**(template_kwargs or {})}
+    if tools:
+        extra["tools"] = tools
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
     try:
         rendered = tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, **extra)
     except Exception as e:  # e.g. jinja: "roles must alternate user/assistant"
         raise InvalidRequestError(
-            f"chat template could not be applied: {str(e)[:200]}", param="messages"
+            f"chat template could not be applied: {str(e)[:200]}",
+            param="messages" if chat_template is None else "chat_template"
         ) from e
     if isinstance(rendered, str):
         return list(tokenizer.encode(rendered, add_special_tokens=add_special_tokens))

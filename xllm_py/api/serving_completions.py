@@ -3,18 +3,22 @@ logprobs in the completions format (parallel lists with text offsets). With echo
 logprobs the prompt tokens carry their own logprobs (the engine computes them, see
 `CompletionRequest.num_prompt_logprobs`), null for the first; vLLM's `prompt_logprobs`
 renders them in vLLM's format on each choice. max_tokens 0 with echo or prompt_logprobs
-scores the prompt and generates nothing."""
+scores the prompt and generates nothing. `use_beam_search` (n beams, length_penalty): each
+prompt's choices are its best n beams (beam_search.py)."""
 from __future__ import annotations
 
 from typing import Any
 
-from xllm_py.api.backend import TokenizerLike
+from xllm_py.api.backend import GenerateRequest, TokenizerLike
+from xllm_py.api.beam_search import beam_stream, candidates_per_step
 from xllm_py.api.context import Choice, Prompt, RequestContext
 from xllm_py.api.errors import InvalidRequestError
 from xllm_py.api.logprobs import completion_logprobs, entries_for, vllm_prompt_logprobs
 from xllm_py.api.protocol import CompletionRequest
 from xllm_py.api.serving_base import OpenAIServing
+from xllm_py.api.validation import check
 from xllm_py.outputs import CompletionDelta, TokenLogprob
+from xllm_py.sampling_params import MAX_LOGPROBS
 from xllm_py.request import prompt_token_error
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI legacy completions default
@@ -38,6 +42,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise InvalidRequestError(error, param="prompt")
             prompts.append(Prompt(list(p), tokenizer.decode(p) if req.echo else None))
         return prompts
+
+    def _streams(self, req: CompletionRequest, gen_reqs: list[GenerateRequest]) -> list[Any]:
+        if not req.use_beam_search:
+            return super()._streams(req, gen_reqs)
+        tokenizer = self.backend.tokenizer()
+        check(candidates_per_step(req.n, len(tokenizer.eos_token_ids)) <= MAX_LOGPROBS, "n",
+              f"beam search with n={req.n} beams needs more than {MAX_LOGPROBS} logprobs "
+              "a step on this model; use fewer beams")
+        return [beam_stream(self.backend, tokenizer, g, req.length_penalty) for g in gen_reqs]
 
     def _default_max_tokens(self, num_prompt_tokens: int, max_model_len: int) -> int:
         return min(max_model_len - num_prompt_tokens, _DEFAULT_MAX_TOKENS)

@@ -9,6 +9,8 @@ the request needs:
             alternative per tool with its parameter schema (one item unless
             parallel_tool_calls)
   named     constrained by the named tool's parameter schema: the output is its arguments
+Both grammars are compact JSON (no whitespace between tokens). The same on every API that
+takes tools (chat completions, Responses, Messages: they share this path).
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from xllm_py.structured.spec import GrammarSpec
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 MAX_TOOLS = 128
+# No free whitespace in a tool call's JSON: a weak model otherwise wanders in it
+# ("[\n     {\n  ...") until max_tokens and the response has no tool call at all.
+_COMPACT = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +41,7 @@ class ToolRequest:
 
     def grammar(self) -> GrammarSpec | None:
         if self.mode == "named":
-            return GrammarSpec.json_schema(_parameters(self._tool(self.name)))
+            return GrammarSpec.json_schema(_parameters(self._tool(self.name)), _COMPACT)
         if self.mode != "required":
             return None
         alternatives = [{
@@ -48,7 +53,7 @@ class ToolRequest:
                                   else {"anyOf": alternatives}}
         if not self.parallel:
             schema["maxItems"] = 1
-        return GrammarSpec.json_schema(schema)
+        return GrammarSpec.json_schema(schema, _COMPACT)
 
     def _tool(self, name: str | None) -> dict[str, Any]:
         return next(f for f in self.tools if f["name"] == name)

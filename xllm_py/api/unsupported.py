@@ -32,11 +32,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "prediction": _absent,
     "web_search_options": _absent,
     "reasoning_effort": _absent,
-    "bad_words": _absent,
-    "allowed_token_ids": _absent,
     "use_beam_search": lambda v: v is None or v is False,
     "prompt_embeds": _absent,
-    "truncate_prompt_tokens": _absent,
     "chat_template": _absent,
     "documents": _absent,
     "lora_request": _absent,
@@ -56,11 +53,8 @@ class UnsupportedFields(BaseModel):
     prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
-    bad_words: Any = None
-    allowed_token_ids: Any = None
     use_beam_search: Any = None
     prompt_embeds: Any = None
-    truncate_prompt_tokens: Any = None
     chat_template: Any = None
     documents: Any = None
     lora_request: Any = None

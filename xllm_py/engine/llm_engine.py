@@ -288,10 +288,11 @@ class LLMEngine:
         if len(req.prompt_token_ids) + 1 > self.max_model_len:
             return (f"prompt has {len(req.prompt_token_ids)} tokens; "
                     + limit_what.format(self.max_model_len))
-        bad_bias = [t for t in params.logit_bias if t >= self.model_config.vocab_size]
-        if bad_bias:
-            return (f"logit_bias token id {bad_bias[0]} is out of range: the vocabulary has "
-                    f"{self.model_config.vocab_size} tokens")
+        bad_ids = [t for t in (*params.logit_bias, *params.allowed_token_ids)
+                   if t >= self.model_config.vocab_size]
+        if bad_ids:
+            return (f"token id {bad_ids[0]} (logit_bias / allowed_token_ids) is out of range: "
+                    f"the vocabulary has {self.model_config.vocab_size} tokens")
         if req.usage_prompt_tokens is not None and params.prompt_logprobs is not None:
             # migrated: its prompt logprobs went out with its first output elsewhere
             params = dataclasses.replace(params, prompt_logprobs=None)

@@ -82,7 +82,7 @@ class Sampler:
         # Hot path: greedy, no bias, no penalties, no logprobs (a mask: masked_greedy).
         for row in rows:
             if (not row.is_greedy or row.has_penalties or row.params.logprobs is not None
-                    or row.params.logit_bias):
+                    or row.params.edits_logits):
                 break
         else:
             if (logits.device.type == "cpu" and logits.dtype == torch.float32
@@ -101,6 +101,8 @@ class Sampler:
         logits = logits.float()
         if any(row.params.logit_bias for row in rows):
             logits = apply_logit_bias(logits, rows)
+        if any(row.params.allowed_token_ids or row.params.bad_words_token_ids for row in rows):
+            logits = apply_token_limits(logits.clone() if logits is raw_logits else logits, rows)
         if any(row.has_penalties for row in rows):
             logits = apply_penalties(logits, rows)
         if mask is not None:  # on a copy: logprobs are of the raw logits
@@ -185,6 +187,28 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     out[torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device)] += (
         torch.tensor(biases, dtype=out.dtype, device=device))
     return out
+
+
+def apply_token_limits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """`logits` [N, V] (modified in place) with -inf at the tokens a row may not sample:
+    those outside its allowed_token_ids, and the last token of each bad word whose other
+    tokens end the row's output so far."""
+    vocab_size = logits.shape[1]
+    for i, row in enumerate(rows):
+        allowed = row.params.allowed_token_ids
+        if allowed:
+            keep = torch.zeros(vocab_size, dtype=torch.bool, device=logits.device)
+            keep[torch.tensor([t for t in allowed if t < vocab_size], dtype=torch.long,
+                              device=logits.device)] = True
+            logits[i].masked_fill_(~keep, float("-inf"))
+        output = row.output_token_ids
+        banned = [seq[-1] for seq in row.params.bad_words_token_ids
+                  if seq[-1] < vocab_size and (len(seq) == 1 or (
+                      len(output) >= len(seq) - 1
+                      and list(output[len(output) - len(seq) + 1:]) == seq[:-1]))]
+        if banned:
+            logits[i, torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -365,7 +389,7 @@ def request_row(request) -> SamplingRow:
     row = request.sampling_row
     if row is None:
         p = request.sampling_params
-        history = p.has_penalties
+        history = p.reads_history
         row = SamplingRow(p, output_token_ids=request.output_token_ids if history else (),
                           prompt_token_ids=request.prompt_token_ids if history else ())
         request.sampling_row = row

@@ -42,13 +42,14 @@ class EngineRequestSpec:
 # How SamplingParams travels in a DisaggRequest. Every rule is read from the two schemas,
 # not listed by field, except _OWN: the fields whose proto form differs (top_k's 0 = off,
 # stop as StopSequence, logprobs as a flag + top_logprobs, max_tokens's legacy 0, the
-# logit_bias map, the grammar message), converted by hand below. Of the others, each with
+# logit_bias map, the grammar message, bad words as TokenSequence), converted by hand below. Of the others, each with
 # a proto field of its name: one with a `has_<name>` flag in the proto is sent with it
 # (_FLAGGED); a number whose SamplingParams default is None or not 0 has "zero means
 # unset" (_ZERO_UNSET); the rest (flags, lists, numbers defaulting to 0) travel as they are
 # (_SAME_NAME). A SamplingParams field with no proto field of its name and not in _OWN
 # fails at import.
-_OWN = ("top_k", "stop", "logprobs", "max_tokens", "logit_bias", "structured")
+_OWN = ("top_k", "stop", "logprobs", "max_tokens", "logit_bias", "structured",
+        "bad_words_token_ids")
 
 
 def _field_rules() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
@@ -99,6 +100,8 @@ def params_to_proto(params: SamplingParams, msg: pb.DisaggRequest) -> None:
         msg.max_tokens = params.max_tokens
     for token_id, bias in params.logit_bias.items():
         msg.logit_bias[token_id] = bias
+    for seq in params.bad_words_token_ids:
+        msg.bad_words.add(token_ids=seq)
     if params.structured is not None:
         g = params.structured
         msg.structured_output.kind, msg.structured_output.value = g.kind, g.value
@@ -126,6 +129,7 @@ def params_from_proto(msg: pb.DisaggRequest) -> SamplingParams:
     if msg.has_max_tokens or msg.max_tokens:
         kwargs["max_tokens"] = msg.max_tokens
     kwargs["logit_bias"] = dict(msg.logit_bias)
+    kwargs["bad_words_token_ids"] = [list(seq.token_ids) for seq in msg.bad_words]
     if msg.HasField("structured_output"):
         so = msg.structured_output
         kwargs["structured"] = GrammarSpec(
