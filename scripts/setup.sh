@@ -85,7 +85,6 @@ else
   INSTALLED=1
 fi
 
-run "$VPY" -m pip install -q -e ".[test,ucx,kvstore]"
 # The Mooncake Store's client needs two system libraries (no RDMA device, no GPU): as root,
 # install them; otherwise say what to install (the engines then keep their local KV tiers).
 if [ "$(uname -s)" = Linux ] && ! { ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 && ldconfig -p 2>/dev/null | grep -q libnuma.so.1; }; then
@@ -96,6 +95,7 @@ if [ "$(uname -s)" = Linux ] && ! { ldconfig -p 2>/dev/null | grep -q libibverbs
     echo "note: the Mooncake KV store needs libibverbs1 and libnuma1 (e.g. sudo apt-get install libibverbs1 libnuma1)"
   fi
 fi
+run "$VPY" -m pip install -q -e ".[test,ucx,kvstore]"
 
 if [ "$DRY" = 1 ]; then
   echo "(dry run: nothing was installed)"

@@ -70,7 +70,7 @@ def test_dry_run_without_torch_uses_the_cpu_index_and_runs_nothing(tmp_path):
     torch = [c for c in commands if "torch==" in c]
     assert torch == [f"{venv}/bin/python -m pip install -q torch==2.13.0 "
                      f"--extra-index-url {CPU_INDEX}"]
-    assert commands[-1] == f"{venv}/bin/python -m pip install -q -e .[test,ucx]"
+    assert commands[-1] == f"{venv}/bin/python -m pip install -q -e .[test,ucx,kvstore]"
     assert "cannot be reached" not in out.stdout  # (a dry run checks no network)
     assert not venv.exists()
 
@@ -88,7 +88,7 @@ def test_existing_torch_is_left_alone(fake_venv):
     assert out.returncode == 0, out.stderr
     assert _torch_installs(log) == []
     assert "keeping the installed torch 2.9.0+cu128" in out.stdout
-    assert "-e .[test,ucx]" in log.read_text()
+    assert "-e .[test,ucx,kvstore]" in log.read_text()
     assert "not what this script installs" not in out.stdout  # (theirs, not ours)
 
 
