@@ -63,7 +63,7 @@ from typing import Callable, Sequence
 from xllm_py.cluster import slo_defaults
 from xllm_service.config import RouterConfig
 from xllm_service.instance_table import InstanceInfo
-from xllm_service.prefix_index import PrefixIndex, prompt_block_hashes
+from xllm_service.prefix_index import PrefixIndex, load_ms, prompt_block_hashes
 from xllm_service.router import LoadBalancePolicy, Path, Route, Router, policy_from_config
 from xllm_service.slo_predictor import Prediction, SloPredictor
 from xllm_service.sub_request import InstanceWork
@@ -79,13 +79,20 @@ class PrefixCache:
 
     def cached_tokens(self, info: InstanceInfo, prompt: Sequence[int],
                       chains: dict[int, list[int]]) -> int:
+        return self.lookup(info, prompt, chains)[0]
+
+    def lookup(self, info: InstanceInfo, prompt: Sequence[int],
+               chains: dict[int, list[int]]) -> tuple[int, float]:
+        """(prompt tokens `info` computes none of: in its pool or its KV tiers, the ms
+        loading those from the tiers costs it)."""
         bs = info.meta.block_size
-        if not prompt or bs <= 0 or not self.index.num_cached_blocks(info.name):
-            return 0
+        if not prompt or bs <= 0:
+            return 0, 0.0
         if bs not in chains:
             chains[bs] = prompt_block_hashes(prompt, bs)
+        pool, below = self.index.matched(info, chains[bs])
         # The engine computes the last prompt token even on a full hit (its logits).
-        return min(self.index.matched_blocks(info.name, chains[bs]) * bs, len(prompt) - 1)
+        return min((pool + sum(below.values())) * bs, len(prompt) - 1), load_ms(info, below)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,17 +175,20 @@ class SloRouter:
         self._last = self.stated(prefills, decodes)
         ttft_slo, tpot_slo = self.targets(request)
         chains: dict[int, list[int]] = {}
-        uncached = {i.name: len(prompt) - self.decider.cache.cached_tokens(i, prompt, chains)
-                    for i in (*prefills, *decodes)}
+        found = {i.name: self.decider.cache.lookup(i, prompt, chains) for i in (*prefills, *decodes)}
+        uncached = {name: len(prompt) - cached for name, (cached, _) in found.items()}
+        loading = {name: ms for name, (_, ms) in found.items()}
         local: list[Prediction] = []
         remote: list[Prediction] = []
         for d in decodes:
             if self.config.conditional or not prefills:
                 local.append(self.predictor.predict(Route(d, on_decode=True), len(prompt),
-                                                    uncached[d.name], max_tokens, ttft_slo))
+                                                    uncached[d.name], max_tokens, ttft_slo,
+                                                    loading[d.name]))
             for p in prefills:
                 remote.append(self.predictor.predict(Route(p, d), len(prompt),
-                                                     uncached[p.name], max_tokens, ttft_slo))
+                                                     uncached[p.name], max_tokens, ttft_slo,
+                                                     loading[p.name]))
         if any(x is None for x in (*local, *remote)):
             return self._fallback(request, prompt, prefills, decodes)
 

@@ -61,8 +61,9 @@ class LeastLoadPolicy(LoadBalancePolicy):
 
 class CacheAwarePolicy(LeastLoadPolicy):
     """The instance holding the longest cached prefix of the prompt (its prefill skips
-    those blocks; a decode needs fewer pulled), among those whose load is within
-    `max_imbalance` of the least loaded; ties and prompts without hits go by load."""
+    those blocks; a decode needs fewer pulled), in its pool or its KV tiers (its own, or
+    the store it shares), among those whose load is within `max_imbalance` of the least
+    loaded; ties go to the longer prefix in the pool, then by load."""
     name = "CACHE_AWARE"
 
     def __init__(self, inflight: Callable[[str], int], index: PrefixIndex,
@@ -77,16 +78,18 @@ class CacheAwarePolicy(LeastLoadPolicy):
         floor = min(loads.values())
         chains: dict[int, list[int]] = {}  # block size -> the prompt's hash chain
 
-        def hits(info: InstanceInfo) -> int:
+        def hits(info: InstanceInfo) -> tuple[int, int]:
+            """(-tokens not computed there, pool or KV tiers; -of them in its pool)."""
             bs = info.meta.block_size
-            if not prompt or bs <= 0 or not self.index.num_cached_blocks(info.name):
-                return 0
+            if not prompt or bs <= 0:
+                return 0, 0
             if bs not in chains:
                 chains[bs] = prompt_block_hashes(prompt, bs)
-            return self.index.matched_blocks(info.name, chains[bs]) * bs
+            pool, below = self.index.matched(info, chains[bs])
+            return -(pool + sum(below.values())) * bs, -pool * bs
 
         eligible = [i for i in candidates if loads[i.name] <= floor + self.max_imbalance]
-        return min(eligible, key=lambda i: (-hits(i), loads[i.name], i.name))
+        return min(eligible, key=lambda i: (*hits(i), loads[i.name], i.name))
 
 
 def make_policy(name: str, inflight: Callable[[str], int], index: PrefixIndex | None = None,

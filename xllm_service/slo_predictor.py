@@ -165,7 +165,10 @@ class SloPredictor:
         return (finish_s(queue, len(queue) - 1, now) - now) * 1000.0
 
     def predict(self, route: Route, prompt_len: int, uncached: int,
-                max_tokens: int, ttft_slo_ms: float = 0.0) -> Prediction | None:
+                max_tokens: int, ttft_slo_ms: float = 0.0,
+                load_ms: float = 0.0) -> Prediction | None:
+        """`load_ms`: what loading the cached part from the KV tiers costs where it is
+        computed (their registered per-block costs), added to its TTFT."""
         decode = route.serving
         pd = self.profile(decode)
         pp = self.profile(route.target)
@@ -204,6 +207,7 @@ class SloPredictor:
             ttft += self.config.pd_overhead_ms
         else:
             ttft *= self.scale(route.target.name, "ttft")
+        ttft += load_ms
         tpot *= self.scale(decode.name, "tpot")
         if not route.is_pd and seqs_d:
             work = per_token * local * self.scale(route.target.name, "ttft")

@@ -67,6 +67,10 @@ class InstanceMeta:
     # Step costs for SLO_AWARE routing (xllm_py.cluster.latency_profile; JSON only, not in
     # the proto); empty: none registered.
     latency_profile: dict = dataclasses.field(default_factory=dict)
+    # The KV tiers below its pool (engine/kv_tiering.py `describe`; JSON only): "tiers"
+    # (host, disk, store), "store_scope" (instances with the same one share the store's
+    # blocks), "load_ms_per_block" per tier; empty: none.
+    kv_tiers: dict = dataclasses.field(default_factory=dict)
     # One per worker (with addrs): what a peer's transfer hello must carry (kv_transfer/base.py).
     # Secret: in etcd (TLS) and LinkInstance only, never in a repr or a log.
     transfer_keys: list[str] = dataclasses.field(default_factory=list, repr=False)
@@ -157,7 +161,7 @@ def _coerce(name: str, value: Any) -> Any:
             if not isinstance(value, bool):
                 raise ValueError("must be true or false")
             return value
-        if name == "latency_profile":
+        if name in ("latency_profile", "kv_tiers"):
             if not isinstance(value, dict):
                 raise ValueError("must be a JSON object")
             return dict(value)

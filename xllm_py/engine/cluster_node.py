@@ -114,7 +114,8 @@ class ClusterNode:
             num_blocks=self.engine.storage.num_blocks,
             http_address=f"{self.addr_host}:{cfg.port}",
             worker_rpc_addrs=worker_addrs, transfer_keys=keys,
-            latency_profile=self._latency_profile())
+            latency_profile=self._latency_profile(),
+            kv_tiers=self.engine.tiering.describe() if self.engine.tiering is not None else {})
         self.agent = InstanceAgent(cfg.etcd_addr, self.meta, ttl_s=cfg.etcd_ttl_s,
                                    namespace=cfg.etcd_namespace,
                                    heartbeat_interval_s=cfg.heartbeat_interval_s,

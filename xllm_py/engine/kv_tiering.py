@@ -69,11 +69,22 @@ class KVTiering:
         self.num_lookups = 0
         self.num_loaded_tokens = 0
         self.num_offloaded_blocks = 0
+        self._load_costs: dict[str, float] | None = None
 
     def close(self) -> None:
         self._jobs.put(None)
         self._loader.join(timeout=5)
         self.stack.close()
+
+    def describe(self) -> dict:
+        """What the service routes by (InstanceMeta.kv_tiers): the tiers, the store's scope
+        (its master and this keyspace: the instances sharing blocks through it), and each
+        tier's load cost per block, measured once."""
+        if self._load_costs is None:
+            self._load_costs = self.stack.measure_load_ms(self.storage.block_bytes)
+        store = self.stack.store
+        return {"tiers": self.stack.tiers, "load_ms_per_block": self._load_costs,
+                "store_scope": f"{store.master}/{self.keyspace.namespace}" if store else ""}
 
     def collector(self) -> TierCollector:
         """Its Prometheus metrics (kv_tiers/metrics.py)."""

@@ -129,6 +129,10 @@ class DiskTier:
             pass
         return data
 
+    def discard(self, keys) -> None:
+        for key in keys:
+            self._forget(key, self._path(key))
+
     def _forget(self, key: str, path: str) -> None:
         with self._lock:
             size = self._files.pop(key, None)

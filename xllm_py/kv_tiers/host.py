@@ -51,3 +51,10 @@ class HostTier:
             self._blocks[key] = data
             self.used_bytes += len(data)
         return evicted
+
+    def discard(self, keys) -> None:
+        with self._lock:
+            for key in keys:
+                data = self._blocks.pop(key, None)
+                if data is not None:
+                    self.used_bytes -= len(data)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -179,6 +180,32 @@ class TierStack:
                 if tier == "store":
                     self._note_in_store((keys[i],))
         return out
+
+    def measure_load_ms(self, block_bytes: int, n: int = 8) -> dict[str, float]:
+        """Each tier's time to read one block of `block_bytes` (n written under probe keys,
+        then read back): the routing's load cost. A tier that cannot answer now is left out."""
+        data = os.urandom(block_bytes)
+        tag = os.urandom(6).hex()
+        keys = [f"xkv-probe-{tag}-{i}" for i in range(n)]
+        costs: dict[str, float] = {}
+        for name in self.tiers:
+            tier = getattr(self, name)
+            if name == "store":
+                if tier.put(keys, [data] * n) < n:
+                    continue
+                t0 = time.perf_counter()
+                got = tier.get(keys)
+            else:
+                for key in keys:
+                    tier.put(key, data)
+                t0 = time.perf_counter()
+                got = [tier.get(key) for key in keys]
+            elapsed = time.perf_counter() - t0
+            if all(g is not None for g in got):
+                costs[name] = round(elapsed * 1000 / n, 4)
+            if name != "store":
+                tier.discard(keys)
+        return costs
 
     def count_misses(self, num_blocks: int) -> None:
         """Blocks a prompt looked for below the pool that no tier had."""
