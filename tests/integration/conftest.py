@@ -5,6 +5,8 @@
 `etcd_namespace`  a fresh key prefix per test, so tests sharing the server do not see
                   each other's keys (pass it as `namespace=` to every EtcdClient/agent)
 `etcd_client`     an EtcdClient on that namespace, closed after the test
+`mooncake_store`  module-scoped EmbeddedMooncake (the real Mooncake Store's master and a
+                  segment host, metadata in the session's etcd)
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 
 from xllm_py.cluster.etcd_client import EtcdClient
 from xllm_py.cluster.etcd_server import EmbeddedEtcd, find_etcd_binary
+from xllm_py.kv_tiers.embedded import EmbeddedMooncake, store_unavailable
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +51,16 @@ async def etcd_client(etcd_endpoint: str, etcd_namespace: str) -> AsyncIterator[
         yield client
     finally:
         await client.close()
+
+
+@pytest.fixture(scope="module")
+def mooncake_store(etcd_server: EmbeddedEtcd, tmp_path_factory) -> Iterator[EmbeddedMooncake]:
+    why = store_unavailable()
+    if why:  # (scripts/setup.sh installs it: missing is a broken environment, not a skip)
+        pytest.fail(f"the Mooncake Store is part of the test environment: {why}")
+    store = EmbeddedMooncake(etcd_server.endpoint, tmp_path_factory.mktemp("store-logs"),
+                             size_mb=128).start()
+    try:
+        yield store
+    finally:
+        store.stop()

@@ -19,7 +19,6 @@ from tests.integration.tp_models import VOCAB, build_hf_model
 from tests.waiting import wait_until_sync
 from xllm_py.config import CacheConfig, EngineConfig, TierConfig
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
-from xllm_py.kv_tiers.embedded import EmbeddedMooncake, store_unavailable
 from xllm_py.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -39,19 +38,6 @@ def model(request, tmp_path_factory):
     prompt = torch.randint(0, VOCAB, (50,), generator=g).tolist()
     fillers = [torch.randint(0, VOCAB, (60,), generator=g).tolist() for _ in range(3)]
     return request.param, path, prompt, fillers, _hf_greedy(hf, prompt)[0]
-
-
-@pytest.fixture(scope="module")
-def store(etcd_server, tmp_path_factory):
-    why = store_unavailable()
-    if why:
-        pytest.fail(f"the Mooncake Store is part of the test environment: {why}")
-    s = EmbeddedMooncake(etcd_server.endpoint, tmp_path_factory.mktemp("store-logs"),
-                         size_mb=128).start()
-    try:
-        yield s
-    finally:
-        s.stop()
 
 
 def _engine(path, tiers: TierConfig) -> LLMEngine:
@@ -141,10 +127,10 @@ def test_the_disk_tier_outlives_a_restart_and_a_corrupt_file_is_a_miss(model, tm
         engine.stop()
 
 
-def test_another_engine_loads_the_prefix_from_the_store(model, store):
+def test_another_engine_loads_the_prefix_from_the_store(model, mooncake_store):
     family, path, prompt, fillers, expected = model
-    tiers = TierConfig(host_bytes=0, disk_bytes=0, store=store.master_addr,
-                       store_metadata=store.metadata)
+    tiers = TierConfig(host_bytes=0, disk_bytes=0, store=mooncake_store.master_addr,
+                       store_metadata=mooncake_store.metadata)
     first, second = _engine(path, tiers), _engine(path, tiers)
     try:
         assert _run(first, prompt, f"{family}-p") == (expected, 0)
@@ -156,15 +142,15 @@ def test_another_engine_loads_the_prefix_from_the_store(model, store):
         second.stop()
 
 
-def test_models_sharing_a_store_never_read_each_others_blocks(store, tmp_path):
+def test_models_sharing_a_store_never_read_each_others_blocks(mooncake_store, tmp_path):
     """Same shapes, other weights: the keys differ, so the prompt is computed."""
     a, b = tmp_path / "a", tmp_path / "b"
     build_hf_model(transformers, "llama-bias", a)
     hf_b = build_hf_model(transformers, "qwen2-kv1", b)
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, VOCAB, (50,), generator=g).tolist()
-    tiers = TierConfig(host_bytes=0, disk_bytes=0, store=store.master_addr,
-                       store_metadata=store.metadata)
+    tiers = TierConfig(host_bytes=0, disk_bytes=0, store=mooncake_store.master_addr,
+                       store_metadata=mooncake_store.metadata)
     first, second = _engine(a, tiers), _engine(b, tiers)
     try:
         _run(first, prompt, "a")
@@ -176,19 +162,19 @@ def test_models_sharing_a_store_never_read_each_others_blocks(store, tmp_path):
         second.stop()
 
 
-def test_a_killed_master_costs_compute_not_tokens(model, store):
+def test_a_killed_master_costs_compute_not_tokens(model, mooncake_store):
     """While the master is down every prompt is computed (exact, no error); once it is back
     (empty: its blocks died with it) what an engine computes is found by the other."""
     family, path, prompt, fillers, expected = model
-    tiers = TierConfig(host_bytes=0, disk_bytes=0, store=store.master_addr,
-                       store_metadata=store.metadata, store_timeout_s=1.0)
+    tiers = TierConfig(host_bytes=0, disk_bytes=0, store=mooncake_store.master_addr,
+                       store_metadata=mooncake_store.metadata, store_timeout_s=1.0)
     first, second = _engine(path, tiers), _engine(path, tiers)
     try:
-        store.kill_master()
+        mooncake_store.kill_master()
         for engine, tag in ((first, "down-1"), (second, "down-2")):
             assert _run(engine, prompt, f"{family}-{tag}") == (expected, 0)
         assert second.tiering.stack.store.num_errors > 0
-        store.start_master()
+        mooncake_store.start_master()
         g = torch.Generator().manual_seed(99)
         written = first.tiering.stack.counters["store"].written
 
@@ -203,7 +189,7 @@ def test_a_killed_master_costs_compute_not_tokens(model, store):
         assert _run(second, put_one.prompt, f"{family}-back") == (
             put_one.tokens, _full_hit(put_one.prompt))
     finally:
-        if not store.master_alive():
-            store.start_master()
+        if not mooncake_store.master_alive():
+            mooncake_store.start_master()
         first.stop()
         second.stop()

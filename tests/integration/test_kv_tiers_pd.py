@@ -16,7 +16,6 @@ from tests.integration.test_kv_tiers import FAMILIES
 from tests.integration.test_tensor_parallel import _hf_greedy
 from tests.integration.tp_models import VOCAB, build_hf_model
 from tests.waiting import wait_until_sync
-from xllm_py.kv_tiers.embedded import EmbeddedMooncake, store_unavailable
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -36,19 +35,6 @@ def checkpoint(request, tmp_path_factory):
     return path, prompts, fillers, {m: _hf_greedy(hf, p)[0] for m, p in prompts.items()}
 
 
-@pytest.fixture(scope="module")
-def store(etcd_server, tmp_path_factory):
-    why = store_unavailable()
-    if why:
-        pytest.fail(f"the Mooncake Store is part of the test environment: {why}")
-    s = EmbeddedMooncake(etcd_server.endpoint, tmp_path_factory.mktemp("pd-store-logs"),
-                         size_mb=128).start()
-    try:
-        yield s
-    finally:
-        s.stop()
-
-
 def _complete(url: str, prompt: list[int]) -> tuple[list[int], int]:
     r = httpx.post(url + "/v1/completions", timeout=60, trust_env=False, json={
         "model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0,
@@ -65,13 +51,13 @@ def _tier(url: str, name: str, tier: str) -> int:
 
 
 @pytest.mark.parametrize("mode", ["PULL", "PUSH"])
-def test_a_prefill_loads_the_evicted_prefix_and_hands_it_over(checkpoint, store, mode,
+def test_a_prefill_loads_the_evicted_prefix_and_hands_it_over(checkpoint, mooncake_store, mode,
                                                              etcd_server, tmp_path):
     path, prompts, fillers, expected = checkpoint
     prompt, expected = prompts[mode], expected[mode]
     h = Harness(etcd_server.endpoint, f"tiers-pd-{mode}-{path.name}/", tmp_path)
     common = ["--model", str(path), "--block-size", str(BLOCK), "--num-blocks", "40",
-              "--kv-cache-transfer-mode", mode, "--kv-store", store.master_addr,
+              "--kv-cache-transfer-mode", mode, "--kv-store", mooncake_store.master_addr,
               "--kv-host-tier-mb", "64", "--kv-disk-tier-mb", "0"]
     try:
         svc = h.service(extra=["--model", str(path), "--served-model-name", MODEL])
