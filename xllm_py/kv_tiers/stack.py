@@ -53,6 +53,7 @@ class TierStack:
         self.counters = {name: TierCounters() for name in TIERS}
         self.num_dropped_blocks = 0  # offers the writer's full queue refused
         self._store_known: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._known_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_items)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
@@ -62,7 +63,10 @@ class TierStack:
         return [name for name in TIERS if getattr(self, name) is not None]
 
     def close(self) -> None:
-        self._queue.put(None)
+        try:
+            self._queue.put(None, timeout=5)  # (after what is queued: a full queue drains)
+        except queue.Full:
+            logger.warning("KV tier writer still busy at close; unwritten blocks are lost")
         self._writer.join(timeout=5)
         if self.store is not None:
             self.store.close()
@@ -123,12 +127,14 @@ class TierStack:
                     self._note_in_store(k for k, _ in new)
 
     def _note_in_store(self, keys) -> None:
+        """(The writer and the loader thread both note: one lock.)"""
         known = self._store_known
-        for key in keys:
-            known[key] = None
-            known.move_to_end(key)
-        while len(known) > STORE_KNOWN_MAX:
-            known.popitem(last=False)
+        with self._known_lock:
+            for key in keys:
+                known[key] = None
+                known.move_to_end(key)
+            while len(known) > STORE_KNOWN_MAX:
+                known.popitem(last=False)
 
     # -- reads (the loader thread) -----------------------------------------------------
     def where(self, keys: Sequence[str]) -> list[str | None]:
