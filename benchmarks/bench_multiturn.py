@@ -444,8 +444,20 @@ def auto_num_blocks(args) -> int:
 
 # ---------------------------------------------------------------------------- report
 def pooled(runs: Sequence[tuple[dict, list[Turn]]], turns: int) -> dict[str, Any]:
+    """Every run's turns in one summary; landings counted run by run (instance names are
+    a run's own)."""
     records = [r for _, recs in runs for r in recs]
-    return summarize_run(records, sum(s["wall_s"] for s, _ in runs), turns)
+    out = summarize_run(records, sum(s["wall_s"] for s, _ in runs), turns)
+    out.pop("cross_instance", None)
+    per_run = [s["cross_instance"] for s, _ in runs if "cross_instance" in s]
+    if per_run:
+        out["cross_instance"] = {k: sum(x[k] for x in per_run) for k in
+                                 ("turns", "moved", "history_tokens", "history_not_computed")}
+        out["cross_instance"]["share"] = (out["cross_instance"]["moved"]
+                                          / max(1, out["cross_instance"]["turns"]))
+        mins = [x["per_turn_fraction_min"] for x in per_run if x["per_turn_fraction_min"] is not None]
+        out["cross_instance"]["per_turn_fraction_min"] = min(mins, default=None)
+    return out
 
 
 def _fmt(x, spec: str = ".0f") -> str:

@@ -98,3 +98,14 @@ def test_ratios_round_by_round():
     assert r["ttft_p50_per_turn"][1] == {"median": 0.2, "min": 0.1, "max": 0.3, "n": 2}
     assert r["ttft_p50_turns_2_on"]["min"] == pytest.approx(0.15)
     assert r["tpot_p50"] == {"median": 1.125, "min": 1.0, "max": 1.25, "n": 2}
+
+
+def test_pooled_landings_are_counted_run_by_run():
+    from benchmarks.bench_multiturn import pooled
+
+    runs = []
+    for port in ("1", "2"):  # each run's instances have their own names
+        recs = [_turn(0, 0, port), _turn(0, 1, port, cached=100)]
+        runs.append((summarize_run(recs, 1.0, 2), recs))
+    x = pooled(runs, 2)["cross_instance"]
+    assert (x["turns"], x["moved"], x["share"]) == (2, 0, 0.0)
