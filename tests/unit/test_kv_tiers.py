@@ -174,3 +174,30 @@ def test_the_store_answers_unavailable_at_once_while_its_breaker_is_open(failure
         assert store.exist(["a", "b"]) == [True, False]
     finally:
         store.close()
+
+
+def test_a_store_that_comes_back_gets_the_host_tier_again():
+    """A restarted master lost its blocks, and those computed while it was down were never
+    put: once a call succeeds again the writer puts the host tier's blocks back."""
+    client = _Client()
+    store = MooncakeStore("m:1", "etcd://e:2", timeout_s=0.2, retry_s=0.1,
+                          client_factory=lambda: client)
+    assert store.connect()
+    stack = TierStack(HostTier(1 << 20), store=store)
+    try:
+        stack.offer(["a"], [b"1"])
+        assert stack.flush() and client.data == {"a": b"1"}
+        client.mode = "error"
+        assert store.exist(["a"]) is None  # the breaker opens
+        stack.offer(["b"], [b"2"])  # (not put: the store is down)
+        assert stack.flush() and "b" not in client.data
+        client.mode, client.data = "ok", {}  # back, empty
+        time.sleep(0.15)
+        assert store.exist(["a"]) == [False]  # the call that finds it back
+        deadline = time.monotonic() + 5
+        while client.data != {"a": b"1", "b": b"2"} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.data == {"a": b"1", "b": b"2"}
+        assert stack.known("a") and stack.known("b")
+    finally:
+        stack.close()

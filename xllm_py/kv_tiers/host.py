@@ -58,3 +58,8 @@ class HostTier:
                 data = self._blocks.pop(key, None)
                 if data is not None:
                     self.used_bytes -= len(data)
+
+    def keys(self) -> list[str]:
+        """Every key, most recently used first."""
+        with self._lock:
+            return list(reversed(self._blocks))

@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 TIERS = ("host", "disk", "store")
 # Keys known to be in the store (put or read here): bounded, oldest forgotten first.
 STORE_KNOWN_MAX = 1 << 20
+# Putting the host tier into a store that came back: this many blocks at a time, while
+# no offer waited this long.
+RESYNC_BATCH = 64
+RESYNC_IDLE_S = 0.05
 
 
 @dataclasses.dataclass
@@ -54,6 +58,8 @@ class TierStack:
         self.num_dropped_blocks = 0  # offers the writer's full queue refused
         self._store_known: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._known_lock = threading.Lock()
+        self._store_generation = store.generation if store is not None else 0
+        self._resync: list[str] = []  # host tier keys to put into the store again
         self._queue: queue.Queue = queue.Queue(maxsize=queue_items)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
@@ -99,7 +105,13 @@ class TierStack:
 
     def _write_loop(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=RESYNC_IDLE_S if self._resync else 1.0)
+            except queue.Empty:
+                self._check_store_generation()
+                if self._resync:
+                    self._resync_some()
+                continue
             if item is None:
                 return
             if isinstance(item, threading.Event):
@@ -110,7 +122,33 @@ class TierStack:
             except Exception:
                 logger.exception("KV tier writer: a batch of blocks was lost")
 
+    def _check_store_generation(self) -> None:
+        """After an outage the store may have lost what it held (a restarted master) and
+        lacks what was computed meanwhile: forget what it was known to hold, and put what
+        the host tier holds again, a batch at a time while the writer is idle."""
+        store = self.store
+        if store is None or store.generation == self._store_generation:
+            return
+        self._store_generation = store.generation
+        with self._known_lock:
+            self._store_known.clear()
+        self._resync = self.host.keys() if self.host is not None else []
+        logger.info("KV store is back: putting the host tier's %d blocks again", len(self._resync))
+
+    def _resync_some(self) -> None:
+        batch, self._resync = self._resync[:RESYNC_BATCH], self._resync[RESYNC_BATCH:]
+        if not self.store.available:
+            self._resync = []  # (down again: the next return starts over)
+            return
+        pairs = [(k, d) for k in batch if (d := self.host.get(k)) is not None]
+        if pairs:
+            self.counters["store"].written += self.store.put([k for k, _ in pairs],
+                                                             [d for _, d in pairs])
+            if self.store.available:
+                self._note_in_store(k for k, _ in pairs)
+
     def _write(self, keys: list[str], rows: Any) -> None:
+        self._check_store_generation()
         datas = [bytes(rows[i]) for i in range(len(keys))]
         for key, data in zip(keys, datas):
             if self.host is not None and not self.host.contains(key):

@@ -61,6 +61,9 @@ class MooncakeStore:
         self._busy: dict[str, float] = {}  # lane -> when its call in flight started
         self._lanes = {lane: concurrent.futures.ThreadPoolExecutor(1, f"kv-store-{lane}")
                        for lane in ("read", "write")}
+        # Counts the store's returns after an outage: a master that restarted lost its
+        # blocks, and what was computed meanwhile was never put (stack.py puts them again).
+        self.generation = 0
         self.num_errors = 0  # calls that failed or timed out
         self.num_put_blocks = 0
         self.num_get_blocks = 0
@@ -81,6 +84,7 @@ class MooncakeStore:
     def _ok(self) -> None:
         if self._down_logged:
             self._down_logged = False
+            self.generation += 1
             logger.info("KV store at %s is back", self.master)
 
     def _run(self, lane: str, fn: Callable[[Any], Any]) -> Any:
