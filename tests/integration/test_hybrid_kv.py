@@ -1,6 +1,7 @@
 """The hybrid KV cache (engine/hybrid_kv.py) on a small random Gemma 3 whose window (6
 tokens) is shorter than two blocks of 4, against transformers: greedy tokens of a MIX
-engine whose prompt chunks straddle the window, then a prefix-cache hit past the window;
+engine whose prompt chunks straddle the window, then a prefix-cache hit past the window,
+and a hit whose blocks head the free queue of a small pool;
 a PD pair (PULL and PUSH, equal and different TP) gives the same tokens while its hand-overs move only the
 sliding layers' window; every pool returns to 0 blocks."""
 from __future__ import annotations
@@ -76,6 +77,29 @@ def test_mix_chunks_and_hit_past_the_window_equal_transformers(gemma):
         assert got == expected
         assert stats["prefix_hit_tokens"] - hits == 28  # 7 blocks, past the window of 6
         assert stats["kv_blocks_used"] == 0
+    finally:
+        engine.stop()
+
+
+def test_hit_at_the_free_queue_head_is_not_handed_out_again(gemma):
+    """A pool of 40 blocks of 4, one request at a time: A's blocks are freed before C's,
+    so A's cached ones head the free queue when B (A's 16 tokens and 8 more) hits them;
+    B's new blocks must not be taken from its own hit (they would be written over while
+    read as the prefix: wrong tokens). Every answer is transformers' greedy one."""
+    path = gemma[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    g = torch.Generator().manual_seed(5)
+    a, c, new = (torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (16, 16, 8))
+    prompts = {"a": a, "c": c, "b": a + new}
+    engine = LLMEngine(EngineConfig(
+        model=str(path), num_threads=1, cache=CacheConfig(block_size=BLOCK, num_blocks=40),
+        scheduler=SchedulerConfig(max_num_seqs=1)))
+    engine.start()
+    try:
+        got = {k: _submit_all(engine, [p], k)[0].token_ids for k, p in prompts.items()}
+        assert engine.stats()["prefix_hit_tokens"] == 16  # B took A's 4 blocks
+        assert got == {k: _hf_greedy(hf, p)[0] for k, p in prompts.items()}
+        assert engine.stats()["kv_blocks_used"] == 0
     finally:
         engine.stop()
 

@@ -249,3 +249,34 @@ def test_preemption_frees_every_group_and_the_recompute_is_exact():
     tight, preempted = run(1 + 24)  # 10 + 30 tokens: 10 full blocks + 2 x 2-3 sliding each
     assert none == [] and set(preempted) == {"req-1"}
     assert tight == roomy and all(len(t) == 30 for t in tight.values())
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_new_blocks_never_take_a_hit_block_from_the_free_queue(remote):
+    """A's cached blocks sit at the free-queue head (freed before C's), the pool holds no
+    other free block: B's prefix hit revives them and its new blocks are C's, never a
+    hit block handed out again (it would be overwritten while B reads it as the hit),
+    as a prefill takes it (its own hit) and as a decode takes a peer's prompt."""
+    kv = _manager(num_blocks=1 + 9)
+    a, c = _req("a", 8), _req("c", 4, start=500)
+    kv.allocate_slots(a, 8)
+    kv.allocate_slots(c, 4)
+    a.num_computed_tokens = 8
+    kv.cache_full_blocks(a)
+    a_ids = {blk for t in kv.tables(a) for blk in t}
+    kv.free(a)
+    kv.free(c)
+    pool = kv.block_pool
+    assert set(pool.free_block_ids()[:6]) == a_ids and pool.num_free_blocks == 9
+    b = _req("b", 12)  # a's 8 tokens and 4 more: a hit of 2 blocks in every group
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8 and all(_held(h) == [0, 1] for h in hits)
+    assert kv.allocate_slots(b, 4, hits, first_pos=12 if remote else None) is not None
+    # (a decode's first token at 12 reads 7..12: sliding groups leave hit block 0)
+    taken = [[blk if i >= (1 if remote and j else 0) else NULL_BLOCK_ID
+              for i, blk in enumerate(h)] for j, h in enumerate(hits)]
+    assert [t[:2] for t in kv.tables(b)] == taken
+    held = [blk for t in kv.tables(b) for blk in t if blk != NULL_BLOCK_ID]
+    assert len(held) == len(set(held)) == pool.num_used_blocks
+    assert all(pool.ref_count(blk) == 1 for blk in held)
+    assert all(pool.block_hash(blk) is not None for t in taken for blk in t if blk)

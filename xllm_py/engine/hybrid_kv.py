@@ -161,10 +161,14 @@ class HybridKVCacheManager(KVCacheManager):
             num_revived += sum(1 for b in hit if b and pool.ref_count(b) == 0)
         if num_new + num_revived > pool.num_free_blocks:
             return None
+        # Revive the hits first: a hit freed earlier sits in the free queue (often at its
+        # head), and new blocks taken before would evict it and hand it out again, to be
+        # overwritten while it is read as the hit.
+        for hit in taken:
+            pool.touch(b for b in hit if b)
         new_blocks = pool.get_new_blocks(num_new)
         it = iter(new_blocks)
         for j, table in enumerate(tables):
-            pool.touch(b for b in taken[j] if b)
             table.extend(taken[j])
             keep = self.first_kept_block(j, first_pos)
             if len(table) < keep:
