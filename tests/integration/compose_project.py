@@ -66,9 +66,12 @@ def dot_env() -> dict[str, str]:
 
 
 class ComposeProject:
-    def __init__(self, overlays: list[str], http_port: int, env: dict[str, str] | None = None) -> None:
+    def __init__(self, kind: str, overlays: list[str], http_port: int, env: dict[str, str] | None = None,
+                 api_key: str | None = None) -> None:
+        self.kind, self.key = kind, api_key
         self.name = f"xllmtest{uuid.uuid4().hex[:8]}"
         self.http_port = http_port
+        self.figures: dict[str, float] = {}  # seconds: build, up to healthy, recovery
         self.files = [BASE] + [DOCKER_DIR / f for f in overlays]
         if os.environ.get("XLLM_CA_BUNDLE") or dot_env().get("XLLM_CA_BUNDLE"):
             self.files.append(DOCKER_DIR / "docker-compose.ca.yml")  # last: it adds to the others

@@ -116,7 +116,9 @@ def _ready(url: str) -> bool:
 @pytest.fixture(scope="module")
 def images() -> str:
     try:
-        return prepare_images()
+        out = prepare_images()
+        print("\n" + out)  # what it made or found, with its times
+        return out
     except RuntimeError as exc:  # no debootstrap, not root, no pip: an environment's limit
         pytest.skip(f"docker compose: the base images cannot be made here: {exc}")
 
@@ -127,10 +129,8 @@ OVERLAYS = {"base": [], "tls": ["docker-compose.tls.yml"], "tp": ["docker-compos
 @pytest.fixture(scope="module", params=list(OVERLAYS))
 def project(request, images):
     kind = request.param
-    env = {"XLLM_API_KEY": API_KEY} if kind == "tls" else {}
-    p = ComposeProject(OVERLAYS[kind], free_port(), env)
-    p.kind, p.key = kind, (API_KEY if kind == "tls" else None)
-    p.figures = {}
+    key = API_KEY if kind == "tls" else None
+    p = ComposeProject(kind, OVERLAYS[kind], free_port(), {"XLLM_API_KEY": key} if key else {}, key)
     try:
         p.figures["build_s"] = p.timed("build", timeout=1800)
         p.figures["up_s"] = p.timed("up", "-d", "--wait", "--wait-timeout", str(int(READY_S)),
@@ -160,14 +160,18 @@ def test_api_key_required_on_the_tls_overlay(project):
     r = httpx.post(project.url + "/v1/completions", json=COMPLETION, timeout=30, trust_env=False)
     assert r.status_code == 401, r.text
     assert "error" in r.json()
-    # the engines' own ports take the key too, and gRPC between containers is mutual TLS:
-    # a plaintext gRPC call to the prefill's DisaggPD port is refused by the TLS handshake
+    # gRPC between containers is TLS: a plaintext channel to the prefill never gets ready
     probe = project.compose(
         "exec", "-T", "service", "python", "-c",
-        "import grpc, sys; ch = grpc.insecure_channel('prefill:9100');"
-        "sys.exit(0 if not grpc.channel_ready_future(ch).result(timeout=5) else 1)",
+        "import grpc; grpc.channel_ready_future(grpc.insecure_channel('prefill:9100')).result(timeout=5)",
         check=False, timeout=60)
-    assert probe.returncode != 0, "a plaintext gRPC channel to the prefill became ready"
+    assert probe.returncode != 0 and "FutureTimeoutError" in probe.stderr, probe.stderr[-2000:]
+    # etcd asks for a client certificate: the CA alone is not enough
+    etcd = ["exec", "-T", "etcd", "etcdctl", "--endpoints=https://127.0.0.1:2379", "--cacert=/certs/ca.pem",
+            "--dial-timeout=3s", "--command-timeout=5s"]
+    assert project.compose(*etcd, "endpoint", "health", check=False, timeout=60).returncode != 0
+    assert project.compose(*etcd, "--cert=/certs/etcd.pem", "--key=/certs/etcd-key.pem", "endpoint", "health",
+                           check=False, timeout=60).returncode == 0
 
 
 def test_decode_killed_recovers_by_restart_policy(reference, project):
