@@ -45,7 +45,7 @@ start() {
 stop() {
   [ -f "$STATE/pid" ] || { say "no dockerd started by this script"; return 0; }
   pid=$(cat "$STATE/pid")
-  if kill -0 "$pid" 2>/dev/null; then
+  if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = dockerd ]; then  # (not a reused pid)
     kill -TERM "$pid"
     for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
   fi
