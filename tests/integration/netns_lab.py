@@ -13,6 +13,8 @@ host still reaches ctl (etcd, the service) and this machine reaches everyone (th
 clients, /metrics). `down(host)` takes a host's link away, `slow(host, rate)` puts a token
 bucket on its egress (this kernel has no netem). Only our namespaces and addresses are
 ever sent to. `close()` removes everything and is safe to call twice or after a failure.
+Beside a Docker daemon (FORWARD policy DROP, bridged frames filtered) the lab accepts
+frames between its own bridges' ports in DOCKER-USER (or FORWARD), rules `close()` deletes.
 """
 from __future__ import annotations
 
@@ -60,6 +62,23 @@ def _used_subnets() -> set[int]:
     return used
 
 
+def forward_filter_chain() -> str | None:
+    """The iptables chain where frames crossing the lab's bridges must be accepted (None: none).
+
+    With br_netfilter loaded (dockerd loads it) bridged frames go through this machine's
+    FORWARD chain, and dockerd sets its policy to DROP: every frame between two lab hosts
+    would be dropped. Docker's DOCKER-USER chain is evaluated first and left alone by it.
+    """
+    if shutil.which("iptables") is None:
+        return None
+    r = subprocess.run(["iptables", "-w", "5", "-S", "FORWARD"], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        return None
+    if "-j DOCKER-USER" in r.stdout:
+        return "DOCKER-USER"
+    return "FORWARD" if "-P FORWARD DROP" in r.stdout else None
+
+
 class NetLab:
     def __init__(self) -> None:
         self.id = uuid.uuid4().hex[:5]
@@ -69,6 +88,8 @@ class NetLab:
             raise RuntimeError("no free 10.N.0.0/16 for the lab")
         self.net = free[int(self.id, 16) % len(free)]
         self.namespaces: list[str] = []
+        self.filter_chain = forward_filter_chain()
+        self.rules: list[list[str]] = []  # iptables rule specs we added (deleted by close())
         self.links: list[str] = []  # links on this machine (bridges, veth ends)
         self.hosts: dict[str, str] = {}  # host -> its address
         self._next = {"a": 2, "b": 2}
@@ -98,6 +119,10 @@ class NetLab:
         self.links.append(br)
         _run("ip", "addr", "add", f"{self.addr(subnet, 254)}/24", "dev", br)
         _run("ip", "link", "set", br, "up")
+        if self.filter_chain:  # let frames between the bridge's own ports through
+            rule = [self.filter_chain, "-i", br, "-o", br, "-j", "ACCEPT"]
+            _run("iptables", "-w", "5", "-I", *rule)
+            self.rules.append(rule)
 
     def _namespace(self, host: str) -> str:
         ns = self.ns(host)
@@ -171,9 +196,16 @@ class NetLab:
         for link in reversed(self.links):
             _run("ip", "link", "del", link, check=False)  # (a veth end goes with its ns)
         self.links.clear()
+        for rule in reversed(self.rules):
+            _run("iptables", "-w", "5", "-D", *rule, check=False)
+        self.rules.clear()
 
     def leftovers(self) -> list[str]:
         """Our namespaces and links still present (empty after close())."""
         out = _run("ip", "netns", "list").stdout + _run("ip", "-o", "link").stdout
-        return sorted({w.split("@")[0].rstrip(":") for w in out.split()
-                       if w.startswith((f"xl{self.id}", f"xb{self.id}", f"xv{self.id}"))})
+        found = {w.split("@")[0].rstrip(":") for w in out.split()
+                 if w.startswith((f"xl{self.id}", f"xb{self.id}", f"xv{self.id}"))}
+        if self.filter_chain:
+            rules = _run("iptables", "-w", "5", "-S", self.filter_chain, check=False).stdout
+            found |= {f"iptables: {ln}" for ln in rules.splitlines() if f"xb{self.id}" in ln}
+        return sorted(found)

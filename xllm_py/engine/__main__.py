@@ -5,6 +5,7 @@ cluster) is one line on stderr, found before the model loads where it can be."""
 from __future__ import annotations
 
 import errno
+import faulthandler
 import sys
 
 from xllm_py.config import EngineConfig, InstanceRole
@@ -35,6 +36,7 @@ def startup_error(config: EngineConfig) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import json
 import logging
 import subprocess
@@ -104,6 +105,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     asyncio.run(main_async(build_parser().parse_args()))
 

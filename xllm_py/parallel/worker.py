@@ -11,6 +11,7 @@ parent pid), ends the process: a rank that cannot follow the steps must not ling
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import pickle
@@ -111,6 +112,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
     p = argparse.ArgumentParser(prog="python -m xllm_py.parallel.worker")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import faulthandler
 import sys
 
 from xllm_py.engine.cli import build_parser, config_from_args
@@ -54,6 +55,7 @@ async def run_host(configs: list) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
     engine_args, configs = parse(argv)
     setup_logging(engine_args.log_level)
     try:
