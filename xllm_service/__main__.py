@@ -4,10 +4,9 @@ A mistake in the command line (a missing model, a taken port) is one line on std
 from __future__ import annotations
 
 import errno
-import faulthandler
 import sys
 
-from xllm_py.utils.cli import run_async, setup_logging
+from xllm_py.utils.cli import enable_crash_stacks, run_async, setup_logging
 from xllm_service.cli import build_parser, config_from_args
 
 
@@ -21,7 +20,7 @@ def startup_error(config) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
+    enable_crash_stacks()  # a native crash prints every thread's Python stack
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

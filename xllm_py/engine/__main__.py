@@ -5,12 +5,11 @@ cluster) is one line on stderr, found before the model loads where it can be."""
 from __future__ import annotations
 
 import errno
-import faulthandler
 import sys
 
 from xllm_py.config import EngineConfig, InstanceRole
 from xllm_py.engine.cli import build_parser, config_from_args
-from xllm_py.utils.cli import run_async, setup_logging
+from xllm_py.utils.cli import enable_crash_stacks, run_async, setup_logging
 
 
 def startup_error(config: EngineConfig) -> str | None:
@@ -36,7 +35,7 @@ def startup_error(config: EngineConfig) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
+    enable_crash_stacks()  # a native crash prints every thread's Python stack
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:

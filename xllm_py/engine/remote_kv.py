@@ -105,7 +105,6 @@ class RemoteKV:
             engine.scheduler.abort_request(requests[0].request_id)
             engine.outputs.drop_parent(req.request_id)
             return problem
-        engine.outputs.set_cached_tokens(req.request_id, alloc.num_cached_tokens)
         return alloc
 
     def _drop(self, parent_id: str) -> None:

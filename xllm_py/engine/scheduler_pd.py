@@ -40,7 +40,7 @@ class RemoteKVMixin:
             self._preempt(victim, None)
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = request.num_prompt_tokens + 1 - num_cached
-        request.num_cached_tokens = num_cached
+        # (usage's cached tokens are the prefill's: what this hit spares is moving them)
         request.transition(S.WAITING_FOR_REMOTE_KVS)
         self.requests[request.request_id] = request
         return RemoteAllocation(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import faulthandler
 import json
 import logging
 import subprocess
@@ -24,6 +23,7 @@ from xllm_py.config import TransferConfig, child_env
 from xllm_py.kv_transfer.factory import create_backend, mappable_host_allocator
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.worker_service import KVWorker, WorkerServicer, create_worker_server
+from xllm_py.utils.cli import enable_crash_stacks
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
+    enable_crash_stacks()  # a native crash prints every thread's Python stack
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     asyncio.run(main_async(build_parser().parse_args()))
 

@@ -11,7 +11,6 @@ parent pid), ends the process: a rank that cannot follow the steps must not ling
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import logging
 import os
 import pickle
@@ -32,6 +31,7 @@ from xllm_py.parallel.kv_workers import RankKVWorkerHost, serve_start_request
 from xllm_py.parallel.loader import load_model_shard
 from xllm_py.parallel.protocol import HEADER_LEN, Command, decode_step, payload_len
 from xllm_py.parallel.sharding import TPShard
+from xllm_py.utils.cli import enable_crash_stacks
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
+    enable_crash_stacks()  # a native crash prints every thread's Python stack
     p = argparse.ArgumentParser(prog="python -m xllm_py.parallel.worker")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)

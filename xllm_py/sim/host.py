@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import faulthandler
 import sys
 
 from xllm_py.engine.cli import build_parser, config_from_args
-from xllm_py.utils.cli import run_async, setup_logging
+from xllm_py.utils.cli import enable_crash_stacks, run_async, setup_logging
 from xllm_py.utils.procs import free_port
 
 
@@ -55,7 +54,7 @@ async def run_host(configs: list) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
+    enable_crash_stacks()  # a native crash prints every thread's Python stack
     engine_args, configs = parse(argv)
     setup_logging(engine_args.log_level)
     try:

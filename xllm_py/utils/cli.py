@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
 import logging
 
 
@@ -70,3 +71,15 @@ def run_async(main_coro) -> None:
         asyncio.run(main_coro)
         return
     uvloop.run(main_coro)
+
+
+def enable_crash_stacks() -> None:
+    """A native crash (SIGSEGV, SIGABRT, ...) prints every thread's Python stack to stderr,
+    so the process's log says where it was. Where stderr is no file (a caller capturing it
+    in memory) there is nowhere to print them: nothing is enabled."""
+    import faulthandler
+
+    try:
+        faulthandler.enable(all_threads=True)
+    except (io.UnsupportedOperation, ValueError, AttributeError):
+        pass
