@@ -65,6 +65,7 @@ class SloPredictor:
         self._profiles: dict[str, tuple] = {}
         # (instance, "ttft" | "tpot") -> measured / predicted, a moving average
         self._scale: dict[tuple[str, str], float] = {}
+        self._pairs_seen: set[tuple[str, str]] = set()  # (prefill, decode) that handed over
 
     def scale(self, name: str, what: str) -> float:
         return self._scale.get((name, what), 1.0)
@@ -75,6 +76,13 @@ class SloPredictor:
         under-fits, runs slower. TTFT corrects the instance that computed the prompt,
         TPOT the one that decoded it."""
         pred_ttft, pred_tpot = route.predicted
+        pair = (route.target.name, route.serving.name)
+        if route.is_pd and pair not in self._pairs_seen:
+            # A pair's first hand-over also opens its channels and transfer links: taken
+            # as the prefill's speed, one slow first request made every later long prompt
+            # look late there, none went there again, and nothing corrected it back.
+            self._pairs_seen.add(pair)
+            ttft_ms = None
         if not route.corrects_ttft:
             ttft_ms = None
         if route.is_pd and ttft_ms is not None:  # the overhead is not the profile's to scale

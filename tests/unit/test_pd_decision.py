@@ -488,6 +488,8 @@ def test_measured_latencies_correct_the_predictions_per_instance():
     pred = SloPredictor(RouterConfig(pd_overhead_ms=0), no_work)
     first = pred.predict(Route(p, d), 100, 100, 10)
     assert first.route.predicted == (first.ttft_ms, first.tpot_ms) == (pytest.approx(11), 3)
+    pred.observe(first.route, 500.0, None)  # the pair's first hand-over: links set up
+    assert pred.scale("p", "ttft") == 1.0
     pred.observe(first.route, 55.0, 6.0)  # a machine 5x / 2x slower than the profile
     again = pred.predict(Route(p, d), 100, 100, 10)
     assert (again.ttft_ms, again.tpot_ms) == (pytest.approx(55), pytest.approx(6))
@@ -538,6 +540,7 @@ def test_the_pd_overhead_is_added_after_the_correction_and_left_out_of_it():
     pred = SloPredictor(RouterConfig(pd_overhead_ms=20), no_work)
     first = pred.predict(Route(p, d), 100, 100, 10)
     assert first.ttft_ms == pytest.approx(11 + 20)
+    pred.observe(first.route, 500.0, None)  # (the pair's first hand-over corrects nothing)
     pred.observe(first.route, 20 + 22.0, None)  # the prefill ran 2x slower; same overhead
     assert pred.scale("p", "ttft") == pytest.approx(2)
     assert pred.predict(Route(p, d), 100, 100, 10).ttft_ms == pytest.approx(2 * 11 + 20)
