@@ -55,6 +55,15 @@ class KVCacheManager:
     def release_offloads(self, items: list[tuple[int, int, int]]) -> None:
         self.block_pool.free_blocks(block_id for block_id, _, _ in items)
 
+    def num_held_for_offload(self) -> int:
+        """Blocks no live request references, held only until the engine copied them to the
+        tiers (any thread: a snapshot)."""
+        counts: dict[int, int] = {}
+        for block_id, _, _ in list(self._offloads or ()):
+            counts[block_id] = counts.get(block_id, 0) + 1
+        pool = self.block_pool
+        return sum(1 for b, n in counts.items() if pool.ref_count(b) <= n)
+
     def _log_offload(self, block_id: int, group: int, chain_hash: int) -> None:
         self.block_pool.touch((block_id,))
         self._offloads.append((block_id, group, chain_hash))

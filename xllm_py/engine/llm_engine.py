@@ -431,7 +431,7 @@ class LLMEngine:
         return {
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
-            "kv_blocks_used": pool.num_used_blocks,
+            "kv_blocks_used": pool.num_used_blocks - self.scheduler.kv.num_held_for_offload(),
             "kv_blocks_total": pool.num_usable_blocks,
             "prefix_hit_tokens": pool.num_prefix_hit_tokens,
             "generated_tokens": self.num_generated_tokens,
