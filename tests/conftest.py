@@ -1,8 +1,9 @@
 """Suite-wide settings: `gpu` tests are skipped where CUDA is absent; where it is present,
 UCX gets the CUDA transports from the start (it reads its settings once per process, and
-host-memory tests import ucxx before the CUDA ones). Every engine of the run keeps its disk
-KV tier in one directory of this run (XLLM_KV_TIER_DIR), so no test finds blocks an earlier
-run left on disk."""
+host-memory tests import ucxx before the CUDA ones). Every engine process of the run keeps
+its disk KV tier in a directory of its own under one of this run (XLLM_KV_TIER_DIR with
+{pid}): no test finds blocks an earlier run, or another test's engines, left on disk (the
+tests of the disk tier name their directories)."""
 from __future__ import annotations
 
 import os
@@ -14,8 +15,9 @@ import pytest
 
 def pytest_configure(config):
     if "XLLM_KV_TIER_DIR" not in os.environ:
-        os.environ["XLLM_KV_TIER_DIR"] = tempfile.mkdtemp(prefix="xllm-kv-tiers-")
-        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("XLLM_KV_TIER_DIR"), ignore_errors=True))
+        root = tempfile.mkdtemp(prefix="xllm-kv-tiers-")
+        os.environ["XLLM_KV_TIER_DIR"] = os.path.join(root, "{pid}")
+        config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
     try:
         import torch
 

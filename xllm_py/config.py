@@ -230,7 +230,8 @@ def model_cache_dir_from_env() -> str | None:
 
 def kv_tier_dir_from_env() -> str | None:
     """XLLM_KV_TIER_DIR: where the disk KV tiers live unless --kv-disk-tier-dir says (None:
-    ~/.cache/xllm_py/kv_tiers); one directory per model and layout under it."""
+    ~/.cache/xllm_py/kv_tiers); one directory per model and layout under it; {pid} in it:
+    one per process (engines that must not share blocks on disk, e.g. a test suite's)."""
     return os.environ.get("XLLM_KV_TIER_DIR") or None
 
 

@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
              help="host memory for KV blocks the pool computed (default: 1/8 of the memory "
                   "available at start, at most 8192; 0: off)")
     add_flag(g, "--kv-disk-tier-dir", default=None,
-             help="directory of the disk tier (default: ~/.cache/xllm_py/kv_tiers)")
+             help="directory of the disk tier (default: $XLLM_KV_TIER_DIR, else "
+                  "~/.cache/xllm_py/kv_tiers; {pid} in it: one directory per process)")
     add_flag(g, "--kv-disk-tier-mb", type=int, default=None,
              help="bound of the disk tier (default: 1/4 of the free space there, at most "
                   "16384; 0: off)")

@@ -102,8 +102,8 @@ def build_tiering(config: EngineConfig, model_dir: str, storage: KVCacheStorage,
 def _disk_tier(root: str | None, capacity: int | None, namespace: str) -> DiskTier | None:
     if capacity == 0:
         return None
-    path = os.path.join(os.path.expanduser(root or kv_tier_dir_from_env() or DEFAULT_DISK_DIR),
-                        namespace)
+    root = (root or kv_tier_dir_from_env() or DEFAULT_DISK_DIR).replace("{pid}", str(os.getpid()))
+    path = os.path.join(os.path.expanduser(root), namespace)
     try:
         os.makedirs(path, exist_ok=True)
         if capacity is None:
