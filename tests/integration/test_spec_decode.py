@@ -1,6 +1,7 @@
 """Speculative decoding (n-gram prompt lookup) is exact under greedy: a MIX engine with
 speculation emits what it emits without, and what transformers emits, token for token, on
-every family of tp_models.py (Gemma 3: a 6-token sliding window crossed many times), with
+every family of tp_models.py (Gemma 3: a 6-token sliding window crossed many times),
+batched and each request alone, with
 guesses both kept and rolled back; beside a prefix-cache hit, and with preemption in a
 pool too small for the batch. Its counters say guesses were proposed and accepted."""
 from __future__ import annotations
@@ -78,9 +79,10 @@ def test_speculation_is_exact_per_family(family, tmp_path):
     prompts = _prompts()
     off, _ = _run(tmp_path, None, prompts, 96)
     on, engine = _run(tmp_path, SPEC, prompts, 96)
-    for prompt, a, b in zip(prompts, off, on):
+    alone, _ = _run(tmp_path, SPEC, prompts, 96, one_by_one=True)  # (one row a step off)
+    for prompt, a, b, c in zip(prompts, off, on, alone):
         assert len(a) == MAX_TOKENS
-        assert b == a == _hf_greedy(hf, prompt)
+        assert c == b == a == _hf_greedy(hf, prompt)
     assert engine.speculator.stats.accepted > 0, engine.speculator.stats
     assert engine.stats()["kv_blocks_used"] == 0
     # A prefix-cache hit of three blocks (a 13-token prompt's, cached by its request).

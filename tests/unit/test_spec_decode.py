@@ -208,3 +208,28 @@ def test_guesses_never_preempt():
     seqs = {s.request_id: s for s in out.seqs}
     assert seqs["a"].spec_token_ids == [] and seqs["a"].token_ids == [3]
     assert out.preempted_ids == [] and req.status == RequestStatus.RUNNING
+
+
+def test_prometheus_counters_per_method():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from xllm_py.engine.metrics import EngineStatsCollector
+
+    spec = Speculator(K4)
+    spec.settle(_req("a", REPEATING), 4, 3, _FakeKV())  # 4 guessed, 2 kept
+    samples = {}
+    for engine in (SimpleNamespace(stats=dict, speculator=spec), SimpleNamespace(stats=dict)):
+        registry = CollectorRegistry()
+        registry.register(EngineStatsCollector(engine))
+        samples[hasattr(engine, "speculator")] = {
+            (s.name, tuple(s.labels.items())): s.value
+            for f in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in f.samples}
+    on = samples[True]
+    assert on[("xllm_spec_decode_proposed_tokens_total", (("method", "ngram"),))] == 4
+    assert on[("xllm_spec_decode_accepted_tokens_total", (("method", "ngram"),))] == 2
+    assert on[("xllm_spec_decode_verify_steps_total", (("method", "ngram"),))] == 1
+    assert not any(name.startswith("xllm_spec") for name, _ in samples[False])
