@@ -233,3 +233,17 @@ def test_prometheus_counters_per_method():
     assert on[("xllm_spec_decode_accepted_tokens_total", (("method", "ngram"),))] == 2
     assert on[("xllm_spec_decode_verify_steps_total", (("method", "ngram"),))] == 1
     assert not any(name.startswith("xllm_spec") for name, _ in samples[False])
+
+
+def test_engine_cli_takes_the_speculative_config():
+    from xllm_py.engine.cli import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args([])).speculative is None
+    off = build_parser().parse_args(["--speculative-config", "off"])
+    assert config_from_args(off).speculative is None
+    on = build_parser().parse_args(["--speculative-config", '{"method": "ngram", '
+                                    '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+                                    '"prompt_lookup_min": 2}'])
+    assert config_from_args(on).speculative == SpeculativeConfig(num_speculative_tokens=3)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--speculative-config", '{"method": "eagle"}'])

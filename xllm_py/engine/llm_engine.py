@@ -53,7 +53,7 @@ class LLMEngine:
         max_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
         groups = getattr(self, "kv_groups", None)  # (model_setup; a simulated engine: none)
-        spec = config.speculative if self.tp is None else None  # (TP > 1: not yet)
+        spec = None if self.tp is not None or config.simulate else config.speculative  # (not yet)
         self.speculator = spec and Speculator(spec, lambda: getattr(self, "latency_profile", None),
                                               sched_cfg.max_num_seqs)
         self.scheduler = ContinuousScheduler(
