@@ -114,6 +114,50 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec_decode/), as vLLM's --speculative-config spells
+    it. "ngram": prompt lookup of the last prompt_lookup_max..min tokens."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    # At most this many guesses a step: a verify chunk below 16 tokens stays on the paged
+    # attention kernel a decode step runs (model/attention.py DENSE_CHUNK_MIN_TOKENS), so
+    # its logits are the decode step's.
+    MAX_TOKENS = 15
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= self.MAX_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in 1..{self.MAX_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+
+    @classmethod
+    def parse(cls, text: str | None) -> "SpeculativeConfig | None":
+        """A --speculative-config value: JSON of these fields, or off / none / empty."""
+        import json
+
+        if text is None or text.strip().lower() in ("", "off", "none", "null"):
+            return None
+        try:
+            fields = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(fields, dict):
+            raise ValueError("--speculative-config must be a JSON object or 'off'")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(fields) - known):
+            raise ValueError(f"--speculative-config: unknown fields {unknown}")
+        return cls(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
 class TransferConfig:
     mode: KVTransferMode = KVTransferMode.PULL
     backend: str = "ucx"  # "ucx" | "tcp" | "fake"
@@ -327,6 +371,8 @@ class EngineConfig:
     # collective of a step (a rank that hangs fails the instance after this long).
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 30.0
+    # Speculative decoding of greedy sequences (engine/spec_decode/); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

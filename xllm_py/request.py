@@ -229,6 +229,22 @@ class Request:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
 
+    def stop_status(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """The finished status `token_id`, just appended, ends this request with (EOS and
+        stop token ids once min_tokens are out, max_tokens, the context limit); None."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in params.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
     # -- state ---------------------------------------------------------------------
     def is_finished(self) -> bool:
         return self.status.is_finished()

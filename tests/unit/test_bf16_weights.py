@@ -49,7 +49,8 @@ def test_bf16_panels_give_the_float32_sums(rows, out_features, in_features):
         assert y16 is not None and torch.equal(y32, y16)
         ref = torch.nn.functional.linear(x.double(), w.double(),
                                          None if b is None else b.double())
-        assert torch.allclose(y16.double(), ref, rtol=0, atol=1e-4)
+        # (every row sums k in order, one chain: outputs near 80 carry ~1e-4 of rounding)
+        assert torch.allclose(y16.double(), ref, rtol=2e-6, atol=1e-4)
 
 
 @needs_kernels

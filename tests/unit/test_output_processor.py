@@ -268,3 +268,26 @@ def test_no_prompt_logprobs_unless_wanted(tok):
     proc.add_prompt_logprobs(child_id("r", 0), 1, _entries(1, [12, 13]))  # ignored
     proc.emit_step([proc.process(child_id("r", 0), [20], None, "length", None, None)], "r")
     assert sink.outputs[0].prompt_logprobs is None
+
+
+def test_a_stop_string_ends_a_speculative_steps_tokens_where_it_ends(tok):
+    """Several tokens in one step: those after the one completing the stop string are
+    neither emitted nor counted, as if they came one a step."""
+    words = tok.encode(" the cat sat on the mat", add_special_tokens=False)
+    outs = {}
+    for per_step in (1, len(words)):
+        proc, sink = OutputProcessor(tok), Sink()
+        add(proc, sink, tok.encode("Hi", add_special_tokens=False), stop=["sat"])
+        rid = child_id("r", 0)
+        for i in range(0, len(words), per_step):
+            delta = proc.process(rid, words[i:i + per_step], None, None, None, lambda *a: None)
+            proc.emit_step([delta], "r")
+            if delta.finish_reason is not None:
+                break
+        final = sink.outputs[-1]
+        outs[per_step] = ("".join(d.text for o in sink.outputs for d in o.outputs),
+                          [t for o in sink.outputs for d in o.outputs for t in d.token_ids],
+                          final.outputs[0].finish_reason, final.num_generated_tokens)
+    assert outs[1] == outs[len(words)]
+    assert outs[1][0] == " the cat " and outs[1][2] == "stop"
+    assert outs[1][3] == len(outs[1][1]) < len(words)

@@ -129,8 +129,11 @@ class BlockPool:
                 del self._free_queue[block_id]
             self._ref_cnt[block_id] += 1
 
-    def free_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference each; blocks reaching 0 go to the free-queue tail in order.
+    def free_blocks(self, block_ids: Iterable[int], reuse_first: bool = False) -> None:
+        """Drop one reference each; blocks reaching 0 go to the free-queue tail in order
+        (`reuse_first`: to its head, the next to be handed out: blocks with nothing worth
+        keeping, so that taking and returning them does not cycle the queue through, and
+        evict, the cached blocks).
 
         Pass a request's blocks last-first so its tail blocks (least shared) are evicted
         before its prefix.
@@ -142,6 +145,8 @@ class BlockPool:
             self._ref_cnt[block_id] -= 1
             if self._ref_cnt[block_id] == 0:
                 self._free_queue[block_id] = None
+                if reuse_first:
+                    self._free_queue.move_to_end(block_id, last=False)
 
     # -- prefix cache ----------------------------------------------------------------
     def get_cached_block(self, block_hash: int) -> int | None:

@@ -5,8 +5,9 @@ import argparse
 import dataclasses
 
 from xllm_py.api.limits import add_limit_flags, limits_from_args
-from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode, TierConfig,
-                            SchedulerConfig, TransferConfig, transfer_config_from_env)
+from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode, SchedulerConfig,
+                            SpeculativeConfig, TierConfig, TransferConfig,
+                            transfer_config_from_env)
 from xllm_py.model.catalog import DEFAULT_MODEL
 from xllm_py.utils.cli import add_flag, parse_bool
 from xllm_py.utils.security_cli import add_security_flags, security_from_args
@@ -64,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--batch-window-ms", type=float, default=50.0,
              help="an idle engine waits up to this long for the rest of a burst of requests "
                   "(arriving < 5 ms apart) to start them as one batch; 0: at once")
+    add_flag(g, "--speculative-config", type=SpeculativeConfig.parse, default=None,
+             help='speculative decoding of greedy requests, as vLLM spells it: \'{"method": '
+                  '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                  '"prompt_lookup_min": 2}\' or off (default)')
     add_limit_flags(g)
     g = p.add_argument_group("KV cache")
     add_flag(g, "--block-size", type=int, default=16, help="tokens per KV block")
@@ -178,4 +183,4 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         latency_profile_path=args.latency_profile,
         simulate=args.simulate, step_trace=args.step_trace, security=security_from_args(args),
         api=limits_from_args(args),
-        tensor_parallel_size=args.tensor_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size, speculative=args.speculative_config)

@@ -134,6 +134,10 @@ class StopChecker:
     def stopped(self) -> bool:
         return self.stop_reason is not None
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
     def add(self, delta: str) -> tuple[str, str | None]:
         """Returns (text safe to emit now, matched stop string or None).
 

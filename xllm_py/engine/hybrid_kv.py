@@ -237,6 +237,18 @@ class HybridKVCacheManager(KVCacheManager):
         if self._offloads is not None and start < end <= num_full:
             self._log_windows(request, end)
 
+    def truncate(self, request: Request, num_blocks: int) -> None:
+        """Every group's table cut to `num_blocks` entries (the sliding groups' dropped
+        entries before the window stay 0)."""
+        if num_blocks < self._num_cached_blocks.get(request.request_id, 0):
+            raise ValueError(f"request {request.request_id}: cannot drop cached blocks")
+        tables = self.tables(request)
+        tail = [t[i] for i in range(len(request.block_ids) - 1, num_blocks - 1, -1)
+                for t in tables if t[i]]
+        for table in tables:
+            del table[num_blocks:]
+        self.block_pool.free_blocks(tail, reuse_first=True)  # (never cached)
+
     def free(self, request: Request) -> None:
         """Release every group's blocks, the tail first (its prefix is evicted last)."""
         if self._offloads is not None and request.request_id in self._requests:

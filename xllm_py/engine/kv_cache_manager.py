@@ -214,6 +214,16 @@ class KVCacheManager:
                 self._log_offload(block_id, 0, hashes[i])
         self._num_cached_blocks[rid] = num_full
 
+    def truncate(self, request: Request, num_blocks: int) -> None:
+        """Release the request's blocks from index `num_blocks` on (rejected guesses of a
+        speculative step: engine/spec_decode/); never one hashed into the prefix cache."""
+        if num_blocks < self._num_cached_blocks.get(request.request_id, 0):
+            raise ValueError(f"request {request.request_id}: cannot drop cached blocks")
+        tail = request.block_ids[num_blocks:]
+        if tail:
+            del request.block_ids[num_blocks:]
+            self.block_pool.free_blocks(tail, reuse_first=True)  # (never cached)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first, so its prefix is evicted last)."""
         self._requests.pop(request.request_id, None)

@@ -1,12 +1,11 @@
 """LLMEngine: the engine loop. Owns the scheduler, the model runner and the sampler.
 
-Lifecycle of a request on a MIX instance:
-  submit (any thread) -> command queue -> add: n/best_of sequences into the scheduler ->
-  step: schedule -> forward -> sample -> update_from_output -> output processor ->
-  RequestOutput to the request's sink -> finished sequences free their blocks.
+A request on a MIX instance: submit (any thread) -> command queue -> add: n/best_of
+sequences into the scheduler -> step: schedule -> forward -> sample (and verify guesses:
+spec_decode/) -> update_from_output -> output processor -> RequestOutput to its sink.
 Everything that touches the scheduler runs on the engine thread; other threads reach it
-through `submit`, `abort`, `call` (which runs a function on the engine thread) and the
-KV connector (kv_connector.py), whose events every turn of the loop applies (remote_kv.py).
+through `submit`, `abort`, `call` (a function run there) and the KV connector
+(kv_connector.py), whose events every turn of the loop applies (remote_kv.py).
 """
 from __future__ import annotations
 
@@ -27,6 +26,8 @@ from xllm_py.engine.kv_tiering_setup import build_tiering
 from xllm_py.engine.output_processor import OutputProcessor, child_id, parent_of
 from xllm_py.engine.remote_kv import RemoteKV
 from xllm_py.engine.scheduler import ContinuousScheduler
+from xllm_py.engine.spec_decode.speculator import Speculator
+from xllm_py.engine.spec_decode.verify import verify_greedy
 from xllm_py.engine.step_trace import StepTrace
 from xllm_py.request import Request, RequestStatus, prompt_token_error
 
@@ -52,8 +53,12 @@ class LLMEngine:
         max_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
         groups = getattr(self, "kv_groups", None)  # (model_setup; a simulated engine: none)
+        spec = None if self.tp is not None or config.simulate else config.speculative  # (not yet)
+        self.speculator = spec and Speculator(spec, lambda: getattr(self, "latency_profile", None),
+                                              sched_cfg.max_num_seqs)
         self.scheduler = ContinuousScheduler(
-            sched_cfg, config.cache, num_blocks, group_windows=groups.group_windows if groups else (0,))
+            sched_cfg, config.cache, num_blocks, group_windows=groups.group_windows if groups else (0,),
+            speculator=self.speculator)
         # The scheduler caps the context at what the KV pool can hold for one request.
         self.max_model_len = self.scheduler.max_model_len
         self.outputs = OutputProcessor(self.tokenizer)
@@ -206,8 +211,7 @@ class LLMEngine:
         """Work came to an idle engine: take what follows less than BURST_GAP_S apart, for
         up to the batch window or until a step's budget is waiting, so that a burst (sent
         and parsed one request at a time) starts as one batch, not as two prefills."""
-        window = self.config.scheduler.batch_window_ms / 1000
-        deadline = time.monotonic() + window
+        deadline = time.monotonic() + self.config.scheduler.batch_window_ms / 1000
         while not self._stopped.is_set() and not self.scheduler.waiting_fills_a_step():
             left = deadline - time.monotonic()
             if left <= 0 or not self._drain_commands(min(BURST_GAP_S, left)):
@@ -339,12 +343,11 @@ class LLMEngine:
         if sched_out.loads:  # (prefixes from the KV tiers: into the pool first)
             self.tiering.scatter(sched_out.loads)
         step_logits = self.runner.execute_step(seqs)
-        logits = step_logits.sample
         for i, rows in step_logits.prompt:
             self._record_prompt_logprobs(seqs[i], rows)
         sampled: dict[str, int] = {}
         logprobs: dict[str, Any] = {}
-        if logits is not None:
+        if (logits := step_logits.sample) is not None:
             sample_seqs = [s for s in seqs if s.sample]
             requests = [self.scheduler.requests[s.request_id] for s in sample_seqs]
             rows = [self._sampling_row(r) for r in requests]
@@ -353,7 +356,8 @@ class LLMEngine:
                 sampled[s.request_id] = tok
                 if lp is not None:
                     logprobs[s.request_id] = lp
-        updates = self.scheduler.update_from_output(sched_out, sampled)
+        updates = self.scheduler.update_from_output(
+            sched_out, sampled, verify_greedy(seqs, step_logits.spec, sampled))  # (guesses kept)
         self.grammars.advance(updates, self.scheduler)
         self.num_steps += 1
         step_ms = (time.monotonic() - t0) * 1000
@@ -436,8 +440,7 @@ class LLMEngine:
             "prefix_hit_tokens": pool.num_prefix_hit_tokens,
             "generated_tokens": self.num_generated_tokens,
             "step_failures": self.num_step_failures,
-            "prompt_steps_held": (self.scheduler.tpot_guard.num_held
-                                  if self.scheduler.tpot_guard is not None else 0),
+            "prompt_steps_held": getattr(self.scheduler.tpot_guard, "num_held", 0),
             "offline_waiting": self.scheduler.num_offline_waiting,
             "offline_running": self.scheduler.num_offline_running,
             "offline_preempted": self.scheduler.num_offline_preempted,

@@ -61,11 +61,28 @@ class EngineStatsCollector(Collector):
         """The families without reading the engine (it may not be running yet)."""
         yield from self._families({})
         yield self._held({})
+        yield from self._speculation(None)
 
     def collect(self) -> Iterator[Metric]:
         yield from self._families(self._engine.stats())
         kv = getattr(getattr(self._engine, "scheduler", None), "kv", None)
         yield self._held(kv.held_blocks() if kv is not None else {})
+        yield from self._speculation(getattr(self._engine, "speculator", None))
+
+    @staticmethod
+    def _speculation(speculator) -> Iterator[Metric]:
+        """Speculative decoding's guesses (engine/spec_decode/), per method: proposed,
+        accepted, and the sequence-steps that verified some."""
+        for name, key, help_ in (
+                ("xllm_spec_decode_proposed_tokens_total", "proposed", "Tokens guessed"),
+                ("xllm_spec_decode_accepted_tokens_total", "accepted",
+                 "Guessed tokens the model agreed with (emitted without a step of their own)"),
+                ("xllm_spec_decode_verify_steps_total", "verify_steps",
+                 "Sequence-steps that verified guesses")):
+            family = CounterMetricFamily(name, help_, labels=["method"])
+            if speculator is not None:
+                family.add_metric([speculator.method], getattr(speculator.stats, key))
+            yield family
 
     @staticmethod
     def _held(held: dict[str, int]) -> Metric:

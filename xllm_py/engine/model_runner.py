@@ -3,7 +3,8 @@
 The only module of the engine that touches the model and torch tensors for the forward pass.
 Logits rows: the last token of each sequence that samples, plus, for a prefill chunk that
 scores its prompt (ScheduledSeq.num_prompt_logprob_rows > 0), its leading tokens whose
-next token is a prompt token. The model computes the last layer and the LM head for those
+next token is a prompt token; a speculating seq (spec_token_ids) samples at its last known
+token and returns its guesses' rows as well (StepLogits.spec). The model computes the last layer and the LM head for those
 rows only, so a step without prompt logprobs does exactly what it did before.
 """
 from __future__ import annotations
@@ -29,10 +30,16 @@ class StepLogits:
     # (index of the seq in the step, [num_prompt_logprob_rows, vocab]): row i is the
     # logits at position start_pos + i of that seq, in the order of the seqs
     prompt: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
+    # (index of the seq in the step, [len(spec_token_ids), vocab]): the logits at each guess
+    spec: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 def _num_prompt_rows(seq) -> int:
     return getattr(seq, "num_prompt_logprob_rows", 0)
+
+
+def _num_spec(seq) -> int:
+    return len(getattr(seq, "spec_token_ids", ()))
 
 
 def _group_tables(seq) -> list | None:
@@ -67,9 +74,12 @@ class ModelRunner:
             ids_t, pos_t, meta, sample_idx = self._prepare_mixed(seqs)
         # (seq index, number of rows) of the seqs that score their prompt
         prompt_seqs = [(i, n) for i, s in enumerate(seqs) if (n := _num_prompt_rows(s))]
+        spec_seqs = [(i, n) for i, s in enumerate(seqs) if (n := _num_spec(s))]
         prompt_rows: list[int] = []
-        if prompt_seqs:
+        if prompt_seqs or spec_seqs:
             starts = list(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
+            for i, n in spec_seqs:  # (the guesses: the seq's last rows)
+                prompt_rows.extend(range(starts[i + 1] - n, starts[i + 1]))
             for i, n in prompt_seqs:
                 prompt_rows.extend(range(starts[i], starts[i] + n))
         rows = sample_idx + prompt_rows
@@ -84,6 +94,9 @@ class ModelRunner:
         num_sampled = len(sample_idx)
         out = StepLogits(logits[:num_sampled] if num_sampled else None)
         offset = num_sampled
+        for i, n in spec_seqs:
+            out.spec.append((i, logits[offset:offset + n]))
+            offset += n
         for i, n in prompt_seqs:
             out.prompt.append((i, logits[offset:offset + n]))
             offset += n
@@ -159,8 +172,8 @@ class ModelRunner:
             n = len(seq.token_ids)
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_pos, seq.start_pos + n))
-            if seq.sample:
-                sample_idx.append(len(input_ids) - 1)
+            if seq.sample:  # (a speculating seq: at its last known token)
+                sample_idx.append(len(input_ids) - 1 - _num_spec(seq))
         meta = AttentionMetadata.build(
             [(s.start_pos, len(s.token_ids), s.block_table) for s in seqs],
             self.block_size, self.device,

@@ -165,9 +165,12 @@ class OutputProcessor:
             if parent.prompt_logprobs is None:
                 parent.prompt_logprobs = seq.prompt_logprobs
             seq.prompt_logprobs = None
+        if len(new_token_ids) > 1 and seq.stop_checker.has_stop_strings:
+            emit, stop_str, new_token_ids = _until_stop_string(seq, new_token_ids)
+        else:
+            text = seq.detokenizer.add_tokens(new_token_ids) if new_token_ids else ""
+            emit, stop_str = seq.stop_checker.add(text)
         seq.num_tokens += len(new_token_ids)
-        text = seq.detokenizer.add_tokens(new_token_ids) if new_token_ids else ""
-        emit, stop_str = seq.stop_checker.add(text)
         if stop_str is not None:
             finish(request_id, stop_str)
             finish_reason, stop_reason = "stop", stop_str
@@ -284,3 +287,15 @@ def merge_deltas(deltas: list[CompletionDelta]) -> list[CompletionDelta]:
     for index, m in merged.items():
         m.text = "".join(texts[index])
     return list(merged.values())
+
+
+def _until_stop_string(seq, token_ids: list[int]) -> tuple[str, str | None, list[int]]:
+    """Several tokens of one step (a speculative one), one at a time, so that a stop string
+    ends them where it ends, as it would one token a step: (text, stop string, tokens)."""
+    emit = ""
+    for n in range(len(token_ids)):
+        part, stop_str = seq.stop_checker.add(seq.detokenizer.add_tokens(token_ids[n:n + 1]))
+        emit += part
+        if stop_str is not None:
+            return emit, stop_str, token_ids[:n + 1]
+    return emit, None, token_ids

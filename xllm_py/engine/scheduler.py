@@ -17,6 +17,8 @@ Request stages (see xllm_py/request.py for the state machine):
     (scheduler_pd.py): allocate_for_remote / finish_remote_kvs / fail_remote_kvs (decode
     side), remote_decode requests and finish_sending (prefill). Offline requests
     (scheduler_offline.py): in the room online work leaves; suspended or preempted for it.
+    Speculation (spec_decode/, a Speculator passed in): a decode of the last token plus the
+    guesses; update_from_output appends the accepted tokens and the Speculator rolls back.
 
 Pure Python: no torch, no grpc.
 """
@@ -37,6 +39,7 @@ from xllm_py.engine.scheduler_offline import OfflineMixin
 from xllm_py.engine.scheduler_pd import RemoteKVMixin
 from xllm_py.engine.scheduler_types import (  # noqa: F401 - re-exported
     RemoteAllocation, RequestUpdate, ScheduledSeq, SchedulerOutput, StepState)
+from xllm_py.engine.spec_decode.speculator import Speculator
 from xllm_py.engine.tpot_guard import Stream, TpotGuard
 from xllm_py.request import Request, RequestStatus
 
@@ -54,9 +57,11 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
         kv_cache_manager: KVCacheManager | None = None,
         clock: Callable[[], float] = time.monotonic,
         group_windows: tuple[int, ...] = (0,),
+        speculator: Speculator | None = None,
     ) -> None:
         """`group_windows`: the KV groups' windows (model/kv_groups.py; one group of full
-        attention unless the model mixes sliding-window layers in)."""
+        attention unless the model mixes sliding-window layers in). `speculator`: None, no
+        speculative decoding."""
         if kv_cache_manager is None:
             num_blocks = num_blocks if num_blocks is not None else cache_config.num_blocks
             if num_blocks is None:
@@ -67,6 +72,7 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
                                 else HybridKVCacheManager(pool, group_windows))
         self.config = scheduler_config
         self.kv = kv_cache_manager
+        self.speculator = speculator
         self.block_size = kv_cache_manager.block_size
         # A lone request must always fit in the cache, or preemption could loop forever;
         # without chunked prefill, its whole recompute must fit in one step's budget.
@@ -98,14 +104,6 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.waiting_offline)
-
-    @property
-    def num_waiting_for_remote_kvs(self) -> int:
-        return sum(1 for r in self.requests.values() if r.status == S.WAITING_FOR_REMOTE_KVS)
-
-    @property
-    def num_sending_kv(self) -> int:
-        return sum(1 for r in self.requests.values() if r.status == S.SENDING_KV)
 
     def has_unfinished_requests(self) -> bool:
         """Any live request, including those waiting for or holding KV for a peer."""
@@ -190,8 +188,9 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
                if self.config.enable_chunked_prefill else 0)
         st.ride_limit = min(cap or math.inf, self._guard_limit(decodes, prefills))
         # 1. Running online requests: decode steps first, then unfinished prefill chunks.
+        guesses = self.speculator.propose(decodes, self.max_model_len) if self.speculator else {}
         for request in decodes:
-            self._run(request, st, is_decode=True)
+            self._run(request, st, is_decode=True, drafts=guesses.get(request.request_id, []))
         for request in prefills:
             self._run(request, st, is_decode=False)
         # 2. Admit waiting online requests while KV, budget and seats allow (none if an
@@ -209,9 +208,10 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
         return out
 
     def _run(self, request: Request, st: "StepState", is_decode: bool,
-             offline_limit: float = math.inf) -> bool:
+             offline_limit: float = math.inf, drafts: list[int] = ()) -> bool:
         """Schedule a running request's next tokens (preempting for KV space: offline
-        requests first); False when it got none."""
+        requests first), a decode's `drafts` (speculative guesses) while the budget and KV
+        allow; False when it got none."""
         if request.status != S.RUNNING:  # preempted earlier in this step
             return False
         if st.budget == 0 or st.num_seqs >= self.config.max_num_seqs:
@@ -222,18 +222,25 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
         num_new = self._num_new_tokens(request, request.num_computed_tokens, int(limit))
         if num_new == 0:
             return False
+        drafts = drafts[:int(limit) - num_new]
+        num_new += len(drafts)
         # Most decode steps fit in the last block: no allocation to ask for.
         fits = request.num_computed_tokens + num_new <= len(request.block_ids) * self.block_size
         while not fits and self.kv.allocate_slots(request, num_new) is None:
+            if drafts:  # guesses never preempt anyone
+                num_new, drafts = num_new - len(drafts), []
+                fits = request.num_computed_tokens + num_new <= len(request.block_ids) * self.block_size
+                continue
             victim = self._victim(request)
             self._preempt(victim, st)
             if victim is request:
                 return False
-        self._add_seq(request, num_new, st, is_decode)
+        self._add_seq(request, num_new, st, is_decode, drafts)
         return True
 
-    def _add_seq(self, request: Request, num_new: int, st: "StepState", is_decode: bool) -> None:
-        seq = self._make_seq(request, num_new)
+    def _add_seq(self, request: Request, num_new: int, st: "StepState", is_decode: bool,
+                 drafts: list[int] = ()) -> None:
+        seq = self._make_seq(request, num_new, drafts)
         (st.decodes if is_decode else st.prompts)[request.request_id] = seq
         st.budget -= num_new
         if not is_decode:
@@ -300,9 +307,11 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
         return math.inf if allowed is None else allowed
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int],
+        accepted: dict[str, list[int]] | None = None
     ) -> list[RequestUpdate]:
-        """Advance computed tokens, append sampled tokens and apply token-level stops."""
+        """Advance computed tokens, append sampled tokens (and after them the `accepted`
+        guesses of a speculating seq, one by one) and apply token-level stops."""
         updates: list[RequestUpdate] = []
         if self.tpot_guard is not None:
             self.tpot_guard.end_step(self.clock(), (s.request_id for s in scheduler_output.seqs
@@ -311,7 +320,7 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
             request = self.requests.get(seq.request_id)
             if request is None or request.status != S.RUNNING:
                 continue  # finished or preempted since schedule()
-            request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            request.num_computed_tokens = seq.start_pos + len(seq.token_ids) - len(seq.spec_token_ids)
             self.kv.cache_full_blocks(request)
             cached = request.num_cached_tokens
             if not seq.sample:
@@ -329,11 +338,13 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
                 updates.append(RequestUpdate(request.request_id, [], True, "error",
                                              num_cached_tokens=cached))
                 continue
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
+            tokens, status = self._append_until_stop(
+                request, [token_id, *(accepted or {}).get(seq.request_id, ())])
+            if seq.spec_token_ids:
+                self.speculator.settle(request, len(seq.spec_token_ids), len(tokens), self.kv)
             if status is not None:
                 self._end(request, status)
-                updates.append(RequestUpdate(request.request_id, [token_id], True,
+                updates.append(RequestUpdate(request.request_id, tokens, True,
                                              request.finish_reason, request.stop_reason,
                                              num_cached_tokens=cached))
             elif request.remote_decode:
@@ -345,7 +356,7 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
                 updates.append(RequestUpdate(request.request_id, [token_id], True, "length",
                                              kv_held=True, num_cached_tokens=cached))
             else:
-                updates.append(RequestUpdate(request.request_id, [token_id],
+                updates.append(RequestUpdate(request.request_id, tokens,
                                              num_cached_tokens=cached))
         return updates
 
@@ -362,32 +373,26 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
                 "leaves room for one generated token)"
             )
 
-    def _get(self, request_id: str) -> Request:
-        request = self.requests.get(request_id)
-        if request is None:
-            raise ValueError(f"unknown request id {request_id}")
-        return request
-
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = request.num_tokens - num_computed
         if num_new > budget:
             return budget if self.config.enable_chunked_prefill else 0
         return num_new
 
-    def _make_seq(self, request: Request, num_new: int) -> ScheduledSeq:
+    def _make_seq(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = request.num_computed_tokens
-        end = start + num_new  # rows at positions < num_prompt - 1 score the next prompt token
+        end = start + num_new - len(drafts)  # rows < num_prompt - 1 score a prompt token
         num_prompt_rows = max(0, min(end, request.num_prompt_tokens - 1) - start)
         return ScheduledSeq(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=request.all_token_ids[start:end] + list(drafts),
             start_pos=start,
             block_table=list(request.block_ids),
             group_tables=([list(t) for t in request.group_block_ids]
                           if request.group_block_ids else None),
             sample=end == request.num_tokens and request.sampling_params.max_tokens != 0,
             num_prompt_logprob_rows=num_prompt_rows if _scores_prompt(request) else 0,
-        )
+            spec_token_ids=list(drafts))
 
     def _preempt(self, request: Request, st: StepState | None) -> None:
         """Free a running or suspended request's KV for recompute (exact: prompt and
@@ -414,19 +419,14 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
             if request.offline:
                 st.offline_tokens -= len(seq.token_ids)
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in params.eos_token_ids:
-                return S.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return S.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return S.FINISHED_LENGTH_CAPPED
-        if request.num_tokens >= self.max_model_len:
-            return S.FINISHED_LENGTH_CAPPED
-        return None
+    def _append_until_stop(self, request: Request,
+                           token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """Append tokens one by one until one ends the request: (those appended, status)."""
+        for n, token_id in enumerate(token_ids, 1):
+            request.append_output_token(token_id)
+            if (status := request.stop_status(token_id, self.max_model_len)) is not None:
+                return token_ids[:n], status
+        return token_ids, None
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         request.transition(status)

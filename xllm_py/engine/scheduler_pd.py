@@ -20,6 +20,20 @@ S = RequestStatus
 
 
 class RemoteKVMixin:
+    @property
+    def num_waiting_for_remote_kvs(self) -> int:
+        return sum(1 for r in self.requests.values() if r.status == S.WAITING_FOR_REMOTE_KVS)
+
+    @property
+    def num_sending_kv(self) -> int:
+        return sum(1 for r in self.requests.values() if r.status == S.SENDING_KV)
+
+    def _get(self, request_id: str) -> Request:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"unknown request id {request_id}")
+        return request
+
     # -- decode side -----------------------------------------------------------------------
     def allocate_for_remote(self, request: Request) -> RemoteAllocation | None:
         """Allocate blocks for a prompt whose KV comes from a peer; None if no KV space.
@@ -69,12 +83,7 @@ class RemoteKVMixin:
         request.transition(S.RUNNING)
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_full_blocks(request)
-        status = None
-        for token_id in first_token_ids:
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                break
+        _, status = self._append_until_stop(request, list(first_token_ids))
         if status is not None:
             self._end(request, status)
             return RequestUpdate(request_id, [], True, request.finish_reason, request.stop_reason,

@@ -18,6 +18,9 @@ class ScheduledSeq:
     num_prompt_logprob_rows: int = 0  # leading tokens whose logits score a prompt token
     # Hybrid models: the tables of KV groups 1.. (Request.group_block_ids); None: one group
     group_tables: list[list[int]] | None = None
+    # Speculative guesses after the last known token (the tail of token_ids): the seq
+    # samples at that token's row and returns the logits of the guesses' rows too.
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -80,6 +80,7 @@ class SimulatedRunner:
 class SimulatedStepLogits:  # (model_runner.StepLogits: tokens instead of logits)
     sample: list[int] | None
     prompt: list = dataclasses.field(default_factory=list)
+    spec: list = dataclasses.field(default_factory=list)  # (no speculation simulated)
 
 
 @dataclasses.dataclass

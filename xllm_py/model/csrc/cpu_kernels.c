@@ -439,24 +439,26 @@ void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
 #if defined(XLLM_AVX512)
 #include "panels_avx512.c"
 #else
-/* One panel row of 16 outputs for a single x row (M == 1: memory-bound, no tiling). */
+/* One panel row of 16 outputs for a single x row (M == 1: memory-bound, no tiling). One
+ * sum per output, k in order, as a tile row's: the floats of a row do not depend on how
+ * many rows its step has (a speculative verify step's rows equal decode steps' rows). */
 static void panel_one_row(const float *x0, const float *pp, int32_t K, float *tile) {
-    __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0;
     int32_t k = 0;
     for (; k + 1 < K; k += 2) {
         const __m256 a = _mm256_broadcast_ss(x0 + k), a2 = _mm256_broadcast_ss(x0 + k + 1);
         e0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16), e0);
         e1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16 + 8), e1);
-        o0 = _mm256_fmadd_ps(a2, _mm256_loadu_ps(pp + (int64_t)k * 16 + 16), o0);
-        o1 = _mm256_fmadd_ps(a2, _mm256_loadu_ps(pp + (int64_t)k * 16 + 24), o1);
+        e0 = _mm256_fmadd_ps(a2, _mm256_loadu_ps(pp + (int64_t)k * 16 + 16), e0);
+        e1 = _mm256_fmadd_ps(a2, _mm256_loadu_ps(pp + (int64_t)k * 16 + 24), e1);
     }
     if (k < K) {
         const __m256 a = _mm256_broadcast_ss(x0 + k);
         e0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16), e0);
         e1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(pp + (int64_t)k * 16 + 8), e1);
     }
-    _mm256_storeu_ps(tile, _mm256_add_ps(e0, o0));
-    _mm256_storeu_ps(tile + 8, _mm256_add_ps(e1, o1));
+    _mm256_storeu_ps(tile, e0);
+    _mm256_storeu_ps(tile + 8, e1);
 }
 
 /* 16 bfloat16 -> two float32 vectors (columns 0-7, 8-15): exact. */
@@ -470,7 +472,7 @@ static inline __attribute__((always_inline)) void bf16x16_load(const uint16_t *p
 
 /* panel_one_row on a bfloat16 panel: the same fmas in the same order. */
 static void panel_one_row_bf16(const float *x0, const uint16_t *pp, int32_t K, float *tile) {
-    __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0, w0, w1, w2, w3;
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0, w0, w1, w2, w3;
     int32_t k = 0;
     for (; k + 1 < K; k += 2) {
         const __m256 a = _mm256_broadcast_ss(x0 + k), a2 = _mm256_broadcast_ss(x0 + k + 1);
@@ -478,8 +480,8 @@ static void panel_one_row_bf16(const float *x0, const uint16_t *pp, int32_t K, f
         bf16x16_load(pp + (int64_t)k * 16 + 16, &w2, &w3);
         e0 = _mm256_fmadd_ps(a, w0, e0);
         e1 = _mm256_fmadd_ps(a, w1, e1);
-        o0 = _mm256_fmadd_ps(a2, w2, o0);
-        o1 = _mm256_fmadd_ps(a2, w3, o1);
+        e0 = _mm256_fmadd_ps(a2, w2, e0);
+        e1 = _mm256_fmadd_ps(a2, w3, e1);
     }
     if (k < K) {
         const __m256 a = _mm256_broadcast_ss(x0 + k);
@@ -487,8 +489,8 @@ static void panel_one_row_bf16(const float *x0, const uint16_t *pp, int32_t K, f
         e0 = _mm256_fmadd_ps(a, w0, e0);
         e1 = _mm256_fmadd_ps(a, w1, e1);
     }
-    _mm256_storeu_ps(tile, _mm256_add_ps(e0, o0));
-    _mm256_storeu_ps(tile + 8, _mm256_add_ps(e1, o1));
+    _mm256_storeu_ps(tile, e0);
+    _mm256_storeu_ps(tile + 8, e1);
 }
 
 /* int8 panels: P[np][K][16] int8 and S[np][K / 32][16] float32, the weight at (k, j) is
@@ -508,7 +510,7 @@ static inline __attribute__((always_inline)) void i8x16_load(const int8_t *p, co
 /* panel_one_row on an int8 panel: the same fmas in the same order. */
 static void panel_one_row_i8(const float *x0, const int8_t *pp, const float *ps, int32_t K,
                              float *tile) {
-    __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0, w0, w1, w2, w3;
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0, w0, w1, w2, w3;
     for (int32_t k = 0; k + 1 < K; k += 2) {
         const float *sc = ps + (int64_t)(k / 32) * 16;
         const __m256 a = _mm256_broadcast_ss(x0 + k), a2 = _mm256_broadcast_ss(x0 + k + 1);
@@ -516,11 +518,11 @@ static void panel_one_row_i8(const float *x0, const int8_t *pp, const float *ps,
         i8x16_load(pp + (int64_t)k * 16 + 16, sc, &w2, &w3);
         e0 = _mm256_fmadd_ps(a, w0, e0);
         e1 = _mm256_fmadd_ps(a, w1, e1);
-        o0 = _mm256_fmadd_ps(a2, w2, o0);
-        o1 = _mm256_fmadd_ps(a2, w3, o1);
+        e0 = _mm256_fmadd_ps(a2, w2, e0);
+        e1 = _mm256_fmadd_ps(a2, w3, e1);
     }
-    _mm256_storeu_ps(tile, _mm256_add_ps(e0, o0));
-    _mm256_storeu_ps(tile + 8, _mm256_add_ps(e1, o1));
+    _mm256_storeu_ps(tile, e0);
+    _mm256_storeu_ps(tile + 8, e1);
 }
 
 /* kn rows (from row k0) of an int8 panel -> float32 rows dst[kn][16] */

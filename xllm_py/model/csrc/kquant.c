@@ -117,7 +117,7 @@ static void kq_panel_rows(int type, const struct kq_panel *a, int32_t k0, int32_
 /* panel_one_row on a K-quant panel: the same fmas in the same order (K % 256 == 0). */
 static void kq_one_row(int type, const float *x0, const struct kq_panel *a, int32_t K,
                        float *tile) {
-    __m512 e = _mm512_setzero_ps(), o = e, ds, dm;
+    __m512 e = _mm512_setzero_ps(), ds, dm;
     if (type == XLLM_KQ_Q4K) {
         for (int32_t s = 0; s < K / 32; s++) {
             q4k_scales(a, s, &ds, &dm);
@@ -125,8 +125,8 @@ static void kq_one_row(int type, const float *x0, const struct kq_panel *a, int3
                 if ((k & 7) == 0) /* the next sub-block's nibbles: 4 lines ahead */
                     _mm_prefetch((const char *)(a->q + (int64_t)k * 8 + 256), _MM_HINT_T0);
                 e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k]), q4k_row(a->q + (int64_t)k * 8, ds, dm), e);
-                o = _mm512_fmadd_ps(_mm512_set1_ps(x0[k + 1]),
-                                    q4k_row(a->q + (int64_t)k * 8 + 8, ds, dm), o);
+                e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k + 1]),
+                                    q4k_row(a->q + (int64_t)k * 8 + 8, ds, dm), e);
             }
         }
     } else {
@@ -136,12 +136,12 @@ static void kq_one_row(int type, const float *x0, const struct kq_panel *a, int3
                 if ((k & 3) == 0)
                     _mm_prefetch((const char *)(a->q + (int64_t)k * 16 + 512), _MM_HINT_T0);
                 e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k]), q6k_row(a->q + (int64_t)k * 16, ds), e);
-                o = _mm512_fmadd_ps(_mm512_set1_ps(x0[k + 1]),
-                                    q6k_row(a->q + (int64_t)k * 16 + 16, ds), o);
+                e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k + 1]),
+                                    q6k_row(a->q + (int64_t)k * 16 + 16, ds), e);
             }
         }
     }
-    _mm512_storeu_ps(tile, _mm512_add_ps(e, o));
+    _mm512_storeu_ps(tile, e);
 }
 
 /* The first tile of a chunk of a K-quant panel (kn rows from row k0, whole sub-blocks),
@@ -268,7 +268,7 @@ static void kq_panel_rows(int type, const struct kq_panel *a, int32_t k0, int32_
 /* panel_one_row on a K-quant panel: the same fmas in the same order (K % 256 == 0). */
 static void kq_one_row(int type, const float *x0, const struct kq_panel *a, int32_t K,
                        float *tile) {
-    __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0;
     __m256 ds0, ds1, dm0, dm1, w0, w1, w2, w3;
     if (type == XLLM_KQ_Q4K) {
         for (int32_t s = 0; s < K / 32; s++) {
@@ -281,8 +281,8 @@ static void kq_one_row(int type, const float *x0, const struct kq_panel *a, int3
                 q4k_row(a->q + (int64_t)k * 8 + 8, ds0, ds1, dm0, dm1, &w2, &w3);
                 e0 = _mm256_fmadd_ps(x, w0, e0);
                 e1 = _mm256_fmadd_ps(x, w1, e1);
-                o0 = _mm256_fmadd_ps(x2, w2, o0);
-                o1 = _mm256_fmadd_ps(x2, w3, o1);
+                e0 = _mm256_fmadd_ps(x2, w2, e0);
+                e1 = _mm256_fmadd_ps(x2, w3, e1);
             }
         }
     } else {
@@ -296,13 +296,13 @@ static void kq_one_row(int type, const float *x0, const struct kq_panel *a, int3
                 q6k_row(a->q + (int64_t)k * 16 + 16, ds0, ds1, &w2, &w3);
                 e0 = _mm256_fmadd_ps(x, w0, e0);
                 e1 = _mm256_fmadd_ps(x, w1, e1);
-                o0 = _mm256_fmadd_ps(x2, w2, o0);
-                o1 = _mm256_fmadd_ps(x2, w3, o1);
+                e0 = _mm256_fmadd_ps(x2, w2, e0);
+                e1 = _mm256_fmadd_ps(x2, w3, e1);
             }
         }
     }
-    _mm256_storeu_ps(tile, _mm256_add_ps(e0, o0));
-    _mm256_storeu_ps(tile + 8, _mm256_add_ps(e1, o1));
+    _mm256_storeu_ps(tile, e0);
+    _mm256_storeu_ps(tile + 8, e1);
 }
 
 /* panel_chunk over rows [k0, k0 + kn) of a K-quant panel (M > 1), widened into wide first */

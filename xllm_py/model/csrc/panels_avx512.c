@@ -4,8 +4,9 @@
  * Included by cpu_kernels.c in place of the AVX2 versions when the build has
  * AVX512F/BW/VL/DQ (cpu_kernels.py picks the flags from /proc/cpuinfo; XLLM_CPU_ISA=avx2
  * forces the AVX2 build). Same names, same arguments, same sums: every output is
- * accumulated over k in the same order with one fma per product as the AVX2 code (the tile
- * keeps one sum per output, the single row its even and odd k apart, added at the end), and
+ * accumulated over k in the same order with one fma per product as the AVX2 code (one sum
+ * per output, k in order, the single row as a tile's: a row's outputs do not depend on the
+ * other rows of its step, which speculative decoding's exactness rests on), and
  * the widened bf16 / int8 / K-quant weights are the same floats. So the two builds give
  * the same floats, bit for bit (tests/unit/test_cpu_kernels.py compares them).
  *
@@ -16,16 +17,16 @@
 
 /* One panel row of 16 outputs for a single x row (M == 1: memory-bound, no tiling). */
 static void panel_one_row(const float *x0, const float *pp, int32_t K, float *tile) {
-    __m512 e = _mm512_setzero_ps(), o = e;
+    __m512 e = _mm512_setzero_ps();
     int32_t k = 0;
     for (; k + 1 < K; k += 2) {
         e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k]), _mm512_loadu_ps(pp + (int64_t)k * 16), e);
-        o = _mm512_fmadd_ps(_mm512_set1_ps(x0[k + 1]),
-                            _mm512_loadu_ps(pp + (int64_t)k * 16 + 16), o);
+        e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k + 1]),
+                            _mm512_loadu_ps(pp + (int64_t)k * 16 + 16), e);
     }
     if (k < K)
         e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k]), _mm512_loadu_ps(pp + (int64_t)k * 16), e);
-    _mm512_storeu_ps(tile, _mm512_add_ps(e, o));
+    _mm512_storeu_ps(tile, e);
 }
 
 /* 16 bfloat16 -> float32: exact. */
@@ -36,16 +37,16 @@ static inline __attribute__((always_inline)) __m512 bf16x16_load(const uint16_t 
 
 /* panel_one_row on a bfloat16 panel: the same fmas in the same order. */
 static void panel_one_row_bf16(const float *x0, const uint16_t *pp, int32_t K, float *tile) {
-    __m512 e = _mm512_setzero_ps(), o = e;
+    __m512 e = _mm512_setzero_ps();
     int32_t k = 0;
     for (; k + 1 < K; k += 2) {
         e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k]), bf16x16_load(pp + (int64_t)k * 16), e);
-        o = _mm512_fmadd_ps(_mm512_set1_ps(x0[k + 1]), bf16x16_load(pp + (int64_t)k * 16 + 16),
-                            o);
+        e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k + 1]), bf16x16_load(pp + (int64_t)k * 16 + 16),
+                            e);
     }
     if (k < K)
         e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k]), bf16x16_load(pp + (int64_t)k * 16), e);
-    _mm512_storeu_ps(tile, _mm512_add_ps(e, o));
+    _mm512_storeu_ps(tile, e);
 }
 
 /* 16 int8 times their 16 scales (int8 panels: cpu_kernels.c): exact products. */
@@ -57,14 +58,14 @@ static inline __attribute__((always_inline)) __m512 i8x16_load(const int8_t *p, 
 /* panel_one_row on an int8 panel: the same fmas in the same order. */
 static void panel_one_row_i8(const float *x0, const int8_t *pp, const float *ps, int32_t K,
                              float *tile) {
-    __m512 e = _mm512_setzero_ps(), o = e;
+    __m512 e = _mm512_setzero_ps();
     for (int32_t k = 0; k + 1 < K; k += 2) {
         const __m512 sc = _mm512_loadu_ps(ps + (int64_t)(k / 32) * 16);
         e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k]), i8x16_load(pp + (int64_t)k * 16, sc), e);
-        o = _mm512_fmadd_ps(_mm512_set1_ps(x0[k + 1]),
-                            i8x16_load(pp + (int64_t)k * 16 + 16, sc), o);
+        e = _mm512_fmadd_ps(_mm512_set1_ps(x0[k + 1]),
+                            i8x16_load(pp + (int64_t)k * 16 + 16, sc), e);
     }
-    _mm512_storeu_ps(tile, _mm512_add_ps(e, o));
+    _mm512_storeu_ps(tile, e);
 }
 
 /* kn rows (from row k0) of an int8 panel -> float32 rows dst[kn][16] */

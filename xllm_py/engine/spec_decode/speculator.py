@@ -1,0 +1,154 @@
+"""Speculator: which running greedy sequences propose guesses this step, and what their
+verification leaves in the KV cache.
+
+Per step (`propose`): none above `max_batch` decoding sequences (the step is compute
+bound there: each guess costs about what a token of prompt costs, and pays only while
+the step's fixed cost dominates; derived from the engine's latency profile where it has
+one, else DEFAULT_MAX_BATCH). Per sequence: greedy rows whose logits nothing edits
+(no logprobs, penalties, bias or token limits, no grammar, one sequence per request, no
+prompt logprobs, not a PD prefill's hand-over), at most as many guesses as max_tokens
+and the context leave room for, and none while its acceptance has fallen (an EWMA of
+accepted / proposed below MIN_ACCEPTANCE: it rests, then tries again, each rest twice
+as long as the last, up to MAX_REST_STEPS).
+
+After the verify step (`settle`): the accepted tokens were appended; KV is valid up to
+the last of them, the rejected guesses' slots are rolled back (num_computed_tokens, the
+blocks past the sequence freed) before any full block is hashed into the prefix cache.
+
+Pure Python: no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from typing import Callable
+
+from xllm_py.config import SpeculativeConfig
+from xllm_py.engine.spec_decode.ngram import NgramIndex
+from xllm_py.request import Request
+
+logger = logging.getLogger(__name__)
+
+# Decoding sequences above which no one speculates without a latency profile: from
+# benchmarks/bench_spec.py on gemma-3-270m (2-core VM): at 4 sequences the verify rows
+# still paid on repetitive text (1.60x tok/s), not on open text (0.92x).
+DEFAULT_MAX_BATCH = 8
+# Acceptance assumed when the cut-off is derived from a latency profile (a guess is kept
+# with this probability): conservative for the repetitive text speculation is for.
+PROFILE_ACCEPTANCE = 0.5
+MIN_ACCEPTANCE = 0.25
+EWMA_WEIGHT = 0.3
+FIRST_REST_STEPS = 4
+MAX_REST_STEPS = 64
+
+
+@dataclasses.dataclass
+class _SeqState:
+    index: NgramIndex
+    acceptance: float = 1.0  # EWMA of accepted / proposed
+    rest_left: int = 0  # steps without proposing
+    rest_next: int = FIRST_REST_STEPS
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counters per method (Prometheus: xllm_spec_decode_*_tokens_total)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    verify_steps: int = 0  # sequence-steps that carried guesses
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig,
+                 profile: Callable[[], object | None] = lambda: None,
+                 max_num_seqs: int = 64) -> None:
+        """`profile`: the engine's latency profile once it has one (cluster/latency_profile.py
+        LatencyProfile: step_ms(prompt tokens, decode seqs, context tokens)), else None."""
+        self.config = config
+        self.method = config.method
+        self.stats = SpecStats()
+        self._profile = profile
+        self._max_num_seqs = max_num_seqs
+        self._cut: tuple[object, int] | None = None  # (profile, max batch derived from it)
+        self._seqs: weakref.WeakKeyDictionary[Request, _SeqState] = weakref.WeakKeyDictionary()
+
+    @property
+    def max_batch(self) -> int:
+        profile = self._profile()
+        if profile is None:
+            return DEFAULT_MAX_BATCH
+        if self._cut is None or self._cut[0] is not profile:
+            self._cut = (profile, max_batch_from_profile(
+                profile, self.config.num_speculative_tokens, self._max_num_seqs))
+        return self._cut[1]
+
+    def propose(self, decodes: list[Request], max_model_len: int) -> dict[str, list[int]]:
+        """Guesses per request id of the decoding sequences that speculate this step."""
+        if not decodes or len(decodes) > self.max_batch:
+            return {}
+        out: dict[str, list[int]] = {}
+        for request in decodes:
+            if not speculates(request):
+                continue
+            k = min(self.config.num_speculative_tokens, max_model_len - request.num_tokens - 1)
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:
+                k = min(k, max_tokens - request.num_output_tokens - 1)
+            if k <= 0:
+                continue
+            state = self._state(request)
+            if state.rest_left > 0:
+                state.rest_left -= 1
+                continue
+            drafts = state.index.propose(request.all_token_ids, k)
+            if drafts:
+                out[request.request_id] = drafts
+        return out
+
+    def settle(self, request: Request, num_drafts: int, num_emitted: int, kv) -> None:
+        """After a verify step that appended `num_emitted` tokens for `num_drafts` guesses:
+        count them, keep KV up to the last token before the newest, roll back the rest
+        (`kv`: the scheduler's KVCacheManager), before the request may end."""
+        accepted = num_emitted - 1
+        stats = self.stats
+        stats.proposed += num_drafts
+        stats.accepted += accepted
+        stats.verify_steps += 1
+        state = self._state(request)
+        state.acceptance += EWMA_WEIGHT * (accepted / num_drafts - state.acceptance)
+        if state.acceptance < MIN_ACCEPTANCE:
+            state.rest_left, state.rest_next = state.rest_next, min(2 * state.rest_next,
+                                                                    MAX_REST_STEPS)
+            state.acceptance = MIN_ACCEPTANCE * 2  # a fresh chance after the rest
+        request.num_computed_tokens = request.num_tokens - 1
+        kv.truncate(request, -(-request.num_tokens // kv.block_size))
+        kv.cache_full_blocks(request)
+
+    def _state(self, request: Request) -> _SeqState:
+        state = self._seqs.get(request)
+        if state is None:
+            state = self._seqs[request] = _SeqState(
+                NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
+        return state
+
+
+def speculates(request: Request) -> bool:
+    """Greedy, and nothing but the argmax of the raw logits picks its tokens."""
+    p = request.sampling_params
+    return (p.is_greedy and p.logprobs is None and p.prompt_logprobs is None
+            and not p.has_penalties and not p.edits_logits and p.structured is None
+            and (p.best_of or p.n) == 1 and not request.remote_decode)
+
+
+def max_batch_from_profile(profile, k: int, max_num_seqs: int, ctx: int = 512) -> int:
+    """The largest batch whose step with k guesses per sequence, divided by the tokens it
+    is expected to emit (1 + PROFILE_ACCEPTANCE * k each), costs less than a plain step."""
+    best = 0
+    for batch in range(1, max_num_seqs + 1):
+        plain = profile.step_ms(0, batch, batch * ctx)
+        spec = profile.step_ms(k * batch, batch, batch * ctx) / (1 + PROFILE_ACCEPTANCE * k)
+        if spec < plain:
+            best = batch
+    return best
