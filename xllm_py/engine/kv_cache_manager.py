@@ -40,6 +40,7 @@ class KVCacheManager:
         # (block id, group, chain hash) of cached blocks to copy to the tiers, each holding
         # one reference; None: no tiers
         self._offloads: list[tuple[int, int, int]] | None = None
+        self._offload_refs: dict[int, int] = {}  # block id -> references logged, not released
 
     # -- KV tiers ------------------------------------------------------------------------
     def enable_offload(self) -> None:
@@ -53,19 +54,23 @@ class KVCacheManager:
         return items
 
     def release_offloads(self, items: list[tuple[int, int, int]]) -> None:
+        held = self._offload_refs
+        for block_id, _, _ in items:
+            if held[block_id] > 1:
+                held[block_id] -= 1
+            else:
+                del held[block_id]
         self.block_pool.free_blocks(block_id for block_id, _, _ in items)
 
     def num_held_for_offload(self) -> int:
         """Blocks no live request references, held only until the engine copied them to the
         tiers (any thread: a snapshot)."""
-        counts: dict[int, int] = {}
-        for block_id, _, _ in list(self._offloads or ()):
-            counts[block_id] = counts.get(block_id, 0) + 1
         pool = self.block_pool
-        return sum(1 for b, n in counts.items() if pool.ref_count(b) <= n)
+        return sum(1 for b, n in list(self._offload_refs.items()) if pool.ref_count(b) <= n)
 
     def _log_offload(self, block_id: int, group: int, chain_hash: int) -> None:
         self.block_pool.touch((block_id,))
+        self._offload_refs[block_id] = self._offload_refs.get(block_id, 0) + 1
         self._offloads.append((block_id, group, chain_hash))
 
     def first_kept_block(self, group: int, first_pos: int) -> int:
