@@ -1,11 +1,9 @@
 """LLMEngine: the engine loop. Owns the scheduler, the model runner and the sampler.
 
-A request on a MIX instance: submit (any thread) -> command queue -> add: n/best_of
-sequences into the scheduler -> step: schedule -> forward -> sample (and verify guesses:
-spec_decode/) -> update_from_output -> output processor -> RequestOutput to its sink.
-Everything that touches the scheduler runs on the engine thread; other threads reach it
-through `submit`, `abort`, `call` (a function run there) and the KV connector
-(kv_connector.py), whose events every turn of the loop applies (remote_kv.py).
+A MIX request: submit (any thread) -> command queue -> add: n/best_of sequences -> step:
+schedule -> forward -> sample (and verify guesses: spec_decode/) -> update_from_output ->
+output processor -> RequestOutput to its sink. Only the engine thread touches the
+scheduler; others use `submit`, `abort`, `call` and the KV connector (remote_kv.py).
 """
 from __future__ import annotations
 
@@ -359,6 +357,8 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(
             sched_out, sampled, verify_greedy(seqs, step_logits.spec, sampled))  # (guesses kept)
         self.grammars.advance(updates, self.scheduler)
+        if self.tiering is not None:  # (finished requests' blocks go back before their outputs)
+            self.tiering.flush_offloads()
         self.num_steps += 1
         step_ms = (time.monotonic() - t0) * 1000
         if self.step_trace is not None:
