@@ -281,7 +281,7 @@ def kv_tier_dir_from_env() -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class APILimits:
-    """Work one OpenAI HTTP server takes (engine's own API and the service; issue 15).
+    """Work one OpenAI HTTP server takes (engine's own API and the service).
 
     A body over `max_body_bytes` is refused with 413 before it is read whole. Beyond
     `max_pending_requests` HTTP requests, or `max_pending_tokens` prompt tokens x

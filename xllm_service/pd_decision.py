@@ -1,5 +1,5 @@
 """Conditional disaggregation and SLO-aware routing of a request over prefill and decode
-instances (issue 16).
+instances.
 
 Per request, one of two paths:
   PD      the prompt is computed on a prefill instance, its KV pulled by the decode;
@@ -45,7 +45,7 @@ prompts held together go together, and stall its streams for as long); else the 
 meeting both with the lowest TTFT; else (the prefills are behind) the DECODE path of a
 long prompt meeting both (an idle decode, or one whose guard fits it in); else the
 candidate that misses least (sum of the relative overshoots), a long prompt never on the
-DECODE path (its stall spirals: issue 16), a short one only when it keeps the decode
+DECODE path (its stall spirals), a short one only when it keeps the decode
 within its TPOT target (or without a prefill instance). Targets: the request's
 `ttft_slo_ms`/`tpot_slo_ms`, else the service's `--ttft-slo-ms`/`--tpot-slo-ms`, else what
 the profiles the instances registered first support (`SloRouter.stated`,

@@ -1,4 +1,4 @@
-"""A small cluster for hostile-input tests (issue 15): a service with a MIX engine on one
+"""A small cluster for hostile-input tests: a service with a MIX engine on one
 etcd namespace, a DECODE engine on another (reached directly over its DisaggPDService),
 and a stand-in service that collects what the decode streams back."""
 from __future__ import annotations
@@ -80,7 +80,7 @@ def blocks_used(proc: ChildProcess) -> int:
 
 def step_failures(proc: ChildProcess) -> int:
     """Failed engine steps (xllm_engine_step_failures_total; its log line where the
-    metric is missing: engines before issue 15)."""
+    metric is missing: older engines)."""
     try:
         return int(metric(proc.http_url, "xllm_engine_step_failures_total"))
     except AssertionError:

@@ -1,4 +1,4 @@
-"""A cluster started without tuning flags (issue 31): a service with its defaults, one
+"""A cluster started without tuning flags: a service with its defaults, one
 PREFILL and one DECODE engine that measure their latency profiles at start-up, on a real
 etcd. The engines log the profile they measured and the scheduler settings derived from
 it; the service states TTFT / TPOT targets derived from the profiles; a mixed workload

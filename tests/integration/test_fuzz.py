@@ -1,4 +1,4 @@
-"""Fuzzing the edges (issue 15), bounded in time, against real processes.
+"""Fuzzing the edges, bounded in time, against real processes.
 
 HTTP (hypothesis): request bodies built from the pydantic request models' fields, each
 value drawn from what the field takes and from what it must refuse (integers past the

@@ -1,4 +1,4 @@
-"""The hostile-input findings of issue 15, each against real processes (a service with a
+"""The hostile-input findings, each against real processes (a service with a
 MIX engine, a DECODE engine reached over its DisaggPDService). Each failed at 8a99c92:
 1. integers that do not fit the wire were 500s on the service;
 2. Infinity temperature / repetition_penalty were 500s;

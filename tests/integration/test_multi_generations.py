@@ -98,7 +98,7 @@ async def test_multi_generations_continues_like_mix(etcd_server, tmp_path):
             assert not status.ok and "unknown request nope" in status.message
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.SendPullSignal(pb.PullSignal(req_id="x"), timeout=10)
-            # answered since offline co-location (issue 33): a pull needs a DECODE peer
+            # answered since offline co-location: a pull needs a DECODE peer
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         await server.stop(0)

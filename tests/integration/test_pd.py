@@ -131,7 +131,7 @@ def test_cached_tokens_of_a_one_token_answer(pd):
 
 
 def test_logit_bias_reaches_the_first_token(pd):
-    """Issue 34's call: the token sampled at the end of the prompt (on the prefill, or on
+    """The token sampled at the end of the prompt (on the prefill, or on
     MIX) carries the bias as every later one does, streamed or not."""
     h, svc, prefill, decode, mix, mode = pd
     body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 3,

@@ -1,4 +1,4 @@
-"""Conditional disaggregation end to end (issue 16): service with SLO_AWARE + PREFILL +
+"""Conditional disaggregation end to end: service with SLO_AWARE + PREFILL +
 DECODE processes (each registering a latency profile) on a real etcd. Short prompts, and
 a long one once it is in the decode's prefix cache, are prefilled on the decode; long
 ones on the prefill. Greedy tokens equal a MIX engine's on both paths, and the service's

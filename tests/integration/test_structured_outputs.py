@@ -1,4 +1,4 @@
-"""Structured outputs end to end (issue 32) through the official openai SDK: a MIX
+"""Structured outputs end to end through the official openai SDK: a MIX
 engine, and a PD pair (service + PREFILL + DECODE, PULL and PUSH) where the prefill
 samples the first token under the grammar and the decode resumes the same matcher.
 Outputs are checked against their schema with jsonschema, greedy and sampled, n > 1."""

@@ -1,4 +1,4 @@
-"""Bounded work and values at the HTTP edge (issue 15), through the real app over a
+"""Bounded work and values at the HTTP edge, through the real app over a
 scripted backend: wire widths and non-finite numbers are 400s naming the parameter, the
 body limit is a 413 (declared or streamed), the admission limit a 429 with Retry-After,
 and /openapi.json describes the real request bodies."""

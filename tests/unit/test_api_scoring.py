@@ -1,4 +1,4 @@
-"""Issue 18 in the HTTP layer, over the scripted backend: prompt logprobs (OpenAI echo format
+"""Prompt scoring in the HTTP layer, over the scripted backend: prompt logprobs (OpenAI echo format
 and vLLM's prompt_logprobs), max_tokens 0, logit_bias intake, continuous usage, stop_reason,
 the model / tokenizer / version routes, and a 400 naming each parameter the server does
 not implement."""

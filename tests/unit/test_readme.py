@@ -1,4 +1,4 @@
-"""The README stays a guide (issue 35): short, the test command CI runs, every benchmark
+"""The README stays a guide: short, the test command CI runs, every benchmark
 on one line there with its figures and history in docs/benchmarks.md."""
 from __future__ import annotations
 

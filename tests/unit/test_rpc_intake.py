@@ -1,4 +1,4 @@
-"""The gRPC intake checks of issue 15 on their own: what a FirstGeneration must carry to
+"""The gRPC intake checks on their own: what a FirstGeneration must carry to
 be decoded, which heartbeats and registrations the service refuses."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The service's TTFT / TPOT targets (issue 31): the request's, else the operator's
+"""The service's TTFT / TPOT targets: the request's, else the operator's
 (--ttft-slo-ms / --tpot-slo-ms), else derived from the latency profiles of the instances
 it routes over (xllm_service/pd_decision.py `SloRouter.stated`,
 xllm_py/cluster/slo_defaults.py), and stated on /metrics."""

@@ -1,4 +1,4 @@
-"""Structured outputs in the HTTP layer (issue 32), over the scripted backend: each way of
+"""Structured outputs in the HTTP layer, over the scripted backend: each way of
 asking (response_format, structured_outputs, guided_*) becomes the one GrammarSpec the
 backend receives; a malformed or invalid one is a 400 naming the problem that never
 reaches the backend."""

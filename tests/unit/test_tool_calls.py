@@ -1,4 +1,4 @@
-"""Tools on chat completions (issue 32): the request side over the scripted backend
+"""Tools on chat completions: the request side over the scripted backend
 (tools reach the chat template, tool_choice required / named become a grammar, bad
 tools and unknown names are a 400 that never reaches the backend) and the parsers of
 each model family's tool-call format, whole and streamed in pieces."""

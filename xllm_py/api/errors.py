@@ -2,7 +2,7 @@
 
 Every error a client can see is an `APIError` carrying the HTTP status and the fields of
 OpenAI's body `{"error": {"message", "type", "param", "code"}}`. Backends raise
-`BackendBusyError` when they cannot take more work (mapped to 503). Bounded work (issue 15):
+`BackendBusyError` when they cannot take more work (mapped to 503). Bounded work:
 a body over the limit is `RequestTooLargeError` (413), a request beyond the admission
 limit `TooManyRequestsError` (429 with Retry-After).
 """

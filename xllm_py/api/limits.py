@@ -1,4 +1,4 @@
-"""Bounded work of one OpenAI HTTP server (issue 15): the body size limit and the
+"""Bounded work of one OpenAI HTTP server: the body size limit and the
 admission limit, configured by `xllm_py.config.APILimits`.
 
 - `BodyLimitMiddleware` (ASGI): a Content-Length over the limit is answered 413 before

@@ -8,7 +8,7 @@ response_format other than text, tools, functions, guided decoding, ...), which 
 naming the parameter rather than silently ignored. vLLM's extensions (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, prompt_logprobs, ...) are accepted.
 
-Everything accepted here can be held by the engine and by the wire (issue 15): every
+Everything accepted here can be held by the engine and by the wire: every
 integer fits its proto field and every number is finite and fits a proto float
 (validation.py), and the request's work is bounded by the limits
 below (fan-out, stop lists); the sampling values become the request's one

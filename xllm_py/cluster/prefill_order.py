@@ -11,7 +11,7 @@
             those too late (they miss whatever is done), follow in arrival order.
             Under a burst of long prompts FCFS makes every request behind the burst
             late; this keeps on time the ones that still can
-            (`python benchmarks/bench_prefill_order.py`, issue 16's mixed workload on
+            (`python benchmarks/bench_prefill_order.py`, a mixed workload on
             one prefill core at 2.4 req/s: long prompts in time FCFS 47%, deadline
             order 74%; the short ones sent there 64% and 100%).
             Without a latency profile (nothing to predict a prefill with) it is FCFS.

@@ -1,4 +1,4 @@
-"""Defaults derived from latency profiles (issue 31): what a cluster started without tuning
+"""Defaults derived from latency profiles: what a cluster started without tuning
 flags aims at, and how its engines schedule to get there. One place, read by the engines
 (xllm_py/engine/self_profile.py `apply_derived`) and the service (pd_decision.py).
 
@@ -7,13 +7,13 @@ so the targets say what the cluster can do, not how loaded the machine is now. T
 decode's pace: one step of PACE_SEQS streams of PACE_CTX tokens of context each (a decode
 at moderate load; tiny-25m: ~18 ms).
   TPOT target       TPOT_OVER_PACE x the pace of the slowest decode (~23 ms on tiny-25m;
-                    issue 16's runs routed at 25 ms).
+                    the mixed-workload runs routed at 25 ms).
   TTFT target       TTFT_OVER_ALONE x a TTFT_REF_TOKENS-token prompt (or the longest the
                     instance takes) computed alone on the slowest prefill (no prefill: the
                     decodes): the longest prompt meets it behind half of another (~2.7 s
                     on tiny-25m).
   guard target      the decode's TPOT guard keeps its streams within GUARD_SHARE of the
-                    TPOT target (~16 ms on tiny-25m, as measured best in issue 16: the rest
+                    TPOT target (~16 ms on tiny-25m, as measured best in the mixed-workload runs: the rest
                     is the slack for the prompts it lets through at the hold limit and for
                     bursts of streams, which no holding prevents; ~15 ms).
   hold limit        a prompt the guard holds goes anyway after HOLD_SHARE of the TTFT
@@ -22,7 +22,7 @@ at moderate load; tiny-25m: ~18 ms).
                     that decode's hold limit (the prompts held there go together later).
   decode chunk cap  prompt tokens per step beside streams: the power of two nearest the
                     tokens three steps at the guard's target pay for (64 on tiny-25m,
-                    as issue 16 ran).
+                    as the mixed-workload runs ran).
   prefill budget    a prefill's step token budget: the largest power of two whose step
                     takes at most PREFILL_STEP_SHARE of the TTFT target (512 on tiny-25m:
                     a short prompt behind a long one waits one such step for its turn in

@@ -1,5 +1,5 @@
 """An engine's latency profile, measured at start-up and corrected by its own steps
-(issue 31; xLLM profiles TTFT and TPOT when an instance starts, `profile_ttft` /
+(xLLM profiles TTFT and TPOT when an instance starts, `profile_ttft` /
 `profile_tpot`).
 
 `measure_profile(engine)`, before the engine thread starts: steps of known shape straight
@@ -29,7 +29,7 @@ guard's settings derived again from it). Additive: what the start-up steps leave
 per step (scheduling, outputs: the same at any context), and the steps an engine runs are
 the shapes it happens to get (a decode at short contexts); a scale learned there would
 move every term, the per-token and per-context ones the start-up fit measured over the
-whole range, and with them the targets the service derives (issue 31's rounds: a TPOT
+whole range, and with them the targets the service derives (measured rounds: a TPOT
 target of 11.5 ms in two rounds, 20.0 ms in a third, with one cluster and one workload).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """TpotGuard: how many prompt tokens a step may carry beside running streams.
 
 An engine that computes prompts while it decodes (a DECODE that prefills short prompts
-itself, issue 16's conditional disaggregation; a MIX) puts the prompt's cost on the step
+itself, conditional disaggregation; a MIX) puts the prompt's cost on the step
 every running stream waits for. A cap on the prompt tokens per step bounds the stall of
 one step, not what a stream's mean time per output token (TPOT, what an SLO counts)
 ends at: a burst of short prompts computed back to back adds one chunk after another to

@@ -1,7 +1,7 @@
 """xLLM's TP/DP worker mapping for KV transfer (pure functions).
 
 Not used yet: every instance has one worker today, and the PD code (xllm_py/engine/pd/)
-moves KV between worker 0 of each side. Kept for tensor parallelism (issue 14), where
+moves KV between worker 0 of each side. Kept for tensor parallelism, where
 each destination worker pulls from the source worker this module names.
 
 Workers of an instance are numbered ``dp_rank * tp + tp_rank``. A decode (destination)

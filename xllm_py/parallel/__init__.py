@@ -1,4 +1,4 @@
-"""Tensor parallelism: one instance as N worker processes (issue 14).
+"""Tensor parallelism: one instance as N worker processes.
 
   sharding.py    TPShard: the query/KV heads and MLP columns of each rank (pure Python)
   group.py       TPGroup: the ranks joined by torch.distributed (gloo; NCCL on CUDA)

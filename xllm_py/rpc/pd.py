@@ -189,7 +189,7 @@ def migration_kv_from_proto(item: pb.MultiGenerationsRequest) -> HandOver:
 # ---------------------------------------------------------------- the KV worker
 def pull_to_proto(move: KVMove, heads: tuple[int, int, int] | None = None
                   ) -> pb.PullKVCacheRequest:
-    """``heads`` (src_start, dst_start, count): only those KV heads (TP pairs, issue 14)."""
+    """``heads`` (src_start, dst_start, count): only those KV heads (TP pairs)."""
     return pb.PullKVCacheRequest(cluster_id=move.cluster_id, addr=move.addr,
                                  src_blocks=move.src_blocks, dst_blocks=move.dst_blocks,
                                  req_id=move.request_id, transfer_key=move.transfer_key,

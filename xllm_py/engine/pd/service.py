@@ -8,7 +8,7 @@ MIX instances serve `Generate` (a whole request from the service) and MultiGener
 FirstGeneration, LinkInstance/UnlinkInstance and MultiGenerations, and `Generate` as MIX
 does: the service's conditional disaggregation sends a prompt that is short, or mostly
 in the decode's prefix cache, to the decode itself, whose scheduler prefills it in
-chunks within the step budget alongside the running decodes (issue 16).
+chunks within the step budget alongside the running decodes.
 """
 from __future__ import annotations
 
