@@ -72,7 +72,7 @@ def pool_capacity(model_dir: pathlib.Path, memory_mb: int, block_size: int,
                                 CacheConfig(block_size=block_size, enable_prefix_caching=False),
                                 num_blocks, group_windows=groups.group_windows)
     held = 0
-    while sched.allocate_for_remote(Request(f"r{held}", [7] * context,
+    while sched.remote.allocate_for_remote(Request(f"r{held}", [7] * context,
                                             SamplingParams(max_tokens=8))) is not None:
         held += 1
     return {"kv_slots": groups.num_slots, "kv_groups": len(groups.group_windows),

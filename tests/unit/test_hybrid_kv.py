@@ -141,7 +141,7 @@ def test_decode_allocates_only_the_window_for_a_remote_prompt():
     sched = ContinuousScheduler(SchedulerConfig(), CacheConfig(block_size=BS), num_blocks=64,
                                 group_windows=WINDOWS)
     r = _req("a", 21)
-    alloc = sched.allocate_for_remote(r)
+    alloc = sched.remote.allocate_for_remote(r)
     assert len(r.block_ids) == 6 and _held(r.group_block_ids[0]) == [4, 5]
     assert len(alloc.new_block_ids) == 6 + 2 + 2  # prompt blocks 0..5, sliding 4, 5
     assert sched.kv.block_pool.num_used_blocks == 6 + 2 * 2
@@ -158,7 +158,7 @@ def test_prefill_keeps_only_the_window_while_sending():
     assert out.seqs[0].group_tables is not None and len(out.seqs[0].group_tables) == 2
     sched.update_from_output(out, {"a": 7})
     assert _held(r.group_block_ids[0]) == _held(r.group_block_ids[1]) == [4, 5]
-    assert sched.finish_sending("a")
+    assert sched.remote.finish_sending("a")
     assert sched.kv.block_pool.num_used_blocks == 0
 
 
@@ -205,7 +205,7 @@ def test_decode_hit_then_remote_prompt_takes_the_window_of_its_end():
     out = sched.schedule()
     sched.update_from_output(out, {"a": 7})  # done (max_tokens 1): its blocks cached
     b = Request("b", list(range(100, 133)), SamplingParams(max_tokens=8))
-    alloc = sched.allocate_for_remote(b)
+    alloc = sched.remote.allocate_for_remote(b)
     assert alloc.num_cached_tokens == 20
     assert len(b.block_ids) == 9 and all(_held(t) == [7, 8] for t in b.group_block_ids)
     assert alloc.new_block_ids == (b.block_ids[5:9] + b.group_block_ids[0][7:9]

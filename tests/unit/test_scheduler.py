@@ -226,10 +226,10 @@ def test_preempting_an_already_scheduled_decode_refunds_it():
     b = Request("b", pb, SamplingParams(max_tokens=5))
     d = Request("d", pd, SamplingParams(max_tokens=5))
     for r in (a, b, d):
-        runner.fill(s.allocate_for_remote(r).block_ids, r.prompt_token_ids)
+        runner.fill(s.remote.allocate_for_remote(r).block_ids, r.prompt_token_ids)
     assert (a.block_ids, b.block_ids, d.block_ids) == ([1], [2, 3], [4])
-    s.finish_remote_kvs("a", refs["a"][:3])
-    s.finish_remote_kvs("b", refs["b"][:1])
+    s.remote.finish_remote_kvs("a", refs["a"][:3])
+    s.remote.finish_remote_kvs("b", refs["b"][:1])
     out = s.schedule()
     assert out.preempted_ids == ["b"]
     assert [(q.request_id, q.start_pos, q.token_ids) for q in out.seqs] == [
@@ -388,13 +388,13 @@ def test_remote_decode_holds_blocks_until_sent():
     t0 = default_next_token("req-0", r.prompt_token_ids)
     assert updates == [RequestUpdate("req-0", [t0], True, "length", None, kv_held=True)]
     assert r.status == S.SENDING_KV and r.block_ids == [1, 2]
-    assert s.num_running == 0 and s.num_sending_kv == 1
+    assert s.num_running == 0 and s.remote.num_sending_kv == 1
     assert s.has_schedulable_requests() is False and s.has_unfinished_requests() is True
     assert s.schedule().seqs == []
     assert s.kv.block_pool.num_used_blocks == 2
-    assert s.finish_sending("req-0") is True
+    assert s.remote.finish_sending("req-0") is True
     assert r.status == S.FINISHED_LENGTH_CAPPED
-    assert s.finish_sending("req-0") is False
+    assert s.remote.finish_sending("req-0") is False
     assert_scheduler_empty(s)
 
 
@@ -424,14 +424,14 @@ def test_remote_kv_lifecycle_matches_local_run():
     s = create_scheduler()
     runner = FakeRunner(4)
     r = Request("r", prompt, SamplingParams(max_tokens=5))
-    alloc = s.allocate_for_remote(r)
+    alloc = s.remote.allocate_for_remote(r)
     # 10 prompt tokens + 1 slot = 3 blocks; the peer fills all of them (no prefix hit).
     assert (alloc.block_ids, alloc.new_block_ids, alloc.num_cached_tokens) == ([1, 2, 3], [1, 2, 3], 0)
     assert r.status == S.WAITING_FOR_REMOTE_KVS
-    assert s.num_waiting == 0 and s.num_waiting_for_remote_kvs == 1
+    assert s.num_waiting == 0 and s.remote.num_waiting_for_remote_kvs == 1
     assert s.schedule().seqs == []
     runner.fill(alloc.block_ids, prompt)  # the KV transfer
-    assert s.finish_remote_kvs("r", [ref[0]]) is None
+    assert s.remote.finish_remote_kvs("r", [ref[0]]) is None
     assert r.status == S.RUNNING and r.num_computed_tokens == 10
     out, _ = step(s, runner)
     assert out.seqs == [ScheduledSeq("r", [ref[0]], 10, [1, 2, 3], True)]
@@ -445,22 +445,22 @@ def test_remote_kv_prefix_hit_and_out_of_space():
     runner = FakeRunner(4)
     prefix = list(range(40, 48))
     a = Request("a", prefix + [1, 2], SamplingParams(max_tokens=4))
-    alloc_a = s.allocate_for_remote(a)
+    alloc_a = s.remote.allocate_for_remote(a)
     assert alloc_a.block_ids == [1, 2, 3]
     runner.fill(alloc_a.block_ids, a.prompt_token_ids)
-    s.finish_remote_kvs("a", [99])  # caches a's two full prompt blocks
+    s.remote.finish_remote_kvs("a", [99])  # caches a's two full prompt blocks
     b = Request("b", prefix + [5, 6, 7, 8, 9], SamplingParams(max_tokens=4))
-    alloc_b = s.allocate_for_remote(b)
+    alloc_b = s.remote.allocate_for_remote(b)
     assert alloc_b.num_cached_tokens == 8
     assert alloc_b.block_ids == [1, 2, 4, 5]
     assert alloc_b.new_block_ids == [4, 5]  # prompt positions 8..12; the first-token slot too
     assert b.num_cached_tokens == 0  # (usage reports the prefill's hit: it computed the rest)
     c = Request("c", list(range(900, 907)), SamplingParams())
-    assert s.allocate_for_remote(c) is None  # needs 2 blocks, 1 free
+    assert s.remote.allocate_for_remote(c) is None  # needs 2 blocks, 1 free
     assert c.block_ids == [] and "c" not in s.requests and s.kv.num_free_blocks == 1
-    assert s.fail_remote_kvs("b", "peer went away") is True
+    assert s.remote.fail_remote_kvs("b", "peer went away") is True
     assert b.status == S.FINISHED_ERROR and b.error_message == "peer went away"
-    assert s.fail_remote_kvs("b", "again") is False
+    assert s.remote.fail_remote_kvs("b", "again") is False
     s.abort_request("a")
     assert_scheduler_empty(s)
 
@@ -468,11 +468,11 @@ def test_remote_kv_prefix_hit_and_out_of_space():
 def test_remote_kv_tokens_that_already_finish():
     s = create_scheduler()
     r = Request("r", [1, 2, 3], SamplingParams(max_tokens=1))
-    s.allocate_for_remote(r)
-    update = s.finish_remote_kvs("r", [55])
+    s.remote.allocate_for_remote(r)
+    update = s.remote.finish_remote_kvs("r", [55])
     assert update == RequestUpdate("r", [], True, "length", None)
     with pytest.raises(ValueError, match="unknown request"):
-        s.finish_remote_kvs("r", [55])
+        s.remote.finish_remote_kvs("r", [55])
     assert_scheduler_empty(s)
 
 
@@ -481,9 +481,9 @@ def test_finish_remote_kvs_wrong_state():
     [r] = create_requests(1, 3)
     s.add_request(r)
     with pytest.raises(ValueError, match="not WAITING_FOR_REMOTE_KVS"):
-        s.finish_remote_kvs("req-0", [1])
+        s.remote.finish_remote_kvs("req-0", [1])
     with pytest.raises(ValueError, match="not SENDING_KV"):
-        s.finish_sending("req-0")
+        s.remote.finish_sending("req-0")
     s.abort_request("req-0")
     assert_scheduler_empty(s)
 

@@ -31,7 +31,7 @@ def test_offline_runs_at_full_batch_without_online_work():
         sched.add_request(r)
     out = _step(sched, runner)
     assert len(out.seqs) == 8
-    assert sched.num_offline_running == 8 and sched.num_offline_waiting == 0
+    assert sched.offline.num_running == 8 and sched.offline.num_waiting == 0
     run_to_completion(sched, runner)
     assert_scheduler_empty(sched)
 
@@ -45,7 +45,7 @@ def test_online_goes_first_and_offline_takes_the_seats_left():
         sched.add_request(r)
     out = _step(sched, runner)
     assert _ids(out) == ["req-0", "req-1", "req-2", "req-10"]
-    assert sched.num_offline_waiting == 3
+    assert sched.offline.num_waiting == 3
 
 
 def test_online_takes_a_seat_from_offline_which_resumes_with_its_kv():
@@ -63,7 +63,7 @@ def test_online_takes_a_seat_from_offline_which_resumes_with_its_kv():
     assert victim.status is S.SUSPENDED and victim.block_ids
     computed = victim.num_computed_tokens
     assert "req-0" in _ids(out) and victim.request_id not in _ids(out)
-    assert sched.num_offline_preempted == 1
+    assert sched.offline.num_preempted == 1
     while online.request_id in sched.requests:
         _step(sched, runner)
     out = _step(sched, runner)  # online left: the suspended request resumes, KV intact
@@ -94,7 +94,7 @@ def test_online_takes_kv_from_offline_and_greedy_output_is_unchanged():
             updates.setdefault(rid, []).extend(ups)
         assert_scheduler_empty(sched)
         if with_online:
-            assert sched.num_offline_preemptions >= 1
+            assert sched.offline.num_preemptions >= 1
         return {rid: output_tokens(u) for rid, u in updates.items() if rid in ("req-10", "req-11", "req-12")}
 
     alone, squeezed = run(False), run(True)
@@ -113,7 +113,7 @@ def test_suspended_request_gives_its_kv_to_online_work():
     # first the seat (suspended, KV kept), then its KV (preempted: freed, recomputed later)
     assert off.status is S.PREEMPTED and off.block_ids == [] and off.num_computed_tokens == 0
     assert out.preempted_ids == [off.request_id] and _ids(out) == [online.request_id]
-    assert sched.num_offline_preempted == 1 and sched.num_offline_suspensions == 1
+    assert sched.offline.num_preempted == 1 and sched.offline.num_suspensions == 1
     run_to_completion(sched, runner)
     assert_scheduler_empty(sched)
 
@@ -185,34 +185,34 @@ def test_gate_keeps_online_steps_within_the_tpot_target():
         assert "req-0" in _ids(out)
         counts.append(sum(1 for rid in _ids(out) if rid != "req-0"))
         if i == 19:
-            assert len(sched.suspended) == 8  # gate closed: all suspended, KV kept
-            assert all(r.block_ids for r in sched.suspended)
+            assert len(sched.offline.suspended) == 8  # gate closed: all suspended, KV kept
+            assert all(r.block_ids for r in sched.offline.suspended)
     assert counts[19] == 0
     assert counts[-1] == 8  # reopened: all back, none preempted
-    assert sched.num_offline_preemptions == 0
+    assert sched.offline.num_preemptions == 0
 
 
 def test_offline_has_room_is_the_pull_condition():
     clock = _Clock()
     sched = _timed_scheduler(clock)
     runner = FakeRunner(sched.block_size)
-    assert sched.offline_has_room()
+    assert sched.offline.has_room()
     [online] = create_requests(1, 6, max_tokens=200, tpot_slo_ms=10.0)
     sched.add_request(online)
     _step(sched, runner)  # its prompt
     _step(sched, runner)  # its first decode step
-    assert sched.offline_has_room()
+    assert sched.offline.has_room()
     clock.t += 0.0095  # over 0.9 x 10 ms
     _step(sched, runner)
-    assert not sched.offline_has_room()
+    assert not sched.offline.has_room()
     clock.t += 0.005
     _step(sched, runner)
-    assert sched.offline_has_room()
+    assert sched.offline.has_room()
     clock.t += 0.05  # a slow last step, then the stream ends and the engine idles: an
     _step(sched, runner)  # idle decode must still pull (it was starved once for 120 s)
-    assert not sched.offline_has_room()
+    assert not sched.offline.has_room()
     sched.finish_request(online.request_id, S.FINISHED_ABORTED)
-    assert sched.offline_has_room()
+    assert sched.offline.has_room()
 
 
 def test_allocate_for_remote_takes_kv_from_offline_for_online_only():
@@ -222,12 +222,12 @@ def test_allocate_for_remote_takes_kv_from_offline_for_online_only():
     sched.add_request(off)
     _step(sched, runner)
     [late_off] = create_requests(1, 16, offline=True, start=20)
-    assert sched.allocate_for_remote(late_off) is None  # offline: waits for room
+    assert sched.remote.allocate_for_remote(late_off) is None  # offline: waits for room
     [online] = create_requests(1, 16)
-    alloc = sched.allocate_for_remote(online)
+    alloc = sched.remote.allocate_for_remote(online)
     assert alloc is not None and off.status is S.PREEMPTED and off.block_ids == []
     runner.fill(alloc.block_ids, online.prompt_token_ids)
-    sched.finish_remote_kvs(online.request_id, [5])
+    sched.remote.finish_remote_kvs(online.request_id, [5])
     run_to_completion(sched, runner)
     assert_scheduler_empty(sched)
 

@@ -107,7 +107,7 @@ def test_max_tokens_zero_on_a_prefill_instance_holds_no_kv():
                           remote_decode=True))
     out = s.schedule()
     assert s.update_from_output(out, runner.step(out)) == [RequestUpdate("p", [], True, "length")]
-    assert s.num_sending_kv == 0
+    assert s.remote.num_sending_kv == 0
     assert_scheduler_empty(s)
 
 

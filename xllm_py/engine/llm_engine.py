@@ -257,10 +257,10 @@ class LLMEngine:
             if req.request_id in self.outputs:
                 requests: list[Request] | str = f"duplicate request id {req.request_id}"
             else:
-                requests = self._admit(req)
+                requests = self.admit(req)
                 if not isinstance(requests, str) and req.params.structured is not None:
                     requests = self.grammars.attach_new(requests, req, self.outputs)
-        except Exception as exc:  # a check _admit lacks: refuse this request only
+        except Exception as exc:  # a check admit lacks: refuse this request only
             logger.exception("admitting request %s failed", req.request_id)
             self.outputs.drop_parent(req.request_id)
             requests = f"request refused ({type(exc).__name__})"
@@ -275,7 +275,7 @@ class LLMEngine:
             if self.tiering is not None:
                 self.tiering.prefetch(request)
 
-    def _admit(self, req: EngineRequest,
+    def admit(self, req: EngineRequest,
                limit_what: str = "this model's context is {} tokens") -> list[Request] | str:
         """The one intake of a request: its params completed (EOS ids), checked (token
         ids, length), its outputs registered, and its sequences as Requests for the
@@ -441,10 +441,10 @@ class LLMEngine:
             "generated_tokens": self.num_generated_tokens,
             "step_failures": self.num_step_failures,
             "prompt_steps_held": getattr(self.scheduler.tpot_guard, "num_held", 0),
-            "offline_waiting": self.scheduler.num_offline_waiting,
-            "offline_running": self.scheduler.num_offline_running,
-            "offline_preempted": self.scheduler.num_offline_preempted,
-            "offline_preemptions": self.scheduler.num_offline_preemptions,
-            "offline_suspensions": self.scheduler.num_offline_suspensions,
+            "offline_waiting": self.scheduler.offline.num_waiting,
+            "offline_running": self.scheduler.offline.num_running,
+            "offline_preempted": self.scheduler.offline.num_preempted,
+            "offline_preemptions": self.scheduler.offline.num_preemptions,
+            "offline_suspensions": self.scheduler.offline.num_suspensions,
         }
 
