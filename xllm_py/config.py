@@ -164,8 +164,6 @@ class TransferConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     timeout_s: float = 30.0
-    # Tests only: probability that a KV transfer is failed on purpose (fault injection).
-    fault_rate: float = 0.0
     # The ucx backend's settings; None: UCXConfig.from_env() when the backend is built.
     ucx: UCXConfig | None = None
 
@@ -391,24 +389,12 @@ def advertised_host(host: str, advertise_host: str | None) -> str:
     return host
 
 
-# Fault injection for tests: a decode that exits when a hand-over reaches it
-# (FirstGeneration: between AddNewRequests and the take-over, the window a crash may hit).
-FAULT_EXIT_ON_FIRST_GENERATION = "XLLM_FAULT_EXIT_ON_FIRST_GENERATION"
-
-
-def fault_exit_on_first_generation() -> bool:
-    return os.environ.get(FAULT_EXIT_ON_FIRST_GENERATION) == "1"
-
-
 def transfer_config_from_env(base: TransferConfig) -> TransferConfig:
     """Overrides from XLLM_KV_TRANSFER_* variables (tests use them to inject settings); the
     UCX settings from theirs (UCXConfig.from_env) unless ``base`` has them."""
     backend = os.environ.get("XLLM_KV_TRANSFER_BACKEND")
     timeout = os.environ.get("XLLM_KV_TRANSFER_TIMEOUT_S")
-    fault_rate = os.environ.get("XLLM_KV_TRANSFER_FAULT_RATE")
     changes: dict = {}
-    if fault_rate:
-        changes["fault_rate"] = float(fault_rate)
     if backend:
         changes["backend"] = backend
     if timeout:

@@ -38,15 +38,18 @@ class Harness:
         return proc
 
     def engine(self, role: str, name: str, port: int | None = None,
-               extra: list[str] | None = None, profile: bool = False) -> ChildProcess:
+               extra: list[str] | None = None, profile: bool = False,
+               fault: str | None = None) -> ChildProcess:
         """`profile`: a PREFILL / DECODE measures its latency profile at start-up, as by
-        default (else none, unless `extra` names a file: the tests of the PD machinery)."""
+        default (else none, unless `extra` names a file: the tests of the PD machinery).
+        `fault`: the engine runs with that fault installed (faulty_engine.py)."""
         port = port or free_port()
         args = engine_args(role, port, etcd=self.etcd, extra=[
             "--etcd-namespace", self.namespace, "--etcd-ttl", str(self.ttl_s),
             "--heart-beat-interval", "0.3", *([] if profile else ["--latency-profile", "off"]),
             *(extra or [])])
-        proc = spawn(name, "xllm_py.engine", args, self.log_dir,
+        module = "xllm_py.engine" if fault is None else "tests.integration.faulty_engine"
+        proc = spawn(name, module, args if fault is None else [fault, *args], self.log_dir,
                      http_url=f"http://127.0.0.1:{port}")
         self.procs.append(proc)
         return proc

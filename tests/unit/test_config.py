@@ -32,9 +32,9 @@ def test_advertised_host_never_a_wildcard():
 
 def test_env_overrides(monkeypatch):
     monkeypatch.setenv("XLLM_KV_TRANSFER_BACKEND", "tcp")
-    monkeypatch.setenv("XLLM_KV_TRANSFER_FAULT_RATE", "0.5")
+    monkeypatch.setenv("XLLM_KV_TRANSFER_TIMEOUT_S", "0.5")
     cfg = transfer_config_from_env(TransferConfig())
-    assert (cfg.backend, cfg.fault_rate) == ("tcp", 0.5)
+    assert (cfg.backend, cfg.timeout_s) == ("tcp", 0.5)
     monkeypatch.setenv("ETCD_USERNAME", "u")
     with pytest.raises(ValueError, match="both ETCD_USERNAME and ETCD_PASSWORD"):
         etcd_credentials_from_env()

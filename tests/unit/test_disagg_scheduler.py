@@ -1,4 +1,4 @@
-"""DisaggPDScheduler on a real engine (the tiny model), its peers faked (FakePeers: the
+"""PDRole on a real engine (the tiny model), its peers faked (FakePeers: the
 decode engines and the KV worker are in the test's process): a request is placed,
 prefilled and handed over; a cancel never frees blocks a KV transfer may still touch,
 and never leaves blocks held for good; refusals keep decode's status; a restarted
@@ -18,9 +18,10 @@ from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import CacheConfig, EngineConfig, InstanceRole, KVTransferMode, TransferConfig
 from xllm_py.engine.llm_engine import LLMEngine
 from xllm_py.engine.pd.config import PDSchedulerConfig
+from xllm_py.engine.pd.handlers import DecodeHandler, PrefillHandler, Starting
 from xllm_py.pd_messages import HandOver, OfflinePull
 from xllm_py.engine.pd.phases import DecodePhase, PrefillPhase
-from xllm_py.engine.pd.scheduler import DisaggPDScheduler
+from xllm_py.engine.pd.role import PDRole
 from xllm_py.engine.self_profile import start_up_profile
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.rpc.status import Status, StatusError
@@ -60,9 +61,9 @@ async def make_node():
         async def one_decode() -> list[str]:
             return ["decode:1"]
 
-        pd = DisaggPDScheduler(engine, config, meta, Reporter(), peers, resolve or resolve_meta,
-                               list_decodes or one_decode, PDSchedulerConfig(**pd_overrides),
-                               forget_meta=forget)
+        pd = PDRole(engine, config, meta, Reporter(), peers, resolve or resolve_meta,
+                    list_decodes or one_decode, PDSchedulerConfig(**pd_overrides),
+                    forget_meta=forget, latency_profile=engine.latency_profile)
         pd.start()
         made.append((engine, pd))
         return engine, pd, peers
@@ -89,7 +90,7 @@ async def test_a_placement_whose_answer_is_lost_is_dropped_on_that_decode(make_n
     orphan timeout)."""
     engine, pd, peers = await make_node(InstanceRole.PREFILL)
     peers.lost_answers.add("decode:1")
-    pd.add_request(_spec())
+    pd.prefill.add_request(_spec())
     await until(lambda: any(h.failed for _, h in peers.handovers), what="the drop")
     assert [(d, h.request_id, h.failed) for d, h in peers.handovers
             if h.failed] == [("decode:1", "r1", True)]
@@ -100,7 +101,7 @@ async def test_a_placement_whose_answer_is_lost_is_dropped_on_that_decode(make_n
 
 async def test_prefill_places_prefills_and_hands_over(make_node):
     engine, pd, peers = await make_node(InstanceRole.PREFILL)
-    pd.add_request(_spec())
+    pd.prefill.add_request(_spec())
     await until(lambda: peers.handovers, what="FirstGeneration")
     [(decode, h)] = peers.handovers
     assert decode == "decode:1" and peers.placements == [("r1", "decode:1")]
@@ -114,7 +115,7 @@ async def test_prefill_places_prefills_and_hands_over(make_node):
 
 async def test_prefill_push_writes_decodes_blocks_before_first_generation(make_node):
     engine, pd, peers = await make_node(InstanceRole.PREFILL, KVTransferMode.PUSH)
-    pd.add_request(_spec())
+    pd.prefill.add_request(_spec())
     await until(lambda: peers.handovers, what="FirstGeneration")
     [(op, move)] = peers.moves
     [(_, h)] = peers.handovers
@@ -127,7 +128,7 @@ async def test_prefill_push_writes_decodes_blocks_before_first_generation(make_n
 async def test_prefill_failed_push_fails_the_request_and_frees_both_sides(make_node):
     engine, pd, peers = await make_node(InstanceRole.PREFILL, KVTransferMode.PUSH)
     peers.transfer_error = StatusError(Status.BAD_GATEWAY, "KV push failed: boom")
-    pd.add_request(_spec())
+    pd.prefill.add_request(_spec())
     await until(lambda: pd.reporter.errors(), what="the error report")
     assert pd.reporter.errors() == [("r1", 502, "KV push failed: boom")]
     [(_, h)] = peers.handovers  # decode heard of it, to free its blocks
@@ -142,7 +143,7 @@ async def test_prefill_reports_decodes_refusal_with_decodes_status(make_node, st
     fails it with that same status, not another one."""
     engine, pd, peers = await make_node(InstanceRole.PREFILL)
     peers.refuse["decode:1"] = status
-    pd.add_request(_spec())
+    pd.prefill.add_request(_spec())
     await until(lambda: pd.reporter.errors(), what="the error report")
     assert pd.reporter.errors() == [("r1", status.http_status, "decode:1 refuses it")]
     assert await blocks_used(engine) == 0 and pd.num_pending() == 0
@@ -152,11 +153,11 @@ async def test_prefill_cancel_racing_the_first_token_frees_the_held_kv(make_node
     engine, pd, peers = await make_node(InstanceRole.PREFILL)
     held = threading.Event()
     engine.call(lambda: held.wait(10))  # the engine thread is busy: the step waits
-    pd.add_request(_spec())
+    pd.prefill.add_request(_spec())
     await until(lambda: pd.prefill.phase("r1") is PrefillPhase.PREFILLING, what="placement")
     # The service's Cancel lands while the step that samples the first token runs: its
     # engine abort comes after that step and finds nothing to abort (here: no abort).
-    assert pd.cancel("r1") is False
+    pd.prefill.cancel("r1")
     assert pd.prefill.phase("r1") is None and pd.num_pending() == 0
     held.set()
     await until_free(engine)  # the hand-over hook frees the KV it would have held
@@ -168,10 +169,10 @@ async def test_prefill_cancel_racing_the_first_token_frees_the_held_kv(make_node
 async def test_prefill_cancel_while_placing_never_reaches_the_engine(make_node):
     engine, pd, peers = await make_node(InstanceRole.PREFILL)
     peers.place_gate = asyncio.Event()
-    pd.add_request(_spec())
+    pd.prefill.add_request(_spec())
     await asyncio.wait_for(peers.place_started.wait(), 5)
     assert pd.prefill.phase("r1") is PrefillPhase.DISPATCHING and pd.num_pending() == 1
-    assert pd.cancel("r1") is False
+    pd.prefill.cancel("r1")
     peers.place_gate.set()  # decode placed it meanwhile: it is told to drop it
     await until(lambda: peers.handovers, what="the drop")
     assert [(h.request_id, h.failed) for _, h in peers.handovers] == [("r1", True)]
@@ -181,7 +182,38 @@ async def test_prefill_cancel_while_placing_never_reaches_the_engine(make_node):
 
 async def test_prefill_cancel_of_an_unknown_request_is_the_engines(make_node):
     engine, pd, peers = await make_node(InstanceRole.PREFILL)
-    assert pd.cancel("never-seen") is False  # nothing PD-side: the engine aborts it
+    pd.handler().cancel("never-seen")  # nothing PD-side: the engine aborts it
+    await _turns()
+    assert pd.num_pending() == 0 and not peers.handovers
+
+
+# ---------------------------------------------------------------------------- handlers
+async def test_each_role_serves_its_rpcs_and_refuses_the_others(make_node):
+    """The servicer's handler for the role: a PREFILL queues Generate on its side and
+    refuses the decode's RPCs; a DECODE refuses a pull signal; before the role is up,
+    a PREFILL refuses requests."""
+    engine, pd, peers = await make_node(InstanceRole.PREFILL)
+    handler = pd.handler()
+    assert isinstance(handler, PrefillHandler)
+    peers.place_gate = asyncio.Event()  # (it stays dispatching)
+    handler.generate(_spec())
+    assert handler.num_pending() == 1 and pd.prefill.phase("r1") is not None
+    handler.cancel("r1")
+    assert handler.num_pending() == 0
+    for call in (handler.add_new_requests("p", []), handler.first_generation([]),
+                 handler.multi_generations([])):
+        with pytest.raises(StatusError) as e:
+            await call
+        assert e.value.status is Status.FAILED_PRECONDITION, e.value.message
+    peers.place_gate.set()
+    starting = Starting(engine, pd.reporter, InstanceRole.PREFILL)
+    with pytest.raises(StatusError, match="prefill instance is starting"):
+        starting.generate(_spec("r2"))
+    _, decode_pd, _ = await make_node(DECODE)
+    decode = decode_pd.handler()
+    assert isinstance(decode, DecodeHandler)
+    with pytest.raises(StatusError, match="SendPullSignal is served by PREFILL"):
+        decode.on_pull(OfflinePull("decode:9", preferred_req_len=1, max_total_len=10))
 
 
 # ---------------------------------------------------------------------------- dispatch
@@ -198,17 +230,17 @@ async def test_dispatch_takes_online_first_and_offline_only_on_a_pull(make_node)
     peers.refuse["decode:9"] = Status.INVALID_ARGUMENT  # no prefill work: order only
     peers.refuse["decode:1"] = Status.INVALID_ARGUMENT
     for i in range(4):
-        pd.add_request(_spec(f"off{i}", offline=True))
-    pd.add_request(_spec("on0"))
+        pd.prefill.add_request(_spec(f"off{i}", offline=True))
+    pd.prefill.add_request(_spec("on0"))
     await _turns()
     assert peers.asked == ["on0"]  # offline work waits for a pull
-    assert pd.on_pull(OfflinePull("decode:9", preferred_req_len=3, max_total_len=100)) == 2
+    assert pd.prefill.on_pull(OfflinePull("decode:9", preferred_req_len=3, max_total_len=100)) == 2
     await _turns()
     assert peers.asked == ["on0", "off0", "off1"]
     assert [n for r, n in peers.refused_on if r.startswith("off")] == ["decode:9"] * 2
-    assert pd.on_pull(OfflinePull("decode:9", preferred_req_len=1, max_total_len=10**6)) == 1
-    pd.cancel("off3")
-    assert pd.on_pull(OfflinePull("decode:9", preferred_req_len=5, max_total_len=10**6)) == 0
+    assert pd.prefill.on_pull(OfflinePull("decode:9", preferred_req_len=1, max_total_len=10**6)) == 1
+    pd.prefill.cancel("off3")
+    assert pd.prefill.on_pull(OfflinePull("decode:9", preferred_req_len=5, max_total_len=10**6)) == 0
     await _turns()
     assert peers.asked == ["on0", "off0", "off1", "off2"]
     text = pd.metrics_text()
@@ -223,23 +255,23 @@ async def test_dispatch_places_only_while_the_placed_prompts_leave_room(make_nod
     engine, pd, peers = await make_node(InstanceRole.PREFILL, max_placed_prompt_tokens=60)
     peers.place_gate = asyncio.Event()
     for rid in ("r1", "r2", "r3"):
-        pd.add_request(_spec(rid))
+        pd.prefill.add_request(_spec(rid))
     await until(lambda: peers.asked == ["r1", "r2"], what="two placements asked")
     await asyncio.sleep(0.2)  # a gap in which r3 would be asked for, were it not held
     assert peers.asked == ["r1", "r2"]  # 80 placed tokens >= 60
-    assert pd.prefill.placed_prompt_tokens() == 80
+    assert pd.prefill.pacer.placed_prompt_tokens() == 80
     assert pd.prefill.phase("r3") is PrefillPhase.QUEUED and pd.num_pending() == 3
     peers.place_gate.set()
     await until(lambda: len(peers.handovers) == 3, what="all three handed over")
     assert peers.asked == ["r1", "r2", "r3"]
     await until_free(engine)
-    assert pd.prefill.placed_prompt_tokens() == 0
+    assert pd.prefill.pacer.placed_prompt_tokens() == 0
 
 
 async def test_dispatch_places_a_prompt_longer_than_the_limit_alone(make_node):
     engine, pd, peers = await make_node(InstanceRole.PREFILL, max_placed_prompt_tokens=10)
-    pd.add_request(_spec("r1"))
-    pd.add_request(_spec("r2"))
+    pd.prefill.add_request(_spec("r1"))
+    pd.prefill.add_request(_spec("r2"))
     await until(lambda: len(peers.handovers) == 2, what="both handed over, one at a time")
     assert peers.asked == ["r1", "r2"]
     await until_free(engine)
@@ -260,11 +292,11 @@ async def test_dispatch_order_puts_a_request_that_can_still_make_its_ttft_first(
     engine, pd, peers = await make_node(InstanceRole.PREFILL, profile=str(profile),
                                         max_placed_prompt_tokens=10, prefill_order=order)
     peers.place_gate = asyncio.Event()
-    pd.add_request(_spec("r1"))
+    pd.prefill.add_request(_spec("r1"))
     await until(lambda: peers.asked == ["r1"], what="r1 placed")
-    pd.add_request(_spec("late", ttft_slo_ms=1))
-    pd.add_request(_spec("ontime", ttft_slo_ms=60_000))
-    pd.add_request(_spec("none"))
+    pd.prefill.add_request(_spec("late", ttft_slo_ms=1))
+    pd.prefill.add_request(_spec("ontime", ttft_slo_ms=60_000))
+    pd.prefill.add_request(_spec("none"))
     peers.place_gate.set()
     await until(lambda: len(peers.handovers) == 4, what="all four handed over")
     expected = ["ontime", "late", "none"] if order == "deadline" else ["late", "ontime", "none"]
@@ -285,8 +317,8 @@ async def test_deadline_order_places_the_next_request_just_in_time(make_node, tm
     engine, pd, peers = await make_node(InstanceRole.PREFILL, profile=str(profile),
                                         max_placed_prompt_tokens=0)
     peers.place_gate = asyncio.Event()
-    pd.add_request(_spec("r1"))
-    pd.add_request(_spec("r2"))
+    pd.prefill.add_request(_spec("r1"))
+    pd.prefill.add_request(_spec("r2"))
     await until(lambda: peers.asked == ["r1"], what="r1 placed")
     await asyncio.sleep(0.3)  # a gap in which r2 would be asked for, were it not held
     assert peers.asked == ["r1"] and pd.prefill.phase("r2") is PrefillPhase.QUEUED
@@ -317,7 +349,7 @@ async def test_a_decode_restarted_elsewhere_is_linked_at_its_new_address(make_no
 
     engine, pd, peers = await make_node(InstanceRole.PREFILL, resolve=resolve, forget=forget)
     peers.dead_addresses.add("127.0.0.1:1")
-    pd.add_request(_spec("r1"))
+    pd.prefill.add_request(_spec("r1"))
     await until(lambda: len(peers.handovers) == 1, what="handed over at the new address")
     assert forgot == ["decode:1"] and [d for d, _ in peers.links] == ["decode:1"]
     assert peers.placements == [("r1", "decode:1")]
@@ -337,8 +369,8 @@ async def test_a_failed_engine_step_ends_the_prefill_record_and_frees_its_place(
         return real_step(seqs)
 
     engine.runner.execute_step = failing_step
-    pd.add_request(_spec("r1"))
-    pd.add_request(_spec("r2"))
+    pd.prefill.add_request(_spec("r1"))
+    pd.prefill.add_request(_spec("r2"))
     await until(lambda: pd.reporter.errors(), what="r1's error report")
     assert [e[:2] for e in pd.reporter.errors()] == [("r1", 500)]
     await until(lambda: any(h.failed for _, h in peers.handovers), what="decode told to drop")
@@ -346,7 +378,7 @@ async def test_a_failed_engine_step_ends_the_prefill_record_and_frees_its_place(
                 what="r2 placed and handed over")
     assert pd.prefill.phase("r1") is None
     await until_free(engine)
-    assert pd.num_pending() == 0 and pd.prefill.placed_prompt_tokens() == 0
+    assert pd.num_pending() == 0 and pd.prefill.pacer.placed_prompt_tokens() == 0
 
 
 async def test_dispatch_asks_the_master_for_decodes_only_if_the_chosen_one_fails(make_node):
@@ -362,14 +394,14 @@ async def test_dispatch_asks_the_master_for_decodes_only_if_the_chosen_one_fails
     await until(lambda: listed, what="the first prelink round")
     listed.clear()
     peers.full.add("d1")
-    pd.add_request(_spec("a", decode_name="d2"))
+    pd.prefill.add_request(_spec("a", decode_name="d2"))
     await until(lambda: peers.placements, what="placement of a")
     assert peers.placements == [("a", "d2")] and listed == []  # no master round trip
-    pd.add_request(_spec("b", decode_name="d1"))
+    pd.prefill.add_request(_spec("b", decode_name="d1"))
     await until(lambda: len(peers.placements) == 2, what="placement of b")
     assert peers.placements[-1] == ("b", "d2") and listed == [1]  # d1 full: the list
     peers.full.add("d2")
-    pd.add_request(_spec("c", decode_name="d1"))
+    pd.prefill.add_request(_spec("c", decode_name="d1"))
     await until(lambda: pd.reporter.errors(), what="the error report")
     [(rid, code, message)] = pd.reporter.errors()
     assert (rid, code) == ("c", 503) and "no KV space" in message
@@ -400,21 +432,21 @@ async def test_prelink_links_new_decodes_once_and_skips_incompatible_ones(make_n
 
     pd.links.list_decodes, pd.links.resolve_meta = list_decodes, resolve_meta
     linked = lambda: pd.metrics.registry.get_sample_value("xllm_pd_linked_instances")  # noqa: E731
-    assert await pd.prelink_once() == ["d1"]  # d2's block size differs: refused
-    assert await pd.prelink_once() == []  # nothing new; d2 neither retried nor re-warned
+    assert await pd.links.prelink_once() == ["d1"]  # d2's block size differs: refused
+    assert await pd.links.prelink_once() == []  # nothing new; d2 neither retried nor re-warned
     assert [r.message for r in caplog.records if "incompatible" in r.message] == [
         "prelink: decode d2 is incompatible: block_size differs: prefill:1 has 16, d2 has 32"]
     metas["d1"] = dataclasses.replace(metas["d1"], incarnation_id="c")  # d1 restarted
-    assert await pd.prelink_once() == ["d1"]
+    assert await pd.links.prelink_once() == ["d1"]
     assert peers.links == [("d1", "prefill:1")] * 2 and linked() == 1
     assert "xllm_pd_linked_instances 1.0" in pd.metrics_text()
     del metas["d1"]  # gone from the master's list: forgotten
-    assert await pd.prelink_once() == [] and linked() == 0
+    assert await pd.links.prelink_once() == [] and linked() == 0
 
 
 # ---------------------------------------------------------------------------- decode
-async def _add_on_decode(pd: DisaggPDScheduler, rid: str = "r1") -> list[int]:
-    [placement] = await pd.add_new_requests("prefill:1", [_spec(rid)])
+async def _add_on_decode(pd: PDRole, rid: str = "r1") -> list[int]:
+    [placement] = await pd.decode.add_new_requests("prefill:1", [_spec(rid)])
     assert placement.status is Status.OK, placement
     return placement.block_ids
 
@@ -425,12 +457,12 @@ def _first_generation(rid: str, blocks: list[int], **kw) -> HandOver:
                     block_ids=blocks, **kw)
 
 
-async def _take_over_with_a_held_pull(pd: DisaggPDScheduler, peers: FakePeers):
+async def _take_over_with_a_held_pull(pd: PDRole, peers: FakePeers):
     """Request r1 placed on decode and its FirstGeneration in flight, its pull running
     until the test sets peers.transfer_gate. Returns (blocks, the FirstGeneration task)."""
     peers.transfer_gate = asyncio.Event()
     blocks = await _add_on_decode(pd)
-    call = asyncio.create_task(pd.first_generation([_first_generation("r1", blocks)]))
+    call = asyncio.create_task(pd.decode.first_generation([_first_generation("r1", blocks)]))
     await asyncio.wait_for(peers.transfer_started.wait(), 5)
     assert pd.decode.phase("r1") is DecodePhase.PULLING
     return blocks, call
@@ -446,7 +478,7 @@ async def test_decode_takes_over_pulls_and_decodes(make_node):
     engine, pd, peers = await make_node(DECODE)
     blocks = await _add_on_decode(pd)
     assert pd.decode.phase("r1") is DecodePhase.ALLOCATED and len(blocks) == 3
-    assert await pd.first_generation([_first_generation("r1", blocks)]) == [""]
+    assert await pd.decode.first_generation([_first_generation("r1", blocks)]) == [""]
     [(op, move)] = peers.moves
     assert (op, move.src_blocks, move.dst_blocks, move.addr) == ("pull", blocks, blocks,
                                                                  "127.0.0.1:3")
@@ -459,7 +491,7 @@ async def test_decode_takes_over_pulls_and_decodes(make_node):
 async def test_decode_refuses_a_prompt_it_cannot_hold_with_invalid_argument(make_node):
     engine, pd, peers = await make_node(DECODE)
     too_long = dataclasses.replace(_spec(), prompt_token_ids=[5] * (engine.max_model_len + 1))
-    [placement] = await pd.add_new_requests("prefill:1", [too_long])
+    [placement] = await pd.decode.add_new_requests("prefill:1", [too_long])
     assert placement.status is Status.INVALID_ARGUMENT and "decode can hold" in placement.message
     assert await blocks_used(engine) == 0
 
@@ -468,7 +500,7 @@ async def test_decode_failed_pull_fails_the_request(make_node):
     engine, pd, peers = await make_node(DECODE)
     peers.transfer_error = StatusError(Status.BAD_GATEWAY, "KV pull failed: boom")
     blocks = await _add_on_decode(pd)
-    assert await pd.first_generation([_first_generation("r1", blocks)]) == [
+    assert await pd.decode.first_generation([_first_generation("r1", blocks)]) == [
         "KV pull failed: boom"]
     await until_free(engine)  # never decoded on KV that did not arrive
     [out] = pd.reporter.outputs("r1")
@@ -490,7 +522,7 @@ async def test_decode_caller_gone_mid_pull_frees_the_blocks_after_the_pull(make_
 async def test_decode_cancel_mid_pull_frees_the_blocks_after_the_pull(make_node):
     engine, pd, peers = await make_node(DECODE)
     blocks, call = await _take_over_with_a_held_pull(pd, peers)
-    assert pd.cancel("r1") is True  # not the engine's to abort yet
+    assert pd.decode.cancel("r1") is True  # not the engine's to abort yet
     await _still_held(engine, blocks)
     peers.transfer_gate.set()
     [problem] = await asyncio.wait_for(call, 5)
@@ -505,10 +537,10 @@ async def test_decode_cancel_before_first_generation_frees_at_once_in_pull_mode(
     FirstGeneration is answered as for a dropped request."""
     engine, pd, peers = await make_node(DECODE)
     blocks = await _add_on_decode(pd)
-    assert blocks and pd.cancel("r1") is True
+    assert blocks and pd.decode.cancel("r1") is True
     assert pd.decode.phase("r1") is None
     await until_free(engine)
-    await pd.first_generation([_first_generation("r1", blocks)])  # too late: nothing runs
+    await pd.decode.first_generation([_first_generation("r1", blocks)])  # too late: nothing runs
     await until_free(engine)
     assert not pd.reporter.outputs("r1") and not peers.moves
 
@@ -516,11 +548,11 @@ async def test_decode_cancel_before_first_generation_frees_at_once_in_pull_mode(
 async def test_decode_cancel_before_first_generation_waits_for_it(make_node):
     engine, pd, peers = await make_node(DECODE, KVTransferMode.PUSH)
     blocks = await _add_on_decode(pd)
-    assert pd.cancel("r1") is True  # a PUSH may be writing into its blocks
+    assert pd.decode.cancel("r1") is True  # a PUSH may be writing into its blocks
     assert pd.decode.phase("r1") is DecodePhase.CANCELLED
     await _still_held(engine, blocks)
     # Prefill hands over (its push has ended): the blocks go, nothing is decoded.
-    assert await pd.first_generation([_first_generation("r1", blocks)]) == [""]
+    assert await pd.decode.first_generation([_first_generation("r1", blocks)]) == [""]
     await until_free(engine)
     assert not pd.reporter.outputs("r1") and not peers.moves
 
@@ -528,10 +560,10 @@ async def test_decode_cancel_before_first_generation_waits_for_it(make_node):
 async def test_decode_cancelled_request_without_first_generation_is_reaped(make_node):
     engine, pd, peers = await make_node(DECODE, KVTransferMode.PUSH)
     blocks = await _add_on_decode(pd)
-    assert pd.cancel("r1") is True
+    assert pd.decode.cancel("r1") is True
     now = time.monotonic()
-    assert pd.reap_orphans(now) == []  # within the grace
-    assert pd.reap_orphans(now + pd.decode.cancel_grace_s + 1) == ["r1"]
+    assert pd.decode.reap_orphans(now) == []  # within the grace
+    assert pd.decode.reap_orphans(now + pd.decode.cancel_grace_s + 1) == ["r1"]
     await until_free(engine)
     assert len(blocks) == 3 and not pd.reporter.outputs("r1")
 
@@ -539,7 +571,7 @@ async def test_decode_cancelled_request_without_first_generation_is_reaped(make_
 async def test_decode_request_whose_first_generation_never_comes_fails(make_node):
     engine, pd, peers = await make_node(DECODE, orphan_timeout_s=5.0)
     await _add_on_decode(pd)
-    assert pd.reap_orphans(time.monotonic() + 6) == ["r1"]
+    assert pd.decode.reap_orphans(time.monotonic() + 6) == ["r1"]
     await until_free(engine)
     [out] = pd.reporter.outputs("r1")
     assert out.error_code == 502 and "never handed the request over" in out.error_message
@@ -548,12 +580,12 @@ async def test_decode_request_whose_first_generation_never_comes_fails(make_node
 async def test_decode_take_over_then_cancel_is_the_engines(make_node):
     engine, pd, peers = await make_node(DECODE)
     blocks = await _add_on_decode(pd)
-    assert await pd.first_generation([_first_generation("r1", blocks)]) == [""]
-    assert pd.cancel("r1") is False  # decoding: the engine aborts it and frees its blocks
+    assert await pd.decode.first_generation([_first_generation("r1", blocks)]) == [""]
+    assert pd.decode.cancel("r1") is False  # decoding: the engine aborts it and frees its blocks
     engine.abort("r1")
     await until_free(engine)
     # A second FirstGeneration for it finds nothing to take over.
-    assert await pd.first_generation([_first_generation("r1", blocks)]) == ["unknown request r1"]
+    assert await pd.decode.first_generation([_first_generation("r1", blocks)]) == ["unknown request r1"]
 
 
 async def test_only_a_prefill_engine_hands_requests_over(make_node):

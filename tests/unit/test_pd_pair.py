@@ -1,5 +1,5 @@
 """A PD pair in one process: a PREFILL and a DECODE engine (the tiny model), each with its
-DisaggPDScheduler, wired by PairPeers (the PDPeers interface calling the other scheduler
+PDRole, wired by PairPeers (the PDPeers interface calling the other scheduler
 directly; a KV transfer copies blocks from one engine's pool to the other's). A greedy
 request handed over from prefill to decode gives exactly the tokens of a MIX run, and both
 pools end empty: the hand-over itself is under test, not a stand-in for it."""
@@ -16,7 +16,7 @@ from xllm_py.config import CacheConfig, EngineConfig, InstanceRole, KVTransferMo
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.pd_messages import HandOver, KVMove, PeerLink, Placement
 from xllm_py.engine.pd.phases import DecodePhase
-from xllm_py.engine.pd.scheduler import DisaggPDScheduler
+from xllm_py.engine.pd.role import PDRole
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.sampling_params import SamplingParams
 
@@ -32,22 +32,22 @@ class PairPeers(FakePeers):
         super().__init__()
         self.prefill_engine: LLMEngine | None = None
         self.decode_engine: LLMEngine | None = None
-        self.decode_pd: DisaggPDScheduler | None = None
+        self.decode_pd: PDRole | None = None
 
     async def link_instance(self, decode: InstanceMeta, prefill: InstanceMeta) -> None:
         await super().link_instance(decode, prefill)
-        await self.decode_pd.link_instance(PeerLink(prefill.name, prefill.cluster_ids,
+        await self.decode_pd.links.link_instance(PeerLink(prefill.name, prefill.cluster_ids,
                                                     prefill.addrs, prefill))
 
     async def add_new_request(self, decode: InstanceMeta, prefill: InstanceMeta,
                               spec: EngineRequestSpec) -> Placement:
-        [placement] = await self.decode_pd.add_new_requests(prefill.name, [spec])
+        [placement] = await self.decode_pd.decode.add_new_requests(prefill.name, [spec])
         return placement
 
     async def first_generation(self, decode: InstanceMeta, handover: HandOver,
                                timeout_s: float) -> str:
         self.handovers.append((decode.name, handover))
-        [problem] = await self.decode_pd.first_generation([handover])
+        [problem] = await self.decode_pd.decode.first_generation([handover])
         return problem
 
     async def _transfer(self, op: str, move: KVMove) -> None:
@@ -88,8 +88,8 @@ async def pair(request):
         async def list_decodes() -> list[str]:
             return ["decode:1"]
 
-        pd = DisaggPDScheduler(engine, config, meta, Reporter(), peers, resolve_meta,
-                               list_decodes)
+        pd = PDRole(engine, config, meta, Reporter(), peers, resolve_meta, list_decodes,
+                    latency_profile=None)
         pd.start()
         engines.append(engine)
         pds.append(pd)
@@ -109,7 +109,7 @@ async def test_greedy_pd_request_gives_the_mix_tokens(pair, decode_has_the_prefi
     expected = None
     if decode_has_the_prefix:  # decode's prefix cache holds 2 of the 3 prompt blocks
         expected = await _mix_tokens(decode, "mix", params)
-    prefill_pd.add_request(EngineRequestSpec(
+    prefill_pd.prefill.add_request(EngineRequestSpec(
         "r1", "r1", PROMPT, params, source_xservice_addr="service:1", decode_name="decode:1"))
     await until(lambda: any(o.finished for o in decode_pd.reporter.outputs("r1")),
                 what="decode's last output")
@@ -134,7 +134,7 @@ async def test_greedy_pd_request_gives_the_mix_tokens(pair, decode_has_the_prefi
 async def test_a_request_that_ends_on_prefill_frees_both_sides(pair):
     prefill, prefill_pd, decode, decode_pd, peers = pair
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    prefill_pd.add_request(EngineRequestSpec(
+    prefill_pd.prefill.add_request(EngineRequestSpec(
         "r1", "r1", PROMPT, params, source_xservice_addr="service:1", decode_name="decode:1"))
     await until(lambda: peers.handovers, what="the hand-over")
     [(_, handover)] = peers.handovers

@@ -2,7 +2,7 @@
 
 Stages: KV worker (PD roles: transfer listener + WorkerService gRPC) -> DisaggPDService
 gRPC -> Generations reporter hooked to the engine loop -> registration in etcd with a
-kept-alive lease + heartbeats to the master -> (PD) DisaggPDScheduler.
+kept-alive lease + heartbeats to the master -> (PD) PDRole.
 Stop: deregister, stop the PD scheduler, the gRPC servers, the worker, the reporter.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from xllm_py.config import EngineConfig, InstanceRole, advertised_host, etcd_cre
 from xllm_py.engine.cache_events import CacheEvents
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import LLMEngine
-from xllm_py.engine.pd.scheduler import DisaggPDScheduler
+from xllm_py.engine.pd.role import PDRole
 from xllm_py.engine.pd.service import DisaggPDServicer
 from xllm_py.engine.self_profile import GUARD_SETTINGS, apply_derived, moved
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
@@ -47,7 +47,7 @@ class ClusterNode:
         self.addr_host = advertised_host(config.host, config.advertise_host)
         self.name = config.instance_name or f"{self.addr_host}:{config.port}"
         self.agent: InstanceAgent | None = None
-        self.pd: DisaggPDScheduler | None = None
+        self.pd: PDRole | None = None
         self.reporter: GenerationsReporter | None = None
         self.worker = None
         self._server: grpc.aio.Server | None = None
@@ -96,9 +96,9 @@ class ClusterNode:
         self.engine.step_listeners.append(self.reporter.flush)
         pool = self.engine.scheduler.kv.block_pool
         self.engine.step_listeners.append(lambda: self.cache_events.collect(pool))
-        # The servicer gets its PD scheduler once the bound port (part of our meta) is
+        # The servicer gets its PD role once the bound port (part of our meta) is
         # known; nobody routes here before the agent registers us, at the end.
-        servicer = DisaggPDServicer(self.engine, self.role, self.reporter, None)
+        servicer = DisaggPDServicer(self.engine, self.role, self.reporter)
         self._server, port = await start_grpc_server(
             pb_grpc.add_DisaggPDServiceServicer_to_server, servicer, cfg.host,
             cfg.disagg_pd_port, "DisaggPDService", credentials=self._server_credentials)
@@ -128,13 +128,14 @@ class ClusterNode:
                                     cfg.transfer.timeout_s)  # TP 1 moves: no gRPC to itself
             peers = TPGrpcPeers(self.meta, cfg.rpc_timeout_s, cfg.transfer.timeout_s,
                                 self._client_credentials, local)
-            self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter, peers,
-                                        self.metas.get, self._list_decodes,
-                                        registry=self.backend.metrics_registry,
-                                        forget_meta=self.metas.invalidate,
-                                        list_prefills=self._list_prefills)
+            self.pd = PDRole(self.engine, cfg, self.meta, self.reporter, peers,
+                             self.metas.get, self._list_decodes,
+                             registry=self.backend.metrics_registry,
+                             forget_meta=self.metas.invalidate,
+                             list_prefills=self._list_prefills,
+                             latency_profile=self.engine.latency_profile)
             self.pd.start()
-            servicer.pd = self.pd
+            servicer.attach(self.pd)
         await self.agent.start()
         if getattr(self.engine, "profile_corrector", None) is not None:
             self._profile_task = asyncio.create_task(self._republish_profile())

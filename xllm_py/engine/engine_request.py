@@ -17,7 +17,7 @@ class EngineRequest:
     params: SamplingParams
     sink: OutputSink
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
-    # PD: the prefill side holds the KV after the first token (see DisaggPDScheduler).
+    # PD: the prefill side holds the KV after the first token (see engine/pd/prefill.py).
     remote_decode: bool = False
     first_index: int = 0
     # Offline (batch) work: runs only in the room online requests leave (scheduler_offline.py).

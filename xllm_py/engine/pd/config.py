@@ -3,9 +3,6 @@ section for them; the rest comes from EngineConfig: role, rpc_timeout_s, transfe
 from __future__ import annotations
 
 import dataclasses
-import random
-
-from xllm_py.rpc.status import Status, StatusError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +40,3 @@ class PDSchedulerConfig:
         if self.max_placed_prompt_tokens < 0:
             raise ValueError("max_placed_prompt_tokens must be >= 0")
 
-
-def maybe_inject_fault(fault_rate: float, op: str) -> None:
-    """TransferConfig.fault_rate (XLLM_KV_TRANSFER_FAULT_RATE): fail this KV `op`."""
-    if fault_rate and random.random() < fault_rate:
-        raise StatusError(Status.BAD_GATEWAY,
-                          f"KV {op} failed: injected fault (XLLM_KV_TRANSFER_FAULT_RATE)")

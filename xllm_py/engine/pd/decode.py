@@ -31,7 +31,7 @@ from xllm_py.config import EngineConfig, KVTransferMode
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.migration import Resumption
-from xllm_py.engine.pd.config import PDSchedulerConfig, maybe_inject_fault
+from xllm_py.engine.pd.config import PDSchedulerConfig
 from xllm_py.engine.kv_connector import RemoteAllocation
 from xllm_py.engine.pd.connector import PDConnector
 from xllm_py.pd_messages import HandOver, KVMove, Placement
@@ -79,7 +79,7 @@ class DecodeSide:
     async def add_new_requests(self, prefill_name: str,
                                items: list[EngineRequestSpec | Placement]) -> list[Placement]:
         """One Placement per item (a Placement item is a request that could not be read).
-        Each item is checked (LLMEngine._admit: token ids, length) before it allocates."""
+        Each item is checked (LLMEngine.admit: token ids, length) before it allocates."""
         replies = []
         for spec in items:
             if isinstance(spec, Placement):
@@ -180,7 +180,6 @@ class DecodeSide:
     async def _pull(self, h: HandOver, rec: DecodeRequest) -> None:
         if not rec.new_block_ids:
             return
-        maybe_inject_fault(self.config.transfer.fault_rate, "pull")
         await self.peers.pull_kv(KVMove(rec.request_id, h.cluster_ids[0] if h.cluster_ids else 0,
                                         h.addrs[0], h.block_ids, rec.new_block_ids))
 

@@ -1,4 +1,5 @@
-"""DisaggPDScheduler (xLLM's name): the PD role of an engine, one facade over
+"""PDRole: the PD role of an engine, assembled. For a PREFILL or DECODE instance it builds
+the role's side with what the side works with, and runs the side's loops:
   links.py    Links: peers linked for KV transfer (prelink on prefill, LinkInstance on decode)
   prefill.py  PrefillSide: queue, dispatch to a decode, prefill, hand-over (PREFILL role)
   decode.py   DecodeSide: allocate, take over, pull, reap orphans (DECODE role)
@@ -6,9 +7,9 @@
   peers.py    PDPeers: every RPC made to another process (rpc/pd_peers.GrpcPeers in a cluster)
   metrics.py  PDMetrics (prometheus_client)
 Lifecycle: constructed in ClusterNode once our meta is known -> start() (prefill: the
-dispatch and prelink loops; decode: the orphan reaper and the offline puller) -> the DisaggPDService servicer
-(service.py) calls in with domain values -> stop() cancels the loops and the tasks in
-flight and closes the peers' channels.
+dispatch and prelink loops; decode: the orphan reaper and the offline puller) -> the
+DisaggPDService servicer (service.py) calls the side itself, with domain values ->
+stop() cancels the loops and the tasks in flight and closes the peers' channels.
 The sides reach the engine through one PDConnector (connector.py), which the engine
 polls in its step: no PD module touches the engine's scheduler or output processor.
 """
@@ -20,24 +21,22 @@ from typing import Callable, Coroutine
 from prometheus_client import CollectorRegistry
 
 from xllm_py.cluster.instance_meta import InstanceMeta
+from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.config import EngineConfig, InstanceRole
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import LLMEngine
-from xllm_py.engine.migration import Resumption
 from xllm_py.engine.pd.config import PDSchedulerConfig
 from xllm_py.engine.pd.connector import PDConnector
 from xllm_py.engine.pd.decode import DecodeSide
+from xllm_py.engine.pd.handlers import DecodeHandler, EngineHandler, PrefillHandler
 from xllm_py.engine.pd.links import DecodeLister, Links, MetaResolver
-from xllm_py.pd_messages import HandOver, OfflinePull, PeerLink, Placement
 from xllm_py.engine.pd.metrics import PDMetrics
 from xllm_py.engine.pd.offline_pull import OfflinePuller, PrefillLister
 from xllm_py.engine.pd.peers import PDPeers
 from xllm_py.engine.pd.prefill import PrefillSide
-from xllm_py.rpc.convert import EngineRequestSpec
-from xllm_py.rpc.status import Status, StatusError
 
 
-class DisaggPDScheduler:
+class PDRole:
     def __init__(self, engine: LLMEngine, config: EngineConfig, meta: InstanceMeta,
                  reporter: GenerationsReporter, peers: PDPeers,
                  resolve_meta: MetaResolver | None = None,
@@ -45,9 +44,12 @@ class DisaggPDScheduler:
                  pd_config: PDSchedulerConfig = PDSchedulerConfig(),
                  registry: CollectorRegistry | None = None,
                  forget_meta: Callable[[str], None] | None = None,
-                 list_prefills: PrefillLister | None = None) -> None:
+                 list_prefills: PrefillLister | None = None, *,
+                 latency_profile: LatencyProfile | None) -> None:
+        """`latency_profile`: this instance's as registered at start-up (a prefill's
+        deadline order predicts from it; None: FCFS)."""
         if config.role not in (InstanceRole.PREFILL, InstanceRole.DECODE):
-            raise ValueError(f"a DisaggPDScheduler serves PREFILL or DECODE, not {config.role}")
+            raise ValueError(f"a PDRole is PREFILL or DECODE, not {config.role}")
         self.engine = engine
         self.reporter = reporter
         self.role = config.role
@@ -65,7 +67,8 @@ class DisaggPDScheduler:
         engine.set_connector(self.connector)
         if self.role == InstanceRole.PREFILL:
             self.prefill = PrefillSide(engine, self.connector, config, pd_config, meta,
-                                       reporter, self.links, peers, self.metrics, self._spawn)
+                                       reporter, self.links, peers, self.metrics, self._spawn,
+                                       latency_profile)
         else:
             self.decode = DecodeSide(engine, self.connector, config, pd_config, reporter,
                                      peers, self.metrics, self._spawn)
@@ -98,51 +101,11 @@ class DisaggPDScheduler:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _require(self, side, rpc: str):
-        if side is None:
-            raise StatusError(Status.FAILED_PRECONDITION,
-                              f"{rpc} is not served by a {self.role.value} instance")
-        return side
-
-    # ------------------------------------------------------------------ prefill
-    def add_request(self, spec: EngineRequestSpec) -> None:
-        self._require(self.prefill, "Generate").add_request(spec)
-
-    def on_pull(self, pull: OfflinePull) -> int:
-        return self._require(self.prefill, "SendPullSignal").on_pull(pull)
-
-    async def prelink_once(self) -> list[str]:
-        return await self.links.prelink_once()
-
-    # ------------------------------------------------------------------ decode
-    async def add_new_requests(self, prefill_name: str,
-                               items: list[EngineRequestSpec | Placement]) -> list[Placement]:
-        return await self._require(self.decode, "AddNewRequests").add_new_requests(
-            prefill_name, items)
-
-    async def first_generation(self, handovers: list[HandOver]) -> list[str]:
-        return await self._require(self.decode, "FirstGeneration").first_generation(handovers)
-
-    async def resume_with_kv(self, item, r: Resumption) -> str:
-        return await self._require(self.decode, "MultiGenerations").resume_with_kv(item, r)
-
-    async def link_instance(self, link: PeerLink) -> None:
-        self._require(self.decode, "LinkInstance")
-        await self.links.link_instance(link)
-
-    def unlink_instance(self, name: str) -> None:
-        self.links.forget(name)
-
-    def reap_orphans(self, now: float) -> list[str]:
-        return self._require(self.decode, "reap_orphans").reap_orphans(now)
-
-    # ------------------------------------------------------------------ both
-    def cancel(self, request_id: str) -> bool:
-        """The service cancelled the request. True: its blocks are freed here once no
-        transfer can touch them; False: the engine may abort it now."""
+    def handler(self) -> EngineHandler:
+        """What this instance's DisaggPDService serves (service.py), for its role."""
         if self.prefill is not None:
-            return self.prefill.cancel(request_id)
-        return self.decode.cancel(request_id)
+            return PrefillHandler(self.engine, self.reporter, self.prefill, self.links)
+        return DecodeHandler(self.engine, self.reporter, self.decode, self.links)
 
     def num_pending(self) -> int:
         """Prefill: requests not handed over yet (queued, finding a decode, prefilling)."""
