@@ -29,16 +29,29 @@ from xllm_py.rpc.pd import MigrationItem
 from xllm_py.rpc.status import Status, StatusError
 
 
+# The RPCs not every role serves, and the roles that do.
+SERVED_BY = {"AddNewRequests": "DECODE", "FirstGeneration": "DECODE", "LinkInstance": "DECODE",
+             "MultiGenerations": "DECODE and MIX", "SendPullSignal": "PREFILL"}
+
+
 class EngineHandler:
+    serves = frozenset({"MultiGenerations"})  # of SERVED_BY
+
     def __init__(self, engine: LLMEngine, reporter: GenerationsReporter,
                  role: InstanceRole) -> None:
         self.engine = engine
         self.reporter = reporter
         self.role = role
 
-    def _not_served(self, rpc: str, by: str) -> StatusError:
-        return StatusError(Status.FAILED_PRECONDITION,
-                           f"{rpc} is served by {by} instances; this one is {self.role.value}")
+    def check(self, rpc: str) -> None:
+        """StatusError(FAILED_PRECONDITION) unless this role serves `rpc` (before its
+        message is read: a caller at the wrong instance learns that first)."""
+        if rpc not in self.serves:
+            raise self._not_served(rpc)
+
+    def _not_served(self, rpc: str) -> StatusError:
+        return StatusError(Status.FAILED_PRECONDITION, f"{rpc} is served by "
+                           f"{SERVED_BY[rpc]} instances; this one is {self.role.value}")
 
     def num_pending(self) -> int:
         """Requests accepted here that the engine does not hold yet."""
@@ -64,37 +77,38 @@ class EngineHandler:
 
     async def add_new_requests(self, prefill_name: str,
                                items: list[EngineRequestSpec | Placement]) -> list[Placement]:
-        raise self._not_served("AddNewRequests", "DECODE")
+        raise self._not_served("AddNewRequests")
 
     async def first_generation(self, handovers: list[HandOver]) -> list[str]:
-        raise self._not_served("FirstGeneration", "DECODE")
+        raise self._not_served("FirstGeneration")
 
     async def link_instance(self, link: PeerLink) -> None:
-        raise self._not_served("LinkInstance", "DECODE")
+        raise self._not_served("LinkInstance")
 
     def unlink_instance(self, name: str) -> None:
         """Nothing is linked here."""
 
     def on_pull(self, pull: OfflinePull) -> int:
-        raise self._not_served("SendPullSignal", "PREFILL")
+        raise self._not_served("SendPullSignal")
 
 
 class Starting(EngineHandler):
     """A PREFILL or DECODE before its PDRole is up: no request is taken yet (nobody
     routes here before the instance registers, after that)."""
 
-    def _starting(self) -> StatusError:
+    serves = frozenset()
+
+    def _not_served(self, rpc: str) -> StatusError:
         return StatusError(Status.FAILED_PRECONDITION,
                            f"{self.role.value.lower()} instance is starting")
 
     def generate(self, spec: EngineRequestSpec) -> None:
-        raise self._starting()
-
-    async def multi_generations(self, items: list[MigrationItem]) -> object:
-        raise self._starting()
+        raise self._not_served("Generate")
 
 
 class PrefillHandler(EngineHandler):
+    serves = frozenset({"SendPullSignal"})
+
     def __init__(self, engine: LLMEngine, reporter: GenerationsReporter, prefill: PrefillSide,
                  links: Links) -> None:
         super().__init__(engine, reporter, InstanceRole.PREFILL)
@@ -114,7 +128,7 @@ class PrefillHandler(EngineHandler):
         self.engine.abort(request_id)
 
     async def multi_generations(self, items: list[MigrationItem]) -> object:
-        raise self._not_served("MultiGenerations", "DECODE and MIX")
+        raise self._not_served("MultiGenerations")
 
     def on_pull(self, pull: OfflinePull) -> int:
         return self.prefill.on_pull(pull)
@@ -124,6 +138,8 @@ class PrefillHandler(EngineHandler):
 
 
 class DecodeHandler(EngineHandler):
+    serves = frozenset({"AddNewRequests", "FirstGeneration", "LinkInstance", "MultiGenerations"})
+
     def __init__(self, engine: LLMEngine, reporter: GenerationsReporter, decode: DecodeSide,
                  links: Links) -> None:
         super().__init__(engine, reporter, InstanceRole.DECODE)

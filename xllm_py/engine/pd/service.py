@@ -91,6 +91,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
 
     async def AddNewRequests(self, request: pb.DisaggRequests, context) -> pb.DisaggResponses:
         try:
+            self.handler.check("AddNewRequests")
             _check_batch(len(request.reqs))
             prefill_name, items = wire.add_requests_from_proto(request)
             placements = await self.handler.add_new_requests(prefill_name, items)
@@ -100,6 +101,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
 
     async def FirstGeneration(self, request: pb.DisaggGenerationsRequests, context) -> pb.Status:
         try:
+            self.handler.check("FirstGeneration")
             _check_batch(len(request.gens))
             problems = await self.handler.first_generation(wire.handovers_from_proto(request))
         except StatusError as exc:
@@ -111,6 +113,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         MIX always recomputes (it has no KV transfer, so an item with kv is refused)."""
         try:
             _check_batch(len(request.reqs))
+            self.handler.check("MultiGenerations")
             status = await self.handler.multi_generations(
                 wire.migration_items_from_proto(request))
         except StatusError as exc:
@@ -124,6 +127,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
         """A decode with room pulls offline work (PREFILL instances): the reply says how
         many queued offline requests are placed on it."""
         try:
+            self.handler.check("SendPullSignal")
             try:
                 pull = wire.offline_pull_from_proto(request)
             except ValueError as exc:
@@ -135,6 +139,7 @@ class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
 
     async def LinkInstance(self, request: pb.InstanceClusterInfo, context) -> pb.Status:
         try:
+            self.handler.check("LinkInstance")
             try:
                 link = wire.peer_link_from_proto(request)
             except ValueError as exc:
