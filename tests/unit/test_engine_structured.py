@@ -9,6 +9,7 @@ import pytest
 
 from tests.unit.sinks import DoneSink
 from xllm_py.config import EngineConfig
+from xllm_py.engine.kv_connector import RecvDone
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.sampling_params import SamplingParams
 from xllm_py.structured.spec import GrammarSpec
@@ -71,3 +72,32 @@ def test_abort_while_compiling_drops_the_request(engine):
         max_tokens=20, temperature=0.0, structured=spec))
     assert reasons == ["stop"] and engine.tokenizer.decode(tokens).endswith(" abort-test")
     assert "aborted" not in engine.outputs and engine.scheduler.get_request("aborted#0") is None
+
+
+def test_a_pd_decode_takes_the_prefills_first_token_only_if_it_fits_the_grammar(engine):
+    """RemoteKV at RecvDone: the request joins the decode batch, and the grammar says
+    whether the prefill's first token fits it: one that does not ends the request there
+    (its blocks freed; the prefill, under the same grammar, never sends one); one that
+    does goes on under the grammar to "stop"."""
+    params = SamplingParams(max_tokens=10, temperature=0.0,
+                            structured=GrammarSpec.choices(["yes", "no"]))
+    prompt = engine.tokenizer.encode("Q:")
+    bad = engine.tokenizer.encode("maybe", add_special_tokens=False)[0]
+    good = engine.tokenizer.encode("yes", add_special_tokens=False)[0]
+
+    def on_engine(fn):
+        return engine.call(fn).result(10)
+
+    def take_over(rid: str, first: int, sink: DoneSink) -> None:
+        req = EngineRequest(rid, prompt, params, sink)
+        assert on_engine(lambda: engine.remote_kv.add_remote(req)).block_ids
+        on_engine(lambda: engine.remote_kv.apply(RecvDone(rid, [first], [None])))
+
+    take_over("pd-bad", bad, DoneSink())
+    assert on_engine(lambda: (engine.scheduler.requests, "pd-bad" in engine.outputs,
+                              engine.scheduler.kv_usage())) == ({}, False, 0.0)
+    sink = DoneSink()
+    take_over("pd-good", good, sink)
+    assert sink.done.wait(60)
+    reasons = [d.finish_reason for o in sink.outputs for d in o.outputs if d.finish_reason]
+    assert reasons == ["stop"] and not sink.outputs[-1].error_code
