@@ -8,9 +8,10 @@ What it counts, and how:
   class of the tree that another class of the tree lists as a base after its first one
   and that defines no __init__ of its own.
 - The import graph at the level of xllm_py's subpackages and top-level modules, with
-  xllm_service as one node (its entry point included; the launcher is xllm_py/launch.py,
-  the engine's entry point xllm_py/engine/__main__.py). Every import counts: at module
-  level, inside a function, under TYPE_CHECKING. Circles are the strongly connected
+  xllm_service as one node (its entry point included). The modules of xllm_py run as
+  programs that nothing imports (ENTRY_POINTS: the engine's `python -m xllm_py.engine`,
+  the KV peer process, the launcher) are nodes of their own. Every import counts: at
+  module level, inside a function, under TYPE_CHECKING. Circles are the strongly connected
   components of more than one node; "imports inside a circle" are the file-level imports
   between two nodes of one circle (no order of the nodes makes them all go down).
 - Upward imports: file-level imports from a node to a node later in a strict package
@@ -31,6 +32,7 @@ import subprocess
 import sys
 
 PACKAGES = ("xllm_py", "xllm_service")
+ENTRY_POINTS = ("xllm_py.engine.__main__", "xllm_py.kv_transfer._peer_main", "xllm_py.launch")
 COMMANDS = (("engine", "xllm_py.engine"), ("service", "xllm_service"), ("launcher", "xllm_py.launch"))
 
 
@@ -46,6 +48,9 @@ def node_of(module: str) -> str | None:
         return "xllm_service"
     if parts[0] != "xllm_py":
         return None
+    for entry in ENTRY_POINTS:
+        if module == entry or module.startswith(entry + "."):
+            return entry.removeprefix("xllm_py.")
     return parts[1] if len(parts) > 1 else "xllm_py"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 
 @dataclasses.dataclass(frozen=True)
