@@ -20,7 +20,7 @@ from xllm_py.engine.__main__ import main
 from xllm_py.engine.pd.handlers import DecodeHandler
 from xllm_py.engine.pd.role import PDRole
 from xllm_py.pd_messages import HandOver, KVMove
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 logger = logging.getLogger(__name__)
 

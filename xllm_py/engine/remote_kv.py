@@ -24,7 +24,7 @@ from xllm_py.engine.kv_connector import (AdmitRemote, Drop, Event, OfflineRoom, 
 from xllm_py.engine.output_processor import child_id
 from xllm_py.engine.scheduler_types import RemoteAllocation, RequestUpdate
 from xllm_py.request import RequestStatus
-from xllm_py.rpc.status import Status
+from xllm_py.status import Status
 
 if TYPE_CHECKING:
     from xllm_py.engine.engine_request import EngineRequest

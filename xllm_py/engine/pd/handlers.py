@@ -26,7 +26,7 @@ from xllm_py.engine.pd.prefill import PrefillSide
 from xllm_py.pd_messages import HandOver, OfflinePull, PeerLink, Placement
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.rpc.pd import MigrationItem
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 
 # The RPCs not every role serves, and the roles that do.

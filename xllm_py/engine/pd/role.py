@@ -4,7 +4,7 @@ the role's side with what the side works with, and runs the side's loops:
   prefill.py  PrefillSide: queue, dispatch to a decode, prefill, hand-over (PREFILL role)
   decode.py   DecodeSide: allocate, take over, pull, reap orphans (DECODE role)
   offline_pull.py  OfflinePuller: a decode with room pulls offline work (SendPullSignal)
-  peers.py    PDPeers: every RPC made to another process (rpc/pd_peers.GrpcPeers in a cluster)
+  peers.py    PDPeers: every RPC made to another process (parallel/instance_peers.InstancePeers in a cluster)
   metrics.py  PDMetrics (prometheus_client)
 Lifecycle: constructed in ClusterNode once our meta is known -> start() (prefill: the
 dispatch and prelink loops; decode: the orphan reaper and the offline puller) -> the
