@@ -1,9 +1,10 @@
 """PrefillSide: the prefill role of a PD pair, on top of LLMEngine.
 
 Stages of a request (its PrefillPhase, see phases.py):
-  add_request -> QUEUED (online queue, its PrefillPacer (prefill_pacing.py) takes it in `prefill_order`
-  (xllm_py/cluster/prefill_order.py: deadline order by the request's TTFT target, the
-  most on time and short prompts first where there is time, or FCFS), or offline
+  add_request -> QUEUED (online queue, kept by the side's PrefillPacer, prefill_pacing.py,
+  taken in `prefill_order` (xllm_py/cluster/prefill_order.py: deadline order by the
+  request's TTFT target, the most on time and short prompts first where there is time,
+  or FCFS), or offline
   (offline_queue.py: handed only to a decode that pulls, SendPullSignal, after every online
   one, in arrival order); taken while the prompts placed on decodes and not
   handed over yet hold fewer than `max_placed_prompt_tokens`: a decode sets blocks aside
