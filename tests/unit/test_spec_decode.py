@@ -221,10 +221,12 @@ def test_prometheus_counters_per_method():
     spec = Speculator(K4)
     spec.settle(_req("a", REPEATING), 4, 3, _FakeKV())  # 4 guessed, 2 kept
     samples = {}
-    for engine in (SimpleNamespace(stats=dict, speculator=spec), SimpleNamespace(stats=dict)):
+    scheduler = SimpleNamespace(kv=SimpleNamespace(held_blocks=dict))
+    for engine in (SimpleNamespace(stats=dict, scheduler=scheduler, speculator=spec),
+                   SimpleNamespace(stats=dict, scheduler=scheduler, speculator=None)):
         registry = CollectorRegistry()
         registry.register(EngineStatsCollector(engine))
-        samples[hasattr(engine, "speculator")] = {
+        samples[engine.speculator is not None] = {
             (s.name, tuple(s.labels.items())): s.value
             for f in text_string_to_metric_families(generate_latest(registry).decode())
             for s in f.samples}

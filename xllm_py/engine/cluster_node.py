@@ -136,7 +136,7 @@ class ClusterNode:
             self.pd.start()
             servicer.pd = self.pd
         await self.agent.start()
-        if getattr(self.engine, "profile_corrector", None) is not None:
+        if self.engine.profile_corrector is not None:
             self._profile_task = asyncio.create_task(self._republish_profile())
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")
@@ -157,7 +157,7 @@ class ClusterNode:
     def _latency_profile(self) -> dict:
         """The profile the engine registers (self_profile.py: --latency-profile, a
         simulated engine's time model, or measured at start-up); {}: none."""
-        profile = getattr(self.engine, "latency_profile", None)
+        profile = self.engine.latency_profile
         return profile.to_dict() if profile is not None else {}
 
     async def _republish_profile(self) -> None:
@@ -174,7 +174,7 @@ class ClusterNode:
             try:
                 published = await asyncio.wrap_future(self.engine.call(
                     lambda: apply_derived(self.engine, current, GUARD_SETTINGS)))
-                self.engine.latency_profile = published
+                self.engine.set_latency_profile(published)
                 self.agent.update_meta(latency_profile=published.to_dict())
             except Exception as exc:  # (the next check tries again)
                 logger.warning("could not register the corrected latency profile: %s", exc)

@@ -65,9 +65,8 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._families(self._engine.stats())
-        kv = getattr(getattr(self._engine, "scheduler", None), "kv", None)
-        yield self._held(kv.held_blocks() if kv is not None else {})
-        yield from self._speculation(getattr(self._engine, "speculator", None))
+        yield self._held(self._engine.scheduler.kv.held_blocks())
+        yield from self._speculation(self._engine.speculator)
 
     @staticmethod
     def _speculation(speculator) -> Iterator[Metric]:
