@@ -188,7 +188,9 @@ def test_defaults_derived_from_a_tiny_25m_profile():
     assert d.decode_holding_ms(TRUE) == 0  # no guard: never holding
 
 
-def test_flags_not_given_are_left_to_the_profile():
+def test_flags_not_given_are_left_to_the_profile(tmp_path):
+    from xllm_py.utils.config_file import write_settings
+
     cfg = config_from_args(build_parser().parse_args([]))
     assert cfg.scheduler.from_profile == {"max_num_batched_tokens", "prompt_hold_max_ms",
                                           "max_prefill_tokens_while_decoding",
@@ -196,7 +198,8 @@ def test_flags_not_given_are_left_to_the_profile():
     assert cfg.scheduler.max_num_batched_tokens == 2048  # without a profile: as before
     assert cfg.scheduler.prompt_tpot_target_ms == 0
     cfg = config_from_args(build_parser().parse_args(
-        ["--max-num-batched-tokens", "1024", "--prompt-tpot-target-ms", "0"]))
+        ["--max-num-batched-tokens", "1024",
+         *write_settings(tmp_path / "s.yaml", {"prompt_tpot_target_ms": 0})]))
     assert cfg.scheduler.from_profile == {"prompt_hold_max_ms",
                                           "max_prefill_tokens_while_decoding"}
     assert cfg.scheduler.max_num_batched_tokens == 1024

@@ -17,6 +17,7 @@ from xllm_py.kv_transfer.factory import create_backend
 from xllm_py.sim.runner import SimulatedRunner, next_token
 from xllm_py.sim.storage import SimKVStorage
 from xllm_py.sim.time_model import StepShape, TimeModel, attn_pairs, fit
+from xllm_py.utils.config_file import write_settings
 
 MODEL = TimeModel(prefill_base_ms=2.0, prefill_ms_per_token=0.1, decode_base_ms=1.0,
                   decode_ms_per_seq=0.5, decode_ms_per_ctx_token=0.001)
@@ -207,9 +208,10 @@ def test_host_gives_each_instance_its_name_and_port(profile) -> None:
 
 # --------------------------------------------------------------------------- engine
 
-def test_simulated_engine_runs_requests_without_torch(tiny_dir, profile) -> None:
+def test_simulated_engine_runs_requests_without_torch(tiny_dir, profile, tmp_path) -> None:
     """A fresh interpreter: the engine process's modules (server, cluster node, API, sim
     host) and a SimulatedEngine serving requests, and torch never imported."""
+    settings = write_settings(tmp_path / "settings.yaml", {"simulate": profile})
     code = textwrap.dedent(f"""
         import json, queue, sys
         import xllm_py.engine.server, xllm_py.engine.cluster_node, xllm_py.api.app
@@ -219,7 +221,7 @@ def test_simulated_engine_runs_requests_without_torch(tiny_dir, profile) -> None
         from xllm_py.engine.server import create_engine
         from xllm_py.sampling_params import SamplingParams
         cfg = config_from_args(build_parser().parse_args(
-            ["--simulate", {profile!r}, "--model", {tiny_dir!r}, "--num-blocks", "64"]))
+            [*{settings!r}, "--model", {tiny_dir!r}, "--num-blocks", "64"]))
         engine = create_engine(cfg)
         engine.start()
         q = queue.Queue()

@@ -132,7 +132,7 @@ class ClusterNode:
                                         self.metas.get, self._list_decodes,
                                         registry=self.backend.metrics_registry,
                                         forget_meta=self.metas.invalidate,
-                                        list_prefills=self._list_prefills)
+                                        list_prefills=self._list_prefills, pd_config=cfg.pd)
             self.pd.start()
             servicer.pd = self.pd
         await self.agent.start()

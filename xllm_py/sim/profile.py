@@ -2,7 +2,7 @@
 engine's step times and fit the simulator's TimeModel to them.
 
 Stages: build the real engine (the same flags as `python -m xllm_py.engine`: --model,
---device, --dtype, --num-threads ...) -> time (engine-thread CPU) every step's forward
+--device, --dtype, --config ...; and --num-threads) -> time (engine-thread CPU) every step's forward
 and sampling (the parts the simulator replaces; the scheduler and output processing run
 for real in both)
 while the engine serves workloads: prompts of 32..1536 random tokens, 1..16 requests in
@@ -165,9 +165,14 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="where to write the profile (JSON)")
     p.add_argument("--rounds", type=int, default=3, help="requests per workload / in flight")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="the engine's torch threads (its settings file's num_threads)")
     args, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    config = config_from_args(engine_parser().parse_args(rest))
+    engine_args = engine_parser().parse_args(rest)
+    if args.num_threads is not None:
+        engine_args.num_threads = args.num_threads
+    config = config_from_args(engine_args)
     samples = measure(config, args.rounds)
     import torch
 
