@@ -56,7 +56,7 @@ class LLMEngine:
             loaded = load_model(config)
         self.model_dir, self.model, self.model_config = (
             loaded.model_dir, loaded.model, loaded.model_config)
-        self.tokenizer, self.storage = loaded.tokenizer, loaded.storage
+        self.tokenizer, self.storage, self.kv_groups = loaded.tokenizer, loaded.storage, loaded.kv_groups
         self.runner, self.sampler = loaded.runner, loaded.sampler
         self.tp = loaded.tp  # TP > 1: the other ranks, behind self.model (xllm_py/parallel/)
         self.step_clock = loaded.step_clock
@@ -64,7 +64,7 @@ class LLMEngine:
         # was measured here, what corrects it.
         self.latency_profile: LatencyProfile | None = None
         self.profile_corrector: ProfileCorrector | None = None
-        mc, num_blocks, groups = self.model_config, loaded.num_blocks, loaded.kv_groups
+        mc, num_blocks, groups = self.model_config, loaded.num_blocks, self.kv_groups
         max_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
         spec = None if self.tp is not None or config.simulate else config.speculative  # (not yet)

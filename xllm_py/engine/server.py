@@ -164,12 +164,15 @@ def install_signal_handlers(stop: asyncio.Event, force: asyncio.Event) -> None:
 
 
 def create_engine(config: EngineConfig) -> LLMEngine:
-    """The engine loop over the model, or over a time model with --simulate (no torch)."""
+    """The engine loop over the model (model_setup.load_model), or over a time model with
+    the setting simulate (no torch)."""
     if config.simulate:
         from xllm_py.sim.engine import SimulatedEngine
 
         return SimulatedEngine(config)
-    return LLMEngine(config)
+    from xllm_py.engine.model_setup import load_model
+
+    return LLMEngine(config, load_model(config))
 
 
 # The engine counts as drained once nothing was in flight for this long: a request the
