@@ -141,7 +141,7 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, text: str | None) -> "SpeculativeConfig | None":
-        """A --speculative-config value: JSON of these fields, or off / none / empty."""
+        """A speculative_config value: JSON of these fields, or off / none / empty."""
         import json
 
         if text is None or text.strip().lower() in ("", "off", "none", "null"):
@@ -149,12 +149,12 @@ class SpeculativeConfig:
         try:
             fields = json.loads(text)
         except ValueError as exc:
-            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+            raise ValueError(f"speculative_config is not JSON: {exc}") from None
         if not isinstance(fields, dict):
-            raise ValueError("--speculative-config must be a JSON object or 'off'")
+            raise ValueError("speculative_config must be a JSON object or 'off'")
         known = {f.name for f in dataclasses.fields(cls)}
         if unknown := sorted(set(fields) - known):
-            raise ValueError(f"--speculative-config: unknown fields {unknown}")
+            raise ValueError(f"speculative_config: unknown fields {unknown}")
         return cls(**fields)
 
 
@@ -275,7 +275,7 @@ def model_cache_dir_from_env() -> str | None:
 
 
 def kv_tier_dir_from_env() -> str | None:
-    """XLLM_KV_TIER_DIR: where the disk KV tiers live unless --kv-disk-tier-dir says (None:
+    """XLLM_KV_TIER_DIR: where the disk KV tiers live unless kv_disk_tier_dir says (None:
     ~/.cache/xllm_py/kv_tiers); one directory per model and layout under it; {pid} in it:
     one per process (engines that must not share blocks on disk, e.g. a test suite's)."""
     return os.environ.get("XLLM_KV_TIER_DIR") or None

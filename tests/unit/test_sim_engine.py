@@ -252,3 +252,26 @@ def test_simulated_engine_runs_requests_without_torch(tiny_dir, profile, tmp_pat
     assert tokens["r0"] == tokens["r1"] != tokens["r2"]  # deterministic, prompt-dependent
     assert stats["sim_kv_misses"] == 0 and stats["kv_blocks_used"] == 0
     assert stats["prefix_hit_tokens"] >= 32  # r1 reused r0's two full blocks
+
+
+def test_step_timer_times_forward_and_sampling_once_on() -> None:
+    """sim.profile's StepTimer: the runner and sampler an engine is built from, timed
+    (forward + sampling of each step, its shape) only once turned on."""
+    import types
+
+    from xllm_py.engine.model_setup import LoadedModel
+    from xllm_py.engine.scheduler_types import ScheduledSeq
+    from xllm_py.sim.profile import StepTimer
+
+    runner = types.SimpleNamespace(execute_step=lambda seqs: "logits")
+    loaded = LoadedModel("m", None, None, None, runner, lambda *a: ("sampled", a), 2)
+    timer = StepTimer()
+    timed = timer.timed(loaded)
+    seqs = [ScheduledSeq("a", [1, 2, 3], 0, [1], True)]
+    assert timed.runner.execute_step(seqs) == "logits" and timer.steps == []  # off
+    timer.on = True
+    assert timed.runner.execute_step(seqs) == "logits"
+    assert timed.sampler("x", "rows", "masks") == ("sampled", ("x", "rows", "masks"))
+    assert [s.shape for s in timer.steps] == [StepShape.of(seqs)]
+    assert timer.steps[0].cpu_ms >= 0 and timer.steps[0].wall_ms > 0
+    assert loaded.runner is runner  # (the loaded model itself is left as it was)

@@ -155,7 +155,7 @@ class ClusterNode:
         self.backend.metrics_refreshers.append(ranks.refresh)
 
     def _latency_profile(self) -> dict:
-        """The profile the engine registers (self_profile.py: --latency-profile, a
+        """The profile the engine registers (self_profile.py: the latency_profile file, a
         simulated engine's time model, or measured at start-up); {}: none."""
         profile = self.engine.latency_profile
         return profile.to_dict() if profile is not None else {}

@@ -35,7 +35,7 @@ _ENGINE_STATS = (
      "Engine steps that raised (every request of the step failed)"),
     ("xllm_prompt_steps_held_total", "counter", "prompt_steps_held",
      "Steps that held waiting prompts back to keep the streams within "
-     "--prompt-tpot-target-ms"),
+     "prompt_tpot_target_ms"),
     ("xllm_offline_requests_waiting", "gauge", "offline_waiting",
      "Offline requests waiting to start or to be recomputed"),
     ("xllm_offline_requests_running", "gauge", "offline_running",

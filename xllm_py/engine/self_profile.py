@@ -221,14 +221,14 @@ def _ema(old: float, ms: float, predicted: float) -> float:
 
 
 # ---------------------------------------------------------------- start-up and derived
-OFF = ("off", "none")  # --latency-profile off: no profile (none measured, none registered)
+OFF = ("off", "none")  # latency_profile: off: no profile (none measured, none registered)
 
 
 def start_up_profile(engine, config) -> LatencyProfile | None:
-    """The profile an engine registers, before its thread starts: --latency-profile FILE,
+    """The profile an engine registers, before its thread starts: latency_profile FILE,
     else a simulated engine's time model, else (PREFILL / DECODE in a cluster) measured
     here; None for a MIX or a standalone engine without a file (nothing reads it), or
-    with `--latency-profile off`. The scheduler settings left to the profile are derived
+    with `latency_profile: off`. The scheduler settings left to the profile are derived
     from it (`apply_derived`); a measured one is corrected by the steps from then on
     (the engine's `profile_corrector`). Sets it on the engine (`set_latency_profile`)."""
     path = config.latency_profile_path

@@ -6,7 +6,7 @@ when its forward began and what its forward, sampling and scheduler update took 
 step trace's and the heartbeat's measure), and what the whole step took from scheduling
 to outputs on the engine's step clock (the measure of the latency profile, which was
 fitted on that clock: self_profile.py). Observers: `StepStats` (the engine's own counts),
-`StepTrace` (step_trace.py, --step-trace), `ProfileCorrector` (self_profile.py, a
+`StepTrace` (step_trace.py, the setting step_trace), `ProfileCorrector` (self_profile.py, a
 PREFILL or DECODE that measured its profile). None of them may change the step.
 """
 from __future__ import annotations

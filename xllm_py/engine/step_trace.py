@@ -1,4 +1,4 @@
-"""StepTrace: one JSON line per engine step (`--step-trace FILE`), for finding where a
+"""StepTrace: one JSON line per engine step (the setting `step_trace: FILE`), for finding where a
 latency tail comes from.
 
 A TPOT or ITL percentile says that streams were slow, not which steps made them so. Each
@@ -191,7 +191,7 @@ def format_summary(sm: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m xllm_py.engine.step_trace",
-                                description="Summarize an engine's --step-trace file.")
+                                description="Summarize an engine's step trace file.")
     p.add_argument("trace", nargs="+", help="trace files (one JSON object per line)")
     p.add_argument("--slow-ms", type=float, default=30.0,
                    help="count the steps with streams over this long, and what they carried")

@@ -47,7 +47,7 @@ def emitted_vocab(tokenizer: Tokenizer, vocab_size: int, eos: list[int]) -> list
 
 
 def load_simulated(config: EngineConfig, burn_cpu: bool = False) -> LoadedModel:
-    """The simulated model of `config` (--simulate PROFILE): the real tokenizer and
+    """The simulated model of `config` (the setting simulate: PROFILE): the real tokenizer and
     config.json, a pool of tokens, the time model's runner (spending its time on the CPU
     with `burn_cpu`, else sleeping)."""
     time_model = TimeModel.load(config.simulate or "")
