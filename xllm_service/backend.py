@@ -33,7 +33,7 @@ from xllm_service.config import RelayConfig
 from xllm_py.outputs import RequestOutput
 from xllm_py.rpc import service as wire
 from xllm_py.rpc.convert import EngineRequestSpec
-from xllm_py.rpc.status import Status
+from xllm_py.status import Status
 from xllm_py.sampling_params import SamplingParams
 from xllm_py.utils.aio import wait_for
 from xllm_service.engine_client import SEND_ERRORS, Engines

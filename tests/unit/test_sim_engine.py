@@ -215,14 +215,14 @@ def test_simulated_engine_runs_requests_without_torch(tiny_dir, profile, tmp_pat
     code = textwrap.dedent(f"""
         import json, queue, sys
         import xllm_py.engine.server, xllm_py.engine.cluster_node, xllm_py.api.app
-        import xllm_py.kv_transfer.worker_node, xllm_py.sim.host, xllm_py.sim.transfer
+        import xllm_py.parallel.kv_workers, xllm_py.sim.host, xllm_py.sim.transfer
         from xllm_py.engine.cli import build_parser, config_from_args
         from xllm_py.engine.llm_engine import EngineRequest
-        from xllm_py.engine.server import create_engine
+        from xllm_py.sim.engine import SimulatedEngine
         from xllm_py.sampling_params import SamplingParams
         cfg = config_from_args(build_parser().parse_args(
             [*{settings!r}, "--model", {tiny_dir!r}, "--num-blocks", "64"]))
-        engine = create_engine(cfg)
+        engine = SimulatedEngine(cfg)
         engine.start()
         q = queue.Queue()
         class Sink:

@@ -128,7 +128,7 @@ def test_a_simulated_engine_traces_every_step(tmp_path):
     stream's decode steps beside a second prompt that the TPOT guard is asked about."""
     from xllm_py.engine.cli import build_parser, config_from_args
     from xllm_py.engine.llm_engine import EngineRequest
-    from xllm_py.engine.server import create_engine
+    from xllm_py.sim.engine import SimulatedEngine
     from xllm_py.model.tiny import ensure_tiny_model
     from xllm_py.sampling_params import SamplingParams
     from xllm_py.utils.config_file import write_settings
@@ -143,7 +143,7 @@ def test_a_simulated_engine_traces_every_step(tmp_path):
     cfg = config_from_args(build_parser().parse_args(
         [*settings, "--model", str(ensure_tiny_model("tiny")),
          "--num-blocks", "64", "--max-num-batched-tokens", "16", "--max-num-seqs", "4"]))
-    engine = create_engine(cfg)
+    engine = SimulatedEngine(cfg)
     engine.start()
     q: queue.Queue = queue.Queue()
 

@@ -48,10 +48,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list]:
 
 async def run_host(configs: list) -> None:
     from xllm_py.engine.server import install_signal_handlers, run_engine_server
+    from xllm_py.sim.engine import SimulatedEngine
 
     stop, force = asyncio.Event(), asyncio.Event()
     install_signal_handlers(stop, force)
-    await asyncio.gather(*(run_engine_server(c, stop, force) for c in configs))
+    await asyncio.gather(*(run_engine_server(c, stop, force, SimulatedEngine) for c in configs))
 
 
 def main(argv: list[str] | None = None) -> int:

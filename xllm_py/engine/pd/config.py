@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from xllm_py.config import PDSchedulerConfig  # noqa: F401 - imported from here by engine/pd
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 
 def maybe_inject_fault(fault_rate: float, op: str) -> None:
