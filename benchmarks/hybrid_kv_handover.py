@@ -87,6 +87,7 @@ def _bytes_moved(url: str) -> int:
 
 def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
                    tag: str) -> dict:
+    from xllm_py.utils.config_file import write_settings
     from xllm_py.utils.procs import engine_args, free_port, spawn
 
     procs = []
@@ -103,7 +104,9 @@ def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
             port = free_port()
             engines[role] = spawn(f"{role.lower()}-{tag}", "xllm_py.engine", engine_args(
                 role, port, etcd=etcd, model=str(model_dir), extra=[
-                    "--etcd-namespace", f"{tag}/", "--etcd-ttl", "15", "--latency-profile", "off",
+                    "--etcd-namespace", f"{tag}/", *write_settings(
+                        logs / f"{role.lower()}-{tag}.yaml",
+                        {"etcd_ttl": 15, "latency_profile": "off"}),
                     "--block-size", str(args.block_size), "--kv-cache-transfer-mode", args.mode,
                     "--max-model-len", str(args.prompt_tokens + 64)]),
                 logs, http_url=f"http://127.0.0.1:{port}")

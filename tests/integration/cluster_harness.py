@@ -10,6 +10,7 @@ import httpx
 import openai
 
 from tests.waiting import wait_until  # noqa: F401  (re-exported: the cluster tests import it from here)
+from xllm_py.utils.config_file import write_settings
 from xllm_py.utils.procs import ChildProcess, engine_args, free_port, spawn
 
 
@@ -39,15 +40,18 @@ class Harness:
 
     def engine(self, role: str, name: str, port: int | None = None,
                extra: list[str] | None = None, profile: bool = False,
-               fault: str | None = None) -> ChildProcess:
+               settings: dict | None = None, fault: str | None = None) -> ChildProcess:
         """`profile`: a PREFILL / DECODE measures its latency profile at start-up, as by
-        default (else none, unless `extra` names a file: the tests of the PD machinery).
+        default (else none, unless `settings` names a file: the tests of the PD
+        machinery); `settings`: more of its settings file (python -m xllm_py.engine --help);
         `fault`: the engine runs with that fault installed (faulty_engine.py)."""
         port = port or free_port()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        file = write_settings(self.log_dir / f"{name}.settings.yaml", {
+            "etcd_ttl": self.ttl_s, "heart_beat_interval": 0.3,
+            **({} if profile else {"latency_profile": "off"}), **(settings or {})})
         args = engine_args(role, port, etcd=self.etcd, extra=[
-            "--etcd-namespace", self.namespace, "--etcd-ttl", str(self.ttl_s),
-            "--heart-beat-interval", "0.3", *([] if profile else ["--latency-profile", "off"]),
-            *(extra or [])])
+            "--etcd-namespace", self.namespace, *file, *(extra or [])])
         module = "xllm_py.engine" if fault is None else "tests.integration.faulty_engine"
         proc = spawn(name, module, args if fault is None else [fault, *args], self.log_dir,
                      http_url=f"http://127.0.0.1:{port}")

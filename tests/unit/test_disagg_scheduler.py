@@ -15,9 +15,9 @@ import pytest
 
 from tests.unit.pd_fakes import FakePeers, Reporter, blocks_used, on_engine, until, until_free
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.config import CacheConfig, EngineConfig, InstanceRole, KVTransferMode, TransferConfig
+from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode,
+                            PDSchedulerConfig, TransferConfig)
 from xllm_py.engine.llm_engine import LLMEngine
-from xllm_py.engine.pd.config import PDSchedulerConfig
 from xllm_py.engine.pd.handlers import DecodeHandler, PrefillHandler, Starting
 from xllm_py.pd_messages import HandOver, OfflinePull
 from xllm_py.engine.pd.phases import DecodePhase, PrefillPhase

@@ -134,7 +134,7 @@ class ClusterNode:
                                                              self._client_credentials),
                                   [local, *ranks])
             self.pd = PDRole(self.engine, cfg, self.meta, self.reporter, peers,
-                             self.metas.get, self._list_decodes,
+                             self.metas.get, self._list_decodes, pd_config=cfg.pd,
                              registry=self.backend.metrics_registry,
                              forget_meta=self.metas.invalidate,
                              list_prefills=self._list_prefills,
@@ -142,7 +142,7 @@ class ClusterNode:
             self.pd.start()
             servicer.attach(self.pd)
         await self.agent.start()
-        if getattr(self.engine, "profile_corrector", None) is not None:
+        if self.engine.profile_corrector is not None:
             self._profile_task = asyncio.create_task(self._republish_profile())
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")
@@ -161,9 +161,9 @@ class ClusterNode:
         self.backend.metrics_refreshers.append(ranks.refresh)
 
     def _latency_profile(self) -> dict:
-        """The profile the engine registers (self_profile.py: --latency-profile, a
+        """The profile the engine registers (self_profile.py: the latency_profile file, a
         simulated engine's time model, or measured at start-up); {}: none."""
-        profile = getattr(self.engine, "latency_profile", None)
+        profile = self.engine.latency_profile
         return profile.to_dict() if profile is not None else {}
 
     async def _republish_profile(self) -> None:
@@ -180,7 +180,7 @@ class ClusterNode:
             try:
                 published = await asyncio.wrap_future(self.engine.call(
                     lambda: apply_derived(self.engine, current, GUARD_SETTINGS)))
-                self.engine.latency_profile = published
+                self.engine.set_latency_profile(published)
                 self.agent.update_meta(latency_profile=published.to_dict())
             except Exception as exc:  # (the next check tries again)
                 logger.warning("could not register the corrected latency profile: %s", exc)

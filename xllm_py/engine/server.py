@@ -137,7 +137,7 @@ def watch_tp_ranks(engine: LLMEngine, loop: asyncio.AbstractEventLoop, stop: asy
     error naming the cause, then the server stops (no drain) and exits with 1. Returns the
     list the cause lands in."""
     lost: list[str] = []
-    tp = getattr(engine, "tp", None)  # (None: TP 1, or the simulated engine)
+    tp = engine.tp  # (None: TP 1, or the simulated engine)
     if tp is None:
         return lost
 

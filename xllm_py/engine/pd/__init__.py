@@ -9,7 +9,6 @@
   phases.py      the PD records of a request; their phases are RequestStatus values
   peers.py       PDPeers: the RPCs made to other processes; xllm_py/rpc/pd_peers.py: over gRPC
   metrics.py     PDMetrics (prometheus_client)
-  config.py      PDSchedulerConfig
   service.py     DisaggPDServicer: the DisaggPDService on every engine, which dispatches
                  to its role's handler (handlers.py: EngineHandler, PrefillHandler,
                  DecodeHandler)

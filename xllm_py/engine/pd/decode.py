@@ -27,11 +27,10 @@ import logging
 import time
 from typing import Callable, Coroutine
 
-from xllm_py.config import EngineConfig, KVTransferMode
+from xllm_py.config import EngineConfig, KVTransferMode, PDSchedulerConfig
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.migration import Resumption
-from xllm_py.engine.pd.config import PDSchedulerConfig
 from xllm_py.engine.kv_connector import RemoteAllocation
 from xllm_py.engine.pd.connector import PDConnector
 from xllm_py.pd_messages import HandOver, KVMove, Placement

@@ -41,11 +41,10 @@ from typing import AsyncIterator, Callable, Coroutine
 
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.cluster.latency_profile import LatencyProfile
-from xllm_py.config import EngineConfig, KVTransferMode
+from xllm_py.config import EngineConfig, KVTransferMode, PDSchedulerConfig
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.output_processor import parent_of
-from xllm_py.engine.pd.config import PDSchedulerConfig
 from xllm_py.engine.pd.connector import PDConnector
 from xllm_py.engine.pd.links import Links
 from xllm_py.pd_messages import HandOver, KVMove, OfflinePull, Placement

@@ -18,7 +18,7 @@ import time
 
 from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.cluster.prefill_order import PrefillCostModel, Queued, pick
-from xllm_py.engine.pd.config import PDSchedulerConfig
+from xllm_py.config import PDSchedulerConfig
 from xllm_py.engine.pd.phases import PrefillPhase, PrefillRequest
 
 logger = logging.getLogger(__name__)

@@ -22,10 +22,9 @@ from prometheus_client import CollectorRegistry
 
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.cluster.latency_profile import LatencyProfile
-from xllm_py.config import EngineConfig, InstanceRole
+from xllm_py.config import EngineConfig, InstanceRole, PDSchedulerConfig
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import LLMEngine
-from xllm_py.engine.pd.config import PDSchedulerConfig
 from xllm_py.engine.pd.connector import PDConnector
 from xllm_py.engine.pd.decode import DecodeSide
 from xllm_py.engine.pd.handlers import DecodeHandler, EngineHandler, PrefillHandler
