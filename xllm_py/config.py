@@ -429,8 +429,6 @@ def advertised_host(host: str, advertise_host: str | None) -> str:
     return host
 
 
-
-
 def etcd_credentials_from_env() -> tuple[str, str] | None:
     """ETCD_USERNAME / ETCD_PASSWORD: both or neither."""
     user = os.environ.get("ETCD_USERNAME")

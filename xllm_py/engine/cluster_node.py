@@ -3,7 +3,7 @@
 Stages: KV worker (PD roles: transfer listener + WorkerService gRPC) -> DisaggPDService
 gRPC -> Generations reporter hooked to the engine loop -> registration in etcd with a
 kept-alive lease + heartbeats to the master -> (PD) PDRole.
-Stop: deregister, stop the PD scheduler, the gRPC servers, the worker, the reporter.
+Stop: deregister, stop the PD role, the gRPC servers, the worker, the reporter.
 """
 from __future__ import annotations
 

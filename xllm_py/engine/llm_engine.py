@@ -303,7 +303,7 @@ class LLMEngine:
                 self.tiering.prefetch(request)
 
     def admit(self, req: EngineRequest,
-               limit_what: str = "this model's context is {} tokens") -> list[Request] | str:
+              limit_what: str = "this model's context is {} tokens") -> list[Request] | str:
         """The one intake of a request (engine_request.admit): its sequences as Requests
         for the scheduler, its outputs registered; or why it is refused."""
         return admit(req, self.outputs, self.eos_token_ids, self.model_config.vocab_size,
