@@ -38,6 +38,7 @@ from benchmarks.common import (RequestResult, completion_body, get_model_id,  # 
                                percentile, report_environment, send_completion,
                                thread_env)
 from xllm_py.cluster.etcd_server import EmbeddedEtcd  # noqa: E402
+from xllm_py.utils.config_file import settings_args  # noqa: E402
 from xllm_py.utils.procs import engine_args, free_port, spawn  # noqa: E402
 
 MODEL = ["tiny"]  # the id the service serves (read from /v1/models at start)
@@ -185,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         # PD always: every prompt on the prefill, every offline one pulled by the decode
         svc = spawn("service", "xllm_service", ["--model", "tiny", "--etcd", etcd.endpoint,
                                                 "--http-port", str(hp), "--rpc-port", str(rp),
-                                                "--load-balance-policy", "LEAST_LOAD",
-                                                "--disagg-decision", "ALWAYS", *ttl,
-                                                "--evict-grace-s", "10"], logs,
+                                                "--load-balance-policy", "LEAST_LOAD", *ttl,
+                                                *settings_args(logs / "service.yaml",
+                                                               {"evict_grace_s": 10})], logs,
                     http_url=f"http://127.0.0.1:{hp}", cpu=None if args.no_pin else 0)
         procs.append(svc)
         engines = {}

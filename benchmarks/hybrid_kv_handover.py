@@ -87,6 +87,7 @@ def _bytes_moved(url: str) -> int:
 
 def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
                    tag: str) -> dict:
+    from xllm_py.utils.config_file import settings_args
     from xllm_py.utils.procs import engine_args, free_port, spawn
 
     procs = []
@@ -95,8 +96,9 @@ def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
         svc = spawn(f"service-{tag}", "xllm_service", [
             "--model", str(model_dir), "--etcd", etcd, "--etcd-namespace", f"{tag}/",
             "--http-port", str(hp), "--rpc-port", str(rp), "--load-balance-policy",
-            "LEAST_LOAD", "--disagg-decision", "ALWAYS", "--etcd-ttl", "15",
-            "--evict-grace-s", "10"], logs, http_url=f"http://127.0.0.1:{hp}")
+            "LEAST_LOAD", "--etcd-ttl", "15",
+            *settings_args(logs / f"service-{tag}.yaml", {"evict_grace_s": 10})],
+            logs, http_url=f"http://127.0.0.1:{hp}")
         procs.append(svc)
         engines = {}
         for role in ("PREFILL", "DECODE"):

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import pathlib
 import re
 import time
 
 import httpx
 
 from tests.integration.netns_lab import NetLab
+from xllm_py.utils.config_file import settings_args
 from xllm_py.utils.procs import ChildProcess
 
 HTTP_PORT = 8000  # every host has its own ports
@@ -60,8 +62,10 @@ class NetCluster:
         self.procs["service"] = lab.spawn(
             "ctl", "service", "xllm_service",
             ["--etcd", self.etcd, "--host", self.ctl, "--http-port", str(HTTP_PORT),
-             "--rpc-port", "8001", "--model", MODEL, "--etcd-ttl", str(TTL_S), "--evict-grace-s", str(GRACE_S),
-             "--rpc-timeout", "3", "--load-balance-policy", "LEAST_LOAD"],  # (PD always)
+             "--rpc-port", "8001", "--model", MODEL, "--etcd-ttl", str(TTL_S),
+             *settings_args(pathlib.Path(log_dir) / "service.settings.yaml",
+                            {"evict_grace_s": GRACE_S, "rpc_timeout": 3}),
+             "--load-balance-policy", "LEAST_LOAD"],  # (PD always)
             log_dir, http_url=self.svc_url)
         self.start_engine("p0")
         for d in self.decodes:

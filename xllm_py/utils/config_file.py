@@ -35,6 +35,14 @@ class SettingsParser(argparse.ArgumentParser):
         action = self._actions[-1]
         self._file_only[action.dest] = (action, doc)
 
+    def move_to_file(self, *names: str) -> None:
+        """Flags already added (by a helper two commands share) that this command takes
+        from the file only: `names` are their flag spellings."""
+        for name in names:
+            action = self._option_string_actions[name]
+            self._file_only[action.dest] = (action, action.help or "")
+            action.help = argparse.SUPPRESS
+
     def format_help(self) -> str:
         text = super().format_help()
         if not self._file_only:
@@ -108,3 +116,12 @@ def _config_path(argv: list[str]) -> str | None:
         if arg.startswith("--config="):
             return arg.split("=", 1)[1]
     return None
+
+
+def settings_args(path: str | pathlib.Path, values: dict[str, object]) -> list[str]:
+    """Write `values` (setting: value) to the settings file `path`; the arguments that
+    pass it to a command (none when there are no values)."""
+    if not values:
+        return []
+    pathlib.Path(path).write_text(yaml.safe_dump(dict(values), sort_keys=True))
+    return ["--config", str(path)]
