@@ -36,9 +36,9 @@ are counted in `xllm_service_migrations_total{outcome="ok"|"failed"}` ("ok": the
 instance accepted it). A sub re-keyed again (its new instance evicted during the RPC)
 ignores the stale RPC's answer. The same move recomputes a PD sub whose KV never reached
 its decode (its prefill died after relaying the first token, or the transfer failed: an
-engine's 502) on a decode (`recompute_on_a_decode`). Still failed with a 503: a MIX request with n > 1 or
-best_of > 1 (the message says why: its sequences are interleaved in one engine request,
-and only one sequence's tokens can be handed over).
+engine's 502) on a decode (`recompute_on_a_decode`). Still failed with a 503: a MIX
+request with n > 1 or best_of > 1 (the message says why: its sequences are interleaved
+in one engine request, and only one sequence's tokens can be handed over).
 A request with nothing relayed yet (the client has seen no token) whose instance dies
 is sent again whole (`_resend_unstarted`): a MIX or DECODE-path one to another instance
 of its kind, a PD one whose prefill died to a decode that serves it whole; the client

@@ -32,25 +32,34 @@ UNAVAILABLE = Status.UNAVAILABLE.http_status
 
 
 class RelayEvent(enum.Enum):
-    STALE = enum.auto()  # no client waits for it: an unknown (old) id, or a cancelled sub
+    # No client waits for it: an unknown (old) id, or a cancelled sub.
+    STALE = enum.auto()
     # Failures that move the sub (Relocator) instead of failing it:
-    DECODE_UNREACHABLE = enum.auto()  # PD: the prefill could not reach the decode to hand
-    #                                   it over, after its first token was relayed
-    DROPPED = enum.auto()  # the instance generating it could not reach the service and gave
-    #                        it up, after tokens were relayed
-    KV_LOST = enum.auto()  # PD: the KV never reached the decode, first token relayed
-    KV_LOST_EARLY = enum.auto()  # PD: the decode's KV pull failed before the prefill's first
-    #                              token came in: noted, recomputed once that token is relayed
-    UNPLACED = enum.auto()  # PD: its prefill could not place it on any decode, before any token
-    # Failures the client gets:
-    FAILED_BEFORE_TAKE_OVER = enum.auto()  # PD, before a decode output was relayed
+    # PD: the prefill could not reach the decode to hand the sub over, after its first
+    # token was relayed (after a decode output the decode has it: its eviction decides).
+    DECODE_UNREACHABLE = enum.auto()
+    # The instance generating it could not reach the service and gave it up (a cut link:
+    # its notice names itself), after tokens were relayed.
+    DROPPED = enum.auto()
+    # PD: the KV never reached the decode, the first token relayed.
+    KV_LOST = enum.auto()
+    # PD: the decode's KV pull failed before the prefill's first token came in: noted,
+    # recomputed once that token is relayed.
+    KV_LOST_EARLY = enum.auto()
+    # PD: its prefill could not place it on any decode (502/503), before any token.
+    UNPLACED = enum.auto()
+    # Failures the client gets: a PD sub's before a decode output was relayed (the decodes
+    # may hold blocks for it), and the others.
+    FAILED_BEFORE_TAKE_OVER = enum.auto()
     FAILED = enum.auto()
-    # Outputs:
-    OUTPUT = enum.auto()  # of an instance serving the sub whole (MIX, DECODE path)
-    PREFILL_FIRST = enum.auto()  # PD: the prefill's first token, no decode output held
-    PREFILL_FIRST_AFTER_HELD = enum.auto()  # PD: the prefill's first token, decode's held
-    DECODE_OUTPUT = enum.auto()  # PD: a decode output after the prefill's first token
-    DECODE_EARLY = enum.auto()  # PD: a decode output before the prefill's first token
+    # Outputs: of an instance serving the sub whole (MIX, DECODE path); PD: the prefill's
+    # first token, with no decode output held or after held ones; a decode output after
+    # the prefill's first token, or before it.
+    OUTPUT = enum.auto()
+    PREFILL_FIRST = enum.auto()
+    PREFILL_FIRST_AFTER_HELD = enum.auto()
+    DECODE_OUTPUT = enum.auto()
+    DECODE_EARLY = enum.auto()
 
 
 def classify(sub: SubRequest | None, instance_name: str, gen: wire.Generation) -> RelayEvent:
@@ -145,7 +154,6 @@ class Relay:
         pass
 
     def _migrate_off_decode(self, sub: SubRequest, out: RequestOutput, instance_name: str) -> None:
-        # (after a decode output the decode has it: its eviction decides)
         self.relocator.migrate(sub, out.unreachable_instance, why=(
             f"decode instance {out.unreachable_instance} could not be reached "
             f"({out.error_message})"))
