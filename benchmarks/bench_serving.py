@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--prefill-arg=--max-num-batched-tokens=512")
     g.add_argument("--decode-arg", action="append", default=[],
                    help="extra flag of the decode engines (pd, default), e.g. "
-                        "--decode-arg=--prompt-tpot-target-ms=18")
+                        "--decode-arg=--config=decode.yaml (a settings file: "
+                        "prompt_tpot_target_ms: 18)")
     g.add_argument("--kv-transfer-backend", choices=["ucx", "tcp"], default=None,
                    help="KV transfer backend of the PD cluster (default: the launcher's)")
     g.add_argument("--no-pin-cores", action="store_true", help="do not pin engines to cores")

@@ -87,7 +87,7 @@ def _bytes_moved(url: str) -> int:
 
 def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
                    tag: str) -> dict:
-    from xllm_py.utils.config_file import settings_args
+    from xllm_py.utils.config_file import write_settings
     from xllm_py.utils.procs import engine_args, free_port, spawn
 
     procs = []
@@ -97,7 +97,7 @@ def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
             "--model", str(model_dir), "--etcd", etcd, "--etcd-namespace", f"{tag}/",
             "--http-port", str(hp), "--rpc-port", str(rp), "--load-balance-policy",
             "LEAST_LOAD", "--etcd-ttl", "15",
-            *settings_args(logs / f"service-{tag}.yaml", {"evict_grace_s": 10})],
+            *write_settings(logs / f"service-{tag}.yaml", {"evict_grace_s": 10})],
             logs, http_url=f"http://127.0.0.1:{hp}")
         procs.append(svc)
         engines = {}
@@ -105,7 +105,9 @@ def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
             port = free_port()
             engines[role] = spawn(f"{role.lower()}-{tag}", "xllm_py.engine", engine_args(
                 role, port, etcd=etcd, model=str(model_dir), extra=[
-                    "--etcd-namespace", f"{tag}/", "--etcd-ttl", "15", "--latency-profile", "off",
+                    "--etcd-namespace", f"{tag}/", *write_settings(
+                        logs / f"{role.lower()}-{tag}.yaml",
+                        {"etcd_ttl": 15, "latency_profile": "off"}),
                     "--block-size", str(args.block_size), "--kv-cache-transfer-mode", args.mode,
                     "--max-model-len", str(args.prompt_tokens + 64)]),
                 logs, http_url=f"http://127.0.0.1:{port}")

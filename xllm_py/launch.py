@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
              help="extra flag for the PREFILL engines only (given after the --engine-arg ones)")
     add_flag(p, "--decode-arg", action="append", default=[],
              help="extra flag for the DECODE engines only, e.g. "
-                  "--decode-arg=--max-prefill-tokens-while-decoding=64")
+                  "--decode-arg=--config=decode.yaml (engine settings: python -m xllm_py.engine --help)")
     add_flag(p, "--service-arg", action="append", default=[],
              help="extra flag for the service, e.g. --service-arg=--load-balance-policy=CACHE_AWARE")
     add_flag(p, "--tls", action="store_true",

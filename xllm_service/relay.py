@@ -20,7 +20,7 @@ from typing import Callable
 
 from xllm_py.outputs import RequestOutput
 from xllm_py.rpc import service as wire
-from xllm_py.rpc.status import Status
+from xllm_py.status import Status
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.migration import Relocator
 from xllm_service.sub_request import SubPhase, SubRequest, SubRequests

@@ -10,7 +10,7 @@ import httpx
 import openai
 
 from tests.waiting import wait_until  # noqa: F401  (re-exported: the cluster tests import it from here)
-from xllm_py.utils.config_file import settings_args
+from xllm_py.utils.config_file import write_settings
 from xllm_py.utils.procs import ChildProcess, engine_args, free_port, spawn
 
 
@@ -30,8 +30,8 @@ class Harness:
         machinery; a policy in `extra` wins); False: the service's own defaults.
         `settings`: more of its --config FILE (evict_grace_s is there already)."""
         http, rpc = free_port(), free_port()
-        config = settings_args(self.log_dir / f"{name}.settings.yaml",
-                               {"evict_grace_s": evict_grace_s, **(settings or {})})
+        config = write_settings(self.log_dir / f"{name}.settings.yaml",
+                                {"evict_grace_s": evict_grace_s, **(settings or {})})
         proc = spawn(name, "xllm_service",
                      ["--model", "tiny", "--etcd", self.etcd, "--etcd-namespace", self.namespace,
                       "--etcd-ttl", str(self.ttl_s), "--http-port", str(http),
@@ -43,14 +43,18 @@ class Harness:
         return proc
 
     def engine(self, role: str, name: str, port: int | None = None,
-               extra: list[str] | None = None, profile: bool = False) -> ChildProcess:
+               extra: list[str] | None = None, profile: bool = False,
+               settings: dict | None = None) -> ChildProcess:
         """`profile`: a PREFILL / DECODE measures its latency profile at start-up, as by
-        default (else none, unless `extra` names a file: the tests of the PD machinery)."""
+        default (else none, unless `settings` names a file: the tests of the PD
+        machinery); `settings`: more of its settings file (python -m xllm_py.engine --help)."""
         port = port or free_port()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        file = write_settings(self.log_dir / f"{name}.settings.yaml", {
+            "etcd_ttl": self.ttl_s, "heart_beat_interval": 0.3,
+            **({} if profile else {"latency_profile": "off"}), **(settings or {})})
         args = engine_args(role, port, etcd=self.etcd, extra=[
-            "--etcd-namespace", self.namespace, "--etcd-ttl", str(self.ttl_s),
-            "--heart-beat-interval", "0.3", *([] if profile else ["--latency-profile", "off"]),
-            *(extra or [])])
+            "--etcd-namespace", self.namespace, *file, *(extra or [])])
         proc = spawn(name, "xllm_py.engine", args, self.log_dir,
                      http_url=f"http://127.0.0.1:{port}")
         self.procs.append(proc)

@@ -116,9 +116,8 @@ async def test_failed_transfer_is_recomputed_on_the_decode(etcd_server, tmp_path
     try:
         svc = h.service()
         common = ["--block-size", "8", "--kv-cache-transfer-mode", mode]
-        monkeypatch.setenv("XLLM_KV_TRANSFER_FAULT_RATE", "1.0")
-        mover = h.engine("DECODE" if mode == "PULL" else "PREFILL", "mover", extra=common)
-        monkeypatch.delenv("XLLM_KV_TRANSFER_FAULT_RATE")
+        mover = h.engine("DECODE" if mode == "PULL" else "PREFILL", "mover", extra=common,
+                         settings={"kv_transfer_fault_rate": 1.0})
         other = h.engine("PREFILL" if mode == "PULL" else "DECODE", "other", extra=common)
         prefill, decode = (other, mover) if mode == "PULL" else (mover, other)
         for p in (prefill, decode):

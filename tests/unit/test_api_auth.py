@@ -9,9 +9,10 @@ import httpx
 import pytest
 
 from xllm_py.api.app import build_app
-from xllm_py.api.auth import APIKeys, collect_api_keys
+from xllm_py.api.auth import APIKeys
 from xllm_py.api.testing import ScriptedBackend
 from xllm_py.engine import cli as engine_cli
+from xllm_py.utils.security_cli import collect_api_keys
 from xllm_service import cli as service_cli
 
 KEYS = ("sk-first-key", "sk-second-key")

@@ -16,8 +16,10 @@ def stub_engine(num_waiting: int):
     submitted = []
     return types.SimpleNamespace(
         config=types.SimpleNamespace(model="/models/qwen3-0.6b/"), max_model_len=2048,
-        scheduler=types.SimpleNamespace(num_waiting=num_waiting),
-        submit=submitted.append, abort=lambda rid: None, submitted=submitted, tiering=None)
+        scheduler=types.SimpleNamespace(num_waiting=num_waiting,
+                                        kv=types.SimpleNamespace(held_blocks=dict)),
+        submit=submitted.append, abort=lambda rid: None, submitted=submitted, tiering=None,
+        speculator=None)
 
 
 async def test_full_queue_answers_429_and_submits_nothing():

@@ -1,14 +1,18 @@
-"""Config dataclasses: validation, env overrides, advertised addresses."""
+"""Config dataclasses: validation, env overrides, advertised addresses, the engine's
+command line and settings file."""
 import pathlib
 import re
 import socket
 
 import pytest
 
-from xllm_py.config import (CacheConfig, InstanceRole, KernelConfig, SchedulerConfig, TransferConfig,
-                            UCXConfig, advertised_host, etcd_credentials_from_env, model_cache_dir_from_env,
-                            transfer_config_from_env)
+from xllm_py.cluster.prefill_order import ORDERS
+from xllm_py.config import (PREFILL_ORDERS, CacheConfig, InstanceRole, KernelConfig,
+                            PDSchedulerConfig, SchedulerConfig, UCXConfig, advertised_host,
+                            etcd_credentials_from_env, model_cache_dir_from_env)
 from xllm_py.engine.cli import build_parser, config_from_args
+from xllm_py.engine.model_setup import HOST_POOL_BYTES, kv_pool_bytes
+from xllm_py.utils.config_file import write_settings
 
 
 def test_validation_messages():
@@ -31,10 +35,8 @@ def test_advertised_host_never_a_wildcard():
 
 
 def test_env_overrides(monkeypatch):
-    monkeypatch.setenv("XLLM_KV_TRANSFER_BACKEND", "tcp")
-    monkeypatch.setenv("XLLM_KV_TRANSFER_FAULT_RATE", "0.5")
-    cfg = transfer_config_from_env(TransferConfig())
-    assert (cfg.backend, cfg.fault_rate) == ("tcp", 0.5)
+    monkeypatch.setenv("XLLM_KV_TRANSFER_FAULT_RATE", "0.5")  # (no longer read)
+    assert config_from_args(build_parser().parse_args([])).transfer.fault_rate == 0.0
     monkeypatch.setenv("ETCD_USERNAME", "u")
     with pytest.raises(ValueError, match="both ETCD_USERNAME and ETCD_PASSWORD"):
         etcd_credentials_from_env()
@@ -50,8 +52,7 @@ def test_ucx_kernel_and_model_settings_from_env(monkeypatch):
     ucx = UCXConfig.from_env(warmup_pulls=3)
     assert not ucx.map_peer_pools and dict(ucx.iov_overrides)["TLS"] == "self" and not ucx.python_future
     assert ucx.warmup_pulls == 3 and ucx.progress_mode == "thread"
-    assert transfer_config_from_env(TransferConfig()).ucx == UCXConfig.from_env()
-    assert transfer_config_from_env(TransferConfig(ucx=UCXConfig())).ucx == UCXConfig()  # given: kept
+    assert config_from_args(build_parser().parse_args([])).transfer.ucx == UCXConfig.from_env()
     with pytest.raises(ValueError, match="direct_max_msgs"):
         UCXConfig(direct_max_msgs=0)
     monkeypatch.setenv("XLLM_CPU_KERNELS", "0")
@@ -90,8 +91,40 @@ def test_cli_accepts_xllm_spellings():
     assert cfg.advertise_host == "node-1"
 
 
-def test_cli_compute_flags():
+def test_settings_file_of_the_engine(tmp_path):
     default = config_from_args(build_parser().parse_args([]))
     assert default.num_threads is None and default.pack_weights is True
-    cfg = config_from_args(build_parser().parse_args(["--num_threads", "3", "--pack-weights", "false"]))
-    assert cfg.num_threads == 3 and cfg.pack_weights is False
+    assert default.pd == PDSchedulerConfig() and default.cache.kv_cache_memory_bytes is None
+    settings = write_settings(tmp_path / "s.yaml", {
+        "num_threads": 3, "pack_weights": False, "kv_cache_memory_mb": 512,
+        "transfer_timeout": 5, "kv_transfer_fault_rate": 1.0, "rpc_timeout": 3,
+        "pd_prefill_order": "fcfs", "pd_max_dispatching": 8, "etcd_ttl": 2})
+    cfg = config_from_args(build_parser().parse_args([*settings, "--num-blocks", "64"]))
+    assert cfg.num_threads == 3 and cfg.pack_weights is False and cfg.cache.num_blocks == 64
+    assert cfg.cache.kv_cache_memory_bytes == 512 << 20 and cfg.rpc_timeout_s == 3
+    assert (cfg.transfer.timeout_s, cfg.transfer.fault_rate, cfg.etcd_ttl_s) == (5, 1.0, 2)
+    assert cfg.pd == PDSchedulerConfig(prefill_order="fcfs", max_dispatching=8)
+    assert set(PREFILL_ORDERS) == set(ORDERS)
+    with pytest.raises(SystemExit):  # a setting of the file, not a flag
+        build_parser().parse_args(["--batch-window-ms", "0"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(write_settings(tmp_path / "b.yaml", {"pd_prefill_order": "x"}))
+
+
+def test_engine_help_lists_at_most_40_flags():
+    lines = build_parser().format_help().split("settings of --config FILE")[0].splitlines()
+    flags = [x for x in lines if re.match(r"\s+--", x)]
+    assert len(flags) <= 40, flags
+
+
+def test_the_kv_pool_is_sized_from_the_memory_there_is(monkeypatch):
+    import xllm_py.engine.model_setup as setup
+
+    assert kv_pool_bytes(CacheConfig(kv_cache_memory_bytes=1 << 30), 80 << 30) == 1 << 30
+    assert kv_pool_bytes(CacheConfig(), 10 << 30) == int(0.9 * (10 << 30))  # a GPU: its free memory
+    monkeypatch.setattr(setup, "available_memory_bytes", lambda: 64 << 30)
+    assert kv_pool_bytes(CacheConfig(), None) == HOST_POOL_BYTES
+    monkeypatch.setattr(setup, "available_memory_bytes", lambda: 512 << 20)  # short of memory
+    assert kv_pool_bytes(CacheConfig(), None) == 128 << 20
+    monkeypatch.setattr(setup, "available_memory_bytes", lambda: 0)  # unknown
+    assert kv_pool_bytes(CacheConfig(), None) == HOST_POOL_BYTES

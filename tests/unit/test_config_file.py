@@ -2,7 +2,7 @@
 import pytest
 
 from xllm_py.utils.cli import parse_bool
-from xllm_py.utils.config_file import SettingsParser, settings_args
+from xllm_py.utils.config_file import SettingsParser, write_settings
 
 
 def _parser() -> SettingsParser:
@@ -65,10 +65,9 @@ def test_a_flag_moved_to_the_file_reads_from_it_only(tmp_path, capsys):
     text = p.format_help()
     flags, file_only = text.split("settings of --config FILE only")
     assert "--max-num-seqs" not in flags and "max_num_seqs:  (default: 64)" in file_only
-    args = settings_args(tmp_path / "s.yaml", {"max_num_seqs": 8, "pack": False})
+    args = write_settings(tmp_path / "s.yaml", {"max_num_seqs": 8, "pack": False})
     a = p.parse_args(args)
     assert (a.max_num_seqs, a.pack) == (8, False)
     with pytest.raises(SystemExit):
         p.parse_args(["--max-num-seqs", "3"])
     assert "max_num_seqs: VALUE" in capsys.readouterr().err
-    assert settings_args(tmp_path / "none.yaml", {}) == [] and not (tmp_path / "none.yaml").exists()

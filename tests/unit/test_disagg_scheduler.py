@@ -23,7 +23,7 @@ from xllm_py.engine.pd.phases import DecodePhase, PrefillPhase
 from xllm_py.engine.pd.scheduler import DisaggPDScheduler
 from xllm_py.engine.self_profile import start_up_profile
 from xllm_py.rpc.convert import EngineRequestSpec
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 from xllm_py.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration  # starts the tiny model

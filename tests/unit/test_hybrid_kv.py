@@ -182,6 +182,7 @@ def test_pool_metric_says_what_each_type_holds():
 
     class _Engine:
         scheduler = type("S", (), {"kv": kv})()
+        speculator = None
 
         def stats(self):
             return {}

@@ -1,5 +1,5 @@
 """TP 1: the PD code moves KV through its own worker's backend, with no gRPC call to
-itself (kv_transfer/in_process.py behind parallel/tp_peers.TPGrpcPeers)."""
+itself (kv_transfer/in_process.py as rank 0's worker of parallel/instance_peers.InstancePeers)."""
 from __future__ import annotations
 
 import pytest
@@ -8,10 +8,11 @@ import torch
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.kv_transfer import create_backend
 from xllm_py.kv_transfer.in_process import InProcessWorker
-from xllm_py.kv_transfer.worker_service import KVWorker
-from xllm_py.parallel.tp_peers import TPGrpcPeers
+from xllm_py.kv_transfer.kv_worker import KVWorker
+from xllm_py.parallel.instance_peers import InstancePeers
 from xllm_py.pd_messages import KVMove, PeerLink
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.rpc.pd_peers import PDServiceClient
+from xllm_py.status import Status, StatusError
 from tests.unit.test_kv_worker_service import storage
 
 
@@ -24,7 +25,7 @@ async def pair():
     worker = KVWorker(dst_store, dst_b, cluster_id=11, model="tiny")
     # No WorkerService and no address: a gRPC call would fail.
     meta = InstanceMeta(name="decode:1", worker_rpc_addrs=["127.0.0.1:1"])
-    peers = TPGrpcPeers(meta, 1.0, 5.0, local=InProcessWorker(worker, 1.0, 5.0))
+    peers = InstancePeers(meta, PDServiceClient(1.0), [InProcessWorker(worker, 1.0, 5.0)])
     yield peers, worker, src_store, src_b, dst_store
     await peers.close()
     await src_b.close()

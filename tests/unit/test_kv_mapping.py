@@ -48,7 +48,7 @@ def test_invalid_arguments() -> None:
 # ---------------------------------------------------------------- KV head slices (TP pairs)
 
 from xllm_py.kv_transfer.mapping import HeadSlice, head_mapping_error, kv_head_plan  # noqa: E402
-from xllm_py.parallel.sharding import kv_head_range  # noqa: E402
+from xllm_py.model.sharding import kv_head_range  # noqa: E402
 
 
 def test_head_plan_equal_tp_is_rank_to_rank_whole_pool() -> None:

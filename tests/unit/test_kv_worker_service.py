@@ -8,14 +8,9 @@ import torch
 from xllm_py.kv_transfer import create_backend
 from xllm_py.kv_transfer.fake import FakeFaults
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
-from xllm_py.kv_transfer.worker_service import (
-    KVWorker,
-    PeerMeta,
-    WorkerServicer,
-    compatibility_errors,
-    create_worker_server,
-)
+from xllm_py.kv_transfer.kv_worker import KVWorker, PeerMeta, compatibility_errors
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
+from xllm_py.rpc.worker_service import WorkerServicer, create_worker_server
 
 pytestmark = pytest.mark.integration  # a gRPC server
 

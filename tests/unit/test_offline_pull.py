@@ -13,7 +13,7 @@ from xllm_py.engine.pd import offline_pull
 from xllm_py.engine.pd.metrics import PDMetrics
 from xllm_py.engine.pd.offline_pull import OfflinePuller
 from xllm_py.engine.remote_kv import offline_room
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 
 def _puller(sched, peers, arrivals=lambda: 0):

@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from xllm_py.kv_transfer import create_backend
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.metrics import KVTransferMetrics
-from xllm_py.kv_transfer.worker_service import KVWorker, WorkerServicer, create_worker_server
+from xllm_py.kv_transfer.kv_worker import KVWorker
+from xllm_py.rpc.worker_service import WorkerServicer, create_worker_server
 from xllm_py.parallel.rank_metrics import RankTransferMetrics
 from xllm_py.rpc import worker as wire
 from xllm_py.utils.grpc_channels import ChannelPool

@@ -1,7 +1,7 @@
 """rpc/cluster.py: InstanceMeta <-> InstanceMetaInfo and the heartbeat request."""
 import pytest
 
-from xllm_py.cluster.instance_meta import SCHEMA_VERSION, InstanceMetaError
+from xllm_py.cluster.instance_meta import ROLE_NUMBERS, SCHEMA_VERSION, InstanceMetaError
 from xllm_py.config import InstanceRole
 from xllm_py.proto import xllm_pb2
 from xllm_py.rpc import cluster as wire
@@ -41,3 +41,9 @@ def test_role_from_proto_rejects_unknown_numbers():
     assert wire.role_from_proto(xllm_pb2.PREFILL) is InstanceRole.PREFILL
     with pytest.raises(ValueError):
         wire.role_from_proto(99)
+
+
+def test_instance_meta_reads_the_proto_role_numbers():
+    """The JSON meta reads a role sent as a number without the wire layer: its table is
+    the proto's enum."""
+    assert ROLE_NUMBERS == {n: wire.role_from_proto(n) for n in xllm_pb2.InstanceType.values()}

@@ -11,7 +11,7 @@ from xllm_py.outputs import TokenLogprob
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.rpc import pd as wire
 from xllm_py.rpc.convert import EngineRequestSpec
-from xllm_py.rpc.status import Status
+from xllm_py.status import Status
 from xllm_py.sampling_params import SamplingParams
 
 PREFILL = InstanceMeta(name="prefill:1", type=InstanceRole.PREFILL, cluster_ids=[3],

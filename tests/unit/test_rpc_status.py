@@ -1,10 +1,10 @@
-"""Status (xllm_py/rpc/status.py): one table of gRPC codes and HTTP statuses."""
+"""Status (xllm_py/status.py): one table of gRPC codes and HTTP statuses."""
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 
 def test_the_table():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import InstanceRole
 from xllm_py.pd_messages import KVMove, PeerLink
-from xllm_py.kv_transfer.worker_service import CacheInfoData, PeerMeta
+from xllm_py.kv_transfer.kv_worker import CacheInfoData, PeerMeta
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.rpc import pd
 from xllm_py.rpc import worker as wire

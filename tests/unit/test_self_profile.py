@@ -17,8 +17,8 @@ from xllm_py.engine.cli import build_parser, config_from_args
 from xllm_py.engine.scheduler import ContinuousScheduler
 from xllm_py.engine.scheduler_types import ScheduledSeq, SchedulerOutput
 from xllm_py.engine.self_profile import (ProfileCorrector, apply_derived, derived_settings,
-                                         measure_profile, moved, observe_steps,
-                                         start_up_profile)
+                                         measure_profile, moved, start_up_profile)
+from xllm_py.engine.step_observers import StepRecord
 
 # tiny-25m on one core, as measured on the 2-core VM (prompt 0.62 ms a token, ...)
 TRUE = LatencyProfile(prefill_base_ms=5.0, prefill_ms_per_token=0.62, decode_base_ms=6.6,
@@ -56,7 +56,12 @@ def fake_engine(role: str = "DECODE", sched: SchedulerConfig | None = None):
         scheduler=scheduler, runner=FakeRunner(clock), sampler=lambda logits, rows: None,
         model_config=types.SimpleNamespace(vocab_size=1000),
         config=EngineConfig(role=InstanceRole(role), etcd_addr="127.0.0.1:1"),
-        latency_profile=None, profile_corrector=None)
+        latency_profile=None, profile_corrector=None, step_clock=lambda: clock[0])
+
+    def set_latency_profile(profile, corrector=None):  # (LLMEngine.set_latency_profile)
+        engine.latency_profile, engine.profile_corrector = profile, corrector
+
+    engine.set_latency_profile = set_latency_profile
     return engine, clock
 
 
@@ -125,27 +130,47 @@ def test_the_corrector_adds_to_each_kinds_base_what_its_steps_take_beyond_it():
 
 
 def test_every_step_the_engine_runs_corrects_the_profile():
-    clock = [0.0]
-    outputs = [SchedulerOutput(seqs=[ScheduledSeq("a", [5], 99, [1] * 7, True)])]
-
-    class Engine:  # LLMEngine.step's shape: schedule, then the rest of the step
-        def __init__(self) -> None:
-            self.scheduler = types.SimpleNamespace(schedule=lambda: outputs[0])
-
-        def step(self) -> None:
-            self.scheduler.schedule()
-            clock[0] += 0.020
-
-    engine, corrector = Engine(), ProfileCorrector(TRUE, clock=lambda: clock[0])
-    observe_steps(engine, corrector)
-    for _ in range(100):
-        engine.step()
-    extra = 20.0 - TRUE.decode_step_ms(1, 100)  # a decode step of 1 stream: 20 ms
+    out = SchedulerOutput(seqs=[ScheduledSeq("a", [5], 99, [1] * 7, True)])
+    corrector = ProfileCorrector(TRUE)
+    for _ in range(100):  # a decode step of 1 stream, 20 ms from scheduling to outputs
+        corrector.on_step(StepRecord(out, 0.0, 15.0, 20.0, 0, None))
+    extra = 20.0 - TRUE.decode_step_ms(1, 100)
     assert corrector.num_observed == 100
     assert corrector.decode_extra_ms == pytest.approx(extra * (1 - 0.95 ** 100))
-    outputs[0] = SchedulerOutput()  # nothing scheduled: nothing observed
-    engine.step()
-    assert corrector.num_observed == 100
+
+
+def test_an_engine_tells_its_step_observers_what_each_step_computed(tmp_path):
+    """A simulated engine's steps reach its observers (the profile's corrector among
+    them once set) with the step's output and its time on the engine's step clock."""
+    from xllm_py.engine.llm_engine import EngineRequest
+    from xllm_py.model.tiny import ensure_tiny_model
+    from xllm_py.sampling_params import SamplingParams
+    from xllm_py.sim.engine import SimulatedEngine
+    from xllm_py.sim.time_model import TimeModel
+
+    profile = tmp_path / "profile.json"
+    TimeModel(prefill_base_ms=1.0, prefill_ms_per_token=0.02, decode_base_ms=1.0,
+              decode_ms_per_seq=0.2, decode_ms_per_ctx_token=0.0).save(profile)
+    config = EngineConfig(model=str(ensure_tiny_model("tiny")), simulate=str(profile),
+                          cache=CacheConfig(num_blocks=64))
+    engine = SimulatedEngine(config)
+    seen: list[StepRecord] = []
+    corrector = ProfileCorrector(TRUE)
+    engine.set_latency_profile(TRUE, corrector)
+    engine.step_observers.append(types.SimpleNamespace(on_step=seen.append))
+
+    class Sink:
+        def emit(self, out) -> None:
+            pass
+
+    engine.submit(EngineRequest("r", [11] * 20, SamplingParams(max_tokens=4), Sink()))
+    engine._drain_commands(None)
+    while engine.scheduler.has_schedulable_requests():
+        engine.step()
+    assert engine.latency_profile is TRUE and engine.profile_corrector is corrector
+    assert len(seen) == engine.num_steps == corrector.num_observed == 4  # prompt + 3 decodes
+    assert seen[0].out.seqs[0].request_id.startswith("r") and len(seen[0].out.seqs[0].token_ids) == 20
+    assert all(s.whole_ms >= s.ms > 0 for s in seen)
 
 
 def test_defaults_derived_from_a_tiny_25m_profile():
@@ -163,7 +188,9 @@ def test_defaults_derived_from_a_tiny_25m_profile():
     assert d.decode_holding_ms(TRUE) == 0  # no guard: never holding
 
 
-def test_flags_not_given_are_left_to_the_profile():
+def test_flags_not_given_are_left_to_the_profile(tmp_path):
+    from xllm_py.utils.config_file import write_settings
+
     cfg = config_from_args(build_parser().parse_args([]))
     assert cfg.scheduler.from_profile == {"max_num_batched_tokens", "prompt_hold_max_ms",
                                           "max_prefill_tokens_while_decoding",
@@ -171,7 +198,8 @@ def test_flags_not_given_are_left_to_the_profile():
     assert cfg.scheduler.max_num_batched_tokens == 2048  # without a profile: as before
     assert cfg.scheduler.prompt_tpot_target_ms == 0
     cfg = config_from_args(build_parser().parse_args(
-        ["--max-num-batched-tokens", "1024", "--prompt-tpot-target-ms", "0"]))
+        ["--max-num-batched-tokens", "1024",
+         *write_settings(tmp_path / "s.yaml", {"prompt_tpot_target_ms": 0})]))
     assert cfg.scheduler.from_profile == {"prompt_hold_max_ms",
                                           "max_prefill_tokens_while_decoding"}
     assert cfg.scheduler.max_num_batched_tokens == 1024

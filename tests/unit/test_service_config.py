@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from xllm_py.api.response_store import ResponseStoreLimits
-from xllm_py.utils.config_file import settings_args
+from xllm_py.utils.config_file import write_settings
 from xllm_service.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
 from xllm_service.__main__ import main
 from xllm_service.cli import build_parser, config_from_args
@@ -21,7 +21,7 @@ def test_defaults_match_the_flags_defaults():
 
 
 def test_flags_and_file_settings_reach_their_sub_configs(tmp_path):
-    settings = settings_args(tmp_path / "s.yaml", {
+    settings = write_settings(tmp_path / "s.yaml", {
         "max_model_len": 512, "evict_grace_s": 0.5, "rpc_timeout": 7, "request_idle_timeout": 9,
         "disagg_decision": "always", "local_prefill_max_tokens": 64, "pd_overhead_ms": 5,
         "responses_max": 3, "responses_ttl_s": 60, "max_body_bytes": 1024, "retry_after": 2,
@@ -61,5 +61,5 @@ def test_invalid_values_raise(make):
 
 def test_a_bad_value_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["--etcd", "e:1", *settings_args(tmp_path / "s.yaml", {"rpc_timeout": 0})])
+        main(["--etcd", "e:1", *write_settings(tmp_path / "s.yaml", {"rpc_timeout": 0})])
     assert e.value.code == 2 and "rpc_timeout_s must be > 0" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from xllm_py.kv_transfer.factory import create_backend
 from xllm_py.sim.runner import SimulatedRunner, next_token
 from xllm_py.sim.storage import SimKVStorage
 from xllm_py.sim.time_model import StepShape, TimeModel, attn_pairs, fit
+from xllm_py.utils.config_file import write_settings
 
 MODEL = TimeModel(prefill_base_ms=2.0, prefill_ms_per_token=0.1, decode_base_ms=1.0,
                   decode_ms_per_seq=0.5, decode_ms_per_ctx_token=0.001)
@@ -207,20 +208,21 @@ def test_host_gives_each_instance_its_name_and_port(profile) -> None:
 
 # --------------------------------------------------------------------------- engine
 
-def test_simulated_engine_runs_requests_without_torch(tiny_dir, profile) -> None:
+def test_simulated_engine_runs_requests_without_torch(tiny_dir, profile, tmp_path) -> None:
     """A fresh interpreter: the engine process's modules (server, cluster node, API, sim
     host) and a SimulatedEngine serving requests, and torch never imported."""
+    settings = write_settings(tmp_path / "settings.yaml", {"simulate": profile})
     code = textwrap.dedent(f"""
         import json, queue, sys
         import xllm_py.engine.server, xllm_py.engine.cluster_node, xllm_py.api.app
-        import xllm_py.kv_transfer.worker_node, xllm_py.sim.host, xllm_py.sim.transfer
+        import xllm_py.parallel.kv_workers, xllm_py.sim.host, xllm_py.sim.transfer
         from xllm_py.engine.cli import build_parser, config_from_args
         from xllm_py.engine.llm_engine import EngineRequest
-        from xllm_py.engine.server import create_engine
+        from xllm_py.sim.engine import SimulatedEngine
         from xllm_py.sampling_params import SamplingParams
         cfg = config_from_args(build_parser().parse_args(
-            ["--simulate", {profile!r}, "--model", {tiny_dir!r}, "--num-blocks", "64"]))
-        engine = create_engine(cfg)
+            [*{settings!r}, "--model", {tiny_dir!r}, "--num-blocks", "64"]))
+        engine = SimulatedEngine(cfg)
         engine.start()
         q = queue.Queue()
         class Sink:
@@ -250,3 +252,26 @@ def test_simulated_engine_runs_requests_without_torch(tiny_dir, profile) -> None
     assert tokens["r0"] == tokens["r1"] != tokens["r2"]  # deterministic, prompt-dependent
     assert stats["sim_kv_misses"] == 0 and stats["kv_blocks_used"] == 0
     assert stats["prefix_hit_tokens"] >= 32  # r1 reused r0's two full blocks
+
+
+def test_step_timer_times_forward_and_sampling_once_on() -> None:
+    """sim.profile's StepTimer: the runner and sampler an engine is built from, timed
+    (forward + sampling of each step, its shape) only once turned on."""
+    import types
+
+    from xllm_py.engine.model_setup import LoadedModel
+    from xllm_py.engine.scheduler_types import ScheduledSeq
+    from xllm_py.sim.profile import StepTimer
+
+    runner = types.SimpleNamespace(execute_step=lambda seqs: "logits")
+    loaded = LoadedModel("m", None, None, None, runner, lambda *a: ("sampled", a), 2)
+    timer = StepTimer()
+    timed = timer.timed(loaded)
+    seqs = [ScheduledSeq("a", [1, 2, 3], 0, [1], True)]
+    assert timed.runner.execute_step(seqs) == "logits" and timer.steps == []  # off
+    timer.on = True
+    assert timed.runner.execute_step(seqs) == "logits"
+    assert timed.sampler("x", "rows", "masks") == ("sampled", ("x", "rows", "masks"))
+    assert [s.shape for s in timer.steps] == [StepShape.of(seqs)]
+    assert timer.steps[0].cpu_ms >= 0 and timer.steps[0].wall_ms > 0
+    assert loaded.runner is runner  # (the loaded model itself is left as it was)

@@ -221,10 +221,12 @@ def test_prometheus_counters_per_method():
     spec = Speculator(K4)
     spec.settle(_req("a", REPEATING), 4, 3, _FakeKV())  # 4 guessed, 2 kept
     samples = {}
-    for engine in (SimpleNamespace(stats=dict, speculator=spec), SimpleNamespace(stats=dict)):
+    scheduler = SimpleNamespace(kv=SimpleNamespace(held_blocks=dict))
+    for engine in (SimpleNamespace(stats=dict, scheduler=scheduler, speculator=spec),
+                   SimpleNamespace(stats=dict, scheduler=scheduler, speculator=None)):
         registry = CollectorRegistry()
         registry.register(EngineStatsCollector(engine))
-        samples[hasattr(engine, "speculator")] = {
+        samples[engine.speculator is not None] = {
             (s.name, tuple(s.labels.items())): s.value
             for f in text_string_to_metric_families(generate_latest(registry).decode())
             for s in f.samples}
@@ -235,15 +237,20 @@ def test_prometheus_counters_per_method():
     assert not any(name.startswith("xllm_spec") for name, _ in samples[False])
 
 
-def test_engine_cli_takes_the_speculative_config():
+def test_engine_settings_take_the_speculative_config(tmp_path):
     from xllm_py.engine.cli import build_parser, config_from_args
+    from xllm_py.utils.config_file import write_settings
+
+    def parse(value):
+        return build_parser().parse_args(
+            write_settings(tmp_path / "s.yaml", {"speculative_config": value}))
 
     assert config_from_args(build_parser().parse_args([])).speculative is None
-    off = build_parser().parse_args(["--speculative-config", "off"])
-    assert config_from_args(off).speculative is None
-    on = build_parser().parse_args(["--speculative-config", '{"method": "ngram", '
-                                    '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '
-                                    '"prompt_lookup_min": 2}'])
+    assert config_from_args(parse("off")).speculative is None
+    on = parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+               '"prompt_lookup_min": 2}')
     assert config_from_args(on).speculative == SpeculativeConfig(num_speculative_tokens=3)
+    mapping = parse({"method": "ngram", "num_speculative_tokens": 3})  # (YAML's own spelling)
+    assert config_from_args(mapping).speculative == SpeculativeConfig(num_speculative_tokens=3)
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--speculative-config", '{"method": "eagle"}'])
+        parse('{"method": "eagle"}')

@@ -1,5 +1,5 @@
-"""--step-trace: one line per engine step (what it carried, what it cost, the TPOT
-guard's answer) and the summary that says where a latency tail comes from."""
+"""step_trace (the settings file): one line per engine step (what it carried, what it
+cost, the TPOT guard's answer) and the summary that says where a latency tail comes from."""
 from __future__ import annotations
 
 import json
@@ -128,20 +128,22 @@ def test_a_simulated_engine_traces_every_step(tmp_path):
     stream's decode steps beside a second prompt that the TPOT guard is asked about."""
     from xllm_py.engine.cli import build_parser, config_from_args
     from xllm_py.engine.llm_engine import EngineRequest
-    from xllm_py.engine.server import create_engine
+    from xllm_py.sim.engine import SimulatedEngine
     from xllm_py.model.tiny import ensure_tiny_model
     from xllm_py.sampling_params import SamplingParams
+    from xllm_py.utils.config_file import write_settings
 
     profile = tmp_path / "profile.json"
     TimeModel(prefill_base_ms=1.0, prefill_ms_per_token=0.02, decode_base_ms=1.0,
               decode_ms_per_seq=0.2, decode_ms_per_ctx_token=0.0).save(profile)
     trace = tmp_path / "steps.jsonl"
+    settings = write_settings(tmp_path / "settings.yaml", {
+        "simulate": str(profile), "batch_window_ms": 0, "prompt_tpot_target_ms": 50,
+        "step_trace": str(trace)})
     cfg = config_from_args(build_parser().parse_args(
-        ["--simulate", str(profile), "--model", str(ensure_tiny_model("tiny")),
-         "--num-blocks", "64", "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
-         "--batch-window-ms", "0",
-         "--prompt-tpot-target-ms", "50", "--step-trace", str(trace)]))
-    engine = create_engine(cfg)
+        [*settings, "--model", str(ensure_tiny_model("tiny")),
+         "--num-blocks", "64", "--max-num-batched-tokens", "16", "--max-num-seqs", "4"]))
+    engine = SimulatedEngine(cfg)
     engine.start()
     q: queue.Queue = queue.Queue()
 

@@ -1,10 +1,10 @@
-"""Head and column ranges of tensor-parallel ranks (xllm_py/parallel/sharding.py)."""
+"""Head and column ranges of tensor-parallel ranks (xllm_py/model/sharding.py)."""
 from __future__ import annotations
 
 import pytest
 
 from xllm_py.model.config import ModelConfig
-from xllm_py.parallel.sharding import kv_head_range, shard_config, shard_for, tp_error
+from xllm_py.model.sharding import kv_head_range, shard_config, shard_for, tp_error
 
 
 def _config(heads: int = 8, kv: int = 4, inter: int = 64) -> ModelConfig:
@@ -59,7 +59,7 @@ def test_rank_out_of_range():
 
 
 def test_rank_moves_of_each_pd_pair():
-    from xllm_py.parallel.tp_peers import RankMove, rank_moves
+    from xllm_py.parallel.instance_peers import RankMove, rank_moves
 
     assert rank_moves(4, 2, 2) == [RankMove(0, 0, None), RankMove(1, 1, None)]
     assert rank_moves(4, 2, 1) == [RankMove(0, 0, (0, 0, 2)), RankMove(1, 0, (0, 2, 2))]

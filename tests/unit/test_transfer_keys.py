@@ -9,7 +9,8 @@ import torch
 
 from xllm_py.config import TransferConfig
 from xllm_py.kv_transfer import TransferError, create_backend
-from xllm_py.kv_transfer.worker_service import KVWorker, WorkerServicer, create_worker_server
+from xllm_py.kv_transfer.kv_worker import KVWorker
+from xllm_py.rpc.worker_service import WorkerServicer, create_worker_server
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
 from tests.unit.test_transfer_backends import BACKENDS, make_storage
 

@@ -22,7 +22,7 @@ from xllm_py.engine.kv_connector import (AdmitRemote, Drop, Event, OfflineRoom, 
                                          RecvFailed, SendDone)
 from xllm_py.engine.output_processor import child_id
 from xllm_py.engine.scheduler_types import RemoteAllocation
-from xllm_py.rpc.status import Status
+from xllm_py.status import Status
 
 if TYPE_CHECKING:
     from xllm_py.engine.engine_request import EngineRequest

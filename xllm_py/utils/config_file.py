@@ -9,6 +9,7 @@ The command line wins over the file.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 
@@ -97,7 +98,9 @@ class SettingsParser(argparse.ArgumentParser):
         items = value if isinstance(value, list) else [value]
         converted = []
         for item in items:
-            text = str(item).lower() if isinstance(item, bool) else str(item)
+            # (a mapping, as JSON: the spelling of a flag that takes a JSON object)
+            text = (str(item).lower() if isinstance(item, bool)
+                    else json.dumps(item) if isinstance(item, dict) else str(item))
             try:
                 item = action.type(text) if action.type else text
             except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
@@ -109,6 +112,12 @@ class SettingsParser(argparse.ArgumentParser):
         return converted if isinstance(value, list) else converted[0]
 
 
+def write_settings(path: str | pathlib.Path, settings: dict[str, object]) -> list[str]:
+    """`settings` (key: value) as a settings file at `path`; returns the flags that pass it."""
+    pathlib.Path(path).write_text(yaml.safe_dump(dict(settings), sort_keys=False))
+    return ["--config", str(path)]
+
+
 def _config_path(argv: list[str]) -> str | None:
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
@@ -116,12 +125,3 @@ def _config_path(argv: list[str]) -> str | None:
         if arg.startswith("--config="):
             return arg.split("=", 1)[1]
     return None
-
-
-def settings_args(path: str | pathlib.Path, values: dict[str, object]) -> list[str]:
-    """Write `values` (setting: value) to the settings file `path`; the arguments that
-    pass it to a command (none when there are no values)."""
-    if not values:
-        return []
-    pathlib.Path(path).write_text(yaml.safe_dump(dict(values), sort_keys=True))
-    return ["--config", str(path)]

@@ -41,7 +41,7 @@ from xllm_py.engine.pd.phases import DecodePhase, DecodeRequest
 from xllm_py.request import RequestStatus
 from xllm_py.rpc import pd as wire
 from xllm_py.rpc.convert import EngineRequestSpec
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 logger = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ from xllm_py.engine.pd.phases import PrefillPhase, PrefillRequest
 from xllm_py.request import RequestStatus
 from xllm_py.outputs import RequestOutput, TokenLogprob
 from xllm_py.rpc.convert import EngineRequestSpec
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
   prefill.py  PrefillSide: queue, dispatch to a decode, prefill, hand-over (PREFILL role)
   decode.py   DecodeSide: allocate, take over, pull, reap orphans (DECODE role)
   offline_pull.py  OfflinePuller: a decode with room pulls offline work (SendPullSignal)
-  peers.py    PDPeers: every RPC made to another process (rpc/pd_peers.GrpcPeers in a cluster)
+  peers.py    PDPeers: every RPC made to another process (parallel/instance_peers.InstancePeers in a cluster)
   metrics.py  PDMetrics (prometheus_client)
 Lifecycle: constructed in ClusterNode once our meta is known -> start() (prefill: the
 dispatch and prelink loops; decode: the orphan reaper and the offline puller) -> the DisaggPDService servicer
@@ -34,7 +34,7 @@ from xllm_py.engine.pd.offline_pull import OfflinePuller, PrefillLister
 from xllm_py.engine.pd.peers import PDPeers
 from xllm_py.engine.pd.prefill import PrefillSide
 from xllm_py.rpc.convert import EngineRequestSpec
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 
 class DisaggPDScheduler:

@@ -25,7 +25,7 @@ from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc import pd as wire
 from xllm_py.rpc.convert import spec_from_proto
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 logger = logging.getLogger(__name__)
 

@@ -1,22 +1,18 @@
-"""KVWorker (domain) and WorkerServicer (thin gRPC layer) of one worker process.
+"""KVWorker: one worker's KV pool and transfer backend, what xLLM's WorkerService does
+(its gRPC servicer: rpc/worker_service.py; the PD code calls it in this process through
+in_process.py).
 
-RPCs (xLLM WorkerService):
-- PullKVCache(cluster_id, addr, src_blocks, dst_blocks, req_id): this worker pulls the
-  peer's ``src_blocks`` (peer at ``addr``) into its own ``dst_blocks``; with ``num_heads``
-  only that KV head slice (peers of different TP, kv_transfer/head_slices.py).
-- PushKVCache: this worker sends its ``src_blocks`` into the peer's ``dst_blocks``.
-- LinkCluster(cluster_ids, addrs, meta): refuse an incompatible peer (FAILED_PRECONDITION,
-  the message names every difference), then connect to each address showing the peer's
-  transfer key (meta.transfer_keys; base.py: an owner refuses a hello without its key).
-- UnlinkCluster, GetCacheInfo.
-- GetTransferMetrics: this worker's transfer counters (rank 0 of a TP instance renders
-  every rank's on its /metrics, parallel/rank_metrics.py).
+- pull_kv_blocks(addr, src_blocks, dst_blocks): pull the peer's ``src_blocks`` (peer at
+  ``addr``) into our own ``dst_blocks``; with ``heads`` only that KV head slice (peers of
+  different TP, head_slices.py). push_kv_blocks: send ours into the peer's.
+- link_cluster(cluster_ids, addrs, peer_meta, keys): refuse an incompatible peer
+  (IncompatiblePeerError, naming every difference), then connect to each address showing
+  the peer's transfer key (base.py: an owner refuses a hello without its key).
+- unlink_cluster, cache_info; ``metrics``: this worker's transfer counters.
 
-Status mapping: bad arguments (length mismatch, out-of-range ids on either side) ->
-INVALID_ARGUMENT; timeout -> DEADLINE_EXCEEDED; refused for want of the peer's transfer
-key -> PERMISSION_DENIED; any other transfer failure -> UNAVAILABLE.
-Success -> Status(ok=True, code=200). Each transfer logs one INFO line (req id, blocks,
-bytes, ms) and updates ``KVTransferMetrics``.
+Each transfer logs one INFO line (req id, blocks, bytes, ms) and updates
+``KVTransferMetrics``. ``PeerMeta`` is the part of a peer's InstanceMeta that decides
+whether the two pools can exchange blocks.
 """
 from __future__ import annotations
 
@@ -24,17 +20,14 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-
-import grpc
+from typing import Any, Protocol
 
 from xllm_py.kv_transfer.base import KVTransferBackend, TransferError, TransferResult
 from xllm_py.kv_transfer.head_slices import Heads
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.metrics import KVTransferMetrics
 from xllm_py.kv_compat import kv_compat_differences
-from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
-from xllm_py.rpc import worker as wire
-from xllm_py.utils.grpc_server import start_grpc_server
+from xllm_py.pd_messages import KVMove, PeerLink
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +47,12 @@ class PeerMeta:
     num_layers: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
+
+    @classmethod
+    def of(cls, meta: Any) -> "PeerMeta":
+        """The fields of anything that has them by these names: an InstanceMeta, or the
+        proto InstanceMetaInfo (rpc/worker.py)."""
+        return cls(**{f.name: getattr(meta, f.name) for f in dataclasses.fields(cls)})
 
 
 def compatibility_errors(ours: PeerMeta, theirs: PeerMeta) -> list[str]:
@@ -168,96 +167,20 @@ class KVWorker:
         return result
 
 
-async def _abort_for(context: grpc.aio.ServicerContext, e: Exception) -> None:
-    if isinstance(e, IncompatiblePeerError):
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-    if isinstance(e, ValueError):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    if isinstance(e, TransferError):
-        if e.invalid_argument:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if e.timeout:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-        if e.denied:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-    raise e
+class KVWorkerClient(Protocol):
+    """How the PD code reaches one of its instance's KV workers: in this process
+    (in_process.InProcessWorker) or over its WorkerService (rpc/pd_peers.GrpcWorkerClient).
+    Same outcomes either way: a failed move raises StatusError(BAD_GATEWAY, "KV <op>
+    failed: ..."), an incompatible peer at link time FAILED_PRECONDITION, any other link
+    failure UNAVAILABLE."""
 
+    async def pull_kv(self, move: KVMove, heads: Heads | None = None) -> None:
+        """PullKVCache: the peer's ``move.src_blocks`` into ours (``heads``: that slice)."""
 
-class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
-    """Thin: proto -> KVWorker call -> Status / gRPC status code."""
+    async def push_kv(self, move: KVMove, heads: Heads | None = None) -> None:
+        """PushKVCache: our ``move.src_blocks`` into the peer's."""
 
-    def __init__(self, worker: KVWorker, timeout_s: float | None = None) -> None:
-        self.worker = worker
-        self.timeout_s = timeout_s
+    async def link_cluster(self, link: PeerLink) -> None:
+        """LinkCluster: link the peer's workers (refusing an incompatible one)."""
 
-    def _timeout(self, context: grpc.aio.ServicerContext) -> float | None:
-        remaining = context.time_remaining()
-        if remaining is None:
-            return self.timeout_s
-        return min(remaining, self.timeout_s) if self.timeout_s else remaining
-
-    def _check_move(self, request) -> None:
-        """A move larger than the whole pool is refused before anything is touched (the
-        block ids themselves are checked by the backend: ours here, the peer's there)."""
-        num_blocks = self.worker.storage.meta.num_blocks
-        n = max(len(request.src_blocks), len(request.dst_blocks))
-        if n > num_blocks:
-            raise ValueError(f"{n} blocks in one move; the pool has {num_blocks}")
-
-    async def PullKVCache(self, request: xllm_pb2.PullKVCacheRequest,
-                          context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
-        t = wire.transfer_from_proto(request)
-        try:
-            self._check_move(t)
-            await self.worker.pull_kv_blocks(t.addr, t.src_blocks, t.dst_blocks,
-                                             t.req_id, self._timeout(context),
-                                             t.transfer_key, t.heads)
-        except (ValueError, TransferError) as e:
-            await _abort_for(context, e)
-        return wire.ok_to_proto()
-
-    async def PushKVCache(self, request: xllm_pb2.PushKVCacheRequest,
-                          context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
-        t = wire.transfer_from_proto(request)
-        try:
-            self._check_move(t)
-            await self.worker.push_kv_blocks(t.addr, t.src_blocks, t.dst_blocks,
-                                             t.req_id, self._timeout(context),
-                                             t.transfer_key, t.heads)
-        except (ValueError, TransferError) as e:
-            await _abort_for(context, e)
-        return wire.ok_to_proto()
-
-    async def LinkCluster(self, request: xllm_pb2.ClusterLink,
-                          context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
-        link = wire.link_from_proto(request)
-        try:
-            await self.worker.link_cluster(link.cluster_ids, link.addrs, link.peer_meta,
-                                           self._timeout(context), link.keys)
-        except (ValueError, TransferError) as e:
-            await _abort_for(context, e)
-        return wire.ok_to_proto()
-
-    async def UnlinkCluster(self, request: xllm_pb2.ClusterLink,
-                            context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
-        link = wire.link_from_proto(request)
-        await self.worker.unlink_cluster(link.cluster_ids, link.addrs)
-        return wire.ok_to_proto()
-
-    async def GetCacheInfo(self, request: xllm_pb2.Empty,
-                           context: grpc.aio.ServicerContext) -> xllm_pb2.CacheInfo:
-        return wire.cache_info_to_proto(self.worker.cache_info())
-
-    async def GetTransferMetrics(self, request: xllm_pb2.Empty,
-                                 context: grpc.aio.ServicerContext) -> xllm_pb2.TransferMetrics:
-        return wire.transfer_metrics_to_proto(self.worker.metrics.snapshot())
-
-
-async def create_worker_server(servicer: WorkerServicer, host: str = "127.0.0.1", port: int = 0,
-                               credentials: grpc.ServerCredentials | None = None,
-                               ) -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server with the WorkerService (mutual TLS with `credentials`);
-    returns (server, bound port)."""
-    return await start_grpc_server(xllm_pb2_grpc.add_WorkerServiceServicer_to_server, servicer,
-                                   host, port, "the worker service", credentials=credentials)
+    async def close(self) -> None: ...
