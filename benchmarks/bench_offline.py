@@ -186,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         # PD always: every prompt on the prefill, every offline one pulled by the decode
         svc = spawn("service", "xllm_service", ["--model", "tiny", "--etcd", etcd.endpoint,
                                                 "--http-port", str(hp), "--rpc-port", str(rp),
-                                                "--load-balance-policy", "LEAST_LOAD",
-                                                "--disagg-decision", "ALWAYS", *ttl,
-                                                "--evict-grace-s", "10"], logs,
+                                                "--load-balance-policy", "LEAST_LOAD", *ttl,
+                                                *write_settings(logs / "service.yaml",
+                                                                {"evict_grace_s": 10})], logs,
                     http_url=f"http://127.0.0.1:{hp}", cpu=None if args.no_pin else 0)
         procs.append(svc)
         engines = {}

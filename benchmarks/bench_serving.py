@@ -109,8 +109,7 @@ def _launch_args(args: argparse.Namespace, shape: list[str], log_dir: pathlib.Pa
 # start-up, targets derived from them: issue 31); "pd": every prompt on the prefill.
 SETUPS: dict[str, tuple[str, list[str]]] = {
     "pd": ("PD always", ["--prefill", "1", "--decode", "1",
-                         "--service-arg=--load-balance-policy=LEAST_LOAD",
-                         "--service-arg=--disagg-decision=ALWAYS"]),
+                         "--service-arg=--load-balance-policy=LEAST_LOAD"]),
     "mix": ("MIX x2", ["--mix", "2"]),
     "default": ("PD default", ["--prefill", "1", "--decode", "1"]),
 }

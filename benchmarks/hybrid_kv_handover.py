@@ -96,8 +96,9 @@ def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
         svc = spawn(f"service-{tag}", "xllm_service", [
             "--model", str(model_dir), "--etcd", etcd, "--etcd-namespace", f"{tag}/",
             "--http-port", str(hp), "--rpc-port", str(rp), "--load-balance-policy",
-            "LEAST_LOAD", "--disagg-decision", "ALWAYS", "--etcd-ttl", "15",
-            "--evict-grace-s", "10"], logs, http_url=f"http://127.0.0.1:{hp}")
+            "LEAST_LOAD", "--etcd-ttl", "15",
+            *write_settings(logs / f"service-{tag}.yaml", {"evict_grace_s": 10})],
+            logs, http_url=f"http://127.0.0.1:{hp}")
         procs.append(svc)
         engines = {}
         for role in ("PREFILL", "DECODE"):

@@ -24,14 +24,18 @@ class Harness:
         self.procs: list[ChildProcess] = []
 
     def service(self, name: str = "service", evict_grace_s: float = 2.0,
-                extra: list[str] | None = None, pd_always: bool = True) -> ChildProcess:
+                extra: list[str] | None = None, pd_always: bool = True,
+                settings: dict[str, object] | None = None) -> ChildProcess:
         """`pd_always`: LEAST_LOAD, every prompt on a prefill (the tests of the PD
-        machinery; a policy in `extra` wins); False: the service's own defaults."""
+        machinery; a policy in `extra` wins); False: the service's own defaults.
+        `settings`: more of its --config FILE (evict_grace_s is there already)."""
         http, rpc = free_port(), free_port()
+        config = write_settings(self.log_dir / f"{name}.settings.yaml",
+                                {"evict_grace_s": evict_grace_s, **(settings or {})})
         proc = spawn(name, "xllm_service",
                      ["--model", "tiny", "--etcd", self.etcd, "--etcd-namespace", self.namespace,
                       "--etcd-ttl", str(self.ttl_s), "--http-port", str(http),
-                      "--rpc-port", str(rpc), "--evict-grace-s", str(evict_grace_s),
+                      "--rpc-port", str(rpc), *config,
                       *(["--load-balance-policy", "LEAST_LOAD"] if pd_always else []),
                       *(extra or [])],
                      self.log_dir, http_url=f"http://127.0.0.1:{http}")
@@ -59,10 +63,12 @@ class Harness:
         return proc
 
     def pd_tp_cluster(self, common: list[str], p_tp: int, d_tp: int,
-                      service_extra: list[str] | None = None):
-        """A service (flags `service_extra`) with one PREFILL of TP `p_tp` and one DECODE of
-        TP `d_tp` (engine flags `common`), all ready: (service, prefill, decode)."""
-        svc = self.service(extra=service_extra)
+                      service_extra: list[str] | None = None,
+                      service_settings: dict[str, object] | None = None):
+        """A service (flags `service_extra`, settings `service_settings`) with one PREFILL of
+        TP `p_tp` and one DECODE of TP `d_tp` (engine flags `common`), all ready: (service,
+        prefill, decode)."""
+        svc = self.service(extra=service_extra, settings=service_settings)
         prefill = self.engine("PREFILL", "prefill", extra=[*common, "--tp", str(p_tp)])
         decode = self.engine("DECODE", "decode", extra=[*common, "--tp", str(d_tp)])
         for p in (prefill, decode):

@@ -62,8 +62,10 @@ class NetCluster:
         self.procs["service"] = lab.spawn(
             "ctl", "service", "xllm_service",
             ["--etcd", self.etcd, "--host", self.ctl, "--http-port", str(HTTP_PORT),
-             "--rpc-port", "8001", "--model", MODEL, "--etcd-ttl", str(TTL_S), "--evict-grace-s", str(GRACE_S),
-             "--rpc-timeout", "3", "--load-balance-policy", "LEAST_LOAD"],  # (PD always)
+             "--rpc-port", "8001", "--model", MODEL, "--etcd-ttl", str(TTL_S),
+             *write_settings(pathlib.Path(log_dir) / "service.settings.yaml",
+                             {"evict_grace_s": GRACE_S, "rpc_timeout": 3}),
+             "--load-balance-policy", "LEAST_LOAD"],  # (PD always)
             log_dir, http_url=self.svc_url)
         self.start_engine("p0")
         for d in self.decodes:

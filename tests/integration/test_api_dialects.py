@@ -51,7 +51,8 @@ def target(request, etcd_server, tmp_path_factory):
         return
     h = Harness(etcd_server.endpoint, "resp-msg/", logs)
     try:
-        svc, prefill, decode = h.pd_tp_cluster(common, 1, 1, service_extra=trust)
+        svc, prefill, decode = h.pd_tp_cluster(
+            common, 1, 1, service_settings={"trust_request_chat_template": True})
         yield svc, [prefill.http_url, decode.http_url]
     finally:
         h.stop()

@@ -40,9 +40,9 @@ def cluster(etcd_server, tmp_path_factory):
     try:
         # Lax targets: the path follows the prompt's uncached length alone (a large PD
         # overhead: a short prompt never answers first through an idle prefill).
-        svc = h.service(extra=["--load-balance-policy", "SLO_AWARE", "--local-prefill-max-tokens",
-                               str(LOCAL_MAX), "--ttft-slo-ms", "100000", "--tpot-slo-ms",
-                               "100000", "--pd-overhead-ms", "1000"])
+        svc = h.service(extra=["--load-balance-policy", "SLO_AWARE", "--ttft-slo-ms", "100000",
+                               "--tpot-slo-ms", "100000"],
+                        settings={"local_prefill_max_tokens": LOCAL_MAX, "pd_overhead_ms": 1000})
         with_profile = {"latency_profile": str(profile)}
         prefill = h.engine("PREFILL", "prefill", extra=common, settings=with_profile)
         # (no TPOT guard: the test profile is not this engine's cost, a guard derived

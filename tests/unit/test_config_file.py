@@ -2,7 +2,7 @@
 import pytest
 
 from xllm_py.utils.cli import parse_bool
-from xllm_py.utils.config_file import SettingsParser
+from xllm_py.utils.config_file import SettingsParser, write_settings
 
 
 def _parser() -> SettingsParser:
@@ -57,3 +57,17 @@ def test_help_lists_flags_and_then_the_file_settings():
     text = _parser().format_help()
     assert "--max-num-seqs" in text and "--batch-window-ms" not in text
     assert "batch_window_ms: wait for arrivals (default: 2.0)" in text
+
+
+def test_a_flag_moved_to_the_file_reads_from_it_only(tmp_path, capsys):
+    p = _parser()
+    p.move_to_file("--max-num-seqs")
+    text = p.format_help()
+    flags, file_only = text.split("settings of --config FILE only")
+    assert "--max-num-seqs" not in flags and "max_num_seqs:  (default: 64)" in file_only
+    args = write_settings(tmp_path / "s.yaml", {"max_num_seqs": 8, "pack": False})
+    a = p.parse_args(args)
+    assert (a.max_num_seqs, a.pack) == (8, False)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--max-num-seqs", "3"])
+    assert "max_num_seqs: VALUE" in capsys.readouterr().err

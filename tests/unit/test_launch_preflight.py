@@ -72,6 +72,18 @@ def test_bad_engine_and_service_flags_found_by_their_own_parsers(capsys, tmp_pat
     assert "service flags (--service-arg)" in err and "invalid choice: 'FOO'" in err
 
 
+def test_service_settings_pass_through_as_its_config_file(capsys, tmp_path):
+    settings = tmp_path / "service.yaml"
+    settings.write_text("evict_grace_s: 5\ndisagg_decision: ALWAYS\n")
+    args = build_parser().parse_args(["--http-port", "0", f"--service-arg=--config={settings}"])
+    assert launch.preflight(args) is None
+    err = _refused(capsys, tmp_path, "--service-arg=--evict-grace-s=5")
+    assert "service flags (--service-arg)" in err and "'evict_grace_s: VALUE'" in err
+    settings.write_text("evict_grace_s: soon\n")
+    err = _refused(capsys, tmp_path, f"--service-arg=--config={settings}")
+    assert "service flags (--service-arg)" in err and "evict_grace_s" in err
+
+
 def test_no_engines(capsys, tmp_path):
     assert "--prefill >= 1 and --decode >= 1" in _refused(capsys, tmp_path, "--decode", "0")
 

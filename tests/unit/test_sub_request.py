@@ -60,6 +60,18 @@ def test_documented_paths():
         assert s.finished
 
 
+@pytest.mark.parametrize("src", list(SubPhase))
+def test_advance_only_moves_forward_and_never_out_of_an_end(src):
+    for dst in SubPhase:
+        s = sub(phase=src)
+        if src.is_done or dst <= src:
+            s.advance(dst)
+            assert s.phase is src
+        elif dst in _ALLOWED[src]:
+            s.advance(dst)
+            assert s.phase is dst
+
+
 def test_repr_keeps_tokens_out():
     s = sub()
     s.generated = [123456]

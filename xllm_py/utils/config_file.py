@@ -36,6 +36,14 @@ class SettingsParser(argparse.ArgumentParser):
         action = self._actions[-1]
         self._file_only[action.dest] = (action, doc)
 
+    def move_to_file(self, *names: str) -> None:
+        """Flags already added (by a helper two commands share) that this command takes
+        from the file only: `names` are their flag spellings."""
+        for name in names:
+            action = self._option_string_actions[name]
+            self._file_only[action.dest] = (action, action.help or "")
+            action.help = argparse.SUPPRESS
+
     def format_help(self) -> str:
         text = super().format_help()
         if not self._file_only:
