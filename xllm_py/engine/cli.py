@@ -50,6 +50,11 @@ def build_parser() -> SettingsParser:
     add_flag(g, "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
              help="weights, activations and KV cache dtype")
     add_flag(g, "--device", default="cpu", help="cpu or cuda[:N]")
+    add_flag(g, "--seed", type=int, default=0, help="global seed of the unseeded sampler")
+    add_flag(g, "--speculative-config", type=SpeculativeConfig.parse, default=None,
+             help='speculative decoding of greedy requests, as vLLM spells it: \'{"method": "ngram", '
+                  '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+                  "(default off)")
     add_flag(g, "--tensor-parallel-size", "--tp", type=int, default=1,
              help="worker processes of this instance, each with its shard of the model "
                   "(heads and MLP columns) and of the KV cache (xLLM: the number of --devices)")
@@ -98,12 +103,13 @@ def build_parser() -> SettingsParser:
     add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_security_flags(p)
     _add_file_settings(p)
+    # The HTTP layer's rarer limits: set in the file, as the service's are.
+    p.move_to_file("--max-body-bytes", "--retry-after", "--trust-request-chat-template")
     return p
 
 
 def _add_file_settings(p: SettingsParser) -> None:
     s = p.add_file_setting
-    s("--seed", type=int, default=0, help="global seed of the unseeded sampler")
     s("--num-threads", type=int, default=None,
       help="torch compute threads (default: torch's, one per core the process may use)")
     s("--pack-weights", type=parse_bool, default=True,
@@ -123,10 +129,6 @@ def _add_file_settings(p: SettingsParser) -> None:
       help="prompt tokens beside decoding streams only while every stream's mean time per "
            "output token is predicted to stay within this (0: off; default off, a DECODE "
            "with a latency profile: derived from it)")
-    s("--speculative-config", type=SpeculativeConfig.parse, default=None,
-      help='speculative decoding of greedy requests, as vLLM spells it: \'{"method": "ngram", '
-           '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-           "(default off)")
     s("--kv-cache-memory-mb", type=int, default=None,
       help="memory of the KV pool per rank (default: derived, see --num-blocks)")
     s("--enable-prefix-cache", type=parse_bool, default=True,
