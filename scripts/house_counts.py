@@ -16,7 +16,7 @@ What it counts, and how:
   between two nodes of one circle (no order of the nodes makes them all go down).
 - Upward imports: file-level imports from a node to a node later in a strict package
   order (bottom first). The order is the ORDER tuple of --order FILE (default:
-  tests/unit/test_layers.py of the root) when that file defines one.
+  tests/unit/project/test_layers.py of the root) when that file defines one.
 - Flags: lines of `python -m X --help` that match ^\\s+-- (grep -cE '^\\s+--').
 - Lines of the largest function (def line to last line, decorators excluded) and of the
   largest hand-written module (generated proto stubs excluded).
@@ -198,7 +198,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=".", help="the tree to count (default: .)")
     parser.add_argument("--order", help="a file defining ORDER, the strict package order "
-                        "bottom first (default: tests/unit/test_layers.py of the root)")
+                        "bottom first (default: tests/unit/project/test_layers.py of the root)")
     parser.add_argument("--no-flags", action="store_true", help="skip the --help runs")
     args = parser.parse_args()
     root = pathlib.Path(args.root).resolve()
@@ -226,7 +226,7 @@ def main() -> None:
     for a, b, f, m in inside:
         print(f"  {a} -> {b}: {f} imports {m}")
 
-    order_file = pathlib.Path(args.order) if args.order else root / "tests/unit/test_layers.py"
+    order_file = pathlib.Path(args.order) if args.order else root / "tests/unit/project/test_layers.py"
     order = read_order(order_file)
     if order is None:
         print(f"upward imports: no strict package order (no ORDER in {order_file})")

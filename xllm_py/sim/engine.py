@@ -4,7 +4,7 @@ and with --etcd everything ClusterNode runs) over a time model instead of the mo
 Start-up (`load_simulated`: the LoadedModel the engine is built from): read the profile
 -> the model directory's config.json and tokenizer (no weights) -> size the block pool as
 the real engine would for that model (model_setup.kv_pool_bytes) -> SimKVStorage,
-SimulatedRunner, SimulatedSampler. Imports no torch (tests/unit/test_sim_engine.py checks
+SimulatedRunner, SimulatedSampler. Imports no torch (tests/unit/sim/test_sim_engine.py checks
 it).
 """
 from __future__ import annotations
