@@ -100,7 +100,7 @@ def test_speculation_is_exact_under_preemption(family, tmp_path, caplog):
     recomputed while the others speculate."""
     hf = build_hf_model(transformers, family, tmp_path)
     prompts = _prompts()
-    with caplog.at_level("INFO", logger="xllm_py.engine.scheduler"):
+    with caplog.at_level("INFO", logger="xllm_py.engine.scheduler_rules"):
         on, engine = _run(tmp_path, SPEC, prompts, 32, max_tokens=32)
     assert any("preempted" in r.getMessage() for r in caplog.records)
     assert engine.scheduler.kv.block_pool.num_used_blocks == 0
