@@ -1,0 +1,101 @@
+/* The LM head's argmax without its logits (included by cpu_kernels.c, AVX2/FMA builds).
+ *
+ * A greedy row needs only the index of its largest logit; writing the whole row (262,144
+ * floats for Gemma 3, 1 MB) and reading it back to find that index is a pass over memory
+ * per row. Here each panel's 16 x M products come from panel_acc (the sums linear_panels
+ * stores, bit for bit, bias added the same way) and are reduced at once into a running
+ * (max, index) per row and thread; the threads' results are merged in panel order. Ties go
+ * to the first index and a NaN wins over any number (the first NaN), as torch.argmax. */
+
+/* (v, i) replaces (best, at): v larger, or v the first NaN (NaN compares false). */
+static inline int argmax_takes(float v, float best) {
+    return v > best || (v != v && best == best);
+}
+
+/* ids [M] = argmax over n of (x [M, K] @ W^T + b)[m, n], W as panels (linear_panels'
+ * kinds: float32, bfloat16 with ``bf16``, int8 with scales S). -1: unsupported sizes or no
+ * memory. */
+static int head_argmax(const float *x, const void *P, const float *S, const float *b,
+                       int64_t *ids, int32_t M, int32_t N, int32_t K, int bf16) {
+    if (M <= 0 || M > XLLM_PANEL_MAX_ROWS || K <= 0 || N <= 0 || (S != NULL && K % 32))
+        return -1;
+    const size_t need = panel_pack_floats(M, K);
+    float *xt = need ? panel_pack_buffer(need) : NULL;
+    if (need && xt == NULL)
+        return -1;
+    const int nt = omp_get_max_threads();
+    float *tv = malloc(sizeof(float) * (size_t)nt * M);
+    int64_t *ti = malloc(sizeof(int64_t) * (size_t)nt * M);
+    if (tv == NULL || ti == NULL) {
+        free(tv);
+        free(ti);
+        return -1;
+    }
+    for (int64_t j = 0; j < (int64_t)nt * M; j++) {
+        tv[j] = -INFINITY;
+        ti[j] = -1;
+    }
+    const int32_t np = (N + 15) / 16;
+    int used = 1;
+#pragma omp parallel
+    {
+        if (M > 1)
+            panel_pack_x(x, M, K, xt);
+        const int t = omp_get_thread_num();
+#pragma omp single
+        used = omp_get_num_threads();
+        float *bv = tv + (int64_t)t * M;
+        int64_t *bi = ti + (int64_t)t * M;
+        /* static: each thread one run of panels, the threads in panel order (the merge) */
+#pragma omp for schedule(static)
+        for (int32_t p = 0; p < np; p++) {
+            const int32_t n0 = p * 16, nv = N - n0 < 16 ? N - n0 : 16;
+            float acc[XLLM_PANEL_MAX_ROWS + XLLM_TILE_ROWS][16];
+            panel_acc(x, xt, P, S, bf16, p, M, K, acc);
+            for (int32_t m = 0; m < M; m++) {
+                float best = bv[m];
+                int64_t at = bi[m];
+                for (int32_t c = 0; c < nv; c++) {
+                    const float v = b != NULL ? acc[m][c] + b[n0 + c] : acc[m][c];
+                    if (at < 0 || argmax_takes(v, best)) {
+                        best = v;
+                        at = n0 + c;
+                    }
+                }
+                bv[m] = best;
+                bi[m] = at;
+            }
+        }
+    }
+    for (int32_t m = 0; m < M; m++) {
+        float best = -INFINITY;
+        int64_t at = -1;
+        for (int t = 0; t < used && t < nt; t++) {
+            const int64_t i = ti[(int64_t)t * M + m];
+            const float v = tv[(int64_t)t * M + m];
+            if (i >= 0 && (at < 0 || argmax_takes(v, best))) {
+                best = v;
+                at = i;
+            }
+        }
+        ids[m] = at;
+    }
+    free(tv);
+    free(ti);
+    return 0;
+}
+
+int xllm_head_argmax_f32(const float *x, const float *P, const float *b, int64_t *ids,
+                         int32_t M, int32_t N, int32_t K) {
+    return head_argmax(x, P, NULL, b, ids, M, N, K, 0);
+}
+
+int xllm_head_argmax_bf16(const float *x, const uint16_t *P, const float *b, int64_t *ids,
+                          int32_t M, int32_t N, int32_t K) {
+    return head_argmax(x, P, NULL, b, ids, M, N, K, 1);
+}
+
+int xllm_head_argmax_i8(const float *x, const int8_t *P, const float *S, const float *b,
+                        int64_t *ids, int32_t M, int32_t N, int32_t K) {
+    return head_argmax(x, P, S, b, ids, M, N, K, 0);
+}
