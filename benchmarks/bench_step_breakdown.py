@@ -4,7 +4,8 @@ one long prompt chunk, and one step that prefills many short arriving prompts.
     python benchmarks/bench_step_breakdown.py [--model gemma-3-270m] [--batch 1 32]
                                               [--context 192] [--steps 12] [--chunk 2048]
                                               [--arrivals 32] [--prompt 128] [--rounds 3]
-                                              [--sampled 0.5] [--threads N] [--json]
+                                              [--sampled 0.5] [--no-compare] [--threads N]
+                                              [--json]
 
 Loads the model once as an engine does (``load_model`` + ``pack_linears``, the default
 weight dtype). Decode: prefills ``--batch`` sequences of ``--context`` random tokens, then
@@ -17,7 +18,11 @@ same steps (a wrapper around each call): the linear layers of the blocks (and ho
 their bytes a decode step streams), attention, the LM head, norms/RoPE/the rest of the model
 (the model's time less those), and the sampler (the engine's ``Sampler``), against the
 step's wall time. The parts are shares of one measured total, so a shared machine's load
-moves the milliseconds but much less the shares; quote the ``load`` line.
+moves the milliseconds but much less the shares; quote the ``load`` line. Unless
+``--no-compare``, every step runs twice, in alternating order: as the engine runs it (the
+head left to the sampler: a greedy row's argmax inside it; the native draw) and "before"
+(every sampled row's logits, torch's draw), so the ratio of the two is under the same
+load; the greedy rows' tokens of the two must agree.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from xllm_py.model import attention, llama  # noqa: E402
+from xllm_py.model import attention, llama, lm_head  # noqa: E402
 from xllm_py.model.attention import AttentionMetadata, allocate_kv_caches, build_positions  # noqa: E402
 from xllm_py.model.catalog import resolve_model  # noqa: E402
 from xllm_py.model.gemma3_decode import Gemma3DecodeRunner  # noqa: E402
@@ -78,6 +83,8 @@ def load(model_name: str, timers: Timers):
     # Gemma 3 decode steps run through Gemma3DecodeRunner: its linears and attention
     attention.attend = timers.wrap(lambda *a: "attention", attention.attend)
     Gemma3DecodeRunner._linear = timers.wrap(lambda *a: "linears", Gemma3DecodeRunner._linear)
+    # the head the sampler runs (HeadRows): its argmax, its rows' logits
+    lm_head.head_argmax = timers.wrap(lambda *a: "lm_head", lm_head.head_argmax)
     return model, cfg
 
 
@@ -90,34 +97,70 @@ def rows_of(n: int, sampled: float) -> list:
                                        else 0.0)) for i in range(n)]
 
 
-def timed_steps(model, kv, timers: Timers, steps: list, rows: list) -> dict:
-    """Runs each (ids, positions, metadata, keep_rows) of ``steps`` (the first warms up),
-    then the sampler over its rows; the mean parts and wall time of the rest, in ms."""
-    from xllm_py.engine.sampler import Sampler
-    sampler = Sampler(seed=0)
-    timers.ms.clear()
-    wall = model_ms = sample_ms = 0.0
-    for s, (ids, pos, md, keep) in enumerate(steps):
-        timers.on = s > 0
+def _run_step(model, kv, timers: Timers, step, sampler, rows,
+              before: bool) -> tuple[float, float, float, list]:
+    """One step, the model then the sampler: (model ms, sampler ms, of which the timed
+    parts (the head) ms, tokens). ``before``:
+    the path before the head was left to the sampler (forward_logits, the full rows) and
+    torch's draw (compute_probs); else the engine's (forward_head, HeadRows, the native
+    draw)."""
+    from xllm_py.engine import sampler as sampler_mod
+    ids, pos, md, keep = step
+    native = sampler_mod.sample_rows
+    if before:
+        sampler_mod.sample_rows = lambda *a: None
+    try:
         t0 = time.perf_counter()
-        logits = model.forward_logits(ids, pos, md, kv, keep_rows=keep)
+        fwd = model.forward_logits if before else model.forward_head
+        logits = fwd(ids, pos, md, kv, keep_rows=keep)
         t1 = time.perf_counter()
+        timed = sum(timers.ms.values())
         out = sampler(logits, rows)
         t2 = time.perf_counter()
-        if s > 0:
-            wall += (t2 - t0) * 1e3
-            model_ms += (t1 - t0) * 1e3
-            sample_ms += (t2 - t1) * 1e3
-        timers.on = False
+    finally:
+        sampler_mod.sample_rows = native
+    inside = sum(timers.ms.values()) - timed
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3, inside, out.token_ids
+
+
+def timed_steps(model, kv, timers: Timers, steps: list, rows: list, compare: bool) -> dict:
+    """Runs each (ids, positions, metadata, keep_rows) of ``steps`` (the first warms up),
+    then the sampler over its rows; the mean parts and wall time of the rest, in ms. With
+    ``compare`` each step runs before and after (``_run_step``), in alternating order: the
+    two breakdowns under the same load, and their greedy rows' tokens must agree."""
+    from xllm_py.engine.sampler import Sampler
+    variants = ("before", "after") if compare else ("after",)
+    res = {v: {"parts": defaultdict(float), "wall": 0.0} for v in variants}
+    samplers = {v: Sampler(seed=0) for v in variants}
+    greedy = [i for i, r in enumerate(rows) if r.argmax_only]
+    for s, step in enumerate(steps):
+        toks = {}
+        for v in (variants if s % 2 else variants[::-1]):
+            timers.ms.clear()
+            timers.on = s > 0
+            model_ms, sample_ms, inside, toks[v] = _run_step(
+                model, kv, timers, step, samplers[v], rows, v == "before")
+            timers.on = False
+            if s == 0:
+                continue
+            parts = res[v]["parts"]
+            for k, ms in timers.ms.items():
+                parts[k] += ms
+            parts["sampler"] += sample_ms - inside
+            parts["rest of the model"] += model_ms - (sum(timers.ms.values()) - inside)
+            res[v]["wall"] += model_ms + sample_ms
+        if compare and [toks["before"][i] for i in greedy] != [toks["after"][i] for i in greedy]:
+            raise AssertionError("greedy tokens differ between before and after")
     n = len(steps) - 1
-    parts = {k: v / n for k, v in timers.ms.items()}
-    parts["sampler"] = sample_ms / n
-    parts["rest of the model"] = model_ms / n - sum(timers.ms.values()) / n
-    return {"step_ms": wall / n, "parts_ms": parts, "tokens": out.token_ids}
+    out = {}
+    for v in variants:
+        parts = {k: ms / n for k, ms in res[v]["parts"].items()}
+        out[v] = {"step_ms": res[v]["wall"] / n, "parts_ms": parts}
+    return out
 
 
 def decode(model, cfg, timers: Timers, batch: int, context: int, steps: int,
-           sampled: float) -> dict:
+           sampled: float, compare: bool) -> dict:
     nb = (context + steps) // BLOCK + 2
     kv = allocate_kv_caches(cfg.num_layers, batch * nb + 1, BLOCK, cfg.num_kv_heads,
                             cfg.head_dim)
@@ -133,12 +176,11 @@ def decode(model, cfg, timers: Timers, batch: int, context: int, steps: int,
         for s in range(steps):
             seqs = [(context + s, 1, tables[i]) for i in range(batch)]
             plan.append((tokens, build_positions(seqs), AttentionMetadata.build(seqs, BLOCK), None))
-        r = timed_steps(model, kv, timers, plan, rows_of(batch, sampled))
-    return r
+        return timed_steps(model, kv, timers, plan, rows_of(batch, sampled), compare)
 
 
 def prompts(model, cfg, timers: Timers, lengths: list[int], rounds: int,
-            sampled: float) -> dict:
+            sampled: float, compare: bool) -> dict:
     """One step prefilling sequences of ``lengths`` tokens (fresh, no cached prefix), the
     last row of each sampled; ``rounds`` timed after a warm-up."""
     nbs = [(n + BLOCK - 1) // BLOCK for n in lengths]
@@ -152,13 +194,22 @@ def prompts(model, cfg, timers: Timers, lengths: list[int], rounds: int,
     last = torch.tensor(lengths).cumsum(0) - 1
     with torch.inference_mode():
         step = (ids, build_positions(seqs), AttentionMetadata.build(seqs, BLOCK), last)
-        return timed_steps(model, kv, timers, [step] * (rounds + 1), rows_of(len(lengths), sampled))
+        return timed_steps(model, kv, timers, [step] * (rounds + 1),
+                           rows_of(len(lengths), sampled), compare)
 
 
 def report(title: str, r: dict, tokens: int) -> None:
-    print(f"\n{title}: step {r['step_ms']:.1f} ms ({tokens / r['step_ms'] * 1e3:.1f} tok/s)")
-    for k, v in sorted(r["parts_ms"].items(), key=lambda kv: -kv[1]):
-        print(f"  {k:18s} {v:8.1f} ms  {v / r['step_ms']:6.1%}")
+    """Each variant's breakdown; with both, after against before (the same load)."""
+    print(f"\n{title}:")
+    for v, x in r.items():
+        print(f"  {v}: step {x['step_ms']:.1f} ms ({tokens / x['step_ms'] * 1e3:.1f} tok/s)")
+        for k, ms in sorted(x["parts_ms"].items(), key=lambda kv: -kv[1]):
+            print(f"    {k:18s} {ms:8.1f} ms  {ms / x['step_ms']:6.1%}")
+    if len(r) == 2:
+        b, a = r["before"], r["after"]
+        print(f"  after / before: step {a['step_ms'] / b['step_ms']:.2f}x; "
+              + ", ".join(f"{k} {a['parts_ms'].get(k, 0.0) / ms:.2f}x"
+                          for k, ms in b["parts_ms"].items() if ms > 0))
 
 
 def main() -> int:
@@ -175,6 +226,9 @@ def main() -> int:
                     help="share of rows at temperature 1 (the others greedy)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's, one per core)")
+    ap.add_argument("--no-compare", action="store_true",
+                    help="only the engine's path (default: each step also the full-logits "
+                         "head and torch's draw, interleaved)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.threads:
@@ -189,23 +243,22 @@ def main() -> int:
     head_mb = panel_bytes(head) / 2**20 if isinstance(head, PackedLinear) else 0.0
     results = []
     for b in a.batch:
-        r = decode(model, cfg, timers, b, a.context, a.steps, a.sampled)
+        r = decode(model, cfg, timers, b, a.context, a.steps, a.sampled, not a.no_compare)
         results.append({"kind": "decode", "batch": b, "context": a.context, **r})
         report(f"{a.model} decode batch {b}, context {a.context} (weights streamed a step: "
                f"block linears {linears_mb:.0f} MB, LM head {head_mb:.0f} MB)", r, b)
     if a.chunk:
-        r = prompts(model, cfg, timers, [a.chunk], a.rounds, a.sampled)
+        r = prompts(model, cfg, timers, [a.chunk], a.rounds, a.sampled, not a.no_compare)
         results.append({"kind": "chunk", "tokens": a.chunk, **r})
         report(f"{a.model} one prompt chunk of {a.chunk} tokens", r, a.chunk)
     if a.arrivals:
-        r = prompts(model, cfg, timers, [a.prompt] * a.arrivals, a.rounds, a.sampled)
+        r = prompts(model, cfg, timers, [a.prompt] * a.arrivals, a.rounds, a.sampled,
+                    not a.no_compare)
         results.append({"kind": "arrivals", "prompts": a.arrivals, "tokens": a.prompt, **r})
         report(f"{a.model} one step prefilling {a.arrivals} prompts of {a.prompt} tokens", r,
                a.arrivals * a.prompt)
     print(f"\nload {os.getloadavg()[0]:.1f} at the end")
     if a.json:
-        for r in results:
-            r.pop("tokens", None)
         print(json.dumps(results, indent=2))
     return 0
 
