@@ -383,6 +383,31 @@ void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
     silu_and_mul_body(x, out, T, I);
 }
 
+/* GeGLU (Gemma): out [T, I] = gelu_tanh(gate) * up, one pass over x [T, 2I] into one output
+ * (torch: a GELU tensor, then a product tensor, each a fresh 8 MB-per-1,000-rows
+ * allocation at prompt sizes). gelu_tanh(g) = g / 2 (1 + tanh(u)) = g sigmoid(2u), u =
+ * sqrt(2 / pi) (g + 0.044715 g^3): silu's form, through xexp (a few ulp from torch's tanh,
+ * as silu_and_mul is from torch's silu). */
+static void gelu_tanh_and_mul_body(const float *x, float *out, int64_t T, int32_t I) {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * 2 * (int64_t)I, *u = g + I;
+        float *o = out + t * (int64_t)I;
+#pragma omp simd
+        for (int32_t i = 0; i < I; i++) {
+            const float v = g[i];
+            float a = -1.5957691216057308f * (v + 0.044715f * v * v * v); /* -2u */
+            a = a > 88.0f ? 88.0f : a;
+            o[i] = v / (1.0f + xexp(a)) * u[i];
+        }
+    }
+}
+
+void xllm_gelu_tanh_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
+#pragma omp parallel if (T >= 16)
+    gelu_tanh_and_mul_body(x, out, T, I);
+}
+
 /* y [M, N] = x [M, K] @ W^T (+ b) for decode-size M, W packed once as panels
  * P[ceil(N / 16)][K][16] (row n of W at panel n / 16, column n % 16; zero padded).
  * Each thread takes whole panels; a 6 x 16 tile of y lives in 12 AVX registers (AVX-512
