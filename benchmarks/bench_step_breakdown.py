@@ -20,24 +20,27 @@ their bytes a decode step streams), attention, the LM head, norms/RoPE/the rest 
 step's wall time. The parts are shares of one measured total, so a shared machine's load
 moves the milliseconds but much less the shares; quote the ``load`` line. Unless
 ``--no-compare``, every step runs twice, in alternating order: as the engine runs it (the
-head left to the sampler: a greedy row's argmax inside it; the native draw) and "before"
-(every sampled row's logits, torch's draw), so the ratio of the two is under the same
-load; the greedy rows' tokens of the two must agree.
+head left to the sampler: a greedy row's argmax inside it; the native draw; the native
+GeGLU; windowed dense chunks by tiles) and "before" (``as_before``: every sampled row's
+logits, torch's draw, torch's GeGLU, one masked call per chunk), so the ratio of the two
+is under the same load; the greedy rows' tokens of the two are compared.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from collections import defaultdict
+from typing import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from xllm_py.model import attention, llama, lm_head  # noqa: E402
+from xllm_py.model import attention, cpu_kernels, llama, lm_head  # noqa: E402
 from xllm_py.model.attention import AttentionMetadata, allocate_kv_caches, build_positions  # noqa: E402
 from xllm_py.model.catalog import resolve_model  # noqa: E402
 from xllm_py.model.gemma3_decode import Gemma3DecodeRunner  # noqa: E402
@@ -97,19 +100,39 @@ def rows_of(n: int, sampled: float) -> list:
                                        else 0.0)) for i in range(n)]
 
 
+@contextlib.contextmanager
+def as_before() -> Iterator[None]:
+    """Within the block the model and sampler run as before the LM head was left to the
+    sampler: torch's draw (compute_probs), torch's GeGLU (two passes, two tensors) and a
+    windowed dense chunk in one masked call (the caller also takes forward_logits)."""
+    from xllm_py.engine import sampler as sampler_mod
+    import torch.nn.functional as F
+    native, act, tile = sampler_mod.sample_rows, cpu_kernels.silu_and_mul, attention.WINDOW_TILE
+
+    def torch_geglu(x, gelu=False, out=None):
+        if not gelu:
+            return act(x, gelu, out)
+        gate, up = x.split(x.shape[1] // 2, dim=-1)
+        y = F.gelu(gate, approximate="tanh") * up
+        return y if out is None else out.copy_(y)
+
+    sampler_mod.sample_rows = lambda *a: None
+    cpu_kernels.silu_and_mul = torch_geglu
+    attention.WINDOW_TILE = 1 << 30
+    try:
+        yield
+    finally:
+        sampler_mod.sample_rows, cpu_kernels.silu_and_mul = native, act
+        attention.WINDOW_TILE = tile
+
+
 def _run_step(model, kv, timers: Timers, step, sampler, rows,
               before: bool) -> tuple[float, float, float, list]:
     """One step, the model then the sampler: (model ms, sampler ms, of which the timed
-    parts (the head) ms, tokens). ``before``:
-    the path before the head was left to the sampler (forward_logits, the full rows) and
-    torch's draw (compute_probs); else the engine's (forward_head, HeadRows, the native
-    draw)."""
-    from xllm_py.engine import sampler as sampler_mod
+    parts (the head) ms, tokens). ``before``: ``as_before``, with every sampled row's
+    logits (forward_logits); else the engine's path (forward_head: HeadRows)."""
     ids, pos, md, keep = step
-    native = sampler_mod.sample_rows
-    if before:
-        sampler_mod.sample_rows = lambda *a: None
-    try:
+    with as_before() if before else contextlib.nullcontext():
         t0 = time.perf_counter()
         fwd = model.forward_logits if before else model.forward_head
         logits = fwd(ids, pos, md, kv, keep_rows=keep)
@@ -117,8 +140,6 @@ def _run_step(model, kv, timers: Timers, step, sampler, rows,
         timed = sum(timers.ms.values())
         out = sampler(logits, rows)
         t2 = time.perf_counter()
-    finally:
-        sampler_mod.sample_rows = native
     inside = sum(timers.ms.values()) - timed
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3, inside, out.token_ids
 
@@ -127,7 +148,7 @@ def timed_steps(model, kv, timers: Timers, steps: list, rows: list, compare: boo
     """Runs each (ids, positions, metadata, keep_rows) of ``steps`` (the first warms up),
     then the sampler over its rows; the mean parts and wall time of the rest, in ms. With
     ``compare`` each step runs before and after (``_run_step``), in alternating order: the
-    two breakdowns under the same load, and their greedy rows' tokens must agree."""
+    two breakdowns under the same load, and their greedy rows' tokens are compared."""
     from xllm_py.engine.sampler import Sampler
     variants = ("before", "after") if compare else ("after",)
     res = {v: {"parts": defaultdict(float), "wall": 0.0} for v in variants}
@@ -149,13 +170,16 @@ def timed_steps(model, kv, timers: Timers, steps: list, rows: list, compare: boo
             parts["sampler"] += sample_ms - inside
             parts["rest of the model"] += model_ms - (sum(timers.ms.values()) - inside)
             res[v]["wall"] += model_ms + sample_ms
-        if compare and [toks["before"][i] for i in greedy] != [toks["after"][i] for i in greedy]:
-            raise AssertionError("greedy tokens differ between before and after")
+        if compare:
+            differ = sum(toks["before"][i] != toks["after"][i] for i in greedy)
+            res["after"]["differ"] = res["after"].get("differ", 0) + differ
     n = len(steps) - 1
     out = {}
     for v in variants:
         parts = {k: ms / n for k, ms in res[v]["parts"].items()}
         out[v] = {"step_ms": res[v]["wall"] / n, "parts_ms": parts}
+    if compare:  # (a row whose two best logits are within float32 rounding may flip)
+        out["after"]["greedy_rows_differing"] = res["after"].get("differ", 0)
     return out
 
 
@@ -207,6 +231,7 @@ def report(title: str, r: dict, tokens: int) -> None:
             print(f"    {k:18s} {ms:8.1f} ms  {ms / x['step_ms']:6.1%}")
     if len(r) == 2:
         b, a = r["before"], r["after"]
+        print(f"  greedy rows whose token differs from before: {a['greedy_rows_differing']}")
         print(f"  after / before: step {a['step_ms'] / b['step_ms']:.2f}x; "
               + ", ".join(f"{k} {a['parts_ms'].get(k, 0.0) / ms:.2f}x"
                           for k, ms in b["parts_ms"].items() if ms > 0))
