@@ -77,9 +77,7 @@ _SIGNATURES = {  # name: (argtypes, restype)
         ["i32", "p", "p", "p", "p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
     "xllm_linear_large_i8": (["p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
     "xllm_dequant_panels_kq": (["i32", "p", "p", "p", "p", "p", "i32", "i32", "p"], "int"),
-    "xllm_head_argmax_f32": (["p", "p", "p", "p", "i32", "i32", "i32"], "int"),
-    "xllm_head_argmax_bf16": (["p", "p", "p", "p", "i32", "i32", "i32"], "int"),
-    "xllm_head_argmax_i8": (["p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
+    "xllm_head_argmax": (["i32", "p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
     "xllm_sample_rows_f32": (["p", "i64", "i32", "i32", "p", "p", "p", "p", "p", "p"], "int"),
 }
 _CTYPES = {"p": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32,

@@ -37,17 +37,13 @@ def head_argmax(head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     b = 0 if bias is None else bias.data_ptr()
     ids = torch.empty(x.shape[0], dtype=torch.int64)
     m, n, k = x.shape[0], head.out_features, head.in_features
-    if head._scales is not None:
-        rc = lib.xllm_head_argmax_i8(x.data_ptr(), panels.data_ptr(), head._scales.data_ptr(),
-                                     b, ids.data_ptr(), m, n, k)
-    elif panels.dtype == torch.bfloat16:
-        rc = lib.xllm_head_argmax_bf16(x.data_ptr(), panels.data_ptr(), b, ids.data_ptr(),
-                                       m, n, k)
-    elif panels.dtype == torch.float32:
-        rc = lib.xllm_head_argmax_f32(x.data_ptr(), panels.data_ptr(), b, ids.data_ptr(),
-                                      m, n, k)
-    else:
+    kind = 2 if head._scales is not None else {torch.float32: 0, torch.bfloat16: 1}.get(
+        panels.dtype)
+    if kind is None:
         return None
+    rc = lib.xllm_head_argmax(kind, x.data_ptr(), panels.data_ptr(),
+                              0 if head._scales is None else head._scales.data_ptr(), b,
+                              ids.data_ptr(), m, n, k)
     return ids if rc == 0 else None
 
 

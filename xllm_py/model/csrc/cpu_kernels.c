@@ -883,19 +883,9 @@ int xllm_linear_large_bf16(const float *x, const uint16_t *P, const float *b, fl
     (void)x; (void)P; (void)b; (void)y; (void)M; (void)N; (void)K;
     return -1;
 }
-int xllm_head_argmax_f32(const float *x, const float *P, const float *b, int64_t *ids,
-                         int32_t M, int32_t N, int32_t K) {
-    (void)x; (void)P; (void)b; (void)ids; (void)M; (void)N; (void)K;
-    return -1;
-}
-int xllm_head_argmax_bf16(const float *x, const uint16_t *P, const float *b, int64_t *ids,
-                          int32_t M, int32_t N, int32_t K) {
-    (void)x; (void)P; (void)b; (void)ids; (void)M; (void)N; (void)K;
-    return -1;
-}
-int xllm_head_argmax_i8(const float *x, const int8_t *P, const float *S, const float *b,
-                        int64_t *ids, int32_t M, int32_t N, int32_t K) {
-    (void)x; (void)P; (void)S; (void)b; (void)ids; (void)M; (void)N; (void)K;
+int xllm_head_argmax(int32_t kind, const float *x, const void *P, const float *S,
+                     const float *b, int64_t *ids, int32_t M, int32_t N, int32_t K) {
+    (void)kind; (void)x; (void)P; (void)S; (void)b; (void)ids; (void)M; (void)N; (void)K;
     return -1;
 }
 #endif

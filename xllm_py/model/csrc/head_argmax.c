@@ -85,17 +85,10 @@ static int head_argmax(const float *x, const void *P, const float *S, const floa
     return 0;
 }
 
-int xllm_head_argmax_f32(const float *x, const float *P, const float *b, int64_t *ids,
-                         int32_t M, int32_t N, int32_t K) {
-    return head_argmax(x, P, NULL, b, ids, M, N, K, 0);
-}
-
-int xllm_head_argmax_bf16(const float *x, const uint16_t *P, const float *b, int64_t *ids,
-                          int32_t M, int32_t N, int32_t K) {
-    return head_argmax(x, P, NULL, b, ids, M, N, K, 1);
-}
-
-int xllm_head_argmax_i8(const float *x, const int8_t *P, const float *S, const float *b,
-                        int64_t *ids, int32_t M, int32_t N, int32_t K) {
-    return head_argmax(x, P, S, b, ids, M, N, K, 0);
+/* kind: 0 float32 panels, 1 bfloat16, 2 int8 (with S). */
+int xllm_head_argmax(int32_t kind, const float *x, const void *P, const float *S,
+                     const float *b, int64_t *ids, int32_t M, int32_t N, int32_t K) {
+    if (kind < 0 || kind > 2 || (kind == 2) != (S != NULL))
+        return -1;
+    return head_argmax(x, P, S, b, ids, M, N, K, kind == 1);
 }
