@@ -8,7 +8,8 @@
  * probability; then the first token in vocabulary order whose cumulative mass exceeds
  * u times the total. Where torch sorts the whole row for top_k / top_p, this selects: a
  * heap keeps the k best (one compare per token for most), and top_p alone asks for the
- * best 64, then 512, ... until the kept mass is reached; a softmax is weights
+ * best 64, then for the tokens above a threshold of weight that leaves the kept mass
+ * (select_mass), sorting only those; a softmax is weights
  * exp(v - max) summed in double, never normalised (the draw scales u instead). */
 
 typedef struct {
@@ -69,13 +70,48 @@ static int32_t select_best(const float *v, int32_t V, int32_t k, xllm_cand *h) {
 
 static inline float sample_exp(float x) { return x < -87.0f ? 0.0f : xexp(x); }
 
+/* Every token of v [V] (max m) whose weight exp(v - m) reaches the largest threshold that
+ * still leaves ``limit`` of the weights' mass at or above it (bisection on the threshold's
+ * log, one SIMD pass a step), best first, into h; returns how many. A superset of top_p's
+ * tokens (the best ones until their mass reaches the limit) when the mass is the whole
+ * row's: for a flat row, where selecting the best 64, 512, ... would sort most of it. w:
+ * scratch of V floats. */
+static int32_t select_mass(const float *v, int32_t V, float m, float limit, float *w,
+                           xllm_cand *h) {
+#pragma omp simd
+    for (int32_t i = 0; i < V; i++)
+        w[i] = sample_exp(v[i] - m);
+    float lo = 0.0f, hi = 88.0f; /* -log of the threshold */
+    for (int it = 0; it < 16; it++) {
+        const float mid = 0.5f * (lo + hi), t = expf(-mid);
+        double above = 0.0;
+#pragma omp simd reduction(+ : above)
+        for (int32_t i = 0; i < V; i++)
+            above += w[i] >= t ? w[i] : 0.0f;
+        if ((float)above >= limit)
+            hi = mid;
+        else
+            lo = mid;
+    }
+    const float t = hi >= 87.0f ? 0.0f : expf(-hi);
+    int32_t n = 0;
+    for (int32_t i = 0; i < V; i++)
+        if (w[i] >= t)
+            h[n++] = (xllm_cand){v[i], i};
+    qsort(h, (size_t)n, sizeof *h, cand_desc);
+    return n;
+}
+
 /* The chosen token of one row: v [V] the row already divided by its temperature; w and
  * h scratch of V floats / candidates. -1: no finite logit, or a NaN (the caller's torch
  * path). */
 static int64_t sample_row(const float *v, int32_t V, int32_t top_k, float top_p, float min_p,
                           double u, float *w, xllm_cand *h) {
+    /* the passes over the whole row are SIMD reductions (omp simd: lanes, then lanes
+     * combined); the draw's walk keeps vocabulary order */
     float m = -INFINITY;
     int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
     for (int32_t i = 0; i < V; i++) {
         m = v[i] > m ? v[i] : m;
         nan |= v[i] != v[i];
@@ -85,9 +121,11 @@ static int64_t sample_row(const float *v, int32_t V, int32_t top_k, float top_p,
     const int by_k = top_k > 0 && top_k < V, by_p = top_p < 1.0f;
     if (!by_k && !by_p) { /* every token: weights in place, drawn in one walk */
         double total = 0.0;
+        const float floor = min_p > 0.0f ? min_p : 0.0f;
+#pragma omp simd reduction(+ : total)
         for (int32_t i = 0; i < V; i++) {
-            float e = sample_exp(v[i] - m);
-            w[i] = min_p > 0.0f && e < min_p ? 0.0f : e;
+            const float e = sample_exp(v[i] - m);
+            w[i] = e < floor ? 0.0f : e;
             total += w[i];
         }
         double target = u * total, cum = 0.0;
@@ -105,12 +143,15 @@ static int64_t sample_row(const float *v, int32_t V, int32_t top_k, float top_p,
         return last;
     }
     double mass = 0.0; /* top_p's total: every token top_k keeps */
-    if (!by_k)
+    if (!by_k) {
+#pragma omp simd reduction(+ : mass)
         for (int32_t i = 0; i < V; i++)
             mass += sample_exp(v[i] - m);
-    int32_t want = by_k ? top_k : 64, n, keep;
+    }
+    int32_t want = by_k ? top_k : 64, n, keep, by_mass = 0;
     for (;;) {
-        n = select_best(v, V, want, h);
+        n = by_mass ? select_mass(v, V, m, top_p * (float)mass, w, h)
+                    : select_best(v, V, want, h);
         double sum = 0.0;
         if (by_k)
             for (int32_t j = 0; j < n; j++)
@@ -127,7 +168,10 @@ static int64_t sample_row(const float *v, int32_t V, int32_t top_k, float top_p,
         }
         if (keep < n || by_k || n == V)
             break;
-        want = want > V / 8 ? V : want * 8; /* the kept mass lies past these: more */
+        /* the kept mass lies past the best 64: by the mass; should rounding leave that
+         * one short, every token */
+        want = by_mass ? V : want;
+        by_mass = !by_mass;
     }
     double total = 0.0;
     int32_t kept = 0;
