@@ -387,7 +387,7 @@ void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
  * (torch: a GELU tensor, then a product tensor, each a fresh 8 MB-per-1,000-rows
  * allocation at prompt sizes). gelu_tanh(g) = g / 2 (1 + tanh(u)) = g sigmoid(2u), u =
  * sqrt(2 / pi) (g + 0.044715 g^3): silu's form, through xexp (a few ulp from torch's tanh,
- * as silu_and_mul is from torch's silu). */
+ * as silu_and_mul is from torch's silu; more accurate where torch's 1 + tanh cancels). */
 static void gelu_tanh_and_mul_body(const float *x, float *out, int64_t T, int32_t I) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -397,8 +397,11 @@ static void gelu_tanh_and_mul_body(const float *x, float *out, int64_t T, int32_
         for (int32_t i = 0; i < I; i++) {
             const float v = g[i];
             float a = -1.5957691216057308f * (v + 0.044715f * v * v * v); /* -2u */
-            a = a > 88.0f ? 88.0f : a;
-            o[i] = v / (1.0f + xexp(a)) * u[i];
+            /* sigmoid(2u) < e^-18: torch's 1 + tanh(u) is 0 there, and the tiny products
+             * would otherwise reach the next GEMM as denormals (slow FMAs) */
+            const int zero = a > 18.0f;
+            a = zero ? 0.0f : a;
+            o[i] = zero ? 0.0f : v / (1.0f + xexp(a)) * u[i];
         }
     }
 }
