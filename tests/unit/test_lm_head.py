@@ -123,8 +123,9 @@ def test_native_draw_declines_rows_without_a_finite_logit() -> None:
 
 @needs_panels
 def test_sampler_on_head_rows_equals_the_sampler_on_logits() -> None:
-    """A mixed batch: greedy rows (argmax in the head), greedy with logprobs, with a
-    logit bias, penalties, seeded and unseeded random rows; tokens and logprobs equal."""
+    """Greedy rows only (argmax in the head), and mixed batches: greedy with logprobs,
+    with a logit bias, penalties, seeded and unseeded random rows; tokens and logprobs
+    equal."""
     head = _head(3000, 64, "int8", False)
     hidden = torch.randn(8, 64, generator=torch.Generator().manual_seed(5))
     rows = [srow(temperature=0.0), srow(temperature=0.0, logprobs=3), srow(temperature=0.0),
@@ -132,11 +133,18 @@ def test_sampler_on_head_rows_equals_the_sampler_on_logits() -> None:
             srow(temperature=1.0, top_p=0.9), srow(temperature=0.0, presence_penalty=1.0,
                                                    output_token_ids=[1, 2]),
             srow(temperature=1.0, top_k=5, logprobs=2)]
-    to_logits = lambda h: head(h).float()  # noqa: E731
-    for batch in (rows, [rows[0], rows[2]], [rows[4], rows[5]]):
+    passes = []
+
+    def to_logits(h: torch.Tensor) -> torch.Tensor:
+        passes.append(h.shape[0])
+        return head(h).float()
+
+    for batch, want in ((rows, [8]), ([rows[0], rows[2]], []), ([rows[4], rows[5]], [2])):
         idx = [rows.index(r) for r in batch]
         h = hidden[idx]
+        passes.clear()
         a = Sampler(seed=1)(HeadRows(h, head, to_logits, 3000), batch)
+        assert passes == want  # greedy only: no logits; else one pass over every row
         b = Sampler(seed=1)(to_logits(h), batch)
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs

@@ -15,8 +15,8 @@ Stages, each skipped when no row of the batch needs it:
 
 The all-greedy batch without bias, penalties or logprobs is a single argmax. Given the
 step's rows before the LM head (model/lm_head.py HeadRows, what the engine's ModelRunner
-returns), such rows take the argmax inside the head, without their logits; the other rows'
-logits are computed and go through the stages above. Random rows draw natively where the
+returns), such a batch takes the argmax inside the head, without its logits; any other
+batch has its logits computed and goes through the stages above. Random rows draw natively where the
 kernels are loaded (csrc/sample.c: the same distribution and draw, by selection instead of
 a sort of the whole row), else through `compute_probs`.
 `prompt_logprobs` scores prompt tokens from the raw logits of the positions before them.
@@ -110,27 +110,15 @@ class Sampler:
 
     def _sample_head(self, head: HeadRows, rows: list[SamplingRow],
                      mask: TokenMask | None) -> SamplerOutput:
-        """The argmax-only rows' tokens from inside the LM head; the others' logits computed
-        and sampled as a batch of their own (each row's result is its own: the same)."""
+        """A batch of argmax-only rows: their tokens from inside the LM head. Any other
+        batch: every row's logits, in one pass over the head's weights (two passes, one
+        for the argmax rows and one for the others, would stream the weights twice)."""
         if len(head) != len(rows):
             raise ValueError(f"logits must be [num_rows, vocab] with num_rows={len(rows)}, "
                              f"got shape {head.shape}")
-        if mask is not None:  # (grammar rows: their masks index the whole batch)
-            return self(head.logits(), rows, mask)
-        fast = [i for i, row in enumerate(rows) if row.argmax_only]
-        if len(fast) == len(rows):
+        if mask is None and all(row.argmax_only for row in rows):
             return SamplerOutput(head.argmax(), [None] * len(rows))
-        rest = [i for i, row in enumerate(rows) if not row.argmax_only]
-        out = self(head.logits(rest), [rows[i] for i in rest])
-        if not fast:
-            return out
-        token_ids = [0] * len(rows)
-        logprobs: list[TokenLogprob | None] = [None] * len(rows)
-        for i, tok in zip(fast, head.argmax(fast)):
-            token_ids[i] = tok
-        for i, tok, lp in zip(rest, out.token_ids, out.logprobs):
-            token_ids[i], logprobs[i] = tok, lp
-        return SamplerOutput(token_ids, logprobs)
+        return self(head.logits(), rows, mask)
 
     def _sample_general(self, logits: torch.Tensor, rows: list[SamplingRow],
                         mask: TokenMask | None = None) -> SamplerOutput:
