@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one repeat, fewer floor iterations")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--engine-args", default="",
-                   help="extra engine flags, one string (e.g. '--batch-window-ms 0')")
+                   help="extra engine flags, one string (e.g. '--max-num-batched-tokens 512')")
     p.add_argument("--profile", action="store_true",
                    help="also cProfile an in-process engine at the largest concurrency")
     args = p.parse_args(argv)
@@ -274,10 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(), "concurrency": {},
     }
     report_environment(result, file=sys.stderr if args.json else sys.stdout)
-    engine_flags = ["--enable-prefix-cache", "false", "--log-level", "WARNING",
-                    "--max-num-seqs", str(max(64, max(args.concurrency)))]
+    engine_flags = ["--log-level", "WARNING", "--max-num-seqs", str(max(64, max(args.concurrency)))]
     engine_flags += shlex.split(args.engine_args)
-    with engine_process(args.model, num_threads=args.threads, extra_args=engine_flags) as proc:
+    with engine_process(args.model, num_threads=args.threads, extra_args=engine_flags,
+                        settings={"enable_prefix_cache": False}) as proc:
         model_id = asyncio.run(get_model_id(proc.http_url))
         warm = random_token_prompts(2, args.prompt_len, vocab, seed=999)
         engine_generate(proc, model_id, warm, 4)

@@ -55,8 +55,7 @@ from benchmarks.common import (completion_body, get_model_id, median,  # noqa: E
 
 logger = logging.getLogger(__name__)
 
-TIERS_OFF = ["--kv-store", "off", "--engine-arg=--kv-host-tier-mb=0",
-             "--engine-arg=--kv-disk-tier-mb=0"]
+TIERS_OFF = {"kv_host_tier_mb": 0, "kv_disk_tier_mb": 0}  # (and --kv-store off)
 TOPOLOGIES = {"pd": [], "mix": ["--mix", "2", "--service-arg=--load-balance-policy=RR"]}
 # the service's request log: "request <id>-<offset>-<hex>: N prompt tokens, path P on A[/B]"
 _ROUTE = re.compile(r"request (\S+)-\d+-[0-9a-f]{8}: \d+ prompt tokens, path \S+ on (\S+)")
@@ -338,13 +337,17 @@ def scrape(urls: Sequence[str]) -> dict[str, float]:
 def run_config(name: str, topology: str, tiers: bool, args, root: pathlib.Path,
                fault: bool = False) -> tuple[dict[str, Any], list[Turn]]:
     from xllm_py.launch import Cluster, build_parser
+    from xllm_py.utils.config_file import write_settings
     from xllm_py.utils.procs import free_port
 
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
     argv = ["--model", args.model, "--http-port", str(free_port()), "--log-dir", str(log_dir),
             f"--engine-arg=--num-blocks={args.num_blocks}", "--log-level", "WARNING",
             *TOPOLOGIES[topology]]
-    argv += ([f"--engine-arg=--kv-disk-tier-dir={log_dir / 'kv-disk'}"] if tiers else TIERS_OFF)
+    settings = {"kv_disk_tier_dir": str(log_dir / "kv-disk")} if tiers else TIERS_OFF
+    argv += [f"--engine-arg=--config={log_dir / 'engine.yaml'}",
+             *([] if tiers else ["--kv-store", "off"])]
+    write_settings(log_dir / "engine.yaml", settings)
     print(f"  {name}: {' '.join(argv)}", flush=True)
     cluster = Cluster(build_parser().parse_args(argv))
     fault_info: dict[str, Any] = {}

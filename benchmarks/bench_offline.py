@@ -38,6 +38,7 @@ from benchmarks.common import (RequestResult, completion_body, get_model_id,  # 
                                percentile, report_environment, send_completion,
                                thread_env)
 from xllm_py.cluster.etcd_server import EmbeddedEtcd  # noqa: E402
+from xllm_py.utils.config_file import write_settings  # noqa: E402
 from xllm_py.utils.procs import engine_args, free_port, spawn  # noqa: E402
 
 MODEL = ["tiny"]  # the id the service serves (read from /v1/models at start)
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the flood's head start before the online streams")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the engines to cores")
     ap.add_argument("--step-trace", action="store_true",
-                    help="the engines' --step-trace into the log directory")
+                    help="the engines' step traces (settings file: step_trace) into the log directory")
     ap.add_argument("--repeat", type=int, default=3, help="rounds (alone, offline, flood)")
     ap.add_argument("--repeat-throughput", type=int, default=2, choices=(1, 2),
                     help="flood-alone runs of each kind")
@@ -185,18 +186,19 @@ def main(argv: list[str] | None = None) -> int:
         # PD always: every prompt on the prefill, every offline one pulled by the decode
         svc = spawn("service", "xllm_service", ["--model", "tiny", "--etcd", etcd.endpoint,
                                                 "--http-port", str(hp), "--rpc-port", str(rp),
-                                                "--load-balance-policy", "LEAST_LOAD",
-                                                "--disagg-decision", "ALWAYS", *ttl,
-                                                "--evict-grace-s", "10"], logs,
+                                                "--load-balance-policy", "LEAST_LOAD", *ttl,
+                                                *write_settings(logs / "service.yaml",
+                                                                {"evict_grace_s": 10})], logs,
                     http_url=f"http://127.0.0.1:{hp}", cpu=None if args.no_pin else 0)
         procs.append(svc)
         engines = {}
         for core, role in enumerate(("PREFILL", "DECODE")):
             port = free_port()
-            trace = ["--step-trace", str(logs / f"{role.lower()}.steps.jsonl")]
+            trace = {"step_trace": str(logs / f"{role.lower()}.steps.jsonl")}
+            settings = write_settings(logs / f"{role.lower()}.yaml", {
+                "etcd_ttl": 15, **(trace if args.step_trace else {})})
             engines[role] = spawn(role.lower(), "xllm_py.engine",
-                                  engine_args(role, port, etcd=etcd.endpoint,
-                                              extra=ttl + (trace if args.step_trace else [])),
+                                  engine_args(role, port, etcd=etcd.endpoint, extra=settings),
                                   logs, http_url=f"http://127.0.0.1:{port}", env=thread_env(1),
                                   cpu=None if args.no_pin else core)
             procs.append(engines[role])

@@ -125,8 +125,13 @@ def main(argv: list[str] | None = None) -> int:
                         "in a cluster does)")
     p.add_argument("--json", default=None, help="write the rows and errors here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="the engine's torch threads (its settings file's num_threads)")
     args, rest = p.parse_known_args(argv)
-    config = config_from_args(engine_parser().parse_args(rest))
+    engine_args = engine_parser().parse_args(rest)
+    if args.num_threads is not None:
+        engine_args.num_threads = args.num_threads
+    config = config_from_args(engine_args)
     from xllm_py.engine.llm_engine import LLMEngine
     from xllm_py.engine.self_profile import measure_profile
 

@@ -40,9 +40,9 @@ def _engine(model: str, budget: int):
     from xllm_py.engine.cli import build_parser, config_from_args
     from xllm_py.engine.llm_engine import LLMEngine
 
-    args = build_parser().parse_args(["--model", model, "--num-threads", "1",
-                                      "--instance-role", "MIX",
+    args = build_parser().parse_args(["--model", model, "--instance-role", "MIX",
                                       "--max-num-batched-tokens", str(budget)])
+    args.num_threads = 1  # (the settings file's num_threads)
     return LLMEngine(config_from_args(args))
 
 

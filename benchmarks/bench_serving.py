@@ -109,8 +109,7 @@ def _launch_args(args: argparse.Namespace, shape: list[str], log_dir: pathlib.Pa
 # start-up, targets derived from them: issue 31); "pd": every prompt on the prefill.
 SETUPS: dict[str, tuple[str, list[str]]] = {
     "pd": ("PD always", ["--prefill", "1", "--decode", "1",
-                         "--service-arg=--load-balance-policy=LEAST_LOAD",
-                         "--service-arg=--disagg-decision=ALWAYS"]),
+                         "--service-arg=--load-balance-policy=LEAST_LOAD"]),
     "mix": ("MIX x2", ["--mix", "2"]),
     "default": ("PD default", ["--prefill", "1", "--decode", "1"]),
 }
@@ -204,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--prefill-arg=--max-num-batched-tokens=512")
     g.add_argument("--decode-arg", action="append", default=[],
                    help="extra flag of the decode engines (pd, default), e.g. "
-                        "--decode-arg=--prompt-tpot-target-ms=18")
+                        "--decode-arg=--config=decode.yaml (a settings file: "
+                        "prompt_tpot_target_ms: 18)")
     g.add_argument("--kv-transfer-backend", choices=["ucx", "tcp"], default=None,
                    help="KV transfer backend of the PD cluster (default: the launcher's)")
     g.add_argument("--no-pin-cores", action="store_true", help="do not pin engines to cores")

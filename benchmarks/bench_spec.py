@@ -129,11 +129,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    common = ["--enable-prefix-cache", "false", "--batch-window-ms", "0"]
+    common = {"enable_prefix_cache": False, "batch_window_ms": 0}
     with engine_process(args.model, num_threads=args.threads,
-                        extra_args=common + ["--speculative-config", "off"]) as off, \
+                        settings={**common, "speculative_config": "off"}) as off, \
             engine_process(args.model, num_threads=args.threads,
-                           extra_args=common + ["--speculative-config", NGRAM]) as on:
+                           settings={**common, "speculative_config": NGRAM}) as on:
         servers = {"off": off.http_url, "ngram": on.http_url}
         model = asyncio.run(get_model_id(off.http_url))
 

@@ -1,5 +1,5 @@
 """Start-up time of an engine in a cluster with its latency profile measured at start-up
-(the default: xllm_py/engine/self_profile.py) and without it (`--latency-profile off`).
+(the default: xllm_py/engine/self_profile.py) and without it (`latency_profile: off`).
 
 Stages: an embedded etcd -> per round, for each mode in turn: start one DECODE engine
 process (--etcd, --model) pinned to a core, time from spawn until its HTTP API answers
@@ -25,15 +25,17 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import report_environment  # noqa: E402
 from xllm_py.cluster.etcd_server import EmbeddedEtcd  # noqa: E402
+from xllm_py.utils.config_file import write_settings  # noqa: E402
 from xllm_py.utils.procs import engine_args, free_port, spawn  # noqa: E402
 
-MODES = {"profiled": [], "off": ["--latency-profile", "off"]}
+MODES = {"profiled": {}, "off": {"latency_profile": "off"}}
 MEASURED = re.compile(r"latency profile measured in ([0-9.]+) s \((\d+) step shapes")
 
 
-def start_once(etcd: str, model: str, extra: list[str], log_dir: pathlib.Path, name: str,
+def start_once(etcd: str, model: str, settings: dict, log_dir: pathlib.Path, name: str,
                cpu: int | None) -> tuple[float, str]:
     port = free_port()
+    extra = write_settings(log_dir / f"{name}.yaml", settings)
     t0 = time.monotonic()
     proc = spawn(name, "xllm_py.engine",
                  engine_args("DECODE", port, etcd=etcd, model=model,
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         etcd.stop()
     on, off = (statistics.median(times[m]) for m in ("profiled", "off"))
     print(f"\nload average {os.getloadavg()}; model {args.model}, {args.rounds} round(s)")
-    print(f"engine ready (median): profiled {on:.2f} s, --latency-profile off {off:.2f} s: "
+    print(f"engine ready (median): profiled {on:.2f} s, latency_profile off {off:.2f} s: "
           f"+{on - off:.2f} s ({on / off:.2f}x)")
     if profile_s:
         print(f"the profile itself (engine log): {min(profile_s):.2f}-{max(profile_s):.2f} s")

@@ -52,9 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = {"tp1-all": (1, cores), "tp1-1t": (1, 1), "tp2": (2, 1)}
     with contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(engine_process(
-                    args.model, num_threads=threads,
-                    extra_args=["--enable-prefix-cache", "false", "--tensor-parallel-size",
-                                str(tp), "--num-threads", str(threads)])).http_url
+                    args.model, num_threads=threads, extra_args=["--tensor-parallel-size", str(tp)],
+                    settings={"enable_prefix_cache": False, "num_threads": threads})).http_url
                 for name, (tp, threads) in configs.items()}
         model = asyncio.run(get_model_id(urls["tp1-all"]))
         vocab = 1024 if args.model.startswith("tiny") else 32000

@@ -296,12 +296,15 @@ def process_cpu_seconds(pid: int) -> float:
 @contextlib.contextmanager
 def engine_process(model: str, *, role: str = "MIX", num_threads: int | None = None,
                    extra_args: Sequence[str] = (), log_dir: str | os.PathLike | None = None,
-                   ready_timeout_s: float = 300.0) -> Iterator["ChildProcess"]:
+                   ready_timeout_s: float = 300.0,
+                   settings: dict | None = None) -> Iterator["ChildProcess"]:
     """Start ``python -m xllm_py.engine`` on a free loopback port, wait for /health, yield
     the process (``.http_url``, ``.pid``); SIGTERM (then SIGKILL) on exit. ``num_threads``
-    sets its torch threads through the OpenMP/MKL environment variables."""
+    sets its torch threads through the OpenMP/MKL environment variables; ``settings``:
+    its settings file (``python -m xllm_py.engine --help``, at the end)."""
     import tempfile
 
+    from xllm_py.utils.config_file import write_settings
     from xllm_py.utils.procs import engine_args, free_port, spawn
 
     port = free_port()
@@ -311,6 +314,9 @@ def engine_process(model: str, *, role: str = "MIX", num_threads: int | None = N
     if log_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="xllm-bench-")
         log_dir = tmp.name
+    if settings:
+        extra_args = [*write_settings(pathlib.Path(log_dir) / f"engine-{port}.yaml", settings),
+                      *extra_args]
     proc = spawn(f"engine-{role.lower()}-{port}", "xllm_py.engine",
                  engine_args(role, port, model=model, extra=list(extra_args)),
                  pathlib.Path(log_dir), http_url=url, env=env)

@@ -72,7 +72,7 @@ def pool_capacity(model_dir: pathlib.Path, memory_mb: int, block_size: int,
                                 CacheConfig(block_size=block_size, enable_prefix_caching=False),
                                 num_blocks, group_windows=groups.group_windows)
     held = 0
-    while sched.allocate_for_remote(Request(f"r{held}", [7] * context,
+    while sched.remote.allocate_for_remote(Request(f"r{held}", [7] * context,
                                             SamplingParams(max_tokens=8))) is not None:
         held += 1
     return {"kv_slots": groups.num_slots, "kv_groups": len(groups.group_windows),
@@ -87,6 +87,7 @@ def _bytes_moved(url: str) -> int:
 
 def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
                    tag: str) -> dict:
+    from xllm_py.utils.config_file import write_settings
     from xllm_py.utils.procs import engine_args, free_port, spawn
 
     procs = []
@@ -95,15 +96,18 @@ def handover_bytes(model_dir: pathlib.Path, etcd: str, args, logs: pathlib.Path,
         svc = spawn(f"service-{tag}", "xllm_service", [
             "--model", str(model_dir), "--etcd", etcd, "--etcd-namespace", f"{tag}/",
             "--http-port", str(hp), "--rpc-port", str(rp), "--load-balance-policy",
-            "LEAST_LOAD", "--disagg-decision", "ALWAYS", "--etcd-ttl", "15",
-            "--evict-grace-s", "10"], logs, http_url=f"http://127.0.0.1:{hp}")
+            "LEAST_LOAD", "--etcd-ttl", "15",
+            *write_settings(logs / f"service-{tag}.yaml", {"evict_grace_s": 10})],
+            logs, http_url=f"http://127.0.0.1:{hp}")
         procs.append(svc)
         engines = {}
         for role in ("PREFILL", "DECODE"):
             port = free_port()
             engines[role] = spawn(f"{role.lower()}-{tag}", "xllm_py.engine", engine_args(
                 role, port, etcd=etcd, model=str(model_dir), extra=[
-                    "--etcd-namespace", f"{tag}/", "--etcd-ttl", "15", "--latency-profile", "off",
+                    "--etcd-namespace", f"{tag}/", *write_settings(
+                        logs / f"{role.lower()}-{tag}.yaml",
+                        {"etcd_ttl": 15, "latency_profile": "off"}),
                     "--block-size", str(args.block_size), "--kv-cache-transfer-mode", args.mode,
                     "--max-model-len", str(args.prompt_tokens + 64)]),
                 logs, http_url=f"http://127.0.0.1:{port}")

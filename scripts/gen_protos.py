@@ -1,7 +1,7 @@
 """Generate the Python gRPC stubs under xllm_py/proto/ from protos/*.proto.
 
 Run after editing a .proto: `python scripts/gen_protos.py`.
-tests/unit/test_protos.py fails when the committed stubs are stale.
+tests/unit/project/test_protos.py fails when the committed stubs are stale.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Configuration dataclasses. The CLI builds these; components take the sub-config they use.
 
-Environment variables are read here only (see `transfer_config_from_env`).
+Environment variables are read here only (the `*_from_env` functions).
 Nothing in this module touches disk, torch or gRPC.
 """
 from __future__ import annotations
@@ -38,9 +38,10 @@ class KVTransferMode(str, enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # None: sized from --kv-cache-memory at start-up by the model runner.
+    # None: sized at start-up from kv_cache_memory_bytes, else from the memory there is
+    # (engine/model_setup.py kv_pool_bytes).
     num_blocks: int | None = None
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -140,7 +141,7 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, text: str | None) -> "SpeculativeConfig | None":
-        """A --speculative-config value: JSON of these fields, or off / none / empty."""
+        """A speculative_config value: JSON of these fields, or off / none / empty."""
         import json
 
         if text is None or text.strip().lower() in ("", "off", "none", "null"):
@@ -148,12 +149,12 @@ class SpeculativeConfig:
         try:
             fields = json.loads(text)
         except ValueError as exc:
-            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+            raise ValueError(f"speculative_config is not JSON: {exc}") from None
         if not isinstance(fields, dict):
-            raise ValueError("--speculative-config must be a JSON object or 'off'")
+            raise ValueError("speculative_config must be a JSON object or 'off'")
         known = {f.name for f in dataclasses.fields(cls)}
         if unknown := sorted(set(fields) - known):
-            raise ValueError(f"--speculative-config: unknown fields {unknown}")
+            raise ValueError(f"speculative_config: unknown fields {unknown}")
         return cls(**fields)
 
 
@@ -164,8 +165,6 @@ class TransferConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     timeout_s: float = 30.0
-    # Tests only: probability that a KV transfer is failed on purpose (fault injection).
-    fault_rate: float = 0.0
     # The ucx backend's settings; None: UCXConfig.from_env() when the backend is built.
     ucx: UCXConfig | None = None
 
@@ -273,7 +272,7 @@ def model_cache_dir_from_env() -> str | None:
 
 
 def kv_tier_dir_from_env() -> str | None:
-    """XLLM_KV_TIER_DIR: where the disk KV tiers live unless --kv-disk-tier-dir says (None:
+    """XLLM_KV_TIER_DIR: where the disk KV tiers live unless kv_disk_tier_dir says (None:
     ~/.cache/xllm_py/kv_tiers); one directory per model and layout under it; {pid} in it:
     one per process (engines that must not share blocks on disk, e.g. a test suite's)."""
     return os.environ.get("XLLM_KV_TIER_DIR") or None
@@ -320,6 +319,44 @@ class SecurityConfig:
     etcd_tls: EtcdTLSConfig | None = None
 
 
+PREFILL_ORDERS = ("fcfs", "deadline")  # (cluster/prefill_order.py ORDERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class PDSchedulerConfig:
+    """The PD scheduler's own settings (engine/pd/; settings-file keys pd_<name>)."""
+    # Prefill: AddNewRequests tries per decode while it answers "no KV space", with
+    # doubling backoff (8 tries: ~4.5 s) before another decode is tried.
+    attempts_per_decode: int = 8
+    backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+    # Prefill: decodes tried per request (the service's choice, then the master's list).
+    max_decodes_per_request: int = 3
+    # Prefill: requests finding a decode at the same time.
+    max_dispatching: int = 64
+    # Prefill: a queued request is placed on a decode (its blocks set aside there) only
+    # while the prompts placed and not handed over yet hold fewer tokens (0: no limit):
+    # under a long queue, decode KV is not held by prompts waiting here.
+    max_placed_prompt_tokens: int = 4096
+    # Prefill: which queued request is placed next (cluster/prefill_order.py).
+    prefill_order: str = "deadline"
+    # Prefill: how often it links the decodes it has not linked yet (prelink_once).
+    prelink_interval_s: float = 2.0
+    # Decode: a request whose FirstGeneration never comes is freed after this.
+    orphan_timeout_s: float = 60.0
+    reap_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if min(self.attempts_per_decode, self.max_decodes_per_request, self.max_dispatching) < 1:
+            raise ValueError("attempts_per_decode, max_decodes_per_request and "
+                             "max_dispatching must be >= 1")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, "
+                             f"got {self.prefill_order!r}")
+        if self.max_placed_prompt_tokens < 0:
+            raise ValueError("max_placed_prompt_tokens must be >= 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str = "gemma-3-270m"  # xllm_py.model.catalog.DEFAULT_MODEL
@@ -345,6 +382,7 @@ class EngineConfig:
     tiers: TierConfig = dataclasses.field(default_factory=TierConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
+    pd: PDSchedulerConfig = dataclasses.field(default_factory=PDSchedulerConfig)
     # Cluster
     etcd_addr: str | None = None
     etcd_namespace: str = ""
@@ -389,33 +427,6 @@ def advertised_host(host: str, advertise_host: str | None) -> str:
 
         return socket.gethostname()
     return host
-
-
-# Fault injection for tests: a decode that exits when a hand-over reaches it
-# (FirstGeneration: between AddNewRequests and the take-over, the window a crash may hit).
-FAULT_EXIT_ON_FIRST_GENERATION = "XLLM_FAULT_EXIT_ON_FIRST_GENERATION"
-
-
-def fault_exit_on_first_generation() -> bool:
-    return os.environ.get(FAULT_EXIT_ON_FIRST_GENERATION) == "1"
-
-
-def transfer_config_from_env(base: TransferConfig) -> TransferConfig:
-    """Overrides from XLLM_KV_TRANSFER_* variables (tests use them to inject settings); the
-    UCX settings from theirs (UCXConfig.from_env) unless ``base`` has them."""
-    backend = os.environ.get("XLLM_KV_TRANSFER_BACKEND")
-    timeout = os.environ.get("XLLM_KV_TRANSFER_TIMEOUT_S")
-    fault_rate = os.environ.get("XLLM_KV_TRANSFER_FAULT_RATE")
-    changes: dict = {}
-    if fault_rate:
-        changes["fault_rate"] = float(fault_rate)
-    if backend:
-        changes["backend"] = backend
-    if timeout:
-        changes["timeout_s"] = float(timeout)
-    if base.ucx is None:
-        changes["ucx"] = UCXConfig.from_env()
-    return dataclasses.replace(base, **changes)
 
 
 def etcd_credentials_from_env() -> tuple[str, str] | None:

@@ -5,6 +5,10 @@ Stages: (--tls: a CA and certificates in the log dir) -> etcd (embedded binary, 
 prefill + M decode engines (or K MIX with --mix K) -> wait until the service is ready ->
 print the endpoint and a curl -> run until Ctrl-C / SIGTERM -> stop engines, service,
 store, etcd; no process left.
+
+The children's own flags pass through (--engine-arg, --prefill-arg, --decode-arg,
+--service-arg), their settings files too (--service-arg=--config=FILE); each child's
+command line goes through its real parser before anything starts.
 """
 from __future__ import annotations
 
@@ -71,10 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--engine-arg", action="append", default=[],
              help="extra flag for every engine, e.g. --engine-arg=--block-size=32")
     add_flag(p, "--prefill-arg", action="append", default=[],
-             help="extra flag for the PREFILL engines only (after --engine-arg)")
+             help="extra flag for the PREFILL engines only (given after the --engine-arg ones)")
     add_flag(p, "--decode-arg", action="append", default=[],
              help="extra flag for the DECODE engines only, e.g. "
-                  "--decode-arg=--max-prefill-tokens-while-decoding=64")
+                  "--decode-arg=--config=decode.yaml (engine settings: python -m xllm_py.engine --help)")
     add_flag(p, "--service-arg", action="append", default=[],
              help="extra flag for the service, e.g. --service-arg=--load-balance-policy=CACHE_AWARE")
     add_flag(p, "--tls", action="store_true",

@@ -13,7 +13,7 @@ import dataclasses
 
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.outputs import TokenLogprob
-from xllm_py.rpc.status import Status
+from xllm_py.status import Status
 
 
 @dataclasses.dataclass

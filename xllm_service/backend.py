@@ -14,7 +14,8 @@ Stages of one client request:
   ok=false for it and the engine frees its blocks). The phases of one engine request
   (a sub-request) are in sub_request.py; SubRequests keeps the book of them.
 
-Migration off an evicted decode or MIX instance: migration.py (MigrationMixin).
+What each Generation does to its sub: relay.py (Relay). Moving a sub off an instance that
+is gone or cannot serve it: migration.py (Relocator). Both are built here.
 """
 from __future__ import annotations
 
@@ -29,28 +30,26 @@ import grpc
 
 from xllm_py.api.errors import InvalidRequestError, ServiceUnavailableError, TooManyRequestsError
 from xllm_py.config import InstanceRole
-from xllm_service.config import RelayConfig
 from xllm_py.outputs import RequestOutput
 from xllm_py.rpc import service as wire
 from xllm_py.rpc.convert import EngineRequestSpec
-from xllm_py.rpc.status import Status
 from xllm_py.sampling_params import SamplingParams
 from xllm_py.utils.aio import wait_for
+from xllm_service.config import RelayConfig
 from xllm_service.engine_client import SEND_ERRORS, Engines
+from xllm_service.instance_table import InstanceInfo
 from xllm_service.metrics import ServiceMetrics
-from xllm_service.migration import MigrationMixin, new_engine_id
+from xllm_service.migration import Relocator, new_engine_id
+from xllm_service.relay import Relay
 from xllm_service.router import NoInstanceError, Path, Route, Router
 from xllm_service.sub_request import SubPhase, SubRequest, SubRequests
 
 logger = logging.getLogger(__name__)
-# an engine's code for "a peer failed": for a PD sub, its KV transfer
-KV_LOST = Status.BAD_GATEWAY.http_status
-UNAVAILABLE = Status.UNAVAILABLE.http_status
 # A latency target travels as an int32 of ms (DisaggRequest.ttft_slo / tpot_slo).
 SLO_MAX_MS = 2**31 - 1
 
 
-class ServiceBackend(MigrationMixin):
+class ServiceBackend:
     def __init__(self, tokenizer, model_name: str, max_model_len: int, router: Router,
                  engines: Engines, my_rpc_addr: str, config: RelayConfig = RelayConfig(),
                  subs: SubRequests | None = None, metrics: ServiceMetrics | None = None) -> None:
@@ -65,6 +64,10 @@ class ServiceBackend(MigrationMixin):
         self.metrics = metrics or ServiceMetrics(self.subs.inflight_by_instance)
         self.metrics_registry = self.metrics.registry  # the process's one (GenerateBackend)
         self._tasks: set[asyncio.Task] = set()  # Cancel and migration RPCs, until done
+        self.relocator = Relocator(self.subs, router, engines, self.metrics.migrations,
+                                   fail=self._fail, log_route=self._log_route, spawn=self._spawn)
+        self.relay = Relay(self.subs, self.relocator,
+                           lambda: router.schedulable(InstanceRole.DECODE), self._deliver)
 
     # ------------------------------------------------------------------ GenerateBackend
     def tokenizer(self):
@@ -236,129 +239,13 @@ class ServiceBackend(MigrationMixin):
         """XllmRpcService.Generations: relay each output to its client; the reply says
         ok=false for the ones no client waits for (the engine aborts them)."""
         batch = wire.generations_from_proto(msg)
-        return wire.generations_reply([self._on_generation(batch.instance_name, g)
+        return wire.generations_reply([self.relay.on_generation(batch.instance_name, g)
                                        for g in batch.gens])
 
-    def _on_generation(self, instance_name: str, gen: wire.Generation) -> bool:
-        sub = self.subs.get(gen.service_request_id)
-        if sub is None or sub.phase is SubPhase.CANCELLED:
-            return False
-        out = gen.output
-        if (sub.route.is_pd and instance_name and not gen.on_prefill
-                and instance_name != sub.route.decode.name):
-            self._follow_decode(sub, instance_name)
-        if out.failed and self._resumable(sub, out):
-            self._migrate(sub, out.unreachable_instance, why=(
-                f"decode instance {out.unreachable_instance} could not be reached "
-                f"({out.error_message})"))
-        elif out.failed and self._dropped_by_its_instance(sub, instance_name, out):
-            self._migrate(sub, instance_name, why=out.error_message)
-        elif out.failed and out.error_code == KV_LOST and self._awaiting_take_over(sub):
-            self._recompute_on_a_decode(sub, f"its KV could not reach the decode "
-                                             f"({out.error_message})")
-        elif (out.failed and out.error_code == KV_LOST and sub.route.is_pd
-              and sub.phase is SubPhase.DISPATCHED and not gen.on_prefill
-              and instance_name != sub.route.target.name):
-            sub.kv_lost = out.error_message  # the decode failed its pull before the first
-            # token came in from the prefill: recomputed once it has
-        elif out.failed and self._unplaced_by_its_prefill(sub, instance_name, out):
-            self._serve_on_a_decode(sub, out.error_message)
-        elif out.failed:
-            if sub.route.is_pd and sub.phase < SubPhase.STREAMING:
-                self._cancel_on_decodes(sub, out.error_message)
-            self._deliver(sub, out)
-        elif not sub.route.is_pd:
-            self._advance(sub, SubPhase.STREAMING)
-            self._deliver(sub, out)
-        elif gen.on_prefill:
-            held, sub.held = sub.held, []
-            self._advance(sub, SubPhase.STREAMING if held else SubPhase.FIRST_RELAYED)
-            self._deliver(sub, out)
-            for h in held:
-                self._deliver(sub, h)
-            if held:
-                self._release_prefill(sub)
-            elif sub.kv_lost and self._awaiting_take_over(sub):
-                self._recompute_on_a_decode(sub, f"its KV could not reach the decode "
-                                                 f"({sub.kv_lost})")
-        elif sub.phase in (SubPhase.FIRST_RELAYED, SubPhase.STREAMING):
-            self._advance(sub, SubPhase.STREAMING)
-            self._deliver(sub, out)
-            self._release_prefill(sub)
-        else:
-            self._advance(sub, SubPhase.HOLDING)
-            sub.held.append(out)
-        return True
-
-    @staticmethod
-    def _advance(sub: SubRequest, phase: SubPhase) -> None:
-        """On to `phase`, unless the sub is there or past it already."""
-        if sub.phase < phase and not sub.phase.is_done:
-            sub.transition(phase)
-
-    def _follow_decode(self, sub: SubRequest, name: str) -> None:
-        """The prefill handed the sub to another decode than the one chosen here (that one
-        was full, or unreachable): from now on eviction, Cancel and the counts go to the
-        decode that runs it."""
-        info = next((i for i in self.router.schedulable(InstanceRole.DECODE)
-                     if i.name == name), None)
-        if info is None:
-            logger.warning("request %s is on decode %s, which is not registered",
-                           sub.engine_request_id, name)
-            return
-        old = sub.route.decode.name
-        self.subs.move(sub, info)
-        logger.info("request %s: prefill handed it to decode %s instead of %s",
-                    sub.engine_request_id, name, old)
-
-    def _resumable(self, sub: SubRequest, out: RequestOutput) -> bool:
-        """A PD sub whose prefill could not reach its decode to hand it over (the decode
-        died, or hangs) after its first token was relayed, and before any decode output:
-        it moves to another decode like one whose decode was evicted, rather than
-        failing. (After a decode output the decode has it: its eviction decides.)"""
-        return (self._awaiting_take_over(sub)
-                and out.unreachable_instance == sub.route.decode.name)
-
-    @staticmethod
-    def _awaiting_take_over(sub: SubRequest) -> bool:
-        """A PD sub whose prefill's first token is relayed and no decode output yet: the
-        decode has not taken it over (it may still be pulling the KV). It can resume from
-        that token on any decode by recomputing the prompt (MultiGenerations, no KV)."""
-        return (sub.route.is_pd and len(sub.generated) == 1 and not sub.held
-                and sub.spec is not None and sub.single_sequence and not sub.phase.is_done)
-
-    @staticmethod
-    def _unplaced_by_its_prefill(sub: SubRequest, instance_name: str,
-                                 out: RequestOutput) -> bool:
-        """Its prefill failed it before any token because no decode could be reached or
-        take it (a partition between the prefill and the decodes: 502/503): nothing was
-        relayed, so a decode can serve it whole."""
-        return (sub.route.is_pd and instance_name == sub.route.target.name
-                and sub.phase is SubPhase.DISPATCHED and not sub.generated and not sub.held
-                and sub.spec is not None and out.error_code in (KV_LOST, UNAVAILABLE))
-
-    @staticmethod
-    def _dropped_by_its_instance(sub: SubRequest, instance_name: str,
-                                 out: RequestOutput) -> bool:
-        """The instance generating the sub gave it up because it could not reach us (a
-        cut link: GenerationsReporter's notice names itself): it moves like one whose
-        instance was evicted, when it can (single sequence, tokens relayed)."""
-        return (bool(instance_name) and out.unreachable_instance == instance_name
-                and sub.serving == instance_name and bool(sub.generated)
-                and sub.spec is not None and sub.single_sequence and not sub.phase.is_done)
-
-    def _release_prefill(self, sub: SubRequest) -> None:
-        """PD: the request no longer depends on its prefill instance, so that instance's
-        eviction must not fail it. Called once the service holds both prefill's first
-        token and a decode output: a decode output means decode has the KV and is
-        generating. A decode output alone (held, prefill's token not in yet) is not enough:
-        the first token can only come from prefill, so if prefill dies the request must
-        fail now rather than wait for the idle timeout. `inflight(prefill)` stops counting
-        it; `sub.route` keeps both names, so Cancel and the outcome counters still go to
-        both instances."""
-        prefill, decode = sub.route.target.name, sub.route.decode.name
-        if prefill != decode:
-            self.subs.release(sub, prefill)
+    def on_evict(self, info: InstanceInfo) -> None:
+        """An instance left the cluster (registry): the subs that depend on it move or fail
+        (Relocator.on_evict)."""
+        self.relocator.on_evict(info)
 
     def _deliver(self, sub: SubRequest, out: RequestOutput) -> None:
         if sub.phase.is_done:

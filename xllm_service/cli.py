@@ -1,5 +1,6 @@
-"""Command line of the master: `python -m xllm_service --help`; `config_from_args` turns
-the flags into a ServiceConfig."""
+"""Command line of the master: `python -m xllm_service --help` (flags) and `--config FILE`
+(YAML: the flags and the settings listed at the end of --help); `config_from_args` turns
+them into a ServiceConfig."""
 from __future__ import annotations
 
 import argparse
@@ -9,11 +10,14 @@ from xllm_py.api.response_store import ResponseStoreLimits
 from xllm_service.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
 from xllm_py.model.catalog import DEFAULT_MODEL
 from xllm_py.utils.cli import add_flag
+from xllm_py.utils.config_file import SettingsParser
 from xllm_py.utils.security_cli import add_security_flags, security_from_args
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> SettingsParser:
+    """The flags an operator sets; the rest are settings of --config FILE (listed at the
+    end of --help), with defaults that suit a cluster as it comes."""
+    p = SettingsParser(
         prog="python -m xllm_service",
         description="xllm_service: registry (etcd), master election, routing and the "
                     "OpenAI-compatible front door of an xllm-py cluster. Flags also accept "
@@ -23,16 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--etcd-ttl", type=float, default=3.0, help="lease TTL (s) of service keys")
     add_flag(p, "--host", default="127.0.0.1", help="address to bind")
     add_flag(p, "--advertise-host", default=None,
-             help="address engines use to reach this service (default: --host; with a "
-                  "wildcard --host, the machine's hostname)")
+             help="address engines use to reach this service (default: the --host, or "
+                  "with a wildcard one the machine's hostname)")
     add_flag(p, "--http-port", type=int, default=8888, help="OpenAI HTTP API port")
     add_flag(p, "--rpc-port", type=int, default=8889, help="XllmRpcService gRPC port")
     add_flag(p, "--model", default=DEFAULT_MODEL,
              help="the engines' model (its tokenizer and chat template): a model directory, a "
                   f".gguf file or a name ({DEFAULT_MODEL}, tiny, ...)")
     add_flag(p, "--served-model-name", default=None, help="model id in the API")
-    add_flag(p, "--max-model-len", type=int, default=None,
-             help="context limit for validation (default: the model's max_position_embeddings)")
     add_flag(p, "--load-balance-policy", default="SLO_AWARE", type=str.upper,
              choices=["RR", "LEAST_LOAD", "CACHE_AWARE", "SLO_AWARE"],
              help="RR: round robin; LEAST_LOAD: fewest in-flight + waiting requests; "
@@ -42,41 +44,54 @@ def build_parser() -> argparse.ArgumentParser:
                   "instances whose predicted TTFT/TPOT (the latency profiles the engines "
                   "measure at start-up) meet the request's targets (else miss least); "
                   "without profiles CONDITIONAL's thresholds; CACHE_AWARE over MIX instances")
-    add_flag(p, "--disagg-decision", default=None, type=str.upper,
-             choices=["ALWAYS", "CONDITIONAL"],
-             help="over prefill/decode instances: ALWAYS send the prompt to a prefill "
-                  "instance, or decide per request (CONDITIONAL: short or cached prompts, "
-                  "or all while prefill is busy, are prefilled on the decode). Default: "
-                  "CONDITIONAL with SLO_AWARE, else ALWAYS")
-    add_flag(p, "--local-prefill-max-tokens", type=int, default=256,
-             help="CONDITIONAL: prefill on the decode when at most this many prompt tokens "
-                  "are not in its prefix cache")
-    add_flag(p, "--pd-overhead-ms", type=float, default=20.0,
-             help="SLO_AWARE: TTFT added by disaggregation (KV pull, hand-over RPCs)")
     add_flag(p, "--ttft-slo-ms", type=float, default=None,
              help="SLO_AWARE: TTFT target of a request without ttft_slo_ms (0: none; "
                   "default: a 2048-token prompt alone on the slowest prefill, by the profiles)")
     add_flag(p, "--tpot-slo-ms", type=float, default=None,
              help="SLO_AWARE: TPOT target of a request without tpot_slo_ms (0: none; "
                   "default: 1.25x a step of 8 streams of 1k context on the slowest decode)")
-    add_flag(p, "--evict-grace-s", type=float, default=3.0,
-             help="seconds a dead instance stays SUSPECT before it is evicted")
-    add_flag(p, "--rpc-timeout", type=float, default=5.0, help="deadline of service RPCs (s)")
-    add_flag(p, "--request-idle-timeout", type=float, default=120.0,
-             help="fail a request when its engine sends nothing for this long (s)")
     add_flag(p, "--batch-dir", default="",
              help="the Batch API's files and batches, shared by the cluster's services "
                   "(a shared volume across hosts; default: <temp dir>/xllm-batches/"
                   "<etcd namespace>)")
-    add_flag(p, "--responses-max", type=int, default=1000,
-             help="the Responses API's stored responses (in etcd): at most this many, the "
-                  "oldest dropped first")
-    add_flag(p, "--responses-ttl-s", type=float, default=3600.0,
-             help="a stored response expires this long after it was written (s)")
     add_limit_flags(p)
+    p.move_to_file("--max-body-bytes", "--retry-after", "--trust-request-chat-template")
     add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_security_flags(p)
+    _add_file_settings(p)
     return p
+
+
+def _add_file_settings(p: SettingsParser) -> None:
+    p.add_file_setting("--max-model-len", type=int, default=None,
+                       help="context limit for validation (default: the model's "
+                            "max_position_embeddings)")
+    p.add_file_setting("--disagg-decision", default=None, type=str.upper,
+                       choices=["ALWAYS", "CONDITIONAL"],
+                       help="over prefill/decode instances: ALWAYS send the prompt to a "
+                            "prefill instance, or decide per request (CONDITIONAL: short or "
+                            "cached prompts, or all while prefill is busy, are prefilled on "
+                            "the decode); unset: CONDITIONAL under SLO_AWARE, else ALWAYS")
+    d = RouterConfig()
+    p.add_file_setting("--local-prefill-max-tokens", type=int,
+                       default=d.local_prefill_max_tokens,
+                       help="CONDITIONAL: prefill on the decode when at most this many prompt "
+                            "tokens are not in its prefix cache")
+    p.add_file_setting("--pd-overhead-ms", type=float, default=d.pd_overhead_ms,
+                       help="SLO_AWARE: TTFT added by disaggregation (KV pull, hand-over RPCs)")
+    p.add_file_setting("--evict-grace-s", type=float, default=RegistryConfig().evict_grace_s,
+                       help="seconds a dead instance stays SUSPECT before it is evicted")
+    r = RelayConfig()
+    p.add_file_setting("--rpc-timeout", type=float, default=r.rpc_timeout_s,
+                       help="deadline of service RPCs (s)")
+    p.add_file_setting("--request-idle-timeout", type=float, default=r.idle_timeout_s,
+                       help="fail a request when its engine sends nothing for this long (s)")
+    limits = ResponseStoreLimits()
+    p.add_file_setting("--responses-max", type=int, default=limits.max_responses,
+                       help="the Responses API's stored responses (in etcd): at most this "
+                            "many, the oldest dropped first")
+    p.add_file_setting("--responses-ttl-s", type=float, default=limits.ttl_s,
+                       help="a stored response expires this long after it was written (s)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:

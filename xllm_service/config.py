@@ -56,7 +56,8 @@ class RouterConfig:
     # CONDITIONAL without profiles: longer prompts go to the decode too while the least
     # busy prefill has this many prompt tokens queued (0: never; SLO_AWARE: never).
     prefill_busy_tokens: int = 4096
-    # SLO_AWARE: PD's TTFT on top of the prefill (KV pull, hand-over RPCs).
+    # SLO_AWARE: PD's TTFT on top of the prefill (KV pull, hand-over RPCs): an estimate, as
+    # the engines report no hand-over times (the prefill only logs them).
     pd_overhead_ms: float = 20.0
     # SLO_AWARE: targets of a request that sets none; None: from the profiles; 0: none.
     ttft_slo_ms: float | None = None

@@ -131,8 +131,7 @@ class InstanceTable:
 
     def schedulable(self, role: InstanceRole | None = None) -> list[InstanceInfo]:
         # The role first (cheap), then sort only what is left: the router asks once per
-        # role for every request (Router.route over 128 instances, CPU: ~300 -> ~150 us,
-        # benchmarks/bench_fleet.py route_micro).
+        # role for every request (benchmarks/bench_fleet.py route_micro times it).
         return sorted((i for i in self._entries.values()
                        if (role is None or i.role == role) and i.schedulable),
                       key=lambda i: i.name)

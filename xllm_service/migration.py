@@ -1,6 +1,8 @@
-"""MigrationMixin: the service's half of moving a request off an evicted instance
-(ServiceBackend takes it in; it works on the backend's SubRequests, Router, Engines and
-metrics).
+"""Relocator: the service's half of moving a request off an instance that is gone or
+cannot serve it. ServiceBackend builds one and hands it the book of sub-requests, the
+instance picks it may make (`Placement`), the engine RPCs, the migrations counter and
+three callables of its own (fail a sub, log a route, run a task); the relay calls it for
+the failures a Generation reports, the registry (through the backend) for evictions.
 
 Migration off an evicted decode or MIX instance. A PD sub-request is single-sequence,
 and so is a MIX request with n == 1 and best_of <= 1: the service knows its generated
@@ -34,9 +36,9 @@ are counted in `xllm_service_migrations_total{outcome="ok"|"failed"}` ("ok": the
 instance accepted it). A sub re-keyed again (its new instance evicted during the RPC)
 ignores the stale RPC's answer. The same move recomputes a PD sub whose KV never reached
 its decode (its prefill died after relaying the first token, or the transfer failed: an
-engine's 502) on a decode (`_recompute_on_a_decode`). Still failed with a 503: a MIX request with n > 1 or
-best_of > 1 (the message says why: its sequences are interleaved in one engine request,
-and only one sequence's tokens can be handed over).
+engine's 502) on a decode (`recompute_on_a_decode`). Still failed with a 503: a MIX
+request with n > 1 or best_of > 1 (the message says why: its sequences are interleaved
+in one engine request, and only one sequence's tokens can be handed over).
 A request with nothing relayed yet (the client has seen no token) whose instance dies
 is sent again whole (`_resend_unstarted`): a MIX or DECODE-path one to another instance
 of its kind, a PD one whose prefill died to a decode that serves it whole; the client
@@ -44,19 +46,21 @@ only waits longer for its first token. Counted as migrations too.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
 import uuid
+from typing import Callable, Coroutine, Protocol, Sequence
 
 import grpc
 
 from xllm_py.config import InstanceRole
 from xllm_py.rpc.convert import EngineRequestSpec
-from xllm_service.engine_client import SEND_ERRORS
+from xllm_service.engine_client import SEND_ERRORS, Engines
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.router import NoInstanceError, Route
-from xllm_service.sub_request import SubPhase, SubRequest
+from xllm_service.sub_request import SubPhase, SubRequest, SubRequests
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +70,34 @@ def new_engine_id(request_id: str, offset: int) -> str:
     return f"{request_id}-{offset}-{uuid.uuid4().hex[:8]}"
 
 
-class MigrationMixin:
+class Placement(Protocol):
+    """The instance picks a move needs (Router has them)."""
+
+    def route_decode(self, request: object = None,
+                     exclude: Sequence[str] = ()) -> InstanceInfo: ...
+
+    def route_mix(self, request: object = None,
+                  exclude: Sequence[str] = ()) -> InstanceInfo: ...
+
+    def schedulable(self, role: InstanceRole) -> list[InstanceInfo]: ...
+
+
+class Relocator:
+    def __init__(self, subs: SubRequests, placement: Placement, engines: Engines,
+                 migrations: collections.Counter, *, fail: Callable[[SubRequest, str], None],
+                 log_route: Callable[[str, Route, int], None],
+                 spawn: Callable[[Coroutine], None]) -> None:
+        self.subs = subs
+        self.placement = placement
+        self.engines = engines
+        self.migrations = migrations  # "ok" / "failed": xllm_service_migrations_total
+        self._fail = fail  # the client gets a 503 with this message
+        self._log_route = log_route  # the request log line of a new engine request
+        self._spawn = spawn  # runs an RPC in the background, kept until done
+
     def on_evict(self, info: InstanceInfo) -> None:
         """An instance is gone: the requests that still depend on it (see
-        `_release_prefill`) move to another instance of its kind if it was generating them
+        `Relay.release_prefill`) move to another instance of its kind if it was generating them
         (their decode, or their MIX instance), they are single-sequence and a token was
         relayed (see the module docstring); a PD sub whose prefill died after relaying its
         first token, before a decode took it over, is recomputed on a decode; the others
@@ -79,12 +107,12 @@ class MigrationMixin:
                 continue
             why = f"instance {info.name} left the cluster while serving the request"
             if sub.serving == info.name and sub.generated and sub.spec is not None:
-                self._migrate(sub, info.name)
+                self.migrate(sub, info.name)
                 continue
-            if info.name == sub.route.target.name and self._awaiting_take_over(sub):
-                self._recompute_on_a_decode(sub, f"its prefill {info.name} left the cluster")
+            if info.name == sub.route.target.name and sub.awaiting_take_over:
+                self.recompute_on_a_decode(sub, f"its prefill {info.name} left the cluster")
                 continue
-            if self._unstarted_on(sub, info.name):
+            if sub.unstarted_on(info.name):
                 self._resend_unstarted(sub, info.name, why)
                 continue
             if sub.serving == info.name and sub.spec is not None and not sub.single_sequence:
@@ -94,63 +122,56 @@ class MigrationMixin:
             logger.warning("instance %s evicted: failing request %s", info.name,
                            sub.engine_request_id)
             if sub.route.is_pd and info.name != sub.route.decode.name:
-                self._cancel_on_decodes(sub, why)  # its prefill died before the hand-over
+                self.cancel_on_decodes(sub, why)  # its prefill died before the hand-over
             self._fail(sub, why)
 
-    def _cancel_on_decodes(self, sub: SubRequest, why: str) -> None:
+    def cancel_on_decodes(self, sub: SubRequest, why: str) -> None:
         """A PD sub ends failed before its decode took it over: a decode may still hold
         the blocks it set aside for it (ours, or the one the prefill picked instead),
         because the prefill that would tell it to drop them is dead or cut off from it.
         Each decode is told (a Cancel of an id it does not hold is a no-op), so they are
         freed now, not after the decode's orphan timeout."""
-        for decode in self.router.schedulable(InstanceRole.DECODE):
+        for decode in self.placement.schedulable(InstanceRole.DECODE):
             self._spawn(self.engines.cancel(decode.meta.rpc_address, sub.engine_request_id,
                                             sub.request_id, why))
 
-    def _recompute_on_a_decode(self, sub: SubRequest, why: str) -> None:
+    def recompute_on_a_decode(self, sub: SubRequest, why: str) -> None:
         """A PD sub lost its KV before its decode took it over (its prefill died, or the
         transfer failed) with the first token relayed: like vLLM's recompute policy for a
         failed KV load, a decode computes the prompt again and resumes after that token
         (MultiGenerations without KV), instead of the client getting an error. Whatever a
         decode set aside for it under the old id is dropped first."""
-        self._cancel_on_decodes(sub, why)
-        self._migrate(sub, sub.route.target.name, why=why)
+        self.cancel_on_decodes(sub, why)
+        self.migrate(sub, sub.route.target.name, why=why)
 
-    def _serve_on_a_decode(self, sub: SubRequest, why: str, counted: bool = False) -> None:
+    def serve_on_a_decode(self, sub: SubRequest, why: str, counted: bool = False) -> None:
         """A PD sub its prefill could not place on any decode (or that died), before any
         token: a decode serves it whole (the DECODE path: Generate under a fresh id, as
         conditional disaggregation sends short prompts), else the client gets the error.
         `counted`: a move off an evicted instance (xllm_service_migrations_total)."""
         prefill = sub.route.target.name
         try:
-            target = self.router.route_decode(sub.spec)
+            target = self.placement.route_decode(sub.spec)
         except NoInstanceError as exc:
             if counted:
-                self.metrics.migrations["failed"] += 1
+                self.migrations["failed"] += 1
             self._fail(sub, f"{why}; no decode to serve it instead: {exc}")
             return
-        self._cancel_on_decodes(sub, why)
+        self.cancel_on_decodes(sub, why)
         route = Route(target, on_decode=True, reason=f"prefill {prefill} could not place it")
         logger.warning("request %s: prefill %s could not serve it; %s serves it whole",
                        sub.engine_request_id, prefill, target.name)
         self._send_elsewhere(sub, target, route, why, counted)
 
-    @staticmethod
-    def _unstarted_on(sub: SubRequest, dead: str) -> bool:
-        """Nothing of `sub` reached its client, and the dead instance is the one computing
-        it: a MIX or DECODE-path sub on it, or a PD sub whose prefill it was."""
-        return (sub.phase is SubPhase.DISPATCHED and not sub.generated and not sub.held
-                and sub.spec is not None and dead == sub.route.target.name)
-
     def _resend_unstarted(self, sub: SubRequest, dead: str, why: str) -> None:
-        """`_unstarted_on`: send it again whole, elsewhere (the module docstring)."""
+        """`SubRequest.unstarted_on`: send it again whole, elsewhere (the module docstring)."""
         if sub.route.is_pd:
-            self._serve_on_a_decode(sub, why, counted=True)
+            self.serve_on_a_decode(sub, why, counted=True)
             return
         try:
             target = self._another_of_its_kind(sub, dead)
         except NoInstanceError as exc:
-            self.metrics.migrations["failed"] += 1
+            self.migrations["failed"] += 1
             self._fail(sub, f"{why}; no other instance to send it to: {exc}")
             return
         logger.warning("instance %s lost before request %s's first token: sending it to %s",
@@ -177,17 +198,17 @@ class MigrationMixin:
         except SEND_ERRORS as exc:
             error = f"{type(exc).__name__}: {exc}"
         if counted:
-            self.metrics.migrations["failed" if error else "ok"] += 1
+            self.migrations["failed" if error else "ok"] += 1
         if error and sub.engine_request_id == spec.service_request_id:
             self._fail(sub, f"{why}; {target.name} could not serve it instead: {error}")
 
     def _another_of_its_kind(self, sub: SubRequest, dead: str) -> InstanceInfo:
         """An instance to move `sub` to from `dead`: a decode for a PD or DECODE-path sub,
         a MIX for a MIX one (NoInstanceError: none other is registered)."""
-        pick = self.router.route_decode if sub.route.on_decode_role else self.router.route_mix
+        pick = self.placement.route_decode if sub.route.on_decode_role else self.placement.route_mix
         return pick(sub.spec, exclude=[dead])
 
-    def _migrate(self, sub: SubRequest, dead: str, why: str = "") -> None:
+    def migrate(self, sub: SubRequest, dead: str, why: str = "") -> None:
         """Re-key `sub` and hand it to another instance of the dead one's kind (DECODE for
         a PD sub, MIX for a MIX one) with MultiGenerations (async)."""
         spec, k = sub.spec, len(sub.generated)
@@ -203,7 +224,7 @@ class MigrationMixin:
         if target is None:
             logger.warning("instance %s lost: cannot migrate request %s (%s)", dead,
                            sub.engine_request_id, reason)
-            self.metrics.migrations["failed"] += 1
+            self.migrations["failed"] += 1
             self._fail(sub, f"{why}; could not migrate it: {reason}")
             return
         old_id, new_id = sub.engine_request_id, new_engine_id(sub.request_id, sub.index_offset)
@@ -212,7 +233,7 @@ class MigrationMixin:
         else:  # a DECODE-path sub migrates to another decode, a MIX one to a MIX
             route = Route(target, on_decode=sub.route.on_decode)
         self.subs.rekey(sub, new_id, route)
-        self._advance(sub, SubPhase.STREAMING)  # no longer waits for its prefill
+        sub.advance(SubPhase.STREAMING)  # no longer waits for its prefill
         logger.warning("instance %s lost: migrating request %s (%d tokens generated) to %s "
                        "as %s", dead, old_id, k, target.name, new_id)
         params = dataclasses.replace(spec.params, prompt_logprobs=None, echo=False)
@@ -233,7 +254,7 @@ class MigrationMixin:
         except Exception as exc:  # the client must hear of it, not wait out the idle timeout
             logger.exception("MultiGenerations of %s on %s failed", new_id, target.name)
             error = repr(exc)
-        self.metrics.migrations["failed" if error else "ok"] += 1
+        self.migrations["failed" if error else "ok"] += 1
         if error:
             logger.warning("MultiGenerations of %s on %s failed after %.2fs: %s", new_id,
                            target.name, time.monotonic() - t0, error)

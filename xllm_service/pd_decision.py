@@ -8,7 +8,7 @@ Per request, one of two paths:
           streams it runs keep going while it prefills (a long chunk still lengthens the
           steps it rides in: that is what the thresholds bound).
 
-`PDDecider` (--disagg-decision CONDITIONAL, any policy): the uncached part of the prompt
+`PDDecider` (disagg_decision CONDITIONAL, any policy): the uncached part of the prompt
 on the chosen decode (its prefix cache, from heartbeat cache events) at most
 `local_prefill_max_tokens` -> DECODE; else, when the least busy prefill instance still has
 `prefill_busy_tokens` prompt tokens queued (the service's own requests there) and the

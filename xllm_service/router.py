@@ -3,7 +3,7 @@
 Policies plug in behind `LoadBalancePolicy.select`: RR, LEAST_LOAD and CACHE_AWARE (the
 longest cached prompt prefix, from the engines' heartbeat cache events, within a load
 bound). Over prefill and decode instances the Router also decides the path (`Path`): PD
-always (--disagg-decision ALWAYS), or per request (CONDITIONAL: a `decider`, see
+always (disagg_decision ALWAYS), or per request (CONDITIONAL: a `decider`, see
 pd_decision.py); SLO_AWARE (an `slo` router, pd_decision.py) picks path and instances from
 predicted TTFT and TPOT, and CACHE_AWARE picks among MIX instances.
 """

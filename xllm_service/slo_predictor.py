@@ -78,9 +78,10 @@ class SloPredictor:
         pred_ttft, pred_tpot = route.predicted
         pair = (route.target.name, route.serving.name)
         if route.is_pd and pair not in self._pairs_seen:
-            # A pair's first hand-over also opens its channels and transfer links: taken
-            # as the prefill's speed, one slow first request made every later long prompt
-            # look late there, none went there again, and nothing corrected it back.
+            # A pair's first hand-over also opens its channels and transfer links, so it is
+            # not the prefill's speed: taken as such, one slow first request would make
+            # every later long prompt look late there, none would go there again, and
+            # nothing would correct it back.
             self._pairs_seen.add(pair)
             ttft_ms = None
         if not route.corrects_ttft:

@@ -103,6 +103,11 @@ class SubRequest:
                 f"sub-request {self.engine_request_id}: {self.phase.name} -> {phase.name}")
         self.phase = phase
 
+    def advance(self, phase: SubPhase) -> None:
+        """On to `phase`, unless the sub is there or past it already."""
+        if self.phase < phase and not self.phase.is_done:
+            self.transition(phase)
+
     @property
     def finished(self) -> bool:
         return self.phase is SubPhase.FINISHED
@@ -121,6 +126,20 @@ class SubRequest:
     def serving(self) -> str:
         """The instance generating its tokens (the one whose death migrates it)."""
         return self.route.serving.name
+
+    @property
+    def awaiting_take_over(self) -> bool:
+        """A PD sub whose prefill's first token is relayed and no decode output yet: the
+        decode has not taken it over (it may still be pulling the KV). It can resume from
+        that token on any decode by recomputing the prompt (MultiGenerations, no KV)."""
+        return (self.route.is_pd and len(self.generated) == 1 and not self.held
+                and self.spec is not None and self.single_sequence and not self.phase.is_done)
+
+    def unstarted_on(self, name: str) -> bool:
+        """Nothing of it reached its client, and instance `name` is the one computing it:
+        a MIX or DECODE-path sub there, or a PD sub whose prefill it is."""
+        return (self.phase is SubPhase.DISPATCHED and not self.generated and not self.held
+                and self.spec is not None and name == self.route.target.name)
 
     @property
     def prefilling(self) -> bool:

@@ -10,6 +10,7 @@ import httpx
 import openai
 
 from tests.waiting import wait_until  # noqa: F401  (re-exported: the cluster tests import it from here)
+from xllm_py.utils.config_file import write_settings
 from xllm_py.utils.procs import ChildProcess, engine_args, free_port, spawn
 
 
@@ -23,14 +24,18 @@ class Harness:
         self.procs: list[ChildProcess] = []
 
     def service(self, name: str = "service", evict_grace_s: float = 2.0,
-                extra: list[str] | None = None, pd_always: bool = True) -> ChildProcess:
+                extra: list[str] | None = None, pd_always: bool = True,
+                settings: dict[str, object] | None = None) -> ChildProcess:
         """`pd_always`: LEAST_LOAD, every prompt on a prefill (the tests of the PD
-        machinery; a policy in `extra` wins); False: the service's own defaults."""
+        machinery; a policy in `extra` wins); False: the service's own defaults.
+        `settings`: more of its --config FILE (evict_grace_s is there already)."""
         http, rpc = free_port(), free_port()
+        config = write_settings(self.log_dir / f"{name}.settings.yaml",
+                                {"evict_grace_s": evict_grace_s, **(settings or {})})
         proc = spawn(name, "xllm_service",
                      ["--model", "tiny", "--etcd", self.etcd, "--etcd-namespace", self.namespace,
                       "--etcd-ttl", str(self.ttl_s), "--http-port", str(http),
-                      "--rpc-port", str(rpc), "--evict-grace-s", str(evict_grace_s),
+                      "--rpc-port", str(rpc), *config,
                       *(["--load-balance-policy", "LEAST_LOAD"] if pd_always else []),
                       *(extra or [])],
                      self.log_dir, http_url=f"http://127.0.0.1:{http}")
@@ -38,24 +43,32 @@ class Harness:
         return proc
 
     def engine(self, role: str, name: str, port: int | None = None,
-               extra: list[str] | None = None, profile: bool = False) -> ChildProcess:
+               extra: list[str] | None = None, profile: bool = False,
+               settings: dict | None = None, fault: str | None = None) -> ChildProcess:
         """`profile`: a PREFILL / DECODE measures its latency profile at start-up, as by
-        default (else none, unless `extra` names a file: the tests of the PD machinery)."""
+        default (else none, unless `settings` names a file: the tests of the PD
+        machinery); `settings`: more of its settings file (python -m xllm_py.engine --help);
+        `fault`: the engine runs with that fault installed (faulty_engine.py)."""
         port = port or free_port()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        file = write_settings(self.log_dir / f"{name}.settings.yaml", {
+            "etcd_ttl": self.ttl_s, "heart_beat_interval": 0.3,
+            **({} if profile else {"latency_profile": "off"}), **(settings or {})})
         args = engine_args(role, port, etcd=self.etcd, extra=[
-            "--etcd-namespace", self.namespace, "--etcd-ttl", str(self.ttl_s),
-            "--heart-beat-interval", "0.3", *([] if profile else ["--latency-profile", "off"]),
-            *(extra or [])])
-        proc = spawn(name, "xllm_py.engine", args, self.log_dir,
+            "--etcd-namespace", self.namespace, *file, *(extra or [])])
+        module = "xllm_py.engine" if fault is None else "tests.integration.faulty_engine"
+        proc = spawn(name, module, args if fault is None else [fault, *args], self.log_dir,
                      http_url=f"http://127.0.0.1:{port}")
         self.procs.append(proc)
         return proc
 
     def pd_tp_cluster(self, common: list[str], p_tp: int, d_tp: int,
-                      service_extra: list[str] | None = None):
-        """A service (flags `service_extra`) with one PREFILL of TP `p_tp` and one DECODE of
-        TP `d_tp` (engine flags `common`), all ready: (service, prefill, decode)."""
-        svc = self.service(extra=service_extra)
+                      service_extra: list[str] | None = None,
+                      service_settings: dict[str, object] | None = None):
+        """A service (flags `service_extra`, settings `service_settings`) with one PREFILL of
+        TP `p_tp` and one DECODE of TP `d_tp` (engine flags `common`), all ready: (service,
+        prefill, decode)."""
+        svc = self.service(extra=service_extra, settings=service_settings)
         prefill = self.engine("PREFILL", "prefill", extra=[*common, "--tp", str(p_tp)])
         decode = self.engine("DECODE", "decode", extra=[*common, "--tp", str(d_tp)])
         for p in (prefill, decode):

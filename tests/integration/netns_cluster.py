@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import pathlib
 import re
 import time
 
 import httpx
 
 from tests.integration.netns_lab import NetLab
+from xllm_py.utils.config_file import write_settings
 from xllm_py.utils.procs import ChildProcess
 
 HTTP_PORT = 8000  # every host has its own ports
@@ -60,8 +62,10 @@ class NetCluster:
         self.procs["service"] = lab.spawn(
             "ctl", "service", "xllm_service",
             ["--etcd", self.etcd, "--host", self.ctl, "--http-port", str(HTTP_PORT),
-             "--rpc-port", "8001", "--model", MODEL, "--etcd-ttl", str(TTL_S), "--evict-grace-s", str(GRACE_S),
-             "--rpc-timeout", "3", "--load-balance-policy", "LEAST_LOAD"],  # (PD always)
+             "--rpc-port", "8001", "--model", MODEL, "--etcd-ttl", str(TTL_S),
+             *write_settings(pathlib.Path(log_dir) / "service.settings.yaml",
+                             {"evict_grace_s": GRACE_S, "rpc_timeout": 3}),
+             "--load-balance-policy", "LEAST_LOAD"],  # (PD always)
             log_dir, http_url=self.svc_url)
         self.start_engine("p0")
         for d in self.decodes:
@@ -73,14 +77,14 @@ class NetCluster:
     def start_engine(self, host: str) -> ChildProcess:
         role = "PREFILL" if host.startswith("p") else "DECODE"
         addr = self.lab.hosts[host]
+        settings = write_settings(pathlib.Path(self.log_dir) / f"{host}.settings.yaml", {
+            "etcd_ttl": TTL_S, "heart_beat_interval": 0.3, "rpc_timeout": 3, "num_threads": 1,
+            # every request moves its whole KV (no prefix hit from the reference run)
+            "enable_prefix_cache": False, "latency_profile": "off"})
         args = ["--instance-role", role, "--model", MODEL, "--host", addr,
-                "--port", str(HTTP_PORT), "--etcd", self.etcd, "--etcd-ttl", str(TTL_S),
-                "--heart-beat-interval", "0.3", "--block-size", str(BLOCK),
+                "--port", str(HTTP_PORT), "--etcd", self.etcd, "--block-size", str(BLOCK),
                 "--num-blocks", "512", "--kv-transfer-backend", self.backend,
-                "--kv-cache-transfer-mode", self.mode, "--rpc-timeout", "3",
-                "--instance-name", host, "--num-threads", "1",
-                # every request moves its whole KV (no prefix hit from the reference run)
-                "--enable-prefix-cache", "false", "--latency-profile", "off"]
+                "--kv-cache-transfer-mode", self.mode, "--instance-name", host, *settings]
         env = UCX_OVER_TCP if self.backend == "ucx" else {}
         proc = self.lab.spawn(host, host, "xllm_py.engine", args, self.log_dir,
                               http_url=self.url(host), env=env)

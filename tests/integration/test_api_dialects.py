@@ -21,6 +21,7 @@ from tests.integration.cluster_harness import (Harness, client, metric, standalo
                                                wait_drained)
 from xllm_py.api.response_store import ResponseStoreLimits
 from xllm_py.cluster.etcd_client import EtcdClient
+from xllm_py.utils.config_file import write_settings
 from xllm_service.response_store import EtcdResponseStore
 
 pytestmark = pytest.mark.integration
@@ -40,7 +41,8 @@ def target(request, etcd_server, tmp_path_factory):
     """(the process the client talks to, [every engine's URL])."""
     logs = tmp_path_factory.mktemp(f"logs-{request.param}")
     common = ["--block-size", "8", "--num-blocks", "512"]
-    trust = ["--trust-request-chat-template"]  # (the chat_template test)
+    trust = write_settings(logs / "engine.yaml",  # (the chat_template test)
+                           {"trust_request_chat_template": True})
     if request.param == "MIX":
         proc = standalone_mix(logs, [*common, *trust])
         try:
@@ -51,7 +53,8 @@ def target(request, etcd_server, tmp_path_factory):
         return
     h = Harness(etcd_server.endpoint, "resp-msg/", logs)
     try:
-        svc, prefill, decode = h.pd_tp_cluster(common, 1, 1, service_extra=trust)
+        svc, prefill, decode = h.pd_tp_cluster(
+            common, 1, 1, service_settings={"trust_request_chat_template": True})
         yield svc, [prefill.http_url, decode.http_url]
     finally:
         h.stop()

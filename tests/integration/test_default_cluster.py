@@ -31,9 +31,9 @@ def cluster(etcd_server, tmp_path_factory):
         # one torch thread each, as a pinned engine has: the profile is then timed by the
         # engine thread's CPU clock (with two threads on a loaded machine, by the wall
         # clock, and two instances' profiles can differ 100-fold)
-        one = ["--num-threads", "1"]
-        prefill = h.engine("PREFILL", "prefill", profile=True, extra=one)
-        decode = h.engine("DECODE", "decode", profile=True, extra=one)
+        one = {"num_threads": 1}
+        prefill = h.engine("PREFILL", "prefill", profile=True, settings=one)
+        decode = h.engine("DECODE", "decode", profile=True, settings=one)
         for p in (mix, prefill, decode):
             p.wait_ready(240)
         svc.wait_ready(60, path="/readiness")

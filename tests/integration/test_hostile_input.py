@@ -9,7 +9,7 @@ MIX engine, a DECODE engine reached over its DisaggPDService). Each failed at 8a
 6. FirstGeneration with a first token out of the vocabulary failed an engine step; none
    at all was UNKNOWN and leaked the request's blocks;
 7. a duplicate request id to Generate was dropped without an error. (The other half of
-   7, a non-streaming hang-up's InvalidStateError, is tests/unit/test_api_generations.py.)
+   7, a non-streaming hang-up's InvalidStateError, is tests/unit/api/test_api_generations.py.)
 """
 from __future__ import annotations
 

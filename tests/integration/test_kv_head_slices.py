@@ -1,6 +1,6 @@
 """KV head slices between instances of different TP, through each rank's real
 WorkerService (gRPC) and the tcp and ucx transfer backends (ucx: private pools, the iov
-path; the mapped and tag paths: tests/unit/test_ucx_head_slices.py): for P TP 2 -> D TP 1, P TP 1 -> D TP 2,
+path; the mapped and tag paths: tests/unit/kv_transfer/test_ucx_head_slices.py): for P TP 2 -> D TP 1, P TP 1 -> D TP 2,
 P TP 2 -> D TP 2 (and replicated heads, P TP 4 -> D TP 2), PULL and PUSH, every decode
 rank ends with exactly the KV heads it owns, read from the prefill ranks that hold them
 (``mapping.kv_head_plan``, contiguous block runs merged), nothing else written, and the
@@ -15,8 +15,9 @@ from xllm_py.config import TransferConfig
 from xllm_py.kv_transfer import create_backend
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
 from xllm_py.kv_transfer.mapping import kv_head_plan
-from xllm_py.kv_transfer.worker_service import KVWorker, WorkerServicer, create_worker_server
-from xllm_py.parallel.sharding import kv_head_range
+from xllm_py.kv_transfer.kv_worker import KVWorker
+from xllm_py.rpc.worker_service import WorkerServicer, create_worker_server
+from xllm_py.model.sharding import kv_head_range
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
 
 pytestmark = pytest.mark.integration

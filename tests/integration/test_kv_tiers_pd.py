@@ -57,12 +57,12 @@ def test_a_prefill_loads_the_evicted_prefix_and_hands_it_over(checkpoint, moonca
     prompt, expected = prompts[mode], expected[mode]
     h = Harness(etcd_server.endpoint, f"tiers-pd-{mode}-{path.name}/", tmp_path)
     common = ["--model", str(path), "--block-size", str(BLOCK), "--num-blocks", "40",
-              "--kv-cache-transfer-mode", mode, "--kv-store", mooncake_store.master_addr,
-              "--kv-host-tier-mb", "64", "--kv-disk-tier-mb", "0"]
+              "--kv-cache-transfer-mode", mode, "--kv-store", mooncake_store.master_addr]
+    tiers = {"kv_host_tier_mb": 64, "kv_disk_tier_mb": 0}
     try:
         svc = h.service(extra=["--model", str(path), "--served-model-name", MODEL])
-        prefill = h.engine("PREFILL", "prefill", extra=common)
-        decode = h.engine("DECODE", "decode", extra=common)
+        prefill = h.engine("PREFILL", "prefill", extra=common, settings=tiers)
+        decode = h.engine("DECODE", "decode", extra=common, settings=tiers)
         for p in (prefill, decode):
             p.wait_ready(120)
         svc.wait_ready(60, path="/readiness")

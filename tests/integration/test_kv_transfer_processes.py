@@ -18,7 +18,8 @@ from xllm_py.config import TransferConfig
 from xllm_py.kv_transfer import create_backend
 from xllm_py.kv_transfer._peer_main import fill_pattern, peer_process
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
-from xllm_py.kv_transfer.worker_service import KVWorker, WorkerServicer, create_worker_server
+from xllm_py.kv_transfer.kv_worker import KVWorker
+from xllm_py.rpc.worker_service import WorkerServicer, create_worker_server
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

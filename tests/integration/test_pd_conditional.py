@@ -3,7 +3,7 @@ DECODE processes (each registering a latency profile) on a real etcd. Short prom
 a long one once it is in the decode's prefix cache, are prefilled on the decode; long
 ones on the prefill. Greedy tokens equal a MIX engine's on both paths, and the service's
 decision counter shows both were taken. The decode caps the prompt tokens of a step beside
-running streams (--max-prefill-tokens-while-decoding): prompts prefilled there while a
+running streams (max_prefill_tokens_while_decoding): prompts prefilled there while a
 stream runs still give the MIX tokens."""
 from __future__ import annotations
 
@@ -40,16 +40,16 @@ def cluster(etcd_server, tmp_path_factory):
     try:
         # Lax targets: the path follows the prompt's uncached length alone (a large PD
         # overhead: a short prompt never answers first through an idle prefill).
-        svc = h.service(extra=["--load-balance-policy", "SLO_AWARE", "--local-prefill-max-tokens",
-                               str(LOCAL_MAX), "--ttft-slo-ms", "100000", "--tpot-slo-ms",
-                               "100000", "--pd-overhead-ms", "1000"])
-        with_profile = common + ["--latency-profile", str(profile)]
-        prefill = h.engine("PREFILL", "prefill", extra=with_profile)
+        svc = h.service(extra=["--load-balance-policy", "SLO_AWARE", "--ttft-slo-ms", "100000",
+                               "--tpot-slo-ms", "100000"],
+                        settings={"local_prefill_max_tokens": LOCAL_MAX, "pd_overhead_ms": 1000})
+        with_profile = {"latency_profile": str(profile)}
+        prefill = h.engine("PREFILL", "prefill", extra=common, settings=with_profile)
         # (no TPOT guard: the test profile is not this engine's cost, a guard derived
         # from it would hold every prompt)
-        decode = h.engine("DECODE", "decode", extra=with_profile + [
-            "--max-prefill-tokens-while-decoding", str(DECODE_CAP),
-            "--prompt-tpot-target-ms", "0"])
+        decode = h.engine("DECODE", "decode", extra=common, settings={
+            **with_profile, "max_prefill_tokens_while_decoding": DECODE_CAP,
+            "prompt_tpot_target_ms": 0})
         for p in (mix, prefill, decode):
             p.wait_ready(180)
         svc.wait_ready(60, path="/readiness")

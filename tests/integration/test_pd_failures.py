@@ -11,7 +11,7 @@ import pytest
 from tests.integration.cluster_harness import (Harness, aclient,
                                                kill_mid_stream_and_check_migration,
                                                long_stream, metric, migrations, wait_drained, wait_until)
-from xllm_py.config import FAULT_EXIT_ON_FIRST_GENERATION
+from tests.integration.faulty_engine import EXIT_STATUS
 
 pytestmark = pytest.mark.integration
 
@@ -107,8 +107,7 @@ async def test_decode_killed_mid_stream_migrates_to_the_other_decode(etcd_server
 
 
 @pytest.mark.parametrize("mode", ["PULL", "PUSH"])
-async def test_failed_transfer_is_recomputed_on_the_decode(etcd_server, tmp_path, mode,
-                                                          monkeypatch):
+async def test_failed_transfer_is_recomputed_on_the_decode(etcd_server, tmp_path, mode):
     """A KV transfer that fails (fault injected on the side that moves the KV): the decode
     never runs on KV that did not arrive; the service has a decode recompute the prompt
     (MultiGenerations without KV) and the request completes; pools drain."""
@@ -116,9 +115,8 @@ async def test_failed_transfer_is_recomputed_on_the_decode(etcd_server, tmp_path
     try:
         svc = h.service()
         common = ["--block-size", "8", "--kv-cache-transfer-mode", mode]
-        monkeypatch.setenv("XLLM_KV_TRANSFER_FAULT_RATE", "1.0")
-        mover = h.engine("DECODE" if mode == "PULL" else "PREFILL", "mover", extra=common)
-        monkeypatch.delenv("XLLM_KV_TRANSFER_FAULT_RATE")
+        mover = h.engine("DECODE" if mode == "PULL" else "PREFILL", "mover", extra=common,
+                         fault="fail-transfers")
         other = h.engine("PREFILL" if mode == "PULL" else "DECODE", "other", extra=common)
         prefill, decode = (other, mover) if mode == "PULL" else (mover, other)
         for p in (prefill, decode):
@@ -141,7 +139,7 @@ async def test_failed_transfer_is_recomputed_on_the_decode(etcd_server, tmp_path
 
 @pytest.mark.parametrize("mode", ["PULL", "PUSH"])
 async def test_decode_dying_at_the_hand_over_gets_the_request_moved(etcd_server, tmp_path,
-                                                                   monkeypatch, mode):
+                                                                   mode):
     """A decode crashes as prefill hands a request over (FirstGeneration): prefill reports
     it unreachable and the service moves the request to the other decode at once (no
     lease wait), where it completes with the tokens of an uninterrupted run."""
@@ -153,9 +151,7 @@ async def test_decode_dying_at_the_hand_over_gets_the_request_moved(etcd_server,
         common = ["--block-size", "8", "--kv-cache-transfer-mode", mode]
         prefill = h.engine("PREFILL", "prefill", extra=common)
         good = h.engine("DECODE", "good", extra=common)
-        monkeypatch.setenv(FAULT_EXIT_ON_FIRST_GENERATION, "1")
-        doomed = h.engine("DECODE", "doomed", extra=common)
-        monkeypatch.delenv(FAULT_EXIT_ON_FIRST_GENERATION)
+        doomed = h.engine("DECODE", "doomed", extra=common, fault="exit-at-first-generation")
         for p in (prefill, good, doomed):
             p.wait_ready(180)
         svc.wait_ready(60, path="/readiness")
@@ -172,7 +168,7 @@ async def test_decode_dying_at_the_hand_over_gets_the_request_moved(etcd_server,
                 print(f"\n{mode}: the request that met the dying decode took {took:.2f}s")
                 assert took < h.ttl_s  # moved at once, not after the lease ran out
                 break
-        assert doomed.popen.wait(5) == 17, "no request reached the doomed decode"
+        assert doomed.popen.wait(5) == EXIT_STATUS, "no request reached the doomed decode"
         assert migrations(svc, "ok") == 1 and migrations(svc, "failed") == 0
         for prompt, ids in outputs:  # the same on the good decode alone
             ref = await c.completions.create(model="tiny", prompt=prompt, max_tokens=24,

@@ -22,7 +22,7 @@ NUM_KV_HEADS = 2
 PROMPTS = [list(range(40, 40 + n)) for n in (5, 8, 9, 23, 33)]
 
 
-_LINE = re.compile(r"^.*?(\[tp(\d+)\])?\s*xllm_py\.kv_transfer\.worker_service: kv (pull|push) "
+_LINE = re.compile(r"^.*?(\[tp(\d+)\])?\s*xllm_py\.kv_transfer\.kv_worker: kv (pull|push) "
                    r"req=\S* peer=(\S+) blocks=(\d+) runs=\d+ bytes=(\d+)", re.M)
 _TOOK = re.compile(r"PD decode took over request \S+ from \S+: (\d+) blocks")
 

@@ -19,7 +19,7 @@ import pytest
 
 from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, instance_key
 from xllm_py.cluster.etcd_server import EmbeddedEtcd
-from xllm_py.cluster.instance_agent import InstanceAgent, LoadReport
+from xllm_py.engine.instance_agent import InstanceAgent, LoadReport
 from xllm_py.cluster.instance_meta import InstanceMeta, new_incarnation_id, now_ms
 from xllm_py.config import InstanceRole
 from xllm_service.config import RegistryConfig
@@ -188,7 +188,7 @@ async def test_agent_killed_9_in_subprocess(etcd_endpoint, etcd_namespace, etcd_
     """A real crash: the agent runs in its own process and gets SIGKILL."""
     code = textwrap.dedent(f"""
         import asyncio, sys
-        from xllm_py.cluster.instance_agent import InstanceAgent
+        from xllm_py.engine.instance_agent import InstanceAgent
         from xllm_py.cluster.instance_meta import InstanceMeta
         async def main():
             a = InstanceAgent({etcd_endpoint!r}, InstanceMeta(name="k:1", type="DECODE"), ttl_s={TTL_S},

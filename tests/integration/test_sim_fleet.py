@@ -14,6 +14,7 @@ import pytest
 
 from xllm_py.sim.fleet import Fleet
 from xllm_py.sim.time_model import TimeModel
+from xllm_py.utils.config_file import write_settings
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +80,7 @@ def fleet(tmp_path):
     profile = tmp_path / "profile.json"
     TIME_MODEL.save(profile)
     f = Fleet(str(profile), str(ensure_tiny_model("tiny")), tmp_path / "logs", ttl_s=2.0,
-              heartbeat_s=0.3, per_host=4, service_args=["--evict-grace-s", "2"],
+              heartbeat_s=0.3, per_host=4, service_args=write_settings(tmp_path / "service.yaml", {"evict_grace_s": 2}),
               log_level="INFO")
     try:
         f.start(num_services=2)

@@ -1,5 +1,5 @@
-"""--prompt-tpot-target-ms in a real engine: a prompt that arrives while a stream decodes
-is held back while the stream is over the target, then computed once it has waited the
+"""prompt_tpot_target_ms (the settings file) in a real engine: a prompt that arrives
+while a stream decodes is held back while the stream is over the target, then computed once it has waited the
 hold limit derived from the engine's latency profile (xllm_py/cluster/slo_defaults.py);
 its greedy tokens equal those of the same prompt alone, the stream runs on, and
 xllm_prompt_steps_held_total counts the held steps."""
@@ -14,6 +14,7 @@ import pytest
 from tests.integration.cluster_harness import client, metric
 from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.cluster.slo_defaults import hold_limit_ms
+from xllm_py.utils.config_file import write_settings
 from xllm_py.utils.procs import engine_args, free_port, spawn
 
 pytestmark = pytest.mark.integration
@@ -33,9 +34,10 @@ def engine(tmp_path_factory):
     profile.write_text(json.dumps(PROFILE.to_dict()))
     port = free_port()
     # a target no stream can meet: every prompt beside a stream waits for the hold limit
-    proc = spawn("mix-guard", "xllm_py.engine", engine_args("MIX", port, extra=[
-        "--prompt-tpot-target-ms", "0.001", "--latency-profile", str(profile)]), logs,
-        http_url=f"http://127.0.0.1:{port}")
+    settings = write_settings(logs / "settings.yaml", {
+        "prompt_tpot_target_ms": 0.001, "latency_profile": str(profile)})
+    proc = spawn("mix-guard", "xllm_py.engine", engine_args("MIX", port, extra=settings), logs,
+                 http_url=f"http://127.0.0.1:{port}")
     try:
         proc.wait_ready(180)
         yield proc

@@ -9,7 +9,7 @@ from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.engine.llm_engine import LLMEngine
 from xllm_py.pd_messages import HandOver, KVMove, PeerLink, Placement
 from xllm_py.rpc.convert import EngineRequestSpec
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 
 class Sink:

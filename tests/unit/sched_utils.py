@@ -69,9 +69,9 @@ def assert_scheduler_empty(scheduler: ContinuousScheduler) -> None:
     """No live request anywhere, and every usable block free with ref count 0."""
     assert scheduler.requests == {}
     assert len(scheduler.waiting) == 0
-    assert len(scheduler.waiting_offline) == 0
+    assert len(scheduler.offline.waiting) == 0
     assert scheduler.running == []
-    assert len(scheduler.suspended) == 0
+    assert len(scheduler.offline.suspended) == 0
     assert scheduler.kv._requests == {}
     pool = scheduler.kv.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 OPEN_PATHS = frozenset({"/health", "/readiness"})
@@ -19,29 +18,6 @@ METRICS_PATH = "/metrics"
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
-
-
-def read_key_file(path: str) -> list[str]:
-    """One key per line; blank lines and lines starting with '#' are skipped."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise ValueError(f"--api-key-file {path}: {exc.strerror or exc}") from None
-    return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
-
-
-def collect_api_keys(keys: Iterable[str] | None, key_file: str | None) -> tuple[str, ...]:
-    """The keys of `--api-key` (repeatable) and `--api-key-file`, de-duplicated, in order.
-    Raises ValueError on an empty key or an empty file."""
-    found = [k.strip() for k in (keys or ())]
-    if any(not k for k in found):
-        raise ValueError("--api-key must not be empty")
-    if key_file:
-        from_file = read_key_file(key_file)
-        if not from_file:
-            raise ValueError(f"--api-key-file {key_file}: no key in the file")
-        found += from_file
-    return tuple(dict.fromkeys(found))
 
 
 class APIKeys:

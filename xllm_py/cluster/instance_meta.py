@@ -19,12 +19,15 @@ from typing import Any
 
 from xllm_py.config import InstanceRole
 from xllm_py.kv_compat import kv_compat_differences
-from xllm_py.parallel.sharding import head_mapping_error
+from xllm_py.model.sharding import head_mapping_error
 
 SCHEMA_VERSION = 1
 
 _REQUIRED_KEYS = ("name", "type")
-
+# xLLM's InstanceType numbers (protos/xllm.proto), for a writer that sent the number in the
+# JSON; test_rpc_cluster.py holds them equal to the proto's.
+ROLE_NUMBERS = {0: InstanceRole.DEFAULT, 1: InstanceRole.PREFILL, 2: InstanceRole.DECODE,
+                3: InstanceRole.MIX}
 
 
 class InstanceMetaError(ValueError):
@@ -167,9 +170,9 @@ def _coerce(name: str, value: Any) -> Any:
             return dict(value)
         if name == "type":
             if isinstance(value, int):  # a writer that sent the proto enum number
-                from xllm_py.rpc.cluster import role_from_proto  # (rpc imports this module)
-
-                return role_from_proto(value)
+                if value not in ROLE_NUMBERS:
+                    raise ValueError(f"unknown InstanceType number {value}")
+                return ROLE_NUMBERS[value]
             return InstanceRole.parse(str(value))
         return str(value)
     except (TypeError, ValueError) as e:

@@ -54,8 +54,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from xllm_py.cluster.etcd_startup import EtcdStartupError
 
+    options = {}
+    if config.simulate:  # a time model in place of the model (no torch): the simulator's engine
+        from xllm_py.sim.engine import SimulatedEngine
+
+        options["make_engine"] = SimulatedEngine
     try:
-        run_async(run_engine_server(config))
+        run_async(run_engine_server(config, **options))
     except KeyboardInterrupt:
         pass
     except EtcdStartupError as exc:

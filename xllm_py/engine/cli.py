@@ -1,20 +1,43 @@
-"""Command line of the engine process: `python -m xllm_py.engine --help`."""
+"""Command line of the engine process: `python -m xllm_py.engine --help`.
+
+Flags are what an operator of a serving system sets (model, ports, role, cluster, TLS,
+limits, parallel sizes); the rest are settings of `--config FILE` (YAML, keys = the
+names listed at the end of --help), each with a default that is right without it (most
+derived from what the engine measures: the KV pool from the memory there is, the step
+budgets and the TPOT guard from the latency profile).
+"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
 from xllm_py.api.limits import add_limit_flags, limits_from_args
-from xllm_py.config import (CacheConfig, EngineConfig, InstanceRole, KVTransferMode, SchedulerConfig,
-                            SpeculativeConfig, TierConfig, TransferConfig,
-                            transfer_config_from_env)
+from xllm_py.config import (PREFILL_ORDERS, CacheConfig, EngineConfig, InstanceRole,
+                            KVTransferMode, PDSchedulerConfig, SchedulerConfig, SpeculativeConfig, TierConfig,
+                            TransferConfig, UCXConfig)
 from xllm_py.model.catalog import DEFAULT_MODEL
 from xllm_py.utils.cli import add_flag, parse_bool
+from xllm_py.utils.config_file import SettingsParser
 from xllm_py.utils.security_cli import add_security_flags, security_from_args
 
+# The settings file's pd_<field> keys: PDSchedulerConfig's fields.
+_PD_HELP = {
+    "attempts_per_decode": "prefill: AddNewRequests tries per decode while it has no KV space",
+    "backoff_s": "prefill: first wait between those tries (doubling)",
+    "max_backoff_s": "prefill: longest wait between those tries",
+    "max_decodes_per_request": "prefill: decodes tried per request",
+    "max_dispatching": "prefill: requests finding a decode at the same time",
+    "max_placed_prompt_tokens": "prefill: prompt tokens placed on decodes and not handed "
+                                "over yet, beyond which queued requests wait (0: no limit)",
+    "prefill_order": "prefill: which queued request is placed next",
+    "prelink_interval_s": "prefill: how often it links the decodes not linked yet",
+    "orphan_timeout_s": "decode: a request whose first token never comes is freed after this",
+    "reap_interval_s": "decode: how often it looks for those",
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+
+def build_parser() -> SettingsParser:
+    p = SettingsParser(
         prog="python -m xllm_py.engine",
         description="xllm-py engine: a MIX, PREFILL or DECODE instance. Flags also accept "
                     "xLLM's underscore spellings (--instance_role, --block_size, ...).")
@@ -28,16 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
              help="weights, activations and KV cache dtype")
     add_flag(g, "--device", default="cpu", help="cpu or cuda[:N]")
     add_flag(g, "--seed", type=int, default=0, help="global seed of the unseeded sampler")
-    add_flag(g, "--num-threads", type=int, default=None,
-             help="torch compute threads (default: torch's, one per core)")
+    add_flag(g, "--speculative-config", type=SpeculativeConfig.parse, default=None,
+             help='speculative decoding of greedy requests, as vLLM spells it: \'{"method": "ngram", '
+                  '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+                  "(default off)")
     add_flag(g, "--tensor-parallel-size", "--tp", type=int, default=1,
              help="worker processes of this instance, each with its shard of the model "
                   "(heads and MLP columns) and of the KV cache (xLLM: the number of --devices)")
-    add_flag(g, "--pack-weights", type=parse_bool, default=True,
-             help="CPU float32: pre-pack linear weights for oneDNN at load (true/false)")
-    add_flag(g, "--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-             help="packed CPU linear weights: auto = bfloat16 when every value is one "
-                  "(bf16 checkpoints; computed in float32), else float32")
     g = p.add_argument_group("serving")
     add_flag(g, "--instance-role", default="MIX", type=InstanceRole.parse,
              help="MIX (whole requests), PREFILL or DECODE (PD disaggregation)")
@@ -50,67 +70,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--max-num-batched-tokens", type=int, default=None,
              help="token budget per step (default 2048; a PREFILL with a latency profile: "
                   "the largest power of two whose step takes a fifth of the TTFT target)")
-    add_flag(g, "--max-prefill-tokens-while-decoding", type=int, default=None,
-             help="prompt tokens per step while sequences decode (0: the whole step budget); "
-                  "bounds how much a prompt chunk slows the running streams (default: 0; a "
-                  "DECODE with a latency profile: derived from it, 64 on tiny-25m)")
-    add_flag(g, "--prompt-tpot-target-ms", type=float, default=None,
-             help="prompt tokens beside decoding streams only while every stream's mean time "
-                  "per output token is predicted to stay within this; a prompt held back "
-                  "0.6x the profile's TTFT target (else 1 s) goes anyway (0: off; default: "
-                  "off, a DECODE with a latency profile: derived from it)")
     add_flag(g, "--max-model-len", type=int, default=2048, help="context length limit")
-    add_flag(g, "--enable-chunked-prefill", type=parse_bool, default=True,
-             help="split long prompts over steps under the token budget (true/false)")
-    add_flag(g, "--batch-window-ms", type=float, default=50.0,
-             help="an idle engine waits up to this long for the rest of a burst of requests "
-                  "(arriving < 5 ms apart) to start them as one batch; 0: at once")
-    add_flag(g, "--speculative-config", type=SpeculativeConfig.parse, default=None,
-             help='speculative decoding of greedy requests, as vLLM spells it: \'{"method": '
-                  '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                  '"prompt_lookup_min": 2}\' or off (default)')
     add_limit_flags(g)
     g = p.add_argument_group("KV cache")
     add_flag(g, "--block-size", type=int, default=16, help="tokens per KV block")
     add_flag(g, "--num-blocks", type=int, default=None,
-             help="KV blocks in the pool (default: from --kv-cache-memory-mb)")
-    add_flag(g, "--kv-cache-memory-mb", type=int, default=256, help="memory for the KV pool")
-    add_flag(g, "--enable-prefix-cache", "--enable-prefix-caching", type=parse_bool, default=True,
-             help="reuse KV blocks of shared prompt prefixes (true/false)")
-    g = p.add_argument_group("KV tiers (below the pool)")
-    add_flag(g, "--kv-host-tier-mb", type=int, default=None,
-             help="host memory for KV blocks the pool computed (default: 1/8 of the memory "
-                  "available at start, at most 8192; 0: off)")
-    add_flag(g, "--kv-disk-tier-dir", default=None,
-             help="directory of the disk tier (default: $XLLM_KV_TIER_DIR, else "
-                  "~/.cache/xllm_py/kv_tiers; {pid} in it: one directory per process)")
-    add_flag(g, "--kv-disk-tier-mb", type=int, default=None,
-             help="bound of the disk tier (default: 1/4 of the free space there, at most "
-                  "16384; 0: off)")
+             help="KV blocks in the pool (default: from the memory there is once the "
+                  "weights are loaded: 0.9 of a GPU's free memory; on a host 256 MB, at "
+                  "most a quarter of the memory available; or kv_cache_memory_mb)")
     add_flag(g, "--kv-store", default=None, metavar="HOST:PORT|off",
              help="the Mooncake Store's master: KV blocks shared by every instance (default "
                   "off; python -m xllm_py.launch starts one)")
-    add_flag(g, "--kv-store-metadata", default=None, metavar="URL",
-             help="the store's metadata service (etcd://HOST:PORT or http://HOST:PORT/metadata; "
-                  "default: the cluster's etcd)")
-    add_flag(g, "--kv-store-segment-mb", type=int, default=0,
-             help="memory this engine adds to the store's pool (default 0: the launcher "
-                  "runs a segment host, python -m xllm_py.kv_tiers.segment_host)")
     g = p.add_argument_group("cluster")
     add_flag(g, "--etcd", "--etcd-addr", default=None,
              help="etcd HOST:PORT; registers the instance and serves requests from xllm_service")
     add_flag(g, "--etcd-namespace", default="", help="prefix for every etcd key")
-    add_flag(g, "--etcd-ttl", type=float, default=3.0, help="lease TTL in seconds")
-    add_flag(g, "--heart-beat-interval", type=float, default=0.5, help="seconds between heartbeats")
     add_flag(g, "--instance-name", default=None, help="registry name (default host:port)")
     add_flag(g, "--disagg-pd-port", type=int, default=0, help="DisaggPDService gRPC port (0: free)")
-    add_flag(g, "--rpc-timeout", type=float, default=10.0, help="deadline of engine RPCs (s)")
-    add_flag(g, "--latency-profile", default=None,
-             help="JSON step-cost profile registered for the service's SLO_AWARE routing "
-                  "(the simulator's time model: python -m xllm_py.sim.profile --out FILE); "
-                  "default: a PREFILL or DECODE measures its own at start-up (a few "
-                  "seconds) and corrects it by its steps; 'off': none (the service routes "
-                  "this instance by load and prefix cache only)")
     add_flag(g, "--drain-timeout", type=float, default=30.0,
              help="on SIGTERM, seconds to finish the requests in flight (taking no new ones, "
                   "marked draining in etcd) before leaving; 0: leave at once; a second "
@@ -124,27 +100,78 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(g, "--kv-transfer-backend", default="ucx", choices=["ucx", "tcp"],
              help="transfer backend between workers")
     add_flag(g, "--worker-port", type=int, default=0, help="worker gRPC port (0: free)")
-    add_flag(g, "--transfer-timeout", type=float, default=30.0,
-             help="deadline of one KV transfer (s); past it the request fails")
-    g = p.add_argument_group("simulation")
-    add_flag(g, "--simulate", default=None, metavar="PROFILE",
-             help="run a simulated engine: the model forward becomes a sleep of the step time "
-                  "modelled by PROFILE (JSON from `python -m xllm_py.sim.profile`), tokens "
-                  "are deterministic, no torch is loaded; the KV transfer moves a small "
-                  "payload per block (backend 'sim')")
-    add_flag(g, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
-    add_flag(g, "--step-trace", default=None, metavar="FILE",
-             help="append one JSON line per engine step to FILE (what it carried, what it "
-                  "cost, the TPOT guard's answer; {pid} in FILE: one file per process): where a "
-                  "latency tail comes from; "
-                  "`python -m xllm_py.engine.step_trace FILE` summarizes it")
+    add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_security_flags(p)
+    _add_file_settings(p)
+    # The HTTP layer's rarer limits: set in the file, as the service's are.
+    p.move_to_file("--max-body-bytes", "--retry-after", "--trust-request-chat-template")
     return p
 
 
+def _add_file_settings(p: SettingsParser) -> None:
+    s = p.add_file_setting
+    s("--num-threads", type=int, default=None,
+      help="torch compute threads (default: torch's, one per core the process may use)")
+    s("--pack-weights", type=parse_bool, default=True,
+      help="CPU float32: pre-pack linear weights for oneDNN at load")
+    s("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+      help="packed CPU linear weights: auto = bfloat16 when every value is one (bf16 "
+           "checkpoints; computed in float32), else float32")
+    s("--enable-chunked-prefill", type=parse_bool, default=True,
+      help="split long prompts over steps under the token budget")
+    s("--batch-window-ms", type=float, default=50.0,
+      help="an idle engine waits up to this long for the rest of a burst of requests "
+           "(arriving < 5 ms apart) to start them as one batch; 0: at once")
+    s("--max-prefill-tokens-while-decoding", type=int, default=None,
+      help="prompt tokens per step while sequences decode (0: the whole step budget; "
+           "default 0, a DECODE with a latency profile: derived from it)")
+    s("--prompt-tpot-target-ms", type=float, default=None,
+      help="prompt tokens beside decoding streams only while every stream's mean time per "
+           "output token is predicted to stay within this (0: off; default off, a DECODE "
+           "with a latency profile: derived from it)")
+    s("--kv-cache-memory-mb", type=int, default=None,
+      help="memory of the KV pool per rank (default: derived, see --num-blocks)")
+    s("--enable-prefix-cache", type=parse_bool, default=True,
+      help="reuse KV blocks of shared prompt prefixes")
+    s("--kv-host-tier-mb", type=int, default=None,
+      help="host memory for KV blocks the pool computed (default: 1/8 of the memory "
+           "available at start, at most 8192; 0: off)")
+    s("--kv-disk-tier-dir", default=None,
+      help="directory of the disk tier (default: $XLLM_KV_TIER_DIR, else "
+           "~/.cache/xllm_py/kv_tiers; {pid} in it: one directory per process)")
+    s("--kv-disk-tier-mb", type=int, default=None,
+      help="bound of the disk tier (default: 1/4 of the free space there, at most 16384; 0: off)")
+    s("--kv-store-metadata", default=None,
+      help="the store's metadata service (etcd://HOST:PORT or http://HOST:PORT/metadata; "
+           "default: the cluster's etcd)")
+    s("--kv-store-segment-mb", type=int, default=0,
+      help="memory this engine adds to the store's pool (0: the launcher runs a segment host)")
+    s("--etcd-ttl", type=float, default=3.0, help="etcd lease TTL in seconds")
+    s("--heart-beat-interval", type=float, default=0.5, help="seconds between heartbeats")
+    s("--rpc-timeout", type=float, default=10.0, help="deadline of engine RPCs (s)")
+    s("--transfer-timeout", type=float, default=30.0,
+      help="deadline of one KV transfer (s); past it the request fails")
+    s("--latency-profile", default=None,
+      help="JSON step-cost profile registered for the service's SLO_AWARE routing (python "
+           "-m xllm_py.sim.profile --out FILE); default: a PREFILL or DECODE measures its "
+           "own at start-up and corrects it by its steps; off: none")
+    s("--simulate", default=None,
+      help="PROFILE: a simulated engine, whose model forward is a sleep of the step time "
+           "PROFILE models (python -m xllm_py.sim.profile); no torch is loaded")
+    s("--step-trace", default=None,
+      help="FILE: one JSON line per engine step ({pid} in it: one file per process); "
+           "python -m xllm_py.engine.step_trace FILE summarizes it")
+    for f in dataclasses.fields(PDSchedulerConfig):
+        choices = PREFILL_ORDERS if f.name == "prefill_order" else None
+        s(f"--pd-{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+          choices=choices, help=_PD_HELP[f.name])
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    mb = 1 << 20
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                        kv_cache_memory_bytes=args.kv_cache_memory_mb * 1024 * 1024,
+                        kv_cache_memory_bytes=(None if args.kv_cache_memory_mb is None
+                                               else args.kv_cache_memory_mb * mb),
                         enable_prefix_caching=args.enable_prefix_cache)
     given = {name: v for name in ("max_num_batched_tokens", "max_prefill_tokens_while_decoding",
                                   "prompt_tpot_target_ms")
@@ -156,26 +183,28 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                             max_model_len=args.max_model_len,
                             enable_chunked_prefill=args.enable_chunked_prefill,
                             batch_window_ms=args.batch_window_ms)
-    mb = 1 << 20
     tiers = TierConfig(
         host_bytes=None if args.kv_host_tier_mb is None else args.kv_host_tier_mb * mb,
         disk_dir=args.kv_disk_tier_dir,
         disk_bytes=None if args.kv_disk_tier_mb is None else args.kv_disk_tier_mb * mb,
         store=None if args.kv_store in (None, "", "off") else args.kv_store,
         store_metadata=args.kv_store_metadata, store_segment_bytes=args.kv_store_segment_mb * mb)
-    transfer = transfer_config_from_env(TransferConfig(
+    transfer = TransferConfig(
         mode=KVTransferMode(args.kv_cache_transfer_mode), backend=args.kv_transfer_backend,
         listen_host=args.host, listen_port=args.transfer_listen_port,
-        timeout_s=args.transfer_timeout))
+        timeout_s=args.transfer_timeout,
+        ucx=UCXConfig.from_env())
     if args.simulate:  # (its pool holds a small payload per block: only 'sim' moves it)
         transfer = dataclasses.replace(transfer, backend="sim")
+    pd = PDSchedulerConfig(**{f.name: getattr(args, "pd_" + f.name)
+                              for f in dataclasses.fields(PDSchedulerConfig)})
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, role=args.instance_role,
         host=args.host, advertise_host=args.advertise_host, port=args.port,
         served_model_name=args.served_model_name,
         seed=args.seed, num_threads=args.num_threads, pack_weights=args.pack_weights,
         weight_dtype=args.weight_dtype,
-        cache=cache, tiers=tiers, scheduler=sched, transfer=transfer,
+        cache=cache, tiers=tiers, scheduler=sched, transfer=transfer, pd=pd,
         etcd_addr=args.etcd, etcd_namespace=args.etcd_namespace, etcd_ttl_s=args.etcd_ttl,
         heartbeat_interval_s=args.heart_beat_interval, instance_name=args.instance_name,
         disagg_pd_port=args.disagg_pd_port, worker_port=args.worker_port,

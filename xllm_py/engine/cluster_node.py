@@ -2,8 +2,8 @@
 
 Stages: KV worker (PD roles: transfer listener + WorkerService gRPC) -> DisaggPDService
 gRPC -> Generations reporter hooked to the engine loop -> registration in etcd with a
-kept-alive lease + heartbeats to the master -> (PD) DisaggPDScheduler.
-Stop: deregister, stop the PD scheduler, the gRPC servers, the worker, the reporter.
+kept-alive lease + heartbeats to the master -> (PD) PDRole.
+Stop: deregister, stop the PD role, the gRPC servers, the worker, the reporter.
 """
 from __future__ import annotations
 
@@ -14,21 +14,22 @@ import random
 import grpc
 
 from xllm_py.cluster.etcd_client import instance_key
-from xllm_py.cluster.instance_agent import InstanceAgent, LoadReport
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.cluster.meta_cache import MetaCache
 from xllm_py.config import EngineConfig, InstanceRole, advertised_host, etcd_credentials_from_env
 from xllm_py.engine.cache_events import CacheEvents
 from xllm_py.engine.generations_reporter import GenerationsReporter
+from xllm_py.engine.instance_agent import InstanceAgent, LoadReport
 from xllm_py.engine.llm_engine import LLMEngine
-from xllm_py.engine.pd.scheduler import DisaggPDScheduler
+from xllm_py.engine.pd.role import PDRole
 from xllm_py.engine.pd.service import DisaggPDServicer
 from xllm_py.engine.self_profile import GUARD_SETTINGS, apply_derived, moved
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
 from xllm_py.kv_transfer.in_process import InProcessWorker
-from xllm_py.parallel.tp_peers import TPGrpcPeers  # GrpcPeers + the TP ranks' fan-out
+from xllm_py.parallel.instance_peers import InstancePeers
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc import cluster as wire
+from xllm_py.rpc.pd_peers import GrpcWorkerClient, PDServiceClient
 from xllm_py.tls import channel_credentials, server_credentials
 from xllm_py.utils.aio import wait_for
 from xllm_py.utils.grpc_channels import ChannelPool
@@ -47,7 +48,7 @@ class ClusterNode:
         self.addr_host = advertised_host(config.host, config.advertise_host)
         self.name = config.instance_name or f"{self.addr_host}:{config.port}"
         self.agent: InstanceAgent | None = None
-        self.pd: DisaggPDScheduler | None = None
+        self.pd: PDRole | None = None
         self.reporter: GenerationsReporter | None = None
         self.worker = None
         self._server: grpc.aio.Server | None = None
@@ -65,7 +66,7 @@ class ClusterNode:
         cluster_id = random.getrandbits(63)
         transfer_addr, worker_addr = "", ""
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
-            from xllm_py.kv_transfer.worker_node import start_kv_worker
+            from xllm_py.parallel.kv_workers import start_kv_worker
 
             self.worker = await start_kv_worker(self.engine.storage, cfg.transfer, cfg.host,
                                                 cfg.worker_port, cluster_id,
@@ -96,9 +97,9 @@ class ClusterNode:
         self.engine.step_listeners.append(self.reporter.flush)
         pool = self.engine.scheduler.kv.block_pool
         self.engine.step_listeners.append(lambda: self.cache_events.collect(pool))
-        # The servicer gets its PD scheduler once the bound port (part of our meta) is
+        # The servicer gets its PD role once the bound port (part of our meta) is
         # known; nobody routes here before the agent registers us, at the end.
-        servicer = DisaggPDServicer(self.engine, self.role, self.reporter, None)
+        servicer = DisaggPDServicer(self.engine, self.role, self.reporter)
         self._server, port = await start_grpc_server(
             pb_grpc.add_DisaggPDServiceServicer_to_server, servicer, cfg.host,
             cfg.disagg_pd_port, "DisaggPDService", credentials=self._server_credentials)
@@ -125,18 +126,23 @@ class ClusterNode:
         self.meta = self.agent.meta  # with its incarnation id
         if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
             local = InProcessWorker(self.worker.worker, cfg.rpc_timeout_s,
-                                    cfg.transfer.timeout_s)  # TP 1 moves: no gRPC to itself
-            peers = TPGrpcPeers(self.meta, cfg.rpc_timeout_s, cfg.transfer.timeout_s,
-                                self._client_credentials, local)
-            self.pd = DisaggPDScheduler(self.engine, cfg, self.meta, self.reporter, peers,
-                                        self.metas.get, self._list_decodes,
-                                        registry=self.backend.metrics_registry,
-                                        forget_meta=self.metas.invalidate,
-                                        list_prefills=self._list_prefills)
+                                    cfg.transfer.timeout_s)  # rank 0's moves: no gRPC to itself
+            ranks = [GrpcWorkerClient(a, cfg.rpc_timeout_s, cfg.transfer.timeout_s,
+                                      self._client_credentials)
+                     for a in self.meta.worker_rpc_addrs[1:]]
+            peers = InstancePeers(self.meta, PDServiceClient(cfg.rpc_timeout_s,
+                                                             self._client_credentials),
+                                  [local, *ranks])
+            self.pd = PDRole(self.engine, cfg, self.meta, self.reporter, peers,
+                             self.metas.get, self._list_decodes, pd_config=cfg.pd,
+                             registry=self.backend.metrics_registry,
+                             forget_meta=self.metas.invalidate,
+                             list_prefills=self._list_prefills,
+                             latency_profile=self.engine.latency_profile)
             self.pd.start()
-            servicer.pd = self.pd
+            servicer.attach(self.pd)
         await self.agent.start()
-        if getattr(self.engine, "profile_corrector", None) is not None:
+        if self.engine.profile_corrector is not None:
             self._profile_task = asyncio.create_task(self._republish_profile())
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")
@@ -155,9 +161,9 @@ class ClusterNode:
         self.backend.metrics_refreshers.append(ranks.refresh)
 
     def _latency_profile(self) -> dict:
-        """The profile the engine registers (self_profile.py: --latency-profile, a
+        """The profile the engine registers (self_profile.py: the latency_profile file, a
         simulated engine's time model, or measured at start-up); {}: none."""
-        profile = getattr(self.engine, "latency_profile", None)
+        profile = self.engine.latency_profile
         return profile.to_dict() if profile is not None else {}
 
     async def _republish_profile(self) -> None:
@@ -174,7 +180,7 @@ class ClusterNode:
             try:
                 published = await asyncio.wrap_future(self.engine.call(
                     lambda: apply_derived(self.engine, current, GUARD_SETTINGS)))
-                self.engine.latency_profile = published
+                self.engine.set_latency_profile(published)
                 self.agent.update_meta(latency_profile=published.to_dict())
             except Exception as exc:  # (the next check tries again)
                 logger.warning("could not register the corrected latency profile: %s", exc)

@@ -6,7 +6,7 @@
            its own matcher and replays the tokens it already has (migration: the
            generated tokens in its prompt). A PD decode (`add_remote`) only starts the
            compile (`prepare_remote`); the matcher is attached when the first tokens
-           come (`attach_remote`), which replays them.
+           come (`replay_remote`: whether they match; RemoteKV acts on the answer).
   step     `mask`: the bitmasks of the batch's constrained rows (None when it has none:
            an unconstrained batch does no mask work at all).
   after    `advance`: every accepted token goes into its sequence's matcher; a grammar
@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
-from xllm_py.engine.scheduler_types import RequestUpdate
 from xllm_py.request import Request, RequestStatus
 from xllm_py.structured.compiler import (
     GrammarCompiler, SequenceGrammar, TokenMask, fill_bitmask)
@@ -94,10 +93,11 @@ class EngineGrammars:
         self._remote[request.request_id] = (spec, generated_tokens(req))
         return None
 
-    def attach_remote(self, request: Request, first_token_ids: Sequence[int]) -> str | None:
-        """The prefill's first tokens came: attach (waiting for the compile if it still
-        runs) and replay them. Returns "stop" if they complete the grammar, an error
-        message if they do not fit it, or None."""
+    def replay_remote(self, request: Request, first_token_ids: Sequence[int]) -> str | None:
+        """The prefill's first tokens came for `request` (running now): attach its matcher
+        (waiting for the compile if it still runs) and replay them. Whether they match:
+        None (they do, or the request has no grammar), "stop" (they complete the
+        grammar), or why they do not fit it."""
         entry = self._remote.pop(request.request_id, None)
         if entry is None:
             return None
@@ -110,24 +110,9 @@ class EngineGrammars:
             return grammar.problem or "stop"  # type: ignore[union-attr]
         return None
 
-    def join_remote(self, scheduler: Any, child: str,
-                    token_ids: Sequence[int]) -> RequestUpdate | None:
-        """scheduler.finish_remote_kvs, then the grammar's replay of the first tokens: a
-        finished update when they end the request (a complete grammar: "stop")."""
-        upd = scheduler.finish_remote_kvs(child, list(token_ids))
-        request = scheduler.get_request(child)
-        if upd is not None or request is None:
-            self._remote.pop(child, None)
-            return upd
-        verdict = self.attach_remote(request, token_ids)
-        if verdict is None:
-            return None
-        if verdict == "stop":
-            scheduler.finish_request(child, RequestStatus.FINISHED_STOPPED)
-            return RequestUpdate(child, [], True, "stop")
-        logger.warning("request %s: %s", child, verdict)
-        scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
-        return RequestUpdate(child, [], True, "error")
+    def forget_remote(self, request_id: str) -> None:
+        """A PD decode that ended before its grammar was attached."""
+        self._remote.pop(request_id, None)
 
     # -- step ---------------------------------------------------------------------------
     def mask(self, requests: Sequence[Request]) -> TokenMask | None:

@@ -122,7 +122,7 @@ def _store(config: EngineConfig, keyspace: TierKeyspace) -> MooncakeStore | None
     metadata = tc.store_metadata
     if metadata is None:
         if not config.etcd_addr or config.security.etcd_tls is not None:
-            logger.warning("KV store off: give --kv-store-metadata (etcd://HOST:PORT or an "
+            logger.warning("KV store off: set kv_store_metadata (--config FILE: etcd://HOST:PORT or an "
                            "HTTP metadata URL); %s", "the cluster's etcd uses TLS"
                            if config.etcd_addr else "this engine has no etcd")
             return None

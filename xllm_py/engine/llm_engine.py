@@ -17,22 +17,26 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from xllm_py.config import EngineConfig, InstanceRole
 from xllm_py.engine.engine_request import (  # noqa: F401 - EngineRequest is imported from here
-    EngineRequest, child_params, error_output, resolve_model_dir)
+    EngineRequest, admit, error_output, resolve_model_dir)
 from xllm_py.engine.grammars import EngineGrammars
 from xllm_py.engine.kv_connector import KVConnector
 from xllm_py.engine.kv_tiering_setup import build_tiering
-from xllm_py.engine.output_processor import OutputProcessor, child_id, parent_of
+from xllm_py.engine.output_processor import OutputProcessor, parent_of
 from xllm_py.engine.remote_kv import RemoteKV
 from xllm_py.engine.scheduler import ContinuousScheduler
 from xllm_py.engine.spec_decode.speculator import Speculator
 from xllm_py.engine.spec_decode.verify import verify_greedy
+from xllm_py.engine.step_observers import StepObserver, StepRecord, StepStats
 from xllm_py.engine.step_trace import StepTrace
-from xllm_py.request import Request, RequestStatus, prompt_token_error
+from xllm_py.request import Request, RequestStatus
 
-if TYPE_CHECKING:  # (torch: imported by _load_model, not with the engine loop)
+if TYPE_CHECKING:  # (torch: imported by model_setup, not with the engine loop)
     import torch
 
+    from xllm_py.cluster.latency_profile import LatencyProfile
+    from xllm_py.engine.model_setup import LoadedModel
     from xllm_py.engine.sampler import SamplingRow
+    from xllm_py.engine.self_profile import ProfileCorrector
 
 
 logger = logging.getLogger(__name__)
@@ -42,17 +46,29 @@ BURST_GAP_S = 0.005
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """The engine over `loaded` (None: loaded here, model_setup.load_model)."""
         self.config = config
         t0 = time.monotonic()
-        self.tp = None  # TP > 1: the other ranks, behind self.model (xllm_py/parallel/)
-        num_blocks = self._load_model(config)
-        mc = self.model_config
+        if loaded is None:
+            from xllm_py.engine.model_setup import load_model
+
+            loaded = load_model(config)
+        self.model_dir, self.model, self.model_config = (
+            loaded.model_dir, loaded.model, loaded.model_config)
+        self.tokenizer, self.storage, self.kv_groups = loaded.tokenizer, loaded.storage, loaded.kv_groups
+        self.runner, self.sampler = loaded.runner, loaded.sampler
+        self.tp = loaded.tp  # TP > 1: the other ranks, behind self.model (xllm_py/parallel/)
+        self.step_clock = loaded.step_clock
+        # The profile the instance registers (self_profile.py; None: none) and, where it
+        # was measured here, what corrects it.
+        self.latency_profile: LatencyProfile | None = None
+        self.profile_corrector: ProfileCorrector | None = None
+        mc, num_blocks, groups = self.model_config, loaded.num_blocks, self.kv_groups
         max_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
-        groups = getattr(self, "kv_groups", None)  # (model_setup; a simulated engine: none)
         spec = None if self.tp is not None or config.simulate else config.speculative  # (not yet)
-        self.speculator = spec and Speculator(spec, lambda: getattr(self, "latency_profile", None),
+        self.speculator = spec and Speculator(spec, lambda: self.latency_profile,
                                               sched_cfg.max_num_seqs)
         self.scheduler = ContinuousScheduler(
             sched_cfg, config.cache, num_blocks, group_windows=groups.group_windows if groups else (0,),
@@ -69,19 +85,20 @@ class LLMEngine:
         self._admitting: set[str] = set()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
-        # Hooks run on the engine thread at the end of every step (e.g. flush Generations).
+        # Hooks run on the engine thread at the end of every turn of its loop (e.g. flush
+        # Generations); step observers (step_observers.py) after every step that computed.
         self.step_listeners: list[Callable[[], None]] = []
+        self.step_stats = StepStats()
+        self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
+        self.step_observers: list[StepObserver] = [self.step_stats, *filter(None, [self.step_trace])]
         # The KV connector (kv_connector.py; PD: pd/connector.py), polled every turn of
         # the loop; a PREFILL's hands every request over at its first token.
         self.role = config.role
         self.connector = KVConnector()
         self.remote_kv = RemoteKV(self)
-        self.num_steps = 0
         self.num_step_failures = 0  # steps that raised (their requests failed with them)
         self.num_generated_tokens = 0
         self.recent_max_ttft_ms = 0.0
-        self.recent_max_tbt_ms = 0.0
-        self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
         # The KV tiers below the pool (kv_tiering.py).
         self.tiering = None if groups is None else build_tiering(
             config, self.model_dir, self.storage, self.scheduler.kv, self.wake)
@@ -90,13 +107,23 @@ class LLMEngine:
         logger.info("engine ready: model %s, %d layers, %d KV blocks of %d tokens, loaded in %.2fs",
                     self.model_dir, mc.num_layers, num_blocks, config.cache.block_size, time.monotonic() - t0)
 
-    def _load_model(self, config: EngineConfig) -> int:
-        """Load the model and tokenizer, allocate the KV pool (model_setup.py). Returns the
-        number of KV blocks. The seam of the simulated engine (xllm_py/sim/engine.py): torch
-        is imported there, not by the engine module."""
-        from xllm_py.engine.model_setup import load_engine_model
+    @property
+    def num_steps(self) -> int:
+        return self.step_stats.num_steps
 
-        return load_engine_model(self, config)
+    @property
+    def recent_max_tbt_ms(self) -> float:
+        return self.step_stats.recent_max_ms
+
+    def set_latency_profile(self, profile: LatencyProfile | None,
+                            corrector: ProfileCorrector | None = None) -> None:
+        """The profile this instance registers (self_profile.py); a `corrector` (a measured
+        profile's) observes every step from now on. Before the engine thread starts, or
+        from the thread that registers the profile (a reference swap)."""
+        self.latency_profile = profile
+        if corrector is not None and self.profile_corrector is None:
+            self.profile_corrector = corrector
+            self.step_observers.append(corrector)
 
     # ------------------------------------------------------------------ threading
     def start(self) -> None:
@@ -257,10 +284,10 @@ class LLMEngine:
             if req.request_id in self.outputs:
                 requests: list[Request] | str = f"duplicate request id {req.request_id}"
             else:
-                requests = self._admit(req)
+                requests = self.admit(req)
                 if not isinstance(requests, str) and req.params.structured is not None:
                     requests = self.grammars.attach_new(requests, req, self.outputs)
-        except Exception as exc:  # a check _admit lacks: refuse this request only
+        except Exception as exc:  # a check admit lacks: refuse this request only
             logger.exception("admitting request %s failed", req.request_id)
             self.outputs.drop_parent(req.request_id)
             requests = f"request refused ({type(exc).__name__})"
@@ -275,47 +302,12 @@ class LLMEngine:
             if self.tiering is not None:
                 self.tiering.prefetch(request)
 
-    def _admit(self, req: EngineRequest,
-               limit_what: str = "this model's context is {} tokens") -> list[Request] | str:
-        """The one intake of a request: its params completed (EOS ids), checked (token
-        ids, length), its outputs registered, and its sequences as Requests for the
-        scheduler. Returns those, or why it is refused (nothing registered then)."""
-        params = req.params
-        if not params.eos_token_ids:
-            params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))
-        best_of = params.best_of or params.n
-        error = prompt_token_error(req.prompt_token_ids, self.model_config.vocab_size)
-        if error is not None:
-            return error
-        if len(req.prompt_token_ids) + 1 > self.max_model_len:
-            return (f"prompt has {len(req.prompt_token_ids)} tokens; "
-                    + limit_what.format(self.max_model_len))
-        bad_ids = [t for t in (*params.logit_bias, *params.allowed_token_ids)
-                   if t >= self.model_config.vocab_size]
-        if bad_ids:
-            return (f"token id {bad_ids[0]} (logit_bias / allowed_token_ids) is out of range: "
-                    f"the vocabulary has {self.model_config.vocab_size} tokens")
-        if req.usage_prompt_tokens is not None and params.prompt_logprobs is not None:
-            # migrated: its prompt logprobs went out with its first output elsewhere
-            params = dataclasses.replace(params, prompt_logprobs=None)
-        want_logprobs = params.logprobs is not None
-        self.outputs.add_parent(
-            req.request_id, req.prompt_token_ids, req.sink, n=params.n, best_of=best_of,
-            stop=list(params.stop or []), include_stop_str=params.include_stop_str_in_output,
-            skip_special_tokens=params.skip_special_tokens, want_logprobs=want_logprobs,
-            first_index=req.first_index, num_prompt_tokens=req.usage_prompt_tokens,
-            generated_offset=req.generated_offset, num_unread=req.num_unread,
-            arrival_time=req.arrival_time,
-            want_prompt_logprobs=params.prompt_logprobs is not None)
-        requests = []
-        for i in range(req.first_index, req.first_index + best_of):
-            cp = child_params(params, i)
-            if best_of > params.n and cp.logprobs is None:
-                cp = dataclasses.replace(cp, logprobs=0)  # cumulative logprob ranks best_of
-            requests.append(Request(child_id(req.request_id, i), list(req.prompt_token_ids), cp,
-                                    remote_decode=req.remote_decode, offline=req.offline,
-                                    tpot_slo_ms=req.tpot_slo_ms))
-        return requests
+    def admit(self, req: EngineRequest,
+              limit_what: str = "this model's context is {} tokens") -> list[Request] | str:
+        """The one intake of a request (engine_request.admit): its sequences as Requests
+        for the scheduler, its outputs registered; or why it is refused."""
+        return admit(req, self.outputs, self.eos_token_ids, self.model_config.vocab_size,
+                     self.max_model_len, limit_what)
 
     def _abort(self, parent_id: str) -> None:
         if self.grammars.drop_deferred(parent_id):
@@ -333,6 +325,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> None:
+        c0 = self.step_clock()
         sched_out = self.scheduler.schedule()
         seqs = sched_out.seqs
         if not seqs:
@@ -359,13 +352,16 @@ class LLMEngine:
         self.grammars.advance(updates, self.scheduler)
         if self.tiering is not None:  # (finished requests' blocks go back before their outputs)
             self.tiering.flush_offloads()
-        self.num_steps += 1
         step_ms = (time.monotonic() - t0) * 1000
-        if self.step_trace is not None:
-            self.step_trace.record(t0, step_ms, sched_out, len(self.scheduler.waiting),
-                                   self.scheduler.tpot_guard)
+        num_waiting = len(self.scheduler.waiting)
         self._process_updates(updates, logprobs)
-        self.recent_max_tbt_ms = max(self.recent_max_tbt_ms * 0.98, step_ms)
+        record = StepRecord(sched_out, t0, step_ms, (self.step_clock() - c0) * 1000,
+                            num_waiting, self.scheduler.tpot_guard)
+        for observer in self.step_observers:
+            try:
+                observer.on_step(record)
+            except Exception:  # (the step is done: its requests are not failed for this)
+                logger.exception("step observer %s failed", type(observer).__name__)
 
     def _record_prompt_logprobs(self, seq, logits: torch.Tensor) -> None:
         """Logits rows at positions start_pos.. of a prefill chunk score the prompt tokens
@@ -440,11 +436,11 @@ class LLMEngine:
             "prefix_hit_tokens": pool.num_prefix_hit_tokens,
             "generated_tokens": self.num_generated_tokens,
             "step_failures": self.num_step_failures,
-            "prompt_steps_held": getattr(self.scheduler.tpot_guard, "num_held", 0),
-            "offline_waiting": self.scheduler.num_offline_waiting,
-            "offline_running": self.scheduler.num_offline_running,
-            "offline_preempted": self.scheduler.num_offline_preempted,
-            "offline_preemptions": self.scheduler.num_offline_preemptions,
-            "offline_suspensions": self.scheduler.num_offline_suspensions,
+            "prompt_steps_held": guard.num_held if (guard := self.scheduler.tpot_guard) else 0,
+            "offline_waiting": self.scheduler.offline.num_waiting,
+            "offline_running": self.scheduler.offline.num_running,
+            "offline_preempted": self.scheduler.offline.num_preempted,
+            "offline_preemptions": self.scheduler.offline.num_preemptions,
+            "offline_suspensions": self.scheduler.offline.num_suspensions,
         }
 

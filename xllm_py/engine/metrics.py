@@ -35,7 +35,7 @@ _ENGINE_STATS = (
      "Engine steps that raised (every request of the step failed)"),
     ("xllm_prompt_steps_held_total", "counter", "prompt_steps_held",
      "Steps that held waiting prompts back to keep the streams within "
-     "--prompt-tpot-target-ms"),
+     "prompt_tpot_target_ms"),
     ("xllm_offline_requests_waiting", "gauge", "offline_waiting",
      "Offline requests waiting to start or to be recomputed"),
     ("xllm_offline_requests_running", "gauge", "offline_running",
@@ -65,9 +65,8 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._families(self._engine.stats())
-        kv = getattr(getattr(self._engine, "scheduler", None), "kv", None)
-        yield self._held(kv.held_blocks() if kv is not None else {})
-        yield from self._speculation(getattr(self._engine, "speculator", None))
+        yield self._held(self._engine.scheduler.kv.held_blocks())
+        yield from self._speculation(self._engine.speculator)
 
     @staticmethod
     def _speculation(speculator) -> Iterator[Metric]:

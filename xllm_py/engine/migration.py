@@ -1,7 +1,7 @@
 """MultiGenerations: take over requests that already generated tokens on an instance
 that died (the service migrates them here).
 
-DECODE (DisaggPDScheduler.resume_with_kv) and MIX (the servicer) both serve it through
+DECODE (DecodeSide.resume_with_kv) and MIX (pd/handlers.py) both serve it through
 `multi_generations`; only what happens to the KV differs. Stages of one item:
   parse (`parse_resumption`: the spec, the generated ids, how many of them the client
   has no text for; the token budgets with the generated tokens spent) ->

@@ -1,9 +1,10 @@
 """RemoteKV: the engine's side of the KV connector (kv_connector.py). Engine thread only.
 
 The engine polls its connector at every turn of its loop and applies each event here,
-on its scheduler (scheduler_pd.py: allocate_for_remote, finish_remote_kvs,
-fail_remote_kvs, finish_sending) and its output processor; nothing else touches them
-for PD. A decode request's life here:
+through the public methods of the engine (`admit`), its scheduler (`scheduler.remote`,
+scheduler_pd.RemoteKVAdmission: allocate_for_remote, finish_remote_kvs, fail_remote_kvs,
+finish_sending), its grammars (whether the first tokens fit a request's grammar) and its
+output processor; nothing else touches them for PD. A decode request's life here:
 
   AdmitRemote -> WAITING -> WAITING_FOR_REMOTE_KVS (blocks set aside, prefix aware)
   -> RecvDone -> RUNNING (the prefill's first token fed to the detokenizer silently)
@@ -21,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 from xllm_py.engine.kv_connector import (AdmitRemote, Drop, Event, OfflineRoom, RecvDone,
                                          RecvFailed, SendDone)
 from xllm_py.engine.output_processor import child_id
-from xllm_py.engine.scheduler_types import RemoteAllocation
-from xllm_py.rpc.status import Status
+from xllm_py.engine.scheduler_types import RemoteAllocation, RequestUpdate
+from xllm_py.request import RequestStatus
+from xllm_py.status import Status
 
 if TYPE_CHECKING:
     from xllm_py.engine.engine_request import EngineRequest
@@ -33,9 +35,9 @@ logger = logging.getLogger(__name__)
 
 def offline_room(sched) -> tuple[int, int] | None:
     """(free seats, free KV tokens) for offline work a decode could pull, or None
-    (`scheduler.offline_has_room()`: a free seat, KV use under 0.9, the online streams'
+    (`scheduler.offline.has_room()`: a free seat, KV use under 0.9, the online streams'
     last step under 0.9 x their TPOT target)."""
-    if not sched.offline_has_room():
+    if not sched.offline.has_room():
         return None
     seats = sched.config.max_num_seqs - len(sched.requests)
     if seats <= 0:
@@ -69,7 +71,7 @@ class RemoteKV:
         if isinstance(event, Drop):
             return self._drop(event.parent_id)
         if isinstance(event, SendDone):
-            return self.engine.scheduler.finish_sending(event.request_id)
+            return self.engine.scheduler.remote.finish_sending(event.request_id)
         if isinstance(event, OfflineRoom):
             return offline_room(self.engine.scheduler)
         raise TypeError(f"unknown connector event {event!r}")
@@ -85,12 +87,12 @@ class RemoteKV:
         # The prompt's logprobs (if asked for) come from the prefill: decode computes none.
         req = dataclasses.replace(req, params=dataclasses.replace(
             req.params, n=1, best_of=None, prompt_logprobs=None))
-        requests = engine._admit(req, limit_what="decode can hold at most {} tokens per request")
+        requests = engine.admit(req, limit_what="decode can hold at most {} tokens per request")
         if isinstance(requests, str):
             return requests
         try:
             try:
-                alloc = engine.scheduler.allocate_for_remote(requests[0])
+                alloc = engine.scheduler.remote.allocate_for_remote(requests[0])
             except ValueError as exc:
                 alloc = str(exc)
             if alloc is None or isinstance(alloc, str):
@@ -112,7 +114,7 @@ class RemoteKV:
         self.engine.outputs.drop_parent(parent_id)
 
     def _fail(self, parent_id: str, message: str, code: int) -> None:
-        self.engine.scheduler.fail_remote_kvs(child_id(parent_id, 0), message)
+        self.engine.scheduler.remote.fail_remote_kvs(child_id(parent_id, 0), message)
         self.engine.outputs.fail_parent(parent_id, code, message)
 
     def _start_decoding(self, ev: RecvDone) -> None:
@@ -121,9 +123,7 @@ class RemoteKV:
             if engine.scheduler.get_request(child) is None:  # aborted meanwhile
                 engine.outputs.drop_parent(ev.parent_id)
                 return
-            # The prompt's KV and first tokens came: the request joins the decode batch
-            # and its grammar replays them (EngineGrammars.join_remote).
-            upd = engine.grammars.join_remote(engine.scheduler, child, ev.token_ids)
+            upd = self._join(child, ev.token_ids)
             # The first token was reported by prefill: feed it to the detokenizer silently.
             engine.outputs.process(child, ev.token_ids, ev.logprobs or None, None, None,
                                    _no_stop)
@@ -137,6 +137,26 @@ class RemoteKV:
                 engine.scheduler.abort_request(child)
             engine.outputs.fail_parent(ev.parent_id, Status.INTERNAL.http_status,
                                        f"decode could not start ({type(exc).__name__})")
+
+
+    def _join(self, child: str, token_ids: list[int]) -> RequestUpdate | None:
+        """The prompt's KV and first tokens came: the request joins the decode batch and
+        its grammar (if any) replays them. A finished update when they end it (a
+        complete grammar: "stop"; tokens the grammar refuses: "error")."""
+        scheduler, grammars = self.engine.scheduler, self.engine.grammars
+        upd = scheduler.remote.finish_remote_kvs(child, list(token_ids))
+        if upd is not None:
+            grammars.forget_remote(child)
+            return upd
+        verdict = grammars.replay_remote(scheduler.get_request(child), token_ids)
+        if verdict is None:
+            return None
+        if verdict == "stop":
+            scheduler.finish_request(child, RequestStatus.FINISHED_STOPPED)
+            return RequestUpdate(child, [], True, "stop")
+        logger.warning("request %s: %s", child, verdict)
+        scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
+        return RequestUpdate(child, [], True, "error")
 
 
 def _no_stop(request_id: str, stop_str: str) -> None:

@@ -13,10 +13,11 @@ Request stages (see xllm_py/request.py for the state machine):
     -> preempted (blocks freed, recomputed later from prompt + outputs) or finished
     (blocks freed at once); max_tokens 0 ends right after the prefill; a request whose
     prefix the KV tiers are looking up waits (engine/kv_tiering.py). Prompt logprobs:
-    computed from scratch (cached blocks have KV, no logits; see _scores_prompt). PD hooks
-    (scheduler_pd.py): allocate_for_remote / finish_remote_kvs / fail_remote_kvs (decode
-    side), remote_decode requests and finish_sending (prefill). Offline requests
-    (scheduler_offline.py): in the room online work leaves; suspended or preempted for it.
+    computed from scratch (cached blocks have KV, no logits; scheduler_rules.scores_prompt).
+    The scheduler owns two policies, each given what it needs: `remote`
+    (RemoteKVAdmission, scheduler_pd.py: a decode's prompts whose KV comes from a peer,
+    a prefill's KV held until sent) and `offline` (OfflinePolicy, scheduler_offline.py:
+    offline requests in the room online work leaves; suspended or preempted for it).
     Speculation (spec_decode/, a Speculator passed in): a decode of the last token plus the
     guesses; update_from_output appends the accepted tokens and the Speculator rolls back.
 
@@ -34,9 +35,10 @@ from xllm_py.config import CacheConfig, SchedulerConfig
 from xllm_py.engine.block_pool import BlockPool
 from xllm_py.engine.hybrid_kv import HybridKVCacheManager
 from xllm_py.engine.kv_cache_manager import KVCacheManager
-from xllm_py.engine.offline_gate import OfflineGate
-from xllm_py.engine.scheduler_offline import OfflineMixin
-from xllm_py.engine.scheduler_pd import RemoteKVMixin
+from xllm_py.engine.scheduler_offline import OfflinePolicy
+from xllm_py.engine.scheduler_pd import RemoteKVAdmission
+from xllm_py.engine.scheduler_rules import (append_until_stop, check_new, make_seq,
+                                            reset_for_recompute, scores_prompt)
 from xllm_py.engine.scheduler_types import (  # noqa: F401 - re-exported
     RemoteAllocation, RequestUpdate, ScheduledSeq, SchedulerOutput, StepState)
 from xllm_py.engine.spec_decode.speculator import Speculator
@@ -48,7 +50,7 @@ logger = logging.getLogger(__name__)
 S = RequestStatus
 
 
-class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
+class ContinuousScheduler:
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -84,12 +86,10 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
             self.max_model_len = min(self.max_model_len, scheduler_config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}  # every live request
         self.waiting: collections.deque[Request] = collections.deque()  # online
-        self.waiting_offline: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order
-        self.suspended: collections.deque[Request] = collections.deque()  # offline, KV kept
-        self.offline_gate = OfflineGate(scheduler_config.max_num_batched_tokens)
-        self.num_offline_preemptions = 0  # offline requests whose KV went to other work
-        self.num_offline_suspensions = 0  # offline requests taken out of the batch
+        self.offline = OfflinePolicy(scheduler_config, kv_cache_manager, self.running, self.waiting)
+        self.remote = RemoteKVAdmission(kv_cache_manager, self.requests, self.running,
+                                        self.offline, self.max_model_len, self.finish_request)
         self._finished_ids: list[str] = []
         self.clock = clock
         self.tpot_guard = (TpotGuard(scheduler_config.prompt_tpot_target_ms,
@@ -103,7 +103,7 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.waiting_offline)
+        return len(self.waiting) + len(self.offline.waiting)
 
     def has_unfinished_requests(self) -> bool:
         """Any live request, including those waiting for or holding KV for a peer."""
@@ -111,7 +111,7 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
 
     def has_schedulable_requests(self) -> bool:
         """Whether schedule() may have work (a request waiting for its KV tiers' lookup: not)."""
-        return bool(self.running or self.waiting_offline or self.suspended
+        return bool(self.running or self.offline.waiting or self.offline.suspended
                     or any(not r.tier_pending for r in self.waiting))
 
     def waiting_fills_a_step(self) -> bool:
@@ -119,7 +119,7 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
         if len(self.waiting) >= self.config.max_num_seqs:
             return True
         budget = self.config.max_num_batched_tokens
-        for request in (*self.waiting, *self.waiting_offline):
+        for request in (*self.waiting, *self.offline.waiting):
             budget -= request.num_tokens
             if budget <= 0:
                 return True
@@ -135,11 +135,11 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
     def add_request(self, request: Request) -> None:
         """Queue a new request (FCFS; a lower `priority` value goes ahead; offline ones in
         their own queue)."""
-        self._check_new(request)
+        check_new(request, self.requests, self.max_model_len)
         self.requests[request.request_id] = request
         if self.tpot_guard is not None:
             self.tpot_guard.queued(request.request_id, self.clock())
-        queue = self.waiting_offline if request.offline else self.waiting
+        queue = self.offline.waiting if request.offline else self.waiting
         index = len(queue)
         while index > 0 and queue[index - 1].priority > request.priority and (
             queue[index - 1].status == S.WAITING
@@ -176,8 +176,8 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
         waiting. Decode sequences come first in the output."""
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
-        target_s = self._offline_target_s()
-        self.offline_gate.begin_step(self.clock(), target_s)
+        target_s = self.offline.target_s()
+        self.offline.gate.begin_step(self.clock(), target_s)
         budget = self.config.max_num_batched_tokens
         st = StepState(out, budget, budget)
         online = [r for r in self.running if not r.offline]
@@ -197,11 +197,11 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
         #    online request was just preempted: the freed space belongs to it).
         self._admit_waiting(self.waiting, st, math.inf)
         # 3. Offline work in what is left.
-        self._schedule_offline(st, self.offline_gate.limit(bool(decodes), target_s))
+        self._schedule_offline(st, self.offline.gate.limit(bool(decodes), target_s))
         out.seqs = list(st.decodes.values()) + list(st.prompts.values())
         out.num_batched_tokens = sum(len(s.token_ids) for s in out.seqs)
         out.num_decode_seqs = len(st.decodes)
-        self.offline_gate.carried(st.online_decodes, st.offline_tokens)
+        self.offline.gate.carried(st.online_decodes, st.offline_tokens)
         if self.tpot_guard is not None:
             self.tpot_guard.size_step(out.num_decode_seqs,
                                       out.num_batched_tokens - out.num_decode_seqs)
@@ -231,7 +231,7 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
                 num_new, drafts = num_new - len(drafts), []
                 fits = request.num_computed_tokens + num_new <= len(request.block_ids) * self.block_size
                 continue
-            victim = self._victim(request)
+            victim = self.offline.victim(request)
             self._preempt(victim, st)
             if victim is request:
                 return False
@@ -240,7 +240,7 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
 
     def _add_seq(self, request: Request, num_new: int, st: "StepState", is_decode: bool,
                  drafts: list[int] = ()) -> None:
-        seq = self._make_seq(request, num_new, drafts)
+        seq = make_seq(request, num_new, drafts)
         (st.decodes if is_decode else st.prompts)[request.request_id] = seq
         st.budget -= num_new
         if not is_decode:
@@ -260,13 +260,13 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
             if st.num_seqs >= self.config.max_num_seqs:
                 return
             if len(self.running) >= self.config.max_num_seqs:
-                victim = None if request.offline else self._unscheduled_offline(st)
+                victim = None if request.offline else self.offline.unscheduled(st)
                 if victim is None:
                     return
-                self._suspend(victim)
+                self.offline.suspend(victim)
                 continue
             computed_blocks, num_cached = (  # cached blocks have no logits: recompute
-                ([], 0) if _scores_prompt(request) else self.kv.get_computed_blocks(request))
+                ([], 0) if scores_prompt(request) else self.kv.get_computed_blocks(request))
             loaded = self.kv.tier_hit(request, num_cached)  # (with the KV tiers' blocks)
             room = min(st.budget, st.prompt_budget, offline_limit - st.offline_tokens)
             num_new = self._num_new_tokens(request, loaded, max(0, int(room)))
@@ -274,7 +274,7 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
                 return
             if self.kv.allocate_slots(request, loaded - num_cached + num_new, computed_blocks,
                                       first_pos=loaded) is None:
-                victim = None if request.offline else self._offline_victim()
+                victim = None if request.offline else self.offline.latest()
                 if victim is None:
                     return  # FCFS: the head waits for space
                 self._preempt(victim, st)
@@ -338,8 +338,8 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
                 updates.append(RequestUpdate(request.request_id, [], True, "error",
                                              num_cached_tokens=cached))
                 continue
-            tokens, status = self._append_until_stop(
-                request, [token_id, *(accepted or {}).get(seq.request_id, ())])
+            tokens, status = append_until_stop(
+                request, [token_id, *(accepted or {}).get(seq.request_id, ())], self.max_model_len)
             if seq.spec_token_ids:
                 self.speculator.settle(request, len(seq.spec_token_ids), len(tokens), self.kv)
             if status is not None:
@@ -361,51 +361,21 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
         return updates
 
     # -- internals ---------------------------------------------------------------------------
-    def _check_new(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id} is already live")
-        if request.status != S.WAITING or request.block_ids:
-            raise ValueError(f"request {request.request_id} is not a fresh request")
-        if request.num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {request.num_tokens} tokens; the limit is "
-                f"{self.max_model_len - 1} (max_model_len {self.max_model_len} "
-                "leaves room for one generated token)"
-            )
-
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = request.num_tokens - num_computed
         if num_new > budget:
             return budget if self.config.enable_chunked_prefill else 0
         return num_new
 
-    def _make_seq(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
-        start = request.num_computed_tokens
-        end = start + num_new - len(drafts)  # rows < num_prompt - 1 score a prompt token
-        num_prompt_rows = max(0, min(end, request.num_prompt_tokens - 1) - start)
-        return ScheduledSeq(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end] + list(drafts),
-            start_pos=start,
-            block_table=list(request.block_ids),
-            group_tables=([list(t) for t in request.group_block_ids]
-                          if request.group_block_ids else None),
-            sample=end == request.num_tokens and request.sampling_params.max_tokens != 0,
-            num_prompt_logprob_rows=num_prompt_rows if _scores_prompt(request) else 0,
-            spec_token_ids=list(drafts))
-
     def _preempt(self, request: Request, st: StepState | None) -> None:
         """Free a running or suspended request's KV for recompute (exact: prompt and
         outputs so far are computed again); the budget of its seq goes back to `st`."""
-        (self.suspended if request.status == S.SUSPENDED else self.running).remove(request)
-        self.kv.free(request)
-        request.transition(S.PREEMPTED)
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        (self.waiting_offline if request.offline else self.waiting).appendleft(request)
-        logger.info("preempted %s", request.anon_repr())
         if request.offline:
-            self.num_offline_preemptions += 1
+            self.offline.preempt(request)
+        else:
+            self.running.remove(request)
+            reset_for_recompute(request, self.kv)
+            self.waiting.appendleft(request)
         if st is None:
             return
         st.out.preempted_ids.append(request.request_id)
@@ -419,14 +389,32 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
             if request.offline:
                 st.offline_tokens -= len(seq.token_ids)
 
-    def _append_until_stop(self, request: Request,
-                           token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
-        """Append tokens one by one until one ends the request: (those appended, status)."""
-        for n, token_id in enumerate(token_ids, 1):
-            request.append_output_token(token_id)
-            if (status := request.stop_status(token_id, self.max_model_len)) is not None:
-                return token_ids[:n], status
-        return token_ids, None
+    def _schedule_offline(self, st: StepState, limit: float) -> None:
+        """Offline requests in the room online work left: running ones within `limit`
+        tokens (those past it suspended, their KV kept), then the suspended ones (while
+        their next token fits without preempting anything), then the waiting ones."""
+        offline = self.offline
+        for request in [r for r in self.running if r.offline]:
+            if request.status != S.RUNNING or st.has(request.request_id):
+                continue
+            if st.offline_tokens >= limit:
+                offline.suspend(request)
+                continue
+            is_decode = request.num_tokens - request.num_computed_tokens == 1
+            self._run(request, st, is_decode, limit - st.offline_tokens)
+        while (offline.suspended and st.offline_tokens < limit and st.budget > 0
+               and st.num_seqs < self.config.max_num_seqs
+               and len(self.running) < self.config.max_num_seqs):
+            request = offline.suspended[0]
+            left = request.num_tokens - request.num_computed_tokens
+            num_new = self._num_new_tokens(request, request.num_computed_tokens,
+                                           int(min(st.budget, limit - st.offline_tokens)))
+            if num_new == 0 or self.kv.allocate_slots(request, num_new) is None:
+                break
+            offline.resume()
+            self._add_seq(request, num_new, st, is_decode=left == 1)
+        if st.offline_tokens < limit:
+            self._admit_waiting(offline.waiting, st, limit)
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         request.transition(status)
@@ -434,7 +422,7 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
 
     def _remove(self, request: Request) -> None:
         """Drop a finished request from every queue and free its blocks."""
-        for queue in (self.running, self.waiting, self.waiting_offline, self.suspended):
+        for queue in (self.running, self.waiting, self.offline.waiting, self.offline.suspended):
             if request in queue:
                 queue.remove(request)
         self.kv.free(request)
@@ -443,8 +431,3 @@ class ContinuousScheduler(OfflineMixin, RemoteKVMixin):
             self.tpot_guard.forget(request.request_id)
         self._finished_ids.append(request.request_id)
 
-
-def _scores_prompt(request: Request) -> bool:
-    """Wants prompt logprobs and has no output yet (they go out with the first output).
-    Such a request takes no prefix-cache hit: exact, and a hit saves compute only."""
-    return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids

@@ -19,8 +19,8 @@ the cost on a core of its own, which another process's load does not move; the w
 otherwise). The service scales the predictions to the wall clock the requests then see
 (pd_decision.py `SloPredictor.observe`), the TPOT guard measures its steps itself.
 
-`ProfileCorrector`, on the engine thread after every step (the whole step: scheduling,
-forward, sampling, outputs; on the same clock): a moving average (weight ALPHA) of what
+`ProfileCorrector`, a step observer of the engine (step_observers.py: the whole step,
+scheduling, forward, sampling, outputs, on the same clock): a moving average (weight ALPHA) of what
 the step took beyond the profile's prediction, one for prompt-only steps (added to the
 prompt base) and one for decode steps (added to the decode base), each step's time
 bounded to 1/4..4 x the prediction; `profile()` is the measured profile so corrected (what
@@ -43,6 +43,7 @@ from xllm_py.cluster import slo_defaults as d
 from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.cluster.step_cost_fit import StepShape, fit_step_costs
 from xllm_py.engine.scheduler_types import ScheduledSeq
+from xllm_py.engine.step_observers import StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -102,27 +103,15 @@ def _seqs(kind: str, shape: tuple, block_size: int, vocab: int,
     return decode(seqs, ctx) + [prompt(start, n)]
 
 
-def step_clock(engine) -> Callable[[], float]:
-    """What a step is timed by: the calling thread's CPU time where it computes alone
-    (CPU, one torch thread, no TP ranks: the step's cost on a core of its own, which the
-    load of a shared machine does not move; the corrector scales it to the wall clock the
-    steps then take), else the wall clock."""
-    import torch
-
-    alone = (str(engine.config.device).startswith("cpu") and torch.get_num_threads() == 1
-             and getattr(engine, "tp", None) is None)
-    return time.thread_time if alone else time.perf_counter
-
-
 def measure_profile(engine, budget_s: float = BUDGET_S,
                     clock: Callable[[], float] | None = None) -> LatencyProfile:
     """The engine's profile from timed steps (module docstring); call before the engine
     thread starts (nothing else may use the KV pool meanwhile). The budget is wall time;
-    `clock` times the steps (default `step_clock`)."""
+    `clock` times the steps (default: the engine's step clock, model_setup.LoadedModel)."""
     from xllm_py.engine.sampler import SamplingRow
     from xllm_py.sampling_params import SamplingParams
 
-    clock = clock or step_clock(engine)
+    clock = clock or engine.step_clock
     t_all = t_start = time.perf_counter()
     spent = [0.0, 0.0]  # the steps' clock and wall ms (the budget is wall time)
     sched = engine.scheduler.config
@@ -190,15 +179,16 @@ def _guess_ms(samples: list[tuple[StepShape, float]], step: StepShape) -> float:
 
 class ProfileCorrector:
     """The start-up profile corrected by what the engine's steps take (module docstring),
-    timed by `clock`: the one the profile was measured by (`step_clock`)."""
+    timed by the engine's step clock: the one the profile was measured by."""
 
-    def __init__(self, profile: LatencyProfile,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, profile: LatencyProfile) -> None:
         self.base = profile
-        self.clock = clock
         self.prefill_extra_ms = 0.0
         self.decode_extra_ms = 0.0
         self.num_observed = 0
+
+    def on_step(self, step: StepRecord) -> None:
+        self.observe(StepShape.of(step.out.seqs), step.whole_ms)
 
     def observe(self, shape: StepShape, ms: float) -> None:
         if ms <= 0 or not (shape.num_prefill_tokens or shape.num_decode_seqs):
@@ -231,16 +221,16 @@ def _ema(old: float, ms: float, predicted: float) -> float:
 
 
 # ---------------------------------------------------------------- start-up and derived
-OFF = ("off", "none")  # --latency-profile off: no profile (none measured, none registered)
+OFF = ("off", "none")  # latency_profile: off: no profile (none measured, none registered)
 
 
 def start_up_profile(engine, config) -> LatencyProfile | None:
-    """The profile an engine registers, before its thread starts: --latency-profile FILE,
+    """The profile an engine registers, before its thread starts: latency_profile FILE,
     else a simulated engine's time model, else (PREFILL / DECODE in a cluster) measured
     here; None for a MIX or a standalone engine without a file (nothing reads it), or
-    with `--latency-profile off`. The scheduler settings left to the profile are derived
-    from it (`apply_derived`); a measured one is corrected by the steps from then on."""
-    engine.latency_profile = engine.profile_corrector = None
+    with `latency_profile: off`. The scheduler settings left to the profile are derived
+    from it (`apply_derived`); a measured one is corrected by the steps from then on
+    (the engine's `profile_corrector`). Sets it on the engine (`set_latency_profile`)."""
     path = config.latency_profile_path
     if path is not None and path.lower() in OFF:
         return None
@@ -252,32 +242,8 @@ def start_up_profile(engine, config) -> LatencyProfile | None:
     else:
         return None
     profile = apply_derived(engine, profile)
-    engine.latency_profile = profile
-    if measured:
-        engine.profile_corrector = ProfileCorrector(profile, step_clock(engine))
-        observe_steps(engine, engine.profile_corrector)
+    engine.set_latency_profile(profile, ProfileCorrector(profile) if measured else None)
     return profile
-
-
-def observe_steps(engine, corrector: "ProfileCorrector") -> None:
-    """From now on every step of `engine` (LLMEngine.step: scheduling, forward, sampling,
-    outputs) tells `corrector` what it computed and what it took."""
-    step, schedule = engine.step, engine.scheduler.schedule
-    scheduled: list = []
-
-    def scheduling():
-        out = schedule()
-        scheduled.append(out)
-        return out
-
-    def observed_step() -> None:
-        scheduled.clear()
-        c0 = corrector.clock()
-        step()
-        if scheduled and scheduled[0].seqs:
-            corrector.observe(StepShape.of(scheduled[0].seqs), (corrector.clock() - c0) * 1000)
-
-    engine.scheduler.schedule, engine.step = scheduling, observed_step
 
 
 # What a corrected profile re-derives (the step budgets stay as set at start-up).

@@ -24,6 +24,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from xllm_py.config import EngineConfig
 from xllm_py.engine.async_engine import AsyncEngine
@@ -35,9 +36,12 @@ logger = logging.getLogger(__name__)
 
 
 async def run_engine_server(config: EngineConfig, stop: asyncio.Event | None = None,
-                            force: asyncio.Event | None = None) -> None:
+                            force: asyncio.Event | None = None,
+                            make_engine: Callable[[EngineConfig], LLMEngine] = LLMEngine) -> None:
     """Serve until SIGTERM/SIGINT (a second one: `force`), or until `stop` is set where the
-    caller passes its events (several engines in one process: xllm_py/sim/host.py)."""
+    caller passes its events (several engines in one process: xllm_py/sim/host.py).
+    `make_engine`: the engine loop over the model, or the simulator's SimulatedEngine (the
+    simulator sits above the engine: its entry points pass it)."""
     from xllm_py.api.app import build_app
     from xllm_py.api.server import serve
 
@@ -46,7 +50,7 @@ async def run_engine_server(config: EngineConfig, stop: asyncio.Event | None = N
 
         await check_etcd_endpoint(config.etcd_addr, config.etcd_namespace,
                                   config.security.etcd_tls)
-    engine = await start_engine_thread(config)
+    engine = await start_engine_thread(config, make_engine)
     backend = AsyncEngine(engine, config.served_model_name)
     app = build_app(backend, api_keys=config.security.api_keys,
                     protect_metrics=config.security.protect_metrics, limits=config.api)
@@ -88,7 +92,9 @@ async def run_engine_server(config: EngineConfig, stop: asyncio.Event | None = N
         raise SystemExit(1)
 
 
-async def start_engine_thread(config: EngineConfig) -> LLMEngine:
+async def start_engine_thread(config: EngineConfig,
+                              make_engine: Callable[[EngineConfig], LLMEngine] = LLMEngine
+                              ) -> LLMEngine:
     """Build the engine, measure its start-up profile (before it serves: it times steps
     itself) and run its loop, all in one thread, and return once it runs. One thread for
     all of it: the OpenMP team that computes the steps is then the only one, as libgomp
@@ -110,7 +116,7 @@ async def start_engine_thread(config: EngineConfig) -> LLMEngine:
 
     def body() -> None:
         try:
-            engine = create_engine(config)
+            engine = make_engine(config)
             start_up_profile(engine, config)
         except BaseException as exc:  # the caller raises it: the same errors as inline
             loop.call_soon_threadsafe(settle, exc)
@@ -131,7 +137,7 @@ def watch_tp_ranks(engine: LLMEngine, loop: asyncio.AbstractEventLoop, stop: asy
     error naming the cause, then the server stops (no drain) and exits with 1. Returns the
     list the cause lands in."""
     lost: list[str] = []
-    tp = getattr(engine, "tp", None)  # (None: TP 1, or the simulated engine)
+    tp = engine.tp  # (None: TP 1, or the simulated engine)
     if tp is None:
         return lost
 
@@ -161,15 +167,6 @@ def install_signal_handlers(stop: asyncio.Event, force: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-
-
-def create_engine(config: EngineConfig) -> LLMEngine:
-    """The engine loop over the model, or over a time model with --simulate (no torch)."""
-    if config.simulate:
-        from xllm_py.sim.engine import SimulatedEngine
-
-        return SimulatedEngine(config)
-    return LLMEngine(config)
 
 
 # The engine counts as drained once nothing was in flight for this long: a request the

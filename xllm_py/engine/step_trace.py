@@ -1,4 +1,4 @@
-"""StepTrace: one JSON line per engine step (`--step-trace FILE`), for finding where a
+"""StepTrace: one JSON line per engine step (the setting `step_trace: FILE`), for finding where a
 latency tail comes from.
 
 A TPOT or ITL percentile says that streams were slow, not which steps made them so. Each
@@ -15,7 +15,8 @@ attend to; guard: the TPOT guard's answer this step (tpot_guard.py: "slack", "he
 and the cost estimates it sized the step with (a decode-only step, a prompt token beside
 streams). `python -m xllm_py.engine.step_trace FILE` reduces a trace (`summarize`).
 
-Pure Python, no torch: the engine hands it the scheduler's output. Written line by line
+Pure Python, no torch: a step observer of the engine (step_observers.py), handed each
+step's record (the scheduler's output among it). Written line by line
 (flushed each step), so a trace survives a killed engine; off unless asked for.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import IO, TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
     from xllm_py.engine.scheduler_types import SchedulerOutput
+    from xllm_py.engine.step_observers import StepRecord
     from xllm_py.engine.tpot_guard import TpotGuard
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,9 @@ class StepTrace:
         # shared flag, e.g. the launcher's --engine-arg, would interleave in one file)
         self.path = path.replace("{pid}", str(os.getpid()))
         self._f: IO[str] | None = open(self.path, "a", encoding="utf-8", buffering=1)
+
+    def on_step(self, step: StepRecord) -> None:
+        self.record(step.start_s, step.ms, step.out, step.num_waiting, step.guard)
 
     def record(self, start_s: float, duration_ms: float, out: SchedulerOutput,
                num_waiting: int, guard: TpotGuard | None) -> None:
@@ -186,7 +191,7 @@ def format_summary(sm: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m xllm_py.engine.step_trace",
-                                description="Summarize an engine's --step-trace file.")
+                                description="Summarize an engine's step trace file.")
     p.add_argument("trace", nargs="+", help="trace files (one JSON object per line)")
     p.add_argument("--slow-ms", type=float, default=30.0,
                    help="count the steps with streams over this long, and what they carried")

@@ -2,7 +2,7 @@
 
 Modules: kv_storage (the cache tensor), base (ABC, TransferError,
 group_contiguous), fake / tcp / ucx (backends), factory (create_backend), mapping (TP/DP
-worker mapping), metrics (Prometheus text counters), worker_service (KVWorker + gRPC).
+worker mapping), metrics (Prometheus text counters), kv_worker (KVWorker), in_process.
 """
 from xllm_py.kv_transfer.base import (
     KVTransferBackend,

@@ -22,7 +22,8 @@ import torch
 from xllm_py.config import TransferConfig, child_env
 from xllm_py.kv_transfer.factory import create_backend, mappable_host_allocator
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
-from xllm_py.kv_transfer.worker_service import KVWorker, WorkerServicer, create_worker_server
+from xllm_py.kv_transfer.kv_worker import KVWorker
+from xllm_py.rpc.worker_service import WorkerServicer, create_worker_server
 from xllm_py.utils.cli import enable_crash_stacks
 
 logger = logging.getLogger(__name__)

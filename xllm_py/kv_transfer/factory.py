@@ -20,7 +20,7 @@ class BackendKind(str, enum.Enum):
     UCX = "ucx"
     TCP = "tcp"
     FAKE = "fake"
-    SIM = "sim"  # the simulated engine's (xllm_py/sim): a small payload per block, no torch
+    SIM = "sim"  # the simulated engine's: a small payload per block, no torch (registered)
 
     @classmethod
     def parse(cls, value: str) -> "BackendKind":
@@ -28,6 +28,16 @@ class BackendKind(str, enum.Enum):
             return cls(value.lower())
         except ValueError:
             raise ValueError(f"unknown KV transfer backend {value!r}; expected one of {[k.value for k in cls]}") from None
+
+
+# Backends that live above this package register here: the simulator's (xllm_py/sim
+# registers SIM when it is imported), which production code does not know.
+_REGISTERED: dict[BackendKind, Callable[..., KVTransferBackend]] = {}
+
+
+def register_backend(kind: BackendKind, backend_class: Callable[..., KVTransferBackend]) -> None:
+    """``backend_class(storage, timeout_s, listen_host, listen_port, **kwargs)``, as TCP's."""
+    _REGISTERED[kind] = backend_class
 
 
 def create_backend(name: str | BackendKind, storage: KVCacheStorage,
@@ -39,8 +49,10 @@ def create_backend(name: str | BackendKind, storage: KVCacheStorage,
         from xllm_py.kv_transfer.fake import FakeKVTransferBackend
         return FakeKVTransferBackend(storage, cfg.timeout_s, **kwargs)  # type: ignore[arg-type]
     if kind is BackendKind.SIM:
-        from xllm_py.sim.transfer import SimKVTransferBackend
-        return SimKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)  # type: ignore[arg-type]
+        if kind not in _REGISTERED:
+            raise ValueError("KV transfer backend 'sim' moves a simulated engine's pool: "
+                             "import xllm_py.sim, which registers it")
+        return _REGISTERED[kind](storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)
     if kind is BackendKind.TCP:
         from xllm_py.kv_transfer.tcp import TcpKVTransferBackend
         return TcpKVTransferBackend(storage, cfg.timeout_s, cfg.listen_host, cfg.listen_port, **kwargs)  # type: ignore[arg-type]

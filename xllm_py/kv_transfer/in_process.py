@@ -1,11 +1,11 @@
 """InProcessWorker: this engine's own KV worker called directly, not through gRPC.
 
-With TP 1 the KV worker lives in the engine process (worker_node.py); the PD code's
+With TP 1 the KV worker lives in the engine process (parallel/kv_workers.py); the PD code's
 KV moves and links (PullKVCache, PushKVCache, LinkCluster on our own worker) then go
 straight to its transfer backend: no gRPC call to ourselves. The WorkerService stays
 for other callers (a TP rank 0 calling its ranks > 0, tools).
 
-Same outcomes as the gRPC path (rpc/pd_peers.GrpcPeers over WorkerServicer): a move
+Same outcomes as the gRPC path (rpc/pd_peers.GrpcWorkerClient over WorkerServicer): a move
 larger than the pool or with bad ids, and any transfer failure, raise
 StatusError(BAD_GATEWAY, "KV <op> failed: ..."); an incompatible peer at link time
 raises FAILED_PRECONDITION, any other link failure UNAVAILABLE.
@@ -16,9 +16,9 @@ import logging
 
 from xllm_py.kv_transfer.base import TransferError
 from xllm_py.kv_transfer.head_slices import Heads
-from xllm_py.kv_transfer.worker_service import IncompatiblePeerError, KVWorker, PeerMeta
+from xllm_py.kv_transfer.kv_worker import IncompatiblePeerError, KVWorker, PeerMeta
 from xllm_py.pd_messages import KVMove, PeerLink
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +48,12 @@ class InProcessWorker:
         except (ValueError, TransferError) as exc:
             raise StatusError(Status.BAD_GATEWAY, f"KV {op} failed: {exc}") from None
 
+    async def close(self) -> None:
+        """Nothing to close: the worker is the engine's (its KVWorkerNode stops it)."""
+
     async def link_cluster(self, link: PeerLink) -> None:
         m = link.meta
-        peer = None if m is None else PeerMeta(
-            model=m.model, block_size=m.block_size, kv_dtype=m.kv_dtype, kv_layout=m.kv_layout,
-            num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+        peer = None if m is None else PeerMeta.of(m)
         keys = list(m.transfer_keys) if m is not None else []
         try:
             await self.worker.link_cluster(link.cluster_ids, link.addrs, peer,

@@ -11,7 +11,7 @@ worker ``dst_worker_rank = dst_dp_rank * dst_tp + tp_rank`` pulls from the prefi
 every source DP group that it may pull from.
 
 Different TP sizes (seed 002: n = m, n > m, n < m): each TP rank holds the KV heads of
-``parallel.sharding.kv_head_range`` (split, or replicated when tp exceeds the KV heads).
+``model.sharding.kv_head_range`` (split, or replicated when tp exceeds the KV heads).
 ``kv_head_plan`` gives a destination rank the heads it owns as ``HeadSlice``s, each read
 from one source rank that holds them: equal TP, rank to rank, whole blocks; P TP 2 -> D
 TP 1, the decode rank reads half its heads from each prefill rank; P TP 1 -> D TP 2,
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from xllm_py.parallel.sharding import head_mapping_error, kv_head_range
+from xllm_py.model.sharding import head_mapping_error, kv_head_range
 
 
 def worker_rank(dp_rank: int, tp: int, tp_rank: int) -> int:

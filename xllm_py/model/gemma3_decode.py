@@ -9,7 +9,7 @@ the same calls in the same order with the same inputs -- RMSNorm, the four panel
 ``attention.attend`` and the GeGLU kernel exactly as the block does -- straight into the
 native library with every weight's arguments prepared once, the checks done once per step,
 and the intermediates in buffers kept between steps: the floats of the per-op path, bit for
-bit (tests/unit/test_gemma3_decode.py).
+bit (tests/unit/model/test_gemma3_decode.py).
 
 It applies to a decode-only batch of up to ``cpu_kernels.PANEL_MAX_ROWS`` sequences when
 every linear of every layer is a ``PackedLinear`` with panels and the kernels are loaded;

@@ -32,7 +32,7 @@ from xllm_py.model.config import ModelConfig
 from xllm_py.parallel.group import TPGroup
 from xllm_py.parallel.kv_workers import SPEC_KEY, KVWorkerSpec, RankKVWorker, collect_answers
 from xllm_py.parallel.protocol import Command, StepInputs, encode_step, header
-from xllm_py.parallel.sharding import TPShard, tp_error
+from xllm_py.model.sharding import TPShard, tp_error
 from xllm_py.parallel.worker import load_rank, rank_device, threads_per_rank
 
 logger = logging.getLogger(__name__)

@@ -1,11 +1,15 @@
-"""The KV workers of a tensor-parallel instance's ranks > 0 (rank 0's lives in the engine
-process, ``kv_transfer/worker_node.py``; every rank has one, as every xLLM worker does).
+"""The KV worker of each rank: transfer backend listener + WorkerService server.
 
-Stages: rank 0 writes the settings (``KVWorkerSpec``) into the group's store and
+``start_kv_worker`` starts one: TP 1 and rank 0 in the engine process (engine/cluster_node.py),
+ranks > 0 each in its own process, as every xLLM worker has one. Its listener serves only
+peers that show ``transfer_key``, a random secret made at start and published in the
+instance's registration (kv_transfer/base.py). Stopping the node closes both.
+
+Ranks > 0: rank 0 writes the settings (``KVWorkerSpec``) into the group's store and
 broadcasts START_KV_WORKER -> each rank > 0 starts, on an event-loop thread of its own,
-the same KV worker as rank 0 over its own KV pool (transfer listener + WorkerService,
-its own cluster id) and answers under its key with its addresses or the error -> rank 0
-collects every answer (bounded) -> the workers live as long as their process.
+the same KV worker as rank 0 over its own KV pool (its own cluster id) and answers under
+its key with its addresses or the error -> rank 0 collects every answer (bounded) -> the
+workers live as long as their process.
 """
 from __future__ import annotations
 
@@ -16,16 +20,50 @@ import json
 import logging
 import pickle
 import random
+import secrets
 import threading
+
+import grpc
 
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import TransferConfig
+from xllm_py.kv_transfer.factory import create_backend
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
+from xllm_py.kv_transfer.kv_worker import KVWorker
+from xllm_py.rpc.worker_service import WorkerServicer, create_worker_server
 
 logger = logging.getLogger(__name__)
 
 SPEC_KEY = "kv_worker/spec"
 START_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass
+class KVWorkerNode:
+    worker: KVWorker
+    server: object
+    transfer_addr: str
+    rpc_addr: str
+    transfer_key: str = dataclasses.field(default="", repr=False)
+
+    async def stop(self) -> None:
+        await self.server.stop(1.0)
+        await self.worker.backend.close()
+
+
+async def start_kv_worker(storage: KVCacheStorage, transfer: TransferConfig, host: str,
+                          port: int, cluster_id: int, meta: InstanceMeta,
+                          credentials: grpc.ServerCredentials | None = None) -> KVWorkerNode:
+    """`credentials`: the WorkerService serves mutual TLS only."""
+    transfer_key = secrets.token_hex(16)
+    backend = create_backend(transfer.backend, storage, transfer, access_key=transfer_key)
+    transfer_addr = backend.start()
+    worker = KVWorker(storage, backend, cluster_id, model=meta.model)
+    server, bound = await create_worker_server(WorkerServicer(worker, transfer.timeout_s),
+                                               host, port, credentials)
+    logger.info("KV worker %x: %s transfer at %s, WorkerService at %s:%d", cluster_id,
+                transfer.backend, transfer_addr, host, bound)
+    return KVWorkerNode(worker, server, transfer_addr, f"{host}:{bound}", transfer_key)
 
 
 def _answer_key(rank: int) -> str:
@@ -72,7 +110,6 @@ class RankKVWorkerHost:
     def start(self, spec: KVWorkerSpec, rank: int, storage: KVCacheStorage,
               tls=None) -> RankKVWorker:
         """``tls``: the engine's TLSConfig (the WorkerService then serves mutual TLS only)."""
-        from xllm_py.kv_transfer.worker_node import start_kv_worker
         from xllm_py.tls import server_credentials
 
         transfer, port = spec.for_rank(rank)

@@ -23,7 +23,7 @@ from xllm_py.model.loader import (_IGNORED, _MODEL_CLASSES, _materialize, check_
                                   find_weight_files, norm_weight_names, resolve_dtype)
 from xllm_py.parallel.group import TPGroup
 from xllm_py.parallel.layers import RowParallelLinear
-from xllm_py.parallel.sharding import TPShard, shard_config, shard_for
+from xllm_py.model.sharding import TPShard, shard_config, shard_for
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from xllm_py.parallel.group import TPGroup
 from xllm_py.parallel.kv_workers import RankKVWorkerHost, serve_start_request
 from xllm_py.parallel.loader import load_model_shard
 from xllm_py.parallel.protocol import HEADER_LEN, Command, decode_step, payload_len
-from xllm_py.parallel.sharding import TPShard
+from xllm_py.model.sharding import TPShard
 from xllm_py.utils.cli import enable_crash_stacks
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ Proto3 scalars have no "unset": zero means "default" for the fields whose defaul
 zero (n, best_of, top_p, repetition_penalty); temperature, seed and prompt_logprobs carry
 explicit has_* flags, and so does max_tokens (0 is valid: score the prompt only; a sender
 without has_max_tokens means unset by 0). The rules are read from the schemas
-(`_field_rules`, above params_to_proto). tests/unit/test_protos.py
+(`_field_rules`, above params_to_proto). tests/unit/project/test_protos.py
 round-trips every SamplingParams field, so a new field that is not carried here fails there.
 """
 from __future__ import annotations

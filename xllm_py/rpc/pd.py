@@ -18,7 +18,7 @@ from xllm_py.outputs import TokenLogprob
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.rpc.cluster import instance_meta_from_proto, instance_meta_to_proto
 from xllm_py.rpc.convert import EngineRequestSpec, spec_from_proto, spec_to_proto
-from xllm_py.rpc.status import Status
+from xllm_py.status import Status
 
 _NO_KV_SPACE = 404  # xLLM's DisaggResponse.status_code for "decode has no KV space now"
 

@@ -1,6 +1,7 @@
-"""GrpcPeers: PDPeers over gRPC (DisaggPDService of decode engines, WorkerService of our
-own KV worker). Messages are built and read by xllm_py.rpc.pd; a failed call becomes a
-StatusError whose message names the call and the gRPC code, as the client sees it."""
+"""The PD code's gRPC clients: ``PDServiceClient`` calls other engines' DisaggPDService,
+``GrpcWorkerClient`` one KV worker's WorkerService (a KVWorkerClient, kv_transfer/kv_worker.py).
+Messages are built and read by xllm_py.rpc.pd; a failed call becomes a StatusError whose
+message names the call and the gRPC code, as the client sees it."""
 from __future__ import annotations
 
 import grpc
@@ -10,24 +11,21 @@ from xllm_py.pd_messages import HandOver, KVMove, OfflinePull, PeerLink, Placeme
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc import pd as wire
 from xllm_py.rpc.convert import EngineRequestSpec
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 from xllm_py.utils.grpc_channels import ChannelPool
 
 
-class GrpcPeers:
-    def __init__(self, worker_rpc_addr: str, rpc_timeout_s: float,
-                 transfer_timeout_s: float,
+class PDServiceClient:
+    """The DisaggPDService RPCs of the PD code: to a decode (link_instance,
+    add_new_request, first_generation) and to a prefill (send_pull_signal)."""
+
+    def __init__(self, rpc_timeout_s: float,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
-        self.worker_rpc_addr = worker_rpc_addr
         self.rpc_timeout_s = rpc_timeout_s
-        self.transfer_timeout_s = transfer_timeout_s
         self._channels = ChannelPool(credentials)
 
-    def _pd(self, decode: InstanceMeta) -> pb_grpc.DisaggPDServiceStub:
-        return pb_grpc.DisaggPDServiceStub(self._channels.get(decode.rpc_address))
-
-    def _worker(self) -> pb_grpc.WorkerServiceStub:
-        return pb_grpc.WorkerServiceStub(self._channels.get(self.worker_rpc_addr))
+    def _pd(self, peer: InstanceMeta) -> pb_grpc.DisaggPDServiceStub:
+        return pb_grpc.DisaggPDServiceStub(self._channels.get(peer.rpc_address))
 
     async def link_instance(self, decode: InstanceMeta, prefill: InstanceMeta) -> None:
         try:
@@ -74,11 +72,29 @@ class GrpcPeers:
                                                   f"{message}")
         return num_handed
 
-    async def push_kv(self, move: KVMove) -> None:
-        await self._transfer("push", self._worker().PushKVCache, wire.push_to_proto(move))
+    async def close(self) -> None:
+        await self._channels.close()
 
-    async def pull_kv(self, move: KVMove) -> None:
-        await self._transfer("pull", self._worker().PullKVCache, wire.pull_to_proto(move))
+
+class GrpcWorkerClient:
+    """One KV worker of this instance (a TP rank > 0's, in its own process) over its
+    WorkerService."""
+
+    def __init__(self, worker_rpc_addr: str, rpc_timeout_s: float, transfer_timeout_s: float,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.worker_rpc_addr = worker_rpc_addr
+        self.rpc_timeout_s = rpc_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self._channels = ChannelPool(credentials)
+
+    def _worker(self) -> pb_grpc.WorkerServiceStub:
+        return pb_grpc.WorkerServiceStub(self._channels.get(self.worker_rpc_addr))
+
+    async def push_kv(self, move: KVMove, heads: tuple[int, int, int] | None = None) -> None:
+        await self._transfer("push", self._worker().PushKVCache, wire.push_to_proto(move, heads))
+
+    async def pull_kv(self, move: KVMove, heads: tuple[int, int, int] | None = None) -> None:
+        await self._transfer("pull", self._worker().PullKVCache, wire.pull_to_proto(move, heads))
 
     async def _transfer(self, op: str, rpc, msg) -> None:
         try:

@@ -7,14 +7,11 @@ CacheInfo, TransferMetrics). The engine's side builds the requests in rpc/pd.py
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
+from xllm_py.kv_transfer.kv_worker import CacheInfoData, PeerMeta
 from xllm_py.kv_transfer.metrics import TransferSnapshot
 from xllm_py.proto import xllm_pb2 as pb
-from xllm_py.rpc.status import Status
-
-if TYPE_CHECKING:
-    from xllm_py.kv_transfer.worker_service import CacheInfoData, PeerMeta
+from xllm_py.status import Status
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +34,7 @@ class WorkerLink:
     sender did not say) and each worker's transfer key."""
     cluster_ids: list[int]
     addrs: list[str]
-    peer_meta: "PeerMeta | None" = None
+    peer_meta: PeerMeta | None = None
     keys: list[str] = dataclasses.field(default_factory=list, repr=False)
 
 
@@ -49,13 +46,9 @@ def transfer_from_proto(msg: pb.PullKVCacheRequest | pb.PushKVCacheRequest) -> W
                                  if msg.num_heads else None))
 
 
-def peer_meta_from_proto(m: pb.InstanceMetaInfo) -> "PeerMeta":
+def peer_meta_from_proto(m: pb.InstanceMetaInfo) -> PeerMeta:
     """The compatibility-relevant part of a peer's InstanceMetaInfo."""
-    from xllm_py.kv_transfer.worker_service import PeerMeta  # (it imports this module)
-
-    return PeerMeta(model=m.model, block_size=m.block_size, kv_dtype=m.kv_dtype,
-                    kv_layout=m.kv_layout, num_layers=m.num_layers,
-                    num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+    return PeerMeta.of(m)
 
 
 def link_from_proto(msg: pb.ClusterLink) -> WorkerLink:
@@ -69,7 +62,7 @@ def ok_to_proto() -> pb.Status:
     return pb.Status(ok=True, code=Status.OK.http_status)
 
 
-def cache_info_to_proto(info: "CacheInfoData") -> pb.CacheInfo:
+def cache_info_to_proto(info: CacheInfoData) -> pb.CacheInfo:
     return pb.CacheInfo(**dataclasses.asdict(info))
 
 

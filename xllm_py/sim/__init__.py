@@ -12,3 +12,6 @@ test the master with a fleet (benchmarks/bench_fleet.py).
   host.py        `python -m xllm_py.sim.host`: several simulated engines in one process
   validate.py    `python -m xllm_py.sim.validate`: simulated vs real on one workload
 """
+# The simulated engine's KV moves: registered with kv_transfer's factory (which does not
+# know the simulator) whenever any part of the simulator is imported.
+from xllm_py.sim import transfer  # noqa: F401

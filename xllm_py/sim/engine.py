@@ -1,10 +1,11 @@
 """SimulatedEngine: LLMEngine (scheduler, block pool, prefix cache, output processing,
 and with --etcd everything ClusterNode runs) over a time model instead of the model.
 
-Start-up (`_load_model`, the engine's seam): read the profile -> the model directory's
-config.json and tokenizer (no weights) -> size the block pool as the real engine would
-for that model and --kv-cache-memory-mb -> SimKVStorage, SimulatedRunner,
-SimulatedSampler. Imports no torch (tests/unit/test_sim_engine.py checks it).
+Start-up (`load_simulated`: the LoadedModel the engine is built from): read the profile
+-> the model directory's config.json and tokenizer (no weights) -> size the block pool as
+the real engine would for that model (model_setup.kv_pool_bytes) -> SimKVStorage,
+SimulatedRunner, SimulatedSampler. Imports no torch (tests/unit/sim/test_sim_engine.py checks
+it).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 
 from xllm_py.config import EngineConfig
 from xllm_py.engine.llm_engine import LLMEngine
+from xllm_py.engine.model_setup import LoadedModel, kv_pool_bytes
 from xllm_py.model.config import ModelConfig
 from xllm_py.model.tokenizer import Tokenizer
 from xllm_py.sim.runner import SimulatedRunner, SimulatedSampler
@@ -44,29 +46,38 @@ def emitted_vocab(tokenizer: Tokenizer, vocab_size: int, eos: list[int]) -> list
     return [t for t in range(min(vocab_size, tokenizer.vocab_size)) if t not in banned]
 
 
+def load_simulated(config: EngineConfig, burn_cpu: bool = False) -> LoadedModel:
+    """The simulated model of `config` (the setting simulate: PROFILE): the real tokenizer and
+    config.json, a pool of tokens, the time model's runner (spending its time on the CPU
+    with `burn_cpu`, else sleeping)."""
+    time_model = TimeModel.load(config.simulate or "")
+    model_dir = sim_model_dir(config.model)
+    mc = ModelConfig.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    block_size = config.cache.block_size
+    num_blocks = config.cache.num_blocks
+    if num_blocks is None:  # the real engine's pool for this model and memory
+        block_bytes = (2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim
+                       * _DTYPE_BYTES.get(config.dtype, 4))
+        num_blocks = max(2, kv_pool_bytes(config.cache, None) // block_bytes)
+    storage = SimKVStorage(num_blocks, block_size, mc.num_layers, mc.num_kv_heads,
+                           mc.head_dim, config.dtype)
+    eos = list(mc.eos_token_ids or []) + list(tokenizer.eos_token_ids or [])
+    runner = SimulatedRunner(time_model, storage, emitted_vocab(tokenizer, mc.vocab_size, eos),
+                             burn_cpu=burn_cpu)
+    logger.info("simulated engine: time model %s (prefill %.3f ms/token, decode %.2f ms "
+                "+ %.3f ms/seq)", config.simulate, time_model.prefill_ms_per_token,
+                time_model.decode_base_ms, time_model.decode_ms_per_seq)
+    return LoadedModel(model_dir, mc, tokenizer, storage, runner, SimulatedSampler(),
+                       num_blocks)
+
+
 class SimulatedEngine(LLMEngine):
-    def _load_model(self, config: EngineConfig) -> int:
-        self.time_model = TimeModel.load(config.simulate or "")
-        self.model_dir = sim_model_dir(config.model)
-        self.model = None
-        self.model_config = mc = ModelConfig.from_dir(self.model_dir)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks
-        if num_blocks is None:  # the real engine's pool for this model and memory
-            block_bytes = (2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim
-                           * _DTYPE_BYTES.get(config.dtype, 4))
-            num_blocks = max(2, config.cache.kv_cache_memory_bytes // block_bytes)
-        self.storage = SimKVStorage(num_blocks, block_size, mc.num_layers, mc.num_kv_heads,
-                                    mc.head_dim, config.dtype)
-        eos = list(mc.eos_token_ids or []) + list(self.tokenizer.eos_token_ids or [])
-        self.runner = SimulatedRunner(self.time_model, self.storage,
-                                      emitted_vocab(self.tokenizer, mc.vocab_size, eos))
-        self.sampler = SimulatedSampler()
-        logger.info("simulated engine: time model %s (prefill %.3f ms/token, decode %.2f ms "
-                    "+ %.3f ms/seq)", config.simulate, self.time_model.prefill_ms_per_token,
-                    self.time_model.decode_base_ms, self.time_model.decode_ms_per_seq)
-        return num_blocks
+    """LLMEngine over `load_simulated(config)`: no sampling rows (the simulated model
+    picks the tokens), its runner's KV misses among the stats."""
+
+    def __init__(self, config: EngineConfig, burn_cpu: bool = False) -> None:
+        super().__init__(config, load_simulated(config, burn_cpu))
 
     def _sampling_row(self, request) -> None:
         return None  # (the simulated model picks the tokens: no sampling parameters)

@@ -19,6 +19,7 @@ import httpx
 
 from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient
 from xllm_py.cluster.etcd_server import EmbeddedEtcd
+from xllm_py.utils.config_file import write_settings
 from xllm_py.utils.procs import ChildProcess, free_port, spawn
 
 
@@ -81,11 +82,13 @@ class Fleet:
     def _spawn_host(self, role: str, first: int, count: int) -> ChildProcess:
         name = f"{role.lower()}-{first}-{first + count - 1}"
         ports = ",".join(str(free_port()) for _ in range(count))  # (unique in this process)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        settings = write_settings(self.log_dir / "engine-settings.yaml", {
+            "etcd_ttl": self.ttl_s, "heart_beat_interval": self.heartbeat_s})
         args = ["--count", str(count), "--name-prefix", role.lower(), "--first-index",
                 str(first), "--ports", ports, "--simulate", self.profile, "--model", self.model_dir,
                 "--instance-role", role, "--etcd", self.etcd.endpoint,
-                "--etcd-namespace", self.namespace, "--etcd-ttl", str(self.ttl_s),
-                "--heart-beat-interval", str(self.heartbeat_s), "--log-level", self.log_level,
+                "--etcd-namespace", self.namespace, *settings, "--log-level", self.log_level,
                 *self.engine_args]
         return spawn(name, "xllm_py.sim.host", args, self.log_dir)
 

@@ -3,7 +3,7 @@ engines in one process, each its own instance (name P-i, its own HTTP, DisaggPDS
 worker and transfer ports, its own etcd lease and heartbeats). One process per engine
 costs ~60 MB and a Python start each; a fleet of 128 on a small machine needs fewer.
 
-Stages: parse the engine flags once (--simulate is required) -> per instance: a config
+Stages: parse the engine flags once (and --simulate PROFILE, required) -> per instance: a config
 with its name and a free HTTP port -> run every `run_engine_server` on one loop, sharing
 one stop event -> SIGTERM drains them all (a second signal ends the drains), then exit.
 """
@@ -25,6 +25,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list]:
     p.add_argument("--count", type=int, required=True, help="simulated engines to run")
     p.add_argument("--name-prefix", required=True, help="instance i registers as PREFIX-i")
     p.add_argument("--first-index", type=int, default=0, help="i of the first instance")
+    p.add_argument("--simulate", required=True, metavar="PROFILE",
+                   help="the engines' time model (JSON from python -m xllm_py.sim.profile)")
     p.add_argument("--ports", default=None,
                    help="comma-separated HTTP ports, one per instance (default: free ports "
                         "picked here; a launcher of several hosts should pick them, so that "
@@ -36,8 +38,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list]:
     if ports is not None and len(ports) != args.count:
         p.error(f"--ports lists {len(ports)} ports for --count {args.count}")
     engine_args = build_parser().parse_args(rest)
-    if not engine_args.simulate:
-        p.error("--simulate PROFILE is required (a host runs simulated engines only)")
+    engine_args.simulate = args.simulate  # (the engine's settings-file key simulate)
     base = config_from_args(engine_args)
     ports = ports or [free_port(base.host) for _ in range(args.count)]
     configs = [dataclasses.replace(base, instance_name=f"{args.name_prefix}-{args.first_index + k}",
@@ -47,10 +48,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list]:
 
 async def run_host(configs: list) -> None:
     from xllm_py.engine.server import install_signal_handlers, run_engine_server
+    from xllm_py.sim.engine import SimulatedEngine
 
     stop, force = asyncio.Event(), asyncio.Event()
     install_signal_handlers(stop, force)
-    await asyncio.gather(*(run_engine_server(c, stop, force) for c in configs))
+    await asyncio.gather(*(run_engine_server(c, stop, force, SimulatedEngine) for c in configs))
 
 
 def main(argv: list[str] | None = None) -> int:

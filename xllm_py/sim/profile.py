@@ -2,7 +2,7 @@
 engine's step times and fit the simulator's TimeModel to them.
 
 Stages: build the real engine (the same flags as `python -m xllm_py.engine`: --model,
---device, --dtype, --num-threads ...) -> time (engine-thread CPU) every step's forward
+--device, --dtype, --config ...; and --num-threads) -> time (engine-thread CPU) every step's forward
 and sampling (the parts the simulator replaces; the scheduler and output processing run
 for real in both)
 while the engine serves workloads: prompts of 32..1536 random tokens, 1..16 requests in
@@ -23,6 +23,8 @@ import threading
 import time
 
 from xllm_py.engine.cli import build_parser as engine_parser, config_from_args
+from xllm_py.engine.llm_engine import LLMEngine
+from xllm_py.engine.model_setup import LoadedModel, load_model
 from xllm_py.sim.time_model import StepShape, fit
 from xllm_py.utils.machine import cpu_model
 
@@ -85,45 +87,69 @@ class StepTime:
     wall_ms: float  # more on a machine whose cores are shared
 
 
-def record_steps(engine) -> list[StepTime]:
-    """From now on, the forward + sampling time of every step the engine runs (timed on
-    the engine thread; with torch's intra-op threads at 1, all of its compute)."""
-    steps: list[StepTime] = []
-    runner_step, sampler = engine.runner.execute_step, engine.sampler
+class StepTimer:
+    """The forward + sampling time of every step of an engine built on `timed(loaded)`,
+    once `on` (timed on the engine thread; with torch's intra-op threads at 1, all of
+    its compute): the parts of a step the simulator replaces."""
 
-    def timed_step(seqs):
+    def __init__(self) -> None:
+        self.steps: list[StepTime] = []
+        self.on = False
+
+    def timed(self, loaded: LoadedModel) -> LoadedModel:
+        return dataclasses.replace(loaded, runner=_TimedRunner(loaded.runner, self),
+                                   sampler=_TimedSampler(loaded.sampler, self))
+
+
+class _TimedRunner:
+    def __init__(self, runner, timer: StepTimer) -> None:
+        self.runner, self.timer = runner, timer
+
+    def execute_step(self, seqs):
         c0, t0 = time.thread_time(), time.perf_counter()
-        out = runner_step(seqs)
-        steps.append(StepTime(StepShape.of(seqs), (time.thread_time() - c0) * 1000,
-                              (time.perf_counter() - t0) * 1000))
+        out = self.runner.execute_step(seqs)
+        if self.timer.on:
+            self.timer.steps.append(StepTime(StepShape.of(seqs), (time.thread_time() - c0) * 1000,
+                                             (time.perf_counter() - t0) * 1000))
         return out
 
-    def timed_sampler(logits, rows):
+
+class _TimedSampler:
+    def __init__(self, sampler, timer: StepTimer) -> None:
+        self.sampler, self.timer = sampler, timer
+
+    def __call__(self, *args):
         c0, t0 = time.thread_time(), time.perf_counter()
-        out = sampler(logits, rows)
-        if steps:
-            steps[-1].cpu_ms += (time.thread_time() - c0) * 1000
-            steps[-1].wall_ms += (time.perf_counter() - t0) * 1000
+        out = self.sampler(*args)
+        if self.timer.on and self.timer.steps:
+            self.timer.steps[-1].cpu_ms += (time.thread_time() - c0) * 1000
+            self.timer.steps[-1].wall_ms += (time.perf_counter() - t0) * 1000
         return out
 
-    engine.runner.execute_step, engine.sampler = timed_step, timed_sampler
-    return steps
+
+def timed_engine(config) -> tuple[LLMEngine, StepTimer]:
+    """A real engine of `config` whose steps a StepTimer times (once turned on)."""
+    timer = StepTimer()
+    return LLMEngine(config, timer.timed(load_model(config))), timer
 
 
 def random_prompts(n: int, length: int, vocab: int, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(16, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def measure(engine, rounds: int = 3) -> list[tuple[StepShape, float]]:
-    """(shape, CPU ms) of the steps of the engine serving WORKLOADS (`rounds` x
-    concurrency requests each), after a warm-up; the engine is started and stopped here.
+def measure(config, rounds: int = 3) -> list[tuple[StepShape, float]]:
+    """(shape, CPU ms) of the steps of a real engine of `config` serving WORKLOADS
+    (`rounds` x concurrency requests each), after a warm-up; the engine is started and
+    stopped here.
     CPU time, not wall time: on a shared machine the wall time of a step swings with the
     other processes (4x within minutes on the 2-core VM), its CPU time does not."""
+    engine, timer = timed_engine(config)
     rng, vocab = random.Random(1), engine.model_config.vocab_size
     engine.start()
     try:
         run_workload(engine, random_prompts(8, 128, vocab, rng), OUTPUT_LEN, 8)  # warm-up
-        steps = record_steps(engine)
+        timer.on = True
+        steps = timer.steps
         for length, concurrency in WORKLOADS:
             run_workload(engine, random_prompts(rounds * concurrency, length, vocab, rng),
                          OUTPUT_LEN, concurrency)
@@ -139,12 +165,15 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="where to write the profile (JSON)")
     p.add_argument("--rounds", type=int, default=3, help="requests per workload / in flight")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="the engine's torch threads (its settings file's num_threads)")
     args, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    config = config_from_args(engine_parser().parse_args(rest))
-    from xllm_py.engine.llm_engine import LLMEngine
-
-    samples = measure(LLMEngine(config), args.rounds)
+    engine_args = engine_parser().parse_args(rest)
+    if args.num_threads is not None:
+        engine_args.num_threads = args.num_threads
+    config = config_from_args(engine_args)
+    samples = measure(config, args.rounds)
     import torch
 
     source = {"model": config.model, "device": config.device, "dtype": config.dtype,

@@ -34,7 +34,7 @@ def next_token(last_token: int, position: int, vocab: Sequence[int]) -> int:
 
 class SimulatedRunner:
     def __init__(self, time_model: TimeModel, storage: SimKVStorage,
-                 vocab: Sequence[int]) -> None:
+                 vocab: Sequence[int], burn_cpu: bool = False) -> None:
         if not vocab:
             raise ValueError("the simulated model needs at least one token to emit")
         self.time_model = time_model
@@ -42,7 +42,7 @@ class SimulatedRunner:
         self.vocab = list(vocab)
         self.num_kv_misses = 0  # decode steps that found their previous position missing
         self.busy_s = 0.0  # modelled forward time, summed
-        self.burn_cpu = False
+        self.burn_cpu = burn_cpu  # spend the modelled time on the CPU instead of sleeping
 
     def execute_step(self, seqs: Sequence) -> SimulatedStepLogits:
         """ModelRunner.execute_step: `sample` holds the sampled seqs' next tokens."""

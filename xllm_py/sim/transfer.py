@@ -18,6 +18,7 @@ import struct
 
 from xllm_py.kv_transfer.base import (NOT_LINKED, KVTransferBackend, Run, TransferError,
                                       runs_to_ids, split_addr)
+from xllm_py.kv_transfer.factory import BackendKind, register_backend
 
 logger = logging.getLogger(__name__)
 
@@ -119,3 +120,6 @@ class SimKVTransferBackend(KVTransferBackend):
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+
+register_backend(BackendKind.SIM, SimKVTransferBackend)

@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 from xllm_py.engine.cli import build_parser as engine_parser, config_from_args
-from xllm_py.sim.profile import cpu_model, measure, record_steps, run_workload
+from xllm_py.sim.profile import cpu_model, measure, run_workload, timed_engine
 from xllm_py.sim.time_model import fit
 
 logger = logging.getLogger(__name__)
@@ -49,15 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.WARNING)
     config = config_from_args(engine_parser().parse_args(rest))
-    from xllm_py.engine.llm_engine import LLMEngine
+    from xllm_py.engine.engine_request import resolve_model_dir
+    from xllm_py.model.config import ModelConfig
     from xllm_py.sim.engine import SimulatedEngine
 
-    profiled = LLMEngine(config)
-    model = fit(measure(profiled, args.rounds), {"model": config.model, "cpu": cpu_model()})
+    model = fit(measure(config, args.rounds), {"model": config.model, "cpu": cpu_model()})
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         f.write(model.to_json())
     rng = random.Random(0)
-    vocab = profiled.model_config.vocab_size
+    model_dir = resolve_model_dir(config.model)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
     prompts = [[rng.randrange(16, vocab) for _ in range(args.input_len)]
                for _ in range(args.num_requests)]
     # Real and simulated runs interleaved, --trials times (the machine's load drifts),
@@ -66,17 +67,19 @@ def main(argv: list[str] | None = None) -> int:
     trials: dict[str, list[dict[str, float]]] = {"real": [], "simulated": []}
     for t in range(args.trials):
         for name in ("real", "simulated"):
+            timer = None
             if name == "real":
-                engine = LLMEngine(config)
+                engine, timer = timed_engine(config)
             else:
                 engine = SimulatedEngine(dataclasses.replace(config, simulate=f.name,
-                                                             model=profiled.model_dir))
-                engine.runner.burn_cpu = args.burn_cpu
+                                                             model=model_dir), args.burn_cpu)
             engine.start()
             warmup = [[rng.randrange(16, vocab) for _ in range(args.input_len)]
                       for _ in range(args.concurrency)]  # (a fresh engine's first steps)
             run_workload(engine, warmup, args.output_len, args.concurrency)
-            steps = record_steps(engine) if name == "real" else []
+            if timer is not None:
+                timer.on = True
+            steps = timer.steps if timer is not None else []
             run = run_workload(engine, prompts, args.output_len, args.concurrency)
             engine.stop()
             if steps:  # the time model on the very steps the real engine ran

@@ -9,6 +9,7 @@ The command line wins over the file.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 
@@ -34,6 +35,14 @@ class SettingsParser(argparse.ArgumentParser):
         add_flag(self, name, help=argparse.SUPPRESS, **kwargs)
         action = self._actions[-1]
         self._file_only[action.dest] = (action, doc)
+
+    def move_to_file(self, *names: str) -> None:
+        """Flags already added (by a helper two commands share) that this command takes
+        from the file only: `names` are their flag spellings."""
+        for name in names:
+            action = self._option_string_actions[name]
+            self._file_only[action.dest] = (action, action.help or "")
+            action.help = argparse.SUPPRESS
 
     def format_help(self) -> str:
         text = super().format_help()
@@ -89,7 +98,9 @@ class SettingsParser(argparse.ArgumentParser):
         items = value if isinstance(value, list) else [value]
         converted = []
         for item in items:
-            text = str(item).lower() if isinstance(item, bool) else str(item)
+            # (a mapping, as JSON: the spelling of a flag that takes a JSON object)
+            text = (str(item).lower() if isinstance(item, bool)
+                    else json.dumps(item) if isinstance(item, dict) else str(item))
             try:
                 item = action.type(text) if action.type else text
             except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
@@ -99,6 +110,12 @@ class SettingsParser(argparse.ArgumentParser):
                            f"{', '.join(map(str, action.choices))}, got {item!r}")
             converted.append(item)
         return converted if isinstance(value, list) else converted[0]
+
+
+def write_settings(path: str | pathlib.Path, settings: dict[str, object]) -> list[str]:
+    """`settings` (key: value) as a settings file at `path`; returns the flags that pass it."""
+    pathlib.Path(path).write_text(yaml.safe_dump(dict(settings), sort_keys=False))
+    return ["--config", str(path)]
 
 
 def _config_path(argv: list[str]) -> str | None:

@@ -10,7 +10,7 @@ engine thread loaded the model: 14.1 ms a step against 9.3 ms); one that spins 3
 after every step burns a core between steps, which a machine whose cores are shared
 (several engines, a service, a client) pays for: the other processes' event loops run
 late. 10,000 spins (~0.1 ms) cover the gaps within a step and stop soon after it
-(figures: docs/benchmarks.md, "GOMP_SPINCOUNT"). A value in the environment wins.
+(figures: docs/benchmarks.md, the GOMP_SPINCOUNT row). A value in the environment wins.
 """
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ network, works beside a mutual-TLS cluster (the same files may be given to both)
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
+from pathlib import Path
 
 from xllm_py.config import SecurityConfig
 from xllm_py.utils.cli import add_flag, parse_bool
@@ -38,7 +40,6 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
 
 def security_from_args(args: argparse.Namespace) -> SecurityConfig:
     """Raises ValueError on an incomplete TLS triple, a missing file or an empty key."""
-    from xllm_py.api.auth import collect_api_keys
     from xllm_py.tls import EtcdTLSConfig, TLSConfig
 
     return SecurityConfig(api_keys=collect_api_keys(args.api_key, args.api_key_file),
@@ -46,3 +47,26 @@ def security_from_args(args: argparse.Namespace) -> SecurityConfig:
                           tls=TLSConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca),
                           etcd_tls=EtcdTLSConfig.from_args(args.etcd_cacert, args.etcd_cert,
                                                            args.etcd_key))
+
+
+def read_key_file(path: str) -> list[str]:
+    """One key per line; blank lines and lines starting with '#' are skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"--api-key-file {path}: {exc.strerror or exc}") from None
+    return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
+
+
+def collect_api_keys(keys: Iterable[str] | None, key_file: str | None) -> tuple[str, ...]:
+    """The keys of `--api-key` (repeatable) and `--api-key-file`, de-duplicated, in order.
+    Raises ValueError on an empty key or an empty file."""
+    found = [k.strip() for k in (keys or ())]
+    if any(not k for k in found):
+        raise ValueError("--api-key must not be empty")
+    if key_file:
+        from_file = read_key_file(key_file)
+        if not from_file:
+            raise ValueError(f"--api-key-file {key_file}: no key in the file")
+        found += from_file
+    return tuple(dict.fromkeys(found))

@@ -27,11 +27,10 @@ import logging
 import time
 from typing import Callable, Coroutine
 
-from xllm_py.config import EngineConfig, KVTransferMode
+from xllm_py.config import EngineConfig, KVTransferMode, PDSchedulerConfig
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.migration import Resumption
-from xllm_py.engine.pd.config import PDSchedulerConfig, maybe_inject_fault
 from xllm_py.engine.kv_connector import RemoteAllocation
 from xllm_py.engine.pd.connector import PDConnector
 from xllm_py.pd_messages import HandOver, KVMove, Placement
@@ -41,7 +40,7 @@ from xllm_py.engine.pd.phases import DecodePhase, DecodeRequest
 from xllm_py.request import RequestStatus
 from xllm_py.rpc import pd as wire
 from xllm_py.rpc.convert import EngineRequestSpec
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ class DecodeSide:
     async def add_new_requests(self, prefill_name: str,
                                items: list[EngineRequestSpec | Placement]) -> list[Placement]:
         """One Placement per item (a Placement item is a request that could not be read).
-        Each item is checked (LLMEngine._admit: token ids, length) before it allocates."""
+        Each item is checked (LLMEngine.admit: token ids, length) before it allocates."""
         replies = []
         for spec in items:
             if isinstance(spec, Placement):
@@ -180,7 +179,6 @@ class DecodeSide:
     async def _pull(self, h: HandOver, rec: DecodeRequest) -> None:
         if not rec.new_block_ids:
             return
-        maybe_inject_fault(self.config.transfer.fault_rate, "pull")
         await self.peers.pull_kv(KVMove(rec.request_id, h.cluster_ids[0] if h.cluster_ids else 0,
                                         h.addrs[0], h.block_ids, rec.new_block_ids))
 

@@ -17,7 +17,7 @@ from typing import Awaitable, Callable
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.pd_messages import PeerLink
 from xllm_py.engine.pd.peers import PDPeers
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from xllm_py.engine.pd.links import MetaResolver
 from xllm_py.pd_messages import OfflinePull
 from xllm_py.engine.pd.metrics import PDMetrics
 from xllm_py.engine.pd.peers import PDPeers
-from xllm_py.rpc.status import StatusError
+from xllm_py.status import StatusError
 
 logger = logging.getLogger(__name__)
 

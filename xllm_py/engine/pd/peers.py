@@ -4,8 +4,9 @@ Prefill calls a decode engine's DisaggPDService (link_instance, add_new_request,
 first_generation), a decode a prefill's (send_pull_signal); both sides call their own KV worker's WorkerService (push_kv,
 pull_kv, link_cluster). A failure raises StatusError: the status of the failed call
 (UNAVAILABLE, DEADLINE_EXCEEDED, FAILED_PRECONDITION for an incompatible peer, ...)
-with a message for the client. The gRPC implementation is rpc/pd_peers.GrpcPeers; unit
-tests use a fake that runs in the test's process.
+with a message for the client. The implementation is parallel/instance_peers.InstancePeers
+(over gRPC and the engine's own KV worker); unit tests use a fake that runs in the test's
+process.
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """PrefillSide: the prefill role of a PD pair, on top of LLMEngine.
 
 Stages of a request (its PrefillPhase, see phases.py):
-  add_request -> QUEUED (online queue, taken in `prefill_order`
-  (xllm_py/cluster/prefill_order.py: deadline order by the request's TTFT target, the
-  most on time and short prompts first where there is time, or FCFS), or offline
+  add_request -> QUEUED (online queue, kept by the side's PrefillPacer, prefill_pacing.py,
+  taken in `prefill_order` (xllm_py/cluster/prefill_order.py: deadline order by the
+  request's TTFT target, the most on time and short prompts first where there is time,
+  or FCFS), or offline
   (offline_queue.py: handed only to a decode that pulls, SendPullSignal, after every online
   one, in arrival order); taken while the prompts placed on decodes and not
   handed over yet hold fewer than `max_placed_prompt_tokens`: a decode sets blocks aside
@@ -39,38 +40,38 @@ import time
 from typing import AsyncIterator, Callable, Coroutine
 
 from xllm_py.cluster.instance_meta import InstanceMeta
-from xllm_py.config import EngineConfig, KVTransferMode
+from xllm_py.cluster.latency_profile import LatencyProfile
+from xllm_py.config import EngineConfig, KVTransferMode, PDSchedulerConfig
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.output_processor import parent_of
-from xllm_py.engine.pd.config import PDSchedulerConfig, maybe_inject_fault
 from xllm_py.engine.pd.connector import PDConnector
 from xllm_py.engine.pd.links import Links
 from xllm_py.pd_messages import HandOver, KVMove, OfflinePull, Placement
 from xllm_py.engine.pd.metrics import PDMetrics
 from xllm_py.engine.pd.offline_queue import OfflineQueue
-from xllm_py.engine.pd.prefill_pacing import PacingMixin, cost_model
+from xllm_py.engine.pd.prefill_pacing import PrefillPacer, cost_model
 from xllm_py.engine.pd.peers import PDPeers
 from xllm_py.engine.pd.phases import PrefillPhase, PrefillRequest
 from xllm_py.request import RequestStatus
 from xllm_py.outputs import RequestOutput, TokenLogprob
 from xllm_py.rpc.convert import EngineRequestSpec
-from xllm_py.rpc.status import Status, StatusError
+from xllm_py.status import Status, StatusError
 
 logger = logging.getLogger(__name__)
 
 P = PrefillPhase
-# Prompts shorter than this do not correct the cost model: their time is mostly the
-# step's fixed costs, and short prompts share steps.
-OBSERVE_MIN_TOKENS = 256
 _PENDING = (P.QUEUED, P.DISPATCHING, P.PREFILLING)  # not handed over yet
 
 
-class PrefillSide(PacingMixin):
+class PrefillSide:
     def __init__(self, engine: LLMEngine, connector: PDConnector, config: EngineConfig,
                  pd_config: PDSchedulerConfig, meta: InstanceMeta,
                  reporter: GenerationsReporter, links: Links, peers: PDPeers,
-                 metrics: PDMetrics, spawn: Callable[[Coroutine], asyncio.Task]) -> None:
+                 metrics: PDMetrics, spawn: Callable[[Coroutine], asyncio.Task],
+                 latency_profile: LatencyProfile | None) -> None:
+        """`latency_profile`: this instance's, as registered at start-up (the deadline
+        order's predictions; None: FCFS)."""
         self.engine = engine  # (submit; its pool and KV layout, read only)
         self.connector = connector
         self.config = config
@@ -82,14 +83,12 @@ class PrefillSide(PacingMixin):
         self.metrics = metrics
         self.spawn = spawn
         self._requests: dict[str, PrefillRequest] = {}  # until a final phase
-        self._online: list[PrefillRequest] = []  # arrival order
+        self.pacer = PrefillPacer(pd_config, self._requests, cost_model(
+            latency_profile, engine.step_budget_tokens, pd_config))  # the online queue
         self._offline = OfflineQueue()
         self._queued = asyncio.Event()  # set when either queue may hold work
-        self._room = asyncio.Event()  # set when a placed prompt is handed over or ends
         self._dispatch_sem = asyncio.Semaphore(pd_config.max_dispatching)
         self._rr = itertools.count()
-        self._cost = cost_model(engine, pd_config)  # None: FCFS
-        self._last_first_token_s = 0.0
         connector.on_first_token = self._first_token
         connector.on_failed = self._engine_failed
 
@@ -104,7 +103,7 @@ class PrefillSide(PacingMixin):
     def _end(self, rec: PrefillRequest, phase: RequestStatus) -> None:
         rec.transition(phase)
         self._requests.pop(rec.request_id, None)
-        self._room.set()
+        self.pacer.room.set()
 
     # ------------------------------------------------------------------ queue, dispatch
     def add_request(self, spec: EngineRequestSpec) -> None:
@@ -115,11 +114,7 @@ class PrefillSide(PacingMixin):
         if spec.offline:
             self._offline.add(rec)
             return
-        if spec.ttft_slo_ms > 0:
-            rec.deadline_s = time.monotonic() + spec.ttft_slo_ms / 1000.0
-        if self._cost is not None:
-            rec.cost_s = self._cost.predict_s(len(spec.prompt_token_ids))
-        self._online.append(rec)
+        self.pacer.queue(rec)
         self._queued.set()
 
     def on_pull(self, pull: OfflinePull) -> int:
@@ -134,12 +129,12 @@ class PrefillSide(PacingMixin):
     async def dispatch_loop(self) -> None:
         """Online requests first; offline ones a decode pulled when no online one is queued."""
         while True:
-            if not self._online and not self._offline.has_granted():
+            if not self.pacer.online and not self._offline.has_granted():
                 self._queued.clear()
                 await self._queued.wait()
                 continue
-            await self._wait_for_room()
-            rec = self._take_online() if self._online else self._offline.take()
+            await self.pacer.wait_for_room()
+            rec = self.pacer.take() if self.pacer.online else self._offline.take()
             if rec is None:  # every queued online one was cancelled
                 continue
             if rec.phase is not P.QUEUED:  # cancelled while queued
@@ -283,20 +278,10 @@ class PrefillSide(PacingMixin):
             if kv_held:                                     # its abort found nothing
                 self.connector.send_done(child)
             return
-        self._observe_prefill(rec)
+        self.pacer.first_token(rec)
         rec.transition(P.HANDING_OVER)
-        self._room.set()
+        self.pacer.room.set()
         self.spawn(self._hand_over(rec, child, tables, first, lp, finished_here, kv_held))
-
-    def _observe_prefill(self, rec: PrefillRequest) -> None:
-        """Its prompt's compute time: from when the engine took it (submitted, or the
-        previous first token if that came later) to its first token."""
-        now = time.monotonic()
-        if self._cost is not None and rec.submitted_s is not None:
-            start = max(rec.submitted_s, self._last_first_token_s)
-            if len(rec.spec.prompt_token_ids) >= OBSERVE_MIN_TOKENS:
-                self._cost.observe(len(rec.spec.prompt_token_ids), now - start)
-        self._last_first_token_s = now
 
     async def _hand_over(self, rec: PrefillRequest, child: str, tables: list[list[int]],
                          first_token: int | None, lp: TokenLogprob | None,
@@ -366,7 +351,6 @@ class PrefillSide(PacingMixin):
 
     async def _push(self, rec: PrefillRequest, src: list[int]) -> None:
         decode = rec.decode
-        maybe_inject_fault(self.config.transfer.fault_rate, "push")
         if not decode.addrs:
             raise StatusError(Status.BAD_GATEWAY,
                               f"decode {decode.name} publishes no transfer address")
@@ -389,17 +373,17 @@ class PrefillSide(PacingMixin):
         self.reporter.flush()
 
     # ------------------------------------------------------------------ cancel
-    def cancel(self, request_id: str) -> bool:
-        """The service cancelled the request. Always False: the engine may abort it now
-        (what the engine holds for a hand-over is freed by the hand-over)."""
+    def cancel(self, request_id: str) -> None:
+        """The service cancelled the request: its PD work here stops (a decode that set
+        blocks aside for it is told to drop them). What the engine holds is the engine's
+        abort to free; what it holds for a hand-over under way, the hand-over's."""
         rec = self._requests.get(request_id)
         if rec is None or rec.phase is P.HANDING_OVER:
-            return False
+            return
         was = rec.phase
         self._end(rec, P.CANCELLED)
         if was is P.PREFILLING:  # decode drops the blocks it set aside
             self.spawn(self._tell_decode_to_drop(request_id, rec.decode))
-        return False
 
     async def _tell_decode_to_drop(self, request_id: str, decode: InstanceMeta) -> None:
         handover = HandOver(request_id, prefill_name=self.meta.name, failed=True,

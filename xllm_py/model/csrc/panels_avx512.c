@@ -8,7 +8,7 @@
  * per output, k in order, the single row as a tile's: a row's outputs do not depend on the
  * other rows of its step, which speculative decoding's exactness rests on), and
  * the widened bf16 / int8 / K-quant weights are the same floats. So the two builds give
- * the same floats, bit for bit (tests/unit/test_cpu_kernels.py compares them).
+ * the same floats, bit for bit (tests/unit/model/test_cpu_kernels.py compares them).
  *
  * The tile is 12 rows x 16 (XLLM_TILE_ROWS): twelve independent fma chains keep both
  * 512-bit FMA pipes busy through the 4-cycle latency (a 6-row tile has only six, half of

@@ -1,0 +1,256 @@
+"""Speculative decoding's parts without a model: the n-gram lookup, greedy acceptance, the
+Speculator's choices (who proposes, how many, its rests and its batch cut-off), and the
+scheduler's verify step (the guesses scheduled with the last token, the KV rolled back,
+no block holding a rejected guess hashed, stops applied token by token)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.unit.sched_utils import DEFAULTS
+from xllm_py.cluster.latency_profile import LatencyProfile
+from xllm_py.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from xllm_py.engine.block_pool import BlockPool
+from xllm_py.engine.hybrid_kv import HybridKVCacheManager
+from xllm_py.engine.scheduler import ContinuousScheduler
+from xllm_py.engine.spec_decode import speculator as spec_mod
+from xllm_py.engine.spec_decode.ngram import NgramIndex
+from xllm_py.engine.spec_decode.speculator import Speculator, max_batch_from_profile
+from xllm_py.engine.spec_decode.verify import accept_greedy
+from xllm_py.request import Request, RequestStatus
+from xllm_py.sampling_params import SamplingParams
+
+K4 = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=2)
+
+
+# -- the parts ---------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_first_longest_match():
+    index = NgramIndex(2, 3)
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 2, 3, 4]
+    assert index.propose(tokens, 3) == [5, 9, 2]  # (2, 3, 4) first seen at 1..3
+    assert index.propose(tokens + [8], 3) == []  # (4, 8), (3, 4, 8): never seen
+    assert NgramIndex(2, 3).propose([5, 6, 1, 2, 5, 6], 4) == [1, 2, 5, 6]
+    assert NgramIndex(2, 2).propose([1, 2, 3, 1, 2], 8) == [3, 1, 2]  # to the end only
+    with pytest.raises(ValueError):
+        NgramIndex(3, 2)
+
+
+def test_ngram_index_is_incremental():
+    index, tokens = NgramIndex(1, 2), [4, 5]
+    assert index.propose(tokens, 2) == []
+    tokens += [6, 4]
+    assert index.propose(tokens, 2) == [5, 6]
+
+
+def test_accept_greedy_keeps_the_agreeing_prefix_and_the_models_next_token():
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accept_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert accept_greedy([5, 6, 7], [1, 6, 7, 8]) == [1]
+
+
+def test_speculative_config_parse():
+    assert SpeculativeConfig.parse("off") is None and SpeculativeConfig.parse(None) is None
+    cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, '
+                                  '"prompt_lookup_max": 5, "prompt_lookup_min": 1}')
+    assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (3, 5, 1)
+    for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 16}', "[1]", "{x",
+                '{"prompt_lookup_min": 5, "prompt_lookup_max": 4}', '{"draft": 1}'):
+        with pytest.raises(ValueError):
+            SpeculativeConfig.parse(bad)
+
+
+def _req(rid: str, prompt: list[int], **params) -> Request:
+    params.setdefault("max_tokens", 32)
+    params.setdefault("temperature", 0.0)
+    params.setdefault("ignore_eos", True)
+    return Request(rid, prompt, SamplingParams(**params))
+
+
+REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 2 + [1, 2]
+
+
+def test_only_plain_greedy_rows_propose_within_max_tokens_and_the_context():
+    spec = Speculator(K4)
+    plain = _req("a", REPEATING)
+    others = [_req("s", REPEATING, temperature=0.7), _req("l", REPEATING, logprobs=0),
+              _req("p", REPEATING, presence_penalty=0.5), _req("b", REPEATING, logit_bias={3: 1.0}),
+              _req("n", REPEATING, n=2), _req("q", REPEATING, prompt_logprobs=0)]
+    short = _req("m", REPEATING, max_tokens=3)  # 3 left: at most 2 guesses
+    last = _req("z", REPEATING, max_tokens=1)
+    assert spec.propose([plain, short, last], max_model_len=256) == {"a": [3, 4, 5, 6],
+                                                                     "m": [3, 4]}
+    assert spec.propose(others, max_model_len=256) == {}
+    assert spec.propose([plain], max_model_len=len(REPEATING) + 3) == {"a": [3, 4]}
+
+
+def test_no_speculation_above_the_batch_cut_off():
+    spec = Speculator(K4)
+    batch = [_req(f"r{i}", REPEATING) for i in range(spec_mod.DEFAULT_MAX_BATCH + 1)]
+    assert spec.propose(batch, 256) == {}
+    assert len(spec.propose(batch[:-1], 256)) == spec_mod.DEFAULT_MAX_BATCH
+
+
+def test_batch_cut_off_from_a_latency_profile():
+    # A decode step of 20 ms + 1 ms a sequence; a guess costs like a prompt token, 2 ms.
+    profile = LatencyProfile(prefill_base_ms=5, prefill_ms_per_token=2, decode_base_ms=20,
+                             decode_ms_per_seq=1, decode_ms_per_ctx_token=0)
+    # (20 + B + 8B) / 3 < 20 + B  <=>  B < 40 / 6
+    assert max_batch_from_profile(profile, 4, 64) == 6
+    spec = Speculator(K4, lambda: profile)
+    assert spec.max_batch == 6
+    costly = dataclasses.replace(profile, prefill_ms_per_token=100)
+    assert max_batch_from_profile(costly, 4, 64) == 0
+
+
+def test_a_sequence_whose_guesses_fail_rests_then_tries_again():
+    spec = Speculator(K4)
+    req = _req("a", REPEATING)
+    kv = _FakeKV()
+    rests = []
+    for _ in range(3):
+        steps = 0
+        while "a" in spec.propose([req], 256):
+            spec.settle(req, 4, 1, kv)  # every guess rejected
+            steps += 1
+        rested = 1  # (the call that ended the loop above)
+        while "a" not in spec.propose([req], 256):
+            rested += 1
+        rests.append(rested)
+    assert rests == [spec_mod.FIRST_REST_STEPS, 2 * spec_mod.FIRST_REST_STEPS,
+                     4 * spec_mod.FIRST_REST_STEPS]
+    assert spec.stats.proposed == 4 * spec.stats.verify_steps and spec.stats.accepted == 0
+
+
+class _FakeKV:
+    block_size = 4
+
+    def truncate(self, request, num_blocks):
+        pass
+
+    def cache_full_blocks(self, request):
+        pass
+
+
+# -- the scheduler's verify step -----------------------------------------------------------
+def _scheduler(windows=(0,), num_blocks=65, **cfg) -> ContinuousScheduler:
+    values = {**DEFAULTS, "num_blocks": num_blocks, **cfg}
+    sched = SchedulerConfig(**{k: v for k, v in values.items()
+                               if k in {f.name for f in dataclasses.fields(SchedulerConfig)}})
+    cache = CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=True)
+    pool = BlockPool(num_blocks, 4, True, num_groups=len(windows))
+    kv = None if len(windows) == 1 else HybridKVCacheManager(pool, windows)
+    return ContinuousScheduler(sched, cache, num_blocks, kv_cache_manager=kv,
+                               group_windows=windows, speculator=Speculator(K4))
+
+
+def _prefill(sched: ContinuousScheduler, req: Request, first_token: int) -> None:
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_from_output(out, {req.request_id: first_token})
+
+
+@pytest.mark.parametrize("windows", [(0,), (0, 6)])
+def test_verify_step_keeps_accepted_tokens_and_rolls_the_rest_back(windows):
+    sched = _scheduler(windows)
+    req = _req("a", REPEATING)  # 20 tokens: 5 full blocks
+    _prefill(sched, req, 3)  # 21 tokens, 20 computed
+    out = sched.schedule()
+    [seq] = out.seqs
+    assert seq.token_ids == [3, 4, 5, 6, 7] and seq.spec_token_ids == [4, 5, 6, 7]
+    assert seq.start_pos == 20 and out.num_batched_tokens == 5
+    assert len(req.block_ids) == 7  # slots for positions 20..24
+    # The model agrees with 4 and 5, then says 9: emitted 4, 5, 9.
+    [upd] = sched.update_from_output(out, {"a": 4}, {"a": [5, 9]})
+    assert upd.new_token_ids == [4, 5, 9] and not upd.finished
+    assert req.output_token_ids == [3, 4, 5, 9]
+    assert req.num_computed_tokens == 23 == req.num_tokens - 1
+    assert len(req.block_ids) == 6  # the block of positions 24.. went back
+    for table in sched.kv.tables(req):
+        assert len(table) == 6
+    # Hashed: the five full blocks of computed tokens (positions 0..19), not block 5,
+    # which holds 3 computed tokens and the slot of a rejected guess.
+    assert len(req.block_hashes) == 5
+    pool = sched.kv.block_pool
+    assert pool.block_hash(req.block_ids[5]) is None
+    sched.abort_request("a")
+    assert pool.num_used_blocks == 0
+
+
+def test_verify_step_never_passes_max_tokens_and_stops_at_a_stop_token():
+    sched = _scheduler()
+    capped = _req("a", REPEATING, max_tokens=4)
+    _prefill(sched, capped, 3)
+    out = sched.schedule()
+    assert out.seqs[0].spec_token_ids == [4, 5]  # 3 tokens left: 2 guesses
+    [upd] = sched.update_from_output(out, {"a": 4}, {"a": [5, 6]})
+    assert upd.finished and upd.finish_reason == "length"
+    assert upd.new_token_ids == [4, 5, 6] and capped.num_output_tokens == 4
+    stopped = _req("b", REPEATING, stop_token_ids=[5])
+    _prefill(sched, stopped, 3)
+    out = sched.schedule()
+    [upd] = sched.update_from_output(out, {"b": 4}, {"b": [5, 6, 7, 8]})
+    assert upd.finished and upd.new_token_ids == [4, 5] and upd.stop_reason == 5
+    assert sched.kv.block_pool.num_used_blocks == 0
+
+
+def test_guesses_never_preempt():
+    # 8 usable blocks: the prompt takes 5 and a sixth for its next token; the guesses
+    # would need a seventh, which another request holds.
+    sched = _scheduler(num_blocks=9)
+    req, other = _req("a", REPEATING), _req("b", [42, 43, 44])
+    sched.add_request(req)
+    sched.add_request(other)
+    sched.update_from_output(sched.schedule(), {"a": 3, "b": 1})
+    sched.kv.allocate_slots(other, 4)  # (now holds 2 blocks: none left)
+    assert sched.kv.num_free_blocks == 1
+    out = sched.schedule()
+    seqs = {s.request_id: s for s in out.seqs}
+    assert seqs["a"].spec_token_ids == [] and seqs["a"].token_ids == [3]
+    assert out.preempted_ids == [] and req.status == RequestStatus.RUNNING
+
+
+def test_prometheus_counters_per_method():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from xllm_py.engine.metrics import EngineStatsCollector
+
+    spec = Speculator(K4)
+    spec.settle(_req("a", REPEATING), 4, 3, _FakeKV())  # 4 guessed, 2 kept
+    samples = {}
+    scheduler = SimpleNamespace(kv=SimpleNamespace(held_blocks=dict))
+    for engine in (SimpleNamespace(stats=dict, scheduler=scheduler, speculator=spec),
+                   SimpleNamespace(stats=dict, scheduler=scheduler, speculator=None)):
+        registry = CollectorRegistry()
+        registry.register(EngineStatsCollector(engine))
+        samples[engine.speculator is not None] = {
+            (s.name, tuple(s.labels.items())): s.value
+            for f in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in f.samples}
+    on = samples[True]
+    assert on[("xllm_spec_decode_proposed_tokens_total", (("method", "ngram"),))] == 4
+    assert on[("xllm_spec_decode_accepted_tokens_total", (("method", "ngram"),))] == 2
+    assert on[("xllm_spec_decode_verify_steps_total", (("method", "ngram"),))] == 1
+    assert not any(name.startswith("xllm_spec") for name, _ in samples[False])
+
+
+def test_engine_settings_take_the_speculative_config(tmp_path):
+    from xllm_py.engine.cli import build_parser, config_from_args
+    from xllm_py.utils.config_file import write_settings
+
+    def parse(value):
+        return build_parser().parse_args(
+            write_settings(tmp_path / "s.yaml", {"speculative_config": value}))
+
+    assert config_from_args(build_parser().parse_args([])).speculative is None
+    assert config_from_args(parse("off")).speculative is None
+    on = parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+               '"prompt_lookup_min": 2}')
+    assert config_from_args(on).speculative == SpeculativeConfig(num_speculative_tokens=3)
+    mapping = parse({"method": "ngram", "num_speculative_tokens": 3})  # (YAML's own spelling)
+    assert config_from_args(mapping).speculative == SpeculativeConfig(num_speculative_tokens=3)
+    with pytest.raises(SystemExit):
+        parse('{"method": "eagle"}')

@@ -1,0 +1,103 @@
+"""InstancePeers: the other engines' RPCs go to its PDServiceClient, KV moves and links to
+the right rank's KVWorkerClient (fakes here that record what they are asked)."""
+from __future__ import annotations
+
+import pytest
+
+from xllm_py.cluster.instance_meta import InstanceMeta
+from xllm_py.config import InstanceRole
+from xllm_py.parallel.instance_peers import InstancePeers
+from xllm_py.pd_messages import KVMove, OfflinePull, PeerLink
+from xllm_py.status import Status, StatusError
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.closed = False
+
+    async def pull_kv(self, move, heads=None) -> None:
+        self.calls.append(("pull", move, heads))
+
+    async def push_kv(self, move, heads=None) -> None:
+        self.calls.append(("push", move, heads))
+
+    async def link_cluster(self, link) -> None:
+        self.calls.append(("link", link))
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class Engines:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.closed = False
+
+    async def link_instance(self, decode, prefill) -> None:
+        self.calls.append(f"link {decode.name}")
+
+    async def send_pull_signal(self, prefill, pull) -> int:
+        self.calls.append(f"pull signal {prefill.name}")
+        return 3
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def meta(name: str, role: InstanceRole, tp: int) -> InstanceMeta:
+    return InstanceMeta(name=name, type=role, tp_size=tp, num_kv_heads=2,
+                        cluster_ids=[100 * tp + r for r in range(tp)],
+                        addrs=[f"{name}-t{r}" for r in range(tp)],
+                        transfer_keys=[f"{name}-k{r}" for r in range(tp)])
+
+
+async def test_between_two_tp1_instances_a_move_goes_as_it_is_to_rank_0s_worker() -> None:
+    w0, engines = Worker(), Engines()
+    peers = InstancePeers(meta("d", InstanceRole.DECODE, 1), engines, [w0])
+    move = KVMove("r1", 7, "p-t0", [1, 2], [3, 4], "key")
+    await peers.pull_kv(move)
+    await peers.link_cluster(PeerLink("p", [100], ["p-t0"], None))
+    assert w0.calls == [("pull", move, None), ("link", PeerLink("p", [100], ["p-t0"], None))]
+    assert await peers.send_pull_signal(meta("p", InstanceRole.PREFILL, 1),
+                                        OfflinePull("d", 1, 64)) == 3
+    await peers.close()
+    assert engines.calls == ["pull signal p"] and engines.closed and w0.closed
+
+
+async def test_a_tp2_decode_links_and_pulls_each_ranks_heads_on_that_ranks_worker() -> None:
+    workers = [Worker(), Worker()]
+    peers = InstancePeers(meta("d", InstanceRole.DECODE, 2), Engines(), workers)
+    prefill = meta("p", InstanceRole.PREFILL, 1)  # holds both KV heads
+    await peers.link_cluster(PeerLink("p", prefill.cluster_ids, prefill.addrs, prefill))
+    for w in workers:  # each decode rank reads a head of the prefill's one rank
+        (op, link), = w.calls
+        assert (op, link.cluster_ids, link.addrs) == ("link", [100], ["p-t0"])
+        assert link.meta.transfer_keys == ["p-k0"] and link.meta.num_kv_heads == 0
+    for w in workers:
+        w.calls.clear()
+    await peers.pull_kv(KVMove("r1", 100, "p-t0", [1, 2], [5, 6]))
+    for rank, w in enumerate(workers):  # decode rank r reads the prefill's head r
+        (op, move, heads), = w.calls
+        assert (op, heads) == ("pull", (rank, 0, 1))
+        assert (move.cluster_id, move.addr, move.transfer_key) == (100, "p-t0", "p-k0")
+        assert (move.src_blocks, move.dst_blocks) == ([1, 2], [5, 6])
+
+
+async def test_a_tp1_prefill_pushes_into_each_rank_of_a_tp2_decode() -> None:
+    w0 = Worker()
+    peers = InstancePeers(meta("p", InstanceRole.PREFILL, 1), Engines(), [w0])
+    decode = meta("d", InstanceRole.DECODE, 2)
+    await peers.link_instance(decode, meta("p", InstanceRole.PREFILL, 1))
+    await peers.push_kv(KVMove("r2", 200, "d-t0", [1], [9]))
+    assert sorted((m.addr, m.transfer_key, heads) for _, m, heads in w0.calls) == [
+        ("d-t0", "d-k0", (0, 0, 1)), ("d-t1", "d-k1", (1, 0, 1))]
+
+
+async def test_a_tp_move_from_an_unlinked_peer_is_bad_gateway() -> None:
+    workers = [Worker(), Worker()]
+    peers = InstancePeers(meta("d", InstanceRole.DECODE, 2), Engines(), workers)
+    with pytest.raises(StatusError) as err:
+        await peers.pull_kv(KVMove("r3", 999, "x", [1], [1]))
+    assert err.value.status is Status.BAD_GATEWAY and "cluster id 999" in err.value.message
+    assert workers[0].calls == workers[1].calls == []
