@@ -363,32 +363,13 @@ int xllm_qk_norm_rope_store_f32(const float *qkv, float *q_out, float *k_cache,
     return 0;
 }
 
-/* SwiGLU activation: x [T, 2I] = [gate | up] -> out [T, I] = silu(gate) * up. */
-static void silu_and_mul_body(const float *x, float *out, int64_t T, int32_t I) {
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const float *g = x + t * 2 * (int64_t)I, *u = g + I;
-        float *o = out + t * (int64_t)I;
-#pragma omp simd
-        for (int32_t i = 0; i < I; i++) {
-            float a = -g[i];
-            a = a > 88.0f ? 88.0f : a;
-            o[i] = g[i] / (1.0f + xexp(a)) * u[i];
-        }
-    }
-}
-
-void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
-#pragma omp parallel if (T >= 16)
-    silu_and_mul_body(x, out, T, I);
-}
-
-/* GeGLU (Gemma): out [T, I] = gelu_tanh(gate) * up, one pass over x [T, 2I] into one output
- * (torch: a GELU tensor, then a product tensor, each a fresh 8 MB-per-1,000-rows
- * allocation at prompt sizes). gelu_tanh(g) = g / 2 (1 + tanh(u)) = g sigmoid(2u), u =
- * sqrt(2 / pi) (g + 0.044715 g^3): silu's form, through xexp (a few ulp from torch's tanh,
- * as silu_and_mul is from torch's silu; more accurate where torch's 1 + tanh cancels). */
-static void gelu_tanh_and_mul_body(const float *x, float *out, int64_t T, int32_t I) {
+/* Gated activations, x [T, 2I] = [gate | up] -> out [T, I]: SwiGLU silu(gate) * up, or
+ * (``gelu``) GeGLU (Gemma) gelu_tanh(gate) * up in one pass into one output (torch: a GELU
+ * tensor, then a product tensor, each a fresh 8 MB-per-1,000-rows allocation at prompt
+ * sizes). gelu_tanh(g) = g / 2 (1 + tanh(u)) = g sigmoid(2u), u = sqrt(2 / pi) (g +
+ * 0.044715 g^3): silu's form, g / (1 + e^a), through xexp (a few ulp from torch's, more
+ * accurate where torch's 1 + tanh cancels). */
+static void gated_act_body(const float *x, float *out, int64_t T, int32_t I, int gelu) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const float *g = x + t * 2 * (int64_t)I, *u = g + I;
@@ -396,19 +377,24 @@ static void gelu_tanh_and_mul_body(const float *x, float *out, int64_t T, int32_
 #pragma omp simd
         for (int32_t i = 0; i < I; i++) {
             const float v = g[i];
-            float a = -1.5957691216057308f * (v + 0.044715f * v * v * v); /* -2u */
-            /* sigmoid(2u) < e^-18: torch's 1 + tanh(u) is 0 there, and the tiny products
-             * would otherwise reach the next GEMM as denormals (slow FMAs) */
-            const int zero = a > 18.0f;
-            a = zero ? 0.0f : a;
+            float a = gelu ? -1.5957691216057308f * (v + 0.044715f * v * v * v) : -v;
+            /* GeGLU, sigmoid(2u) < e^-18: torch's 1 + tanh(u) is 0 there, and the tiny
+             * products would otherwise reach the next GEMM as denormals (slow FMAs) */
+            const int zero = gelu && a > 18.0f;
+            a = zero ? 0.0f : a > 88.0f ? 88.0f : a;
             o[i] = zero ? 0.0f : v / (1.0f + xexp(a)) * u[i];
         }
     }
 }
 
+void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
+#pragma omp parallel if (T >= 16)
+    gated_act_body(x, out, T, I, 0);
+}
+
 void xllm_gelu_tanh_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
 #pragma omp parallel if (T >= 16)
-    gelu_tanh_and_mul_body(x, out, T, I);
+    gated_act_body(x, out, T, I, 1);
 }
 
 /* y [M, N] = x [M, K] @ W^T (+ b) for decode-size M, W packed once as panels
