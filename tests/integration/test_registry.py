@@ -33,7 +33,7 @@ from xllm_service.registry import Registry
 from xllm_service.rpc_service import ProxyRegistrations, XllmRpcServicer, create_server
 
 from tests.integration.cluster_harness import wait_until
-from tests.unit.test_cache_routing import EventPool
+from tests.unit.service.test_cache_routing import EventPool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
