@@ -387,9 +387,14 @@ static void gated_act_body(const float *x, float *out, int64_t T, int32_t I, int
     }
 }
 
+/* SwiGLU inside a parallel region (the fused decode layer's too, decode_layer.c) */
+static void silu_and_mul_body(const float *x, float *out, int64_t T, int32_t I) {
+    gated_act_body(x, out, T, I, 0);
+}
+
 void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
 #pragma omp parallel if (T >= 16)
-    gated_act_body(x, out, T, I, 0);
+    silu_and_mul_body(x, out, T, I);
 }
 
 void xllm_gelu_tanh_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
