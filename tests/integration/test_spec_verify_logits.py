@@ -51,14 +51,14 @@ def _check(model: str) -> None:
     # Disjoint block tables per sequence and KV group (blocks 1..).
     tables = {rid: [list(range(1 + 8 * (2 * j + i), 9 + 8 * (2 * j + i))) for j in range(groups)]
               for i, rid in enumerate(prompts)}
-    first = runner.execute_step([_seq(r, p, 0, tables[r]) for r, p in prompts.items()]).sample
+    first = runner.execute([_seq(r, p, 0, tables[r]) for r, p in prompts.items()])
     tokens = {r: [int(first[i].argmax())] for i, r in enumerate(prompts)}
     # K + 1 one-token decode steps of each sequence alone (one row a step: the one-row
     # kernels, the fused path where it applies), as at concurrency 1.
     decode_logits = {r: [] for r in prompts}
     for step in range(K + 1):
         for r, p in prompts.items():
-            logits = runner.execute_step([_seq(r, tokens[r][-1:], len(p) + step, tables[r])]).sample
+            logits = runner.execute([_seq(r, tokens[r][-1:], len(p) + step, tables[r])])
             decode_logits[r].append(logits[0].clone())
             tokens[r].append(int(logits[0].argmax()))
     # Again from the first output token: "a" verifies its next K tokens as guesses in one

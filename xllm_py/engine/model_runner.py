@@ -5,7 +5,10 @@ Logits rows: the last token of each sequence that samples, plus, for a prefill c
 scores its prompt (ScheduledSeq.num_prompt_logprob_rows > 0), its leading tokens whose
 next token is a prompt token; a speculating seq (spec_token_ids) samples at its last known
 token and returns its guesses' rows as well (StepLogits.spec). The model computes the last layer and the LM head for those
-rows only, so a step without prompt logprobs does exactly what it did before.
+rows only, so a step without prompt logprobs does exactly what it did before. A step whose
+only logits rows are the sampled ones leaves the LM head to the sampler (StepLogits.sample
+is then the rows before the head, model/lm_head.py HeadRows: greedy rows take their argmax
+inside the head, without their 262,144-float rows on Gemma 3).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Sequence
 import torch
 
 from xllm_py.model.attention import AttentionMetadata
+from xllm_py.model.lm_head import HeadRows
 
 logger = logging.getLogger(__name__)
 
@@ -26,12 +30,18 @@ logger = logging.getLogger(__name__)
 class StepLogits:
     """Float32 logits of one step."""
 
-    sample: torch.Tensor | None  # [num_sampled, vocab], in the order of the sampled seqs
+    # [num_sampled, vocab], in the order of the sampled seqs; HeadRows (the same rows before
+    # the LM head: the sampler takes them) when the step has no other logits rows
+    sample: torch.Tensor | HeadRows | None
     # (index of the seq in the step, [num_prompt_logprob_rows, vocab]): row i is the
     # logits at position start_pos + i of that seq, in the order of the seqs
     prompt: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
     # (index of the seq in the step, [len(spec_token_ids), vocab]): the logits at each guess
     spec: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+    def sample_logits(self) -> torch.Tensor | None:
+        """``sample`` as a float32 logits tensor."""
+        return self.sample.logits() if isinstance(self.sample, HeadRows) else self.sample
 
 
 def _num_prompt_rows(seq) -> int:
@@ -60,7 +70,7 @@ class ModelRunner:
         """Run one step over `seqs` (ScheduledSeq-like: token_ids, start_pos, block_table,
         sample). Returns float32 logits [num_sampled, vocab] in the order of the sampled
         seqs, or None when nothing is sampled this step."""
-        return self.execute_step(seqs).sample
+        return self.execute_step(seqs).sample_logits()
 
     @torch.inference_mode()
     def execute_step(self, seqs: Sequence) -> StepLogits:
@@ -89,9 +99,12 @@ class ModelRunner:
         if not rows:
             self.model(ids_t, pos_t, meta, self.kv_caches, keep_rows=keep)
             return StepLogits(None)
+        num_sampled = len(sample_idx)
+        if not prompt_rows and hasattr(self.model, "forward_head"):
+            return StepLogits(self.model.forward_head(ids_t, pos_t, meta, self.kv_caches,
+                                                      keep_rows=keep))
         logits = self.model.forward_logits(ids_t, pos_t, meta, self.kv_caches,
                                            keep_rows=keep).float()
-        num_sampled = len(sample_idx)
         out = StepLogits(logits[:num_sampled] if num_sampled else None)
         offset = num_sampled
         for i, n in spec_seqs:

@@ -13,7 +13,12 @@ Stages, each skipped when no row of the batch needs it:
   5. logprobs      log_softmax of the raw model logits (before bias, penalties and
                    temperature: vLLM v1's default logprobs_mode "raw_logprobs")
 
-The all-greedy batch without bias, penalties or logprobs is a single argmax.
+The all-greedy batch without bias, penalties or logprobs is a single argmax. Given the
+step's rows before the LM head (model/lm_head.py HeadRows, what the engine's ModelRunner
+returns), such a batch takes the argmax inside the head, without its logits; any other
+batch has its logits computed and goes through the stages above. Random rows draw natively where the
+kernels are loaded (csrc/sample.c: the same distribution and draw, by selection instead of
+a sort of the whole row), else through `compute_probs`.
 `prompt_logprobs` scores prompt tokens from the raw logits of the positions before them.
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from xllm_py.model.lm_head import HeadRows, sample_rows
 from xllm_py.outputs import TokenLogprob
 from xllm_py.sampling_params import GREEDY_EPS, SamplingParams
 from xllm_py.structured.token_mask import TokenMask, apply_token_mask, masked_greedy
@@ -53,6 +59,12 @@ class SamplingRow:
     def has_penalties(self) -> bool:
         return self.params.has_penalties
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing else to compute: the token is the raw logits' argmax."""
+        return (self.is_greedy and not self.has_penalties and self.params.logprobs is None
+                and not self.params.edits_logits)
+
 
 @dataclasses.dataclass
 class SamplerOutput:
@@ -69,20 +81,21 @@ class Sampler:
         # One CPU generator for seeded rows, re-seeded per row (manual_seed resets its state).
         self._seeded_generator = torch.Generator()
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+    def __call__(self, logits: torch.Tensor | HeadRows, rows: list[SamplingRow],
                  mask: TokenMask | None = None) -> SamplerOutput:
-        """`mask`: the grammar masks of the rows with a structured-output constraint. On
-        the greedy hot path only rows whose argmax the grammar refuses are masked (copies
-        of them); elsewhere the mask is applied to a copy, so logprobs stay those of the
-        raw logits."""
+        """`logits` [N, V], or the rows before the LM head (HeadRows). `mask`: the grammar
+        masks of the rows with a structured-output constraint. On the greedy hot path only
+        rows whose argmax the grammar refuses are masked (copies of them); elsewhere the
+        mask is applied to a copy, so logprobs stay those of the raw logits."""
+        if isinstance(logits, HeadRows):
+            return self._sample_head(logits, rows, mask)
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [num_rows, vocab] with num_rows={len(rows)}, "
                 f"got shape {tuple(logits.shape)}")
         # Hot path: greedy, no bias, no penalties, no logprobs (a mask: masked_greedy).
         for row in rows:
-            if (not row.is_greedy or row.has_penalties or row.params.logprobs is not None
-                    or row.params.edits_logits):
+            if not row.argmax_only:
                 break
         else:
             if (logits.device.type == "cpu" and logits.dtype == torch.float32
@@ -94,6 +107,18 @@ class Sampler:
                 ids = masked_greedy(logits, ids, mask)
             return SamplerOutput(ids, [None] * len(rows))
         return self._sample_general(logits, rows, mask)
+
+    def _sample_head(self, head: HeadRows, rows: list[SamplingRow],
+                     mask: TokenMask | None) -> SamplerOutput:
+        """A batch of argmax-only rows: their tokens from inside the LM head. Any other
+        batch: every row's logits, in one pass over the head's weights (two passes, one
+        for the argmax rows and one for the others, would stream the weights twice)."""
+        if len(head) != len(rows):
+            raise ValueError(f"logits must be [num_rows, vocab] with num_rows={len(rows)}, "
+                             f"got shape {head.shape}")
+        if mask is None and all(row.argmax_only for row in rows):
+            return SamplerOutput(head.argmax(), [None] * len(rows))
+        return self(head.logits(), rows, mask)
 
     def _sample_general(self, logits: torch.Tensor, rows: list[SamplingRow],
                         mask: TokenMask | None = None) -> SamplerOutput:
@@ -132,7 +157,6 @@ class Sampler:
         One uniform per row, drawn on the CPU: from the shared generator for unseeded rows,
         from a generator seeded with (seed, step) for seeded rows.
         """
-        probs = compute_probs(logits, rows)
         unseeded = [i for i, row in enumerate(rows) if row.params.seed is None]
         uniforms = [0.0] * len(rows)
         if unseeded:
@@ -145,6 +169,15 @@ class Sampler:
                 if row.params.seed is not None:
                     gen.manual_seed(_mix_seed(row.params.seed, row.num_output_tokens_so_far))
                     uniforms[i] = torch.rand(1, dtype=torch.float64, generator=gen).item()
+        vocab_size = logits.shape[1]
+        ids = sample_rows(
+            logits, [p.temperature if p.temperature >= GREEDY_EPS else 1.0
+                     for p in (row.params for row in rows)],
+            [row.params.top_k if 0 < row.params.top_k < vocab_size else 0 for row in rows],
+            [row.params.top_p for row in rows], [row.params.min_p for row in rows], uniforms)
+        if ids is not None:
+            return torch.tensor(ids, dtype=torch.long)
+        probs = compute_probs(logits, rows)
         cdf = probs.cumsum(dim=-1)
         total = cdf[:, -1:]
         target = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device).unsqueeze(1) * total

@@ -63,6 +63,7 @@ _SIGNATURES = {  # name: (argtypes, restype)
     "xllm_qk_norm_rope_store_f32": (
         ["p", "p", "p", "p", "p", "p", "p", "f32", "p", "p", "i64", "i32", "i32", "i32"], "int"),
     "xllm_silu_and_mul_f32": (["p", "p", "i64", "i32"], None),
+    "xllm_gelu_tanh_and_mul_f32": (["p", "p", "i64", "i32"], None),
     "xllm_linear_panels_f32": (["p", "p", "p", "p", "i32", "i32", "i32"], "int"),
     "xllm_linear_large_f32": (["p", "p", "p", "p", "i32", "i32", "i32"], "int"),
     "xllm_linear_panels_bf16": (["p", "p", "p", "p", "i32", "i32", "i32"], "int"),
@@ -76,6 +77,8 @@ _SIGNATURES = {  # name: (argtypes, restype)
         ["i32", "p", "p", "p", "p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
     "xllm_linear_large_i8": (["p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
     "xllm_dequant_panels_kq": (["i32", "p", "p", "p", "p", "p", "i32", "i32", "p"], "int"),
+    "xllm_head_argmax": (["i32", "p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
+    "xllm_sample_rows_f32": (["p", "i64", "i32", "i32", "p", "p", "p", "p", "p", "p"], "int"),
 }
 _CTYPES = {"p": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32,
            "f32": ctypes.c_float, "int": ctypes.c_int, None: None}
@@ -279,13 +282,17 @@ def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
     return q if rc == 0 else None
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
-    """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]. None: torch path."""
+def silu_and_mul(x: torch.Tensor, gelu: bool = False,
+                 out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]; ``gelu``: gelu_tanh(gate) * up
+    (GeGLU). Into ``out`` when given (contiguous float32 [T, I]). None: torch path."""
     if x.dim() != 2 or not _f32_cpu(x) or not x.is_contiguous() or _load() is None:
         return None
     half = x.shape[1] // 2
-    out = torch.empty(x.shape[0], half, dtype=x.dtype)
-    _lib.xllm_silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.shape[0], half)
+    if out is None:
+        out = torch.empty(x.shape[0], half, dtype=x.dtype)
+    fn = _lib.xllm_gelu_tanh_and_mul_f32 if gelu else _lib.xllm_silu_and_mul_f32
+    fn(x.data_ptr(), out.data_ptr(), x.shape[0], half)
     return out
 
 

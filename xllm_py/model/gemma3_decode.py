@@ -6,7 +6,7 @@ one, each through a module, a wrapper that checks its tensors and a fresh output
 on gemma-3-270m at batch 1 that Python was ~20% of a step. ``Gemma3DecodeRunner`` makes
 the same calls in the same order with the same inputs -- RMSNorm, the four panel GEMMs
 (float32, bfloat16, int8 or K-quant panels), q/k-norm + RoPE + KV store, then
-``attention.attend`` and torch's GELU exactly as the block does -- straight into the
+``attention.attend`` and the GeGLU kernel exactly as the block does -- straight into the
 native library with every weight's arguments prepared once, the checks done once per step,
 and the intermediates in buffers kept between steps: the floats of the per-op path, bit for
 bit (tests/unit/model/test_gemma3_decode.py).
@@ -22,7 +22,6 @@ import logging
 import threading
 
 import torch
-import torch.nn.functional as F
 
 from xllm_py.model import attention, cpu_kernels
 from xllm_py.model.packed import PackedLinear
@@ -96,7 +95,8 @@ class Gemma3DecodeRunner:
             e = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
             buf = {"h": e(t, self._hidden), "qkv": e(t, self._q + 2 * self._kv),
                    "q": e(t, self._heads, self._head_dim), "o": e(t, self._hidden),
-                   "gu": e(t * 2 * inter), "mlp": e(t, self._hidden), "x": e(t, self._hidden)}
+                   "gu": e(t * 2 * inter), "act": e(t * inter), "mlp": e(t, self._hidden),
+                   "x": e(t, self._hidden)}
             self._buffers = {t: buf}  # the last batch size only
         return buf
 
@@ -145,7 +145,8 @@ class Gemma3DecodeRunner:
         lib = self._lib
         with self._lock:
             buf = self._buffer(t)
-            h, qkv, q, o, gu, mlp, xb = (buf[k] for k in ("h", "qkv", "q", "o", "gu", "mlp", "x"))
+            h, qkv, q, o, gu, ab, mlp, xb = (buf[k] for k in ("h", "qkv", "q", "o", "gu", "act",
+                                                               "mlp", "x"))
             residual, x = hidden, None
             out = torch.empty_like(hidden)
             for i, (layer, (k_cache, v_cache)) in enumerate(zip(self._layers, kv_caches)):
@@ -167,8 +168,8 @@ class Gemma3DecodeRunner:
                 self._norm(h, residual, n_pre_ffw, o)
                 g_u = gu[:t * 2 * layer.inter].view(t, 2 * layer.inter)
                 self._linear(i, 2, o, g_u)
-                gate, up = g_u.split(layer.inter, dim=-1)
-                act = F.gelu(gate, approximate="tanh") * up
+                act = cpu_kernels.silu_and_mul(g_u, gelu=True,
+                                               out=ab[:t * layer.inter].view(t, layer.inter))
                 self._linear(i, 3, act, mlp)
                 x = self._norm(mlp, None, n_post_ffw, out if i == len(self._layers) - 1 else xb)
             return out, residual

@@ -121,10 +121,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        if self.act == "silu":
-            act = cpu_kernels.silu_and_mul(gate_up)
-            if act is None:
-                act = F.silu(gate) * up
-        else:
-            act = F.gelu(gate, approximate="tanh") * up
+        act = cpu_kernels.silu_and_mul(gate_up, gelu=self.act != "silu")
+        if act is None:
+            act = F.silu(gate) * up if self.act == "silu" else F.gelu(gate, approximate="tanh") * up
         return self.down_proj(act)

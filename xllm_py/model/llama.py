@@ -23,6 +23,7 @@ from xllm_py.model.gemma3 import Gemma3DecoderLayer
 from xllm_py.model.gemma3_decode import Gemma3DecodeRunner
 from xllm_py.model.kv_groups import kv_groups
 from xllm_py.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from xllm_py.model.lm_head import HeadRows
 
 logger = logging.getLogger(__name__)
 
@@ -172,21 +173,31 @@ class LlamaForCausalLM(nn.Module):
         one native call when it can (fused_decode.py)."""
         return self._forward(input_ids, positions, attn_metadata, kv_caches, keep_rows, True)
 
+    def forward_head(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     attn_metadata: AttentionMetadata, kv_caches: list[KVCache],
+                     keep_rows: torch.Tensor | None = None) -> HeadRows:
+        """``forward_logits`` with the LM head left to its reader (lm_head.HeadRows: a
+        greedy row's argmax without its logits); where the step's native call computes
+        the logits anyway (fused_decode.py), those."""
+        return self._forward(input_ids, positions, attn_metadata, kv_caches, keep_rows, None)
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attn_metadata: AttentionMetadata, kv_caches: list[KVCache],
-                 keep_rows: torch.Tensor | None, logits: bool) -> torch.Tensor:
+                 keep_rows: torch.Tensor | None, logits: bool | None
+                 ) -> torch.Tensor | HeadRows:
+        """``logits``: True the logits, False the final hidden states, None HeadRows."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(
                 f"expected {self.config.num_layers} (K, V) caches, got {len(kv_caches)}")
         block_size = int(kv_caches[0][0].shape[1])
         plan = plan_attention(attn_metadata, block_size)
         fused = self._fused_decoder()
-        if fused is not None and logits and keep_rows is None and fused.has_head:
+        if fused is not None and logits is not False and keep_rows is None and fused.has_head:
             tables = self.rotary_emb.table(attn_metadata.max_seq_len, input_ids.device,
                                            self.model.embed_tokens.weight.dtype)
             out = fused.logits(input_ids, positions, tables, kv_caches, plan)
             if out is not None:
-                return out
+                return out if logits else HeadRows.of_logits(out)
             fused = None  # this batch does not qualify
         hidden = self.model.embed_tokens(input_ids)  # a new tensor: the residual stream
         if self.config.embed_scale != 1.0:
@@ -235,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
         out = self.model.norm(*done)
         if keep_rows is not None:
             out = out[keep_rows] if rows is None else out[:keep_rows.numel()]
+        if logits is None:
+            return HeadRows(out, self.lm_head, self.compute_logits, self.config.vocab_size)
         return self.compute_logits(out) if logits else out
 
     def _fused_decoder(self) -> FusedDecoder | None:

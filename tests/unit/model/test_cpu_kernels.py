@@ -145,6 +145,21 @@ def test_silu_and_mul_matches_torch() -> None:
     assert ((got - want).abs() / (want.abs() + 1)).max().item() < 1e-5
 
 
+@needs_kernels
+def test_gelu_tanh_and_mul_matches_torch() -> None:
+    """GeGLU (Gemma): torch's gelu_pytorch_tanh within float32 rounding, into a given
+    output too; large magnitudes of both signs (exp clamping, tanh saturating)."""
+    rng = torch.Generator().manual_seed(5)
+    x = torch.randn(33, 2 * 200, generator=rng) * 20
+    gate, up = x.split(200, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    got = cpu_kernels.silu_and_mul(x, gelu=True)
+    assert ((got - want).abs() / (want.abs() + 1)).max().item() < 1e-5
+    out = torch.full((33, 200), float("nan"))
+    assert cpu_kernels.silu_and_mul(x, gelu=True, out=out) is out
+    assert torch.equal(out, got)
+
+
 def test_kernels_decline_what_they_do_not_handle() -> None:
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     assert cpu_kernels.rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-6) is None

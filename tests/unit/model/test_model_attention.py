@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xllm_py.model import attention
+from xllm_py.model import attention, cpu_kernels
 from xllm_py.model.attention import (
     AttentionMetadata,
     allocate_kv_caches,
@@ -164,3 +164,34 @@ def test_retable_equals_a_plan_of_the_other_groups_tables(window, dense, monkeyp
         assert moved.prefill.dense and all(
             torch.equal(a.key_slots, b.key_slots)
             for a, b in zip(moved.prefill.dense, direct.prefill.dense))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the dense path is the kernels' (CPU)")
+@pytest.mark.parametrize("prefix,n", [(0, 700), (40, 600), (300, 520)])
+def test_a_long_chunk_in_a_window_is_attended_by_tiles(prefix, n, monkeypatch):
+    """Past WINDOW_TILE + window keys a windowed dense chunk goes by tiles of query rows,
+    each over the keys its window reaches: what one masked call over the whole chunk gives,
+    to float32 rounding (another order of the same sums)."""
+    window, bs = 100, 16
+    monkeypatch.setattr(attention, "WINDOW_TILE", 128)
+    torch.manual_seed(3)
+    total = prefix + n
+    nblk = (total + bs - 1) // bs
+    k_cache, v_cache = allocate_kv_caches(1, nblk + 1, bs, KVH, HD)[0]
+    slots = torch.arange(bs, (nblk + 1) * bs)[:total]
+    k_cache.view(-1, KVH, HD)[slots] = torch.randn(total, KVH, HD)
+    v_cache.view(-1, KVH, HD)[slots] = torch.randn(total, KVH, HD)
+    md = AttentionMetadata.build([(prefix, n, list(range(1, nblk + 1)))], bs)
+    g = plan_attention(md, bs, window).prefill
+    assert len(g.dense) == 1
+    c = g.dense[0]
+    calls = []
+    real = attention.dense_chunk_attention
+    monkeypatch.setattr(attention, "dense_chunk_attention",
+                        lambda *a: calls.append((a[0].shape[0], a[3].shape[0])) or real(*a))
+    q = torch.randn(n, H, HD)
+    tiled = attention._prefill_attention(q, k_cache, v_cache, g)
+    whole = real(q, k_cache, v_cache, c.key_slots, c.mask)
+    assert len(calls) == (n + 127) // 128
+    assert all(keys <= 128 + window - 1 for _, keys in calls)
+    assert torch.allclose(tiled, whole, atol=1e-5, rtol=1e-5)

@@ -363,24 +363,43 @@ int xllm_qk_norm_rope_store_f32(const float *qkv, float *q_out, float *k_cache,
     return 0;
 }
 
-/* SwiGLU activation: x [T, 2I] = [gate | up] -> out [T, I] = silu(gate) * up. */
-static void silu_and_mul_body(const float *x, float *out, int64_t T, int32_t I) {
+/* Gated activations, x [T, 2I] = [gate | up] -> out [T, I]: SwiGLU silu(gate) * up, or
+ * (``gelu``) GeGLU (Gemma) gelu_tanh(gate) * up in one pass into one output (torch: a GELU
+ * tensor, then a product tensor, each a fresh 8 MB-per-1,000-rows allocation at prompt
+ * sizes). gelu_tanh(g) = g / 2 (1 + tanh(u)) = g sigmoid(2u), u = sqrt(2 / pi) (g +
+ * 0.044715 g^3): silu's form, g / (1 + e^a), through xexp (a few ulp from torch's, more
+ * accurate where torch's 1 + tanh cancels). */
+static void gated_act_body(const float *x, float *out, int64_t T, int32_t I, int gelu) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const float *g = x + t * 2 * (int64_t)I, *u = g + I;
         float *o = out + t * (int64_t)I;
 #pragma omp simd
         for (int32_t i = 0; i < I; i++) {
-            float a = -g[i];
-            a = a > 88.0f ? 88.0f : a;
-            o[i] = g[i] / (1.0f + xexp(a)) * u[i];
+            const float v = g[i];
+            float a = gelu ? -1.5957691216057308f * (v + 0.044715f * v * v * v) : -v;
+            /* GeGLU, sigmoid(2u) < e^-18: torch's 1 + tanh(u) is 0 there, and the tiny
+             * products would otherwise reach the next GEMM as denormals (slow FMAs) */
+            const int zero = gelu && a > 18.0f;
+            a = zero ? 0.0f : a > 88.0f ? 88.0f : a;
+            o[i] = zero ? 0.0f : v / (1.0f + xexp(a)) * u[i];
         }
     }
+}
+
+/* SwiGLU inside a parallel region (the fused decode layer's too, decode_layer.c) */
+static void silu_and_mul_body(const float *x, float *out, int64_t T, int32_t I) {
+    gated_act_body(x, out, T, I, 0);
 }
 
 void xllm_silu_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
 #pragma omp parallel if (T >= 16)
     silu_and_mul_body(x, out, T, I);
+}
+
+void xllm_gelu_tanh_and_mul_f32(const float *x, float *out, int64_t T, int32_t I) {
+#pragma omp parallel if (T >= 16)
+    gated_act_body(x, out, T, I, 1);
 }
 
 /* y [M, N] = x [M, K] @ W^T (+ b) for decode-size M, W packed once as panels
@@ -709,50 +728,59 @@ static void panel_pack_x(const float *x, int32_t M, int32_t K, float *xt) {
     }
 }
 
+/* acc[m][0..16) = row m of x times panel p, for every row (M == 1: x itself, else xt:
+ * panel_pack_x). P: float32 panels, bfloat16 ones with ``bf16``, or int8 ones with their
+ * scales S. The same sums whatever else the call computes (one panel, k in order). */
+static inline __attribute__((always_inline)) void panel_acc(
+    const float *x, const float *xt, const void *P, const float *S, int bf16, int32_t p,
+    int32_t M, int32_t K, float (*acc)[16]) {
+    const float *pp = (const float *)P + (int64_t)p * K * 16;
+    const uint16_t *pb = (const uint16_t *)P + (int64_t)p * K * 16;
+    const int8_t *pi = (const int8_t *)P + (int64_t)p * K * 16;
+    const float *ps = S != NULL ? S + (int64_t)p * (K / 32) * 16 : NULL;
+    float wide[XLLM_PANEL_KC * 16]; /* a bf16 or int8 chunk widened */
+    if (M == 1) {
+        if (ps != NULL)
+            panel_one_row_i8(x, pi, ps, K, acc[0]);
+        else if (bf16)
+            panel_one_row_bf16(x, pb, K, acc[0]);
+        else
+            panel_one_row(x, pp, K, acc[0]);
+        return;
+    }
+    const int32_t tiles = (M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS;
+    memset(acc, 0, sizeof(float) * 16 * (size_t)(tiles * XLLM_TILE_ROWS));
+    /* k outer, tiles inner: each chunk of the panel comes from memory once and serves
+     * every tile from L1 */
+    for (int32_t k0 = 0; k0 < K; k0 += XLLM_PANEL_KC) {
+        const int32_t kn = K - k0 < XLLM_PANEL_KC ? K - k0 : XLLM_PANEL_KC;
+        const float *xk = xt + (int64_t)k0 * XLLM_TILE_ROWS;
+        if (ps != NULL) {
+            panel_chunk_i8(xk, pi + (int64_t)k0 * 16, ps, k0, kn, K, M, acc, wide);
+        } else if (bf16) {
+            const uint16_t *src = pb + (int64_t)k0 * 16;
+            panel_chunk_bf16(xk, src, k0 + kn < K ? src + (int64_t)kn * 16 : NULL, kn, K, M,
+                             acc, wide);
+        } else {
+            panel_chunk(xk, pp + (int64_t)k0 * 16, kn, K, M, acc, 1);
+        }
+    }
+}
+
 /* The work sharing of linear_panels inside a parallel region; xt: panel_pack_floats.
  * P: float32 panels, bfloat16 ones with ``bf16``, or int8 ones with their scales S. */
 static void linear_panels_body_s(const float *x, const void *P, const float *S, const float *b,
                                  float *y, int32_t M, int32_t N, int32_t K, float *xt,
                                  int bf16) {
     const int32_t np = (N + 15) / 16;
-    const int32_t tiles = (M + XLLM_TILE_ROWS - 1) / XLLM_TILE_ROWS;
     if (M > 1)
         panel_pack_x(x, M, K, xt);
     /* static: every panel costs the same, so an even split needs no scheduling work */
 #pragma omp for schedule(static)
     for (int32_t p = 0; p < np; p++) {
-        const float *pp = (const float *)P + (int64_t)p * K * 16;
-        const uint16_t *pb = (const uint16_t *)P + (int64_t)p * K * 16;
-        const int8_t *pi = (const int8_t *)P + (int64_t)p * K * 16;
-        const float *ps = S != NULL ? S + (int64_t)p * (K / 32) * 16 : NULL;
         const int32_t n0 = p * 16, nv = N - n0 < 16 ? N - n0 : 16;
         float acc[XLLM_PANEL_MAX_ROWS + XLLM_TILE_ROWS][16];
-        float wide[XLLM_PANEL_KC * 16]; /* a bf16 or int8 chunk widened */
-        if (M == 1) {
-            if (ps != NULL)
-                panel_one_row_i8(x, pi, ps, K, acc[0]);
-            else if (bf16)
-                panel_one_row_bf16(x, pb, K, acc[0]);
-            else
-                panel_one_row(x, pp, K, acc[0]);
-        } else {
-            memset(acc, 0, sizeof(float) * 16 * (size_t)(tiles * XLLM_TILE_ROWS));
-            /* k outer, tiles inner: each chunk of the panel comes from memory once and
-             * serves every tile from L1 */
-            for (int32_t k0 = 0; k0 < K; k0 += XLLM_PANEL_KC) {
-                const int32_t kn = K - k0 < XLLM_PANEL_KC ? K - k0 : XLLM_PANEL_KC;
-                const float *xk = xt + (int64_t)k0 * XLLM_TILE_ROWS;
-                if (ps != NULL) {
-                    panel_chunk_i8(xk, pi + (int64_t)k0 * 16, ps, k0, kn, K, M, acc, wide);
-                } else if (bf16) {
-                    const uint16_t *src = pb + (int64_t)k0 * 16;
-                    panel_chunk_bf16(xk, src, k0 + kn < K ? src + (int64_t)kn * 16 : NULL, kn,
-                                     K, M, acc, wide);
-                } else {
-                    panel_chunk(xk, pp + (int64_t)k0 * 16, kn, K, M, acc, 1);
-                }
-            }
-        }
+        panel_acc(x, xt, P, S, bf16, p, M, K, acc);
         panel_store_rows(y, (const float (*)[16])acc, M, N, n0, nv, b);
     }
 }
@@ -798,6 +826,7 @@ int xllm_linear_panels_bf16(const float *x, const uint16_t *P, const float *b, f
 #include "decode_layer.c"
 #include "kquant.c"
 #include "linear_large.c"
+#include "head_argmax.c"
 #else
 int xllm_linear_large_i8(const float *x, const int8_t *P, const float *S, const float *b,
                          float *y, int32_t M, int32_t N, int32_t K) {
@@ -846,6 +875,11 @@ int xllm_linear_panels_i8(const float *x, const int8_t *P, const float *S, const
 int xllm_linear_large_bf16(const float *x, const uint16_t *P, const float *b, float *y,
                            int32_t M, int32_t N, int32_t K) {
     (void)x; (void)P; (void)b; (void)y; (void)M; (void)N; (void)K;
+    return -1;
+}
+int xllm_head_argmax(int32_t kind, const float *x, const void *P, const float *S,
+                     const float *b, int64_t *ids, int32_t M, int32_t N, int32_t K) {
+    (void)kind; (void)x; (void)P; (void)S; (void)b; (void)ids; (void)M; (void)N; (void)K;
     return -1;
 }
 #endif
@@ -948,3 +982,5 @@ void xllm_copy_chunks(const uint64_t *dst, const uint64_t *src, int64_t n) {
     _mm_sfence(); /* the streamed stores are visible before the caller reports completion */
 #endif
 }
+
+#include "sample.c"
