@@ -50,7 +50,6 @@ class Harness:
         machinery); `settings`: more of its settings file (python -m xllm_py.engine --help);
         `fault`: the engine runs with that fault installed (faulty_engine.py)."""
         port = port or free_port()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         file = write_settings(self.log_dir / f"{name}.settings.yaml", {
             "etcd_ttl": self.ttl_s, "heart_beat_interval": 0.3,
             **({} if profile else {"latency_profile": "off"}), **(settings or {})})

@@ -113,8 +113,11 @@ class SettingsParser(argparse.ArgumentParser):
 
 
 def write_settings(path: str | pathlib.Path, settings: dict[str, object]) -> list[str]:
-    """`settings` (key: value) as a settings file at `path`; returns the flags that pass it."""
-    pathlib.Path(path).write_text(yaml.safe_dump(dict(settings), sort_keys=False))
+    """`settings` (key: value) as a settings file at `path` (its folder made where missing);
+    returns the flags that pass it."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(dict(settings), sort_keys=False))
     return ["--config", str(path)]
 
 
