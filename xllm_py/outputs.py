@@ -34,6 +34,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
+    # Predicted Outputs (SamplingParams.prediction_token_ids), so far: guessed tokens of
+    # the prediction that the model kept, and that it did not.
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
     prompt_token_ids: list[int] | None = None
     # With SamplingParams.prompt_logprobs, on the first output only: one entry per prompt
     # token, None for the first (nothing precedes it); each the token's logprob under the

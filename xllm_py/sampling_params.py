@@ -80,6 +80,10 @@ class SamplingParams:
     # vLLM's bad_words as token sequences (the HTTP layer tokenizes the words): a
     # sequence's last token is never sampled where the output ends with the rest of it.
     bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    # OpenAI's Predicted Outputs, tokenized by the HTTP layer: text the output is expected
+    # to repeat, a source of speculative guesses for this request (engine/spec_decode/);
+    # the output is what it would be without it.
+    prediction_token_ids: list[int] = dataclasses.field(default_factory=list)
     # Filled by the engine from the model's generation config, not by clients.
     eos_token_ids: list[int] = dataclasses.field(
         default_factory=list, metadata={"engine_only": True})
@@ -92,6 +96,7 @@ class SamplingParams:
         self.eos_token_ids = list(self.eos_token_ids)
         self.allowed_token_ids = list(self.allowed_token_ids)
         self.bad_words_token_ids = [list(seq) for seq in self.bad_words_token_ids]
+        self.prediction_token_ids = list(self.prediction_token_ids)
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self.validate()
 
@@ -162,7 +167,8 @@ class SamplingParams:
         if not all(isinstance(seq, list) and seq and all(_is_int(t) and t >= 0 for t in seq)
                    for seq in self.bad_words_token_ids):
             raise SamplingParamsError("bad_words", "bad_words must be non-empty token sequences")
-        for name in ("stop_token_ids", "eos_token_ids", "allowed_token_ids"):
+        for name in ("stop_token_ids", "eos_token_ids", "allowed_token_ids",
+                     "prediction_token_ids"):
             ids = getattr(self, name)
             if not all(_is_int(t) and t >= 0 for t in ids):
                 raise SamplingParamsError(name, f"{name} must be a list of token ids >= 0")

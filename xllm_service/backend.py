@@ -193,6 +193,7 @@ class ServiceBackend:
         """Merge the sub-requests' outputs into one stream with global choice indices."""
         remaining = len(subs)
         generated = {s.index_offset: 0 for s in subs}  # engine ids change on migration
+        predicted = {s.index_offset: (0, 0) for s in subs}  # (accepted, rejected) guesses
         prompt_sent = prompt_logprobs_sent = False
         idle_timeout_s = self.config.idle_timeout_s
         while remaining:
@@ -211,6 +212,8 @@ class ServiceBackend:
                                     error_code=out.error_code, error_message=out.error_message)
                 return
             generated[sub.index_offset] = out.num_generated_tokens
+            predicted[sub.index_offset] = (out.num_accepted_prediction_tokens,
+                                           out.num_rejected_prediction_tokens)
             if out.finished:
                 remaining -= 1
                 if remaining == 0:
@@ -222,6 +225,8 @@ class ServiceBackend:
                 finished=remaining == 0, num_prompt_tokens=out.num_prompt_tokens,
                 num_generated_tokens=sum(generated.values()),
                 num_cached_tokens=out.num_cached_tokens,
+                num_accepted_prediction_tokens=sum(a for a, _ in predicted.values()),
+                num_rejected_prediction_tokens=sum(r for _, r in predicted.values()),
                 prompt_token_ids=None if prompt_sent else out.prompt_token_ids,
                 prompt_logprobs=None if prompt_logprobs_sent else out.prompt_logprobs)
             if out.prompt_token_ids is not None:

@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from tests.integration.cluster_harness import (Harness, aclient, client,
-                                               drop_stream_after_first_chunk, metric, wait_drained)
+                                               drop_stream_after_first_chunk, labelled, metric,
+                                               wait_drained)
 from xllm_py.utils.procs import engine_args, free_port, spawn
 
 pytestmark = pytest.mark.integration
@@ -223,3 +224,35 @@ async def test_clients_hanging_up_at_any_stage_free_both_pools(pd):
     await wait_drained([prefill.http_url, decode.http_url], timeout_s=15.0)
     out = client(svc).completions.create(**_kwargs("alpha beta gamma", max_tokens=4))
     assert out.usage.completion_tokens == 4
+
+
+def test_predicted_outputs_through_pd_and_mix(pd):
+    """A chat completion with a `prediction` (the plain answer with a word changed) answers
+    what it answers without one, through the service (the decode guesses from it) and on
+    MIX; the decode reports the prediction's kept and rejected tokens in the usage."""
+    h, svc, prefill, decode, mix, mode = pd
+    msgs = [{"role": "user", "content": "Repeat after me: one two three four five six."}]
+    kwargs = dict(model="tiny", messages=msgs, max_tokens=32, temperature=0,
+                  extra_body={"ignore_eos": True})
+    plain = client(mix).chat.completions.create(**kwargs).choices[0].message.content
+    words = plain.split(" ")
+    assert len(words) > 4, "the tiny model's greedy text changed: pick another prompt"
+    edited = " ".join(words[:3] + ["zebra"] + words[4:])
+    for proc in (svc, mix):
+        for stream in (False, True):
+            reply = client(proc).chat.completions.create(
+                **kwargs, prediction={"type": "content", "content": edited}, stream=stream,
+                stream_options={"include_usage": True} if stream else None)
+            if stream:
+                chunks = list(reply)
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                usage = chunks[-1].usage
+            else:
+                text, usage = reply.choices[0].message.content, reply.usage
+            assert text == plain, (proc.name, stream)
+            details = usage.completion_tokens_details
+            assert details.accepted_prediction_tokens > 0, (proc.name, stream)
+            assert details.rejected_prediction_tokens > 0, (proc.name, stream)
+            assert usage.completion_tokens == 32
+    assert labelled(decode.http_url, "xllm_spec_decode_accepted_tokens_total",
+                    'method="prediction"') > 0

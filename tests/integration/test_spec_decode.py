@@ -47,22 +47,31 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(model_dir, spec: SpeculativeConfig | None, prompts: list[list[int]], num_blocks: int,
-         max_tokens: int = MAX_TOKENS, one_by_one: bool = False) -> tuple[list[list[int]], LLMEngine]:
+         max_tokens: int = MAX_TOKENS, one_by_one: bool = False,
+         predictions: list[list[int]] | None = None) -> tuple[list[list[int]], LLMEngine]:
     """Greedy outputs of `prompts`, submitted together (or each after the last finished)."""
+    sinks, engine = _run_sinks(model_dir, spec, prompts, num_blocks, max_tokens, one_by_one,
+                               predictions)
+    return [s.token_ids for s in sinks], engine
+
+
+def _run_sinks(model_dir, spec, prompts, num_blocks, max_tokens=MAX_TOKENS, one_by_one=False,
+               predictions=None) -> tuple[list[_Sink], LLMEngine]:
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_threads=1, speculative=spec,
                                     cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks)))
     engine.start()
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         sinks = [_Sink() for _ in prompts]
         for i, (p, s) in enumerate(zip(prompts, sinks)):
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                    prediction_token_ids=predictions[i] if predictions else [])
             engine.submit(EngineRequest(f"r{i}", p, params, s))
             if one_by_one:
                 assert s.done.wait(120), "request timed out"
         for s in sinks:
             assert s.done.wait(120), "request timed out"
             assert not s.last.failed, s.last.error_message
-        return [s.token_ids for s in sinks], engine
+        return sinks, engine
     finally:
         engine.stop()
 
@@ -83,14 +92,14 @@ def test_speculation_is_exact_per_family(family, tmp_path):
     for prompt, a, b, c in zip(prompts, off, on, alone):
         assert len(a) == MAX_TOKENS
         assert c == b == a == _hf_greedy(hf, prompt)
-    assert engine.speculator.stats.accepted > 0, engine.speculator.stats
+    assert engine.speculator.stats["ngram"].accepted > 0, engine.speculator.stats
     assert engine.stats()["kv_blocks_used"] == 0
     # A prefix-cache hit of three blocks (a 13-token prompt's, cached by its request).
     first = prompts[1][:13]
     hit_prompt = first[:12] + first[:3]
     hits, engine = _run(tmp_path, SPEC, [first, hit_prompt], 96, one_by_one=True)
     assert engine.stats()["prefix_hit_tokens"] == 12
-    assert engine.speculator.stats.accepted > 0
+    assert engine.speculator.stats["ngram"].accepted > 0
     assert hits == [_hf_greedy(hf, first), _hf_greedy(hf, hit_prompt)]
 
 
@@ -104,6 +113,28 @@ def test_speculation_is_exact_under_preemption(family, tmp_path, caplog):
         on, engine = _run(tmp_path, SPEC, prompts, 32, max_tokens=32)
     assert any("preempted" in r.getMessage() for r in caplog.records)
     assert engine.scheduler.kv.block_pool.num_used_blocks == 0
-    assert engine.speculator.stats.accepted > 0
+    assert engine.speculator.stats["ngram"].accepted > 0
     for prompt, b in zip(prompts, on):
         assert b == _hf_greedy(hf, prompt, 32)
+
+
+@pytest.mark.parametrize("family", ["llama-bias", "gemma3-kv1"])
+def test_prediction_is_exact_and_counted(family, tmp_path):
+    """Predicted Outputs on an engine without a speculative method: each request's
+    prediction is its own greedy output edited (a token changed, two inserted, a tail
+    cut): the output is the one without a prediction and transformers', the guesses
+    kept and not kept are in each request's usage and add up to the counters."""
+    hf = build_hf_model(transformers, family, tmp_path)
+    prompts = _prompts()
+    off, _ = _run(tmp_path, None, prompts, 96)
+    predictions = [o[:6] + [(o[6] + 1) % VOCAB] + o[7:12] + [1, 2] + o[12:20] for o in off]
+    sinks, engine = _run_sinks(tmp_path, None, prompts, 96, predictions=predictions)
+    for prompt, a, s in zip(prompts, off, sinks):
+        assert s.token_ids == a == _hf_greedy(hf, prompt)
+    stats = engine.speculator.stats["prediction"]
+    assert stats.accepted > 0 and stats.proposed > stats.accepted
+    assert list(engine.speculator.stats) == ["prediction"]
+    assert sum(s.last.num_accepted_prediction_tokens for s in sinks) == stats.accepted
+    assert sum(s.last.num_rejected_prediction_tokens for s in sinks) == (
+        stats.proposed - stats.accepted)
+    assert engine.stats()["kv_blocks_used"] == 0

@@ -20,6 +20,9 @@ class Prompt:
     token_ids: list[int]
     text: str | None  # for echo only; never log it
     num_cached_tokens: int = 0
+    # Predicted Outputs: the prediction's guessed tokens kept and not kept (all choices).
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
     # With prompt logprobs: one entry per prompt token, None for the first (the backend's
     # first output carries them).
     logprobs: list[TokenLogprob | None] | None = None
@@ -88,6 +91,10 @@ class RequestContext:
             raise BackendError(out.error_message, out.error_code)
         prompt = self.prompts[prompt_index]
         prompt.num_cached_tokens = max(prompt.num_cached_tokens, out.num_cached_tokens)
+        prompt.num_accepted_prediction_tokens = max(prompt.num_accepted_prediction_tokens,
+                                                    out.num_accepted_prediction_tokens)
+        prompt.num_rejected_prediction_tokens = max(prompt.num_rejected_prediction_tokens,
+                                                    out.num_rejected_prediction_tokens)
         if out.prompt_logprobs is not None and prompt.logprobs is None:
             prompt.logprobs = out.prompt_logprobs
         if self.first_token_time is None and any(d.token_ids or d.text for d in out.outputs):
@@ -118,7 +125,7 @@ class RequestContext:
     def usage(self) -> dict[str, Any]:
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
         completion_tokens = sum(len(c.token_ids) for c in self.choices)
-        return {
+        usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -126,6 +133,14 @@ class RequestContext:
                 "cached_tokens": sum(p.num_cached_tokens for p in self.prompts)
             },
         }
+        if self.req.prediction is not None:  # (as OpenAI reports Predicted Outputs)
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": 0,
+                "accepted_prediction_tokens": sum(
+                    p.num_accepted_prediction_tokens for p in self.prompts),
+                "rejected_prediction_tokens": sum(
+                    p.num_rejected_prediction_tokens for p in self.prompts)}
+        return usage
 
     def max_choice_tokens(self) -> int:
         return max((len(c.token_ids) for c in self.choices), default=0)

@@ -61,6 +61,7 @@ class ScriptedBackend:
         self.fail_after: int | None = None  # emit an error output after this many steps
         self.fail_code = 500
         self.num_cached_tokens = 0
+        self.predicted = (0, 0)  # a prediction's guessed tokens kept, not kept (usage)
         self.requests: list[GenerateRequest] = []
         self.cancelled: list[str] = []
         self.cancelled_event = threading.Event()
@@ -78,6 +79,7 @@ class ScriptedBackend:
             self.fail_code = 500
             self.token_delay = 0.0
             self.num_cached_tokens = 0
+            self.predicted = (0, 0)
             self.requests.clear()
             self.cancelled.clear()
             self.cancelled_event.clear()
@@ -167,6 +169,8 @@ class ScriptedBackend:
                     request_id=req.request_id, outputs=deltas, finished=finished,
                     num_prompt_tokens=len(req.prompt_token_ids), num_generated_tokens=step + 1,
                     num_cached_tokens=self.num_cached_tokens,
+                    num_accepted_prediction_tokens=self.predicted[0],
+                    num_rejected_prediction_tokens=self.predicted[1],
                     prompt_token_ids=req.prompt_token_ids if step == 0 else None,
                     prompt_logprobs=prompt_logprobs if step == 0 else None,
                 )

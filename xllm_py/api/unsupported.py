@@ -29,7 +29,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "function_call": lambda v: v is None or v == "none",
     "audio": _absent,
     "modalities": lambda v: v is None or v == ["text"],
-    "prediction": _absent,
     "web_search_options": _absent,
     "reasoning_effort": _absent,
     "use_beam_search": lambda v: v is None or v is False,
@@ -50,7 +49,6 @@ class UnsupportedFields(BaseModel):
     function_call: Any = None
     audio: Any = None
     modalities: Any = None
-    prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
     use_beam_search: Any = None

@@ -1,4 +1,5 @@
-"""vLLM's request extras on /v1/completions and /v1/chat/completions:
+"""vLLM's request extras on /v1/completions and /v1/chat/completions, and OpenAI's
+Predicted Outputs:
 
   allowed_token_ids       only these tokens may be sampled (SamplingParams, the sampler)
   bad_words               words never generated: each is tokenized here, as it stands and
@@ -9,6 +10,10 @@
   chat_template, chat_template_kwargs (chat only: serving_chat.py) a template of the
                           request's own (rendered sandboxed, as the model's) and the
                           variables it is given besides the messages
+  prediction              OpenAI's Predicted Outputs, {"type": "content", "content": text
+                          or text parts}: text the output is expected to repeat (an edit
+                          of a given file), tokenized here; the engine takes guesses from
+                          it (SamplingParams.prediction_token_ids), the output unchanged
 
 The sampling ones travel in SamplingParams, so a PD pair and a migration carry them like
 the other sampling parameters.
@@ -25,6 +30,7 @@ from xllm_py.api.validation import check
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # the largest vocabularies have ~256k tokens
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
+MAX_PREDICTION_CHARS = 1 << 20
 
 
 class VLLMExtraFields(BaseModel):
@@ -33,7 +39,9 @@ class VLLMExtraFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    prediction: Any = None
     _bad_words_token_ids: list[list[int]] = PrivateAttr(default_factory=list)
+    _prediction_token_ids: list[int] = PrivateAttr(default_factory=list)
 
     def check_extras(self) -> None:
         ids = self.allowed_token_ids or []
@@ -49,6 +57,7 @@ class VLLMExtraFields(BaseModel):
         k = self.truncate_prompt_tokens
         check(k is None or k == -1 or k >= 1, "truncate_prompt_tokens",
               f"truncate_prompt_tokens must be -1 or at least 1, got {k}")
+        prediction_text(self.prediction)
 
     def apply_tokenizer(self, tokenizer: TokenizerLike) -> None:
         """Tokenize bad_words; check allowed_token_ids against the vocabulary (400)."""
@@ -64,6 +73,9 @@ class VLLMExtraFields(BaseModel):
                 if ids and ids not in seqs:
                     seqs.append(ids)
         self._bad_words_token_ids = seqs
+        text = prediction_text(self.prediction)
+        self._prediction_token_ids = (
+            list(tokenizer.encode(text, add_special_tokens=False)) if text else [])
 
     def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
         k = self.truncate_prompt_tokens
@@ -75,5 +87,26 @@ class VLLMExtraFields(BaseModel):
     def extra_sampling_fields(self) -> dict[str, Any]:
         """Those of SamplingParams' fields the client set (after apply_tokenizer)."""
         fields = {"allowed_token_ids": list(self.allowed_token_ids or []),
-                  "bad_words_token_ids": self._bad_words_token_ids}
+                  "bad_words_token_ids": self._bad_words_token_ids,
+                  "prediction_token_ids": self._prediction_token_ids}
         return {name: value for name, value in fields.items() if value}
+
+
+def prediction_text(prediction: Any) -> str | None:
+    """The text of a `prediction` (None: none); 400 unless it is OpenAI's shape."""
+    if prediction is None:
+        return None
+    check(isinstance(prediction, dict) and prediction.get("type") == "content"
+          and set(prediction) <= {"type", "content"}, "prediction",
+          'prediction must be {"type": "content", "content": ...}')
+    content = prediction.get("content")
+    if isinstance(content, list):
+        check(all(isinstance(part, dict) and part.get("type") == "text"
+                  and isinstance(part.get("text"), str) for part in content), "prediction",
+              'prediction content parts must be {"type": "text", "text": ...}')
+        content = "".join(part["text"] for part in content)
+    check(isinstance(content, str), "prediction",
+          "prediction content must be a string or a list of text parts")
+    check(len(content) <= MAX_PREDICTION_CHARS, "prediction",
+          f"prediction content has at most {MAX_PREDICTION_CHARS} characters")
+    return content

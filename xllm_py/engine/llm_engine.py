@@ -67,9 +67,9 @@ class LLMEngine:
         mc, num_blocks, groups = self.model_config, loaded.num_blocks, self.kv_groups
         max_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
-        spec = None if self.tp is not None or config.simulate else config.speculative  # (not yet)
-        self.speculator = spec and Speculator(spec, lambda: self.latency_profile,
-                                              sched_cfg.max_num_seqs)
+        # (a Speculator even without a method: requests with a prediction guess from it)
+        self.speculator = None if self.tp is not None or config.simulate else Speculator(
+            config.speculative, lambda: self.latency_profile, sched_cfg.max_num_seqs)
         self.scheduler = ContinuousScheduler(
             sched_cfg, config.cache, num_blocks, group_windows=groups.group_windows if groups else (0,),
             speculator=self.speculator)
@@ -400,8 +400,7 @@ class LLMEngine:
         lp = logprobs.get(upd.request_id)
         parent_id, _ = parent_of(upd.request_id)
         request = self.scheduler.requests.get(upd.request_id)  # (None once it finished)
-        if upd.num_cached_tokens:
-            self.outputs.set_cached_tokens(parent_id, upd.num_cached_tokens)
+        self.outputs.set_usage(parent_id, upd.num_cached_tokens, upd.predicted)
         # PD prefill: the request goes on on the decode peer, not finished for the client.
         finish_reason = None if upd.kv_held else upd.finish_reason
         delta = self.outputs.process(

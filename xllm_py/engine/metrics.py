@@ -79,8 +79,8 @@ class EngineStatsCollector(Collector):
                 ("xllm_spec_decode_verify_steps_total", "verify_steps",
                  "Sequence-steps that verified guesses")):
             family = CounterMetricFamily(name, help_, labels=["method"])
-            if speculator is not None:
-                family.add_metric([speculator.method], getattr(speculator.stats, key))
+            for method, stats in (speculator.stats.items() if speculator else ()):
+                family.add_metric([method], getattr(stats, key))
             yield family
 
     @staticmethod

@@ -66,6 +66,7 @@ class _ParentState:
     seqs: dict[int, _SeqState]
     buffered: bool  # best_of > n: emit only the n best at the end
     num_cached_tokens: int = 0
+    predicted: tuple[int, int] = (0, 0)  # a prediction's guessed tokens kept, not kept
     sent_first: bool = False
     # A migrated request (MultiGenerations): its prompt here includes tokens generated
     # elsewhere; usage reports the client's prompt and counts those tokens as generated.
@@ -128,10 +129,14 @@ class OutputProcessor:
             generated_offset=generated_offset, sent_first=num_prompt_tokens is not None,
             arrival_time=arrival_time, final_only=bool(getattr(sink, "final_only", False)))
 
-    def set_cached_tokens(self, parent_id: str, num_cached: int) -> None:
+    def set_usage(self, parent_id: str, num_cached: int,
+                  predicted: tuple[int, int] | None = None) -> None:
+        """Usage beyond the token counts: the prefix-cache hit, a prediction's guesses."""
         state = self._parents.get(parent_id)
         if state is not None:
             state.num_cached_tokens = max(state.num_cached_tokens, num_cached)
+            if predicted is not None:
+                state.predicted = predicted
 
     def add_prompt_logprobs(self, request_id: str, first_token: int,
                             entries: list[TokenLogprob]) -> None:
@@ -229,6 +234,8 @@ class OutputProcessor:
             num_prompt_tokens=parent.usage_prompt_tokens,
             num_generated_tokens=parent.num_generated,
             num_cached_tokens=parent.num_cached_tokens,
+            num_accepted_prediction_tokens=parent.predicted[0],
+            num_rejected_prediction_tokens=parent.predicted[1],
             prompt_token_ids=None if parent.sent_first else parent.prompt_token_ids,
             prompt_logprobs=None if parent.sent_first else parent.prompt_logprobs)
         ttft = None if parent.sent_first or not parent.arrival_time else (

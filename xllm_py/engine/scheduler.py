@@ -340,13 +340,15 @@ class ContinuousScheduler:
                 continue
             tokens, status = append_until_stop(
                 request, [token_id, *(accepted or {}).get(seq.request_id, ())], self.max_model_len)
+            predicted = None
             if seq.spec_token_ids:
                 self.speculator.settle(request, len(seq.spec_token_ids), len(tokens), self.kv)
+                predicted = self.speculator.prediction_usage(request)
             if status is not None:
                 self._end(request, status)
                 updates.append(RequestUpdate(request.request_id, tokens, True,
                                              request.finish_reason, request.stop_reason,
-                                             num_cached_tokens=cached))
+                                             num_cached_tokens=cached, predicted=predicted))
             elif request.remote_decode:
                 # Prefill of a PD pair: its part ends here; KV stays until sent (of a
                 # sliding-window layer's, only what the decode's first token reads).
@@ -357,7 +359,7 @@ class ContinuousScheduler:
                                              kv_held=True, num_cached_tokens=cached))
             else:
                 updates.append(RequestUpdate(request.request_id, tokens,
-                                             num_cached_tokens=cached))
+                                             num_cached_tokens=cached, predicted=predicted))
         return updates
 
     # -- internals ---------------------------------------------------------------------------

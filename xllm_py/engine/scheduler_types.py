@@ -47,6 +47,9 @@ class RequestUpdate:
     # Prefill side of PD: done here, blocks held for the decode peer (finish_sending).
     kv_held: bool = False
     num_cached_tokens: int = 0  # prefix-cache hit at admission (the request may be gone)
+    # After a verify step of a request with a prediction: its guessed tokens kept and not
+    # kept so far (its usage reports them)
+    predicted: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass

@@ -175,7 +175,7 @@ class TokenSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DisaggRequest(_message.Message):
-    __slots__ = ("req_id", "service_req_id", "tokens_num", "prompt", "prompt_tokens", "stream", "x_request_id", "x_request_time", "max_tokens", "max_context_len", "seq_capacity", "ignore_eos", "eos_token_id", "stop_token_ids", "stop_sequences", "n", "best_of", "frequency_penalty", "presence_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "logprobs", "top_logprobs", "echo", "skip_special_tokens", "offline", "priority", "ttft_slo", "tpot_slo", "source_xservice_addr", "min_p", "has_seed", "seed", "routing", "eos_token_ids", "include_stop_str_in_output", "schema_version", "has_temperature", "prompt_logprobs", "min_tokens", "has_prompt_logprobs", "logit_bias", "has_max_tokens", "allowed_token_ids", "bad_words", "structured_output")
+    __slots__ = ("req_id", "service_req_id", "tokens_num", "prompt", "prompt_tokens", "stream", "x_request_id", "x_request_time", "max_tokens", "max_context_len", "seq_capacity", "ignore_eos", "eos_token_id", "stop_token_ids", "stop_sequences", "n", "best_of", "frequency_penalty", "presence_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "logprobs", "top_logprobs", "echo", "skip_special_tokens", "offline", "priority", "ttft_slo", "tpot_slo", "source_xservice_addr", "min_p", "has_seed", "seed", "routing", "eos_token_ids", "include_stop_str_in_output", "schema_version", "has_temperature", "prompt_logprobs", "min_tokens", "has_prompt_logprobs", "logit_bias", "has_max_tokens", "allowed_token_ids", "bad_words", "prediction_token_ids", "structured_output")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class DisaggRequest(_message.Message):
     HAS_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     service_req_id: str
@@ -278,8 +279,9 @@ class DisaggRequest(_message.Message):
     has_max_tokens: bool
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bad_words: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    prediction_token_ids: _containers.RepeatedScalarFieldContainer[int]
     structured_output: StructuredOutput
-    def __init__(self, req_id: _Optional[str] = ..., service_req_id: _Optional[str] = ..., tokens_num: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., stream: _Optional[bool] = ..., x_request_id: _Optional[str] = ..., x_request_time: _Optional[str] = ..., max_tokens: _Optional[int] = ..., max_context_len: _Optional[int] = ..., seq_capacity: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., eos_token_id: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_sequences: _Optional[_Iterable[_Union[StopSequence, _Mapping]]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., offline: _Optional[bool] = ..., priority: _Optional[int] = ..., ttft_slo: _Optional[int] = ..., tpot_slo: _Optional[int] = ..., source_xservice_addr: _Optional[str] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., routing: _Optional[_Union[RoutingInfo, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., schema_version: _Optional[int] = ..., has_temperature: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., has_max_tokens: _Optional[bool] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    def __init__(self, req_id: _Optional[str] = ..., service_req_id: _Optional[str] = ..., tokens_num: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., stream: _Optional[bool] = ..., x_request_id: _Optional[str] = ..., x_request_time: _Optional[str] = ..., max_tokens: _Optional[int] = ..., max_context_len: _Optional[int] = ..., seq_capacity: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., eos_token_id: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_sequences: _Optional[_Iterable[_Union[StopSequence, _Mapping]]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., offline: _Optional[bool] = ..., priority: _Optional[int] = ..., ttft_slo: _Optional[int] = ..., tpot_slo: _Optional[int] = ..., source_xservice_addr: _Optional[str] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., routing: _Optional[_Union[RoutingInfo, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., schema_version: _Optional[int] = ..., has_temperature: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., has_max_tokens: _Optional[bool] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("kind", "value", "has_whitespace_pattern", "whitespace_pattern")
@@ -440,16 +442,20 @@ class SequenceOutput(_message.Message):
     def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[LogProb, _Mapping]]] = ..., stop_str: _Optional[str] = ..., has_stop_token: _Optional[bool] = ..., stop_token: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("num_prompt_tokens", "num_generated_tokens", "num_total_tokens", "num_cached_tokens")
+    __slots__ = ("num_prompt_tokens", "num_generated_tokens", "num_total_tokens", "num_cached_tokens", "num_accepted_prediction_tokens", "num_rejected_prediction_tokens")
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_prompt_tokens: int
     num_generated_tokens: int
     num_total_tokens: int
     num_cached_tokens: int
-    def __init__(self, num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_total_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    num_accepted_prediction_tokens: int
+    num_rejected_prediction_tokens: int
+    def __init__(self, num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_total_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_accepted_prediction_tokens: _Optional[int] = ..., num_rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class GenStatus(_message.Message):
     __slots__ = ("status_code", "status_msg")

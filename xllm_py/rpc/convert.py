@@ -179,7 +179,9 @@ def output_to_proto(out: RequestOutput, service_request_id: str = "",
         usage=pb.Usage(num_prompt_tokens=out.num_prompt_tokens,
                        num_generated_tokens=out.num_generated_tokens,
                        num_total_tokens=out.num_prompt_tokens + out.num_generated_tokens,
-                       num_cached_tokens=out.num_cached_tokens))
+                       num_cached_tokens=out.num_cached_tokens,
+                       num_accepted_prediction_tokens=out.num_accepted_prediction_tokens,
+                       num_rejected_prediction_tokens=out.num_rejected_prediction_tokens))
     if out.prompt_token_ids is not None:
         gen.prompt_token_ids.extend(out.prompt_token_ids)
     for d in out.outputs:
@@ -226,6 +228,8 @@ def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
         num_prompt_tokens=gen.usage.num_prompt_tokens,
         num_generated_tokens=gen.usage.num_generated_tokens,
         num_cached_tokens=gen.usage.num_cached_tokens,
+        num_accepted_prediction_tokens=gen.usage.num_accepted_prediction_tokens,
+        num_rejected_prediction_tokens=gen.usage.num_rejected_prediction_tokens,
         prompt_token_ids=list(gen.prompt_token_ids) if len(gen.prompt_token_ids) else None,
         error_code=0 if code in (0, 200) else code, error_message=gen.gen_status.status_msg,
         unreachable_instance=gen.unreachable_instance,

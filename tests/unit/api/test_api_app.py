@@ -199,6 +199,25 @@ def test_include_usage_chunk_and_cached_tokens(client, backend):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_predicted_outputs_reach_the_backend_and_usage_reports_them(client, backend):
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    assert plain.usage.completion_tokens_details is None  # (no prediction: as before)
+    backend.predicted = (2, 5)
+    for stream in (False, True):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+            prediction={"type": "content", "content": "ab"}, stream=stream,
+            stream_options={"include_usage": True} if stream else None)
+        usage = list(reply)[-1].usage if stream else reply.usage
+        assert backend.requests[-1].sampling.prediction_token_ids == [97, 98]
+        details = usage.completion_tokens_details
+        assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (2, 5)
+    done = client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                     extra_body={"prediction": {"type": "content", "content": "a"}})
+    assert done.usage.completion_tokens_details.accepted_prediction_tokens == 2
+
+
 def test_x_request_id_honoured(base_url, backend):
     r = httpx.post(f"{base_url}/v1/completions", headers={"X-Request-Id": "trace-42"},
                    json={"model": MODEL, "prompt": "x", "max_tokens": 1})

@@ -56,11 +56,12 @@ def test_every_client_sampling_field_reaches_the_sampling_params():
                 logprobs=2, prompt_logprobs=3, echo=True, skip_special_tokens=False,
                 include_stop_str_in_output=True, logit_bias={"5": 2.5},
                 structured_outputs={"regex": "[ab]+"}, allowed_token_ids=[5, 6],
-                bad_words=["ab"])
+                bad_words=["ab"], prediction={"type": "content", "content": "xy"})
     expected = {k: v for k, v in body.items()
-                if k not in ("prompt", "structured_outputs", "bad_words")}
+                if k not in ("prompt", "structured_outputs", "bad_words", "prediction")}
     expected.update(logit_bias={5: 2.5}, structured=GrammarSpec("regex", "[ab]+"),
-                    bad_words_token_ids=[[97, 98], [32, 97, 98]])  # "ab" and " ab"
+                    bad_words_token_ids=[[97, 98], [32, 97, 98]],  # "ab" and " ab"
+                    prediction_token_ids=[120, 121])
     assert set(expected) == set(REQUEST_FIELDS), "give the new field a value here"
     req = _parse(CompletionRequest, **body)
     req.apply_tokenizer(FakeTokenizer())
@@ -159,3 +160,19 @@ def test_offline_reaches_the_generate_request():
             gen = req.to_generate_request("r", [1], prompt_text=None, max_tokens=4,
                                           x_request_id=None, arrival_time=0.0)
             assert gen.offline is offline
+
+
+def test_prediction_is_openais_shape_or_a_400():
+    text = [{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}]
+    for content, ids in (("abc", [97, 98, 99]), (text, [97, 98, 99]), ("", [])):
+        req = _parse(ChatCompletionRequest, messages=[{"role": "user", "content": "a"}],
+                     prediction={"type": "content", "content": content})
+        req.apply_tokenizer(FakeTokenizer())
+        assert req.extra_sampling_fields().get("prediction_token_ids", []) == ids
+    for bad in ({"type": "file", "content": "x"}, {"content": "x"}, "abc",
+                {"type": "content", "content": 5},
+                {"type": "content", "content": [{"type": "image_url", "image_url": "u"}]},
+                {"type": "content", "content": "x", "extra": 1}):
+        with pytest.raises(InvalidRequestError) as info:  # (parsing checks the values)
+            _parse(CompletionRequest, prompt="x", prediction=bad)
+        assert info.value.param == "prediction"

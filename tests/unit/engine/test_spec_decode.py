@@ -119,7 +119,8 @@ def test_a_sequence_whose_guesses_fail_rests_then_tries_again():
         rests.append(rested)
     assert rests == [spec_mod.FIRST_REST_STEPS, 2 * spec_mod.FIRST_REST_STEPS,
                      4 * spec_mod.FIRST_REST_STEPS]
-    assert spec.stats.proposed == 4 * spec.stats.verify_steps and spec.stats.accepted == 0
+    stats = spec.stats["ngram"]
+    assert stats.proposed == 4 * stats.verify_steps and stats.accepted == 0
 
 
 class _FakeKV:
@@ -219,7 +220,9 @@ def test_prometheus_counters_per_method():
     from xllm_py.engine.metrics import EngineStatsCollector
 
     spec = Speculator(K4)
-    spec.settle(_req("a", REPEATING), 4, 3, _FakeKV())  # 4 guessed, 2 kept
+    req = _req("a", REPEATING)
+    spec.propose([req], 256)
+    spec.settle(req, 4, 3, _FakeKV())  # 4 guessed, 2 kept
     samples = {}
     scheduler = SimpleNamespace(kv=SimpleNamespace(held_blocks=dict))
     for engine in (SimpleNamespace(stats=dict, scheduler=scheduler, speculator=spec),

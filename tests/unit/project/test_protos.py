@@ -60,6 +60,7 @@ _NON_DEFAULT = {
     "structured": GrammarSpec("json", '{"type":"object"}', ""),
     "allowed_token_ids": [5, 9, 300],
     "bad_words_token_ids": [[7], [8, 9, 10]],
+    "prediction_token_ids": [4, 5, 6],
 }
 
 
@@ -117,6 +118,7 @@ def test_request_output_with_prompt_logprobs_round_trips():
 
     out = RequestOutput(
         request_id="r1", finished=False, num_prompt_tokens=3, num_generated_tokens=1,
+        num_accepted_prediction_tokens=5, num_rejected_prediction_tokens=2,
         prompt_token_ids=[4, 9, 2],
         prompt_logprobs=[None, TokenLogprob(9, -1.5, [(3, -0.25), (9, -1.5)]),
                          TokenLogprob(2, -0.75, [])],

@@ -1,6 +1,10 @@
 """Speculator: which running greedy sequences propose guesses this step, and what their
 verification leaves in the KV cache.
 
+Proposers: a request with a `prediction` (OpenAI's Predicted Outputs) guesses from it
+(prediction.py), whatever the engine's method, even with none configured; the others by
+the configured method (ngram.py), or not at all.
+
 Per step (`propose`): none above `max_batch` decoding sequences (the step is compute
 bound there: each guess costs about what a token of prompt costs, and pays only while
 the step's fixed cost dominates; derived from the engine's latency profile where it has
@@ -26,6 +30,7 @@ from typing import Callable
 
 from xllm_py.config import SpeculativeConfig
 from xllm_py.engine.spec_decode.ngram import NgramIndex
+from xllm_py.engine.spec_decode.prediction import PredictionLookup
 from xllm_py.request import Request
 
 logger = logging.getLogger(__name__)
@@ -41,14 +46,22 @@ MIN_ACCEPTANCE = 0.25
 EWMA_WEIGHT = 0.3
 FIRST_REST_STEPS = 4
 MAX_REST_STEPS = 64
+# Guesses a step from a prediction: an edit's prediction is mostly kept, so more pay than
+# the lookup methods' default (within SpeculativeConfig.MAX_TOKENS).
+PREDICTION_TOKENS = 8
+PREDICTION = "prediction"  # the method label of guesses from a prediction
 
 
 @dataclasses.dataclass
 class _SeqState:
-    index: NgramIndex
+    method: str
+    proposer: NgramIndex | PredictionLookup
     acceptance: float = 1.0  # EWMA of accepted / proposed
     rest_left: int = 0  # steps without proposing
     rest_next: int = FIRST_REST_STEPS
+    # guessed tokens kept and not kept (a prediction's: the request's usage reports them)
+    accepted: int = 0
+    rejected: int = 0
 
 
 @dataclasses.dataclass
@@ -61,14 +74,15 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig,
+    def __init__(self, config: SpeculativeConfig | None,
                  profile: Callable[[], object | None] = lambda: None,
                  max_num_seqs: int = 64) -> None:
-        """`profile`: the engine's latency profile once it has one (cluster/latency_profile.py
+        """`config`: the engine's method (None: only requests with a prediction guess).
+        `profile`: the engine's latency profile once it has one (cluster/latency_profile.py
         LatencyProfile: step_ms(prompt tokens, decode seqs, context tokens)), else None."""
         self.config = config
-        self.method = config.method
-        self.stats = SpecStats()
+        # per method (the configured one from the start, "prediction" once used)
+        self.stats: dict[str, SpecStats] = {config.method: SpecStats()} if config else {}
         self._profile = profile
         self._max_num_seqs = max_num_seqs
         self._cut: tuple[object, int] | None = None  # (profile, max batch derived from it)
@@ -81,7 +95,8 @@ class Speculator:
             return DEFAULT_MAX_BATCH
         if self._cut is None or self._cut[0] is not profile:
             self._cut = (profile, max_batch_from_profile(
-                profile, self.config.num_speculative_tokens, self._max_num_seqs))
+                profile, self.config.num_speculative_tokens if self.config else PREDICTION_TOKENS,
+                self._max_num_seqs))
         return self._cut[1]
 
     def propose(self, decodes: list[Request], max_model_len: int) -> dict[str, list[int]]:
@@ -90,19 +105,22 @@ class Speculator:
             return {}
         out: dict[str, list[int]] = {}
         for request in decodes:
-            if not speculates(request):
+            predicted = bool(request.sampling_params.prediction_token_ids)
+            if not (predicted or self.config) or not speculates(request):
                 continue
-            k = min(self.config.num_speculative_tokens, max_model_len - request.num_tokens - 1)
+            k = PREDICTION_TOKENS if predicted else self.config.num_speculative_tokens
+            k = min(k, max_model_len - request.num_tokens - 1)
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None:
                 k = min(k, max_tokens - request.num_output_tokens - 1)
             if k <= 0:
                 continue
-            state = self._state(request)
+            state = self._state(request, max_model_len)
             if state.rest_left > 0:
                 state.rest_left -= 1
                 continue
-            drafts = state.index.propose(request.all_token_ids, k)
+            drafts = state.proposer.propose(
+                request.output_token_ids if predicted else request.all_token_ids, k)
             if drafts:
                 out[request.request_id] = drafts
         return out
@@ -112,11 +130,13 @@ class Speculator:
         count them, keep KV up to the last token before the newest, roll back the rest
         (`kv`: the scheduler's KVCacheManager), before the request may end."""
         accepted = num_emitted - 1
-        stats = self.stats
+        state = self._seqs[request]
+        stats = self.stats.setdefault(state.method, SpecStats())
         stats.proposed += num_drafts
         stats.accepted += accepted
         stats.verify_steps += 1
-        state = self._state(request)
+        state.accepted += accepted
+        state.rejected += num_drafts - accepted
         state.acceptance += EWMA_WEIGHT * (accepted / num_drafts - state.acceptance)
         if state.acceptance < MIN_ACCEPTANCE:
             state.rest_left, state.rest_next = state.rest_next, min(2 * state.rest_next,
@@ -126,11 +146,24 @@ class Speculator:
         kv.truncate(request, -(-request.num_tokens // kv.block_size))
         kv.cache_full_blocks(request)
 
-    def _state(self, request: Request) -> _SeqState:
+    def prediction_usage(self, request: Request) -> tuple[int, int] | None:
+        """A request with a prediction: its guessed tokens kept and not kept so far."""
+        state = self._seqs.get(request)
+        if state is None or state.method != PREDICTION:
+            return None
+        return state.accepted, state.rejected
+
+    def _state(self, request: Request, max_model_len: int) -> _SeqState:
         state = self._seqs.get(request)
         if state is None:
-            state = self._seqs[request] = _SeqState(
-                NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
+            prediction = request.sampling_params.prediction_token_ids
+            if prediction:  # (no longer than any output can be)
+                state = _SeqState(PREDICTION, PredictionLookup(prediction[:max_model_len]))
+            else:
+                cfg = self.config
+                state = _SeqState(cfg.method,
+                                  NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+            self._seqs[request] = state
         return state
 
 
