@@ -117,12 +117,22 @@ class SchedulerConfig:
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (engine/spec_decode/), as vLLM's --speculative-config spells
-    it. "ngram": prompt lookup of the last prompt_lookup_max..min tokens."""
+    it. "ngram": prompt lookup of the last prompt_lookup_max..min tokens. "suffix": the
+    last up to suffix_decoding_max_tree_depth tokens looked up in the sequence and in the
+    outputs of the last suffix_decoding_max_cached_requests requests; the continuation
+    most places share, while its probability stays >= suffix_decoding_min_token_prob, at
+    most suffix_decoding_max_spec_factor x the match length long."""
+
+    METHODS = ("ngram", "suffix")
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_spec_factor: float = 1.0
 
     # At most this many guesses a step: a verify chunk below 16 tokens stays on the paged
     # attention kernel a decode step runs (model/attention.py DENSE_CHUNK_MIN_TOKENS), so
@@ -130,8 +140,16 @@ class SpeculativeConfig:
     MAX_TOKENS = 15
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
+        if self.method not in self.METHODS:
+            raise ValueError(f"speculative method must be one of {self.METHODS}, got "
+                             f"{self.method!r}")
+        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("need suffix_decoding_max_tree_depth >= 1 and "
+                             "suffix_decoding_max_cached_requests >= 0")
+        if not (0 <= self.suffix_decoding_min_token_prob <= 1
+                and self.suffix_decoding_max_spec_factor > 0):
+            raise ValueError("need suffix_decoding_min_token_prob in [0, 1] and "
+                             "suffix_decoding_max_spec_factor > 0")
         if not 1 <= self.num_speculative_tokens <= self.MAX_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in 1..{self.MAX_TOKENS}, "
                              f"got {self.num_speculative_tokens}")

@@ -138,3 +138,25 @@ def test_prediction_is_exact_and_counted(family, tmp_path):
     assert sum(s.last.num_rejected_prediction_tokens for s in sinks) == (
         stats.proposed - stats.accepted)
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+SUFFIX = SpeculativeConfig(method="suffix", num_speculative_tokens=4,
+                           suffix_decoding_max_cached_requests=8)
+
+
+@pytest.mark.parametrize("family", ["llama-bias", "gemma3-kv1"])
+def test_suffix_decoding_is_exact(family, tmp_path):
+    """Suffix decoding, batched and each request alone (the later ones also guessing from
+    the earlier ones' cached outputs), and the same prompts a second time (their outputs
+    cached whole): what speculation off and transformers emit."""
+    hf = build_hf_model(transformers, family, tmp_path)
+    prompts = _prompts()
+    off, _ = _run(tmp_path, None, prompts, 96)
+    on, engine = _run(tmp_path, SUFFIX, prompts, 96)
+    assert engine.speculator.stats["suffix"].accepted > 0
+    again, engine = _run(tmp_path, SUFFIX, prompts + prompts, 96, one_by_one=True)
+    for prompt, a, b, c, d in zip(prompts, off, on, again, again[len(prompts):]):
+        assert d == c == b == a == _hf_greedy(hf, prompt)
+    stats = engine.speculator.stats["suffix"]
+    assert stats.accepted > 0 and list(engine.speculator.stats) == ["suffix"]
+    assert engine.stats()["kv_blocks_used"] == 0

@@ -54,7 +54,9 @@ def build_parser() -> SettingsParser:
     add_flag(g, "--speculative-config", type=SpeculativeConfig.parse, default=None,
              help='speculative decoding of greedy requests, as vLLM spells it: \'{"method": "ngram", '
                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-                  "(default off)")
+                  'or \'{"method": "suffix", "suffix_decoding_max_tree_depth": 24, '
+                  '"suffix_decoding_max_cached_requests": 1000, '
+                  '"suffix_decoding_min_token_prob": 0.1}\' (default off)')
     add_flag(g, "--tensor-parallel-size", "--tp", type=int, default=1,
              help="worker processes of this instance, each with its shard of the model "
                   "(heads and MLP columns) and of the KV cache (xLLM: the number of --devices)")

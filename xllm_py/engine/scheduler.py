@@ -429,6 +429,8 @@ class ContinuousScheduler:
                 queue.remove(request)
         self.kv.free(request)
         del self.requests[request.request_id]
+        if self.speculator is not None:
+            self.speculator.finished(request)
         if self.tpot_guard is not None:
             self.tpot_guard.forget(request.request_id)
         self._finished_ids.append(request.request_id)

@@ -3,7 +3,8 @@ verification leaves in the KV cache.
 
 Proposers: a request with a `prediction` (OpenAI's Predicted Outputs) guesses from it
 (prediction.py), whatever the engine's method, even with none configured; the others by
-the configured method (ngram.py), or not at all.
+the configured method (ngram.py, suffix.py: its engine-wide cache takes the outputs of
+requests that end here), or not at all.
 
 Per step (`propose`): none above `max_batch` decoding sequences (the step is compute
 bound there: each guess costs about what a token of prompt costs, and pays only while
@@ -31,7 +32,8 @@ from typing import Callable
 from xllm_py.config import SpeculativeConfig
 from xllm_py.engine.spec_decode.ngram import NgramIndex
 from xllm_py.engine.spec_decode.prediction import PredictionLookup
-from xllm_py.request import Request
+from xllm_py.engine.spec_decode.suffix import SuffixCache, SuffixProposer
+from xllm_py.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ DEFAULT_MAX_BATCH = 8
 # with this probability): conservative for the repetitive text speculation is for.
 PROFILE_ACCEPTANCE = 0.5
 MIN_ACCEPTANCE = 0.25
+_CACHED_ENDS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 EWMA_WEIGHT = 0.3
 FIRST_REST_STEPS = 4
 MAX_REST_STEPS = 64
@@ -55,7 +58,7 @@ PREDICTION = "prediction"  # the method label of guesses from a prediction
 @dataclasses.dataclass
 class _SeqState:
     method: str
-    proposer: NgramIndex | PredictionLookup
+    proposer: NgramIndex | PredictionLookup | SuffixProposer
     acceptance: float = 1.0  # EWMA of accepted / proposed
     rest_left: int = 0  # steps without proposing
     rest_next: int = FIRST_REST_STEPS
@@ -83,6 +86,8 @@ class Speculator:
         self.config = config
         # per method (the configured one from the start, "prediction" once used)
         self.stats: dict[str, SpecStats] = {config.method: SpecStats()} if config else {}
+        self._suffix_cache = (SuffixCache(config.suffix_decoding_max_cached_requests)
+                              if config and config.method == "suffix" else None)
         self._profile = profile
         self._max_num_seqs = max_num_seqs
         self._cut: tuple[object, int] | None = None  # (profile, max batch derived from it)
@@ -159,12 +164,24 @@ class Speculator:
             prediction = request.sampling_params.prediction_token_ids
             if prediction:  # (no longer than any output can be)
                 state = _SeqState(PREDICTION, PredictionLookup(prediction[:max_model_len]))
+            elif self._suffix_cache is not None:
+                cfg = self.config
+                state = _SeqState(cfg.method, SuffixProposer(
+                    self._suffix_cache, cfg.suffix_decoding_max_tree_depth,
+                    cfg.suffix_decoding_min_token_prob, cfg.suffix_decoding_max_spec_factor))
             else:
                 cfg = self.config
                 state = _SeqState(cfg.method,
                                   NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
             self._seqs[request] = state
         return state
+
+    def finished(self, request: Request) -> None:
+        """A request ended here: suffix decoding caches its output (not a failed or
+        aborted one's, nor a PD prefill's single token)."""
+        if (self._suffix_cache is not None and request.status in _CACHED_ENDS
+                and not request.remote_decode):
+            self._suffix_cache.add(request.request_id, request.output_token_ids)
 
 
 def speculates(request: Request) -> bool:
