@@ -25,7 +25,7 @@ from xllm_py.engine.output_processor import OutputProcessor, parent_of
 from xllm_py.engine.remote_kv import RemoteKV
 from xllm_py.engine.scheduler import ContinuousScheduler
 from xllm_py.engine.spec_decode.speculator import Speculator
-from xllm_py.engine.spec_decode.verify import verify_greedy
+from xllm_py.engine.spec_decode.verify import verify
 from xllm_py.engine.step_observers import StepObserver, StepRecord, StepStats
 from xllm_py.engine.step_trace import StepTrace
 from xllm_py.request import Request, RequestStatus
@@ -348,7 +348,8 @@ class LLMEngine:
                 if lp is not None:
                     logprobs[s.request_id] = lp
         updates = self.scheduler.update_from_output(
-            sched_out, sampled, verify_greedy(seqs, step_logits.spec, sampled))  # (guesses kept)
+            sched_out, sampled,  # (and the guesses kept)
+            verify(seqs, step_logits.spec, sampled, self.sampler, self.scheduler.requests))
         self.grammars.advance(updates, self.scheduler)
         if self.tiering is not None:  # (finished requests' blocks go back before their outputs)
             self.tiering.flush_offloads()

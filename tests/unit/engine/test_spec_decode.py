@@ -70,10 +70,11 @@ def _req(rid: str, prompt: list[int], **params) -> Request:
 REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 2 + [1, 2]
 
 
-def test_only_plain_greedy_rows_propose_within_max_tokens_and_the_context():
+def test_only_plain_rows_propose_within_max_tokens_and_the_context():
     spec = Speculator(K4)
     plain = _req("a", REPEATING)
-    others = [_req("s", REPEATING, temperature=0.7), _req("l", REPEATING, logprobs=0),
+    sampled = _req("s", REPEATING, temperature=0.7, top_p=0.9, seed=3)
+    others = [_req("l", REPEATING, logprobs=0),
               _req("p", REPEATING, presence_penalty=0.5), _req("b", REPEATING, logit_bias={3: 1.0}),
               _req("n", REPEATING, n=2), _req("q", REPEATING, prompt_logprobs=0)]
     short = _req("m", REPEATING, max_tokens=3)  # 3 left: at most 2 guesses
@@ -81,6 +82,7 @@ def test_only_plain_greedy_rows_propose_within_max_tokens_and_the_context():
     assert spec.propose([plain, short, last], max_model_len=256) == {"a": [3, 4, 5, 6],
                                                                      "m": [3, 4]}
     assert spec.propose(others, max_model_len=256) == {}
+    assert spec.propose([sampled], max_model_len=256) == {"s": [3, 4, 5, 6]}
     assert spec.propose([plain], max_model_len=len(REPEATING) + 3) == {"a": [3, 4]}
 
 

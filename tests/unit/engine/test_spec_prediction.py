@@ -47,9 +47,9 @@ def test_a_prediction_proposes_without_a_configured_method():
     spec = Speculator(None)
     plain = _req("a", [1, 2, 3])
     predicted = _req("b", [1, 2, 3], prediction_token_ids=PREDICTION)
-    sampled = _req("c", [1, 2, 3], prediction_token_ids=PREDICTION, temperature=0.8)
+    scored = _req("c", [1, 2, 3], prediction_token_ids=PREDICTION, logprobs=1)
     predicted.append_output_token(10)
-    assert spec.propose([plain, predicted, sampled], 256) == {
+    assert spec.propose([plain, predicted, scored], 256) == {
         "b": PREDICTION[1:1 + spec_mod.PREDICTION_TOKENS]}
     # with a method, the prediction still wins for its request; the others use the method
     spec = Speculator(SpeculativeConfig(prompt_lookup_min=1))

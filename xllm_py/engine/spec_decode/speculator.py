@@ -1,4 +1,4 @@
-"""Speculator: which running greedy sequences propose guesses this step, and what their
+"""Speculator: which running sequences propose guesses this step, and what their
 verification leaves in the KV cache.
 
 Proposers: a request with a `prediction` (OpenAI's Predicted Outputs) guesses from it
@@ -9,8 +9,8 @@ requests that end here), or not at all.
 Per step (`propose`): none above `max_batch` decoding sequences (the step is compute
 bound there: each guess costs about what a token of prompt costs, and pays only while
 the step's fixed cost dominates; derived from the engine's latency profile where it has
-one, else DEFAULT_MAX_BATCH). Per sequence: greedy rows whose logits nothing edits
-(no logprobs, penalties, bias or token limits, no grammar, one sequence per request, no
+one, else DEFAULT_MAX_BATCH). Per sequence: greedy or sampled rows whose logits nothing
+edits (no logprobs, penalties, bias or token limits, no grammar, one sequence per request, no
 prompt logprobs, not a PD prefill's hand-over), at most as many guesses as max_tokens
 and the context leave room for, and none while its acceptance has fallen (an EWMA of
 accepted / proposed below MIN_ACCEPTANCE: it rests, then tries again, each rest twice
@@ -185,9 +185,10 @@ class Speculator:
 
 
 def speculates(request: Request) -> bool:
-    """Greedy, and nothing but the argmax of the raw logits picks its tokens."""
+    """Nothing but the raw logits and the request's own sampling parameters (temperature,
+    top-k/p, min-p) pick its tokens: no history, bias, grammar or logprobs."""
     p = request.sampling_params
-    return (p.is_greedy and p.logprobs is None and p.prompt_logprobs is None
+    return (p.logprobs is None and p.prompt_logprobs is None
             and not p.has_penalties and not p.edits_logits and p.structured is None
             and (p.best_of or p.n) == 1 and not request.remote_decode)
 
