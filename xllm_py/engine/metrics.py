@@ -16,6 +16,7 @@ from typing import Iterator
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
@@ -71,7 +72,7 @@ class EngineStatsCollector(Collector):
     @staticmethod
     def _speculation(speculator) -> Iterator[Metric]:
         """Speculative decoding's guesses (engine/spec_decode/), per method: proposed,
-        accepted, and the sequence-steps that verified some."""
+        accepted, the sequence-steps that verified some, and how many each kept."""
         for name, key, help_ in (
                 ("xllm_spec_decode_proposed_tokens_total", "proposed", "Tokens guessed"),
                 ("xllm_spec_decode_accepted_tokens_total", "accepted",
@@ -82,6 +83,7 @@ class EngineStatsCollector(Collector):
             for method, stats in (speculator.stats.items() if speculator else ()):
                 family.add_metric([method], getattr(stats, key))
             yield family
+        yield _acceptance_lengths(speculator)
 
     @staticmethod
     def _held(held: dict[str, int]) -> Metric:
@@ -99,3 +101,24 @@ class EngineStatsCollector(Collector):
         for name, kind, key, help_ in _ENGINE_STATS:
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(name, help_, value=stats.get(key, 0))
+
+
+# Buckets of the acceptance length: 0 .. SpeculativeConfig.MAX_TOKENS guesses kept.
+_ACCEPTANCE_BUCKETS = tuple(range(16))
+
+
+def _acceptance_lengths(speculator) -> Metric:
+    """Guesses kept per verify step, a histogram per method (mean + 1: the tokens a
+    speculating sequence emits per step)."""
+    family = HistogramMetricFamily(
+        "xllm_spec_decode_acceptance_length",
+        "Guesses kept per sequence-step that verified guesses", labels=["method"])
+    for method, stats in (speculator.stats.items() if speculator else ()):
+        counts = stats.acceptance_lengths
+        buckets, total = [], 0
+        for le in _ACCEPTANCE_BUCKETS:
+            total += counts.get(le, 0)
+            buckets.append((str(float(le)), total))
+        buckets.append(("+Inf", sum(counts.values())))
+        family.add_metric([method], buckets, sum_value=sum(n * c for n, c in counts.items()))
+    return family

@@ -225,6 +225,8 @@ def test_prometheus_counters_per_method():
     req = _req("a", REPEATING)
     spec.propose([req], 256)
     spec.settle(req, 4, 3, _FakeKV())  # 4 guessed, 2 kept
+    spec.propose([req], 256)
+    spec.settle(req, 4, 5, _FakeKV())  # 4 guessed, all kept
     samples = {}
     scheduler = SimpleNamespace(kv=SimpleNamespace(held_blocks=dict))
     for engine in (SimpleNamespace(stats=dict, scheduler=scheduler, speculator=spec),
@@ -236,9 +238,16 @@ def test_prometheus_counters_per_method():
             for f in text_string_to_metric_families(generate_latest(registry).decode())
             for s in f.samples}
     on = samples[True]
-    assert on[("xllm_spec_decode_proposed_tokens_total", (("method", "ngram"),))] == 4
-    assert on[("xllm_spec_decode_accepted_tokens_total", (("method", "ngram"),))] == 2
-    assert on[("xllm_spec_decode_verify_steps_total", (("method", "ngram"),))] == 1
+    ngram = ("method", "ngram")
+    assert on[("xllm_spec_decode_proposed_tokens_total", (ngram,))] == 8
+    assert on[("xllm_spec_decode_accepted_tokens_total", (ngram,))] == 6
+    assert on[("xllm_spec_decode_verify_steps_total", (ngram,))] == 2
+    # the acceptance length histogram: one step kept 2, one kept 4
+    bucket = "xllm_spec_decode_acceptance_length_bucket"
+    assert [on[(bucket, (("le", le), ngram))] for le in ("1.0", "2.0", "3.0", "4.0", "+Inf")] == [
+        0, 1, 1, 2, 2]
+    assert on[("xllm_spec_decode_acceptance_length_sum", (ngram,))] == 6
+    assert on[("xllm_spec_decode_acceptance_length_count", (ngram,))] == 2
     assert not any(name.startswith("xllm_spec") for name, _ in samples[False])
 
 

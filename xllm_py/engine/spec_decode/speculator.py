@@ -74,6 +74,8 @@ class SpecStats:
     proposed: int = 0
     accepted: int = 0
     verify_steps: int = 0  # sequence-steps that carried guesses
+    # guesses kept in a verify step -> sequence-steps (xllm_spec_decode_acceptance_length)
+    acceptance_lengths: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 class Speculator:
@@ -140,6 +142,7 @@ class Speculator:
         stats.proposed += num_drafts
         stats.accepted += accepted
         stats.verify_steps += 1
+        stats.acceptance_lengths[accepted] = stats.acceptance_lengths.get(accepted, 0) + 1
         state.accepted += accepted
         state.rejected += num_drafts - accepted
         state.acceptance += EWMA_WEIGHT * (accepted / num_drafts - state.acceptance)
