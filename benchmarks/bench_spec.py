@@ -1,29 +1,37 @@
-"""Speculative decoding (n-gram prompt lookup) against none, on the served model.
+"""Speculative decoding (n-gram prompt lookup, suffix decoding, Predicted Outputs) against
+none, on the served model.
 
     python benchmarks/bench_spec.py [--model gemma-3-270m] [--rounds 3] [--max-tokens 128]
-                                    [--concurrency 1 4] [--threads N] [--json]
+                                    [--concurrency 1 4] [--sets repetitive open]
+                                    [--methods ngram suffix prediction] [--prompts N]
+                                    [--threads N] [--json]
 
-Two engine processes (``python -m xllm_py.engine``, MIX, prefix cache off so every round
-computes its prompts again): ``--speculative-config off`` and ``'{"method": "ngram",
-"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'``, both up
-at once and driven in turn (round r: off, then ngram, per set and concurrency), so a drift
-of the shared machine's speed falls on both. Streamed ``/v1/completions``, greedy, EOS
-ignored, ``--max-tokens`` each; four prompts per set, sent with at most ``c`` in flight.
+Engine processes (``python -m xllm_py.engine``, MIX, prefix cache off so every round
+computes its prompts again): ``--speculative-config off``, ``NGRAM`` and ``SUFFIX`` below,
+all up at once and driven in turn (round r: off, then each method, per set and
+concurrency), so a drift of the shared machine's speed falls on all. ``prediction``: the
+engine without a method, each edit prompt sent with the text it edits as its
+``prediction`` (OpenAI's Predicted Outputs; only in sets with such prompts). Streamed
+``/v1/completions``, greedy, EOS ignored, ``--max-tokens`` each; the first ``--prompts``
+prompts of a set (default four), sent with at most ``c`` in flight.
 
 Sets: ``repetitive``, output that repeats its prompt (rewrite a 40-line Python function with
 one name changed; continue a list that repeats a pattern; quote a passage; extract a
 passage's lines that name a place) and ``open``, open-ended text (stories, explanations).
 
-Reported per set and concurrency: output tok/s and TPOT p50 (a request's time after its
-first token over its tokens after the first) of each, the ngram / off ratio of each
-(median over rounds of the round's ratio), and the mean acceptance length (tokens a verify
-step emits per sequence: 1 + accepted / verifying sequence-steps, from the engine's
-Prometheus counters). The greedy tokens of the two must be the same (``same_tokens``).
+Reported per set, concurrency and method: output tok/s and TPOT p50 (a request's time after
+its first token over its tokens after the first), the method / off ratio of each (median
+over rounds of the round's ratio), and the mean acceptance length (tokens a verify step
+emits per sequence: 1 + accepted / verifying sequence-steps, from the engine's Prometheus
+counters). The greedy tokens of every method must be off's (``same_tokens``). From round 2
+on, the suffix engine's cache holds the earlier rounds' answers to the same prompts (what
+a client repeating a request sees): its first round's ratio is reported apart.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -38,6 +46,8 @@ from benchmarks.common import (engine_process, get_model_id, median,  # noqa: E4
 
 NGRAM = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
          '"prompt_lookup_min": 2}')
+SUFFIX = ('{"method": "suffix", "num_speculative_tokens": 8, '
+          '"suffix_decoding_max_tree_depth": 24, "suffix_decoding_min_token_prob": 0.1}')
 
 _FUNCTION = '''def process_items(items, threshold=10, verbose=False):
     """Split items into small and large ones and count their kinds."""
@@ -102,6 +112,8 @@ OPEN = [
     "Dear diary, today was the strangest day of my life. It started when",
 ]
 SETS = {"repetitive": REPETITIVE, "open": OPEN}
+# Predicted Outputs: per prompt of a set, the text its answer edits (None: no prediction).
+PREDICTIONS = {"repetitive": [_FUNCTION, None, _PASSAGE, _PASSAGE]}
 
 
 def tpot_p50(results) -> float:
@@ -110,14 +122,22 @@ def tpot_p50(results) -> float:
     return median(values)
 
 
-def spec_counters(url: str) -> tuple[float, float]:
-    """(accepted tokens, verifying sequence-steps) of the engine's counters."""
+def spec_counters(url: str, method: str) -> tuple[float, float]:
+    """(accepted tokens, verifying sequence-steps) of the engine's counters of `method`."""
     text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
     out = []
     for name in ("xllm_spec_decode_accepted_tokens_total", "xllm_spec_decode_verify_steps_total"):
-        m = re.search(rf'^{name}\{{method="ngram"\}} ([0-9.e+]+)$', text, re.M)
+        m = re.search(rf'^{name}\{{method="{method}"\}} ([0-9.e+]+)$', text, re.M)
         out.append(float(m.group(1)) if m else 0.0)
     return out[0], out[1]
+
+
+def per_prompt(mode: str, set_name: str, n: int) -> list[dict] | None:
+    """The request fields of each prompt in `mode` (prediction: each edit's text)."""
+    if mode != "prediction":
+        return None
+    return [{"prediction": {"type": "content", "content": text}} if text else {}
+            for text in PREDICTIONS[set_name][:n]]
 
 
 def main() -> None:
@@ -126,33 +146,42 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--sets", nargs="+", choices=list(SETS), default=list(SETS))
+    ap.add_argument("--methods", nargs="+", choices=["ngram", "suffix", "prediction"],
+                    default=["ngram", "suffix", "prediction"])
+    ap.add_argument("--prompts", type=int, default=4, help="the first N prompts of each set")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     common = {"enable_prefix_cache": False, "batch_window_ms": 0}
-    with engine_process(args.model, num_threads=args.threads,
-                        settings={**common, "speculative_config": "off"}) as off, \
-            engine_process(args.model, num_threads=args.threads,
-                           settings={**common, "speculative_config": NGRAM}) as on:
-        servers = {"off": off.http_url, "ngram": on.http_url}
-        model = asyncio.run(get_model_id(off.http_url))
+    configs = {"off": "off", "ngram": NGRAM, "suffix": SUFFIX}
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(engine_process(
+                    args.model, num_threads=args.threads,
+                    settings={**common, "speculative_config": configs[name]})).http_url
+                for name in ["off", *[m for m in args.methods if m in configs]]}
+        servers = {"off": urls["off"], **{m: urls.get(m, urls["off"]) for m in args.methods}}
+        model = asyncio.run(get_model_id(urls["off"]))
 
-        def load(url: str, prompts: list[str], c: int):
+        def load(url: str, prompts: list[str], c: int, fields=None):
             return asyncio.run(run_load(url, model, prompts, args.max_tokens, c, stream=True,
-                                        return_token_ids=True))
+                                        return_token_ids=True, per_prompt=fields))
 
-        for url in servers.values():  # warm-up (kernels, first steps)
+        for url in urls.values():  # warm-up (kernels, first steps)
             load(url, OPEN[:2], 2)
         cells: dict = {}
         for r in range(args.rounds):
-            for set_name, prompts in SETS.items():
+            for set_name in args.sets:
+                prompts = SETS[set_name][:args.prompts]
+                modes = [m for m in servers if m != "prediction" or set_name in PREDICTIONS]
                 for c in args.concurrency:
                     cell = cells.setdefault(f"{set_name} c={c}", {
-                        "tok_s": {k: [] for k in servers}, "tpot_ms": {k: [] for k in servers},
-                        "tokens": {}, "accept": []})
-                    for name, url in servers.items():
-                        before = spec_counters(url) if name == "ngram" else None
-                        results, wall = load(url, prompts, c)
+                        "tok_s": {k: [] for k in modes}, "tpot_ms": {k: [] for k in modes},
+                        "tokens": {}, "accept": {k: [] for k in modes}})
+                    for name in modes:
+                        url = servers[name]
+                        before = spec_counters(url, name)
+                        results, wall = load(url, prompts, c, per_prompt(name, set_name, len(prompts)))
                         bad = [x.error for x in results if not x.ok]
                         if bad:
                             raise SystemExit(f"{name} {set_name} c={c}: {bad[0]}")
@@ -160,36 +189,39 @@ def main() -> None:
                         cell["tok_s"][name].append(gen / wall)
                         cell["tpot_ms"][name].append(1000 * tpot_p50(results))
                         cell["tokens"].setdefault(name, [x.token_ids for x in results])
-                        if before is not None:
-                            after = spec_counters(url)
-                            steps = after[1] - before[1]
-                            cell["accept"].append(1 + (after[0] - before[0]) / steps if steps else 1.0)
+                        after = spec_counters(url, name)
+                        steps = after[1] - before[1]
+                        cell["accept"][name].append(1 + (after[0] - before[0]) / steps if steps else 1.0)
                     print(f"round {r + 1} {set_name} c={c}: "
-                          + ", ".join(f"{k} {cell['tok_s'][k][-1]:.1f} tok/s" for k in servers),
+                          + ", ".join(f"{k} {cell['tok_s'][k][-1]:.1f} tok/s" for k in modes),
                           file=sys.stderr)
     rows = {}
     for key, cell in cells.items():
         t, p = cell["tok_s"], cell["tpot_ms"]
-        rows[key] = {
-            "off_tok_s": median(t["off"]), "ngram_tok_s": median(t["ngram"]),
-            "tok_s_ratio": median([b / a for a, b in zip(t["off"], t["ngram"])]),
-            "off_tpot_ms": median(p["off"]), "ngram_tpot_ms": median(p["ngram"]),
-            "tpot_ratio": median([b / a for a, b in zip(p["off"], p["ngram"])]),
-            "acceptance_length": median(cell["accept"]),
-            "same_tokens": cell["tokens"]["off"] == cell["tokens"]["ngram"],
-        }
+        row = {"off_tok_s": median(t["off"]), "off_tpot_ms": median(p["off"])}
+        for m in [k for k in t if k != "off"]:
+            row[m] = {
+                "tok_s": median(t[m]), "tok_s_ratio": median([b / a for a, b in zip(t["off"], t[m])]),
+                "first_round_ratio": t[m][0] / t["off"][0],
+                "tpot_ms": median(p[m]), "tpot_ratio": median([b / a for a, b in zip(p["off"], p[m])]),
+                "acceptance_length": median(cell["accept"][m]),
+                "same_tokens": cell["tokens"]["off"] == cell["tokens"][m]}
+        rows[key] = row
     result = {"model": args.model, "rounds": args.rounds, "max_tokens": args.max_tokens,
-              "rows": rows}
+              "prompts": args.prompts, "rows": rows}
     report_environment(result, file=sys.stderr if args.json else None)
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{'set':<16}{'off tok/s':>10}{'ngram':>8}{'ratio':>7}{'TPOT off':>10}{'ngram':>8}"
+    print(f"{'set':<16}{'method':<11}{'tok/s':>8}{'ratio':>7}{'1st rnd':>8}{'TPOT ms':>9}"
           f"{'ratio':>7}{'accept':>8}  same")
     for key, row in rows.items():
-        print(f"{key:<16}{row['off_tok_s']:>10.1f}{row['ngram_tok_s']:>8.1f}"
-              f"{row['tok_s_ratio']:>7.2f}{row['off_tpot_ms']:>10.2f}{row['ngram_tpot_ms']:>8.2f}"
-              f"{row['tpot_ratio']:>7.2f}{row['acceptance_length']:>8.2f}  {row['same_tokens']}")
+        print(f"{key:<16}{'off':<11}{row['off_tok_s']:>8.1f}{'':>7}{'':>8}{row['off_tpot_ms']:>9.2f}")
+        for m, v in row.items():
+            if isinstance(v, dict):
+                print(f"{'':<16}{m:<11}{v['tok_s']:>8.1f}{v['tok_s_ratio']:>7.2f}"
+                      f"{v['first_round_ratio']:>8.2f}{v['tpot_ms']:>9.2f}{v['tpot_ratio']:>7.2f}"
+                      f"{v['acceptance_length']:>8.2f}  {v['same_tokens']}")
 
 
 if __name__ == "__main__":

@@ -214,10 +214,12 @@ async def send_completion(client: httpx.AsyncClient, base_url: str,
 async def run_load(base_url: str, model: str, prompts: Sequence[str | list[int]],
                    max_tokens: int, concurrency: int, *, stream: bool = False,
                    timeout_s: float = 600.0, keepalive: bool = True,
+                   per_prompt: Sequence[dict[str, Any]] | None = None,
                    **body_extra: Any) -> tuple[list[RequestResult], float]:
     """Send every prompt with at most ``concurrency`` requests in flight (a closed loop:
     a worker sends its next prompt when the previous one ends). Returns the results in
     prompt order and the wall time from the first send to the last answer.
+    ``per_prompt``: body fields of each prompt's request (after ``body_extra``).
 
     ``keepalive=False``: a new connection per request (``Connection: close``), for
     servers that drop kept-alive connections under the client (llama.cpp's)."""
@@ -236,7 +238,8 @@ async def run_load(base_url: str, model: str, prompts: Sequence[str | list[int]]
             while next_idx < len(prompts):
                 i = next_idx
                 next_idx += 1
-                body = completion_body(model, prompts[i], max_tokens, stream=stream, **body_extra)
+                body = completion_body(model, prompts[i], max_tokens, stream=stream, **body_extra,
+                                       **(per_prompt[i] if per_prompt else {}))
                 results[i] = await send_completion(client, base_url, body)
 
         t0 = time.perf_counter()

@@ -164,16 +164,14 @@ class Speculator:
     def _state(self, request: Request, max_model_len: int) -> _SeqState:
         state = self._seqs.get(request)
         if state is None:
-            prediction = request.sampling_params.prediction_token_ids
+            prediction, cfg = request.sampling_params.prediction_token_ids, self.config
             if prediction:  # (no longer than any output can be)
                 state = _SeqState(PREDICTION, PredictionLookup(prediction[:max_model_len]))
             elif self._suffix_cache is not None:
-                cfg = self.config
                 state = _SeqState(cfg.method, SuffixProposer(
                     self._suffix_cache, cfg.suffix_decoding_max_tree_depth,
                     cfg.suffix_decoding_min_token_prob, cfg.suffix_decoding_max_spec_factor))
             else:
-                cfg = self.config
                 state = _SeqState(cfg.method,
                                   NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
             self._seqs[request] = state
