@@ -117,14 +117,11 @@ class SchedulerConfig:
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (engine/spec_decode/), as vLLM's --speculative-config spells
-    it. "ngram": prompt lookup of the last prompt_lookup_max..min tokens. "suffix": the
-    last up to suffix_decoding_max_tree_depth tokens looked up in the sequence and in the
-    outputs of the last suffix_decoding_max_cached_requests requests; the continuation
-    most places share, while its probability stays >= suffix_decoding_min_token_prob, at
-    most suffix_decoding_max_spec_factor x the match length long."""
+    it. "ngram": prompt lookup of the last prompt_lookup_max..min tokens. "suffix"
+    (suffix.py): the last up to max_tree_depth tokens looked up in the sequence and the
+    last max_cached_requests outputs; the continuation most places share while likely."""
 
     METHODS = ("ngram", "suffix")
-
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
@@ -134,28 +131,25 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     suffix_decoding_max_spec_factor: float = 1.0
 
-    # At most this many guesses a step: a verify chunk below 16 tokens stays on the paged
-    # attention kernel a decode step runs (model/attention.py DENSE_CHUNK_MIN_TOKENS), so
-    # its logits are the decode step's.
+    # At most this many guesses a step: a verify chunk below 16 tokens stays on the decode
+    # step's paged kernel (model/attention.py DENSE_CHUNK_MIN_TOKENS): the same logits.
     MAX_TOKENS = 15
 
     def __post_init__(self) -> None:
-        if self.method not in self.METHODS:
-            raise ValueError(f"speculative method must be one of {self.METHODS}, got "
-                             f"{self.method!r}")
-        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
-            raise ValueError("need suffix_decoding_max_tree_depth >= 1 and "
-                             "suffix_decoding_max_cached_requests >= 0")
-        if not (0 <= self.suffix_decoding_min_token_prob <= 1
-                and self.suffix_decoding_max_spec_factor > 0):
-            raise ValueError("need suffix_decoding_min_token_prob in [0, 1] and "
-                             "suffix_decoding_max_spec_factor > 0")
-        if not 1 <= self.num_speculative_tokens <= self.MAX_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be in 1..{self.MAX_TOKENS}, "
-                             f"got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        for ok, message in (
+                (self.method in self.METHODS, f"method must be one of {self.METHODS}"),
+                (1 <= self.num_speculative_tokens <= self.MAX_TOKENS,
+                 f"num_speculative_tokens must be in 1..{self.MAX_TOKENS}"),
+                (1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+                 "need 1 <= prompt_lookup_min <= prompt_lookup_max"),
+                (self.suffix_decoding_max_tree_depth >= 1
+                 and self.suffix_decoding_max_cached_requests >= 0,
+                 "need suffix_decoding_max_tree_depth >= 1, _max_cached_requests >= 0"),
+                (0 <= self.suffix_decoding_min_token_prob <= 1
+                 and self.suffix_decoding_max_spec_factor > 0,
+                 "need suffix_decoding_min_token_prob in [0, 1], _max_spec_factor > 0")):
+            if not ok:
+                raise ValueError(f"speculative_config: {message}, got {self}")
 
     @classmethod
     def parse(cls, text: str | None) -> "SpeculativeConfig | None":
