@@ -62,11 +62,12 @@ def _run_sinks(model_dir, spec, prompts, num_blocks, max_tokens=MAX_TOKENS, one_
     engine.start()
     try:
         sinks = [_Sink() for _ in prompts]
+        params = [SamplingParams(**{"temperature": 0.0, **sampling}, max_tokens=max_tokens,
+                                 ignore_eos=True,
+                                 prediction_token_ids=predictions[i] if predictions else [])
+                  for i in range(len(prompts))]  # (made first: the requests arrive together)
         for i, (p, s) in enumerate(zip(prompts, sinks)):
-            params = SamplingParams(**{"temperature": 0.0, **sampling}, max_tokens=max_tokens,
-                                    ignore_eos=True,
-                                    prediction_token_ids=predictions[i] if predictions else [])
-            engine.submit(EngineRequest(f"r{i}", p, params, s))
+            engine.submit(EngineRequest(f"r{i}", p, params[i], s))
             if one_by_one:
                 assert s.done.wait(120), "request timed out"
         for s in sinks:
