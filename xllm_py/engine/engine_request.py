@@ -67,11 +67,11 @@ def admit(req: EngineRequest, outputs: OutputProcessor, eos_token_ids: list[int]
     if len(req.prompt_token_ids) + 1 > max_model_len:
         return (f"prompt has {len(req.prompt_token_ids)} tokens; "
                 + limit_what.format(max_model_len))
-    bad_ids = [t for t in (*params.logit_bias, *params.allowed_token_ids)
-               if t >= vocab_size]
-    if bad_ids:
-        return (f"token id {bad_ids[0]} (logit_bias / allowed_token_ids) is out of range: "
-                f"the vocabulary has {vocab_size} tokens")
+    bad_ids = [t for t in (*params.logit_bias, *params.allowed_token_ids,
+                           *params.prediction_token_ids) if t >= vocab_size]
+    if bad_ids:  # (a prediction's ids would be the model's input as guesses)
+        return (f"token id {bad_ids[0]} (logit_bias / allowed_token_ids / prediction) is out "
+                f"of range: the vocabulary has {vocab_size} tokens")
     if req.usage_prompt_tokens is not None and params.prompt_logprobs is not None:
         # migrated: its prompt logprobs went out with its first output elsewhere
         params = dataclasses.replace(params, prompt_logprobs=None)

@@ -76,3 +76,14 @@ def test_verify_step_reports_the_predictions_kept_and_rejected_guesses():
     assert "ngram" not in sched.speculator.stats
     sched.abort_request("a")
     assert sched.kv.block_pool.num_used_blocks == 0
+
+
+def test_a_prediction_outside_the_vocabulary_is_refused_at_intake():
+    """Guesses are the model's input: an id past the vocabulary (possible over gRPC,
+    where no tokenizer made it) is refused when the request arrives, not in a step."""
+    from xllm_py.engine.engine_request import EngineRequest, admit
+
+    params = SamplingParams(max_tokens=4, prediction_token_ids=[5, 1000])
+    error = admit(EngineRequest("r", [1, 2], params, sink=None), None, [2], 1000, 64,
+                  "at most {}")
+    assert "token id 1000 (logit_bias / allowed_token_ids / prediction) is out of range" in error
