@@ -158,6 +158,11 @@ class SpeculativeConfig:
         return cls(**fields)
 
 
+# Below it the hand-over after the first token is too short for streaming to pay for its
+# extra pushes (benchmarks/bench_kv_stream.py).
+STREAM_MIN_TOKENS = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class TransferConfig:
     mode: KVTransferMode = KVTransferMode.PULL
@@ -165,6 +170,9 @@ class TransferConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     timeout_s: float = 30.0
+    # PUSH: prompts of at least this many tokens stream their computed chunks' blocks to
+    # the decode during the prefill (engine/pd/kv_stream.py; 0: never).
+    stream_min_tokens: int = STREAM_MIN_TOKENS
     # The ucx backend's settings; None: UCXConfig.from_env() when the backend is built.
     ucx: UCXConfig | None = None
 

@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 
 from xllm_py.api.limits import add_limit_flags, limits_from_args
-from xllm_py.config import (PREFILL_ORDERS, CacheConfig, EngineConfig, InstanceRole,
+from xllm_py.config import (PREFILL_ORDERS, STREAM_MIN_TOKENS, CacheConfig, EngineConfig, InstanceRole,
                             KVTransferMode, PDSchedulerConfig, SchedulerConfig, SpeculativeConfig, TierConfig,
                             TransferConfig, UCXConfig)
 from xllm_py.model.catalog import DEFAULT_MODEL
@@ -151,6 +151,9 @@ def _add_file_settings(p: SettingsParser) -> None:
     s("--rpc-timeout", type=float, default=10.0, help="deadline of engine RPCs (s)")
     s("--transfer-timeout", type=float, default=30.0,
       help="deadline of one KV transfer (s); past it the request fails")
+    s("--kv-stream-min-tokens", type=int, default=STREAM_MIN_TOKENS,
+      help="PUSH prefill: a prompt of at least this many tokens pushes each computed chunk's "
+           "blocks to its decode while later chunks compute (0: never)")
     s("--latency-profile", default=None,
       help="JSON step-cost profile registered for the service's SLO_AWARE routing (python "
            "-m xllm_py.sim.profile --out FILE); default: a PREFILL or DECODE measures its "
@@ -192,7 +195,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     transfer = TransferConfig(
         mode=KVTransferMode(args.kv_cache_transfer_mode), backend=args.kv_transfer_backend,
         listen_host=args.host, listen_port=args.transfer_listen_port,
-        timeout_s=args.transfer_timeout,
+        timeout_s=args.transfer_timeout, stream_min_tokens=args.kv_stream_min_tokens,
         ucx=UCXConfig.from_env())
     if args.simulate:  # (its pool holds a small payload per block: only 'sim' moves it)
         transfer = dataclasses.replace(transfer, backend="sim")
