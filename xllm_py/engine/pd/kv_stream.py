@@ -65,7 +65,7 @@ class KVStream:
         if final <= len(self._src):
             return
         if table[self._first:self._first + len(self._src)] != self._src:
-            self._stale = True  # the blocks behind the pushed ones moved
+            self._go_stale("its block table changed")  # the blocks behind the pushed ones
             return
         self._src = list(table[self._first:self._first + final])
         if self._task is None or self._task.done():
@@ -73,6 +73,12 @@ class KVStream:
 
     def preempted(self) -> None:
         """The engine freed the request's blocks: what was pushed may be stale."""
+        self._go_stale("preempted")
+
+    def _go_stale(self, why: str) -> None:
+        if not self._stale:
+            logger.info("KV stream of request %s: %s after %d blocks; the hand-over sends "
+                        "every block", self.request_id, why, self._pushed)
         self._stale = True
 
     async def _pump(self) -> None:
