@@ -139,17 +139,18 @@ class InstanceMeta:
         if not problems and self.num_kv_heads and other.num_kv_heads:
             p, d = (other, self) if self.type is InstanceRole.DECODE else (self, other)
             try:  # each rank holds some layers and KV heads: the decode's must be planned
-                transfer_plan(p.rank_layout(), d.rank_layout())
+                transfer_plan(*pair_layouts(p, d))
             except TransferPlanError as e:
                 problems.append(f"KV layouts: prefill {p.name} (TP {p.tp_size} x PP "
                                 f"{p.pp_size}), decode {d.name} (TP {d.tp_size} x PP "
                                 f"{d.pp_size}): {e}")
         return problems
 
-    def rank_layout(self) -> KVLayout:
-        """What each rank holds, as registered; from a writer without ``rank_kv``, every
-        layer (counted as the pool's) and the rank's TP share of the KV heads."""
-        if not self.rank_kv:
+    def rank_layout(self, registered: bool = True) -> KVLayout:
+        """What each rank holds, as registered; from a writer without ``rank_kv`` (or
+        ``registered`` False, unless pipeline stages split the layers), every layer
+        (counted as the pool's) and the rank's TP share of the KV heads."""
+        if not self.rank_kv or (not registered and self.pp_size == 1):
             try:
                 return kv_layout(max(self.num_layers, 1), self.num_kv_heads, self.tp_size,
                                  model=self.model)
@@ -162,6 +163,14 @@ class InstanceMeta:
     def with_new_incarnation(self) -> "InstanceMeta":
         """A copy stamped for a fresh process start (new uuid, register time now)."""
         return dataclasses.replace(self, incarnation_id=new_incarnation_id(), register_ts_ms=now_ms())
+
+
+def pair_layouts(prefill: InstanceMeta, decode: InstanceMeta) -> tuple[KVLayout, KVLayout]:
+    """The two sides' layouts for their transfer plan: as registered when both registered
+    them, else both as a writer without ``rank_kv`` sees them (the layer counts then are
+    the pools', comparable on both sides)."""
+    both = bool(prefill.rank_kv) and bool(decode.rank_kv)
+    return prefill.rank_layout(both), decode.rank_layout(both)
 
 
 _LIST_INT = {"cluster_ids", "ports"}

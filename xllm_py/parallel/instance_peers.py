@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import logging
 
-from xllm_py.cluster.instance_meta import InstanceMeta
+from xllm_py.cluster.instance_meta import InstanceMeta, pair_layouts
 from xllm_py.kv_transfer.kv_worker import KVWorkerClient
 from xllm_py.model.kv_layout import TransferPlan, TransferPlanError, transfer_plan
 from xllm_py.pd_messages import HandOver, KVMove, OfflinePull, PeerLink, Placement
@@ -156,7 +156,7 @@ class InstancePeers:
         else:
             src, dst = (self.meta, peer) if we_send else (peer, self.meta)
             try:
-                moves = rank_moves(transfer_plan(src.rank_layout(), dst.rank_layout()))
+                moves = rank_moves(transfer_plan(*pair_layouts(src, dst)))
             except TransferPlanError as e:
                 raise StatusError(Status.FAILED_PRECONDITION,
                                   f"no KV hand-over from {src.name} to {dst.name}: {e}") from e

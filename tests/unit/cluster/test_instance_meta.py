@@ -139,6 +139,12 @@ def test_a_pairing_whose_registered_layers_differ_is_refused_at_link_time():
     problems = decode.compatibility_problems(make_meta(
         name="b:2", type=InstanceRole.PREFILL, tp_size=1, rank_kv=rank_kv(4, 2, 1, 1)))
     assert len(problems) == 1 and "different layer counts: prefill 4, decode 6" in problems[0]
+    # a peer that registers no spans (an older writer): both sides as it sees them
+    assert decode.compatibility_problems(make_meta(
+        name="b:2", type=InstanceRole.PREFILL, tp_size=1, pp_size=1)) != []  # PP 2 vs pool
+    tp_decode = make_meta(tp_size=2, num_layers=3, rank_kv=rank_kv(18, 2, 2, 1))  # 3 pool slots
+    assert tp_decode.compatibility_problems(make_meta(
+        name="b:2", type=InstanceRole.PREFILL, tp_size=1, num_layers=3)) == []
 
 
 def test_compatibility_skips_fields_unknown_to_either_side():
