@@ -18,8 +18,16 @@ FirstGeneration, which comes after the last push, so a partially filled block is
 read. Hybrid (sliding-window) models are not streamed: their window's blocks are only
 known at the end of the prompt.
 
-States: STREAMING -> (first token) finish() -> done; STREAMING -> stop() (cancelled,
-failed) -> stopped; STREAMING -> stale (preempted, push failed) -> finish() answers 0.
+States (its flags) and what moves them:
+
+  from                 event                                        to
+  STREAMING            computed(): blocks became final              STREAMING (the pump
+                                                                    pushes them)
+  STREAMING            preempted(), a changed table, a failed push  STALE (no more pushes)
+  STREAMING | STALE    settle() (cancel, failure, the hand-over)    STOPPED (the push in
+                       or finish() (the first token)                flight awaited)
+
+finish() answers the blocks in place: those pushed, 0 from STALE.
 """
 from __future__ import annotations
 
