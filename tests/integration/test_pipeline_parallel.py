@@ -49,3 +49,38 @@ def test_what_pipeline_parallelism_does_not_run_is_refused():
     with pytest.raises(ValueError, match="does not split 4 layers"):
         LLMEngine(EngineConfig(model="tiny", pipeline_parallel_size=2,
                                pp_layer_partition=(1, 1)))
+
+
+def test_engine_process_takes_the_flag_and_the_partition(tmp_path):
+    """``python -m xllm_py.engine --pp 3`` with ``pp_layer_partition: 1,1,2`` in its
+    settings file, over HTTP: the tokens of PP 1; its stages stop when told."""
+    import httpx
+
+    from xllm_py.utils.config_file import write_settings
+    from xllm_py.utils.procs import engine_args, free_port, spawn
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], list(range(100, 131))]
+    engine = LLMEngine(EngineConfig(model="tiny", cache=CacheConfig(block_size=8)))
+    engine.start()
+    try:
+        ref = [s.token_ids for s in _submit_all(engine, prompts, "ref")]
+    finally:
+        engine.stop()
+    port = free_port()
+    proc = spawn("engine-pp3", "xllm_py.engine", engine_args("MIX", port, extra=[
+        "--pp", "3", "--block-size", "8",
+        *write_settings(tmp_path / "pp.yaml", {"pp_layer_partition": "1,1,2"})]),
+        tmp_path, http_url=f"http://127.0.0.1:{port}")
+    try:
+        proc.wait_ready(240)
+        for prompt, tokens in zip(prompts, ref):
+            r = httpx.post(f"{proc.http_url}/v1/completions", trust_env=False, timeout=60, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": len(tokens), "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == tokens
+        assert "pipeline parallel: 3 ranks" in proc.log_tail(200)
+    finally:
+        assert proc.terminate() == 0
+    log = proc.log_tail(200)
+    assert "rank 1: stop" in log and "rank 2: stop" in log
