@@ -84,3 +84,29 @@ def test_engine_process_takes_the_flag_and_the_partition(tmp_path):
         assert proc.terminate() == 0
     log = proc.log_tail(200)
     assert "rank 1: stop" in log and "rank 2: stop" in log
+
+
+async def test_a_pipeline_instance_registers_each_stages_layers(etcd_endpoint, etcd_namespace,
+                                                               etcd_client, tmp_path):
+    import asyncio
+
+    from tests.integration.cluster_harness import Harness
+    from xllm_py.cluster.etcd_client import instance_key
+    from xllm_py.cluster.instance_meta import InstanceMeta
+
+    harness = Harness(etcd_endpoint, etcd_namespace, tmp_path)
+    try:
+        mix = harness.engine("MIX", "mix-pp2", extra=["--pp", "2"],
+                             settings={"pp_layer_partition": "3,1"})
+        await asyncio.to_thread(mix.wait_ready, 240)
+        key = instance_key("MIX", mix.http_url.removeprefix("http://"))
+        kv = None
+        for _ in range(100):  # registration follows readiness by a moment
+            if (kv := await etcd_client.get(key)) is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert kv is not None, mix.log_tail()
+        meta = InstanceMeta.from_json(kv.value)
+        assert (meta.pp_size, meta.rank_kv) == (2, [[0, 3, 0, 2], [3, 4, 0, 2]])
+    finally:
+        harness.stop()
