@@ -124,4 +124,5 @@ async def test_a_step_reports_its_unfinished_prompt_chunks_and_preemptions_on_th
     t.join()
     loop.call_soon(done.set)
     await done.wait()
-    assert seen == [("preempted", "d"), ("chunk", "a", [4, 5, 6], 48)]
+    # (a hybrid model's: its group 0, the full-attention layers' table)
+    assert seen == [("preempted", "d"), ("chunk", "a", [4, 5, 6], 48), ("chunk", "c", [9], 8)]

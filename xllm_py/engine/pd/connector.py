@@ -86,15 +86,15 @@ class PDConnector(KVConnector):
 
     def on_step(self, step) -> None:
         """A step observer (engine/step_observers.py): the prompt chunks it computed that
-        do not end their prompt (those sample: request_finished), and the requests it
-        preempted. Hybrid models' (several block tables) are not reported."""
+        do not end their prompt (those sample: request_finished), with the table of KV
+        group 0 (a hybrid model's full-attention layers), and the requests it preempted."""
         if self.on_progress is None:
             return
         out = step.out
         for rid in out.preempted_ids:
             self._to_loop(self.on_preempted, rid)
         for seq in out.seqs:
-            if not seq.sample and seq.group_tables is None:
+            if not seq.sample:
                 self._to_loop(self.on_progress, seq.request_id, list(seq.block_table),
                               seq.start_pos + len(seq.token_ids))
 

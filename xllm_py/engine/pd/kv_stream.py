@@ -15,8 +15,9 @@ Whatever may have made a pushed block stale sends the whole prompt again at the 
 (``in_place`` answers 0): a preemption (its blocks were freed, maybe reused), a failed
 push, or a table whose pushed part changed. The decode reads none of its blocks before
 FirstGeneration, which comes after the last push, so a partially filled block is never
-read. Hybrid (sliding-window) models are not streamed: their window's blocks are only
-known at the end of the prompt.
+read. A hybrid model streams its KV group 0 (full attention: every prompt block, the
+first part of the hand-over's blocks, handover_block_ids); its sliding groups' blocks,
+the window's, are only known at the end of the prompt and go with the last push.
 
 States (its flags) and what moves them:
 

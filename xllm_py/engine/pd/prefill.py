@@ -97,12 +97,9 @@ class PrefillSide:
         self._rr = itertools.count()
         connector.on_first_token = self._first_token
         connector.on_failed = self._engine_failed
-        groups = engine.kv_groups
-        # Streaming: PUSH only (the decode pulls nothing before FirstGeneration), one KV
-        # group only (a sliding window's blocks are known at the prompt's end).
+        # Streaming: PUSH only (the decode pulls nothing before FirstGeneration).
         self.streams = (config.transfer.mode == KVTransferMode.PUSH
-                        and config.transfer.stream_min_tokens > 0
-                        and (groups is None or not groups.hybrid))
+                        and config.transfer.stream_min_tokens > 0)
         if self.streams:
             connector.on_progress = self._progress
             connector.on_preempted = self._preempted
