@@ -27,6 +27,10 @@ the bytes a PD hand-over of a Gemma 3 prompt moves (``xllm_kv_transfer_bytes_tot
 the long prompts one decode pool holds, before and after the sliding-window layers got
 blocks of their own (engine/hybrid_kv.py).
 
+``--stream`` (instead of the above, its own flags: benchmarks/kv_stream_handover.py): a PD
+hand-over's time after the first token and TTFT, bulk vs streamed during a chunked
+prefill (engine/pd/kv_stream.py), at prompt lengths, interleaved.
+
 ``--heads N``: the same pulls again as KV head slices, as a decode rank of another TP
 reads them: a second puller whose pool holds N of the peer's 8 heads pulls heads
 ``[0, N)`` of the same source blocks (kv_transfer/ucx/slices.py: per (kv, layer) of each
@@ -201,6 +205,10 @@ def main() -> None:
         from benchmarks.hybrid_kv_handover import main as hybrid_kv
 
         sys.exit(hybrid_kv([a for a in sys.argv[1:] if a != "--hybrid-kv"]))
+    if "--stream" in sys.argv[1:]:
+        from benchmarks.kv_stream_handover import main as stream
+
+        sys.exit(stream([a for a in sys.argv[1:] if a != "--stream"]))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["ucx", "tcp"], default="ucx")
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256])
@@ -218,6 +226,9 @@ def main() -> None:
     p.add_argument("--hybrid-kv", action="store_true",
                    help="instead: a Gemma 3 hand-over's bytes and a decode's capacity before and "
                         "after the hybrid KV layout (its flags: --hybrid-kv --help)")
+    p.add_argument("--stream", action="store_true",
+                   help="instead: a PD hand-over after the first token and TTFT, bulk vs the "
+                        "KV streamed during a chunked prefill (its flags: --stream --help)")
     args = p.parse_args()
     if args.heads and not 0 < args.heads < GEOM["num_kv_heads"]:
         p.error(f"--heads must be in [1, {GEOM['num_kv_heads']})")

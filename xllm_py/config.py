@@ -177,6 +177,10 @@ class TransferConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     timeout_s: float = 30.0
+    # PUSH: prompts of at least this many tokens stream their computed chunks' blocks to
+    # the decode during the prefill (engine/pd/kv_stream.py; 0: never); below, the gain
+    # after the first token is lost in TTFT's noise (benchmarks/kv_stream_handover.py).
+    stream_min_tokens: int = 1024
     # The ucx backend's settings; None: UCXConfig.from_env() when the backend is built.
     ucx: UCXConfig | None = None
 
@@ -421,6 +425,10 @@ class EngineConfig:
     # collective of a step (a rank that hangs fails the instance after this long).
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 30.0
+    # Pipeline parallelism (parallel/pipeline.py): stages of this instance, each a process
+    # with a contiguous range of the layers; their layer counts (None: an even split).
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None
     # Speculative decoding of greedy sequences (engine/spec_decode/); None: off.
     speculative: SpeculativeConfig | None = None
 
@@ -428,6 +436,10 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        pp = self.pipeline_parallel_size
+        if pp < 1 or pp > 1 and (self.tensor_parallel_size > 1 or self.role is not InstanceRole.MIX):
+            raise ValueError(f"pipeline_parallel_size {pp}: at least 1; above 1 it runs on MIX "
+                             "engines only, with tensor parallel size 1 (no PD hand-over of stages)")
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:

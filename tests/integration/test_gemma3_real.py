@@ -3,9 +3,13 @@ transformers loading the same GGUF in float32: the tokenizer's ids on English te
 greedy output at prompts of ~10, ~600 and ~1100 tokens (across the 512-token sliding
 window) from a MIX engine (prompt chunks of 256 tokens straddling the window, then a
 prefix-cache hit past it) and from PD pairs behind the service (PULL and PUSH: the
-sliding layers' KV handed over for their window only, engine/hybrid_kv.py); the same
+sliding layers' KV handed over for their window only, engine/hybrid_kv.py; the PUSH
+prefill computes 256-token chunks and streams the full-attention layers' blocks of
+each, engine/pd/kv_stream.py); the same
 prompt once other prompts pushed it out of the pools (600 blocks), from the KV tiers."""
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -24,6 +28,7 @@ LENGTHS = (10, 600, 1100)
 # A pool that holds one 1100-token prompt (69 full-attention blocks and the sliding
 # groups' blocks, cached as they leave the window: ~410) but not three.
 POOL_BLOCKS = 600
+STREAM_MIN = 512  # the PUSH prefill streams the 600- and 1100-token prompts
 
 
 def _english() -> str:
@@ -88,8 +93,10 @@ def servers(etcd_server, tmp_path_factory):
         decode = h.engine("DECODE", "decode", extra=["--model", MODEL, *common])
         push = ["--model", MODEL, *common, "--kv-cache-transfer-mode", "PUSH"]
         svc_push = h_push.service("service-push", extra=["--model", MODEL])
-        engines = [mix, prefill, decode, h_push.engine("PREFILL", "prefill-push", extra=push),
-                   h_push.engine("DECODE", "decode-push", extra=push)]
+        engines = [mix, prefill, decode, h_push.engine(
+            "PREFILL", "prefill-push", extra=[*push, "--max-num-batched-tokens", "256"],
+            settings={"kv_stream_min_tokens": STREAM_MIN}),
+            h_push.engine("DECODE", "decode-push", extra=push)]
         for p in engines:
             p.wait_ready(300)
         for s in (svc, svc_push):
@@ -113,6 +120,10 @@ def test_greedy_equals_transformers(reference, servers, where):
     c = client({"mix": mix, "pd": svc, "pd-push": svc_push}[where])
     got = [_greedy(c, p) for p in prompts[:len(LENGTHS)]]
     assert got == expected, [(len(p), g, e) for p, g, e in zip(prompts, got, expected)]
+    if where == "pd-push":  # the two long prompts streamed their full-attention blocks
+        log = (svc_push.log_path.parent / "prefill-push.log").read_text(errors="replace")
+        streamed = [int(n) for n in re.findall(r"blocks \((\d+) streamed", log)]
+        assert sum(n > 0 for n in streamed) >= sum(n >= STREAM_MIN for n in LENGTHS), streamed
 
 
 def test_prefix_hit_past_the_window_equals_transformers(reference, servers):

@@ -3,7 +3,7 @@ WorkerService (gRPC) and the tcp and ucx transfer backends (ucx: private pools, 
 path; the mapped and tag paths: tests/unit/kv_transfer/test_ucx_head_slices.py): for P TP 2 -> D TP 1, P TP 1 -> D TP 2,
 P TP 2 -> D TP 2 (and replicated heads, P TP 4 -> D TP 2), PULL and PUSH, every decode
 rank ends with exactly the KV heads it owns, read from the prefill ranks that hold them
-(``mapping.kv_head_plan``, contiguous block runs merged), nothing else written, and the
+(``model/kv_layout.transfer_plan``, contiguous block runs merged), nothing else written, and the
 bytes each decode rank received (transfer metrics) equal its own heads' bytes."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from xllm_py.config import TransferConfig
 from xllm_py.kv_transfer import create_backend
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage
-from xllm_py.kv_transfer.mapping import kv_head_plan
 from xllm_py.kv_transfer.kv_worker import KVWorker
+from xllm_py.model.kv_layout import kv_layout, transfer_plan
 from xllm_py.rpc.worker_service import WorkerServicer, create_worker_server
 from xllm_py.model.sharding import kv_head_range
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc
@@ -68,12 +68,13 @@ async def test_each_decode_rank_gets_exactly_its_heads(heads, src_tp, dst_tp, mo
     try:
         for r in prefill:
             r.storage.kv.copy_(full[..., r.heads[0]:r.heads[1], :])
+        plan = transfer_plan(kv_layout(LAYERS, heads, src_tp), kv_layout(LAYERS, heads, dst_tp))
         for d, rank in enumerate(decode):
-            for sl in kv_head_plan(heads, src_tp, dst_tp, d):
-                src = prefill[sl.src_rank]
+            for piece in plan.to_rank(d):  # whole layers: one piece per (prefill rank, heads)
+                src = prefill[piece.src_rank]
                 fields = dict(src_blocks=SRC_BLOCKS, dst_blocks=DST_BLOCKS, req_id="r",
-                              src_head_start=sl.src_start, dst_head_start=sl.dst_start,
-                              num_heads=sl.count)
+                              src_head_start=piece.src_head, dst_head_start=piece.dst_head,
+                              num_heads=piece.num_heads)
                 if mode == "PULL":  # the decode rank's worker reads from the prefill rank
                     st = await rank.stub.PullKVCache(xllm_pb2.PullKVCacheRequest(
                         addr=src.addr, **fields), timeout=10)

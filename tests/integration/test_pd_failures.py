@@ -106,17 +106,25 @@ async def test_decode_killed_mid_stream_migrates_to_the_other_decode(etcd_server
         h.stop()
 
 
-@pytest.mark.parametrize("mode", ["PULL", "PUSH"])
+@pytest.mark.parametrize("mode", ["PULL", "PUSH", "PUSH-streamed"])
 async def test_failed_transfer_is_recomputed_on_the_decode(etcd_server, tmp_path, mode):
     """A KV transfer that fails (fault injected on the side that moves the KV): the decode
     never runs on KV that did not arrive; the service has a decode recompute the prompt
-    (MultiGenerations without KV) and the request completes; pools drain."""
+    (MultiGenerations without KV) and the request completes; pools drain. Streamed (the
+    prompts span several chunks, engine/pd/kv_stream.py): the stream stops at its failed
+    push and the hand-over fails as a bulk one does."""
     h = Harness(etcd_server.endpoint, f"pd-xfer-fail-{mode}/", tmp_path)
+    streamed = mode == "PUSH-streamed"
+    mode = mode.split("-")[0]
     try:
         svc = h.service()
         common = ["--block-size", "8", "--kv-cache-transfer-mode", mode]
+        settings = None
+        if streamed:  # 16-token chunks; every prompt streams
+            common += ["--max-num-batched-tokens", "16", "--max-num-seqs", "8"]
+            settings = {"kv_stream_min_tokens": 8}
         mover = h.engine("DECODE" if mode == "PULL" else "PREFILL", "mover", extra=common,
-                         fault="fail-transfers")
+                         fault="fail-transfers", settings=settings)
         other = h.engine("PREFILL" if mode == "PULL" else "DECODE", "other", extra=common)
         prefill, decode = (other, mover) if mode == "PULL" else (mover, other)
         for p in (prefill, decode):
@@ -124,11 +132,15 @@ async def test_failed_transfer_is_recomputed_on_the_decode(etcd_server, tmp_path
         svc.wait_ready(60, path="/readiness")
         c = aclient(svc)
         for i in range(3):
-            r = await c.completions.create(model="tiny", prompt=f"transfer {i} " * 6,
+            r = await c.completions.create(model="tiny",
+                                           prompt=f"transfer {i} " * (12 if streamed else 6),
                                            max_tokens=8, temperature=0,
                                            extra_body={"ignore_eos": True})
             assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
         assert metric(prefill.http_url, "xllm_pd_transfer_failures_total") == 3
+        if streamed:
+            assert prefill.log_path.read_text(errors="replace").count(
+                "stopped after 0 blocks") == 3
         assert migrations(svc, "ok") == 3 and migrations(svc, "failed") == 0
         await wait_drained([prefill.http_url, decode.http_url], timeout_s=10)
         assert metric(prefill.http_url, "xllm_kv_cache_blocks_used") == 0

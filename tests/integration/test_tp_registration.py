@@ -1,5 +1,6 @@
 """A TP 2 PREFILL instance registers one KV worker per rank in etcd (cluster ids, transfer
-addresses, WorkerService addresses, tp_size 2, dp_size 1), as xLLM does; each rank's
+addresses, WorkerService addresses, tp_size 2, dp_size 1), as xLLM does, and each rank's
+layers and KV heads; each rank's
 WorkerService answers for its own pool: its cluster id, its KV heads, the same blocks."""
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ async def test_every_rank_registers_its_kv_worker(etcd_endpoint, etcd_namespace,
         assert len(meta.addrs) == len(meta.ports) == len(meta.worker_rpc_addrs) == 2
         assert len(set(meta.addrs)) == len(set(meta.worker_rpc_addrs)) == 2
         assert meta.num_kv_heads == 2  # the model's; each rank holds one
+        # each rank's layers x KV heads (tiny: 4 layers), from which a PD pair's plan is made
+        assert (meta.pp_size, meta.rank_kv) == (1, [[0, 4, 0, 1], [0, 4, 1, 2]])
         for rank, addr in enumerate(meta.worker_rpc_addrs):
             async with grpc.aio.insecure_channel(addr) as channel:
                 info = await xllm_pb2_grpc.WorkerServiceStub(channel).GetCacheInfo(

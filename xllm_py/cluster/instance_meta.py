@@ -19,7 +19,8 @@ from typing import Any
 
 from xllm_py.config import InstanceRole
 from xllm_py.kv_compat import kv_compat_differences
-from xllm_py.model.sharding import head_mapping_error
+from xllm_py.model.kv_layout import (KVLayout, RankKV, TransferPlanError, kv_layout,
+                                     transfer_plan)
 
 SCHEMA_VERSION = 1
 
@@ -77,6 +78,12 @@ class InstanceMeta:
     # One per worker (with addrs): what a peer's transfer hello must carry (kv_transfer/base.py).
     # Secret: in etcd (TLS) and LinkInstance only, never in a repr or a log.
     transfer_keys: list[str] = dataclasses.field(default_factory=list, repr=False)
+    pp_size: int = 1
+    # One per rank, pp_rank * tp + tp_rank (a PD instance: with addrs, one per worker):
+    # [layer_start, layer_end, head_start, head_end), the model layers and KV heads its
+    # pool holds (model/kv_layout.py); empty from a writer that predates it: then every
+    # rank holds every layer and its TP share of the heads.
+    rank_kv: list[list[int]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -130,23 +137,47 @@ class InstanceMeta:
         (empty: compatible; unset fields are not compared)."""
         problems = [f"{field} differs: {self.name} has {mine!r}, {other.name} has {theirs!r}"
                     for field, mine, theirs in kv_compat_differences(self, other)]
-        if self.tp_size != other.tp_size and self.num_kv_heads and other.num_kv_heads:
+        if not problems and self.num_kv_heads and other.num_kv_heads:
             p, d = (other, self) if self.type is InstanceRole.DECODE else (self, other)
-            error = head_mapping_error(self.num_kv_heads, p.tp_size, d.tp_size)
-            if error is not None:  # each rank holds some KV heads: they must map
-                problems.append(f"tp_size: {self.name} has {self.tp_size}, {other.name} has "
-                                f"{other.tp_size}: {error}")
+            try:  # each rank holds some layers and KV heads: the decode's must be planned
+                transfer_plan(*pair_layouts(p, d))
+            except TransferPlanError as e:
+                problems.append(f"KV layouts: prefill {p.name} (TP {p.tp_size} x PP "
+                                f"{p.pp_size}), decode {d.name} (TP {d.tp_size} x PP "
+                                f"{d.pp_size}): {e}")
         return problems
+
+    def rank_layout(self, registered: bool = True) -> KVLayout:
+        """What each rank holds, as registered; from a writer without ``rank_kv`` (or
+        ``registered`` False, unless pipeline stages split the layers), every layer
+        (counted as the pool's) and the rank's TP share of the KV heads."""
+        if not self.rank_kv or (not registered and self.pp_size == 1):
+            try:
+                return kv_layout(max(self.num_layers, 1), self.num_kv_heads, self.tp_size,
+                                 model=self.model)
+            except TransferPlanError as e:
+                raise TransferPlanError(f"instance {self.name}: {e}") from e
+        ranks = tuple(RankKV((s[0], s[1]), (s[2], s[3])) for s in self.rank_kv)
+        return KVLayout(max(r.layers[1] for r in ranks), self.num_kv_heads, self.tp_size,
+                        self.pp_size, ranks, self.model)
 
     def with_new_incarnation(self) -> "InstanceMeta":
         """A copy stamped for a fresh process start (new uuid, register time now)."""
         return dataclasses.replace(self, incarnation_id=new_incarnation_id(), register_ts_ms=now_ms())
 
 
+def pair_layouts(prefill: InstanceMeta, decode: InstanceMeta) -> tuple[KVLayout, KVLayout]:
+    """The two sides' layouts for their transfer plan: as registered when both registered
+    them, else both as a writer without ``rank_kv`` sees them (the layer counts then are
+    the pools', comparable on both sides)."""
+    both = bool(prefill.rank_kv) and bool(decode.rank_kv)
+    return prefill.rank_layout(both), decode.rank_layout(both)
+
+
 _LIST_INT = {"cluster_ids", "ports"}
 _LIST_STR = {"addrs", "worker_rpc_addrs", "transfer_keys"}
 _INT = {
-    "dp_size", "register_ts_ms", "kv_split_size", "schema_version", "block_size",
+    "dp_size", "pp_size", "register_ts_ms", "kv_split_size", "schema_version", "block_size",
     "tp_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks",
 }
 
@@ -156,6 +187,11 @@ def _coerce(name: str, value: Any) -> Any:
     try:
         if name in _LIST_INT:
             return [int(v) for v in value]
+        if name == "rank_kv":
+            spans = [[int(v) for v in span] for span in value]
+            if any(len(span) != 4 for span in spans):
+                raise ValueError("each rank's span must be 4 integers")
+            return spans
         if name in _LIST_STR:
             return [str(v) for v in value]
         if name in _INT:

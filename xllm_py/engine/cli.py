@@ -60,6 +60,9 @@ def build_parser() -> SettingsParser:
     add_flag(g, "--tensor-parallel-size", "--tp", type=int, default=1,
              help="worker processes of this instance, each with its shard of the model "
                   "(heads and MLP columns) and of the KV cache (xLLM: the number of --devices)")
+    add_flag(g, "--pipeline-parallel-size", "--pp", type=int, default=1,
+             help="MIX: processes of this instance, each with a contiguous range of the "
+                  "layers and their KV cache; activations go stage to stage")
     g = p.add_argument_group("serving")
     add_flag(g, "--instance-role", default="MIX", type=InstanceRole.parse,
              help="MIX (whole requests), PREFILL or DECODE (PD disaggregation)")
@@ -153,6 +156,12 @@ def _add_file_settings(p: SettingsParser) -> None:
     s("--rpc-timeout", type=float, default=10.0, help="deadline of engine RPCs (s)")
     s("--transfer-timeout", type=float, default=30.0,
       help="deadline of one KV transfer (s); past it the request fails")
+    s("--pp-layer-partition", type=_partition, default=None,
+      help="pipeline stages' layer counts, comma-separated (e.g. 3,1; default: an even "
+           "split, the remainder on the first stages)")
+    s("--kv-stream-min-tokens", type=int, default=TransferConfig.stream_min_tokens,
+      help="PUSH prefill: a prompt of at least this many tokens pushes each computed chunk's "
+           "blocks to its decode while later chunks compute (0: never)")
     s("--latency-profile", default=None,
       help="JSON step-cost profile registered for the service's SLO_AWARE routing (python "
            "-m xllm_py.sim.profile --out FILE); default: a PREFILL or DECODE measures its "
@@ -167,6 +176,16 @@ def _add_file_settings(p: SettingsParser) -> None:
         choices = PREFILL_ORDERS if f.name == "prefill_order" else None
         s(f"--pd-{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
           choices=choices, help=_PD_HELP[f.name])
+
+
+def _partition(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: layer counts, comma-separated") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every stage needs at least one layer")
+    return counts
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -194,7 +213,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     transfer = TransferConfig(
         mode=KVTransferMode(args.kv_cache_transfer_mode), backend=args.kv_transfer_backend,
         listen_host=args.host, listen_port=args.transfer_listen_port,
-        timeout_s=args.transfer_timeout,
+        timeout_s=args.transfer_timeout, stream_min_tokens=args.kv_stream_min_tokens,
         ucx=UCXConfig.from_env())
     if args.simulate:  # (its pool holds a small payload per block: only 'sim' moves it)
         transfer = dataclasses.replace(transfer, backend="sim")
@@ -214,4 +233,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         latency_profile_path=args.latency_profile,
         simulate=args.simulate, step_trace=args.step_trace, security=security_from_args(args),
         api=limits_from_args(args),
-        tensor_parallel_size=args.tensor_parallel_size, speculative=args.speculative_config)
+        tensor_parallel_size=args.tensor_parallel_size, speculative=args.speculative_config,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        pp_layer_partition=args.pp_layer_partition)

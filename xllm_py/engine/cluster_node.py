@@ -26,6 +26,7 @@ from xllm_py.engine.pd.service import DisaggPDServicer
 from xllm_py.engine.self_profile import GUARD_SETTINGS, apply_derived, moved
 from xllm_py.kv_transfer.kv_storage import KV_LAYOUT
 from xllm_py.kv_transfer.in_process import InProcessWorker
+from xllm_py.model.kv_layout import kv_layout
 from xllm_py.parallel.instance_peers import InstancePeers
 from xllm_py.proto import xllm_pb2_grpc as pb_grpc
 from xllm_py.rpc import cluster as wire
@@ -115,6 +116,10 @@ class ClusterNode:
             num_blocks=self.engine.storage.num_blocks,
             http_address=f"{self.addr_host}:{cfg.port}",
             worker_rpc_addrs=worker_addrs, transfer_keys=keys,
+            pp_size=cfg.pipeline_parallel_size,  # (each stage's layers, in stage order)
+            rank_kv=[[*r.layers, *r.heads] for r in kv_layout(
+                mc.num_layers, mc.num_kv_heads, cfg.tensor_parallel_size,
+                cfg.pipeline_parallel_size, cfg.pp_layer_partition).ranks],
             latency_profile=self._latency_profile(),
             kv_tiers=self.engine.tiering.describe() if self.engine.tiering is not None else {})
         self.agent = InstanceAgent(cfg.etcd_addr, self.meta, ttl_s=cfg.etcd_ttl_s,

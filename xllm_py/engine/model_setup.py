@@ -78,7 +78,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         torch.set_num_threads(config.num_threads)
     model_dir = resolve_model_dir(config.model)
     tp = None
-    if config.tensor_parallel_size > 1:
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
         from xllm_py.parallel.executor import TPExecutor
 
         tp = TPExecutor.start(config, model_dir)
@@ -88,7 +88,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         if config.pack_weights:
             pack_linears(model, weight_dtype=config.weight_dtype)
     tokenizer = Tokenizer.from_dir(model_dir)
-    groups = kv_groups([mc.layer_window(i) for i in range(mc.num_layers)])
+    layers = tp.layers if tp else (0, mc.num_layers)  # (a pipeline stage: its layers')
+    groups = kv_groups([mc.layer_window(i) for i in range(*layers)])
     block_size = config.cache.block_size
     num_blocks = config.cache.num_blocks
     dtype = parse_dtype(config.dtype)

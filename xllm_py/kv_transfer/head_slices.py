@@ -6,7 +6,7 @@ pool; a head slice ``(start, count)`` of ``n`` blocks is the strided
 elements per (kv, layer, block)). ``gather_heads`` packs it contiguously for the wire
 (``[2, L, n, block_size, count, head_dim]``), ``scatter_heads`` writes such a buffer into
 a head range of other blocks. Which heads a decode rank reads from which prefill rank:
-``mapping.kv_head_plan``.
+``model/kv_layout.transfer_plan``.
 """
 from __future__ import annotations
 

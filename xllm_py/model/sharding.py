@@ -8,7 +8,7 @@ split by output rows (column parallel), o_proj and down_proj by input columns (r
 parallel, summed by an all-reduce). Embedding, norms and q/k norms are replicated; the LM
 head lives on rank 0 only (the only rank that samples).
 
-No torch here: the PD side (kv_transfer/mapping.py) uses the same head ranges.
+No torch here: the PD side (model/kv_layout.py) uses the same head ranges.
 """
 from __future__ import annotations
 
@@ -80,16 +80,3 @@ def shard_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
     return dataclasses.replace(config, num_heads=shard.num_heads,
                                num_kv_heads=shard.num_kv_heads,
                                intermediate_size=shard.intermediate_size)
-
-
-def head_mapping_error(num_kv_heads: int, src_tp: int, dst_tp: int) -> str | None:
-    """Why the KV heads of a ``src_tp`` instance cannot be read by a ``dst_tp`` one."""
-    if num_kv_heads <= 0:
-        return f"num_kv_heads must be positive, got {num_kv_heads}"
-    for side, tp in (("prefill", src_tp), ("decode", dst_tp)):
-        if tp <= 0:
-            return f"{side} tp_size must be positive, got {tp}"
-        if num_kv_heads % tp and tp % num_kv_heads:
-            return (f"{num_kv_heads} KV heads cannot be split over the {side}'s {tp} ranks "
-                    f"(nor replicated)")
-    return None

@@ -1,4 +1,6 @@
-"""TPExecutor: rank 0 of a tensor-parallel instance, behind the model object the engine calls.
+"""TPExecutor: rank 0 of a tensor- or pipeline-parallel instance, behind the model object
+the engine calls (pipeline stages: parallel/pipeline.py; each rank's part of the step is
+its model's call, so the commands and the step are the same).
 
 Stages: open the rendezvous store -> start ranks 1..N-1 (``python -m
 xllm_py.parallel.worker``) -> join the group -> load rank 0's shard -> barrier "every rank
@@ -30,6 +32,7 @@ from xllm_py.config import EngineConfig
 from xllm_py.model.attention import AttentionMetadata
 from xllm_py.model.config import ModelConfig
 from xllm_py.parallel.group import TPGroup
+from xllm_py.parallel.pipeline import pp_error, rank_layers
 from xllm_py.parallel.kv_workers import SPEC_KEY, KVWorkerSpec, RankKVWorker, collect_answers
 from xllm_py.parallel.protocol import Command, StepInputs, encode_step, header
 from xllm_py.model.sharding import TPShard, tp_error
@@ -69,34 +72,45 @@ class TPExecutor:
     def num_local_kv_heads(self) -> int:
         return self.shard.num_kv_heads
 
+    @property
+    def layers(self) -> tuple[int, int]:
+        """[start, end) of the model layers rank 0 holds (and its KV pool)."""
+        return rank_layers(self.config, self.model_config, 0)
+
     @classmethod
     def start(cls, config: EngineConfig, model_dir: str) -> "TPExecutor":
         tp = config.tensor_parallel_size
+        world = tp * config.pipeline_parallel_size
         mc = ModelConfig.from_dir(model_dir)  # refuse an unsplittable model before any process
         error = tp_error(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, tp)
         if error is not None:
             raise ValueError(f"--tensor-parallel-size {tp}: {error}")
+        error = pp_error(config, mc)
+        if error is not None:
+            raise ValueError(f"--pipeline-parallel-size {config.pipeline_parallel_size}: {error}")
         torch.set_num_threads(threads_per_rank(config))
         device = rank_device(config.device, 0)
-        store = TPGroup.listen(tp)
+        store = TPGroup.listen(world)
         blob = pickle.dumps((config, model_dir, os.getpid(), logging.getLogger().getEffectiveLevel()))
         procs: list[subprocess.Popen] = []
         try:
-            for rank in range(1, tp):
+            for rank in range(1, world):
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "xllm_py.parallel.worker", "--rank", str(rank),
-                     "--world-size", str(tp), "--port", str(store.port)], stdin=subprocess.PIPE)
+                     "--world-size", str(world), "--port", str(store.port)],
+                    stdin=subprocess.PIPE)
                 proc.stdin.write(blob)
                 proc.stdin.close()
                 procs.append(proc)
-            group = TPGroup(store, 0, tp, device, config.tp_timeout_s)
+            group = TPGroup(store, 0, world, device, config.tp_timeout_s)
             model, mc, shard = load_rank(config, model_dir, group)
             group.barrier(wait=True)
         except BaseException:
             for proc in procs:
                 proc.kill()
             raise
-        logger.info("tensor parallel: %d ranks (pids %s), %d thread(s) each, %s", tp,
+        logger.info("%s: %d ranks (pids %s), %d thread(s) each, %s",
+                    "pipeline parallel" if world > tp else "tensor parallel", world,
                     [p.pid for p in procs], torch.get_num_threads(),
                     "gloo" if device.type == "cpu" else "gloo + nccl")
         return cls(config, group, procs, model, mc, shard)

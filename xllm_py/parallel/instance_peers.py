@@ -2,13 +2,15 @@
 engines' DisaggPDService, and its own KV workers, one per rank, for KV moves between PD
 instances of any TP sizes.
 
-Stages (decode, PULL): a prefill links (LinkInstance) -> each of our ranks' workers links
-the prefill ranks it reads (``rank_moves``) -> per hand-over, every move runs on its
-decode rank's worker at once: whole blocks rank to rank when the TP sizes are equal, else
-the rank's own KV heads from each prefill rank that holds them (``mapping.kv_head_plan``).
-Prefill, PUSH: every move runs on its prefill rank's worker, into the decode rank's heads.
-A hand-over is done when every move is. Between two TP 1 instances a move or a link goes
-as it is to rank 0's worker.
+Stages (decode, PULL): a prefill links (LinkInstance) -> the transfer plan of the pair is
+computed from both registrations (``model/kv_layout.transfer_plan``: each decode rank's
+layers x KV heads, each from one prefill rank that holds them) and kept with the peer ->
+each of our ranks' workers links the prefill ranks the plan has it read -> per hand-over,
+every move runs on its decode rank's worker at once: whole blocks where a decode rank
+reads one prefill rank's whole pool, else a head slice. Prefill, PUSH: the plan is made at
+LinkInstance and every move runs on its prefill rank's worker, into the decode rank's
+heads. A hand-over is done when every move is. Between two TP 1 instances a move or a link
+goes as it is to rank 0's worker.
 
 The workers are KVWorkerClients (kv_transfer/kv_worker.py), rank 0 first: the engine's
 own worker called in this process (kv_transfer/in_process.py: no gRPC call to ourselves),
@@ -21,9 +23,9 @@ import asyncio
 import dataclasses
 import logging
 
-from xllm_py.cluster.instance_meta import InstanceMeta
+from xllm_py.cluster.instance_meta import InstanceMeta, pair_layouts
 from xllm_py.kv_transfer.kv_worker import KVWorkerClient
-from xllm_py.kv_transfer.mapping import kv_head_plan
+from xllm_py.model.kv_layout import TransferPlan, TransferPlanError, transfer_plan
 from xllm_py.pd_messages import HandOver, KVMove, OfflinePull, PeerLink, Placement
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.rpc.pd_peers import PDServiceClient
@@ -41,13 +43,25 @@ class RankMove:
     heads: Heads | None  # (src_start, dst_start, count) local head indices; None: whole blocks
 
 
-def rank_moves(num_kv_heads: int, src_tp: int, dst_tp: int) -> list[RankMove]:
-    """Every transfer a hand-over needs: equal TP, rank to rank whole blocks; else each
-    decode rank's heads from the prefill ranks that hold them."""
-    if src_tp == dst_tp:
-        return [RankMove(r, r, None) for r in range(dst_tp)]
-    return [RankMove(sl.src_rank, d, (sl.src_start, sl.dst_start, sl.count))
-            for d in range(dst_tp) for sl in kv_head_plan(num_kv_heads, src_tp, dst_tp, d)]
+def rank_moves(plan: TransferPlan) -> list[RankMove]:
+    """The transfers of a hand-over under ``plan``: one per (prefill rank, decode rank, head
+    slice), whole blocks where that is each rank's whole pool. The backends move every
+    layer of a block, so a plan that splits layers (pipeline parallelism on either side)
+    raises ``TransferPlanError``."""
+    layers: dict[tuple[int, int, Heads], set[int]] = {}
+    for p in plan.pieces:
+        layers.setdefault((p.src_rank, p.dst_rank, p.head_move), set()).update(range(*p.layers))
+    moves = []
+    for (src, dst, heads), held in layers.items():
+        if len(held) != plan.dst.num_layers or plan.src.ranks[src].layers != (0, len(held)):
+            raise TransferPlanError(
+                f"KV moves of whole layers only: prefill TP {plan.src.tp_size} x PP "
+                f"{plan.src.pp_size} -> decode TP {plan.dst.tp_size} x PP "
+                f"{plan.dst.pp_size} splits them")
+        s_heads, d_heads = plan.src.ranks[src].heads, plan.dst.ranks[dst].heads
+        whole = s_heads == d_heads and heads[2] == s_heads[1] - s_heads[0]
+        moves.append(RankMove(src, dst, None if whole else heads))
+    return moves
 
 
 class InstancePeers:
@@ -56,7 +70,8 @@ class InstancePeers:
         self.meta = meta
         self.engines = engines
         self.workers = workers  # one per rank, rank 0 first
-        self._peers: dict[int, InstanceMeta] = {}  # rank 0's cluster id -> linked peer
+        # rank 0's cluster id -> (linked peer, the moves of a hand-over with it)
+        self._peers: dict[int, tuple[InstanceMeta, list[RankMove]]] = {}
 
     async def close(self) -> None:
         for worker in self.workers:
@@ -65,8 +80,8 @@ class InstancePeers:
 
     # ---- the other engines' DisaggPDService
     async def link_instance(self, decode: InstanceMeta, prefill: InstanceMeta) -> None:
+        self._remember(decode, we_send=True)  # a pairing the plan refuses never links
         await self.engines.link_instance(decode, prefill)
-        self._remember(decode)
 
     async def add_new_request(self, decode: InstanceMeta, prefill: InstanceMeta,
                               spec: EngineRequestSpec) -> Placement:
@@ -99,9 +114,9 @@ class InstancePeers:
         if prefill is None:
             raise StatusError(Status.FAILED_PRECONDITION, "a tensor-parallel decode needs "
                               "the prefill's meta (tp_size, KV heads) to link")
-        self._remember(prefill)
+        moves = self._remember(prefill, we_send=False)
         reads: dict[int, set[int]] = {}
-        for m in rank_moves(self.meta.num_kv_heads, prefill.tp_size, self.meta.tp_size):
+        for m in moves:
             reads.setdefault(m.dst_rank, set()).add(m.src_rank)
         # Each worker holds some heads: the instances' head counts were compared already.
         for rank, srcs in sorted(reads.items()):
@@ -116,29 +131,42 @@ class InstancePeers:
         """(our rank, its move, heads) for each transfer of ``move``: between two TP 1
         instances the move itself on rank 0's worker; else one per rank pair, addressed to
         the peer rank's worker."""
-        peer = self._peers.get(move.cluster_id)
+        peer, moves = self._peers.get(move.cluster_id, (None, []))
         if peer is None and self.meta.tp_size > 1:
             raise StatusError(Status.BAD_GATEWAY, f"KV move of {move.request_id}: no linked "
                               f"peer with cluster id {move.cluster_id} (its TP layout is "
                               "needed to split the KV heads)")
         if not self._is_tp(peer):
             return [(0, move, None)]
-        src_tp, dst_tp = ((self.meta.tp_size, peer.tp_size) if we_send
-                          else (peer.tp_size, self.meta.tp_size))
         plan = []
-        for m in rank_moves(self.meta.num_kv_heads, src_tp, dst_tp):
+        for m in moves:
             ours, theirs = (m.src_rank, m.dst_rank) if we_send else (m.dst_rank, m.src_rank)
             plan.append((ours, dataclasses.replace(
                 move, cluster_id=peer.cluster_ids[theirs], addr=peer.addrs[theirs],
                 transfer_key=_key(peer, theirs)), m.heads))
         return plan
 
-    def _remember(self, peer: InstanceMeta | None) -> None:
-        if peer is not None and peer.cluster_ids:
-            self._peers[peer.cluster_ids[0]] = peer
+    def _remember(self, peer: InstanceMeta | None, we_send: bool) -> list[RankMove]:
+        """Plan the hand-overs with ``peer`` from both registrations and keep the plan;
+        FAILED_PRECONDITION when the layouts cannot be planned."""
+        if peer is None or not peer.cluster_ids:
+            return []
+        if not self._is_tp(peer):
+            moves = [RankMove(0, 0, None)]
+        else:
+            src, dst = (self.meta, peer) if we_send else (peer, self.meta)
+            try:
+                moves = rank_moves(transfer_plan(*pair_layouts(src, dst)))
+            except TransferPlanError as e:
+                raise StatusError(Status.FAILED_PRECONDITION,
+                                  f"no KV hand-over from {src.name} to {dst.name}: {e}") from e
+        self._peers[peer.cluster_ids[0]] = (peer, moves)
+        return moves
 
     def _is_tp(self, peer: InstanceMeta | None) -> bool:
-        return self.meta.tp_size > 1 or (peer is not None and peer.tp_size > 1)
+        """More than one rank on either side: moves go through the plan."""
+        return (self.meta.tp_size * self.meta.pp_size > 1
+                or (peer is not None and peer.tp_size * peer.pp_size > 1))
 
 
 def _key(peer: InstanceMeta, rank: int) -> str:

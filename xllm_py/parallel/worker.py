@@ -29,8 +29,10 @@ from xllm_py.model.packed import pack_linears
 from xllm_py.parallel.group import TPGroup
 from xllm_py.parallel.kv_workers import RankKVWorkerHost, serve_start_request
 from xllm_py.parallel.loader import load_model_shard
+from xllm_py.parallel.pipeline import StageModel, rank_layers
 from xllm_py.parallel.protocol import HEADER_LEN, Command, decode_step, payload_len
-from xllm_py.model.sharding import TPShard
+from xllm_py.model.loader import load_model
+from xllm_py.model.sharding import TPShard, shard_for
 from xllm_py.utils.cli import enable_crash_stacks
 
 logger = logging.getLogger(__name__)
@@ -48,30 +50,39 @@ def threads_per_rank(config: EngineConfig) -> int:
     """--num-threads, else the cores shared out between the ranks (at least one each)."""
     if config.num_threads:
         return config.num_threads
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    return max(1, (os.cpu_count() or 1) // ranks)
 
 
 def load_rank(config: EngineConfig, model_dir: str, group: TPGroup
               ) -> tuple[torch.nn.Module, ModelConfig, TPShard]:
-    """The rank's shard, packed like the TP 1 engine's model."""
-    model, mc, shard = load_model_shard(model_dir, group, dtype=config.dtype,
-                                        device=group.device)
+    """The rank's shard (a pipeline stage: its layers), packed like the TP 1 engine's
+    model."""
+    if config.pipeline_parallel_size > 1:  # every head, the stage's layers only
+        model, mc = load_model(model_dir, dtype=config.dtype, device=group.device)
+        model = StageModel(model, rank_layers(config, mc, group.rank), group,
+                           config.pipeline_parallel_size)
+        shard = shard_for(mc, 0, 1)
+    else:
+        model, mc, shard = load_model_shard(model_dir, group, dtype=config.dtype,
+                                            device=group.device)
     if config.pack_weights:
         pack_linears(model, weight_dtype=config.weight_dtype)
     return model, mc, shard
 
 
 def make_storage(config: EngineConfig, mc: ModelConfig, shard: TPShard, num_blocks: int,
-                 device: torch.device) -> KVCacheStorage:
-    """The rank's KV pool: every block of the instance, for the rank's KV heads only (a
-    cache tensor per KV group slot: model/kv_groups.py)."""
-    return KVCacheStorage(_groups(mc).num_slots, num_blocks, config.cache.block_size,
-                          shard.num_kv_heads, mc.head_dim, parse_dtype(config.dtype),
-                          device=device, allocator=pool_allocator(config))
+                 device: torch.device, rank: int) -> KVCacheStorage:
+    """The rank's KV pool: every block of the instance, for the rank's KV heads and
+    layers only (a cache tensor per KV group slot: model/kv_groups.py)."""
+    return KVCacheStorage(_groups(config, mc, rank).num_slots, num_blocks,
+                          config.cache.block_size, shard.num_kv_heads, mc.head_dim,
+                          parse_dtype(config.dtype), device=device,
+                          allocator=pool_allocator(config))
 
 
-def _groups(mc: ModelConfig) -> KVGroups:
-    return kv_groups([mc.layer_window(i) for i in range(mc.num_layers)])
+def _groups(config: EngineConfig, mc: ModelConfig, rank: int) -> KVGroups:
+    return kv_groups([mc.layer_window(i) for i in range(*rank_layers(config, mc, rank))])
 
 
 def serve(config: EngineConfig, model: torch.nn.Module, mc: ModelConfig, shard: TPShard,
@@ -90,8 +101,8 @@ def serve(config: EngineConfig, model: torch.nn.Module, mc: ModelConfig, shard: 
         if cmd == Command.NOOP:
             continue
         if cmd == Command.INIT_KV:  # (not an inference tensor: the KV worker writes it too)
-            storage = make_storage(config, mc, shard, int(hdr[1]), group.device)
-            caches = _groups(mc).layer_caches(storage.layer_caches())
+            storage = make_storage(config, mc, shard, int(hdr[1]), group.device, group.rank)
+            caches = _groups(config, mc, group.rank).layer_caches(storage.layer_caches())
             continue
         if cmd == Command.START_KV_WORKER:
             kv_worker = serve_start_request(group.store, group.rank, storage, kv_worker,

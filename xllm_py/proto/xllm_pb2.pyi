@@ -59,7 +59,7 @@ class InstanceIDs(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InstanceMetaInfo(_message.Message):
-    __slots__ = ("name", "rpc_address", "type", "cluster_ids", "addrs", "ports", "dp_size", "incarnation_id", "register_ts_ms", "kv_split_size", "schema_version", "model", "block_size", "kv_layout", "kv_dtype", "tp_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks", "http_address", "worker_rpc_addrs", "draining", "transfer_keys")
+    __slots__ = ("name", "rpc_address", "type", "cluster_ids", "addrs", "ports", "dp_size", "incarnation_id", "register_ts_ms", "kv_split_size", "schema_version", "model", "block_size", "kv_layout", "kv_dtype", "tp_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks", "http_address", "worker_rpc_addrs", "draining", "transfer_keys", "pp_size", "rank_kv")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,8 @@ class InstanceMetaInfo(_message.Message):
     WORKER_RPC_ADDRS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_KV_FIELD_NUMBER: _ClassVar[int]
     name: str
     rpc_address: str
     type: InstanceType
@@ -108,7 +110,9 @@ class InstanceMetaInfo(_message.Message):
     worker_rpc_addrs: _containers.RepeatedScalarFieldContainer[str]
     draining: bool
     transfer_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., rpc_address: _Optional[str] = ..., type: _Optional[_Union[InstanceType, str]] = ..., cluster_ids: _Optional[_Iterable[int]] = ..., addrs: _Optional[_Iterable[str]] = ..., ports: _Optional[_Iterable[int]] = ..., dp_size: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., register_ts_ms: _Optional[int] = ..., kv_split_size: _Optional[int] = ..., schema_version: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_blocks: _Optional[int] = ..., http_address: _Optional[str] = ..., worker_rpc_addrs: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., transfer_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    pp_size: int
+    rank_kv: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., rpc_address: _Optional[str] = ..., type: _Optional[_Union[InstanceType, str]] = ..., cluster_ids: _Optional[_Iterable[int]] = ..., addrs: _Optional[_Iterable[str]] = ..., ports: _Optional[_Iterable[int]] = ..., dp_size: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., register_ts_ms: _Optional[int] = ..., kv_split_size: _Optional[int] = ..., schema_version: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_blocks: _Optional[int] = ..., http_address: _Optional[str] = ..., worker_rpc_addrs: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., transfer_keys: _Optional[_Iterable[str]] = ..., pp_size: _Optional[int] = ..., rank_kv: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadMetrics(_message.Message):
     __slots__ = ("waiting_requests_num", "gpu_cache_usage_perc", "running_requests_num")

@@ -36,6 +36,8 @@ def instance_meta_to_proto(meta: InstanceMeta) -> pb.InstanceMetaInfo:
         worker_rpc_addrs=meta.worker_rpc_addrs,
         draining=meta.draining,
         transfer_keys=meta.transfer_keys,
+        pp_size=meta.pp_size,
+        rank_kv=[v for span in meta.rank_kv for v in span],
     )
 
 
@@ -69,6 +71,8 @@ def instance_meta_from_proto(msg: pb.InstanceMetaInfo) -> InstanceMeta:
         worker_rpc_addrs=list(msg.worker_rpc_addrs),
         draining=msg.draining,
         transfer_keys=list(msg.transfer_keys),
+        pp_size=msg.pp_size or 1,
+        rank_kv=[list(msg.rank_kv[i:i + 4]) for i in range(0, len(msg.rank_kv) // 4 * 4, 4)],
     )
 
 

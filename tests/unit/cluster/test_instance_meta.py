@@ -101,7 +101,7 @@ def test_compatibility_problems_name_each_difference():
 
 @pytest.mark.parametrize("heads,ours,theirs,ok", [
     (2, 2, 1, True), (2, 1, 2, True), (2, 2, 2, True), (2, 4, 1, True), (6, 4, 2, False),
-    (6, 2, 4, False), (6, 4, 4, True)])
+    (6, 2, 4, False), (6, 4, 4, False)])
 def test_tensor_parallel_pairs_are_refused_only_when_heads_cannot_map(heads, ours, theirs, ok):
     problems = make_meta(tp_size=ours, num_kv_heads=heads).compatibility_problems(
         make_meta(name="b:2", tp_size=theirs, num_kv_heads=heads))
@@ -109,8 +109,42 @@ def test_tensor_parallel_pairs_are_refused_only_when_heads_cannot_map(heads, our
         assert problems == []
     else:
         assert len(problems) == 1
-        assert f"tp_size: 127.0.0.1:9001 has {ours}, b:2 has {theirs}" in problems[0]
-        assert "6 KV heads cannot be split over the" in problems[0]
+        assert f"(TP {theirs} x PP 1), decode 127.0.0.1:9001 (TP {ours} x PP 1)" in problems[0]
+        assert "6 KV heads cannot be split over 4 ranks" in problems[0]
+
+
+def rank_kv(layers, heads, tp, pp, partition=None):
+    from xllm_py.model.kv_layout import kv_layout
+
+    return [[*r.layers, *r.heads] for r in kv_layout(layers, heads, tp, pp, partition).ranks]
+
+
+def test_registered_rank_spans_are_the_layout_and_survive_json_and_proto():
+    from xllm_py.rpc.cluster import instance_meta_from_proto, instance_meta_to_proto
+
+    meta = make_meta(tp_size=2, pp_size=2, rank_kv=rank_kv(6, 2, 2, 2, (4, 2)),
+                     cluster_ids=[1, 2, 3, 4])
+    assert meta.rank_layout().ranks[2].layers == (4, 6) and meta.rank_layout().num_layers == 6
+    for back in (InstanceMeta.from_json(meta.to_json()),
+                 instance_meta_from_proto(instance_meta_to_proto(meta))):
+        assert (back.pp_size, back.rank_kv) == (2, meta.rank_kv)
+    with pytest.raises(InstanceMetaError, match="4 integers"):
+        InstanceMeta.from_json('{"name": "a", "type": "DECODE", "rank_kv": [[0, 1, 0]]}')
+
+
+def test_a_pairing_whose_registered_layers_differ_is_refused_at_link_time():
+    decode = make_meta(tp_size=1, pp_size=2, rank_kv=rank_kv(6, 2, 1, 2))
+    assert decode.compatibility_problems(make_meta(
+        name="b:2", type=InstanceRole.PREFILL, tp_size=2, rank_kv=rank_kv(6, 2, 2, 1))) == []
+    problems = decode.compatibility_problems(make_meta(
+        name="b:2", type=InstanceRole.PREFILL, tp_size=1, rank_kv=rank_kv(4, 2, 1, 1)))
+    assert len(problems) == 1 and "different layer counts: prefill 4, decode 6" in problems[0]
+    # a peer that registers no spans (an older writer): both sides as it sees them
+    assert decode.compatibility_problems(make_meta(
+        name="b:2", type=InstanceRole.PREFILL, tp_size=1, pp_size=1)) != []  # PP 2 vs pool
+    tp_decode = make_meta(tp_size=2, num_layers=3, rank_kv=rank_kv(18, 2, 2, 1))  # 3 pool slots
+    assert tp_decode.compatibility_problems(make_meta(
+        name="b:2", type=InstanceRole.PREFILL, tp_size=1, num_layers=3)) == []
 
 
 def test_compatibility_skips_fields_unknown_to_either_side():

@@ -102,3 +102,27 @@ def test_a_closed_loop_does_not_break_the_engine_thread():
 def test_an_engine_without_remote_kv_has_nothing_to_poll():
     c = KVConnector()
     assert c.poll() == [] and not c.hands_over
+
+
+async def test_a_step_reports_its_unfinished_prompt_chunks_and_preemptions_on_the_loop():
+    from xllm_py.engine.scheduler_types import ScheduledSeq, SchedulerOutput
+
+    loop = asyncio.get_running_loop()
+    connector = PDConnector(loop, lambda: None, hands_over=True)
+    seen: list = []
+    done = asyncio.Event()
+    connector.on_progress = lambda rid, table, n: seen.append(("chunk", rid, table, n))
+    connector.on_preempted = lambda rid: seen.append(("preempted", rid))
+    out = SchedulerOutput(seqs=[
+        ScheduledSeq("a", [1] * 16, 32, [4, 5, 6], sample=False),  # a chunk of a prompt
+        ScheduledSeq("b", [1] * 3, 10, [7, 8], sample=True),  # its last: request_finished
+        ScheduledSeq("c", [1] * 8, 0, [9], sample=False, group_tables=[[1]]),  # hybrid
+    ], preempted_ids=["d"])
+    step = types.SimpleNamespace(out=out)
+    t = threading.Thread(target=connector.on_step, args=(step,), name="engine")
+    t.start()
+    t.join()
+    loop.call_soon(done.set)
+    await done.wait()
+    # (a hybrid model's: its group 0, the full-attention layers' table)
+    assert seen == [("preempted", "d"), ("chunk", "a", [4, 5, 6], 48), ("chunk", "c", [9], 8)]

@@ -59,12 +59,25 @@ def test_rank_out_of_range():
 
 
 def test_rank_moves_of_each_pd_pair():
+    from xllm_py.model.kv_layout import kv_layout, transfer_plan
     from xllm_py.parallel.instance_peers import RankMove, rank_moves
 
-    assert rank_moves(4, 2, 2) == [RankMove(0, 0, None), RankMove(1, 1, None)]
-    assert rank_moves(4, 2, 1) == [RankMove(0, 0, (0, 0, 2)), RankMove(1, 0, (0, 2, 2))]
-    assert rank_moves(4, 1, 2) == [RankMove(0, 0, (0, 0, 2)), RankMove(0, 1, (2, 0, 2))]
-    assert rank_moves(2, 1, 1) == [RankMove(0, 0, None)]
+    def moves(heads, src_tp, dst_tp):
+        return rank_moves(transfer_plan(kv_layout(2, heads, src_tp), kv_layout(2, heads, dst_tp)))
+
+    assert moves(4, 2, 2) == [RankMove(0, 0, None), RankMove(1, 1, None)]
+    assert moves(4, 2, 1) == [RankMove(0, 0, (0, 0, 2)), RankMove(1, 0, (0, 2, 2))]
+    assert moves(4, 1, 2) == [RankMove(0, 0, (0, 0, 2)), RankMove(0, 1, (2, 0, 2))]
+    assert moves(2, 1, 1) == [RankMove(0, 0, None)]
+    assert moves(1, 2, 1) == [RankMove(0, 0, None)]  # a replicated head: one rank's whole pool
+
+
+def test_rank_moves_refuse_a_plan_that_splits_layers():
+    from xllm_py.model.kv_layout import TransferPlanError, kv_layout, transfer_plan
+    from xllm_py.parallel.instance_peers import rank_moves
+
+    with pytest.raises(TransferPlanError, match="whole layers only"):
+        rank_moves(transfer_plan(kv_layout(4, 2, 2), kv_layout(4, 2, pp=2)))
 
 
 def test_executor_refuses_an_unsplittable_model_before_starting_ranks():

@@ -101,3 +101,18 @@ async def test_a_tp_move_from_an_unlinked_peer_is_bad_gateway() -> None:
         await peers.pull_kv(KVMove("r3", 999, "x", [1], [1]))
     assert err.value.status is Status.BAD_GATEWAY and "cluster id 999" in err.value.message
     assert workers[0].calls == workers[1].calls == []
+
+
+async def test_a_layout_the_moves_cannot_serve_is_refused_at_link_before_any_worker_links() -> None:
+    workers = [Worker(), Worker()]
+    decode = meta("d", InstanceRole.DECODE, 1)
+    decode.pp_size, decode.tp_size = 2, 1
+    decode.rank_kv = [[0, 2, 0, 2], [2, 4, 0, 2]]  # two pipeline stages
+    peers = InstancePeers(decode, Engines(), workers)
+    prefill = meta("p", InstanceRole.PREFILL, 2)
+    prefill.rank_kv = [[0, 4, 0, 1], [0, 4, 1, 2]]
+    with pytest.raises(StatusError) as err:
+        await peers.link_cluster(PeerLink("p", prefill.cluster_ids, prefill.addrs, prefill))
+    assert err.value.status is Status.FAILED_PRECONDITION
+    assert "whole layers only" in err.value.message
+    assert workers[0].calls == workers[1].calls == []

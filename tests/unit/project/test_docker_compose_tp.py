@@ -14,7 +14,7 @@ yaml = pytest.importorskip("yaml")
 
 from tests.unit.project.test_docker_compose import COMPOSE, ENGINE_MODULE, _argv, _parse  # noqa: E402
 from xllm_py.engine.cli import build_parser as engine_parser, config_from_args  # noqa: E402
-from xllm_py.kv_transfer.mapping import head_mapping_error  # noqa: E402
+from xllm_py.model.kv_layout import kv_layout, transfer_plan  # noqa: E402
 from xllm_py.model.tiny import PRESETS  # noqa: E402
 
 TP_COMPOSE = COMPOSE.parent / "docker-compose.tp.yml"
@@ -92,8 +92,8 @@ def test_the_pair_can_move_kv_between_its_tp_sizes() -> None:
         from xllm_py.model.config import ModelConfig
 
         num_kv_heads = ModelConfig.from_dir(resolve_model(prefill.model, with_weights=False)).num_kv_heads
-    assert head_mapping_error(num_kv_heads, prefill.tensor_parallel_size,
-                              decode.tensor_parallel_size) is None
+    transfer_plan(kv_layout(1, num_kv_heads, prefill.tensor_parallel_size),  # raises if not
+                  kv_layout(1, num_kv_heads, decode.tensor_parallel_size))
     if prefill.tensor_parallel_size != decode.tensor_parallel_size:
         assert _backend_class(prefill.kv_transfer_backend).supports_head_slices, (
             f"{prefill.kv_transfer_backend} does not move KV head slices (different TP)")

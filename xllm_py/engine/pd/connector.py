@@ -6,7 +6,10 @@ Two crossings, one each way:
                        the engine is woken; the engine's next poll() applies it
                        (engine/remote_kv.py) and resolve() answers the awaiting caller
   `_to_loop(fn, ...)`  engine -> event loop: resolve()'s answers, a prefill's first
-                       token (request_finished) and a request a step failed
+                       token (request_finished), a request a step failed, and (a PUSH
+                       prefill streaming its KV, kv_stream.py: the connector is then one
+                       of the engine's step observers) each prompt chunk computed and
+                       each request preempted
 
 The PD sides (decode.py, prefill.py, offline_pull.py) await the connector's methods on
 the event loop; none of them touches the engine's scheduler or output processor.
@@ -25,6 +28,8 @@ from xllm_py.outputs import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
+# (request id, its block table, prompt tokens computed): a chunk of a prompt computed
+ProgressHook = Callable[[str, list[int], int], None]
 # (child id, block tables, first token or None, its logprob, finished on prefill, kv held)
 FirstTokenHook = Callable[[str, list[list[int]], int | None, TokenLogprob | None, bool, bool],
                           None]
@@ -39,6 +44,8 @@ class PDConnector(KVConnector):
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self.on_first_token: FirstTokenHook | None = None  # prefill.py, on the event loop
         self.on_failed: Callable[[str], None] | None = None  # (parent id)
+        self.on_progress: ProgressHook | None = None  # prefill.py, streaming KV
+        self.on_preempted: Callable[[str], None] | None = None  # (request id)
 
     # ---------------------------------------------------------------- the two crossings
     def _to_engine(self, event: Event) -> asyncio.Future:
@@ -76,6 +83,20 @@ class PDConnector(KVConnector):
     def request_failed(self, request_id: str) -> None:
         if self.on_failed is not None:
             self._to_loop(self.on_failed, request_id)
+
+    def on_step(self, step) -> None:
+        """A step observer (engine/step_observers.py): the prompt chunks it computed that
+        do not end their prompt (those sample: request_finished), with the table of KV
+        group 0 (a hybrid model's full-attention layers), and the requests it preempted."""
+        if self.on_progress is None:
+            return
+        out = step.out
+        for rid in out.preempted_ids:
+            self._to_loop(self.on_preempted, rid)
+        for seq in out.seqs:
+            if not seq.sample:
+                self._to_loop(self.on_progress, seq.request_id, list(seq.block_table),
+                              seq.start_pos + len(seq.token_ids))
 
     # ---------------------------------------------------------------- event loop: decode
     async def admit_remote(self, req: EngineRequest) -> RemoteAllocation | str | None:

@@ -47,6 +47,7 @@ import dataclasses
 import time
 
 from xllm_py.cluster.instance_meta import InstanceMeta
+from xllm_py.engine.pd.kv_stream import KVStream
 from xllm_py.request import RequestStatus, is_transition_allowed
 from xllm_py.rpc.convert import EngineRequestSpec
 
@@ -102,6 +103,7 @@ class PrefillRequest(_Phased):
     deadline_s: float = float("inf")  # arrival + TTFT target; inf: no target
     cost_s: float = 0.0  # predicted prefill
     submitted_s: float | None = None  # given to the engine
+    stream: KVStream | None = None  # PUSH, a long prompt: its KV moving while it computes
 
     @property
     def request_id(self) -> str:

@@ -17,7 +17,10 @@ Stages of a request (its PrefillPhase, see phases.py):
   -> PREFILLING: the engine computes the prompt and samples the first token, which goes
   to the service (finished_on_prefill_instance); the engine holds the KV (SENDING_KV)
   and tells the connector (pd/connector.py: request_finished)
-  -> HANDING_OVER: PUSH mode: our worker writes the KV into decode's blocks; then
+  (PUSH, a prompt of at least `stream_min_tokens`: each chunk's blocks go to decode as
+  soon as they are computed, kv_stream.py)
+  -> HANDING_OVER: PUSH mode: our worker writes the KV (the streamed part already
+  there: the last chunk's blocks) into decode's blocks; then
   FirstGeneration to decode (PULL: where our KV is); decode confirms or fails; our
   blocks are freed either way (the connector's SendDone)
   -> FINISHED, or FAILED (reported to the service with its status; a decode that could
@@ -46,6 +49,7 @@ from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.output_processor import parent_of
 from xllm_py.engine.pd.connector import PDConnector
+from xllm_py.engine.pd.kv_stream import KVStream
 from xllm_py.engine.pd.links import Links
 from xllm_py.pd_messages import HandOver, KVMove, OfflinePull, Placement
 from xllm_py.engine.pd.metrics import PDMetrics
@@ -61,6 +65,8 @@ from xllm_py.status import Status, StatusError
 logger = logging.getLogger(__name__)
 
 P = PrefillPhase
+# KV pushes of streaming prompts in flight at once (each request streams one at a time).
+STREAM_SLOTS = 4
 _PENDING = (P.QUEUED, P.DISPATCHING, P.PREFILLING)  # not handed over yet
 
 
@@ -91,6 +97,13 @@ class PrefillSide:
         self._rr = itertools.count()
         connector.on_first_token = self._first_token
         connector.on_failed = self._engine_failed
+        # Streaming: PUSH only (the decode pulls nothing before FirstGeneration).
+        self.streams = (config.transfer.mode == KVTransferMode.PUSH
+                        and config.transfer.stream_min_tokens > 0)
+        if self.streams:
+            connector.on_progress = self._progress
+            connector.on_preempted = self._preempted
+        self._stream_slots = asyncio.Semaphore(STREAM_SLOTS)
 
     def phase(self, request_id: str) -> RequestStatus | None:
         rec = self._requests.get(request_id)
@@ -219,6 +232,11 @@ class PrefillSide:
             return None
         rec.decode, rec.decode_blocks = decode, placement.block_ids
         rec.num_cached_on_decode = placement.num_cached_tokens
+        if self.streams and len(rec.spec.prompt_token_ids) >= self.config.transfer.stream_min_tokens:
+            rec.stream = KVStream(
+                rec.request_id, lambda src, dst, rec=rec: self._push(rec, src, dst),
+                rec.decode_blocks, rec.num_cached_on_decode // self.engine.storage.block_size,
+                self.engine.storage.block_size, self._stream_slots, self.spawn)
         rec.transition(P.PREFILLING)
         self._submit_prefill(rec)
         return None
@@ -267,7 +285,17 @@ class PrefillSide:
         if rec is None or rec.phase is not P.PREFILLING:
             return
         self._end(rec, P.FAILED)
-        self.spawn(self._tell_decode_to_drop(request_id, rec.decode))
+        self.spawn(self._tell_decode_to_drop(request_id, rec.decode, rec.stream))
+
+    def _progress(self, request_id: str, table: list[int], num_computed: int) -> None:
+        rec = self._requests.get(parent_of(request_id)[0])
+        if rec is not None and rec.phase is P.PREFILLING and rec.stream is not None:
+            rec.stream.computed(table, num_computed)
+
+    def _preempted(self, request_id: str) -> None:
+        rec = self._requests.get(parent_of(request_id)[0])
+        if rec is not None and rec.stream is not None:
+            rec.stream.preempted()
 
     # ------------------------------------------------------------------ hand-over
     def _first_token(self, child: str, tables: list[list[int]], first: int | None,
@@ -294,6 +322,7 @@ class PrefillSide:
                             num_computed_tokens=len(spec.prompt_token_ids))
         error: StatusError | None = None
         unreachable = ""  # decode, when FirstGeneration could not reach it
+        streamed = 0  # of the blocks, those in place before the first token
         t0 = time.monotonic()
         if finished_here or first_token is None:
             handover.failed, handover.status_msg = True, "finished on prefill"
@@ -301,10 +330,16 @@ class PrefillSide:
             try:
                 self._fill_handover(handover, rec, tables, first_token, lp)
                 if mode == KVTransferMode.PUSH:
-                    await self._push(rec, handover.block_ids)
+                    src, dst = handover.block_ids, rec.decode_blocks
+                    if rec.stream is not None:
+                        streamed = await rec.stream.finish(src)
+                    if streamed < len(src):  # streamed: only the last chunk's blocks are left
+                        await self._push(rec, src[streamed:], dst[streamed:])
             except StatusError as exc:  # decode must still hear of it to free its blocks
                 error = exc
                 handover.failed, handover.status_msg = True, exc.message
+        if rec.stream is not None:  # no push may write decode's blocks once it has them
+            await rec.stream.settle()
         try:
             problem = await self.peers.first_generation(
                 decode, handover, self.config.rpc_timeout_s + self.config.transfer.timeout_s)
@@ -329,8 +364,9 @@ class PrefillSide:
             return
         self._end(rec, P.FINISHED)
         if not handover.failed:
-            logger.info("PD prefill handed request %s to %s: %d blocks, %d bytes in %.1f ms (%s)",
-                        spec.request_id, decode.name, len(handover.block_ids),
+            logger.info("PD prefill handed request %s to %s: %d blocks (%d streamed during the "
+                        "prefill), %d bytes in %.1f ms (%s)",
+                        spec.request_id, decode.name, len(handover.block_ids), streamed,
                         len(handover.block_ids) * self.engine.storage.block_bytes,
                         (time.monotonic() - t0) * 1000, handover.mode)
 
@@ -349,14 +385,14 @@ class PrefillSide:
         handover.worker_rpc_addrs = list(self.meta.worker_rpc_addrs)
         handover.block_ids = src
 
-    async def _push(self, rec: PrefillRequest, src: list[int]) -> None:
+    async def _push(self, rec: PrefillRequest, src: list[int], dst: list[int]) -> None:
         decode = rec.decode
         if not decode.addrs:
             raise StatusError(Status.BAD_GATEWAY,
                               f"decode {decode.name} publishes no transfer address")
         await self.peers.push_kv(KVMove(
             rec.request_id, decode.cluster_ids[0] if decode.cluster_ids else 0,
-            decode.addrs[0], src, rec.decode_blocks,
+            decode.addrs[0], src, dst,
             transfer_key=decode.transfer_keys[0] if decode.transfer_keys else ""))
 
     def _report_error(self, spec: EngineRequestSpec, status: Status, message: str,
@@ -383,9 +419,12 @@ class PrefillSide:
         was = rec.phase
         self._end(rec, P.CANCELLED)
         if was is P.PREFILLING:  # decode drops the blocks it set aside
-            self.spawn(self._tell_decode_to_drop(request_id, rec.decode))
+            self.spawn(self._tell_decode_to_drop(request_id, rec.decode, rec.stream))
 
-    async def _tell_decode_to_drop(self, request_id: str, decode: InstanceMeta) -> None:
+    async def _tell_decode_to_drop(self, request_id: str, decode: InstanceMeta,
+                                   stream: KVStream | None = None) -> None:
+        if stream is not None:  # its push in flight writes decode's blocks: let it end
+            await stream.settle()
         handover = HandOver(request_id, prefill_name=self.meta.name, failed=True,
                             status_msg="cancelled")
         try:

@@ -68,6 +68,8 @@ class PDRole:
             self.prefill = PrefillSide(engine, self.connector, config, pd_config, meta,
                                        reporter, self.links, peers, self.metrics, self._spawn,
                                        latency_profile)
+            if self.prefill.streams:  # each chunk's blocks go to the decode as computed
+                engine.step_observers.append(self.connector)
         else:
             self.decode = DecodeSide(engine, self.connector, config, pd_config, reporter,
                                      peers, self.metrics, self._spawn)

@@ -1,0 +1,112 @@
+"""Pipeline parallelism (parallel/pipeline.py) on a MIX engine: PP 2 and PP 3 with an
+uneven split give the greedy tokens (and logprobs) of PP 1, on the Qwen and the Llama
+family, with prompt chunks and decodes in the same steps; rank 0's KV pool holds only its
+stage's layers; a hybrid model and a PD role are refused with the reason."""
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.test_tensor_parallel import _submit_all
+from xllm_py.config import CacheConfig, EngineConfig, InstanceRole, SchedulerConfig
+from xllm_py.engine.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.integration
+
+# 23 and 33 tokens: several chunks of a 16-token step, next to the others' decodes
+PROMPTS = [list(range(40, 40 + n)) for n in (5, 8, 9, 23, 33)]
+
+
+def _run(model: str, pp: int, partition=None) -> tuple[list, int]:
+    engine = LLMEngine(EngineConfig(
+        model=model, pipeline_parallel_size=pp, pp_layer_partition=partition, num_threads=1,
+        cache=CacheConfig(block_size=8),
+        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8)))
+    engine.start()
+    try:
+        sinks = _submit_all(engine, PROMPTS, f"pp{pp}-")
+        return [(s.token_ids, s.logprobs) for s in sinks], engine.storage.num_layers
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("model,pp,partition,rank0_layers", [
+    ("tiny", 2, None, 2), ("tiny", 3, (2, 1, 1), 1), ("tiny-llama", 2, (1, 3), 3)])
+def test_pipeline_stages_equal_one_process(model, pp, partition, rank0_layers):
+    ref, layers = _run(model, 1)
+    assert layers == 4
+    got, layers = _run(model, pp, partition)
+    assert layers == rank0_layers  # the last stage's pool: its layers only
+    for (tokens, logprobs), (want, want_lp) in zip(got, ref):
+        assert tokens == want
+        assert max(abs(a - b) for a, b in zip(logprobs, want_lp)) < 1e-4
+
+
+def test_what_pipeline_parallelism_does_not_run_is_refused():
+    with pytest.raises(ValueError, match="MIX engines only"):
+        EngineConfig(model="tiny", pipeline_parallel_size=2, role=InstanceRole.PREFILL)
+    with pytest.raises(ValueError, match="tensor parallel size 1"):
+        EngineConfig(model="tiny", pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="does not split 4 layers"):
+        LLMEngine(EngineConfig(model="tiny", pipeline_parallel_size=2,
+                               pp_layer_partition=(1, 1)))
+
+
+def test_engine_process_takes_the_flag_and_the_partition(tmp_path):
+    """``python -m xllm_py.engine --pp 3`` with ``pp_layer_partition: 1,1,2`` in its
+    settings file, over HTTP: the tokens of PP 1; its stages stop when told."""
+    import httpx
+
+    from xllm_py.utils.config_file import write_settings
+    from xllm_py.utils.procs import engine_args, free_port, spawn
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], list(range(100, 131))]
+    engine = LLMEngine(EngineConfig(model="tiny", cache=CacheConfig(block_size=8)))
+    engine.start()
+    try:
+        ref = [s.token_ids for s in _submit_all(engine, prompts, "ref")]
+    finally:
+        engine.stop()
+    port = free_port()
+    proc = spawn("engine-pp3", "xllm_py.engine", engine_args("MIX", port, extra=[
+        "--pp", "3", "--block-size", "8",
+        *write_settings(tmp_path / "pp.yaml", {"pp_layer_partition": "1,1,2"})]),
+        tmp_path, http_url=f"http://127.0.0.1:{port}")
+    try:
+        proc.wait_ready(240)
+        for prompt, tokens in zip(prompts, ref):
+            r = httpx.post(f"{proc.http_url}/v1/completions", trust_env=False, timeout=60, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": len(tokens), "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == tokens
+        assert "pipeline parallel: 3 ranks" in proc.log_tail(200)
+    finally:
+        assert proc.terminate() == 0
+    log = proc.log_tail(200)
+    assert "rank 1: stop" in log and "rank 2: stop" in log
+
+
+async def test_a_pipeline_instance_registers_each_stages_layers(etcd_endpoint, etcd_namespace,
+                                                               etcd_client, tmp_path):
+    import asyncio
+
+    from tests.integration.cluster_harness import Harness
+    from xllm_py.cluster.etcd_client import instance_key
+    from xllm_py.cluster.instance_meta import InstanceMeta
+
+    harness = Harness(etcd_endpoint, etcd_namespace, tmp_path)
+    try:
+        mix = harness.engine("MIX", "mix-pp2", extra=["--pp", "2"],
+                             settings={"pp_layer_partition": "3,1"})
+        await asyncio.to_thread(mix.wait_ready, 240)
+        key = instance_key("MIX", mix.http_url.removeprefix("http://"))
+        kv = None
+        for _ in range(100):  # registration follows readiness by a moment
+            if (kv := await etcd_client.get(key)) is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert kv is not None, mix.log_tail()
+        meta = InstanceMeta.from_json(kv.value)
+        assert (meta.pp_size, meta.rank_kv) == (2, [[0, 3, 0, 2], [3, 4, 0, 2]])
+    finally:
+        harness.stop()
