@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.integration.tp_models import FAMILIES, VOCAB, build_hf_model
-from xllm_py.config import CacheConfig, EngineConfig, SpeculativeConfig
+from xllm_py.config import CacheConfig, EngineConfig
+from xllm_py.speculative_config import SpeculativeConfig
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.sampling_params import SamplingParams
 

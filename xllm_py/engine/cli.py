@@ -13,9 +13,10 @@ import dataclasses
 
 from xllm_py.api.limits import add_limit_flags, limits_from_args
 from xllm_py.config import (PREFILL_ORDERS, CacheConfig, EngineConfig, InstanceRole,
-                            KVTransferMode, PDSchedulerConfig, SchedulerConfig, SpeculativeConfig, TierConfig,
+                            KVTransferMode, PDSchedulerConfig, SchedulerConfig, TierConfig,
                             TransferConfig, UCXConfig)
 from xllm_py.model.catalog import DEFAULT_MODEL
+from xllm_py.speculative_config import SpeculativeConfig
 from xllm_py.utils.cli import add_flag, parse_bool
 from xllm_py.utils.config_file import SettingsParser
 from xllm_py.utils.security_cli import add_security_flags, security_from_args

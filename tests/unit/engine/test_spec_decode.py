@@ -10,7 +10,8 @@ import pytest
 
 from tests.unit.sched_utils import DEFAULTS
 from xllm_py.cluster.latency_profile import LatencyProfile
-from xllm_py.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from xllm_py.config import CacheConfig, SchedulerConfig
+from xllm_py.speculative_config import SpeculativeConfig
 from xllm_py.engine.block_pool import BlockPool
 from xllm_py.engine.hybrid_kv import HybridKVCacheManager
 from xllm_py.engine.scheduler import ContinuousScheduler

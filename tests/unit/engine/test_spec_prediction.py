@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from tests.unit.sched_utils import DEFAULTS
-from xllm_py.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from xllm_py.config import CacheConfig, SchedulerConfig
+from xllm_py.speculative_config import SpeculativeConfig
 from xllm_py.engine.scheduler import ContinuousScheduler
 from xllm_py.engine.spec_decode import speculator as spec_mod
 from xllm_py.engine.spec_decode.prediction import PredictionLookup

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from xllm_py.config import SpeculativeConfig
+from xllm_py.speculative_config import SpeculativeConfig
 from xllm_py.engine.spec_decode.speculator import Speculator
 from xllm_py.engine.spec_decode.suffix import (SuffixCache, SuffixIndex, SuffixProposer,
                                                best_continuation)

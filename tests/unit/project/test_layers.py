@@ -18,7 +18,8 @@ MAX_LINES = 450
 ORDER = (
     "proto",  # generated stubs
     "xllm_py",  # the package itself (__version__)
-    "kv_compat", "outputs", "tls", "structured", "sampling_params", "request", "config",
+    "kv_compat", "outputs", "tls", "structured", "sampling_params", "request",
+    "speculative_config", "config",
     "status",  # domain types
     "model",  # models, their config and their split over TP ranks (model/sharding.py)
     "utils",

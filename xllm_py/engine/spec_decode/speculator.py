@@ -29,7 +29,7 @@ import logging
 import weakref
 from typing import Callable
 
-from xllm_py.config import SpeculativeConfig
+from xllm_py.speculative_config import SpeculativeConfig
 from xllm_py.engine.spec_decode.ngram import NgramIndex
 from xllm_py.engine.spec_decode.prediction import PredictionLookup
 from xllm_py.engine.spec_decode.suffix import SuffixCache, SuffixProposer
