@@ -167,6 +167,9 @@ def start_mix_cluster(h: Harness, num_engines: int = 2) -> tuple[ChildProcess, l
     return svc, engines
 
 
+COMPLETE_AFTER_KILL_S = 120
+
+
 async def kill_mid_stream_and_check_migration(
         svc: ChildProcess, engines: list[ChildProcess], prompts: list[str], max_tokens: int,
         pause_bound_s: float, extra_body: dict | None = None) -> ChildProcess:
@@ -190,8 +193,14 @@ async def kill_mid_stream_and_check_migration(
 
     tasks = [asyncio.create_task(one(p, r)) for p, r in zip(prompts, runs)]
 
-    def running() -> list[float]:
-        return [metric(e.http_url, "xllm_requests_running") for e in engines]
+    def running() -> list[float | None]:  # None: that engine does not answer (killed)
+        counts = []
+        for e in engines:
+            try:
+                counts.append(metric(e.http_url, "xllm_requests_running"))
+            except httpx.HTTPError:
+                counts.append(None)
+        return counts
 
     def state() -> str:
         return (f"tokens per stream {[len(r['ids']) for r in runs]}, running {running()}, "
@@ -200,15 +209,18 @@ async def kill_mid_stream_and_check_migration(
     # Judged by the engines alone: on a loaded machine the client can lag them by whole
     # streams (it once saw its first tokens only after every stream had ended).
     try:
-        await wait_until(lambda: sum(running()) == len(runs), 30, step_s=0.05)
+        await wait_until(lambda: sum(c or 0 for c in running()) == len(runs), 30, step_s=0.05)
     except AssertionError:
         raise AssertionError(f"not every stream running within 30 s: {state()}") from None
-    counts = running()
+    counts = [c or 0 for c in running()]
     victim = engines[counts.index(max(counts))]
     victim.kill()
     num_moved, killed = int(max(counts)), time.monotonic()
-    done, pending = await asyncio.wait(tasks, timeout=30)
-    assert not pending, f"streams still open 30 s after the kill: {state()}"
+    # The bound is for the rest of every stream, generated on the survivor: a hang is
+    # caught by it, a slow machine is not (the pause bound below says how fast the move was).
+    done, pending = await asyncio.wait(tasks, timeout=COMPLETE_AFTER_KILL_S)
+    assert not pending, (f"streams still open {COMPLETE_AFTER_KILL_S} s after the kill: "
+                         f"{state()}")
     for t in done:
         t.result()
     pauses = [max(b - a for a, b in zip(r["times"], r["times"][1:])) for r in runs]
