@@ -276,3 +276,22 @@ def test_n_sequences_are_exact(family, tmp_path):
     assert engine.speculator.stats["ngram"].accepted > 0
     for s in off:
         assert sorted(s.seqs) == [0, 1, 2] and s.seqs[0] == s.seqs[1] == s.seqs[2]
+
+
+@pytest.mark.parametrize("family", ["llama-bias", "gemma3-kv1"])
+def test_seeded_sampling_with_penalties_logprobs_and_best_of_is_exact(family, tmp_path):
+    """Sampled rows (seeded) with a frequency penalty, logprobs and best_of 2: each guess
+    row draws from (seed, position) on its penalised distribution, so speculation emits
+    what it emits without, the same logprobs, and best_of ranks the same sequences."""
+    build_hf_model(transformers, family, tmp_path)
+    prompts = _prompts()
+    sampling = dict(temperature=0.3, seed=7, frequency_penalty=0.2, logprobs=2, best_of=2)
+    off, _ = _run_sinks(tmp_path, None, prompts, 96, **sampling)
+    on, engine = _run_sinks(tmp_path, SPEC, prompts, 96, **sampling)
+    assert [s.seqs for s in on] == [s.seqs for s in off]
+    assert engine.speculator.stats["ngram"].proposed > 0
+    # the outputs as predictions: the sequence that made each is guessed right
+    predicted, engine = _run_sinks(tmp_path, None, prompts, 96,
+                                   predictions=[s.seqs[0][0] for s in off], **sampling)
+    assert [s.seqs for s in predicted] == [s.seqs for s in off]
+    assert engine.speculator.stats["prediction"].accepted > 0
