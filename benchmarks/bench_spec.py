@@ -4,7 +4,7 @@ none, on the served model.
     python benchmarks/bench_spec.py [--model gemma-3-270m] [--rounds 3] [--max-tokens 128]
                                     [--concurrency 1 4] [--sets repetitive open]
                                     [--methods ngram suffix prediction] [--prompts N]
-                                    [--threads N] [--json]
+                                    [--logprobs N] [--threads N] [--json]
 
 Engine processes (``python -m xllm_py.engine``, MIX, prefix cache off so every round
 computes its prompts again): ``--speculative-config off``, ``NGRAM`` and ``SUFFIX`` below,
@@ -13,7 +13,8 @@ concurrency), so a drift of the shared machine's speed falls on all. ``predictio
 engine without a method, each edit prompt sent with the text it edits as its
 ``prediction`` (OpenAI's Predicted Outputs; only in sets with such prompts). Streamed
 ``/v1/completions``, greedy, EOS ignored, ``--max-tokens`` each; the first ``--prompts``
-prompts of a set (default four), sent with at most ``c`` in flight.
+prompts of a set (default four), sent with at most ``c`` in flight; with ``--logprobs N``
+each asks for its tokens' logprobs and the top N (verify rows give them too).
 
 Sets: ``repetitive``, output that repeats its prompt (rewrite a 40-line Python function with
 one name changed; continue a list that repeats a pattern; quote a passage; extract a
@@ -150,6 +151,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", choices=["ngram", "suffix", "prediction"],
                     default=["ngram", "suffix", "prediction"])
     ap.add_argument("--prompts", type=int, default=4, help="the first N prompts of each set")
+    ap.add_argument("--logprobs", type=int, default=None, help="ask for logprobs, top N")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -163,9 +165,11 @@ def main() -> None:
         servers = {"off": urls["off"], **{m: urls.get(m, urls["off"]) for m in args.methods}}
         model = asyncio.run(get_model_id(urls["off"]))
 
+        extra = {} if args.logprobs is None else {"logprobs": args.logprobs}
+
         def load(url: str, prompts: list[str], c: int, fields=None):
             return asyncio.run(run_load(url, model, prompts, args.max_tokens, c, stream=True,
-                                        return_token_ids=True, per_prompt=fields))
+                                        return_token_ids=True, per_prompt=fields, **extra))
 
         for url in urls.values():  # warm-up (kernels, first steps)
             load(url, OPEN[:2], 2)
@@ -208,7 +212,7 @@ def main() -> None:
                 "same_tokens": cell["tokens"]["off"] == cell["tokens"][m]}
         rows[key] = row
     result = {"model": args.model, "rounds": args.rounds, "max_tokens": args.max_tokens,
-              "prompts": args.prompts, "rows": rows}
+              "prompts": args.prompts, "logprobs": args.logprobs, "rows": rows}
     report_environment(result, file=sys.stderr if args.json else None)
     if args.json:
         print(json.dumps(result, indent=2))

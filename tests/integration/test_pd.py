@@ -226,15 +226,23 @@ async def test_clients_hanging_up_at_any_stage_free_both_pools(pd):
     assert out.usage.completion_tokens == 4
 
 
+def _logprobs(content) -> list:
+    return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+            for t in content]
+
+
 def test_predicted_outputs_through_pd_and_mix(pd):
     """A chat completion with a `prediction` (the plain answer with a word changed) answers
-    what it answers without one, through the service (the decode guesses from it) and on
-    MIX; the decode reports the prediction's kept and rejected tokens in the usage."""
+    what it answers without one, with the same logprobs and top logprobs, through the
+    service (the decode guesses from it) and on MIX; the decode reports the prediction's
+    kept and rejected tokens in the usage."""
     h, svc, prefill, decode, mix, mode = pd
     msgs = [{"role": "user", "content": "Repeat after me: one two three four five six."}]
-    kwargs = dict(model="tiny", messages=msgs, max_tokens=32, temperature=0,
-                  extra_body={"ignore_eos": True})
-    plain = client(mix).chat.completions.create(**kwargs).choices[0].message.content
+    kwargs = dict(model="tiny", messages=msgs, max_tokens=32, temperature=0, logprobs=True,
+                  top_logprobs=2, extra_body={"ignore_eos": True})
+    first = client(mix).chat.completions.create(**kwargs).choices[0]
+    plain, plain_logprobs = first.message.content, _logprobs(first.logprobs.content)
+    assert len(plain_logprobs) == 32
     words = plain.split(" ")
     assert len(words) > 4, "the tiny model's greedy text changed: pick another prompt"
     edited = " ".join(words[:3] + ["zebra"] + words[4:])
@@ -246,10 +254,14 @@ def test_predicted_outputs_through_pd_and_mix(pd):
             if stream:
                 chunks = list(reply)
                 text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                logprobs = _logprobs([t for c in chunks if c.choices and c.choices[0].logprobs
+                                      for t in c.choices[0].logprobs.content])
                 usage = chunks[-1].usage
             else:
                 text, usage = reply.choices[0].message.content, reply.usage
+                logprobs = _logprobs(reply.choices[0].logprobs.content)
             assert text == plain, (proc.name, stream)
+            assert logprobs == plain_logprobs, (proc.name, stream)
             details = usage.completion_tokens_details
             assert details.accepted_prediction_tokens > 0, (proc.name, stream)
             assert details.rejected_prediction_tokens > 0, (proc.name, stream)

@@ -3,7 +3,10 @@ speculation emits what it emits without, and what transformers emits, token for 
 every family of tp_models.py (Gemma 3: a 6-token sliding window crossed many times),
 batched and each request alone, with
 guesses both kept and rolled back; beside a prefix-cache hit, and with preemption in a
-pool too small for the batch. Its counters say guesses were proposed and accepted."""
+pool too small for the batch. Its counters say guesses were proposed and accepted.
+Rows whose sampling does more than an argmax speculate too, exactly (n-gram and
+Predicted Outputs): logprobs and top logprobs (the same floats), logit bias, penalties,
+a grammar (guesses it refuses cut; its end where it ends), n > 1."""
 from __future__ import annotations
 
 import threading
@@ -16,6 +19,7 @@ from xllm_py.config import CacheConfig, EngineConfig
 from xllm_py.speculative_config import SpeculativeConfig
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.sampling_params import SamplingParams
+from xllm_py.structured.spec import GrammarSpec
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.integration
@@ -30,10 +34,22 @@ class _Sink:
         self.done = threading.Event()
         self.token_ids: list[int] = []
         self.last = None
+        # per sequence index: (token ids, logprobs or None, finish reason)
+        self.seqs: dict[int, tuple[list[int], list | None, list]] = {}
+        self.prompt_logprobs = None
 
     def emit(self, output) -> None:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         for delta in output.outputs:
             self.token_ids += delta.token_ids
+            tokens, logprobs, finish = self.seqs.setdefault(delta.index, ([], None, []))
+            tokens += delta.token_ids
+            if delta.logprobs is not None:
+                logprobs = (logprobs or []) + delta.logprobs
+                self.seqs[delta.index] = (tokens, logprobs, finish)
+            if delta.finish_reason is not None:
+                finish.append(delta.finish_reason)
         if output.finished:
             self.last = output
             self.done.set()
@@ -182,3 +198,100 @@ def test_seeded_sampling_with_speculation_is_reproducible(family, tmp_path):
         assert 0 < stats.accepted < stats.proposed  # (guesses kept and drawn against)
     assert runs[0] == runs[1] == [s.token_ids for s in off]
     assert len({tuple(r) for r in runs[0]}) == len(prompts)
+
+
+def _same_with_and_without(tmp_path, max_tokens=MAX_TOKENS, num_prompts=4, **sampling):
+    """Greedy with `sampling` (logprobs, bias, penalties, a grammar, n): speculation off,
+    n-gram, and Predicted Outputs (each output without, edited: a token changed, two
+    inserted) emit the same tokens, logprobs (equal floats) and finish reasons; guesses
+    were kept. Returns the outputs without speculation and the prediction run's engine."""
+    prompts = _prompts()[:num_prompts]
+    off, _ = _run_sinks(tmp_path, None, prompts, 96, max_tokens, **sampling)
+    on, engine = _run_sinks(tmp_path, SPEC, prompts, 96, max_tokens, **sampling)
+    edited = [o[:6] + [(o[6] + 1) % VOCAB] + o[7:12] + [1, 2] + o[12:]
+              for o in (s.seqs[0][0] for s in off)]
+    predicted, p_engine = _run_sinks(tmp_path, None, prompts, 96, max_tokens,
+                                     predictions=edited, **sampling)
+    for a, b, c in zip(off, on, predicted):
+        assert a.seqs == b.seqs == c.seqs
+        assert a.prompt_logprobs == b.prompt_logprobs == c.prompt_logprobs
+    assert engine.speculator.stats["ngram"].proposed > 0
+    assert p_engine.speculator.stats["prediction"].accepted > 0
+    for e in (engine, p_engine):
+        assert e.stats()["kv_blocks_used"] == 0
+    return off, engine
+
+
+@pytest.mark.parametrize("family", ["llama-bias", "gemma3-kv1"])
+def test_logprobs_and_logit_bias_are_exact(family, tmp_path):
+    """Logprobs with the top 3 (and prompt logprobs) of every emitted token from the
+    verify rows, a logit bias on each row: what one-token steps give, to the bit."""
+    hf = build_hf_model(transformers, family, tmp_path)
+    off, engine = _same_with_and_without(tmp_path, logprobs=3, prompt_logprobs=2)
+    assert engine.speculator.stats["ngram"].accepted > 0
+    for prompt, s in zip(_prompts(), off):
+        tokens, logprobs, _ = s.seqs[0]
+        assert tokens == _hf_greedy(hf, prompt)
+        assert len(logprobs) == MAX_TOKENS and all(len(lp.top) == 3 for lp in logprobs)
+        assert [lp.token_id for lp in logprobs] == tokens
+    favoured = off[0].seqs[0][0][3]  # (a token the model emits: biased down, it is not)
+    biased, _ = _same_with_and_without(tmp_path, logprobs=1,
+                                       logit_bias={favoured: -100.0, 7: 2.5})
+    assert all(favoured not in s.seqs[0][0] for s in biased)
+
+
+@pytest.mark.parametrize("family", ["llama-bias", "gemma3-kv1"])
+@pytest.mark.parametrize("penalties", [dict(frequency_penalty=0.1, presence_penalty=0.05),
+                                       dict(repetition_penalty=1.3)])
+def test_penalties_are_exact(family, penalties, tmp_path):
+    """Each verify row penalised with the history before its position (the output and
+    the guesses before it): the tokens and logprobs of one-token steps."""
+    build_hf_model(transformers, family, tmp_path)
+    plain, _ = _run(tmp_path, None, _prompts(), 96)
+    off, _ = _same_with_and_without(tmp_path, logprobs=2, **penalties)
+    assert [s.seqs[0][0] for s in off] != plain  # (the penalties changed the outputs)
+
+
+@pytest.mark.parametrize("family", ["llama-bias", "gemma3-kv1"])
+def test_structured_outputs_are_exact(family, tmp_path):
+    """A grammar of 60 characters from a set: guesses it refuses are cut (the edited
+    predictions hold tokens out of its set), and before the token that completes it;
+    each verify row masked by the grammar after the guesses before it; the grammar ends
+    each output where it ends without speculation (finish reason stop, before
+    max_tokens)."""
+    build_hf_model(transformers, family, tmp_path)
+    spec = GrammarSpec("regex", "[a-z0-9 ]{60}")
+    off, _ = _same_with_and_without(tmp_path, max_tokens=80, logprobs=1, structured=spec)
+    for s in off:
+        tokens, _, finish = s.seqs[0]
+        assert finish == ["stop"] and len(tokens) < 80
+
+
+@pytest.mark.parametrize("family", ["llama-bias", "gemma3-kv1"])
+def test_n_sequences_are_exact(family, tmp_path):
+    """n = 3 with logprobs: each sequence is its own request and speculates as one (two
+    prompts: six sequences, within the batch cut-off)."""
+    build_hf_model(transformers, family, tmp_path)
+    off, engine = _same_with_and_without(tmp_path, num_prompts=2, n=3, logprobs=1)
+    assert engine.speculator.stats["ngram"].accepted > 0
+    for s in off:
+        assert sorted(s.seqs) == [0, 1, 2] and s.seqs[0] == s.seqs[1] == s.seqs[2]
+
+
+@pytest.mark.parametrize("family", ["llama-bias", "gemma3-kv1"])
+def test_seeded_sampling_with_penalties_logprobs_and_best_of_is_exact(family, tmp_path):
+    """Sampled rows (seeded) with a frequency penalty, logprobs and best_of 2: each guess
+    row draws from (seed, position) on its penalised distribution, so speculation emits
+    what it emits without, the same logprobs, and best_of ranks the same sequences."""
+    build_hf_model(transformers, family, tmp_path)
+    prompts = _prompts()
+    sampling = dict(temperature=0.3, seed=7, frequency_penalty=0.2, logprobs=2, best_of=2)
+    off, _ = _run_sinks(tmp_path, None, prompts, 96, **sampling)
+    on, engine = _run_sinks(tmp_path, SPEC, prompts, 96, **sampling)
+    assert [s.seqs for s in on] == [s.seqs for s in off]
+    assert engine.speculator.stats["ngram"].proposed > 0
+    # the outputs as predictions: the sequence that made each is guessed right
+    predicted, engine = _run_sinks(tmp_path, None, prompts, 96,
+                                   predictions=[s.seqs[0][0] for s in off], **sampling)
+    assert [s.seqs for s in predicted] == [s.seqs for s in off]
+    assert engine.speculator.stats["prediction"].accepted > 0

@@ -8,7 +8,8 @@
            compile (`prepare_remote`); the matcher is attached when the first tokens
            come (`replay_remote`: whether they match; RemoteKV acts on the answer).
   step     `mask`: the bitmasks of the batch's constrained rows (None when it has none:
-           an unconstrained batch does no mask work at all).
+           an unconstrained batch does no mask work at all); a speculating sequence's
+           guess rows each under its grammar's state at that guess.
   after    `advance`: every accepted token goes into its sequence's matcher; a grammar
            that is complete ends the sequence (finish_reason stop).
 """
@@ -19,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 from xllm_py.request import Request, RequestStatus
 from xllm_py.structured.compiler import (
-    GrammarCompiler, SequenceGrammar, TokenMask, fill_bitmask)
+    GrammarCompiler, SequenceGrammar, TokenMask, fill_bitmask, fill_guess_bitmask)
 from xllm_py.structured.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
@@ -115,18 +116,33 @@ class EngineGrammars:
         self._remote.pop(request_id, None)
 
     # -- step ---------------------------------------------------------------------------
-    def mask(self, requests: Sequence[Request]) -> TokenMask | None:
+    def mask(self, requests: Sequence[Request],
+             guesses: Sequence[tuple[Request, Sequence[int]]] = ()) -> TokenMask | None:
+        """The masks of a logits batch: a row per request of `requests` (at its last known
+        token), then per (request, its guesses) of `guesses` a row per guess, masked by
+        the grammar after the guesses up to it (the matcher itself is not advanced)."""
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-        if not rows:
+        spec: list[tuple[int, SequenceGrammar, Sequence[int]]] = []
+        first = len(requests)
+        for request, drafts in guesses:
+            if request.grammar is not None and drafts:
+                spec.append((first, request.grammar, drafts))
+            first += len(drafts)
+        if not rows and not spec:
             return None
         import numpy as np
 
+        num_rows = len(rows) + sum(len(d) for _, _, d in spec)
         words = (self.compiler.ll_tokenizer.vocab_size + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < len(rows) \
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows \
                 or self._bitmask.shape[1] != words:
-            self._bitmask = np.zeros((max(len(rows), 8), words), dtype=np.int32)
-        bitmask = self._bitmask[:len(rows)]
-        fill_bitmask(self.compiler, [requests[i].grammar for i in rows], bitmask)
+            self._bitmask = np.zeros((max(num_rows, 8), words), dtype=np.int32)
+        bitmask = self._bitmask[:num_rows]
+        if rows:
+            fill_bitmask(self.compiler, [requests[i].grammar for i in rows], bitmask)
+        for first, grammar, drafts in spec:
+            fill_guess_bitmask(grammar, drafts, bitmask[len(rows):])
+            rows.extend(range(first, first + len(drafts)))
         return TokenMask(rows, bitmask)
 
     def advance(self, updates: Sequence[Any], scheduler: Any) -> None:

@@ -25,7 +25,7 @@ from xllm_py.engine.output_processor import OutputProcessor, parent_of
 from xllm_py.engine.remote_kv import RemoteKV
 from xllm_py.engine.scheduler import ContinuousScheduler
 from xllm_py.engine.spec_decode.speculator import Speculator
-from xllm_py.engine.spec_decode.verify import verify
+from xllm_py.engine.spec_decode.verify import sample_step
 from xllm_py.engine.step_observers import StepObserver, StepRecord, StepStats
 from xllm_py.engine.step_trace import StepTrace
 from xllm_py.request import Request, RequestStatus
@@ -336,26 +336,15 @@ class LLMEngine:
         step_logits = self.runner.execute_step(seqs)
         for i, rows in step_logits.prompt:
             self._record_prompt_logprobs(seqs[i], rows)
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, Any] = {}
-        if (logits := step_logits.sample) is not None:
-            sample_seqs = [s for s in seqs if s.sample]
-            requests = [self.scheduler.requests[s.request_id] for s in sample_seqs]
-            rows = [self._sampling_row(r) for r in requests]
-            out = self.sampler(logits, rows, self.grammars.mask(requests))
-            for s, tok, lp in zip(sample_seqs, out.token_ids, out.logprobs):
-                sampled[s.request_id] = tok
-                if lp is not None:
-                    logprobs[s.request_id] = lp
-        updates = self.scheduler.update_from_output(
-            sched_out, sampled,  # (and the guesses kept)
-            verify(seqs, step_logits.spec, sampled, self.sampler, self.scheduler.requests))
+        picked = sample_step(seqs, step_logits, self.scheduler.requests, self.sampler,
+                             self.grammars, self._sampling_row)  # (and verify guesses)
+        updates = self.scheduler.update_from_output(sched_out, picked.sampled, picked.accepted)
         self.grammars.advance(updates, self.scheduler)
         if self.tiering is not None:  # (finished requests' blocks go back before their outputs)
             self.tiering.flush_offloads()
         step_ms = (time.monotonic() - t0) * 1000
         num_waiting = len(self.scheduler.waiting)
-        self._process_updates(updates, logprobs)
+        self._process_updates(updates, picked.logprobs)
         record = StepRecord(sched_out, t0, step_ms, (self.step_clock() - c0) * 1000,
                             num_waiting, self.scheduler.tpot_guard)
         for observer in self.step_observers:
@@ -398,14 +387,14 @@ class LLMEngine:
     def _process_update(self, upd, logprobs: dict[str, Any], by_parent: dict[str, list],
                         handovers: list) -> None:
         self.num_generated_tokens += len(upd.new_token_ids)
-        lp = logprobs.get(upd.request_id)
+        lps = logprobs.get(upd.request_id)  # (one per token picked: the first emitted)
         parent_id, _ = parent_of(upd.request_id)
         request = self.scheduler.requests.get(upd.request_id)  # (None once it finished)
         self.outputs.set_usage(parent_id, upd.num_cached_tokens, upd.predicted)
         # PD prefill: the request goes on on the decode peer, not finished for the client.
         finish_reason = None if upd.kv_held else upd.finish_reason
         delta = self.outputs.process(
-            upd.request_id, upd.new_token_ids, [lp] if lp is not None else None,
+            upd.request_id, upd.new_token_ids, lps[:len(upd.new_token_ids)] if lps else None,
             finish_reason, upd.stop_reason, self._finish_by_stop_string)
         if delta is not None:
             by_parent.setdefault(parent_id, []).append(delta)

@@ -38,6 +38,8 @@ class StepLogits:
     prompt: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
     # (index of the seq in the step, [len(spec_token_ids), vocab]): the logits at each guess
     spec: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
+    # With guesses: `sample` then every `spec` block, one tensor (they are views of it)
+    sample_and_spec: torch.Tensor | None = None
 
     def sample_logits(self) -> torch.Tensor | None:
         """``sample`` as a float32 logits tensor."""
@@ -110,6 +112,8 @@ class ModelRunner:
         for i, n in spec_seqs:
             out.spec.append((i, logits[offset:offset + n]))
             offset += n
+        if spec_seqs:
+            out.sample_and_spec = logits[:offset]
         for i, n in prompt_seqs:
             out.prompt.append((i, logits[offset:offset + n]))
             offset += n

@@ -172,6 +172,8 @@ class OutputProcessor:
             seq.prompt_logprobs = None
         if len(new_token_ids) > 1 and seq.stop_checker.has_stop_strings:
             emit, stop_str, new_token_ids = _until_stop_string(seq, new_token_ids)
+            if logprobs is not None:  # (one per token: those after the stop are not emitted)
+                logprobs = logprobs[:len(new_token_ids)]
         else:
             text = seq.detokenizer.add_tokens(new_token_ids) if new_token_ids else ""
             emit, stop_str = seq.stop_checker.add(text)

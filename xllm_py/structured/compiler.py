@@ -7,8 +7,10 @@ GrammarCompiler (one per engine):
   - `prepare(spec)`: a future of the compiled template matcher, compiled on a worker
     thread (never on the engine loop or an event loop), cached by the spec's key (LRU);
   - `matcher(spec)`: a fresh matcher for one sequence (a copy of the template).
-SequenceGrammar: one sequence's matcher; `advance(tokens)` after every accepted token.
-fill_bitmask: the masks of a batch's constrained rows in one call (in parallel, in Rust).
+SequenceGrammar: one sequence's matcher; `advance(tokens)` after every accepted token;
+`num_guessable(guesses)`: how many speculative guesses may be verified.
+fill_bitmask: the masks of a batch's constrained rows in one call (in parallel, in Rust);
+fill_guess_bitmask: the masks at each guess of one sequence (the matcher restored after).
 """
 from __future__ import annotations
 
@@ -139,6 +141,21 @@ class SequenceGrammar:
     def stopped(self) -> bool:
         return self.matcher.is_stopped()
 
+    def num_guessable(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, from the first, may be verified as speculative guesses:
+        each one allowed after those before it, and none completing the grammar (the
+        token that completes it ends the sequence: nothing may follow it in the step, so
+        it is left to the model's own token at its row). The matcher is left as it was."""
+        tokens = [int(t) for t in token_ids]
+        n = self.matcher.validate_tokens(tokens) if not self.matcher.is_stopped() else 0
+        for i in range(n):
+            self.matcher.consume_token(tokens[i])
+            if self.matcher.is_stopped():
+                self.matcher.rollback(i + 1)
+                return i
+        self.matcher.rollback(n)
+        return n
+
 
 def fill_bitmask(compiler: GrammarCompiler, grammars: Sequence[SequenceGrammar],
                  bitmask: Any) -> None:
@@ -151,3 +168,21 @@ def fill_bitmask(compiler: GrammarCompiler, grammars: Sequence[SequenceGrammar],
         lln.fill_next_token_bitmask(pairs[0][0], bitmask, 0)
     else:
         lln.fill_next_token_bitmask_par(compiler.executor, pairs, bitmask)
+
+
+def fill_guess_bitmask(grammar: SequenceGrammar, guesses: Sequence[int], bitmask: Any) -> None:
+    """Row j of `bitmask` (numpy int32 [>= len(guesses), ceil(V/32)], C-contiguous) <- the
+    tokens `grammar` allows after guesses[:j + 1] (the row of the model's token after
+    guess j), for guesses it accepts (`num_guessable`); the matcher is restored after."""
+    import llguidance.numpy as lln
+
+    matcher = grammar.matcher
+    consumed = 0
+    try:
+        for j, token_id in enumerate(guesses):
+            if not matcher.consume_token(int(token_id)):
+                raise ValueError(f"the grammar refused guess {token_id}")
+            consumed += 1
+            lln.fill_next_token_bitmask(matcher, bitmask, j)
+    finally:
+        matcher.rollback(consumed)

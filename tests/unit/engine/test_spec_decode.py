@@ -71,7 +71,10 @@ def _req(rid: str, prompt: list[int], **params) -> Request:
 REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 2 + [1, 2]
 
 
-def test_only_plain_rows_propose_within_max_tokens_and_the_context():
+def test_decodes_propose_within_max_tokens_and_the_context():
+    """Every decode proposes (logprobs, penalties, bias, n, prompt logprobs: each guess row
+    is sampled as its position's step would be), but a PD prefill's hand-over; under a
+    grammar only the guesses it takes."""
     spec = Speculator(K4)
     plain = _req("a", REPEATING)
     sampled = _req("s", REPEATING, temperature=0.7, top_p=0.9, seed=3)
@@ -82,9 +85,26 @@ def test_only_plain_rows_propose_within_max_tokens_and_the_context():
     last = _req("z", REPEATING, max_tokens=1)
     assert spec.propose([plain, short, last], max_model_len=256) == {"a": [3, 4, 5, 6],
                                                                      "m": [3, 4]}
-    assert spec.propose(others, max_model_len=256) == {}
+    assert spec.propose(others, max_model_len=256) == {r.request_id: [3, 4, 5, 6]
+                                                      for r in others}
     assert spec.propose([sampled], max_model_len=256) == {"s": [3, 4, 5, 6]}
     assert spec.propose([plain], max_model_len=len(REPEATING) + 3) == {"a": [3, 4]}
+    handover = Request("h", REPEATING, SamplingParams(max_tokens=8, temperature=0.0),
+                       remote_decode=True)
+    assert spec.propose([handover], 256) == {}
+    constrained = _req("g", REPEATING)
+    constrained.grammar = _Grammar(takes=2)
+    assert spec.propose([constrained], 256) == {"g": [3, 4]}
+
+
+class _Grammar:
+    """A SequenceGrammar taking the first `takes` guesses."""
+
+    def __init__(self, takes: int) -> None:
+        self.takes = takes
+
+    def num_guessable(self, token_ids) -> int:
+        return min(self.takes, len(token_ids))
 
 
 def test_no_speculation_above_the_batch_cut_off():

@@ -49,9 +49,13 @@ def test_a_prediction_proposes_without_a_configured_method():
     plain = _req("a", [1, 2, 3])
     predicted = _req("b", [1, 2, 3], prediction_token_ids=PREDICTION)
     scored = _req("c", [1, 2, 3], prediction_token_ids=PREDICTION, logprobs=1)
+    handover = Request("h", [1, 2, 3], SamplingParams(max_tokens=32, temperature=0.0,
+                                                      prediction_token_ids=PREDICTION),
+                       remote_decode=True)  # (a PD prefill's: one token, never guesses)
     predicted.append_output_token(10)
-    assert spec.propose([plain, predicted, scored], 256) == {
-        "b": PREDICTION[1:1 + spec_mod.PREDICTION_TOKENS]}
+    assert spec.propose([plain, predicted, scored, handover], 256) == {
+        "b": PREDICTION[1:1 + spec_mod.PREDICTION_TOKENS],
+        "c": PREDICTION[:spec_mod.PREDICTION_TOKENS]}
     # with a method, the prediction still wins for its request; the others use the method
     spec = Speculator(SpeculativeConfig(prompt_lookup_min=1))
     repeating = _req("d", [5, 6, 7, 5, 6])

@@ -272,22 +272,27 @@ def test_no_prompt_logprobs_unless_wanted(tok):
 
 def test_a_stop_string_ends_a_speculative_steps_tokens_where_it_ends(tok):
     """Several tokens in one step: those after the one completing the stop string are
-    neither emitted nor counted, as if they came one a step."""
+    neither emitted nor counted (nor their logprobs), as if they came one a step."""
     words = tok.encode(" the cat sat on the mat", add_special_tokens=False)
+    lps = [TokenLogprob(t, -0.5 * i) for i, t in enumerate(words)]
     outs = {}
     for per_step in (1, len(words)):
         proc, sink = OutputProcessor(tok), Sink()
-        add(proc, sink, tok.encode("Hi", add_special_tokens=False), stop=["sat"])
+        add(proc, sink, tok.encode("Hi", add_special_tokens=False), stop=["sat"],
+            want_logprobs=True)
         rid = child_id("r", 0)
         for i in range(0, len(words), per_step):
-            delta = proc.process(rid, words[i:i + per_step], None, None, None, lambda *a: None)
+            delta = proc.process(rid, words[i:i + per_step], lps[i:i + per_step], None, None,
+                                 lambda *a: None)
             proc.emit_step([delta], "r")
             if delta.finish_reason is not None:
                 break
         final = sink.outputs[-1]
         outs[per_step] = ("".join(d.text for o in sink.outputs for d in o.outputs),
                           [t for o in sink.outputs for d in o.outputs for t in d.token_ids],
-                          final.outputs[0].finish_reason, final.num_generated_tokens)
+                          final.outputs[0].finish_reason, final.num_generated_tokens,
+                          [lp for o in sink.outputs for d in o.outputs for lp in d.logprobs])
     assert outs[1] == outs[len(words)]
     assert outs[1][0] == " the cat " and outs[1][2] == "stop"
     assert outs[1][3] == len(outs[1][1]) < len(words)
+    assert outs[1][4] == lps[:len(outs[1][1])]

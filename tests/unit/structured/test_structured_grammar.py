@@ -13,7 +13,8 @@ from xllm_py.engine.sampler import Sampler
 from xllm_py.model.tiny import ensure_tiny_model
 from xllm_py.model.tokenizer import Tokenizer
 from xllm_py.structured import grammar
-from xllm_py.structured.compiler import GrammarCompiler, TokenMask, fill_bitmask
+from xllm_py.structured.compiler import (
+    GrammarCompiler, TokenMask, fill_bitmask, fill_guess_bitmask)
 from xllm_py.structured.spec import GrammarSpec
 from xllm_py.structured.token_mask import apply_token_mask
 
@@ -120,6 +121,58 @@ def test_bitmask_of_a_batch_matches_each_matcher_alone(tok, compiler):
         assert (alone[0] == batch[i]).all()
     digits = _allowed(batch[1], tok.vocab_size)
     assert digits and all(tok.decode([t]).isdigit() for t in digits)
+
+
+def test_guesses_are_cut_where_the_grammar_refuses_or_completes(tok, compiler):
+    """num_guessable: the guesses the grammar takes one after another, none completing it
+    (the token that does is left to the model's own row); the matcher as it was after."""
+    g = compiler.matcher(GrammarSpec("regex", r"\d{3}"))
+    digits = tok.encode("123", add_special_tokens=False)
+    letter = tok.encode("a", add_special_tokens=False)
+    assert len(digits) == 3
+    assert g.num_guessable(digits[:2] + letter) == 2
+    assert g.num_guessable(letter + digits) == 0
+    assert g.num_guessable(digits) == 2  # the third completes \d{3}
+    g.advance(digits[:1])
+    assert g.num_guessable(digits[1:]) == 1
+    assert not g.advance(digits[1:2]) and g.advance(digits[2:]) and not g.problem
+
+
+def test_guess_masks_are_each_guess_state_and_the_matcher_is_restored(tok, compiler):
+    """The mask at guess j is the mask of a matcher advanced over guesses[:j + 1];
+    EngineGrammars.mask puts them after the rows at the last tokens."""
+    from xllm_py.engine.grammars import EngineGrammars
+    from xllm_py.request import Request
+    from xllm_py.sampling_params import SamplingParams
+
+    spec = GrammarSpec.json_schema(ENUMS)
+    guesses = tok.encode('{"color": "re', add_special_tokens=False)
+    words = (compiler.ll_tokenizer.vocab_size + 31) // 32
+    g = compiler.matcher(spec)
+    assert g.num_guessable(guesses) == len(guesses)
+    masks = np.zeros((len(guesses), words), dtype=np.int32)
+    fill_guess_bitmask(g, guesses, masks)
+    for j in range(len(guesses)):
+        walked = compiler.matcher(spec)
+        walked.advance(guesses[:j + 1])
+        alone = np.zeros((1, words), dtype=np.int32)
+        fill_bitmask(compiler, [walked], alone)
+        assert (alone[0] == masks[j]).all(), j
+    start = np.zeros((1, words), dtype=np.int32)
+    fill_bitmask(compiler, [g], start)  # g was not advanced: the mask at "{" again
+    assert _allowed(start[0], tok.vocab_size) != _allowed(masks[0], tok.vocab_size)
+    fresh = np.zeros((1, words), dtype=np.int32)
+    fill_bitmask(compiler, [compiler.matcher(spec)], fresh)
+    assert (start == fresh).all()
+
+    grammars = EngineGrammars(tok, tok.vocab_size, tok.eos_token_ids)
+    free, bound = (Request(r, [1], SamplingParams()) for r in ("free", "bound"))
+    assert grammars.attach([bound], spec) is None
+    mask = grammars.mask([free, bound], [(free, [5, 6]), (bound, guesses[:2])])
+    assert mask.rows == [1, 4, 5]  # bound's last token, then its two guess rows
+    assert (mask.bitmask[0] == start[0]).all() and (mask.bitmask[1:3] == masks[:2]).all()
+    assert grammars.mask([free], [(free, [5, 6])]) is None
+    grammars.close()
 
 
 def test_mask_blocks_exactly_the_disallowed_tokens_of_constrained_rows():

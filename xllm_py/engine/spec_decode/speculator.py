@@ -9,11 +9,11 @@ requests that end here), or not at all.
 Per step (`propose`): none above `max_batch` decoding sequences (the step is compute
 bound there: each guess costs about what a token of prompt costs, and pays only while
 the step's fixed cost dominates; derived from the engine's latency profile where it has
-one, else DEFAULT_MAX_BATCH). Per sequence: greedy or sampled rows whose logits nothing
-edits (no logprobs, penalties, bias or token limits, no grammar, one sequence per request, no
-prompt logprobs, not a PD prefill's hand-over), at most as many guesses as max_tokens
-and the context leave room for, and none while its acceptance has fallen (an EWMA of
-accepted / proposed below MIN_ACCEPTANCE: it rests, then tries again, each rest twice
+one, else DEFAULT_MAX_BATCH). Per sequence: any decode but a PD prefill's hand-over
+(each guess row is sampled as a one-token step would sample that position: verify.py),
+at most as many guesses as max_tokens and the context leave room for, under a grammar
+only those it accepts (cut at the first it refuses or that completes it), and none
+while its acceptance has fallen (an EWMA of accepted / proposed below MIN_ACCEPTANCE: it rests, then tries again, each rest twice
 as long as the last, up to MAX_REST_STEPS).
 
 After the verify step (`settle`): the accepted tokens were appended; KV is valid up to
@@ -128,6 +128,8 @@ class Speculator:
                 continue
             drafts = state.proposer.propose(
                 request.output_token_ids if predicted else request.all_token_ids, k)
+            if drafts and request.grammar is not None:
+                drafts = drafts[:request.grammar.num_guessable(drafts)]
             if drafts:
                 out[request.request_id] = drafts
         return out
@@ -186,12 +188,12 @@ class Speculator:
 
 
 def speculates(request: Request) -> bool:
-    """Nothing but the raw logits and the request's own sampling parameters (temperature,
-    top-k/p, min-p) pick its tokens: no history, bias, grammar or logprobs."""
-    p = request.sampling_params
-    return (p.logprobs is None and p.prompt_logprobs is None
-            and not p.has_penalties and not p.edits_logits and p.structured is None
-            and (p.best_of or p.n) == 1 and not request.remote_decode)
+    """Whether a decoding request may verify guesses: each guess row is sampled as a
+    one-token step samples that position (its history, bias, grammar state, logprobs:
+    verify.py), each of n sequences is its own request, and a decode has its prompt
+    logprobs already; so any but a PD prefill's hand-over (one token, then the decode
+    peer goes on)."""
+    return not request.remote_decode
 
 
 def max_batch_from_profile(profile, k: int, max_num_seqs: int, ctx: int = 512) -> int:

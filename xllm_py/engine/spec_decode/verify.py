@@ -2,63 +2,90 @@
 are kept while each equals the model's token before it, then the model's own next token
 is added.
 
-Greedy rows: the model's tokens are the argmax of each row. Output: exactly the tokens
-one-token greedy steps would emit (the verify rows' logits are the decode step's:
-docs/DESIGN.md, the CPU fast path).
+One sampler call per step (`sample_step`) picks them all: the row of every sampling seq
+at its last known token, then the rows of every speculating seq's guesses. Guess row j
+of a request is the row the one-token step at output position n + 1 + j would sample
+(`guess_rows`; n: the request's output length): its draw position, its token history
+with the guesses up to it (penalties, bad words), its bias, its grammar's mask after
+those guesses (EngineGrammars.mask), logprobs of its raw logits. Those logits are the
+one-token step's bit for bit (docs/DESIGN.md, the CPU fast path; the verify rows test),
+so each emitted token and its logprobs are what a step without speculation gives.
+
+Greedy rows: the model's tokens are the argmax of each (processed) row: exactly the
+tokens one-token greedy steps emit.
 
 Sampled rows (temperature > 0): speculative sampling with a one-hot proposal (the
 proposers here guess one token, with certainty). Its rule, accept guess d with
 probability p(d), else emit a token from p with d removed and renormalised, and after
 the last accepted guess a bonus token from p, is the same as drawing x ~ p at each row
 and keeping d where x == d: P(keep) = p(d), and given x != d, x is distributed as p(y) /
-(1 - p(d)) for y != d; so each emitted token is distributed as the model's. Each row is
-drawn by the sampler as a one-token step would draw that output position: a seeded
+(1 - p(d)) for y != d; so each emitted token is distributed as the model's. A seeded
 request draws from (seed, output position) alone, so its tokens are the ones it emits
 without speculation.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 
-def verify(seqs: Sequence, spec: list, sampled: dict[str, int],
-           sample: Callable | None = None, requests: Mapping | None = None
-           ) -> dict[str, list[int]]:
-    """Per speculating seq (`spec`: StepLogits.spec, (seq index, its guesses' logits)), the
-    guesses the model agrees with and the model's token after them. `sample`: the engine's
-    Sampler and `requests` its scheduler's, for sampled rows."""
-    out = {}
-    for i, rows in spec:
-        rid = seqs[i].request_id
-        request = requests.get(rid) if requests is not None else None
-        if request is None or request.sampling_params.is_greedy:
-            targets = greedy_targets(sampled[rid], rows)
-        else:
-            targets = [sampled[rid]] + sampled_targets(sample, request, rows)
-        out[rid] = accept_greedy(seqs[i].spec_token_ids, targets)[1:]
+@dataclasses.dataclass
+class StepTokens:
+    """What one step's sampling picked, per request id."""
+
+    sampled: dict[str, int] = dataclasses.field(default_factory=dict)  # at the last token
+    # a speculating seq's guesses kept, then the model's token after them
+    accepted: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # requests that ask: a TokenLogprob per token, the sampled one, then the accepted ones
+    logprobs: dict[str, list] = dataclasses.field(default_factory=dict)
+
+
+def sample_step(seqs: Sequence, step_logits: Any, requests: Mapping, sampler: Callable,
+                grammars: Any, row_of: Callable) -> StepTokens:
+    """The tokens of a step (`step_logits`: model_runner.StepLogits of `seqs`): `requests`
+    the scheduler's by id, `sampler` the engine's Sampler, `grammars` its EngineGrammars,
+    `row_of(request)` a request's SamplingRow (sampler.request_row)."""
+    out = StepTokens()
+    logits = step_logits.sample
+    if logits is None:
+        return out
+    sample_seqs = [s for s in seqs if s.sample]
+    batch = [requests[s.request_id] for s in sample_seqs]
+    rows = [row_of(r) for r in batch]
+    guessing = [(requests[seqs[i].request_id], seqs[i].spec_token_ids)
+                for i, _ in step_logits.spec]
+    if guessing:
+        own = {r.request_id: row for r, row in zip(batch, rows)}
+        for request, drafts in guessing:
+            rows.extend(guess_rows(own[request.request_id], drafts))
+        logits = step_logits.sample_and_spec
+    picked = sampler(logits, rows, grammars.mask(batch, guessing))
+    ids, lps = picked.token_ids, picked.logprobs
+    for s, token_id, lp in zip(sample_seqs, ids, lps):
+        out.sampled[s.request_id] = token_id
+        if lp is not None:
+            out.logprobs[s.request_id] = [lp]
+    first = len(sample_seqs)
+    for request, drafts in guessing:
+        rid = request.request_id
+        kept = accept_greedy(drafts, [out.sampled[rid], *ids[first:first + len(drafts)]])
+        out.accepted[rid] = kept[1:]
+        if rid in out.logprobs:
+            out.logprobs[rid] += lps[first:first + len(kept) - 1]
+        first += len(drafts)
     return out
 
 
-def greedy_targets(first: int, rows) -> list[int]:
-    """The model's tokens: `first` (the sampler's, at the last token) and the argmax of
-    each guess's float32 logits row, as the sampler's greedy path takes it (no torch
-    imported here: the engine loop imports this module)."""
-    if rows.device.type == "cpu" and not rows.requires_grad:
-        return [first] + rows.numpy().argmax(axis=-1).tolist()
-    return [first] + rows.argmax(dim=-1).tolist()
-
-
-def sampled_targets(sample: Callable, request, rows) -> list[int]:
-    """The sampler's draw at each guess row: row j is output position n + 1 + j, where n
-    is the request's output length (the sampler drew position n at its last token)."""
-    from xllm_py.engine.sampler import request_row  # (torch: only once a row samples)
-
-    row = request_row(request)
+def guess_rows(row: Any, drafts: Sequence[int]) -> list:
+    """The SamplingRows of a request's guess rows, from its own `row` (at output position
+    n): row j draws as position n + 1 + j does, its history the output and drafts[:j + 1]
+    (the tokens before that position once the guesses up to it are kept)."""
     n = row.num_output_tokens_so_far
-    shifted = [dataclasses.replace(row, num_output_tokens_so_far=n + 1 + j)
-               for j in range(rows.shape[0])]
-    return sample(rows, shifted).token_ids
+    history = row.params.reads_history
+    return [dataclasses.replace(
+        row, num_output_tokens_so_far=n + 1 + j,
+        output_token_ids=[*row.output_token_ids, *drafts[:j + 1]] if history else ())
+        for j in range(len(drafts))]
 
 
 def accept_greedy(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
