@@ -77,6 +77,12 @@ class InstanceMeta:
     # One per worker (with addrs): what a peer's transfer hello must carry (kv_transfer/base.py).
     # Secret: in etcd (TLS) and LinkInstance only, never in a repr or a log.
     transfer_keys: list[str] = dataclasses.field(default_factory=list, repr=False)
+    # Elastic (a MIX started in a cluster: it takes the duty the master assigns,
+    # cluster/role_assignment.py): `duty` is the assignment it acknowledged ("": none
+    # yet, MIX) and `duty_epoch` that assignment's epoch. JSON only.
+    elastic: bool = False
+    duty: str = ""
+    duty_epoch: int = 0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -86,6 +92,13 @@ class InstanceMeta:
 
     @property
     def role(self) -> InstanceRole:
+        return self.type
+
+    @property
+    def serving_role(self) -> InstanceRole:
+        """The role it serves now: an elastic instance's acknowledged duty, else its type."""
+        if self.elastic and self.duty:
+            return InstanceRole.parse(self.duty)
         return self.type
 
     # ------------------------------------------------------------------ JSON
@@ -147,7 +160,7 @@ _LIST_INT = {"cluster_ids", "ports"}
 _LIST_STR = {"addrs", "worker_rpc_addrs", "transfer_keys"}
 _INT = {
     "dp_size", "register_ts_ms", "kv_split_size", "schema_version", "block_size",
-    "tp_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks",
+    "tp_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks", "duty_epoch",
 }
 
 
@@ -160,7 +173,7 @@ def _coerce(name: str, value: Any) -> Any:
             return [str(v) for v in value]
         if name in _INT:
             return int(value)
-        if name == "draining":
+        if name in ("draining", "elastic"):
             if not isinstance(value, bool):
                 raise ValueError("must be true or false")
             return value

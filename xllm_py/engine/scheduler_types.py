@@ -47,6 +47,7 @@ class RequestUpdate:
     # Prefill side of PD: done here, blocks held for the decode peer (finish_sending).
     kv_held: bool = False
     num_cached_tokens: int = 0  # prefix-cache hit at admission (the request may be gone)
+    remote_decode: bool = False  # the request's (it may be gone): its decode is elsewhere
 
 
 @dataclasses.dataclass
