@@ -28,7 +28,7 @@ from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import LLMEngine
 from xllm_py.engine.pd.connector import PDConnector
 from xllm_py.engine.pd.decode import DecodeSide
-from xllm_py.engine.pd.duty import Duty
+from xllm_py.engine.pd.duty import Duty, DutyState
 from xllm_py.engine.pd.handlers import (DecodeHandler, ElasticHandler, EngineHandler,
                                         PrefillHandler)
 from xllm_py.engine.pd.links import DecodeLister, Links, MetaResolver
@@ -83,6 +83,9 @@ class PDRole:
                                             list_prefills,
                                             resolve_meta, self.metrics,
                                             lambda: decode.num_offline_placed)
+        self.metrics.watch_sides(
+            self._pending, (lambda: self.duty.state.value) if self.duty is not None else None,
+            tuple(s.value for s in DutyState))
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -108,7 +111,8 @@ class PDRole:
 
     def _pending(self) -> tuple[int, int]:
         """(prefill side's requests not handed over, decode side's open placements)."""
-        return self.prefill.num_pending(), self.decode.num_open()
+        return (self.prefill.num_pending() if self.prefill is not None else 0,
+                self.decode.num_open() if self.decode is not None else 0)
 
     def handler(self) -> EngineHandler:
         """What this instance's DisaggPDService serves (service.py), for its role."""
