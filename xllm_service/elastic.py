@@ -10,7 +10,8 @@ routes by; nothing else changes in routing.
 
 A master that takes office reads every assignment first (epochs, pins), so it continues
 from them; the flip times it did not see count as now (no instance flips again within
-`min_dwell_s` of a takeover). A follower replica writes nothing.
+`min_dwell_s` of a takeover). It reads them again every round: an operator pins or
+unpins an instance in etcd. A follower replica writes nothing.
 """
 from __future__ import annotations
 
@@ -110,9 +111,20 @@ class RoleAssigner:
 
     async def take_office(self) -> None:
         """Read every assignment (a new master continues from them)."""
-        kvs, _ = await self.etcd.get_prefix(ROLE_PREFIX)
+        await self.read_assignments()
         now = self.clock()
-        self.assignments = {}
+        for name in self.assignments:
+            self.last_flip_s[name] = now
+        self.policy.started_s = now
+        self._in_office = True
+        logger.info("elastic PD: master continues from %d role assignment(s)",
+                    len(self.assignments))
+
+    async def read_assignments(self) -> None:
+        """Every round: what etcd holds wins (an operator pins or unpins an instance
+        there, another master wrote while this one could not reach etcd)."""
+        kvs, _ = await self.etcd.get_prefix(ROLE_PREFIX)
+        assignments = {}
         for kv in kvs:
             name = name_of_role_key(kv.key)
             try:
@@ -121,12 +133,8 @@ class RoleAssigner:
                 logger.warning("ignoring %s: %s", kv.key, exc)
                 continue
             if name is not None:
-                self.assignments[name] = assignment
-                self.last_flip_s[name] = now
-        self.policy.started_s = now
-        self._in_office = True
-        logger.info("elastic PD: master continues from %d role assignment(s)",
-                    len(self.assignments))
+                assignments[name] = assignment
+        self.assignments = assignments
 
     def views(self, now: float) -> list[InstanceView]:
         out = []
@@ -154,6 +162,8 @@ class RoleAssigner:
             return []
         if not self._in_office:
             await self.take_office()
+        else:
+            await self.read_assignments()
         now = self.clock()
         views = self.views(now)
         self._count_time(now, views)

@@ -1,5 +1,6 @@
-"""Elastic prefill/decode end to end: a service with `--elastic-pd on` and three engines
-started MIX (tiny model, each registering a latency profile) on a real etcd. The master
+"""Elastic prefill/decode end to end, in PULL and in PUSH: two services with `--elastic-pd
+on` and three engines started MIX (tiny model, each registering a latency profile) on a
+real etcd. The master
 assigns the split; under a shifting load (long prompts with short answers, then short
 prompts with long answers) instances flip while requests are queued on the prefill and
 streaming on the decode: every request gives the greedy tokens of the engines' own MIX
@@ -28,16 +29,17 @@ COMMON = ["--block-size", "16", "--num-blocks", "1024"]
 P, D = InstanceRole.PREFILL, InstanceRole.DECODE
 
 
-@pytest.fixture(scope="module")
-def cluster(etcd_server, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs-elastic")
+@pytest.fixture(scope="module", params=["PULL", "PUSH"])
+def cluster(etcd_server, tmp_path_factory, request):
+    mode = request.param
+    logs = tmp_path_factory.mktemp(f"logs-elastic-{mode}")
     profile = logs / "profile.json"
     profile.write_text(json.dumps(PROFILE))
-    h = Harness(etcd_server.endpoint, "elastic/", logs)
+    h = Harness(etcd_server.endpoint, f"elastic-{mode}/", logs)
     try:
         services = [h.service(f"service-{i}", extra=["--elastic-pd", "on"],
                               settings={"elastic_min_dwell_s": 600}) for i in range(2)]
-        engines = [h.engine("MIX", f"mix-{i}", extra=COMMON,
+        engines = [h.engine("MIX", f"mix-{i}", extra=[*COMMON, "--kv-cache-transfer-mode", mode],
                             settings={"latency_profile": str(profile)}) for i in range(3)]
         for e in engines:
             e.wait_ready(240)
