@@ -28,7 +28,6 @@ from xllm_py.cluster.etcd_client import EtcdClient, EtcdError
 from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.cluster.role_assignment import (ROLE_PREFIX, RoleAssignment, RoleAssignmentError,
                                              name_of_role_key, role_key)
-from xllm_py.config import InstanceRole
 from xllm_service.elastic_policy import Demand, ElasticPolicy, Flip, InstanceView
 from xllm_service.instance_table import InstanceInfo
 
