@@ -137,3 +137,63 @@ def test_follower_follows_acknowledges_once_and_survives_errors():
         assert duty.state is S.DECODE and published == [(P, 1), (D, 2)]
 
     asyncio.run(run())
+
+
+class FakeSide:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def add_request(self, spec) -> None:
+        self.calls.append(("prefill", spec.request_id))
+
+    def num_pending(self) -> int:
+        return 0
+
+    def phase(self, request_id):
+        return None
+
+    async def add_new_requests(self, prefill_name, items):
+        self.calls.append(("placed", prefill_name))
+        return []
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.submitted: list[str] = []
+
+    def try_submit(self, req) -> bool:
+        self.submitted.append(req.request_id)
+        return True
+
+
+class FakeReporter:
+    def sink(self, *args, **kwargs):
+        return None
+
+
+def test_elastic_handler_routes_by_the_request_and_refuses_placements_as_prefill():
+    from xllm_py.engine.pd.handlers import ElasticHandler
+    from xllm_py.rpc.convert import EngineRequestSpec
+    from xllm_py.sampling_params import SamplingParams
+    from xllm_py.status import Status, StatusError
+
+    side, engine, duty = FakeSide(), FakeEngine(), Duty(Work())
+    handler = ElasticHandler(engine, FakeReporter(), side, side, links=None, duty=duty)
+
+    def spec(rid: str, decode: str = "") -> EngineRequestSpec:
+        return EngineRequestSpec(request_id=rid, service_request_id=rid, prompt_token_ids=[1, 2],
+                                 params=SamplingParams(),
+                                 source_xservice_addr="svc:1", decode_name=decode)
+
+    duty.assign(RoleAssignment(D, 1))
+    handler.generate(spec("pd", decode="other"))  # routed as a PD prompt: the prefill side
+    handler.generate(spec("whole"))               # anything else runs whole
+    assert side.calls == [("prefill", "pd")] and engine.submitted == ["whole"]
+    asyncio.run(handler.add_new_requests("p", []))
+    duty.assign(RoleAssignment(P, 2))
+    with pytest.raises(StatusError) as exc:
+        asyncio.run(handler.add_new_requests("p", []))
+    assert exc.value.status is Status.FAILED_PRECONDITION and "PREFILL" in exc.value.message
+    assert side.calls[-1] == ("placed", "p")  # (only the one taken as a decode)
+    handler.check("FirstGeneration")  # open placements still complete
+    handler.check("SendPullSignal")

@@ -76,10 +76,9 @@ class PDRole:
         if self.role != InstanceRole.PREFILL:
             self.decode = DecodeSide(engine, self.connector, config, pd_config, reporter,
                                      peers, self.metrics, self._spawn)
-            # (elastic: none; offline work is pulled by the instances started DECODE)
-            if list_prefills is not None and resolve_meta is not None and self.duty is None:
+            if list_prefills is not None and resolve_meta is not None:
                 decode = self.decode
-                self.puller = OfflinePuller(self.connector.offline_room, meta.name, peers,
+                self.puller = OfflinePuller(self._offline_room, meta.name, peers,
                                             list_prefills,
                                             resolve_meta, self.metrics,
                                             lambda: decode.num_offline_placed)
@@ -108,6 +107,12 @@ class PDRole:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def _offline_room(self) -> tuple[int, int] | None:
+        """Room for offline work: an elastic instance pulls it only in DECODE duty."""
+        if self.duty is not None and self.duty.serves is not InstanceRole.DECODE:
+            return None
+        return await self.connector.offline_room()
 
     def _pending(self) -> tuple[int, int]:
         """(prefill side's requests not handed over, decode side's open placements)."""
