@@ -94,7 +94,9 @@ class RoleAssigner:
                  is_master: Callable[[], bool], demand: DemandWindow,
                  stated_targets: Callable[[], tuple[float, float] | None],
                  policy: ElasticPolicy, metrics: ElasticMetrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 decodes_prefill: Callable[[], bool] = lambda: True) -> None:
+        """`decodes_prefill()`: the router sends prompts to decodes too (conditional)."""
         self.etcd = etcd
         self.instances = instances
         self.is_master = is_master
@@ -103,6 +105,7 @@ class RoleAssigner:
         self.policy = policy
         self.metrics = metrics
         self.clock = clock
+        self.decodes_prefill = decodes_prefill
         self.assignments: dict[str, RoleAssignment] = {}
         self.last_flip_s: dict[str, float] = {}
         self._in_office = False
@@ -166,7 +169,8 @@ class RoleAssigner:
         now = self.clock()
         views = self.views(now)
         self._count_time(now, views)
-        flips = self.policy.decide(now, views, self.demand.snapshot(), self.stated_targets())
+        flips = self.policy.decide(now, views, self.demand.snapshot(), self.stated_targets(),
+                                   self.decodes_prefill())
         if self.policy.last is not None:
             current, best = self.policy.last
             self.metrics.predicted.update(current=current.attainment, best=best.attainment)

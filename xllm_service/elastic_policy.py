@@ -4,8 +4,11 @@ no etcd, no clock; every call takes `now`, so the unit tests drive it with a fak
 The prediction (`predict`), for a split of P prefill-capable and D decode-capable
 instances under the demand the master measured (arrival rate, mean prompt and output
 tokens) and the live queues the heartbeats report:
-  - TTFT: the prompts queued on the prefills now, shared over P, plus one prompt's
-    time stretched by the prefills' utilisation (M/M/1: s / (1 - rho));
+  - TTFT: the prompts queued on the prefills now, shared over the prompt servers, plus
+    one prompt's time and its wait at their utilisation (M/D/1: the profile's cost is
+    deterministic); the servers are the P prefills and, where the service sends prompts
+    to decodes (conditional disaggregation), each decode's share of time its TPOT
+    headroom leaves (1 - TPOT / target);
   - TPOT: the decode step of the streams per decode, their number the larger of those
     running now and what Little's law gives at that step time (a linear step model);
   - attainment: a factor per target, 1 within it and (target / predicted)^2 beyond;
@@ -98,16 +101,15 @@ def _factor(predicted: float, target: float) -> float:
 
 
 def predict(prefills: int, decodes: int, profiles: Sequence[LatencyProfile], demand: Demand,
-            queued: int, streams: int, targets: tuple[float, float]) -> Prediction:
+            queued: int, streams: int, targets: tuple[float, float],
+            decodes_prefill: bool = True) -> Prediction:
     """Predicted TTFT, TPOT and attainment of `prefills` / `decodes` instances of these
     `profiles` (averaged), with `queued` prompts waiting on the prefills and `streams`
-    running on the decodes now."""
+    running on the decodes now; `decodes_prefill`: the service also sends prompts to
+    decodes with TPOT headroom (conditional disaggregation)."""
     if prefills <= 0 or decodes <= 0 or not profiles:
         return Prediction(math.inf, math.inf, 0.0)
     lp, lo = max(1, round(demand.prompt_tokens)), max(1.0, demand.output_tokens)
-    per_prompt = _mean(profiles, lambda p: p.prefill_ms(lp))
-    rho = demand.rate * per_prompt / 1000 / prefills
-    ttft = queued * per_prompt / prefills + per_prompt / max(1.0 - rho, 0.02)
     ctx = lp + lo / 2
     # A decode step costs a + c * b for b streams; the streams per decode at a rate of
     # x tokens per ms each decode owes are b = x * (a + c * b) (Little's law), so
@@ -118,6 +120,16 @@ def predict(prefills: int, decodes: int, profiles: Sequence[LatencyProfile], dem
     b = max(x * a / max(1.0 - x * c, 0.02), streams / decodes, 1.0)
     tpot = a + c * b
     ttft_target, tpot_target = targets
+    # Prompt servers: the prefills, and the share of each decode's time its TPOT headroom
+    # leaves for prompts when the service sends prompts there.
+    headroom = max(0.0, 1.0 - tpot / tpot_target) if tpot_target > 0 else 0.0
+    servers = prefills + (decodes * headroom if decodes_prefill else 0.0)
+    per_prompt = _mean(profiles, lambda p: p.prefill_ms(lp))
+    rho = demand.rate * per_prompt / 1000 / servers
+    # M/D/1 (a prompt's cost is its profile's: deterministic): the wait is
+    # rho * s / (2 (1 - rho)), on top of the prompts queued now
+    wait = per_prompt * rho / (2 * max(1.0 - rho, 0.02))
+    ttft = queued * per_prompt / servers + per_prompt + wait
     return Prediction(ttft, tpot, _factor(ttft, ttft_target) * _factor(tpot, tpot_target))
 
 
@@ -137,7 +149,10 @@ class ElasticPolicy:
         return slo_defaults.ttft_target_ms(profiles), slo_defaults.tpot_target_ms(profiles)
 
     def decide(self, now: float, views: Sequence[InstanceView], demand: Demand,
-               stated: tuple[float, float] | None = None) -> list[Flip]:
+               stated: tuple[float, float] | None = None,
+               decodes_prefill: bool = True) -> list[Flip]:
+        """The flips of one round at `now`; `decodes_prefill`: the router sends prompts to
+        decodes too (predict)."""
         profiles = [v.profile for v in views if v.profile is not None and v.role in (P, D)]
         profiles = profiles or [v.profile for v in views if v.profile is not None]
         if not profiles:
@@ -152,7 +167,8 @@ class ElasticPolicy:
         n = fixed_p + fixed_d + sum(1 for v in movable if v.role in (P, D) or v in unassigned)
 
         def score(p: int) -> Prediction:
-            return predict(p, n - p, profiles, demand, queued, streams, targets)
+            return predict(p, n - p, profiles, demand, queued, streams, targets,
+                           decodes_prefill)
 
         def best(lo: int, hi: int, around: float) -> tuple[int, Prediction]:
             # (ties: the split closest to `around`: no flip without a gain)

@@ -33,8 +33,8 @@ def fleet(*roles: InstanceRole, **kw) -> list[InstanceView]:
 def run(policy: ElasticPolicy, views, demand, t0: float, t1: float, step: float = 1.0):
     """Rounds from t0 to t1; the flips of the first round that made any, and when."""
     t = t0
-    while t <= t1:
-        flips = policy.decide(t, views, demand, TARGETS)
+    while t <= t1:  # (prompts on prefills only: the service's ALWAYS disaggregation)
+        flips = policy.decide(t, views, demand, TARGETS, decodes_prefill=False)
         if flips:
             return t, flips
         t += step
@@ -42,10 +42,16 @@ def run(policy: ElasticPolicy, views, demand, t0: float, t1: float, step: float 
 
 
 def test_prediction_follows_the_bottleneck():
-    two = predict(2, 2, [PROFILE], PREFILL_HEAVY, 0, 0, TARGETS)
-    three = predict(3, 1, [PROFILE], PREFILL_HEAVY, 0, 0, TARGETS)
+    two = predict(2, 2, [PROFILE], PREFILL_HEAVY, 0, 0, TARGETS, decodes_prefill=False)
+    three = predict(3, 1, [PROFILE], PREFILL_HEAVY, 0, 0, TARGETS, decodes_prefill=False)
     assert two.ttft_ms > TARGETS[0] > three.ttft_ms
     assert three.attainment > two.attainment
+    # decodes with TPOT headroom compute prompts too (conditional disaggregation)
+    shared = predict(2, 2, [PROFILE], PREFILL_HEAVY, 0, 0, TARGETS)
+    assert shared.ttft_ms < TARGETS[0] and shared.attainment == 1.0
+    # prompts queued now wait their turn
+    queued = predict(3, 1, [PROFILE], PREFILL_HEAVY, 12, 0, TARGETS, decodes_prefill=False)
+    assert queued.ttft_ms > three.ttft_ms + 800
     one_p = predict(1, 3, [PROFILE], DECODE_HEAVY, 0, 0, TARGETS)
     three_p = predict(3, 1, [PROFILE], DECODE_HEAVY, 0, 0, TARGETS)
     assert one_p.tpot_ms < three_p.tpot_ms and one_p.attainment > three_p.attainment
