@@ -36,6 +36,7 @@ from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.sampling_params import SamplingParams
 from xllm_py.utils.aio import wait_for
 from xllm_service.config import RelayConfig
+from xllm_service.elastic import DemandWindow
 from xllm_service.engine_client import SEND_ERRORS, Engines
 from xllm_service.instance_table import InstanceInfo
 from xllm_service.metrics import ServiceMetrics
@@ -52,7 +53,9 @@ SLO_MAX_MS = 2**31 - 1
 class ServiceBackend:
     def __init__(self, tokenizer, model_name: str, max_model_len: int, router: Router,
                  engines: Engines, my_rpc_addr: str, config: RelayConfig = RelayConfig(),
-                 subs: SubRequests | None = None, metrics: ServiceMetrics | None = None) -> None:
+                 subs: SubRequests | None = None, metrics: ServiceMetrics | None = None,
+                 demand: DemandWindow | None = None) -> None:
+        """`demand`: told every request routed (elastic PD's decisions read it)."""
         self._tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -63,6 +66,7 @@ class ServiceBackend:
         self.subs = subs if subs is not None else SubRequests()
         self.metrics = metrics or ServiceMetrics(self.subs.inflight_by_instance)
         self.metrics_registry = self.metrics.registry  # the process's one (GenerateBackend)
+        self.demand = demand
         self._tasks: set[asyncio.Task] = set()  # Cancel and migration RPCs, until done
         self.relocator = Relocator(self.subs, router, engines, self.metrics.migrations,
                                    fail=self._fail, log_route=self._log_route, spawn=self._spawn)
@@ -93,6 +97,9 @@ class ServiceBackend:
         except NoInstanceError as exc:
             raise ServiceUnavailableError(str(exc)) from None
         params = req.sampling
+        if self.demand is not None:
+            self.demand.add(len(getattr(req, "prompt_token_ids", None) or []),
+                            (params.max_tokens or 16) * params.n)
         split = route.on_decode_role  # generated on a decode: single-sequence subs
         if split and (params.n > 1 or (params.best_of or 0) > params.n):
             if (params.best_of or 0) > params.n:

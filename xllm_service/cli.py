@@ -7,7 +7,8 @@ import argparse
 
 from xllm_py.api.limits import add_limit_flags, limits_from_args
 from xllm_py.api.response_store import ResponseStoreLimits
-from xllm_service.config import RegistryConfig, RelayConfig, RouterConfig, ServiceConfig
+from xllm_service.config import (ElasticConfig, RegistryConfig, RelayConfig, RouterConfig,
+                                 ServiceConfig)
 from xllm_py.model.catalog import DEFAULT_MODEL
 from xllm_py.utils.cli import add_flag
 from xllm_py.utils.config_file import SettingsParser
@@ -50,6 +51,10 @@ def build_parser() -> SettingsParser:
     add_flag(p, "--tpot-slo-ms", type=float, default=None,
              help="SLO_AWARE: TPOT target of a request without tpot_slo_ms (0: none; "
                   "default: 1.25x a step of 8 streams of 1k context on the slowest decode)")
+    add_flag(p, "--elastic-pd", default="off", choices=["off", "on"], type=str.lower,
+             help="on: the master assigns the instances started MIX (each with a latency "
+                  "profile) prefill or decode duty as the load shifts; off: every role "
+                  "stays as started (an assignment in etcd can still pin one)")
     add_flag(p, "--batch-dir", default="",
              help="the Batch API's files and batches, shared by the cluster's services "
                   "(a shared volume across hosts; default: <temp dir>/xllm-batches/"
@@ -79,6 +84,15 @@ def _add_file_settings(p: SettingsParser) -> None:
                             "tokens are not in its prefix cache")
     p.add_file_setting("--pd-overhead-ms", type=float, default=d.pd_overhead_ms,
                        help="SLO_AWARE: TTFT added by disaggregation (KV pull, hand-over RPCs)")
+    e = ElasticConfig()
+    p.add_file_setting("--elastic-hold-s", type=float, default=e.hold_s,
+                       help="--elastic-pd: a better split must be predicted this long before "
+                            "instances flip")
+    p.add_file_setting("--elastic-min-dwell-s", type=float, default=e.min_dwell_s,
+                       help="--elastic-pd: the least time between two flips of one instance")
+    p.add_file_setting("--elastic-margin", type=float, default=e.margin,
+                       help="--elastic-pd: a flip must raise the predicted SLO attainment by this "
+                            "fraction")
     p.add_file_setting("--evict-grace-s", type=float, default=RegistryConfig().evict_grace_s,
                        help="seconds a dead instance stays SUSPECT before it is evicted")
     r = RelayConfig()
@@ -110,6 +124,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                             tpot_slo_ms=args.tpot_slo_ms),
         relay=RelayConfig(rpc_timeout_s=args.rpc_timeout,
                           idle_timeout_s=args.request_idle_timeout),
+        elastic=ElasticConfig(enabled=args.elastic_pd == "on", hold_s=args.elastic_hold_s,
+                              min_dwell_s=args.elastic_min_dwell_s,
+                              margin=args.elastic_margin),
         security=security_from_args(args),
         api=limits_from_args(args), batch_dir=args.batch_dir,
         responses=ResponseStoreLimits(max_responses=args.responses_max,

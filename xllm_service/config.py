@@ -91,6 +91,20 @@ class RouterConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ElasticConfig:
+    """Elastic prefill/decode (elastic_policy.py): the master's role decisions."""
+    enabled: bool = False        # --elastic-pd on|off
+    interval_s: float = 1.0      # a decision round
+    margin: float = 0.05         # the better split's attainment: at least 1 + this times
+    hold_s: float = 5.0          # ... in every round for this long
+    min_dwell_s: float = 30.0    # between two flips of one instance
+    warmup_s: float = 5.0        # an instance this young, a master this new: no evidence
+    min_samples: int = 20        # requests in the demand window before a flip
+    max_step: int = 2            # instances moved in one decision
+    window_s: float = 10.0       # the demand window
+
+
+@dataclasses.dataclass(frozen=True)
 class RelayConfig:
     """The service's requests to the engines (xllm_service.backend)."""
     # Deadline of Generate and MultiGenerations.
@@ -128,6 +142,7 @@ class ServiceConfig:
     registry: RegistryConfig = dataclasses.field(default_factory=RegistryConfig)
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
     relay: RelayConfig = dataclasses.field(default_factory=RelayConfig)
+    elastic: ElasticConfig = dataclasses.field(default_factory=ElasticConfig)
     api: APILimits = dataclasses.field(default_factory=APILimits)
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
     # The Batch API's files, batches and journals (xllm_service/batch/), shared by every

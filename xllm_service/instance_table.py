@@ -78,7 +78,8 @@ class InstanceInfo:
 
     @property
     def role(self) -> InstanceRole:
-        return self.meta.type
+        """The role it serves (routing): an elastic instance's acknowledged duty."""
+        return self.meta.serving_role
 
     @property
     def incarnation_id(self) -> str:
@@ -201,7 +202,7 @@ class InstanceTable:
         re-registered under a new role) does not touch the entry.
         """
         cur = self._entries.get(name)
-        if cur is None or (role is not None and role != cur.role):
+        if cur is None or (role is not None and role != cur.meta.type):
             return []
         cur.key_present = False
         if cur.state is InstanceState.ACTIVE:

@@ -29,6 +29,8 @@ async def run_service(config: ServiceConfig) -> None:
     from xllm_py.tls import channel_credentials, server_credentials
     from xllm_service.backend import ServiceBackend
     from xllm_service.batch.service import BatchService
+    from xllm_service.elastic import DemandWindow, ElasticMetrics, RoleAssigner
+    from xllm_service.elastic_policy import ElasticPolicy
     from xllm_service.election import MasterElection
     from xllm_service.engine_client import EngineClient
     from xllm_service.metrics import ServiceMetrics
@@ -64,8 +66,10 @@ async def run_service(config: ServiceConfig) -> None:
                           prefix_index)
     metrics = ServiceMetrics(subs.inflight_by_instance, prefix_index.sizes, registry.counts,
                              router.stated_targets)
+    demand = DemandWindow(config.elastic.window_s) if config.elastic.enabled else None
     backend = ServiceBackend(tokenizer, config.model_name, max_len, router,
-                             EngineClient(config.relay, channel_credentials(tls) if tls is not None else None), rpc_addr, config.relay, subs, metrics)
+                             EngineClient(config.relay, channel_credentials(tls) if tls is not None else None), rpc_addr, config.relay, subs, metrics,
+                             demand=demand)
     registry.on_cache_event(prefix_index.update)
     registry.on_evict(lambda info, reason: backend.on_evict(info))
     registry.on_evict(lambda info, reason: prefix_index.forget(info.name))
@@ -77,6 +81,14 @@ async def run_service(config: ServiceConfig) -> None:
     election.on_change(lambda is_master, addr: logger.info(
         "master is now %s%s", addr, " (this service)" if is_master else ""))
     await election.start()
+    elastic_task = None
+    if demand is not None:
+        elastic_metrics = ElasticMetrics()
+        metrics.registry.register(elastic_metrics)
+        assigner = RoleAssigner(etcd, registry.all, lambda: election.is_master, demand,
+                                router.stated_targets, ElasticPolicy(config.elastic),
+                                elastic_metrics, decodes_prefill=lambda: router.conditional)
+        elastic_task = asyncio.create_task(assigner.run(config.elastic.interval_s))
 
     app = build_app(backend, served_model_name=config.model_name,
                     api_keys=config.security.api_keys,
@@ -99,6 +111,8 @@ async def run_service(config: ServiceConfig) -> None:
         logger.error("HTTP server failed: %s", http_task.exception())
     logger.info("shutting down")
     stop.set()
+    if elastic_task is not None:
+        elastic_task.cancel()
     try:
         await wait_for(http_task, config.http_shutdown_s)
     except (asyncio.TimeoutError, asyncio.CancelledError, Exception):

@@ -84,6 +84,12 @@ class InstanceMeta:
     # pool holds (model/kv_layout.py); empty from a writer that predates it: then every
     # rank holds every layer and its TP share of the heads.
     rank_kv: list[list[int]] = dataclasses.field(default_factory=list)
+    # Elastic (a MIX started in a cluster: it takes the duty the master assigns,
+    # cluster/role_assignment.py): `duty` is the assignment it acknowledged ("": none
+    # yet, MIX) and `duty_epoch` that assignment's epoch. JSON only.
+    elastic: bool = False
+    duty: str = ""
+    duty_epoch: int = 0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -93,6 +99,13 @@ class InstanceMeta:
 
     @property
     def role(self) -> InstanceRole:
+        return self.type
+
+    @property
+    def serving_role(self) -> InstanceRole:
+        """The role it serves now: an elastic instance's acknowledged duty, else its type."""
+        if self.elastic and self.duty:
+            return InstanceRole.parse(self.duty)
         return self.type
 
     # ------------------------------------------------------------------ JSON
@@ -178,7 +191,7 @@ _LIST_INT = {"cluster_ids", "ports"}
 _LIST_STR = {"addrs", "worker_rpc_addrs", "transfer_keys"}
 _INT = {
     "dp_size", "pp_size", "register_ts_ms", "kv_split_size", "schema_version", "block_size",
-    "tp_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks",
+    "tp_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks", "duty_epoch",
 }
 
 
@@ -196,7 +209,7 @@ def _coerce(name: str, value: Any) -> Any:
             return [str(v) for v in value]
         if name in _INT:
             return int(value)
-        if name == "draining":
+        if name in ("draining", "elastic"):
             if not isinstance(value, bool):
                 raise ValueError("must be true or false")
             return value

@@ -3,6 +3,8 @@
 Stages: KV worker (PD roles: transfer listener + WorkerService gRPC) -> DisaggPDService
 gRPC -> Generations reporter hooked to the engine loop -> registration in etcd with a
 kept-alive lease + heartbeats to the master -> (PD) PDRole.
+A MIX engine in a cluster is elastic (engine/pd/duty.py): it runs the PD stages as well,
+both PD sides, and a RoleFollower that takes the duty the master assigns it in etcd.
 Stop: deregister, stop the PD role, the gRPC servers, the worker, the reporter.
 """
 from __future__ import annotations
@@ -15,12 +17,14 @@ import grpc
 
 from xllm_py.cluster.etcd_client import instance_key
 from xllm_py.cluster.instance_meta import InstanceMeta
+from xllm_py.cluster.role_assignment import RoleAssignment, role_key
 from xllm_py.cluster.meta_cache import MetaCache
 from xllm_py.config import EngineConfig, InstanceRole, advertised_host, etcd_credentials_from_env
 from xllm_py.engine.cache_events import CacheEvents
 from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.instance_agent import InstanceAgent, LoadReport
 from xllm_py.engine.llm_engine import LLMEngine
+from xllm_py.engine.pd.duty import RoleFollower
 from xllm_py.engine.pd.role import PDRole
 from xllm_py.engine.pd.service import DisaggPDServicer
 from xllm_py.engine.self_profile import GUARD_SETTINGS, apply_derived, moved
@@ -46,6 +50,10 @@ class ClusterNode:
         self.engine = engine
         self.backend = backend
         self.role = config.role
+        self.elastic = config.role == InstanceRole.MIX
+        # PD stages: a KV worker, a PDRole (elastic: both sides)
+        self.runs_pd = self.elastic or self.role in (InstanceRole.PREFILL, InstanceRole.DECODE)
+        self.follower: RoleFollower | None = None
         self.addr_host = advertised_host(config.host, config.advertise_host)
         self.name = config.instance_name or f"{self.addr_host}:{config.port}"
         self.agent: InstanceAgent | None = None
@@ -60,13 +68,14 @@ class ClusterNode:
         self.metas = MetaCache(self._fetch_meta)
         self.cache_events = CacheEvents()  # for the service's cache-aware routing
         self._profile_task: asyncio.Task | None = None
+        self._follow_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
         cluster_id = random.getrandbits(63)
         transfer_addr, worker_addr = "", ""
-        if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
+        if self.runs_pd:
             from xllm_py.parallel.kv_workers import start_kv_worker
 
             self.worker = await start_kv_worker(self.engine.storage, cfg.transfer, cfg.host,
@@ -100,7 +109,7 @@ class ClusterNode:
         self.engine.step_listeners.append(lambda: self.cache_events.collect(pool))
         # The servicer gets its PD role once the bound port (part of our meta) is
         # known; nobody routes here before the agent registers us, at the end.
-        servicer = DisaggPDServicer(self.engine, self.role, self.reporter)
+        servicer = DisaggPDServicer(self.engine, self.role, self.reporter, starting=self.runs_pd)
         self._server, port = await start_grpc_server(
             pb_grpc.add_DisaggPDServiceServicer_to_server, servicer, cfg.host,
             cfg.disagg_pd_port, "DisaggPDService", credentials=self._server_credentials)
@@ -121,7 +130,8 @@ class ClusterNode:
                 mc.num_layers, mc.num_kv_heads, cfg.tensor_parallel_size,
                 cfg.pipeline_parallel_size, cfg.pp_layer_partition).ranks],
             latency_profile=self._latency_profile(),
-            kv_tiers=self.engine.tiering.describe() if self.engine.tiering is not None else {})
+            kv_tiers=self.engine.tiering.describe() if self.engine.tiering is not None else {},
+            elastic=self.elastic)
         self.agent = InstanceAgent(cfg.etcd_addr, self.meta, ttl_s=cfg.etcd_ttl_s,
                                    namespace=cfg.etcd_namespace,
                                    heartbeat_interval_s=cfg.heartbeat_interval_s,
@@ -129,7 +139,7 @@ class ClusterNode:
                                    cache_fn=self.cache_events.drain, tls=cfg.security.tls,
                                    etcd_tls=cfg.security.etcd_tls)
         self.meta = self.agent.meta  # with its incarnation id
-        if self.role in (InstanceRole.PREFILL, InstanceRole.DECODE):
+        if self.runs_pd:
             local = InProcessWorker(self.worker.worker, cfg.rpc_timeout_s,
                                     cfg.transfer.timeout_s)  # rank 0's moves: no gRPC to itself
             ranks = [GrpcWorkerClient(a, cfg.rpc_timeout_s, cfg.transfer.timeout_s,
@@ -146,11 +156,25 @@ class ClusterNode:
                              latency_profile=self.engine.latency_profile)
             self.pd.start()
             servicer.attach(self.pd)
+        if self.pd is not None and self.pd.duty is not None:
+            self.follower = RoleFollower(self.pd.duty, self._read_assignment,
+                                         self._publish_duty, cfg.heartbeat_interval_s)
+            self._follow_task = asyncio.create_task(self.follower.loop())
         await self.agent.start()
         if self.engine.profile_corrector is not None:
             self._profile_task = asyncio.create_task(self._republish_profile())
         logger.info("instance %s (%s) joined etcd %s: rpc %s, transfer %s", self.name,
                     self.role.value, cfg.etcd_addr, self.meta.rpc_address, transfer_addr or "-")
+
+    async def _read_assignment(self) -> RoleAssignment | None:
+        kv = await self.agent.etcd.get(role_key(self.name))
+        return RoleAssignment.from_json(kv.value) if kv is not None else None
+
+    def _publish_duty(self, role: InstanceRole, epoch: int) -> None:
+        """Acknowledge the assignment followed: in the registration, which every
+        service replica watches and routes by (heartbeats reach only the master)."""
+        self.agent.update_meta(duty=role.value, duty_epoch=epoch)
+        self.meta = self.agent.meta
 
     def _register_transfer_metrics(self, rank_addrs: list[str]) -> None:
         """Our KV worker's transfer counters on /metrics (label rank="0"); TP > 1: every
@@ -236,8 +260,9 @@ class ClusterNode:
         return wire.instance_ids_from_proto(reply)
 
     async def stop(self) -> None:
-        if self._profile_task is not None:
-            self._profile_task.cancel()
+        for task in (self._profile_task, self._follow_task):
+            if task is not None:
+                task.cancel()
         steps = []
         if self.agent is not None:
             steps.append(self.agent.stop())

@@ -187,11 +187,11 @@ class LLMEngine:
 
     def set_connector(self, connector: KVConnector) -> None:
         """Install the KV connector (before requests arrive). One that hands requests over
-        (`hands_over`) makes this a PD prefill: every request ends here at its first
-        sampled token, its KV held (SENDING_KV) until the connector's SendDone; raises
-        ValueError on another role."""
-        if connector.hands_over and self.role != InstanceRole.PREFILL:
-            raise ValueError(f"only a PREFILL engine hands requests over, not {self.role.value}")
+        (`hands_over`: a PD prefill, or an elastic MIX) ends each request submitted with
+        `remote_decode` at its first sampled token, its KV held (SENDING_KV) until the
+        connector's SendDone; raises ValueError on a DECODE."""
+        if connector.hands_over and self.role == InstanceRole.DECODE:
+            raise ValueError("a DECODE engine hands no request over")
         self.connector = connector
 
     @property
@@ -398,7 +398,7 @@ class LLMEngine:
             finish_reason, upd.stop_reason, self._finish_by_stop_string)
         if delta is not None:
             by_parent.setdefault(parent_id, []).append(delta)
-        if self.connector.hands_over:  # PD prefill: every request, at its first token
+        if upd.remote_decode and self.connector.hands_over:  # a PD prompt's first token
             tables = [list(t) for t in self.scheduler.kv.tables(request)] if request else [[]]
             handovers.append((upd, delta, tables, parent_id))
 

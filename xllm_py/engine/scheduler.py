@@ -320,47 +320,56 @@ class ContinuousScheduler:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != S.RUNNING:
                 continue  # finished or preempted since schedule()
-            request.num_computed_tokens = seq.start_pos + len(seq.token_ids) - len(seq.spec_token_ids)
-            self.kv.cache_full_blocks(request)
-            cached = request.num_cached_tokens
-            if not seq.sample:
-                if (request.sampling_params.max_tokens == 0
-                        and request.num_computed_tokens >= request.num_tokens):
-                    self._end(request, S.FINISHED_LENGTH_CAPPED)  # prompt scored: done
-                    updates.append(RequestUpdate(request.request_id, [], True, "length",
-                                                 num_cached_tokens=cached))
-                continue
-            token_id = sampled.get(seq.request_id)
-            if token_id is None:
-                logger.warning("no sampled token for request %s; failing it", seq.request_id)
-                request.error_message = "no token was sampled"
-                self._end(request, S.FINISHED_ERROR)
-                updates.append(RequestUpdate(request.request_id, [], True, "error",
-                                             num_cached_tokens=cached))
-                continue
-            tokens, status = append_until_stop(
-                request, [token_id, *(accepted or {}).get(seq.request_id, ())], self.max_model_len)
-            predicted = None
-            if seq.spec_token_ids:
-                self.speculator.settle(request, len(seq.spec_token_ids), len(tokens), self.kv)
-                predicted = self.speculator.prediction_usage(request)
-            if status is not None:
-                self._end(request, status)
-                updates.append(RequestUpdate(request.request_id, tokens, True,
-                                             request.finish_reason, request.stop_reason,
-                                             num_cached_tokens=cached, predicted=predicted))
-            elif request.remote_decode:
-                # Prefill of a PD pair: its part ends here; KV stays until sent (of a
-                # sliding-window layer's, only what the decode's first token reads).
-                request.transition(S.SENDING_KV)
-                self.kv.trim(request, request.num_computed_tokens)
-                self.running.remove(request)
-                updates.append(RequestUpdate(request.request_id, [token_id], True, "length",
-                                             kv_held=True, num_cached_tokens=cached))
-            else:
-                updates.append(RequestUpdate(request.request_id, tokens,
-                                             num_cached_tokens=cached, predicted=predicted))
+            num_before = len(updates)
+            self._advance(request, seq, sampled, accepted, updates)
+            if request.remote_decode:  # (the update outlives the request)
+                for upd in updates[num_before:]:
+                    upd.remote_decode = True
         return updates
+
+    def _advance(self, request: Request, seq, sampled: dict[str, int],
+                 accepted: dict[str, list[int]] | None, updates: list[RequestUpdate]) -> None:
+        """One scheduled seq's outcome: its computed tokens, its sampled token and stops."""
+        request.num_computed_tokens = seq.start_pos + len(seq.token_ids) - len(seq.spec_token_ids)
+        self.kv.cache_full_blocks(request)
+        cached = request.num_cached_tokens
+        if not seq.sample:
+            if (request.sampling_params.max_tokens == 0
+                    and request.num_computed_tokens >= request.num_tokens):
+                self._end(request, S.FINISHED_LENGTH_CAPPED)  # prompt scored: done
+                updates.append(RequestUpdate(request.request_id, [], True, "length",
+                                             num_cached_tokens=cached))
+            return
+        token_id = sampled.get(seq.request_id)
+        if token_id is None:
+            logger.warning("no sampled token for request %s; failing it", seq.request_id)
+            request.error_message = "no token was sampled"
+            self._end(request, S.FINISHED_ERROR)
+            updates.append(RequestUpdate(request.request_id, [], True, "error",
+                                         num_cached_tokens=cached))
+            return
+        tokens, status = append_until_stop(
+            request, [token_id, *(accepted or {}).get(seq.request_id, ())], self.max_model_len)
+        predicted = None
+        if seq.spec_token_ids:
+            self.speculator.settle(request, len(seq.spec_token_ids), len(tokens), self.kv)
+            predicted = self.speculator.prediction_usage(request)
+        if status is not None:
+            self._end(request, status)
+            updates.append(RequestUpdate(request.request_id, tokens, True,
+                                         request.finish_reason, request.stop_reason,
+                                         num_cached_tokens=cached, predicted=predicted))
+        elif request.remote_decode:
+            # Prefill of a PD pair: its part ends here; KV stays until sent (of a
+            # sliding-window layer's, only what the decode's first token reads).
+            request.transition(S.SENDING_KV)
+            self.kv.trim(request, request.num_computed_tokens)
+            self.running.remove(request)
+            updates.append(RequestUpdate(request.request_id, [token_id], True, "length",
+                                         kv_held=True, num_cached_tokens=cached))
+        else:
+            updates.append(RequestUpdate(request.request_id, tokens,
+                                         num_cached_tokens=cached, predicted=predicted))
 
     # -- internals ---------------------------------------------------------------------------
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:

@@ -50,6 +50,7 @@ class RequestUpdate:
     # After a verify step of a request with a prediction: its guessed tokens kept and not
     # kept so far (its usage reports them)
     predicted: tuple[int, int] | None = None
+    remote_decode: bool = False  # the request's (it may be gone): its decode is elsewhere
 
 
 @dataclasses.dataclass

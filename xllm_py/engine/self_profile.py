@@ -226,9 +226,9 @@ OFF = ("off", "none")  # latency_profile: off: no profile (none measured, none r
 
 def start_up_profile(engine, config) -> LatencyProfile | None:
     """The profile an engine registers, before its thread starts: latency_profile FILE,
-    else a simulated engine's time model, else (PREFILL / DECODE in a cluster) measured
-    here; None for a MIX or a standalone engine without a file (nothing reads it), or
-    with `latency_profile: off`. The scheduler settings left to the profile are derived
+    else a simulated engine's time model, else (in a cluster: PREFILL, DECODE, and MIX,
+    whose duty the master decides from it) measured here; None for a standalone engine
+    without a file (nothing reads it), or with `latency_profile: off`. The scheduler settings left to the profile are derived
     from it (`apply_derived`); a measured one is corrected by the steps from then on
     (the engine's `profile_corrector`). Sets it on the engine (`set_latency_profile`)."""
     path = config.latency_profile_path
@@ -237,7 +237,7 @@ def start_up_profile(engine, config) -> LatencyProfile | None:
     measured = False
     if path or config.simulate:
         profile = LatencyProfile.load(path or config.simulate)
-    elif config.etcd_addr and config.role.value in ("PREFILL", "DECODE"):
+    elif config.etcd_addr and config.role.value in ("PREFILL", "DECODE", "MIX"):
         profile, measured = measure_profile(engine), True
     else:
         return None

@@ -386,7 +386,8 @@ def test_remote_decode_holds_blocks_until_sent():
     s.add_request(r)
     out, updates = step(s, runner)
     t0 = default_next_token("req-0", r.prompt_token_ids)
-    assert updates == [RequestUpdate("req-0", [t0], True, "length", None, kv_held=True)]
+    assert updates == [RequestUpdate("req-0", [t0], True, "length", None, kv_held=True,
+                                           remote_decode=True)]
     assert r.status == S.SENDING_KV and r.block_ids == [1, 2]
     assert s.num_running == 0 and s.remote.num_sending_kv == 1
     assert s.has_schedulable_requests() is False and s.has_unfinished_requests() is True
@@ -407,8 +408,8 @@ def test_remote_decode_abort_while_sending_and_stop_on_first_token():
     s.add_request(b)
     _, updates = step(s, runner)
     assert updates == [
-        RequestUpdate("a", [7], True, "length", None, kv_held=True),
-        RequestUpdate("b", [7], True, "stop", None, kv_held=False),
+        RequestUpdate("a", [7], True, "length", None, kv_held=True, remote_decode=True),
+        RequestUpdate("b", [7], True, "stop", None, kv_held=False, remote_decode=True),
     ]
     assert b.block_ids == []
     with pytest.raises(ValueError, match="not allowed"):

@@ -106,7 +106,8 @@ def test_max_tokens_zero_on_a_prefill_instance_holds_no_kv():
     s.add_request(Request("p", [5, 6, 7], SamplingParams(max_tokens=0, echo=True),
                           remote_decode=True))
     out = s.schedule()
-    assert s.update_from_output(out, runner.step(out)) == [RequestUpdate("p", [], True, "length")]
+    assert s.update_from_output(out, runner.step(out)) == [
+        RequestUpdate("p", [], True, "length", remote_decode=True)]
     assert s.remote.num_sending_kv == 0
     assert_scheduler_empty(s)
 

@@ -239,7 +239,9 @@ def test_a_decode_gets_its_guard_from_the_profile_and_registers_its_settings():
 
 def test_where_the_start_up_profile_comes_from(tmp_path):
     engine, _ = fake_engine("MIX")
-    assert start_up_profile(engine, engine.config) is None  # a MIX: nothing reads it
+    standalone = dataclasses.replace(engine.config, etcd_addr=None)
+    assert start_up_profile(engine, standalone) is None  # no cluster: nothing reads it
+    assert start_up_profile(engine, engine.config) is not None  # elastic: the master does
     engine, _ = fake_engine("DECODE")
     off = dataclasses.replace(engine.config, latency_profile_path="off")
     assert start_up_profile(engine, off) is None and engine.profile_corrector is None

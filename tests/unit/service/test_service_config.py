@@ -42,11 +42,11 @@ def test_flags_and_file_settings_reach_their_sub_configs(tmp_path):
             cfg.api.trust_request_chat_template) == (7, 1024, 2, True)
 
 
-def test_help_lists_at_most_26_flags_each_with_its_help():
+def test_help_lists_at_most_27_flags_each_with_its_help():
     text = build_parser().format_help()
     flags_part = text.split("settings of --config FILE only")[0]
     flags = [ln.split()[0] for ln in flags_part.splitlines() if ln.startswith("  --")]
-    assert len(flags) <= 26 and "--config" in flags and "--pd-overhead-ms" not in flags
+    assert len(flags) <= 27 and "--config" in flags and "--pd-overhead-ms" not in flags
 
 
 @pytest.mark.parametrize("make", [
@@ -63,3 +63,9 @@ def test_a_bad_value_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--etcd", "e:1", *write_settings(tmp_path / "s.yaml", {"rpc_timeout": 0})])
     assert e.value.code == 2 and "rpc_timeout_s must be > 0" in capsys.readouterr().err
+
+
+def test_elastic_pd_flag_and_its_settings():
+    cfg = config_from_args(build_parser().parse_args(["--etcd", "e:1", "--elastic-pd", "ON"]))
+    assert cfg.elastic.enabled
+    assert not config_from_args(build_parser().parse_args(["--etcd", "e:1"])).elastic.enabled

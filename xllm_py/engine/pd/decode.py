@@ -69,6 +69,10 @@ class DecodeSide:
         rec = self._requests.get(request_id)
         return rec.phase if rec is not None else None
 
+    def num_open(self) -> int:
+        """Placements not running on the engine yet (blocks set aside, KV arriving)."""
+        return len(self._requests)
+
     def _end(self, rec: DecodeRequest, phase: RequestStatus) -> None:
         rec.transition(phase)
         if phase in D.LEAVES:

@@ -13,6 +13,9 @@ values (service.py turns protos into them and StatusError into gRPC statuses).
                    disaggregation sends a prompt that is short, or mostly in the decode's
                    prefix cache, to the decode itself, whose scheduler prefills it in
                    chunks within the step budget beside the running decodes.
+  ElasticHandler   an elastic instance (MIX in a cluster, duty.py): both sides; the
+                   route decides `Generate` (the prompt of a PD pair to the prefill side,
+                   anything else whole), the duty whether new placements are taken.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from xllm_py.engine.generations_reporter import GenerationsReporter
 from xllm_py.engine.llm_engine import EngineRequest, LLMEngine
 from xllm_py.engine.migration import multi_generations
 from xllm_py.engine.pd.decode import DecodeSide
+from xllm_py.engine.pd.duty import Duty
 from xllm_py.engine.pd.links import Links
 from xllm_py.engine.pd.prefill import PrefillSide
 from xllm_py.pd_messages import HandOver, OfflinePull, PeerLink, Placement
@@ -170,3 +174,44 @@ class DecodeHandler(EngineHandler):
 
     def unlink_instance(self, name: str) -> None:
         self.links.forget(name)
+
+
+class ElasticHandler(DecodeHandler):
+    """Serves what a DECODE serves (placements only while its duty takes them) and what
+    a PREFILL serves; `Generate` goes where the service routed it (duty.py)."""
+
+    serves = DecodeHandler.serves | PrefillHandler.serves
+
+    def __init__(self, engine: LLMEngine, reporter: GenerationsReporter, prefill: PrefillSide,
+                 decode: DecodeSide, links: Links, duty: Duty) -> None:
+        super().__init__(engine, reporter, decode, links)
+        self.role = InstanceRole.MIX
+        self.prefill = prefill
+        self.duty = duty
+
+    def num_pending(self) -> int:
+        return self.prefill.num_pending()
+
+    def generate(self, spec: EngineRequestSpec) -> None:
+        if spec.decode_name:  # routed as the prompt of a PD pair
+            self.prefill.add_request(spec)
+        else:
+            super().generate(spec)
+
+    def cancel(self, request_id: str) -> None:
+        if self.prefill.phase(request_id) is not None:
+            self.prefill.cancel(request_id)
+            self.engine.abort(request_id)
+        else:
+            super().cancel(request_id)
+
+    async def add_new_requests(self, prefill_name: str,
+                               items: list[EngineRequestSpec | Placement]) -> list[Placement]:
+        if not self.duty.takes_placements:
+            raise StatusError(Status.FAILED_PRECONDITION,
+                              f"this instance serves as {self.duty.serves.value} now; "
+                              "it takes no new decode placements")
+        return await super().add_new_requests(prefill_name, items)
+
+    def on_pull(self, pull: OfflinePull) -> int:
+        return self.prefill.on_pull(pull)

@@ -7,6 +7,8 @@ workers run LinkCluster to ours) -> linked until it leaves the master's list, a 
 to it fails, or a new incarnation of it appears (linked afresh).
 Decode stages, per prefill: LinkInstance arrives -> compatibility checked -> our worker
 runs LinkCluster -> linked until UnlinkInstance.
+The two directions are kept apart: an elastic instance (duty.py) does both, and that
+another instance linked us (it reads our KV) says nothing of whether we linked it.
 """
 from __future__ import annotations
 
@@ -36,18 +38,20 @@ class Links:
         self.resolve_meta = resolve_meta
         self.forget_meta = forget_meta
         self.list_decodes = list_decodes
-        self._linked: dict[str, InstanceMeta] = {}
+        self._linked: dict[str, InstanceMeta] = {}  # decodes we linked (prefill side)
+        self._linked_by: dict[str, InstanceMeta] = {}  # prefills that linked us (decode side)
         self._refused: set[tuple[str, str]] = set()  # (decode, incarnation) incompatible
 
     def __len__(self) -> int:
-        return len(self._linked)
+        return len(self._linked.keys() | self._linked_by.keys())
 
     def __contains__(self, name: str) -> bool:
-        return name in self._linked
+        return name in self._linked or name in self._linked_by
 
     def forget(self, name: str) -> None:
         """Link `name` afresh next time (it left, failed a call, or unlinked)."""
         self._linked.pop(name, None)
+        self._linked_by.pop(name, None)
 
     # ------------------------------------------------------------------ prefill
     async def link(self, decode: InstanceMeta) -> None:
@@ -109,6 +113,8 @@ class Links:
                 del self._linked[gone]
         linked = []
         for name in names:
+            if name == self.meta.name:  # (elastic: listed as a decode itself)
+                continue
             try:
                 meta = await self.resolve_meta(name)
             except Exception as exc:  # etcd down and never seen: next round
@@ -144,4 +150,4 @@ class Links:
                                   f"prefill {peer.name} is incompatible: " + "; ".join(problems))
         await self.peers.link_cluster(link)
         if peer is not None:
-            self._linked[peer.name] = peer
+            self._linked_by[peer.name] = peer

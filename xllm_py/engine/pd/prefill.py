@@ -179,8 +179,10 @@ class PrefillSide:
         self._report_error(rec.spec, status, message)
 
     async def _decode_candidates(self, spec: EngineRequestSpec) -> AsyncIterator[str]:
-        """The service's choice first; the master's list (one RPC) only if that fails."""
-        if spec.decode_name:
+        """The service's choice first; the master's list (one RPC) only if that fails.
+        Never this instance (elastic: it may be on the list as a decode, and a request
+        placed on itself would meet its own id)."""
+        if spec.decode_name and spec.decode_name != self.meta.name:
             yield spec.decode_name
         try:
             others = await self.links.list_decodes()
@@ -190,7 +192,7 @@ class PrefillSide:
         start = next(self._rr)
         rotated = others[start % len(others):] + others[: start % len(others)] if others else []
         for name in rotated:
-            if name != spec.decode_name:
+            if name not in (spec.decode_name, self.meta.name):
                 yield name
 
     async def _dispatch(self, rec: PrefillRequest) -> None:

@@ -30,10 +30,13 @@ MAX_BATCH_ITEMS = 1024
 
 class DisaggPDServicer(pb_grpc.DisaggPDServiceServicer):
     def __init__(self, engine: LLMEngine, role: InstanceRole,
-                 reporter: GenerationsReporter) -> None:
+                 reporter: GenerationsReporter, starting: bool | None = None) -> None:
+        """`starting`: serve nothing until `attach` (default: a PREFILL or DECODE; an
+        elastic MIX too)."""
         self.engine = engine
-        disaggregated = role in (InstanceRole.PREFILL, InstanceRole.DECODE)
-        self.handler: EngineHandler = (Starting if disaggregated else EngineHandler)(
+        if starting is None:
+            starting = role in (InstanceRole.PREFILL, InstanceRole.DECODE)
+        self.handler: EngineHandler = (Starting if starting else EngineHandler)(
             engine, reporter, role)
 
     def attach(self, pd: PDRole) -> None:

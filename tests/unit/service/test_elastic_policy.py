@@ -1,0 +1,115 @@
+"""ElasticPolicy (xllm_service/elastic_policy.py) on a fake clock: initial assignment,
+hysteresis, dwell, cold start, the one-of-each floor, and what it never moves."""
+from __future__ import annotations
+
+import dataclasses
+
+from xllm_py.cluster.latency_profile import LatencyProfile
+from xllm_py.config import InstanceRole
+from xllm_service.config import ElasticConfig
+from xllm_service.elastic_policy import Demand, ElasticPolicy, InstanceView, predict
+
+P, D, M = InstanceRole.PREFILL, InstanceRole.DECODE, InstanceRole.MIX
+PROFILE = LatencyProfile(prefill_base_ms=5.0, prefill_ms_per_token=0.1, decode_base_ms=10.0,
+                         decode_ms_per_seq=0.5, decode_ms_per_ctx_token=0.001)
+TARGETS = (500.0, 50.0)
+CONFIG = ElasticConfig(hold_s=5.0, min_dwell_s=30.0, warmup_s=5.0, min_samples=20, margin=0.05)
+# long prompts, short answers: 2 prefills saturate (rho 0.84), 3 do not
+PREFILL_HEAVY = Demand(rate=8.0, prompt_tokens=2048, output_tokens=16, samples=80)
+# short prompts, long answers: 1 decode cannot keep up, 2 can
+DECODE_HEAVY = Demand(rate=2.0, prompt_tokens=64, output_tokens=512, samples=40)
+
+
+def view(name: str, role: InstanceRole, **kw) -> InstanceView:
+    kw.setdefault("profile", PROFILE)
+    kw.setdefault("elastic", True)
+    return InstanceView(name, role, **kw)
+
+
+def fleet(*roles: InstanceRole, **kw) -> list[InstanceView]:
+    return [view(f"i{k}", r, **kw) for k, r in enumerate(roles)]
+
+
+def run(policy: ElasticPolicy, views, demand, t0: float, t1: float, step: float = 1.0):
+    """Rounds from t0 to t1; the flips of the first round that made any, and when."""
+    t = t0
+    while t <= t1:  # (prompts on prefills only: the service's ALWAYS disaggregation)
+        flips = policy.decide(t, views, demand, TARGETS, decodes_prefill=False)
+        if flips:
+            return t, flips
+        t += step
+    return None, []
+
+
+def test_prediction_follows_the_bottleneck():
+    two = predict(2, 2, [PROFILE], PREFILL_HEAVY, 0, 0, TARGETS, decodes_prefill=False)
+    three = predict(3, 1, [PROFILE], PREFILL_HEAVY, 0, 0, TARGETS, decodes_prefill=False)
+    assert two.ttft_ms > TARGETS[0] > three.ttft_ms
+    assert three.attainment > two.attainment
+    # decodes with TPOT headroom compute prompts too (conditional disaggregation)
+    shared = predict(2, 2, [PROFILE], PREFILL_HEAVY, 0, 0, TARGETS)
+    assert shared.ttft_ms < TARGETS[0] and shared.attainment == 1.0
+    # prompts queued now wait their turn
+    queued = predict(3, 1, [PROFILE], PREFILL_HEAVY, 12, 0, TARGETS, decodes_prefill=False)
+    assert queued.ttft_ms > three.ttft_ms + 800
+    one_p = predict(1, 3, [PROFILE], DECODE_HEAVY, 0, 0, TARGETS)
+    three_p = predict(3, 1, [PROFILE], DECODE_HEAVY, 0, 0, TARGETS)
+    assert one_p.tpot_ms < three_p.tpot_ms and one_p.attainment > three_p.attainment
+    assert predict(0, 4, [PROFILE], DECODE_HEAVY, 0, 0, TARGETS).attainment == 0.0
+
+
+def test_unassigned_instances_are_split_at_once_and_unprofiled_ones_never():
+    views = fleet(M, M, M, M) + [view("bare", M, profile=None)]
+    flips = ElasticPolicy(CONFIG).decide(0.0, views, Demand(), TARGETS)
+    assert sorted((f.name, f.new) for f in flips) == [("i0", P), ("i1", P), ("i2", D), ("i3", D)]
+    assert all(f.current is None and f.split == (2, 2) for f in flips)
+
+
+def test_a_sustained_gain_flips_after_hold_and_a_short_burst_does_not():
+    views = fleet(P, P, D, D)
+    policy = ElasticPolicy(CONFIG, started_s=0.0)
+    when, flips = run(policy, views, PREFILL_HEAVY, 10.0, 30.0)
+    assert when == 15.0  # first seen at 10, held for hold_s
+    assert [(f.name, f.direction) for f in flips] == [("i2", "decode_to_prefill")]
+    assert flips[0].predicted.attainment > flips[0].current.attainment * (1 + CONFIG.margin)
+    policy = ElasticPolicy(CONFIG, started_s=0.0)
+    assert run(policy, views, PREFILL_HEAVY, 10.0, 13.0)[1] == []  # a 4 s burst
+    assert run(policy, views, Demand(), 14.0, 14.0)[1] == []        # it ended: reset
+    assert run(policy, views, PREFILL_HEAVY, 15.0, 18.0)[1] == []   # seen anew
+
+
+def test_decode_heavy_load_flips_a_prefill_to_decode():
+    views = fleet(P, P, P, D)
+    _, flips = run(ElasticPolicy(CONFIG), views, DECODE_HEAVY, 10.0, 30.0)
+    assert [f.direction for f in flips] == ["prefill_to_decode"]  # 2P2D meets the targets
+    assert flips[0].split == (2, 2) and flips[0].predicted.attainment == 1.0
+
+
+def test_cold_start_and_few_samples_do_not_flip():
+    views = fleet(P, P, D, D)
+    assert run(ElasticPolicy(CONFIG, started_s=8.0), views, PREFILL_HEAVY, 8.0, 12.0)[1] == []
+    few = dataclasses.replace(PREFILL_HEAVY, samples=CONFIG.min_samples - 1)
+    assert run(ElasticPolicy(CONFIG), views, few, 10.0, 40.0)[1] == []
+    young = fleet(P, P, D, D, age_s=1.0)
+    assert run(ElasticPolicy(CONFIG), young, PREFILL_HEAVY, 10.0, 40.0)[1] == []
+
+
+def test_dwell_pins_fixed_and_pending_instances_are_not_moved():
+    views = [view("i0", P), view("i1", P), view("i2", D, last_flip_s=20.0), view("i3", D)]
+    _, flips = run(ElasticPolicy(CONFIG), views, PREFILL_HEAVY, 10.0, 30.0)
+    assert [f.name for f in flips] == ["i3"]
+    for blocked in (dict(pinned=True), dict(elastic=False), dict(pending=True),
+                    dict(profile=None)):
+        views = [view("i0", P), view("i1", P), view("i2", D, **blocked),
+                 view("i3", D, **blocked)]
+        assert run(ElasticPolicy(CONFIG), views, PREFILL_HEAVY, 10.0, 60.0)[1] == []
+
+
+def test_never_below_one_prefill_and_one_decode():
+    views = fleet(P, D)
+    assert run(ElasticPolicy(CONFIG), views, PREFILL_HEAVY, 10.0, 60.0)[1] == []
+    assert run(ElasticPolicy(CONFIG), views, DECODE_HEAVY, 10.0, 60.0)[1] == []
+    # a fixed decode counts as the decode: the elastic one may turn prefill
+    views = [view("e", D), view("p", P, elastic=False), view("d", D, elastic=False)]
+    _, flips = run(ElasticPolicy(CONFIG), views, PREFILL_HEAVY, 10.0, 60.0)
+    assert [(f.name, f.new) for f in flips] == [("e", P)]

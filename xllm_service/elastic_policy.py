@@ -1,0 +1,234 @@
+"""ElasticPolicy: which elastic instances should serve prefill and which decode (pure:
+no etcd, no clock; every call takes `now`, so the unit tests drive it with a fake one).
+
+The prediction (`predict`), for a split of P prefill-capable and D decode-capable
+instances under the demand the master measured (arrival rate, mean prompt and output
+tokens) and the live queues the heartbeats report:
+  - TTFT: the prompts queued on the prefills now, shared over the prompt servers, plus
+    one prompt's time and its wait at their utilisation (M/D/1: the profile's cost is
+    deterministic); the servers are the P prefills and, where the service sends prompts
+    to decodes (conditional disaggregation), each decode's share of time its TPOT
+    headroom leaves (1 - TPOT / target);
+  - TPOT: the decode step of the streams per decode, their number the larger of those
+    running now and what Little's law gives at that step time (a linear step model);
+  - attainment: a factor per target, 1 within it and (target / predicted)^2 beyond;
+    their product. The step costs are the instances' registered (and corrected)
+    latency profiles, averaged per side.
+
+The decision (`decide`), one round:
+  - an elastic instance without an assignment (it serves MIX) and with a profile is
+    assigned at once, to the split predicted best (no load yet: half and half);
+  - otherwise the best split is compared with the current one; when its attainment is
+    higher by the factor 1 + `margin` in every round for `hold_s` (a burst must last that long to be
+    acted on), up to `max_step` instances move toward it;
+  - never: an instance without a profile (its costs are unknown), a pinned one, one
+    whose last assignment it has not acknowledged yet, one flipped less than
+    `min_dwell_s` ago, one registered less than `warmup_s` ago; nor below one
+    prefill-capable and one decode-capable instance; nor on a demand of fewer than
+    `min_samples` requests, or measured in the first `warmup_s` after the policy
+    started (cold-start samples: a new master, instances just up).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from xllm_py.cluster import slo_defaults
+from xllm_py.cluster.latency_profile import LatencyProfile
+from xllm_py.config import InstanceRole
+from xllm_service.config import ElasticConfig
+
+P, D, M = InstanceRole.PREFILL, InstanceRole.DECODE, InstanceRole.MIX
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceView:
+    """One schedulable instance as the decision sees it."""
+    name: str
+    role: InstanceRole          # the duty it serves (acknowledged), or is assigned (pending)
+    elastic: bool               # follows assignments (started MIX in a cluster)
+    profile: LatencyProfile | None
+    waiting: int = 0            # prompts queued (heartbeat)
+    running: int = 0            # streams (heartbeat)
+    age_s: float = math.inf     # since it registered
+    pinned: bool = False
+    pending: bool = False       # assigned, not acknowledged yet
+    last_flip_s: float = -math.inf
+
+    @property
+    def movable(self) -> bool:
+        return self.elastic and not self.pinned and self.profile is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Demand:
+    rate: float = 0.0               # requests per second
+    prompt_tokens: float = 512.0    # mean
+    output_tokens: float = 128.0    # mean (max_tokens asked)
+    samples: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    ttft_ms: float
+    tpot_ms: float
+    attainment: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Flip:
+    name: str
+    old: InstanceRole
+    new: InstanceRole
+    split: tuple[int, int]          # (prefills, decodes) after the decision
+    current: Prediction | None      # None: an initial assignment
+    predicted: Prediction
+
+    @property
+    def direction(self) -> str:
+        return f"{self.old.value.lower()}_to_{self.new.value.lower()}"
+
+
+def _mean(profiles: Sequence[LatencyProfile], fn) -> float:
+    return sum(fn(p) for p in profiles) / len(profiles)
+
+
+def _factor(predicted: float, target: float) -> float:
+    if target <= 0 or predicted <= target:
+        return 1.0
+    return (target / predicted) ** 2
+
+
+def predict(prefills: int, decodes: int, profiles: Sequence[LatencyProfile], demand: Demand,
+            queued: int, streams: int, targets: tuple[float, float],
+            decodes_prefill: bool = True) -> Prediction:
+    """Predicted TTFT, TPOT and attainment of `prefills` / `decodes` instances of these
+    `profiles` (averaged), with `queued` prompts waiting on the prefills and `streams`
+    running on the decodes now; `decodes_prefill`: the service also sends prompts to
+    decodes with TPOT headroom (conditional disaggregation)."""
+    if prefills <= 0 or decodes <= 0 or not profiles:
+        return Prediction(math.inf, math.inf, 0.0)
+    lp, lo = max(1, round(demand.prompt_tokens)), max(1.0, demand.output_tokens)
+    ctx = lp + lo / 2
+    # A decode step costs a + c * b for b streams; the streams per decode at a rate of
+    # x tokens per ms each decode owes are b = x * (a + c * b) (Little's law), so
+    # b = x * a / (1 - x * c), while x * c < 1 (the decodes keep up).
+    a = _mean(profiles, lambda p: p.decode_base_ms)
+    c = _mean(profiles, lambda p: p.decode_ms_per_seq + p.decode_ms_per_ctx_token * ctx)
+    x = demand.rate * lo / 1000 / decodes
+    b = max(x * a / max(1.0 - x * c, 0.02), streams / decodes, 1.0)
+    tpot = a + c * b
+    ttft_target, tpot_target = targets
+    # Prompt servers: the prefills, and the share of each decode's time its TPOT headroom
+    # leaves for prompts when the service sends prompts there.
+    headroom = max(0.0, 1.0 - tpot / tpot_target) if tpot_target > 0 else 0.0
+    servers = prefills + (decodes * headroom if decodes_prefill else 0.0)
+    per_prompt = _mean(profiles, lambda p: p.prefill_ms(lp))
+    rho = demand.rate * per_prompt / 1000 / servers
+    # M/D/1 (a prompt's cost is its profile's: deterministic): the wait is
+    # rho * s / (2 (1 - rho)), on top of the prompts queued now
+    wait = per_prompt * rho / (2 * max(1.0 - rho, 0.02))
+    ttft = queued * per_prompt / servers + per_prompt + wait
+    return Prediction(ttft, tpot, _factor(ttft, ttft_target) * _factor(tpot, tpot_target))
+
+
+class ElasticPolicy:
+    def __init__(self, config: ElasticConfig = ElasticConfig(), started_s: float = 0.0) -> None:
+        self.config = config
+        self.started_s = started_s
+        self._better_since: tuple[int, float] | None = None  # (direction sign, since)
+        self.last: tuple[Prediction, Prediction] | None = None  # (current, best)
+
+    def targets(self, views: Sequence[InstanceView],
+                stated: tuple[float, float] | None) -> tuple[float, float]:
+        """The service's stated targets, else what the profiles support."""
+        if stated and stated[0] > 0 and stated[1] > 0:
+            return stated
+        profiles = [v.profile for v in views if v.profile is not None]
+        return slo_defaults.ttft_target_ms(profiles), slo_defaults.tpot_target_ms(profiles)
+
+    def decide(self, now: float, views: Sequence[InstanceView], demand: Demand,
+               stated: tuple[float, float] | None = None,
+               decodes_prefill: bool = True) -> list[Flip]:
+        """The flips of one round at `now`; `decodes_prefill`: the router sends prompts to
+        decodes too (predict)."""
+        profiles = [v.profile for v in views if v.profile is not None and v.role in (P, D)]
+        profiles = profiles or [v.profile for v in views if v.profile is not None]
+        if not profiles:
+            return []
+        targets = self.targets(views, stated)
+        fixed_p = sum(1 for v in views if v.role is P and not v.movable)
+        fixed_d = sum(1 for v in views if v.role is D and not v.movable)
+        movable = [v for v in views if v.movable]
+        queued = sum(v.waiting for v in views if v.role is P)
+        streams = sum(v.running for v in views if v.role is D)
+        unassigned = [v for v in movable if v.role is M]
+        n = fixed_p + fixed_d + sum(1 for v in movable if v.role in (P, D) or v in unassigned)
+
+        def score(p: int) -> Prediction:
+            return predict(p, n - p, profiles, demand, queued, streams, targets,
+                           decodes_prefill)
+
+        def best(lo: int, hi: int, around: float) -> tuple[int, Prediction]:
+            # (ties: the split closest to `around`: no flip without a gain)
+            options = [(p, score(p)) for p in range(lo, hi + 1)]
+            return max(options, key=lambda o: (round(o[1].attainment, 6), -abs(o[0] - around)))
+
+        if unassigned:
+            return self._initial(views, unassigned, n, best)
+        cur_p = sum(1 for v in views if v.role is P)
+        cur_d = sum(1 for v in views if v.role is D)
+        if cur_p + cur_d != n or cur_p == 0 or cur_d == 0:
+            return []
+        current = score(cur_p)
+        lo = max(1, fixed_p, cur_p - self.config.max_step)
+        hi = min(n - max(1, fixed_d), cur_p + self.config.max_step)
+        target_p, predicted = best(lo, hi, cur_p)
+        self.last = (current, predicted)
+        if (target_p == cur_p or not self._gains(current, predicted)
+                or demand.samples < self.config.min_samples
+                or now - self.started_s < self.config.warmup_s):
+            self._better_since = None
+            return []
+        sign = 1 if target_p > cur_p else -1
+        if self._better_since is None or self._better_since[0] != sign:
+            self._better_since = (sign, now)
+        if now - self._better_since[1] < self.config.hold_s:
+            return []
+        old, new = (D, P) if sign > 0 else (P, D)
+        ready = sorted((v for v in movable if v.role is old and not v.pending
+                        and v.age_s >= self.config.warmup_s
+                        and now - v.last_flip_s >= self.config.min_dwell_s),
+                       key=lambda v: (v.running if old is D else v.waiting, v.name))
+        chosen = ready[:abs(target_p - cur_p)]
+        if not chosen:
+            return []
+        self._better_since = None
+        moved_p = cur_p + sign * len(chosen)
+        after = score(moved_p)
+        return [Flip(v.name, old, new, (moved_p, n - moved_p), current, after) for v in chosen]
+
+    def _gains(self, current: Prediction, predicted: Prediction) -> bool:
+        """`predicted` beats `current` by the margin, relatively (an overloaded fleet's
+        attainments are all small, and a flip still multiplies its goodput)."""
+        if predicted.attainment <= 0:
+            return False
+        return predicted.attainment >= current.attainment * (1 + self.config.margin)
+
+    def _initial(self, views, unassigned, n, best) -> list[Flip]:
+        """Assign every unassigned elastic instance at once: keep what the assigned ones
+        serve, choose the split predicted best for the rest."""
+        assigned_p = sum(1 for v in views if v.role is P)
+        assigned_d = sum(1 for v in views if v.role is D)
+        lo = max(1, assigned_p)
+        hi = n - max(1, assigned_d)
+        if hi < lo:
+            return []
+        target_p, predicted = best(lo, hi, n / 2)
+        to_p = target_p - assigned_p
+        flips = []
+        for i, v in enumerate(sorted(unassigned, key=lambda v: v.name)):
+            new = P if i < to_p else D
+            flips.append(Flip(v.name, M, new, (target_p, n - target_p), None, predicted))
+        return flips
