@@ -7,10 +7,9 @@ What it counts, and how:
 - Mixin classes: a class of xllm_py/ or xllm_service/ whose name ends in "Mixin", or a
   class of the tree that another class of the tree lists as a base after its first one
   and that defines no __init__ of its own.
-- The import graph at the level of xllm_py's subpackages and top-level modules, with
-  xllm_service as one node (its entry point included). The modules of xllm_py run as
-  programs that nothing imports (ENTRY_POINTS: the engine's `python -m xllm_py.engine`,
-  the KV peer process, the launcher) are nodes of their own. Every import counts: at
+- The import graph of tests/unit/project/test_layers.py (this checkout's), read from
+  the root's files: xllm_py's subpackages and top-level modules, xllm_service as one
+  node, the programs nothing imports (its ENTRY_POINTS) nodes of their own. Every import counts: at
   module level, inside a function, under TYPE_CHECKING. Circles are the strongly connected
   components of more than one node; "imports inside a circle" are the file-level imports
   between two nodes of one circle (no order of the nodes makes them all go down).
@@ -31,107 +30,12 @@ import re
 import subprocess
 import sys
 
-PACKAGES = ("xllm_py", "xllm_service")
-ENTRY_POINTS = ("xllm_py.engine.__main__", "xllm_py.kv_transfer._peer_main", "xllm_py.launch")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+# The graph test_layers.py checks, read from any tree (--root), so the counts are its own.
+from tests.unit.project.test_layers import (  # noqa: E402
+    circles, hand_written, imports, module_name, node as node_of)
+
 COMMANDS = (("engine", "xllm_py.engine"), ("service", "xllm_service"), ("launcher", "xllm_py.launch"))
-
-
-def hand_written(root: pathlib.Path) -> list[pathlib.Path]:
-    return sorted(p for d in PACKAGES for p in (root / d).rglob("*.py")
-                  if "proto" not in p.relative_to(root).parts[:2])
-
-
-def node_of(module: str) -> str | None:
-    """The graph node of a dotted module name, None outside the two packages."""
-    parts = module.split(".")
-    if parts[0] == "xllm_service":
-        return "xllm_service"
-    if parts[0] != "xllm_py":
-        return None
-    for entry in ENTRY_POINTS:
-        if module == entry or module.startswith(entry + "."):
-            return entry.removeprefix("xllm_py.")
-    return parts[1] if len(parts) > 1 else "xllm_py"
-
-
-def module_name(root: pathlib.Path, path: pathlib.Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def module_file(root: pathlib.Path, module: str) -> pathlib.Path | None:
-    base = root.joinpath(*module.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def imports(root: pathlib.Path, path: pathlib.Path) -> list[str]:
-    """The modules `path` imports (relative made absolute; `from p import m` names p.m
-    when m is a module), anywhere in the file."""
-    package = module_name(root, path)
-    if path.name != "__init__.py":
-        package = package.rpartition(".")[0]
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.extend(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                up = parts[:len(parts) - node.level + 1]
-                base = ".".join(up + ([base] if base else []))
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                found.append(sub if module_file(root, sub) else base)
-    return found
-
-
-def file_edges(root: pathlib.Path) -> list[tuple[str, str, str, str]]:
-    """(from node, to node, from file, to module) for each import across two nodes."""
-    edges = set()
-    for path in hand_written(root):
-        src = node_of(module_name(root, path))
-        for module in imports(root, path):
-            dst = node_of(module)
-            if dst and src and dst != src:
-                edges.add((src, dst, str(path.relative_to(root)), module))
-    return sorted(edges)
-
-
-def circles(nodes: set[str], edges: set[tuple[str, str]]) -> list[list[str]]:
-    """Strongly connected components of more than one node (Tarjan)."""
-    succ = {n: sorted(b for a, b in edges if a == n) for n in nodes}
-    index, low, stack, on, out = {}, {}, [], set(), []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in succ[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    sys.setrecursionlimit(10000)
-    for n in sorted(nodes):
-        if n not in index:
-            visit(n)
-    return sorted(out)
 
 
 def all_nodes(root: pathlib.Path) -> set[str]:
@@ -211,10 +115,10 @@ def main() -> None:
     for m in found:
         print(f"  {m}")
 
-    edges = file_edges(root)
+    edges = imports(root)
     node_edges = {(a, b) for a, b, _, _ in edges}
     nodes = all_nodes(root) | {b for _, b in node_edges}
-    comps = circles(nodes, node_edges)
+    comps = circles(edges)
     inside = [e for e in edges if any(e[0] in c and e[1] in c for c in comps)]
     print(f"import graph: {len(nodes)} nodes, {len(node_edges)} node edges, "
           f"{len(edges)} file-level imports across nodes")

@@ -38,15 +38,15 @@ ORDER = (
 ENTRY_POINTS = ("xllm_py.engine.__main__", "xllm_py.kv_transfer._peer_main", "xllm_py.launch")
 
 
-def _sources(root: pathlib.Path) -> list[pathlib.Path]:
+def sources(root: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for d in ("xllm_py", "xllm_service") for p in (root / d).rglob("*.py"))
 
 
-def _hand_written(root: pathlib.Path) -> list[pathlib.Path]:
-    return [p for p in _sources(root) if "proto" not in p.relative_to(root).parts[:2]]
+def hand_written(root: pathlib.Path) -> list[pathlib.Path]:
+    return [p for p in sources(root) if "proto" not in p.relative_to(root).parts[:2]]
 
 
-def _module(root: pathlib.Path, path: pathlib.Path) -> str:
+def module_name(root: pathlib.Path, path: pathlib.Path) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -67,7 +67,7 @@ def node(module: str) -> str | None:
 def _imported(root: pathlib.Path, path: pathlib.Path) -> set[str]:
     """Every module `path` imports, relative imports made absolute; `from p import m`
     names p.m where m is a module."""
-    package = _module(root, path)
+    package = module_name(root, path)
     if path.name != "__init__.py":
         package = package.rpartition(".")[0]
     names = set()
@@ -90,8 +90,8 @@ def _imported(root: pathlib.Path, path: pathlib.Path) -> set[str]:
 def imports(root: pathlib.Path = ROOT) -> list[tuple[str, str, str, str]]:
     """(from node, to node, file, module) for each import from one node into another."""
     found = set()
-    for path in _sources(root):
-        src = node(_module(root, path))
+    for path in sources(root):
+        src = node(module_name(root, path))
         for module in _imported(root, path):
             dst = node(module)
             if dst is not None and dst != src:
@@ -127,7 +127,7 @@ def circles(edges: list[tuple[str, str, str, str]]) -> list[list[str]]:
 
 
 def test_every_node_has_one_place_in_the_order():
-    nodes = {node(_module(ROOT, p)) for p in _sources(ROOT)}
+    nodes = {node(module_name(ROOT, p)) for p in sources(ROOT)}
     assert len(set(ORDER)) == len(ORDER)
     assert sorted(nodes - set(ORDER)) == [], "place the new package in ORDER"
     assert sorted(set(ORDER) - nodes) == [], "ORDER names a package that is gone"
@@ -183,6 +183,6 @@ def test_the_checker_sees_a_circle(tmp_path):
 
 
 def test_no_hand_written_module_over_450_lines():
-    long = {str(p.relative_to(ROOT)): n for p in _hand_written(ROOT)
+    long = {str(p.relative_to(ROOT)): n for p in hand_written(ROOT)
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}, f"split these by what they own (at most {MAX_LINES} lines): {long}"
