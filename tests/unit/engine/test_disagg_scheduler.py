@@ -588,9 +588,9 @@ async def test_decode_take_over_then_cancel_is_the_engines(make_node):
     assert await pd.decode.first_generation([_first_generation("r1", blocks)]) == ["unknown request r1"]
 
 
-async def test_only_a_prefill_engine_hands_requests_over(make_node):
+async def test_a_decode_engine_hands_no_request_over(make_node):
     engine, pd, peers = await make_node(DECODE)
     engine.set_connector(pd.connector)  # (the decode's: it hands nothing over)
     pd.connector.hands_over = True  # (a prefill's)
-    with pytest.raises(ValueError, match="only a PREFILL engine"):
+    with pytest.raises(ValueError, match="a DECODE engine hands no request over"):
         engine.set_connector(pd.connector)
