@@ -56,6 +56,7 @@ class FakePeers:
         self.full: set[str] = set()
         self.refuse: dict[str, Status] = {}
         self.lost_answers: set[str] = set()  # decodes that place, but whose answer is lost
+        self.unreachable_first_generations = 0  # the next N FirstGenerations cannot connect
         self.links: list[tuple[str, str]] = []  # (decode, prefill)
         self.placements: list[tuple[str, str]] = []  # (request, decode)
         self.handovers: list[tuple[str, HandOver]] = []  # (decode, hand-over)
@@ -100,6 +101,9 @@ class FakePeers:
     async def first_generation(self, decode: InstanceMeta, handover: HandOver,
                                timeout_s: float) -> str:
         assert timeout_s > 0
+        if self.unreachable_first_generations > 0:
+            self.unreachable_first_generations -= 1
+            raise StatusError(Status.UNAVAILABLE, "FirstGeneration: cannot connect")
         self.handovers.append((decode.name, handover))
         return ""
 

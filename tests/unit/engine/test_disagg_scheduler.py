@@ -99,6 +99,19 @@ async def test_a_placement_whose_answer_is_lost_is_dropped_on_that_decode(make_n
     assert "no KV space" not in out.error_message
 
 
+async def test_the_drop_is_retried_while_the_decode_cannot_be_reached(make_node):
+    """A partition: the AddNewRequests answer is lost and the first drops cannot connect;
+    the drop is sent again until the decode hears it (a delayed AddNewRequests may reach
+    the decode when the partition heals: the drop must follow it)."""
+    engine, pd, peers = await make_node(InstanceRole.PREFILL)
+    peers.lost_answers.add("decode:1")
+    peers.unreachable_first_generations = 3
+    pd.prefill.add_request(_spec())
+    await until(lambda: any(h.failed for _, h in peers.handovers), what="the drop")
+    assert peers.unreachable_first_generations == 0
+    assert [(d, h.request_id) for d, h in peers.handovers if h.failed] == [("decode:1", "r1")]
+
+
 async def test_prefill_places_prefills_and_hands_over(make_node):
     engine, pd, peers = await make_node(InstanceRole.PREFILL)
     pd.prefill.add_request(_spec())
@@ -455,6 +468,20 @@ def _first_generation(rid: str, blocks: list[int], **kw) -> HandOver:
     return HandOver(rid, prefill_name="prefill:1", mode="PULL", token_ids=[11],
                     logprobs=[None], addrs=["127.0.0.1:3"], cluster_ids=[7],
                     block_ids=blocks, **kw)
+
+
+async def test_an_add_new_requests_that_comes_after_its_drop_is_refused(make_node):
+    """The prefill's drop overtook its AddNewRequests (delayed past its deadline): the late
+    call is refused, no blocks set aside for a request nobody will hand over."""
+    engine, pd, peers = await make_node(DECODE)
+    drop = HandOver("r9", prefill_name="prefill:1", failed=True, status_msg="cancelled")
+    [problem] = await pd.decode.first_generation([drop])
+    assert "unknown request" in problem
+    [placement] = await pd.decode.add_new_requests("prefill:1", [_spec("r9")])
+    assert placement.status is Status.INVALID_ARGUMENT and "dropped" in placement.message
+    assert pd.decode.num_open() == 0
+    await _add_on_decode(pd, "r9b")  # other requests are placed as before
+    assert pd.decode.num_open() == 1
 
 
 async def _take_over_with_a_held_pull(pd: PDRole, peers: FakePeers):

@@ -64,6 +64,10 @@ class DecodeSide:
         # no FirstGeneration comes (a push into them has ended by then).
         self.cancel_grace_s = config.transfer.timeout_s + config.rpc_timeout_s
         self.num_offline_placed = 0  # offline requests placed here (the puller's count)
+        # Ids a prefill dropped before their AddNewRequests reached us (a call delayed by
+        # the network past its deadline may still arrive): refused when it does, until
+        # the orphan timeout (when the reaper would have freed it anyway).
+        self._dropped_early: dict[str, float] = {}
 
     def phase(self, request_id: str) -> RequestStatus | None:
         rec = self._requests.get(request_id)
@@ -92,6 +96,10 @@ class DecodeSide:
             if rid in self._requests:  # (the engine refuses an id it runs)
                 replies.append(Placement(rid, Status.INVALID_ARGUMENT,
                                          message="duplicate request id"))
+                continue
+            if self._dropped_early.pop(rid, None) is not None:
+                replies.append(Placement(rid, Status.INVALID_ARGUMENT,
+                                         message="the prefill dropped this request"))
                 continue
             try:
                 alloc = await self._admit(spec)
@@ -141,6 +149,8 @@ class DecodeSide:
         rid = h.request_id
         rec = self._requests.get(rid)
         if rec is None:
+            if h.failed:  # its AddNewRequests may still be on its way: refuse it then
+                self._dropped_early[rid] = time.monotonic()
             return f"unknown request {rid}"
         if rec.phase not in (D.ALLOCATED, D.CANCELLED):
             return f"request {rid} is {rec.phase.name}: FirstGeneration came twice"
@@ -215,6 +225,8 @@ class DecodeSide:
         """Free the requests whose FirstGeneration never came (cancelled ones after
         cancel_grace_s). Returns their ids."""
         timeout = self.pd_config.orphan_timeout_s
+        for rid in [r for r, t in self._dropped_early.items() if now - t > timeout]:
+            del self._dropped_early[rid]
         stale = [rec for rec in self._requests.values()
                  if rec.phase in (D.ALLOCATED, D.CANCELLED) and (
                      now - rec.created > timeout or (

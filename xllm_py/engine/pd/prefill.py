@@ -429,8 +429,19 @@ class PrefillSide:
             await stream.settle()
         handover = HandOver(request_id, prefill_name=self.meta.name, failed=True,
                             status_msg="cancelled")
-        try:
-            await self.peers.first_generation(decode, handover, self.config.rpc_timeout_s)
-        except StatusError as exc:  # decode's reaper frees them in the end
-            logger.info("could not tell %s to drop cancelled request %s: %s",
-                        decode.name, request_id, exc.message)
+        # Retried while the decode cannot be reached (a partition may heal and deliver a
+        # delayed AddNewRequests: the drop must follow it), until the decode's reaper
+        # would free the blocks anyway.
+        give_up = time.monotonic() + self.pd_config.orphan_timeout_s
+        delay = self.pd_config.backoff_s
+        while True:
+            try:
+                await self.peers.first_generation(decode, handover, self.config.rpc_timeout_s)
+                return
+            except StatusError as exc:
+                if time.monotonic() + delay > give_up:  # decode's reaper frees them
+                    logger.info("could not tell %s to drop cancelled request %s: %s",
+                                decode.name, request_id, exc.message)
+                    return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.pd_config.max_backoff_s)
