@@ -9,8 +9,9 @@ Stages of a request (its record's status, named by DecodePhase, see phases.py):
   from WAITING_FOR_REMOTE_KVS into the decode batch with prefill's first token; every
   later token goes to the service through Generations.
   A failed pull ends it FAILED (RecvFailed: never decode on KV that did not arrive); a
-  FirstGeneration that says `failed` DROPs it; one that never comes FAILs it after
-  `orphan_timeout_s` so its blocks cannot leak.
+  FirstGeneration that says `failed` DROPs it (one for an id not known yet makes that id's
+  AddNewRequests refused if it comes later: delayed by the network past its deadline);
+  one that never comes FAILs it after `orphan_timeout_s` so its blocks cannot leak.
 Cancel (the service's): ALLOCATED -> DROPPED at once in PULL mode (nothing but our own
 pull writes into its blocks); PUSH: -> CANCELLED, freed when FirstGeneration comes (a
 PUSH may be writing into its blocks until then) or after `cancel_grace_s`; PULLING ->
