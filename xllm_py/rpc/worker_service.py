@@ -60,24 +60,19 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
 
     async def PullKVCache(self, request: xllm_pb2.PullKVCacheRequest,
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
-        t = wire.transfer_from_proto(request)
-        try:
-            self._check_move(t)
-            await self.worker.pull_kv_blocks(t.addr, t.src_blocks, t.dst_blocks,
-                                             t.req_id, self._timeout(context),
-                                             t.transfer_key, t.heads)
-        except (ValueError, TransferError) as e:
-            await _abort_for(context, e)
-        return wire.ok_to_proto()
+        return await self._move(self.worker.pull_kv_blocks, request, context)
 
     async def PushKVCache(self, request: xllm_pb2.PushKVCacheRequest,
                           context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
+        return await self._move(self.worker.push_kv_blocks, request, context)
+
+    async def _move(self, move, request, context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
+        """A pull or push (`move`: the worker's) of the blocks `request` names."""
         t = wire.transfer_from_proto(request)
         try:
             self._check_move(t)
-            await self.worker.push_kv_blocks(t.addr, t.src_blocks, t.dst_blocks,
-                                             t.req_id, self._timeout(context),
-                                             t.transfer_key, t.heads)
+            await move(t.addr, t.src_blocks, t.dst_blocks, t.req_id, self._timeout(context),
+                       t.transfer_key, t.heads)
         except (ValueError, TransferError) as e:
             await _abort_for(context, e)
         return wire.ok_to_proto()
