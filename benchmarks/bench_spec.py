@@ -13,7 +13,8 @@ concurrency), so a drift of the shared machine's speed falls on all. ``predictio
 engine without a method, each edit prompt sent with the text it edits as its
 ``prediction`` (OpenAI's Predicted Outputs; only in sets with such prompts). Streamed
 ``/v1/completions``, greedy, EOS ignored, ``--max-tokens`` each; the first ``--prompts``
-prompts of a set (default four), sent with at most ``c`` in flight; with ``--logprobs N``
+prompts of a set (default four; at concurrency c at least c, a set's prompts taken again
+when it has fewer), sent with at most ``c`` in flight; with ``--logprobs N``
 each asks for its tokens' logprobs and the top N (verify rows give them too).
 
 Sets: ``repetitive``, output that repeats its prompt (rewrite a 40-line Python function with
@@ -111,6 +112,18 @@ OPEN = [
     "Explain in simple words why the sky is blue and sunsets are red.",
     "The three most important inventions of the nineteenth century were",
     "Dear diary, today was the strangest day of my life. It started when",
+    "Describe how a bill becomes a law, step by step.",
+    "What would happen if the moon disappeared tomorrow?",
+    "Give advice to someone starting their first job as a nurse.",
+    "The old lighthouse keeper looked out at the sea and",
+    "List the pros and cons of living in a big city.",
+    "Tell me about the history of chess in a few paragraphs.",
+    "Once upon a time, in a village at the edge of a great forest,",
+    "Why do cats purr? Answer like a veterinarian would.",
+    "Write a letter to your future self, ten years from now.",
+    "Summarize the plot of a detective novel you would like to write.",
+    "How does a refrigerator keep food cold?",
+    "The recipe my grandmother never wrote down goes like this:",
 ]
 SETS = {"repetitive": REPETITIVE, "open": OPEN}
 # Predicted Outputs: per prompt of a set, the text its answer edits (None: no prediction).
@@ -138,7 +151,13 @@ def per_prompt(mode: str, set_name: str, n: int) -> list[dict] | None:
     if mode != "prediction":
         return None
     return [{"prediction": {"type": "content", "content": text}} if text else {}
-            for text in PREDICTIONS[set_name][:n]]
+            for text in cycled(PREDICTIONS[set_name], n)]
+
+
+def cycled(items: list, n: int) -> list:
+    """The first n of `items` repeated (a concurrency above a set's size sends each prompt
+    again: prefix caching is off, so each copy is computed anew)."""
+    return [items[i % len(items)] for i in range(n)]
 
 
 def main() -> None:
@@ -176,16 +195,17 @@ def main() -> None:
         cells: dict = {}
         for r in range(args.rounds):
             for set_name in args.sets:
-                prompts = SETS[set_name][:args.prompts]
                 modes = [m for m in servers if m != "prediction" or set_name in PREDICTIONS]
                 for c in args.concurrency:
+                    prompts = cycled(SETS[set_name], max(args.prompts, c))
                     cell = cells.setdefault(f"{set_name} c={c}", {
                         "tok_s": {k: [] for k in modes}, "tpot_ms": {k: [] for k in modes},
                         "tokens": {}, "accept": {k: [] for k in modes}})
                     for name in modes:
                         url = servers[name]
                         before = spec_counters(url, name)
-                        results, wall = load(url, prompts, c, per_prompt(name, set_name, len(prompts)))
+                        results, wall = load(url, prompts, c,
+                                             per_prompt(name, set_name, len(prompts)))
                         bad = [x.error for x in results if not x.ok]
                         if bad:
                             raise SystemExit(f"{name} {set_name} c={c}: {bad[0]}")
