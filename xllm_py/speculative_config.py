@@ -22,6 +22,10 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_min_token_prob: float = 0.1
     suffix_decoding_max_spec_factor: float = 1.0
+    # Guesses a step verifies, as the step's price says they pay (spec_decode/step_cost.py);
+    # false: every guess the method finds (fixed-length speculation, what a measurement of
+    # a method's acceptance wants).
+    cost_aware: bool = True
 
     # At most this many guesses a step: a verify chunk below 16 tokens stays on the decode
     # step's paged kernel (model/attention.py DENSE_CHUNK_MIN_TOKENS): the same logits.
@@ -39,7 +43,8 @@ class SpeculativeConfig:
                  "need suffix_decoding_max_tree_depth >= 1, _max_cached_requests >= 0"),
                 (0 <= self.suffix_decoding_min_token_prob <= 1
                  and self.suffix_decoding_max_spec_factor > 0,
-                 "need suffix_decoding_min_token_prob in [0, 1], _max_spec_factor > 0")):
+                 "need suffix_decoding_min_token_prob in [0, 1], _max_spec_factor > 0"),
+                (isinstance(self.cost_aware, bool), "cost_aware must be true or false")):
             if not ok:
                 raise ValueError(f"speculative_config: {message}, got {self}")
 

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.integration
 
 BLOCK = 4
 MAX_TOKENS = 24
-SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=1)
+# (every guess verified, whatever a step's price: each test exercises the verify path)
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=1,
+                         cost_aware=False)
 
 
 class _Sink:
@@ -160,7 +162,7 @@ def test_prediction_is_exact_and_counted(family, tmp_path):
 
 
 SUFFIX = SpeculativeConfig(method="suffix", num_speculative_tokens=4,
-                           suffix_decoding_max_cached_requests=8)
+                           suffix_decoding_max_cached_requests=8, cost_aware=False)
 
 
 @pytest.mark.parametrize("family", ["llama-bias", "gemma3-kv1"])

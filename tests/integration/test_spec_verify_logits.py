@@ -5,7 +5,8 @@ go through the prompt path (the paged attention kernel per query row, the linear
 over all the step's rows) while a decode-only step may take the fused one-call path; a
 plain decode beside a verify chunk takes the prompt path too; one row alone takes the
 one-row linear kernels, which sum as a tile row does. Compared with torch.equal, not a
-tolerance."""
+tolerance; and the argmax a greedy verify row takes inside the LM head (model/lm_head.py)
+is the decode step's token."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ from tests.integration.tp_models import FAMILIES, VOCAB, build_hf_model
 from xllm_py.config import CacheConfig, EngineConfig
 from xllm_py.engine.llm_engine import LLMEngine
 from xllm_py.engine.scheduler_types import ScheduledSeq
+from xllm_py.model.lm_head import HeadRows
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.integration
@@ -74,7 +76,14 @@ def _check(model: str) -> None:
         out = runner.execute_step([verify, *others])
         [(index, spec_rows)] = out.spec
         assert index == 0 and spec_rows.shape[0] == K
-        a_rows = torch.cat([out.sample[:1], spec_rows])
+        sample = out.sample_logits()
+        a_rows = torch.cat([sample[:1], _logits(spec_rows)])
         assert torch.equal(a_rows, torch.stack(decode_logits["a"]))
+        if isinstance(spec_rows, HeadRows):  # (the argmax inside the head: the same tokens)
+            assert spec_rows.argmax() == [int(x.argmax()) for x in decode_logits["a"][1:]]
         if others:
-            assert torch.equal(out.sample[1], decode_logits["b"][0])
+            assert torch.equal(sample[1], decode_logits["b"][0])
+
+
+def _logits(rows) -> torch.Tensor:
+    return rows.logits() if isinstance(rows, HeadRows) else rows

@@ -69,7 +69,7 @@ class LLMEngine:
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
         # (a Speculator even without a method: requests with a prediction guess from it)
         self.speculator = None if self.tp is not None or config.simulate else Speculator(
-            config.speculative, lambda: self.latency_profile, sched_cfg.max_num_seqs)
+            config.speculative, lambda: self.latency_profile)
         self.scheduler = ContinuousScheduler(
             sched_cfg, config.cache, num_blocks, group_windows=groups.group_windows if groups else (0,),
             speculator=self.speculator)
@@ -90,7 +90,8 @@ class LLMEngine:
         self.step_listeners: list[Callable[[], None]] = []
         self.step_stats = StepStats()
         self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
-        self.step_observers: list[StepObserver] = [self.step_stats, *filter(None, [self.step_trace])]
+        self.step_observers: list[StepObserver] = [self.step_stats, *filter(None, [
+            self.step_trace, self.speculator and self.speculator.step_cost])]
         # The KV connector (kv_connector.py; PD: pd/connector.py), polled every turn of
         # the loop; a PREFILL's hands every request over at its first token.
         self.role = config.role

@@ -4,11 +4,12 @@ The only module of the engine that touches the model and torch tensors for the f
 Logits rows: the last token of each sequence that samples, plus, for a prefill chunk that
 scores its prompt (ScheduledSeq.num_prompt_logprob_rows > 0), its leading tokens whose
 next token is a prompt token; a speculating seq (spec_token_ids) samples at its last known
-token and returns its guesses' rows as well (StepLogits.spec). The model computes the last layer and the LM head for those
-rows only, so a step without prompt logprobs does exactly what it did before. A step whose
-only logits rows are the sampled ones leaves the LM head to the sampler (StepLogits.sample
-is then the rows before the head, model/lm_head.py HeadRows: greedy rows take their argmax
-inside the head, without their 262,144-float rows on Gemma 3).
+token and returns its guesses' rows as well (StepLogits.spec): a step of decodes and such
+verify chunks runs as decode rows (`_decode_rows`). The model computes the last layer and
+the LM head for those rows only, so a step without prompt logprobs does exactly what it did before. A step whose
+only logits rows are the sampled ones and guesses leaves the LM head to the sampler
+(StepLogits.sample is then the rows before the head, model/lm_head.py HeadRows: greedy rows
+take their argmax inside the head, without their 262,144-float rows on Gemma 3).
 """
 from __future__ import annotations
 
@@ -37,13 +38,18 @@ class StepLogits:
     # logits at position start_pos + i of that seq, in the order of the seqs
     prompt: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
     # (index of the seq in the step, [len(spec_token_ids), vocab]): the logits at each guess
-    spec: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
+    # (HeadRows where `sample` is: a step without prompt logprob rows)
+    spec: list[tuple[int, torch.Tensor | HeadRows]] = dataclasses.field(default_factory=list)
     # With guesses: `sample` then every `spec` block, one tensor (they are views of it)
-    sample_and_spec: torch.Tensor | None = None
+    sample_and_spec: torch.Tensor | HeadRows | None = None
 
     def sample_logits(self) -> torch.Tensor | None:
         """``sample`` as a float32 logits tensor."""
         return self.sample.logits() if isinstance(self.sample, HeadRows) else self.sample
+
+
+def _rows(logits: torch.Tensor | HeadRows, lo: int, hi: int) -> torch.Tensor | HeadRows:
+    return logits.rows(lo, hi) if isinstance(logits, HeadRows) else logits[lo:hi]
 
 
 def _num_prompt_rows(seq) -> int:
@@ -52,6 +58,34 @@ def _num_prompt_rows(seq) -> int:
 
 def _num_spec(seq) -> int:
     return len(getattr(seq, "spec_token_ids", ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeRow:
+    """One token of a verify chunk as a decode of its own (the fields _prepare_decode reads)."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    group_tables: list[list[int]] | None
+
+
+def _decode_rows(seqs: Sequence) -> list:
+    """A step of decodes and verify chunks as decode rows: a chunk's token j a decode at its
+    position, its context the tokens before it. Each layer stores every row's K/V before
+    any row attends (the kernels' order), so row j reads the chunk's tokens before it from
+    the cache, as the one-token step at that position does; the step keeps the decode
+    path (model/fused_decode.py, gemma3_decode.py) and its floats."""
+    rows: list = []
+    for s in seqs:
+        if not _num_spec(s):
+            rows.append(s)
+            continue
+        tables = _group_tables(s)
+        rows.extend(_DecodeRow([t], s.start_pos + j, s.block_table, s.sample and j == 0, tables)
+                    for j, t in enumerate(s.token_ids))
+    return rows
 
 
 def _group_tables(seq) -> list | None:
@@ -82,6 +116,8 @@ class ModelRunner:
             return StepLogits(None)
         if all(len(s.token_ids) == 1 for s in seqs):
             ids_t, pos_t, meta, sample_idx = self._prepare_decode(seqs)
+        elif all(len(s.token_ids) == 1 + _num_spec(s) and not _num_prompt_rows(s) for s in seqs):
+            ids_t, pos_t, meta, sample_idx = self._prepare_decode(_decode_rows(seqs))
         else:
             ids_t, pos_t, meta, sample_idx = self._prepare_mixed(seqs)
         # (seq index, number of rows) of the seqs that score their prompt
@@ -102,18 +138,22 @@ class ModelRunner:
             self.model(ids_t, pos_t, meta, self.kv_caches, keep_rows=keep)
             return StepLogits(None)
         num_sampled = len(sample_idx)
-        if not prompt_rows and hasattr(self.model, "forward_head"):
-            return StepLogits(self.model.forward_head(ids_t, pos_t, meta, self.kv_caches,
-                                                      keep_rows=keep))
-        logits = self.model.forward_logits(ids_t, pos_t, meta, self.kv_caches,
-                                           keep_rows=keep).float()
-        out = StepLogits(logits[:num_sampled] if num_sampled else None)
+        if not prompt_seqs and hasattr(self.model, "forward_head"):
+            head = self.model.forward_head(ids_t, pos_t, meta, self.kv_caches, keep_rows=keep)
+            if not spec_seqs:
+                return StepLogits(head)
+            # (guess rows too: a greedy verify step takes every row's argmax in the head)
+            logits = head
+        else:
+            logits = self.model.forward_logits(ids_t, pos_t, meta, self.kv_caches,
+                                               keep_rows=keep).float()
+        out = StepLogits(_rows(logits, 0, num_sampled) if num_sampled else None)
         offset = num_sampled
         for i, n in spec_seqs:
-            out.spec.append((i, logits[offset:offset + n]))
+            out.spec.append((i, _rows(logits, offset, offset + n)))
             offset += n
         if spec_seqs:
-            out.sample_and_spec = logits[:offset]
+            out.sample_and_spec = _rows(logits, 0, offset)
         for i, n in prompt_seqs:
             out.prompt.append((i, logits[offset:offset + n]))
             offset += n

@@ -1,5 +1,5 @@
 """Speculative decoding's parts without a model: the n-gram lookup, greedy acceptance, the
-Speculator's choices (who proposes, how many, its rests and its batch cut-off), and the
+Speculator's choices (who proposes, how many, its rests, what a step's price leaves), and the
 scheduler's verify step (the guesses scheduled with the last token, the KV rolled back,
 no block holding a rejected guess hashed, stops applied token by token)."""
 from __future__ import annotations
@@ -17,7 +17,8 @@ from xllm_py.engine.hybrid_kv import HybridKVCacheManager
 from xllm_py.engine.scheduler import ContinuousScheduler
 from xllm_py.engine.spec_decode import speculator as spec_mod
 from xllm_py.engine.spec_decode.ngram import NgramIndex
-from xllm_py.engine.spec_decode.speculator import Speculator, max_batch_from_profile
+from xllm_py.engine.spec_decode.speculator import Speculator
+from xllm_py.engine.spec_decode.step_cost import StepCost, plan_guesses
 from xllm_py.engine.spec_decode.verify import accept_greedy
 from xllm_py.request import Request, RequestStatus
 from xllm_py.sampling_params import SamplingParams
@@ -107,23 +108,55 @@ class _Grammar:
         return min(self.takes, len(token_ids))
 
 
-def test_no_speculation_above_the_batch_cut_off():
+def test_plan_takes_the_guesses_that_raise_tokens_per_ms():
+    # One sequence, a step of 10 ms, a row 1 ms: a guess worth g pays while g > tokens / ms.
+    assert plan_guesses([("a", 4, 0.9)], 1, 10.0, 1.0) == {"a": 4}
+    # Sixteen sequences at 40 ms: the bar is 0.4 a row; 0.9, 0.81, ... then 0.53 < 0.55.
+    many = plan_guesses([(f"r{i}", 4, 0.9) for i in range(16)], 16, 40.0, 1.5)
+    assert set(many.values()) <= {1, 2, 3} and len(many) == 16
+    assert plan_guesses([("a", 4, 0.3)], 16, 40.0, 1.5) == {}  # 0.3 * 40 < 1.5 * 16
+    # The likelier sequence's guesses first; none from a sequence never kept.
+    two = plan_guesses([("lo", 4, 0.5), ("hi", 4, 0.95), ("no", 4, 0.0)], 2, 10.0, 2.0)
+    assert two["hi"] > two.get("lo", 0) and "no" not in two
+    assert plan_guesses([("a", 3, 0.5)], 4, 10.0, 0.0) == {"a": 3}  # rows free: all
+
+
+def test_step_cost_fits_the_decode_steps():
+    cost = StepCost()
+    assert cost.fit() is None
+    for rows in (1, 5, 9, 1, 5, 9, 1, 5):
+        cost.add(rows, 10.0 + 1.5 * rows)
+    base, per_row = cost.fit()
+    assert base == pytest.approx(10.0) and per_row == pytest.approx(1.5)
+    same = StepCost()
+    for _ in range(20):
+        same.add(4, 12.0)  # every step of one size: the slope is unknown
+    assert same.fit() is None
+
+
+def test_a_compute_bound_step_verifies_no_guesses_and_probes_later():
     spec = Speculator(K4)
-    batch = [_req(f"r{i}", REPEATING) for i in range(spec_mod.DEFAULT_MAX_BATCH + 1)]
-    assert spec.propose(batch, 256) == {}
-    assert len(spec.propose(batch[:-1], 256)) == spec_mod.DEFAULT_MAX_BATCH
+    for rows in (8, 12, 16, 24, 8, 16):  # 5 ms + 4 ms a row: 16 seqs, 69 ms a step
+        spec.step_cost.add(rows, 5.0 + 4.0 * rows)
+    batch = [_req(f"r{i}", REPEATING) for i in range(16)]
+    # One sequence (9 ms): 0.8 * 9 > 4 * 1, 0.64 * 13 > 4 * 1.8, not 0.512 * 17 > 4 * 2.44
+    assert len(spec.propose(batch[:1], 256)["r0"]) == 2
+    assert spec.propose(batch, 256) == {}  # bar 64 / 69: a rate of 0.8 is not
+    for _ in range(spec_mod.FIRST_REST_STEPS):
+        assert spec.propose(batch, 256) == {}
+    probes = spec.propose(batch, 256)  # after the rest: each verifies a short probe
+    assert len(probes) == 16 and {len(g) for g in probes.values()} == {spec_mod.PROBE_TOKENS}
 
 
-def test_batch_cut_off_from_a_latency_profile():
+def test_the_latency_profile_prices_a_step_until_the_fit_does():
     # A decode step of 20 ms + 1 ms a sequence; a guess costs like a prompt token, 2 ms.
     profile = LatencyProfile(prefill_base_ms=5, prefill_ms_per_token=2, decode_base_ms=20,
                              decode_ms_per_seq=1, decode_ms_per_ctx_token=0)
-    # (20 + B + 8B) / 3 < 20 + B  <=>  B < 40 / 6
-    assert max_batch_from_profile(profile, 4, 64) == 6
     spec = Speculator(K4, lambda: profile)
-    assert spec.max_batch == 6
-    costly = dataclasses.replace(profile, prefill_ms_per_token=100)
-    assert max_batch_from_profile(costly, 4, 64) == 0
+    assert spec.step_price([_req("a", REPEATING)] * 4) == (24, 2)
+    for rows in (1, 3, 5, 1, 3):
+        spec.step_cost.add(rows, 3.0 + 0.5 * rows)
+    assert spec.step_price([_req("a", REPEATING)] * 4) == pytest.approx((5.0, 0.5))
 
 
 def test_a_sequence_whose_guesses_fail_rests_then_tries_again():

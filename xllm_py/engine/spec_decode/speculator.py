@@ -6,15 +6,16 @@ Proposers: a request with a `prediction` (OpenAI's Predicted Outputs) guesses fr
 the configured method (ngram.py, suffix.py: its engine-wide cache takes the outputs of
 requests that end here), or not at all.
 
-Per step (`propose`): none above `max_batch` decoding sequences (the step is compute
-bound there: each guess costs about what a token of prompt costs, and pays only while
-the step's fixed cost dominates; derived from the engine's latency profile where it has
-one, else DEFAULT_MAX_BATCH). Per sequence: any decode but a PD prefill's hand-over
-(each guess row is sampled as a one-token step would sample that position: verify.py),
-at most as many guesses as max_tokens and the context leave room for, under a grammar
-only those it accepts (cut at the first it refuses or that completes it), and none
-while its acceptance has fallen (an EWMA of accepted / proposed below MIN_ACCEPTANCE: it rests, then tries again, each rest twice
-as long as the last, up to MAX_REST_STEPS).
+Per step (`propose`): each sequence's guesses are worth what its running rate of kept
+guesses says and cost what the engine's decode steps say a row costs (step_cost.py:
+fitted from its own steps; before that the latency profile; with neither, every guess
+is verified); `plan_guesses` keeps the rows that raise the step's expected tokens per ms,
+so a compute-bound step (a large batch) verifies few guesses or none. Per sequence: any
+decode but a PD prefill's hand-over (each guess row is sampled as a one-token step would
+sample that position: verify.py), at most as many guesses as max_tokens and the context
+leave room for, under a grammar only those it accepts (cut at the first it refuses or
+that completes it), and none while its rate has fallen below MIN_ACCEPTANCE: it rests,
+then tries again, each rest twice as long as the last, up to MAX_REST_STEPS.
 
 After the verify step (`settle`): the accepted tokens were appended; KV is valid up to
 the last of them, the rejected guesses' slots are rolled back (num_computed_tokens, the
@@ -32,23 +33,21 @@ from typing import Callable
 from xllm_py.speculative_config import SpeculativeConfig
 from xllm_py.engine.spec_decode.ngram import NgramIndex
 from xllm_py.engine.spec_decode.prediction import PredictionLookup
+from xllm_py.engine.spec_decode.step_cost import StepCost, plan_guesses
 from xllm_py.engine.spec_decode.suffix import SuffixCache, SuffixProposer
 from xllm_py.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
-# Decoding sequences above which no one speculates without a latency profile: from
-# benchmarks/bench_spec.py on gemma-3-270m (2-core VM): at 4 sequences the verify rows
-# still paid on repetitive text (1.60x tok/s), not on open text (0.92x).
-DEFAULT_MAX_BATCH = 8
-# Acceptance assumed when the cut-off is derived from a latency profile (a guess is kept
-# with this probability): conservative for the repetitive text speculation is for.
-PROFILE_ACCEPTANCE = 0.5
+# A sequence's rate of kept guesses before it has verified any: the method's so far, and
+# this before the method has any (optimistic: a new sequence gets its chance).
+PRIOR_RATE = 0.8
 MIN_ACCEPTANCE = 0.25
 _CACHED_ENDS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 EWMA_WEIGHT = 0.3
 FIRST_REST_STEPS = 4
 MAX_REST_STEPS = 64
+PROBE_TOKENS = 2  # guesses of the step after a rest (at most)
 # Guesses a step from a prediction: an edit's prediction is mostly kept, so more pay than
 # the lookup methods' default (within SpeculativeConfig.MAX_TOKENS).
 PREDICTION_TOKENS = 8
@@ -59,12 +58,21 @@ PREDICTION = "prediction"  # the method label of guesses from a prediction
 class _SeqState:
     method: str
     proposer: NgramIndex | PredictionLookup | SuffixProposer
-    acceptance: float = 1.0  # EWMA of accepted / proposed
+    rate: float  # EWMA of the rate a guess is kept at (given those before it were)
     rest_left: int = 0  # steps without proposing
     rest_next: int = FIRST_REST_STEPS
+    rested: bool = False  # a rest ended: the next proposal is verified whatever its rate
     # guessed tokens kept and not kept (a prediction's: the request's usage reports them)
     accepted: int = 0
     rejected: int = 0
+
+    def rest(self, floor: float) -> None:
+        """No guesses for the next rest_next steps (each rest twice the last, up to
+        MAX_REST_STEPS), then one probe; the rate at least twice `floor` (a fresh
+        chance) from then on."""
+        self.rest_left, self.rest_next = self.rest_next, min(2 * self.rest_next, MAX_REST_STEPS)
+        self.rested = True
+        self.rate = max(self.rate, min(2 * floor, 1.0))
 
 
 @dataclasses.dataclass
@@ -74,43 +82,57 @@ class SpecStats:
     proposed: int = 0
     accepted: int = 0
     verify_steps: int = 0  # sequence-steps that carried guesses
+    rejections: int = 0  # verify steps that refused a guess (each ends one)
     # guesses kept in a verify step -> sequence-steps (xllm_spec_decode_acceptance_length)
     acceptance_lengths: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def rate(self) -> float:
+        """The rate a guess was kept at, given those before it were (PRIOR_RATE: none yet)."""
+        trials = self.accepted + self.rejections
+        return self.accepted / trials if trials else PRIOR_RATE
 
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig | None,
-                 profile: Callable[[], object | None] = lambda: None,
-                 max_num_seqs: int = 64) -> None:
+                 profile: Callable[[], object | None] = lambda: None) -> None:
         """`config`: the engine's method (None: only requests with a prediction guess).
         `profile`: the engine's latency profile once it has one (cluster/latency_profile.py
-        LatencyProfile: step_ms(prompt tokens, decode seqs, context tokens)), else None."""
+        LatencyProfile: step_ms(prompt tokens, decode seqs, context tokens)), else None.
+        `step_cost` is to be told every step (the engine's step observers)."""
         self.config = config
         # per method (the configured one from the start, "prediction" once used)
         self.stats: dict[str, SpecStats] = {config.method: SpecStats()} if config else {}
         self._suffix_cache = (SuffixCache(config.suffix_decoding_max_cached_requests)
                               if config and config.method == "suffix" else None)
         self._profile = profile
-        self._max_num_seqs = max_num_seqs
-        self._cut: tuple[object, int] | None = None  # (profile, max batch derived from it)
+        self.step_cost = StepCost()
         self._seqs: weakref.WeakKeyDictionary[Request, _SeqState] = weakref.WeakKeyDictionary()
 
-    @property
-    def max_batch(self) -> int:
+    def step_price(self, decodes: list[Request]) -> tuple[float, float] | None:
+        """(ms of a step of `decodes` without guesses, ms a guess row adds), or None: not
+        known yet (step_cost.py), or not asked (cost_aware false: every guess verified)."""
+        if self.config is not None and not self.config.cost_aware:
+            return None
+        fit = self.step_cost.fit()
+        if fit is not None:
+            base, per_row = fit
+            return base + per_row * len(decodes), per_row
         profile = self._profile()
         if profile is None:
-            return DEFAULT_MAX_BATCH
-        if self._cut is None or self._cut[0] is not profile:
-            self._cut = (profile, max_batch_from_profile(
-                profile, self.config.num_speculative_tokens if self.config else PREDICTION_TOKENS,
-                self._max_num_seqs))
-        return self._cut[1]
+            return None
+        ctx = sum(r.num_tokens for r in decodes)
+        return profile.step_ms(0, len(decodes), ctx), profile.prefill_ms_per_token
 
     def propose(self, decodes: list[Request], max_model_len: int) -> dict[str, list[int]]:
         """Guesses per request id of the decoding sequences that speculate this step."""
-        if not decodes or len(decodes) > self.max_batch:
+        if not decodes:
             return {}
-        out: dict[str, list[int]] = {}
+        price = self.step_price(decodes)
+        # a rate at or below this bar: not even a first guess pays (plan_guesses)
+        bar = price[1] * len(decodes) / price[0] if price and price[0] > 0 else 0.0
+        drafted: dict[str, list[int]] = {}
+        candidates: list[tuple[str, int, float]] = []
         for request in decodes:
             predicted = bool(request.sampling_params.prediction_token_ids)
             if not (predicted or self.config) or not speculates(request):
@@ -126,32 +148,43 @@ class Speculator:
             if state.rest_left > 0:
                 state.rest_left -= 1
                 continue
+            probe = state.rested
+            if price is not None and state.rate <= bar and not probe:
+                state.rest(0.0)  # (not worth a row now; a probe after the rest tells)
+                continue
+            state.rested = False
             drafts = state.proposer.propose(
                 request.output_token_ids if predicted else request.all_token_ids, k)
             if drafts and request.grammar is not None:
                 drafts = drafts[:request.grammar.num_guessable(drafts)]
+            if drafts and probe:  # (first and short: it tells a rate the price hid)
+                drafts = drafts[:PROBE_TOKENS]
             if drafts:
-                out[request.request_id] = drafts
-        return out
+                drafted[request.request_id] = drafts
+                candidates.append((request.request_id, len(drafts), 1.0 if probe else state.rate))
+        if price is None or not drafted:
+            return drafted
+        counts = plan_guesses(candidates, len(decodes), *price)
+        return {rid: drafted[rid][:n] for rid, n in counts.items()}
 
     def settle(self, request: Request, num_drafts: int, num_emitted: int, kv) -> None:
         """After a verify step that appended `num_emitted` tokens for `num_drafts` guesses:
         count them, keep KV up to the last token before the newest, roll back the rest
         (`kv`: the scheduler's KVCacheManager), before the request may end."""
         accepted = num_emitted - 1
+        refused = int(accepted < num_drafts)
         state = self._seqs[request]
         stats = self.stats.setdefault(state.method, SpecStats())
         stats.proposed += num_drafts
         stats.accepted += accepted
+        stats.rejections += refused
         stats.verify_steps += 1
         stats.acceptance_lengths[accepted] = stats.acceptance_lengths.get(accepted, 0) + 1
         state.accepted += accepted
         state.rejected += num_drafts - accepted
-        state.acceptance += EWMA_WEIGHT * (accepted / num_drafts - state.acceptance)
-        if state.acceptance < MIN_ACCEPTANCE:
-            state.rest_left, state.rest_next = state.rest_next, min(2 * state.rest_next,
-                                                                    MAX_REST_STEPS)
-            state.acceptance = MIN_ACCEPTANCE * 2  # a fresh chance after the rest
+        state.rate += EWMA_WEIGHT * (accepted / (accepted + refused) - state.rate)
+        if state.rate < MIN_ACCEPTANCE:
+            state.rest(MIN_ACCEPTANCE)
         request.num_computed_tokens = request.num_tokens - 1
         kv.truncate(request, -(-request.num_tokens // kv.block_size))
         kv.cache_full_blocks(request)
@@ -168,14 +201,16 @@ class Speculator:
         if state is None:
             prediction, cfg = request.sampling_params.prediction_token_ids, self.config
             if prediction:  # (no longer than any output can be)
-                state = _SeqState(PREDICTION, PredictionLookup(prediction[:max_model_len]))
+                method, proposer = PREDICTION, PredictionLookup(prediction[:max_model_len])
             elif self._suffix_cache is not None:
-                state = _SeqState(cfg.method, SuffixProposer(
+                method, proposer = cfg.method, SuffixProposer(
                     self._suffix_cache, cfg.suffix_decoding_max_tree_depth,
-                    cfg.suffix_decoding_min_token_prob, cfg.suffix_decoding_max_spec_factor))
+                    cfg.suffix_decoding_min_token_prob, cfg.suffix_decoding_max_spec_factor)
             else:
-                state = _SeqState(cfg.method,
-                                  NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+                method, proposer = cfg.method, NgramIndex(cfg.prompt_lookup_min,
+                                                          cfg.prompt_lookup_max)
+            stats = self.stats.get(method)
+            state = _SeqState(method, proposer, stats.rate if stats else PRIOR_RATE)
             self._seqs[request] = state
         return state
 
@@ -194,15 +229,3 @@ def speculates(request: Request) -> bool:
     logprobs already; so any but a PD prefill's hand-over (one token, then the decode
     peer goes on)."""
     return not request.remote_decode
-
-
-def max_batch_from_profile(profile, k: int, max_num_seqs: int, ctx: int = 512) -> int:
-    """The largest batch whose step with k guesses per sequence, divided by the tokens it
-    is expected to emit (1 + PROFILE_ACCEPTANCE * k each), costs less than a plain step."""
-    best = 0
-    for batch in range(1, max_num_seqs + 1):
-        plain = profile.step_ms(0, batch, batch * ctx)
-        spec = profile.step_ms(k * batch, batch, batch * ctx) / (1 + PROFILE_ACCEPTANCE * k)
-        if spec < plain:
-            best = batch
-    return best
