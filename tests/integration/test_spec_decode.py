@@ -75,9 +75,11 @@ def _run(model_dir, spec: SpeculativeConfig | None, prompts: list[list[int]], nu
 
 
 def _run_sinks(model_dir, spec, prompts, num_blocks, max_tokens=MAX_TOKENS, one_by_one=False,
-               predictions=None, **sampling) -> tuple[list[_Sink], LLMEngine]:
+               predictions=None, parallel=None, **sampling) -> tuple[list[_Sink], LLMEngine]:
+    """`parallel`: EngineConfig's tensor/pipeline parallel sizes."""
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_threads=1, speculative=spec,
-                                    cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks)))
+                                    cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+                                    **(parallel or {})))
     engine.start()
     try:
         sinks = [_Sink() for _ in prompts]
@@ -122,6 +124,24 @@ def test_speculation_is_exact_per_family(family, tmp_path):
     assert engine.stats()["prefix_hit_tokens"] == 12
     assert engine.speculator.stats["ngram"].accepted > 0
     assert hits == [_hf_greedy(hf, first), _hf_greedy(hf, hit_prompt)]
+
+
+@pytest.mark.parametrize("family,parallel", [
+    ("llama-bias", {"tensor_parallel_size": 2}), ("gemma3-kv1", {"tensor_parallel_size": 2}),
+    ("llama-bias", {"pipeline_parallel_size": 2})])
+def test_speculation_is_exact_across_ranks(family, parallel, tmp_path):
+    """TP 2 (each rank its heads: the verify rows' all-reduce sums per row, as a decode
+    step's) and PP 2 (the rows pass stage to stage): the tokens and logprobs of TP 1
+    without speculation."""
+    build_hf_model(transformers, family, tmp_path)
+    prompts = _prompts()
+    off, _ = _run_sinks(tmp_path, None, prompts, 96, logprobs=1)
+    on, engine = _run_sinks(tmp_path, SPEC, prompts, 96, parallel=parallel, logprobs=1)
+    for a, b in zip(off, on):
+        assert b.token_ids == a.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(b.seqs[0][1], a.seqs[0][1])) < 1e-4
+    assert engine.speculator.stats["ngram"].accepted > 0, engine.speculator.stats
+    assert engine.stats()["kv_blocks_used"] == 0
 
 
 @pytest.mark.parametrize("family", ["llama-bias", "gemma3-kv1"])

@@ -68,7 +68,7 @@ class LLMEngine:
         max_len = min(config.scheduler.max_model_len, mc.max_position_embeddings)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
         # (a Speculator even without a method: requests with a prediction guess from it)
-        self.speculator = None if self.tp is not None or config.simulate else Speculator(
+        self.speculator = None if config.simulate else Speculator(
             config.speculative, lambda: self.latency_profile)
         self.scheduler = ContinuousScheduler(
             sched_cfg, config.cache, num_blocks, group_windows=groups.group_windows if groups else (0,),
