@@ -32,14 +32,20 @@ class StepShape:
 
     @classmethod
     def of(cls, seqs: Sequence) -> "StepShape":
-        """From ScheduledSeq-like items (token_ids, start_pos): a one-token step past
-        position 0 is a decode, anything else computes prompt tokens."""
+        """From ScheduledSeq-like items (token_ids, start_pos, spec_token_ids): a
+        one-token step past position 0 is a decode, its speculative guesses rows that
+        cost as prompt tokens do (so a step verifying guesses is a mixed one), anything
+        else computes prompt tokens."""
         prefill = decodes = ctx = pairs = 0
         for s in seqs:
             n = len(s.token_ids)
-            if n == 1 and s.start_pos > 0:
+            guesses = len(getattr(s, "spec_token_ids", ()))
+            if n - guesses == 1 and s.start_pos > 0:
                 decodes += 1
                 ctx += s.start_pos + 1
+                if guesses:
+                    prefill += guesses
+                    pairs += attn_pairs(s.start_pos + 1, guesses)
             else:
                 prefill += n
                 pairs += attn_pairs(s.start_pos, n)

@@ -12,6 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from xllm_py.engine.scheduler_types import ScheduledSeq
 from xllm_py.kv_transfer.base import TransferError
 from xllm_py.kv_transfer.factory import create_backend
 from xllm_py.sim.runner import SimulatedRunner, next_token
@@ -54,6 +55,13 @@ def test_step_shape_counts_prompt_tokens_and_decodes() -> None:
     assert StepShape.of(seqs) == StepShape(num_prefill_tokens=34, num_decode_seqs=2,
                                            num_decode_ctx_tokens=41 + 10,
                                            num_prefill_pairs=30 * 31 // 2 + 4 * 16 + 10)
+
+
+def test_step_shape_counts_speculative_guesses_as_prompt_rows() -> None:
+    verify = ScheduledSeq("v", [5, 6, 7, 8], 20, [0, 1], sample=True, spec_token_ids=[6, 7, 8])
+    assert StepShape.of([verify]) == StepShape(num_prefill_tokens=3, num_decode_seqs=1,
+                                               num_decode_ctx_tokens=21,
+                                               num_prefill_pairs=22 + 23 + 24)
 
 
 def test_step_ms() -> None:
