@@ -2,12 +2,13 @@
 none, on the served model.
 
     python benchmarks/bench_spec.py [--model gemma-3-270m] [--rounds 3] [--max-tokens 128]
-                                    [--concurrency 1 4] [--sets repetitive open]
+                                    [--concurrency 1 4 16] [--sets repetitive open]
                                     [--methods ngram suffix prediction] [--prompts N]
                                     [--logprobs N] [--threads N] [--json]
 
 Engine processes (``python -m xllm_py.engine``, MIX, prefix cache off so every round
-computes its prompts again): ``--speculative-config off``, ``NGRAM`` and ``SUFFIX`` below,
+computes its prompts again): ``--speculative-config off``, ``NGRAM`` below and the default
+(suffix decoding, ``SpeculativeConfig`` DEFAULT),
 all up at once and driven in turn (round r: off, then each method, per set and
 concurrency), so a drift of the shared machine's speed falls on all. ``prediction``: the
 engine without a method, each edit prompt sent with the text it edits as its
@@ -48,8 +49,7 @@ from benchmarks.common import (engine_process, get_model_id, median,  # noqa: E4
 
 NGRAM = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
          '"prompt_lookup_min": 2}')
-SUFFIX = ('{"method": "suffix", "num_speculative_tokens": 8, '
-          '"suffix_decoding_max_tree_depth": 24, "suffix_decoding_min_token_prob": 0.1}')
+SUFFIX = None  # the engine's default (xllm_py/speculative_config.py DEFAULT)
 
 _FUNCTION = '''def process_items(items, threshold=10, verbose=False):
     """Split items into small and large ones and count their kinds."""
@@ -165,7 +165,7 @@ def main() -> None:
     ap.add_argument("--model", default="gemma-3-270m")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--sets", nargs="+", choices=list(SETS), default=list(SETS))
     ap.add_argument("--methods", nargs="+", choices=["ngram", "suffix", "prediction"],
                     default=["ngram", "suffix", "prediction"])
@@ -179,7 +179,8 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(engine_process(
                     args.model, num_threads=args.threads,
-                    settings={**common, "speculative_config": configs[name]})).http_url
+                    settings={**common, **({"speculative_config": configs[name]}
+                                           if configs[name] else {})})).http_url
                 for name in ["off", *[m for m in args.methods if m in configs]]}
         servers = {"off": urls["off"], **{m: urls.get(m, urls["off"]) for m in args.methods}}
         model = asyncio.run(get_model_id(urls["off"]))

@@ -63,3 +63,9 @@ class SpeculativeConfig:
         if unknown := sorted(set(fields) - known):
             raise ValueError(f"speculative_config: unknown fields {unknown}")
         return cls(**fields)
+
+
+# What an engine process speculates with unless told otherwise: suffix decoding, up to 8
+# guesses, priced per step (benchmarks/bench_spec.py: faster than none at concurrency 1 to
+# 16 on repetitive and open text; where a guess does not pay, none is verified).
+DEFAULT = SpeculativeConfig(method="suffix", num_speculative_tokens=8)

@@ -16,7 +16,7 @@ from xllm_py.config import (PREFILL_ORDERS, CacheConfig, EngineConfig, InstanceR
                             KVTransferMode, PDSchedulerConfig, SchedulerConfig, TierConfig,
                             TransferConfig, UCXConfig)
 from xllm_py.model.catalog import DEFAULT_MODEL
-from xllm_py.speculative_config import SpeculativeConfig
+from xllm_py.speculative_config import DEFAULT as SPEC_DEFAULT, SpeculativeConfig
 from xllm_py.utils.cli import add_flag, parse_bool
 from xllm_py.utils.config_file import SettingsParser
 from xllm_py.utils.security_cli import add_security_flags, security_from_args
@@ -52,12 +52,13 @@ def build_parser() -> SettingsParser:
              help="weights, activations and KV cache dtype")
     add_flag(g, "--device", default="cpu", help="cpu or cuda[:N]")
     add_flag(g, "--seed", type=int, default=0, help="global seed of the unseeded sampler")
-    add_flag(g, "--speculative-config", type=SpeculativeConfig.parse, default=None,
-             help='speculative decoding of greedy requests, as vLLM spells it: \'{"method": "ngram", '
-                  '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-                  'or \'{"method": "suffix", "suffix_decoding_max_tree_depth": 24, '
+    add_flag(g, "--speculative-config", type=SpeculativeConfig.parse, default=SPEC_DEFAULT,
+             help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
+                  '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\', '
+                  '\'{"method": "suffix", "suffix_decoding_max_tree_depth": 24, '
                   '"suffix_decoding_max_cached_requests": 1000, '
-                  '"suffix_decoding_min_token_prob": 0.1}\' (default off)')
+                  '"suffix_decoding_min_token_prob": 0.1}\' or off (default: suffix, 8 '
+                  'guesses, as many verified as the step\'s price says pay)')
     add_flag(g, "--tensor-parallel-size", "--tp", type=int, default=1,
              help="worker processes of this instance, each with its shard of the model "
                   "(heads and MLP columns) and of the KV cache (xLLM: the number of --devices)")
