@@ -1,0 +1,92 @@
+"""PD with pipeline stages (service + PREFILL + DECODE processes, real etcd, tcp transfer):
+a PREFILL of PP 2 hands over to a DECODE of TP 1 and of TP 2, PULL and PUSH, and a DECODE
+of PP 2 takes over from a PREFILL of TP 1 and of PP 2: every decode rank gets the layers
+and KV heads it holds from the stages that hold them (``rank_moves``). On a random Llama
+(tp_models.py) the greedy tokens are transformers'; the side that moves the KV counts
+on /metrics (``xllm_kv_transfer_bytes_total``, every rank) exactly the bytes of the
+blocks handed over, once (as a TP 1 pair does), the other side none; every pool ends
+empty. A PD engine of PP 2 on a backend without layer slices is refused at start."""
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+import torch
+
+from tests.integration.cluster_harness import Harness, client, metric, wait_drained
+from tests.integration.test_tensor_parallel import MAX_TOKENS, _hf_greedy
+from tests.integration.test_tp_metrics import _rank_samples
+from tests.integration.tp_models import VOCAB, build_hf_model
+from xllm_py.config import EngineConfig, InstanceRole, TransferConfig
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+BLOCK = 8
+MODEL = "random"
+# llama-bias: 2 layers, 2 KV heads of 16, float32: one block of every layer and head, K and V
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4
+_TOOK = re.compile(r"PD decode took over request \S+ from \S+: (\d+) blocks")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pd-pp-llama")
+    hf = build_hf_model(transformers, "llama-bias", path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 23, 33)]
+    return path, [(p, _hf_greedy(hf, p)[0]) for p in prompts]
+
+
+CASES = [(["--pp", "2"], [], m) for m in ("PULL", "PUSH")]
+CASES += [(["--pp", "2"], ["--tp", "2"], m) for m in ("PULL", "PUSH")]
+CASES += [([], ["--pp", "2"], m) for m in ("PULL", "PUSH")]
+CASES += [(["--pp", "2"], ["--pp", "2"], "PUSH"), (["--tp", "2"], ["--pp", "2"], "PULL")]
+
+
+@pytest.mark.parametrize("p_flags,d_flags,mode", CASES)
+def test_pd_with_pipeline_stages_equals_transformers(llama, etcd_server, tmp_path, p_flags,
+                                                     d_flags, mode):
+    path, cases = llama
+    name = f"pd-pp-{''.join(p_flags)}-{''.join(d_flags)}-{mode}/".replace("--", "")
+    h = Harness(etcd_server.endpoint, name, tmp_path)
+    common = ["--model", str(path), "--block-size", str(BLOCK), "--num-blocks", "64",
+              "--kv-cache-transfer-mode", mode, "--kv-transfer-backend", "tcp"]
+    try:
+        svc = h.service(extra=["--model", str(path), "--served-model-name", MODEL])
+        prefill = h.engine("PREFILL", "prefill", extra=[*common, *p_flags])
+        decode = h.engine("DECODE", "decode", extra=[*common, *d_flags])
+        for p in (prefill, decode):
+            p.wait_ready(240)
+        svc.wait_ready(60, path="/readiness")
+        c = client(svc)
+        for prompt, tokens in cases:
+            r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                     temperature=0,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert r.choices[0].model_extra["token_ids"] == tokens, f"{len(prompt)} tokens"
+        asyncio.run(wait_drained([prefill.http_url, decode.http_url], timeout_s=20))
+        blocks = sum(int(b) for b in _TOOK.findall(decode.log_path.read_text(errors="replace")))
+        assert blocks == sum((len(p) + BLOCK - 1) // BLOCK for p, _ in cases)
+        mover, other, op = (decode, prefill, "pull") if mode == "PULL" else (prefill, decode, "push")
+        moved = _rank_samples(mover.http_url, "xllm_kv_transfer_bytes_total")
+        print(f"\n{mode} P {p_flags} + D {d_flags}: {blocks} blocks handed over; {op} bytes "
+              f"per rank {moved}")
+        assert {o for o, _ in moved} == {op}
+        assert sum(moved.values()) == blocks * BLOCK_BYTES  # the prompt's KV, once
+        assert _rank_samples(other.http_url, "xllm_kv_transfer_bytes_total") == {}
+        assert _rank_samples(mover.http_url, "xllm_kv_transfer_failures_total") == {}
+        for e in (prefill, decode):
+            assert metric(e.http_url, "xllm_kv_cache_blocks_used") == 0
+    finally:
+        h.stop()
+
+
+def test_a_pd_engine_of_stages_needs_the_tcp_backend():
+    for role in (InstanceRole.PREFILL, InstanceRole.DECODE):
+        with pytest.raises(ValueError, match="kv-transfer-backend tcp only"):
+            EngineConfig(model="tiny", role=role, pipeline_parallel_size=2,
+                         transfer=TransferConfig(backend="ucx"))
+        EngineConfig(model="tiny", role=role, pipeline_parallel_size=2,
+                     transfer=TransferConfig(backend="tcp"))
