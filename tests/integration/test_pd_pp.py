@@ -1,8 +1,10 @@
 """PD with pipeline stages (service + PREFILL + DECODE processes, real etcd, tcp transfer):
 a PREFILL of PP 2 hands over to a DECODE of TP 1 and of TP 2, PULL and PUSH, and a DECODE
-of PP 2 takes over from a PREFILL of TP 1 and of PP 2: every decode rank gets the layers
-and KV heads it holds from the stages that hold them (``rank_moves``). On a random Llama
-(tp_models.py) the greedy tokens are transformers'; the side that moves the KV counts
+of PP 2 takes over from a PREFILL of TP 1, TP 2 and PP 2, and stages of other bounds pair
+(tiny, 4 layers: P PP 3 split 2,1,1 -> D PP 2 split 1,3): every decode rank gets the layers
+and KV heads it holds from the stages that hold them (``rank_moves``). The greedy tokens
+are transformers' (random Llama, tp_models.py) or a MIX engine's (tiny); the side that
+moves the KV counts
 on /metrics (``xllm_kv_transfer_bytes_total``, every rank) exactly the bytes of the
 blocks handed over, once (as a TP 1 pair does), the other side none; every pool ends
 empty. A PD engine of PP 2 on a backend without layer slices is refused at start."""
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from tests.integration.cluster_harness import Harness, client, metric, wait_drained
-from tests.integration.test_tensor_parallel import MAX_TOKENS, _hf_greedy
+from tests.integration.test_tensor_parallel import MAX_TOKENS, _generate_tiny, _hf_greedy
 from tests.integration.test_tp_metrics import _rank_samples
 from tests.integration.tp_models import VOCAB, build_hf_model
 from xllm_py.config import EngineConfig, InstanceRole, TransferConfig
@@ -50,19 +52,39 @@ def test_pd_with_pipeline_stages_equals_transformers(llama, etcd_server, tmp_pat
                                                      d_flags, mode):
     path, cases = llama
     name = f"pd-pp-{''.join(p_flags)}-{''.join(d_flags)}-{mode}/".replace("--", "")
-    h = Harness(etcd_server.endpoint, name, tmp_path)
-    common = ["--model", str(path), "--block-size", str(BLOCK), "--num-blocks", "64",
+    _check_pair(Harness(etcd_server.endpoint, name, tmp_path), mode, cases, BLOCK_BYTES,
+                ["--model", str(path)], (p_flags, {}), (d_flags, {}), MODEL)
+
+
+def test_stages_of_other_bounds_pair(etcd_server, tmp_path):
+    prompts = [[7 + i] * 3 + list(range(100 + 40 * i, 100 + 40 * i + n))
+               for i, n in enumerate((5, 9, 23, 33))]  # distinct first tokens: no prefix hits
+    cases = [(p, tokens) for p, (tokens, _) in zip(prompts, _generate_tiny(prompts)[0])]
+    tiny_block = 2 * 4 * BLOCK * 2 * 64 * 4  # 4 layers, 2 KV heads of 64, float32
+    _check_pair(Harness(etcd_server.endpoint, "pd-pp3-pp2/", tmp_path), "PULL", cases,
+                tiny_block, [], (["--pp", "3"], {"pp_layer_partition": "2,1,1"}),
+                (["--pp", "2"], {"pp_layer_partition": "1,3"}), "tiny")
+
+
+def _check_pair(h: Harness, mode: str, cases, block_bytes: int, model_flags: list[str],
+                p_side: tuple[list[str], dict], d_side: tuple[list[str], dict],
+                model: str) -> None:
+    """A service, a PREFILL and a DECODE (flags and settings of each side): the greedy
+    tokens of ``cases``, the bytes moved, the pools emptied (module doc)."""
+    p_flags, d_flags = p_side[0], d_side[0]
+    common = [*model_flags, "--block-size", str(BLOCK), "--num-blocks", "64",
               "--kv-cache-transfer-mode", mode, "--kv-transfer-backend", "tcp"]
     try:
-        svc = h.service(extra=["--model", str(path), "--served-model-name", MODEL])
-        prefill = h.engine("PREFILL", "prefill", extra=[*common, *p_flags])
-        decode = h.engine("DECODE", "decode", extra=[*common, *d_flags])
+        svc = h.service(extra=[*model_flags, "--served-model-name", model] if model_flags
+                        else None)
+        prefill = h.engine("PREFILL", "prefill", extra=[*common, *p_flags], settings=p_side[1])
+        decode = h.engine("DECODE", "decode", extra=[*common, *d_flags], settings=d_side[1])
         for p in (prefill, decode):
             p.wait_ready(240)
         svc.wait_ready(60, path="/readiness")
         c = client(svc)
         for prompt, tokens in cases:
-            r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+            r = c.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
                                      temperature=0,
                                      extra_body={"ignore_eos": True, "return_token_ids": True})
             assert r.choices[0].model_extra["token_ids"] == tokens, f"{len(prompt)} tokens"
@@ -74,7 +96,7 @@ def test_pd_with_pipeline_stages_equals_transformers(llama, etcd_server, tmp_pat
         print(f"\n{mode} P {p_flags} + D {d_flags}: {blocks} blocks handed over; {op} bytes "
               f"per rank {moved}")
         assert {o for o, _ in moved} == {op}
-        assert sum(moved.values()) == blocks * BLOCK_BYTES  # the prompt's KV, once
+        assert sum(moved.values()) == blocks * block_bytes  # the prompt's KV, once
         assert _rank_samples(other.http_url, "xllm_kv_transfer_bytes_total") == {}
         assert _rank_samples(mover.http_url, "xllm_kv_transfer_failures_total") == {}
         for e in (prefill, decode):
