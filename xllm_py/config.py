@@ -386,12 +386,6 @@ class EngineConfig:
         if pp < 1 or pp > 1 and self.tensor_parallel_size > 1:
             raise ValueError(f"pipeline_parallel_size {pp}: at least 1; above 1 with tensor "
                              "parallel size 1 only")
-        if (pp > 1 and self.role is not InstanceRole.MIX
-                and self.transfer.backend.lower() != "tcp"):
-            # a stage's pool holds its layers: the hand-over moves layer ranges
-            raise ValueError(f"pipeline_parallel_size {pp} on a {self.role.value} engine "
-                             "hands KV over with --kv-transfer-backend tcp only (the "
-                             f"{self.transfer.backend} backend moves every layer of a block)")
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:

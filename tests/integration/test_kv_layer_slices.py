@@ -1,11 +1,11 @@
 """KV between pipeline stages, through each rank's real WorkerService (gRPC) and the tcp
-backend: for prefill x decode layouts of TP and PP (uneven stages, replicated heads),
+and ucx backends (ucx: private pools, the iov path; the mapped and tag paths:
+tests/unit/kv_transfer/test_ucx_head_slices.py): for prefill x decode layouts of TP and PP (uneven stages, replicated heads),
 PULL and PUSH, each decode rank ends with exactly the layers and KV heads it holds, taken
 from the prefill ranks that hold them at each pool's layer offset
 (``parallel/instance_peers.rank_moves`` of ``model/kv_layout.transfer_plan``, moves
 addressed to workers in process order), nothing else written; the bytes moved add up to
-the prompt's KV once per decode copy. A layer range outside a pool is refused, and so is
-a layer slice on the ucx backend (it moves every layer of a block)."""
+the prompt's KV once per decode copy. A layer range outside a pool is refused."""
 from __future__ import annotations
 
 import grpc
@@ -51,13 +51,14 @@ LAYOUTS = [  # (heads, prefill (tp, pp, partition), decode (tp, pp, partition))
 ]
 
 
+@pytest.mark.parametrize("backend", ["tcp", "ucx"])
 @pytest.mark.parametrize("mode", ["PULL", "PUSH"])
 @pytest.mark.parametrize("heads,src,dst", LAYOUTS)
-async def test_each_decode_rank_gets_exactly_its_layers_and_heads(heads, src, dst, mode):
+async def test_each_decode_rank_gets_exactly_its_layers_and_heads(heads, src, dst, mode, backend):
     full = torch.randn(2, LAYERS, BLOCKS, BLOCK, heads, DIM,
                        generator=torch.Generator().manual_seed(7))
     src_layout, dst_layout = kv_layout(LAYERS, heads, *src), kv_layout(LAYERS, heads, *dst)
-    prefill, decode = await _instance(src_layout, "tcp"), await _instance(dst_layout, "tcp")
+    prefill, decode = await _instance(src_layout, backend), await _instance(dst_layout, backend)
     try:
         for r in prefill:
             r.storage.kv.copy_(full[:, r.layers[0]:r.layers[1], :, :, r.heads[0]:r.heads[1]])
@@ -93,7 +94,7 @@ async def test_each_decode_rank_gets_exactly_its_layers_and_heads(heads, src, ds
 
 
 @pytest.mark.parametrize("backend", ["tcp", "ucx"])
-async def test_a_layer_range_outside_a_pool_or_a_backend_without_layers_is_refused(backend):
+async def test_a_layer_range_outside_a_pool_is_refused(backend):
     prefill = await _instance(kv_layout(LAYERS, 2, 1, 2), backend)  # 2 layers a stage
     decode = await _instance(kv_layout(LAYERS, 2, 1, 1), backend)
     try:
@@ -103,8 +104,7 @@ async def test_a_layer_range_outside_a_pool_or_a_backend_without_layers_is_refus
                 dst_head_start=0, num_heads=2, src_layer_start=1, dst_layer_start=0,
                 num_layers=2), timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert ("layer slice [1, 3) outside" if backend == "tcp"
-                else "moves every layer of a block") in e.value.details()
+        assert "layer slice [1, 3) outside" in e.value.details()
         assert not decode[0].storage.kv.any()
     finally:
         for r in prefill + decode:

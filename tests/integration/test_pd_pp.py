@@ -1,4 +1,5 @@
-"""PD with pipeline stages (service + PREFILL + DECODE processes, real etcd, tcp transfer):
+"""PD with pipeline stages (service + PREFILL + DECODE processes, real etcd, tcp and ucx
+transfer; ucx between engines of one host: the mapped path):
 a PREFILL of PP 2 hands over to a DECODE of TP 1 and of TP 2, PULL and PUSH, and a DECODE
 of PP 2 takes over from a PREFILL of TP 1, TP 2 and PP 2, and stages of other bounds pair
 (tiny, 4 layers: P PP 3 split 2,1,1 -> D PP 2 split 1,3): every decode rank gets the layers
@@ -7,7 +8,7 @@ are transformers' (random Llama, tp_models.py) or a MIX engine's (tiny); the sid
 moves the KV counts
 on /metrics (``xllm_kv_transfer_bytes_total``, every rank) exactly the bytes of the
 blocks handed over, once (as a TP 1 pair does), the other side none; every pool ends
-empty. A PD engine of PP 2 on a backend without layer slices is refused at start."""
+empty."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +21,6 @@ from tests.integration.cluster_harness import Harness, client, metric, wait_drai
 from tests.integration.test_tensor_parallel import MAX_TOKENS, _generate_tiny, _hf_greedy
 from tests.integration.test_tp_metrics import _rank_samples
 from tests.integration.tp_models import VOCAB, build_hf_model
-from xllm_py.config import EngineConfig, InstanceRole, TransferConfig
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -41,19 +41,20 @@ def llama(tmp_path_factory):
     return path, [(p, _hf_greedy(hf, p)[0]) for p in prompts]
 
 
-CASES = [(["--pp", "2"], [], m) for m in ("PULL", "PUSH")]
-CASES += [(["--pp", "2"], ["--tp", "2"], m) for m in ("PULL", "PUSH")]
-CASES += [([], ["--pp", "2"], m) for m in ("PULL", "PUSH")]
-CASES += [(["--pp", "2"], ["--pp", "2"], "PUSH"), (["--tp", "2"], ["--pp", "2"], "PULL")]
+CASES = [(["--pp", "2"], [], m, "tcp") for m in ("PULL", "PUSH")]
+CASES += [(["--pp", "2"], ["--tp", "2"], m, "tcp") for m in ("PULL", "PUSH")]
+CASES += [([], ["--pp", "2"], m, "tcp") for m in ("PULL", "PUSH")]
+CASES += [(["--pp", "2"], ["--pp", "2"], "PUSH", "tcp"), (["--tp", "2"], ["--pp", "2"], "PULL", "tcp")]
+CASES += [(["--pp", "2"], [], "PULL", "ucx"), ([], ["--pp", "2"], "PUSH", "ucx")]
 
 
-@pytest.mark.parametrize("p_flags,d_flags,mode", CASES)
+@pytest.mark.parametrize("p_flags,d_flags,mode,backend", CASES)
 def test_pd_with_pipeline_stages_equals_transformers(llama, etcd_server, tmp_path, p_flags,
-                                                     d_flags, mode):
+                                                     d_flags, mode, backend):
     path, cases = llama
-    name = f"pd-pp-{''.join(p_flags)}-{''.join(d_flags)}-{mode}/".replace("--", "")
-    _check_pair(Harness(etcd_server.endpoint, name, tmp_path), mode, cases, BLOCK_BYTES,
-                ["--model", str(path)], (p_flags, {}), (d_flags, {}), MODEL)
+    name = f"pd-pp-{''.join(p_flags)}-{''.join(d_flags)}-{mode}-{backend}/".replace("--", "")
+    _check_pair(Harness(etcd_server.endpoint, name, tmp_path), mode, backend, cases,
+                BLOCK_BYTES, str(path), MODEL, (p_flags, {}), (d_flags, {}))
 
 
 def test_stages_of_other_bounds_pair(etcd_server, tmp_path):
@@ -61,22 +62,23 @@ def test_stages_of_other_bounds_pair(etcd_server, tmp_path):
                for i, n in enumerate((5, 9, 23, 33))]  # distinct first tokens: no prefix hits
     cases = [(p, tokens) for p, (tokens, _) in zip(prompts, _generate_tiny(prompts)[0])]
     tiny_block = 2 * 4 * BLOCK * 2 * 64 * 4  # 4 layers, 2 KV heads of 64, float32
-    _check_pair(Harness(etcd_server.endpoint, "pd-pp3-pp2/", tmp_path), "PULL", cases,
-                tiny_block, [], (["--pp", "3"], {"pp_layer_partition": "2,1,1"}),
-                (["--pp", "2"], {"pp_layer_partition": "1,3"}), "tiny")
+    _check_pair(Harness(etcd_server.endpoint, "pd-pp3-pp2/", tmp_path), "PULL", "tcp", cases,
+                tiny_block, None, "tiny", (["--pp", "3"], {"pp_layer_partition": "2,1,1"}),
+                (["--pp", "2"], {"pp_layer_partition": "1,3"}))
 
 
-def _check_pair(h: Harness, mode: str, cases, block_bytes: int, model_flags: list[str],
-                p_side: tuple[list[str], dict], d_side: tuple[list[str], dict],
-                model: str) -> None:
-    """A service, a PREFILL and a DECODE (flags and settings of each side): the greedy
-    tokens of ``cases``, the bytes moved, the pools emptied (module doc)."""
+def _check_pair(h: Harness, mode: str, backend: str, cases, block_bytes: int,
+                model_dir: str | None, model: str, p_side: tuple[list[str], dict],
+                d_side: tuple[list[str], dict]) -> None:
+    """A service, a PREFILL and a DECODE (``model_dir`` None: the default model; each side's
+    flags and settings): the greedy tokens of ``cases``, the bytes moved, the pools
+    emptied (module doc)."""
     p_flags, d_flags = p_side[0], d_side[0]
-    common = [*model_flags, "--block-size", str(BLOCK), "--num-blocks", "64",
-              "--kv-cache-transfer-mode", mode, "--kv-transfer-backend", "tcp"]
+    chosen = ["--model", model_dir] if model_dir else []
+    common = [*chosen, "--block-size", str(BLOCK), "--num-blocks", "64",
+              "--kv-cache-transfer-mode", mode, "--kv-transfer-backend", backend]
     try:
-        svc = h.service(extra=[*model_flags, "--served-model-name", model] if model_flags
-                        else None)
+        svc = h.service(extra=[*chosen, "--served-model-name", model] if model_dir else None)
         prefill = h.engine("PREFILL", "prefill", extra=[*common, *p_flags], settings=p_side[1])
         decode = h.engine("DECODE", "decode", extra=[*common, *d_flags], settings=d_side[1])
         for p in (prefill, decode):
@@ -99,16 +101,11 @@ def _check_pair(h: Harness, mode: str, cases, block_bytes: int, model_flags: lis
         assert sum(moved.values()) == blocks * block_bytes  # the prompt's KV, once
         assert _rank_samples(other.http_url, "xllm_kv_transfer_bytes_total") == {}
         assert _rank_samples(mover.http_url, "xllm_kv_transfer_failures_total") == {}
+        if backend == "ucx":  # engines on one host: the peer's pool mapped, every move a memcpy
+            paths = re.findall(r"kv (?:pull|push) req=\S* .* path=(\w+)",
+                               mover.log_path.read_text(errors="replace"))
+            assert len(paths) >= len(cases) and set(paths) == {"mapped"}
         for e in (prefill, decode):
             assert metric(e.http_url, "xllm_kv_cache_blocks_used") == 0
     finally:
         h.stop()
-
-
-def test_a_pd_engine_of_stages_needs_the_tcp_backend():
-    for role in (InstanceRole.PREFILL, InstanceRole.DECODE):
-        with pytest.raises(ValueError, match="kv-transfer-backend tcp only"):
-            EngineConfig(model="tiny", role=role, pipeline_parallel_size=2,
-                         transfer=TransferConfig(backend="ucx"))
-        EngineConfig(model="tiny", role=role, pipeline_parallel_size=2,
-                     transfer=TransferConfig(backend="tcp"))

@@ -311,7 +311,7 @@ class KVTransferBackend(abc.ABC):
                              "slices: instances of different TP need the tcp or ucx backend)")
         if has_layers(heads) and not self.supports_layer_slices:
             raise ValueError(f"the {self.name} backend moves every layer of a block (no "
-                             "layer slices: pipeline stages in PD need the tcp backend)")
+                             "layer slices: pipeline stages in PD need the tcp or ucx backend)")
 
     async def _timed(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
         t = self.default_timeout_s if timeout is None else timeout
