@@ -4,8 +4,9 @@ a PREFILL of PP 2 hands over to a DECODE of TP 1 and of TP 2, PULL and PUSH, and
 of PP 2 takes over from a PREFILL of TP 1, TP 2 and PP 2, and stages of other bounds pair
 (tiny, 4 layers: P PP 3 split 2,1,1 -> D PP 2 split 1,3): every decode rank gets the layers
 and KV heads it holds from the stages that hold them (``rank_moves``). The greedy tokens
-are transformers' (random Llama, tp_models.py) or a MIX engine's (tiny); the side that
-moves the KV counts
+are transformers' (random Llama, tp_models.py) or a MIX engine's (tiny); a PP 2 prefill
+streams the finished chunks of long prompts during the prefill (PUSH) as a TP 1 one does;
+the side that moves the KV counts
 on /metrics (``xllm_kv_transfer_bytes_total``, every rank) exactly the bytes of the
 blocks handed over, once (as a TP 1 pair does), the other side none; every pool ends
 empty."""
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from tests.integration.cluster_harness import Harness, client, metric, wait_drained
+from tests.integration.test_pd_kv_stream import _HANDED, CHUNK, MIN_TOKENS, PROMPTS, _mix_reference
 from tests.integration.test_tensor_parallel import MAX_TOKENS, _generate_tiny, _hf_greedy
 from tests.integration.test_tp_metrics import _rank_samples
 from tests.integration.tp_models import VOCAB, build_hf_model
@@ -67,12 +69,27 @@ def test_stages_of_other_bounds_pair(etcd_server, tmp_path):
                 (["--pp", "2"], {"pp_layer_partition": "1,3"}))
 
 
+def test_a_pp2_prefill_streams_finished_chunks(etcd_server, tmp_path):
+    cases = list(zip(PROMPTS, _mix_reference()))  # (tiny, chunked as the prefill chunks)
+    steps = ["--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8"]
+    prefill, _ = _check_pair(
+        Harness(etcd_server.endpoint, "pd-pp-stream/", tmp_path), "PUSH", "tcp", cases,
+        2 * 4 * BLOCK * 2 * 64 * 4, None, "tiny",
+        (["--pp", "2", *steps], {"kv_stream_min_tokens": MIN_TOKENS}), (steps, {}))
+    handed = _HANDED.findall(prefill.log_path.read_text(errors="replace"))
+    streamed = sorted((int(n), int(s)) for _, n, s in handed)
+    print(f"\nPP 2 prefill: (blocks handed, streamed before the first token) {streamed}")
+    assert len(streamed) == len(PROMPTS)
+    for (n, s), prompt in zip(streamed, sorted(PROMPTS, key=len)):
+        assert 0 < s < n if len(prompt) >= MIN_TOKENS else s == 0
+
+
 def _check_pair(h: Harness, mode: str, backend: str, cases, block_bytes: int,
                 model_dir: str | None, model: str, p_side: tuple[list[str], dict],
-                d_side: tuple[list[str], dict]) -> None:
+                d_side: tuple[list[str], dict]) -> tuple:
     """A service, a PREFILL and a DECODE (``model_dir`` None: the default model; each side's
     flags and settings): the greedy tokens of ``cases``, the bytes moved, the pools
-    emptied (module doc)."""
+    emptied (module doc); -> (prefill, decode), stopped."""
     p_flags, d_flags = p_side[0], d_side[0]
     chosen = ["--model", model_dir] if model_dir else []
     common = [*chosen, "--block-size", str(BLOCK), "--num-blocks", "64",
@@ -107,5 +124,6 @@ def _check_pair(h: Harness, mode: str, backend: str, cases, block_bytes: int,
             assert len(paths) >= len(cases) and set(paths) == {"mapped"}
         for e in (prefill, decode):
             assert metric(e.http_url, "xllm_kv_cache_blocks_used") == 0
+        return prefill, decode
     finally:
         h.stop()
