@@ -383,9 +383,9 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         pp = self.pipeline_parallel_size
-        if pp < 1 or pp > 1 and (self.tensor_parallel_size > 1 or self.role is not InstanceRole.MIX):
-            raise ValueError(f"pipeline_parallel_size {pp}: at least 1; above 1 it runs on MIX "
-                             "engines only, with tensor parallel size 1 (no PD hand-over of stages)")
+        if pp < 1 or pp > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(f"pipeline_parallel_size {pp}: at least 1; above 1 with tensor "
+                             "parallel size 1 only")
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:

@@ -28,11 +28,14 @@ DST_BLOCKS = [10, 11, 12, 2, 20]
 
 
 class _Rank:
-    """One rank: its pool (its heads only), transfer backend, KVWorker and WorkerService."""
+    """One rank: its pool (its heads and layers only), transfer backend, KVWorker and
+    WorkerService."""
 
-    def __init__(self, heads: tuple[int, int], backend: str) -> None:
-        self.heads = heads
-        self.storage = KVCacheStorage(LAYERS, BLOCKS, BLOCK, heads[1] - heads[0], DIM)
+    def __init__(self, heads: tuple[int, int], backend: str,
+                 layers: tuple[int, int] = (0, LAYERS)) -> None:
+        self.heads, self.layers = heads, layers
+        self.storage = KVCacheStorage(layers[1] - layers[0], BLOCKS, BLOCK, heads[1] - heads[0],
+                                      DIM)
         self.backend = create_backend(backend, self.storage, TransferConfig(backend=backend))
         self.addr = self.backend.start()
         self.worker = KVWorker(self.storage, self.backend, cluster_id=id(self) & 0xFFFF)

@@ -1,13 +1,14 @@
 """Pipeline parallelism (parallel/pipeline.py) on a MIX engine: PP 2 and PP 3 with an
 uneven split give the greedy tokens (and logprobs) of PP 1, on the Qwen and the Llama
 family, with prompt chunks and decodes in the same steps; rank 0's KV pool holds only its
-stage's layers; a hybrid model and a PD role are refused with the reason."""
+stage's layers; a hybrid model and TP x PP are refused with the reason (PD roles:
+test_pd_pp.py)."""
 from __future__ import annotations
 
 import pytest
 
 from tests.integration.test_tensor_parallel import _submit_all
-from xllm_py.config import CacheConfig, EngineConfig, InstanceRole, SchedulerConfig
+from xllm_py.config import CacheConfig, EngineConfig, SchedulerConfig
 from xllm_py.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.integration
@@ -42,8 +43,6 @@ def test_pipeline_stages_equal_one_process(model, pp, partition, rank0_layers):
 
 
 def test_what_pipeline_parallelism_does_not_run_is_refused():
-    with pytest.raises(ValueError, match="MIX engines only"):
-        EngineConfig(model="tiny", pipeline_parallel_size=2, role=InstanceRole.PREFILL)
     with pytest.raises(ValueError, match="tensor parallel size 1"):
         EngineConfig(model="tiny", pipeline_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="does not split 4 layers"):

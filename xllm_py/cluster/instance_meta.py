@@ -79,7 +79,8 @@ class InstanceMeta:
     # Secret: in etcd (TLS) and LinkInstance only, never in a repr or a log.
     transfer_keys: list[str] = dataclasses.field(default_factory=list, repr=False)
     pp_size: int = 1
-    # One per rank, pp_rank * tp + tp_rank (a PD instance: with addrs, one per worker):
+    # One per rank, pp_rank * tp + tp_rank (a PD instance's addrs list the same workers
+    # in process order: kv_layout.worker_rank):
     # [layer_start, layer_end, head_start, head_end), the model layers and KV heads its
     # pool holds (model/kv_layout.py); empty from a writer that predates it: then every
     # rank holds every layer and its TP share of the heads.

@@ -63,7 +63,7 @@ def build_parser() -> SettingsParser:
              help="worker processes of this instance, each with its shard of the model "
                   "(heads and MLP columns) and of the KV cache (xLLM: the number of --devices)")
     add_flag(g, "--pipeline-parallel-size", "--pp", type=int, default=1,
-             help="MIX: processes of this instance, each with a contiguous range of the "
+             help="processes of this instance, each with a contiguous range of the "
                   "layers and their KV cache; activations go stage to stage")
     g = p.add_argument_group("serving")
     add_flag(g, "--instance-role", default="MIX", type=InstanceRole.parse,

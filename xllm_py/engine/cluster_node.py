@@ -120,7 +120,9 @@ class ClusterNode:
             ports=[int(a.rsplit(":", 1)[1]) for a in transfer_addrs],
             dp_size=1, model=self.backend.model_name, block_size=cfg.cache.block_size,
             kv_layout=KV_LAYOUT, kv_dtype=cfg.dtype, tp_size=cfg.tensor_parallel_size,
-            num_layers=self.engine.storage.meta.num_layers,  # (KV pool tensors: kv_groups.py)
+            # KV pool tensors (kv_groups.py); pipeline stages: all of theirs (rank_kv)
+            num_layers=(self.engine.storage.meta.num_layers
+                        if cfg.pipeline_parallel_size == 1 else mc.num_layers),
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             num_blocks=self.engine.storage.num_blocks,
             http_address=f"{self.addr_host}:{cfg.port}",

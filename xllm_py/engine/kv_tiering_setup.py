@@ -75,8 +75,9 @@ def build_tiering(config: EngineConfig, model_dir: str, storage: KVCacheStorage,
     tc = config.tiers
     if not config.cache.enable_prefix_caching or config.simulate:
         return None  # (a simulated pool holds a token of payload per block, not KV)
-    if config.tensor_parallel_size > 1:
-        logger.info("KV tiers off: not at tensor parallelism > 1 yet")
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        # (rank 0's pool holds its heads or its stage's layers only)
+        logger.info("KV tiers off: not at tensor or pipeline parallelism > 1 yet")
         return None
     keyspace = TierKeyspace(
         model=f"{os.path.basename(os.path.normpath(model_dir))}:{checkpoint_fingerprint(model_dir)}"

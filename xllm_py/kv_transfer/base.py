@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from xllm_py.kv_transfer.head_slices import Heads, check_heads, slice_block_bytes
+from xllm_py.kv_transfer.head_slices import Heads, check_slice, has_layers, slice_bytes
 from xllm_py.kv_transfer.health import TransferHealth
 from xllm_py.kv_transfer.kv_storage import SMALL_LIST, KVCacheStorage
 from xllm_py.utils.aio import wait_for
@@ -167,6 +167,8 @@ class KVTransferBackend(abc.ABC):
     name: str = "base"
     # Whether pull/push take ``heads`` (KV head slices between instances of different TP).
     supports_head_slices: bool = False
+    # Whether a slice may name a layer range (pipeline stages: pools of different layers).
+    supports_layer_slices: bool = False
 
     def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
                  access_key: str | None = None) -> None:
@@ -226,10 +228,11 @@ class KVTransferBackend(abc.ABC):
     async def pull(self, peer_addr: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
                    timeout: float | None = None, heads: Heads | None = None) -> TransferResult:
         """Fetch the peer's ``src_blocks`` into our ``dst_blocks``; with ``heads``
-        ``(src_start, dst_start, count)`` only those KV heads (head_slices.py)."""
+        ``(src_start, dst_start, count[, src_layer, dst_layer, layers])`` only those KV
+        heads (and layers) (head_slices.py)."""
         if heads is None:  # (some backends override submit_pull without ``heads``)
             return await _await_future(self.submit_pull(peer_addr, src_blocks, dst_blocks, timeout))
-        self._check_head_slices()
+        self._check_head_slices(heads)
         return await _await_future(self.submit_pull(peer_addr, src_blocks, dst_blocks, timeout,
                                                     heads=heads))
 
@@ -238,7 +241,7 @@ class KVTransferBackend(abc.ABC):
         """Send our ``src_blocks`` into the peer's ``dst_blocks`` (``heads``: as ``pull``)."""
         if heads is None:
             return await _await_future(self.submit_push(peer_addr, src_blocks, dst_blocks, timeout))
-        self._check_head_slices()
+        self._check_head_slices(heads)
         return await _await_future(self.submit_push(peer_addr, src_blocks, dst_blocks, timeout,
                                                     heads=heads))
 
@@ -290,8 +293,8 @@ class KVTransferBackend(abc.ABC):
         if self._closed:
             raise TransferError(f"{self.name} backend is closed")
         if heads is not None:
-            self._check_head_slices()
-            check_heads(self.storage, heads[1] if local_is_dst else heads[0], heads[2])
+            self._check_head_slices(heads)
+            check_slice(self.storage, heads, 1 if local_is_dst else 0)
         src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
         dst = np.asarray(dst_blocks, dtype=np.int64).reshape(-1)
         if src.size != dst.size:
@@ -302,10 +305,13 @@ class KVTransferBackend(abc.ABC):
             self.storage.check_block_ids(src)
         return group_contiguous(src, dst)
 
-    def _check_head_slices(self) -> None:
+    def _check_head_slices(self, heads: Heads | None = None) -> None:
         if not self.supports_head_slices:
             raise ValueError(f"the {self.name} backend moves whole blocks only (no KV head "
                              "slices: instances of different TP need the tcp or ucx backend)")
+        if has_layers(heads) and not self.supports_layer_slices:
+            raise ValueError(f"the {self.name} backend moves every layer of a block (no "
+                             "layer slices: pipeline stages in PD need the tcp or ucx backend)")
 
     async def _timed(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
         t = self.default_timeout_s if timeout is None else timeout
@@ -335,8 +341,7 @@ class KVTransferBackend(abc.ABC):
                    heads: Heads | None = None) -> TransferResult:
         """Count a finished op; its result (``t0``: when it started, perf_counter)."""
         num_blocks = sum(r[2] for r in runs)
-        nbytes = num_blocks * (self.storage.block_bytes if heads is None
-                               else slice_block_bytes(self.storage, heads[2]))
+        nbytes = num_blocks * slice_bytes(self.storage, heads)
         self._stats["pulls" if op == "pull" else "pushes"] += 1
         self._stats["bytes"] += nbytes
         self.health.succeeded()

@@ -8,9 +8,9 @@ reads it into a staging buffer and scatters it with ``index_copy_``.
 Stages of a pull: request {op: pull, runs} -> owner validates its src ids -> reply
 {ok, error, nbytes} -> data. Push: request {op: push, runs, nbytes} -> owner validates its
 dst ids -> reply {ok, error} -> data -> reply {ok} once written. Either may carry
-``heads`` [src_start, dst_start, count]: only those KV heads of each block move (peers of
-different TP, head_slices.py), gathered contiguously by the sender, scattered into the
-receiver's head range.
+``heads`` [src_start, dst_start, count(, src_layer, dst_layer, layers)]: only those KV
+heads (and pool layers) of each block move (peers of different TP or pipeline stages,
+head_slices.py), gathered contiguously by the sender, scattered into the receiver's.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import torch
 
 from xllm_py.kv_transfer.base import (NOT_LINKED, KVTransferBackend, Run, TransferError,
                                       runs_to_ids, split_addr)
-from xllm_py.kv_transfer.head_slices import (Heads, check_heads, gather_heads, scatter_heads,
-                                             slice_block_bytes)
+from xllm_py.kv_transfer.head_slices import (Heads, check_slice, gather_slice, scatter_slice,
+                                             slice_bytes)
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, StagingPool
 from xllm_py.utils.aio import wait_for
 
@@ -123,6 +123,7 @@ class _Conn:
 class TcpKVTransferBackend(KVTransferBackend):
     name = "tcp"
     supports_head_slices = True
+    supports_layer_slices = True
 
     def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
                  listen_host: str = "127.0.0.1", listen_port: int = 0,
@@ -177,11 +178,10 @@ class TcpKVTransferBackend(KVTransferBackend):
                 except (ConnectionError, OSError):
                     return
                 op, runs = req.get("op"), [tuple(r) for r in req.get("runs", [])]
-                heads = tuple(req["heads"]) if req.get("heads") else None
+                heads = req.get("heads") or None
                 if heads is not None:
                     try:
-                        check_heads(self.storage, heads[0] if op == "pull" else heads[1],
-                                    heads[2])
+                        heads = check_slice(self.storage, heads, 0 if op == "pull" else 1)
                     except ValueError as e:
                         await send_msg(loop, sock, {"ok": False, "error": f"peer refused: {e}"})
                         continue
@@ -191,7 +191,7 @@ class TcpKVTransferBackend(KVTransferBackend):
                         await send_msg(loop, sock, {"ok": False, "error": checked})
                         continue
                     buf = (self._gather(checked[0]) if heads is None else
-                           gather_heads(self.storage, checked[0], heads[0], heads[2]))
+                           gather_slice(self.storage, checked[0], heads))
                     try:
                         mv = tensor_bytes(buf)
                         await send_msg(loop, sock, {"ok": True, "nbytes": len(mv)})
@@ -214,7 +214,7 @@ class TcpKVTransferBackend(KVTransferBackend):
                         await send_msg(loop, sock, {"ok": True})
                         await bulk_recv_into(loop, sock, tensor_bytes(staging),
                                              float(req.get("timeout", self.default_timeout_s)))
-                        self._write(checked[1], staging, heads, side=1)
+                        self._write(checked[1], staging, heads)
                     finally:
                         self._pool.release(staging)
                     await send_msg(loop, sock, {"ok": True})
@@ -247,15 +247,14 @@ class TcpKVTransferBackend(KVTransferBackend):
         return self._pool.acquire(n * self.storage.block_bytes)
 
     def _bytes_per_block(self, heads: Heads | None) -> int:
-        return (self.storage.block_bytes if heads is None
-                else slice_block_bytes(self.storage, heads[2]))
+        return slice_bytes(self.storage, heads)
 
-    def _write(self, ids, staging: torch.Tensor, heads: Heads | None, side: int) -> None:
-        """Received blocks into ours: whole, or into our head range (``heads[side]``)."""
+    def _write(self, ids, staging: torch.Tensor, heads: Heads | None) -> None:
+        """Received blocks into ours: whole, or into the destination side of ``heads``."""
         if heads is None:
             self.storage.write_blocks(ids, staging)
         else:
-            scatter_heads(self.storage, ids, heads[side], heads[2], staging)
+            scatter_slice(self.storage, ids, heads, staging)
 
     def _gather(self, ids) -> torch.Tensor:
         if self.storage.is_cuda:
@@ -320,7 +319,7 @@ class TcpKVTransferBackend(KVTransferBackend):
             staging = self._pool.acquire(nbytes)
             try:
                 await bulk_recv_into(loop, c.sock, tensor_bytes(staging), timeout)
-                self._write(runs_to_ids(runs)[1], staging, heads, side=1)
+                self._write(runs_to_ids(runs)[1], staging, heads)
             finally:
                 self._pool.release(staging)
 
@@ -330,7 +329,7 @@ class TcpKVTransferBackend(KVTransferBackend):
         c = await self._conn(peer_addr)
         src = runs_to_ids(runs)[0]
         buf = (self._gather(src) if heads is None
-               else gather_heads(self.storage, src, heads[0], heads[2]))
+               else gather_slice(self.storage, src, heads))
         mv = tensor_bytes(buf)
         try:
             await self._push_locked(c, loop, runs, mv, timeout, heads)

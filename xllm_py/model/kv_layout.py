@@ -5,7 +5,8 @@ workers all use it).
 A rank holds the KV of a rectangle: a contiguous range of the model's layers (its
 pipeline stage) times a range of its KV heads (its tensor-parallel shard,
 ``sharding.kv_head_range``: one head replicated on ``tp / num_kv_heads`` ranks when the TP
-size exceeds the KV heads). Ranks are numbered ``pp_rank * tp + tp_rank``.
+size exceeds the KV heads). Ranks are numbered ``pp_rank * tp + tp_rank`` (their workers,
+as registered, in process order: ``worker_rank``).
 
 ``transfer_plan`` gives every decode rank its rectangle exactly once: the rectangle is cut
 along every prefill rank's boundaries and along the changes of layer kind of a hybrid
@@ -84,6 +85,14 @@ class KVLayout:
         if next_layer != self.num_layers:
             return f"the stages hold {next_layer} of the model's {self.num_layers} layers"
         return None
+
+
+def worker_rank(layout: KVLayout, index: int) -> int:
+    """The registered worker (its index in cluster_ids / addrs: the process rank) that
+    holds ``layout.ranks[index]``: rank 0, the engine, runs the last stage and rank r >= 1
+    stage r - 1 (parallel/pipeline.py), each stage's TP ranks in order."""
+    stage, tp_rank = divmod(index, layout.tp_size)
+    return (stage + 1) % layout.pp_size * layout.tp_size + tp_rank
 
 
 def pp_layer_ranges(num_layers: int, pp: int,

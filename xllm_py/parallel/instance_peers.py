@@ -1,13 +1,15 @@
 """InstancePeers: what one instance's PD code calls (engine/pd/peers.PDPeers): the other
 engines' DisaggPDService, and its own KV workers, one per rank, for KV moves between PD
-instances of any TP sizes.
+instances of any TP and PP sizes.
 
 Stages (decode, PULL): a prefill links (LinkInstance) -> the transfer plan of the pair is
 computed from both registrations (``model/kv_layout.transfer_plan``: each decode rank's
 layers x KV heads, each from one prefill rank that holds them) and kept with the peer ->
 each of our ranks' workers links the prefill ranks the plan has it read -> per hand-over,
 every move runs on its decode rank's worker at once: whole blocks where a decode rank
-reads one prefill rank's whole pool, else a head slice. Prefill, PUSH: the plan is made at
+reads one prefill rank's whole pool, else a slice of heads and layers (a pipeline stage
+holds some layers: the move takes the overlap of the two ranks' layers, at each pool's
+offset). Prefill, PUSH: the plan is made at
 LinkInstance and every move runs on its prefill rank's worker, into the decode rank's
 heads. A hand-over is done when every move is. Between two TP 1 instances a move or a link
 goes as it is to rank 0's worker.
@@ -25,7 +27,7 @@ import logging
 
 from xllm_py.cluster.instance_meta import InstanceMeta, pair_layouts
 from xllm_py.kv_transfer.kv_worker import KVWorkerClient
-from xllm_py.model.kv_layout import TransferPlan, TransferPlanError, transfer_plan
+from xllm_py.model.kv_layout import TransferPlan, TransferPlanError, transfer_plan, worker_rank
 from xllm_py.pd_messages import HandOver, KVMove, OfflinePull, PeerLink, Placement
 from xllm_py.rpc.convert import EngineRequestSpec
 from xllm_py.rpc.pd_peers import PDServiceClient
@@ -33,34 +35,38 @@ from xllm_py.status import Status, StatusError
 
 logger = logging.getLogger(__name__)
 
-Heads = tuple[int, int, int]
+# (src_head, dst_head, heads[, src_layer, dst_layer, layers]) in the two ranks' pools
+Heads = tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class RankMove:
-    src_rank: int  # the rank that has the KV (prefill)
-    dst_rank: int  # the rank that receives it (decode)
-    heads: Heads | None  # (src_start, dst_start, count) local head indices; None: whole blocks
+    src_rank: int  # the prefill's worker that has the KV (registration index)
+    dst_rank: int  # the decode's worker that receives it
+    heads: Heads | None  # the KV slice (kv_transfer/head_slices.py); None: whole blocks
 
 
 def rank_moves(plan: TransferPlan) -> list[RankMove]:
     """The transfers of a hand-over under ``plan``: one per (prefill rank, decode rank, head
-    slice), whole blocks where that is each rank's whole pool. The backends move every
-    layer of a block, so a plan that splits layers (pipeline parallelism on either side)
-    raises ``TransferPlanError``."""
-    layers: dict[tuple[int, int, Heads], set[int]] = {}
+    slice), covering the layers both hold; whole blocks where that is each rank's whole
+    pool, a head slice where it is every layer of both, else a slice of heads and layers
+    (pool indices: a stage's pool starts at its first layer)."""
+    spans: dict[tuple[int, int, tuple[int, int, int]], list[tuple[int, int]]] = {}
     for p in plan.pieces:
-        layers.setdefault((p.src_rank, p.dst_rank, p.head_move), set()).update(range(*p.layers))
+        spans.setdefault((p.src_rank, p.dst_rank, p.head_move), []).append(p.layers)
     moves = []
-    for (src, dst, heads), held in layers.items():
-        if len(held) != plan.dst.num_layers or plan.src.ranks[src].layers != (0, len(held)):
-            raise TransferPlanError(
-                f"KV moves of whole layers only: prefill TP {plan.src.tp_size} x PP "
-                f"{plan.src.pp_size} -> decode TP {plan.dst.tp_size} x PP "
-                f"{plan.dst.pp_size} splits them")
-        s_heads, d_heads = plan.src.ranks[src].heads, plan.dst.ranks[dst].heads
-        whole = s_heads == d_heads and heads[2] == s_heads[1] - s_heads[0]
-        moves.append(RankMove(src, dst, None if whole else heads))
+    for (s, d, heads), layers in spans.items():
+        lo, hi = min(a for a, _ in layers), max(b for _, b in layers)
+        if sum(b - a for a, b in layers) != hi - lo:  # (ranks hold contiguous layers)
+            raise TransferPlanError(f"prefill rank {s} -> decode rank {d}: layers {layers} "
+                                    "are not one range")
+        src, dst = plan.src.ranks[s], plan.dst.ranks[d]
+        if src.layers == dst.layers == (lo, hi):
+            whole = src.heads == dst.heads and heads[2] == src.heads[1] - src.heads[0]
+            kv = None if whole else heads
+        else:
+            kv = (*heads, lo - src.layers[0], lo - dst.layers[0], hi - lo)
+        moves.append(RankMove(worker_rank(plan.src, s), worker_rank(plan.dst, d), kv))
     return moves
 
 
@@ -118,10 +124,10 @@ class InstancePeers:
         reads: dict[int, set[int]] = {}
         for m in moves:
             reads.setdefault(m.dst_rank, set()).add(m.src_rank)
-        # Each worker holds some heads: the instances' head counts were compared already.
+        # Each worker holds some heads and layers: the instances' were compared already.
         for rank, srcs in sorted(reads.items()):
             ranks = sorted(srcs)
-            meta = dataclasses.replace(prefill, num_kv_heads=0,
+            meta = dataclasses.replace(prefill, num_kv_heads=0, num_layers=0,
                                        transfer_keys=[_key(prefill, s) for s in ranks])
             await self.workers[rank].link_cluster(PeerLink(
                 link.instance_name, [prefill.cluster_ids[s] for s in ranks],
@@ -132,10 +138,10 @@ class InstancePeers:
         instances the move itself on rank 0's worker; else one per rank pair, addressed to
         the peer rank's worker."""
         peer, moves = self._peers.get(move.cluster_id, (None, []))
-        if peer is None and self.meta.tp_size > 1:
+        if peer is None and self.meta.tp_size * self.meta.pp_size > 1:
             raise StatusError(Status.BAD_GATEWAY, f"KV move of {move.request_id}: no linked "
-                              f"peer with cluster id {move.cluster_id} (its TP layout is "
-                              "needed to split the KV heads)")
+                              f"peer with cluster id {move.cluster_id} (its TP x PP layout "
+                              "is needed to split the KV)")
         if not self._is_tp(peer):
             return [(0, move, None)]
         plan = []

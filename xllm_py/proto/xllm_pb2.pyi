@@ -570,7 +570,7 @@ class InstanceClusterInfo(_message.Message):
     def __init__(self, instance_name: _Optional[str] = ..., cluster_ids: _Optional[_Iterable[int]] = ..., addrs: _Optional[_Iterable[str]] = ..., ports: _Optional[_Iterable[int]] = ..., dp_size: _Optional[int] = ..., worker_rpc_addrs: _Optional[_Iterable[str]] = ..., meta: _Optional[_Union[InstanceMetaInfo, _Mapping]] = ...) -> None: ...
 
 class PullKVCacheRequest(_message.Message):
-    __slots__ = ("cluster_id", "addr", "src_blocks", "dst_blocks", "req_id", "transfer_key", "src_head_start", "dst_head_start", "num_heads")
+    __slots__ = ("cluster_id", "addr", "src_blocks", "dst_blocks", "req_id", "transfer_key", "src_head_start", "dst_head_start", "num_heads", "src_layer_start", "dst_layer_start", "num_layers")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -580,6 +580,9 @@ class PullKVCacheRequest(_message.Message):
     SRC_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     DST_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    SRC_LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    DST_LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: int
     addr: str
     src_blocks: _containers.RepeatedScalarFieldContainer[int]
@@ -589,10 +592,13 @@ class PullKVCacheRequest(_message.Message):
     src_head_start: int
     dst_head_start: int
     num_heads: int
-    def __init__(self, cluster_id: _Optional[int] = ..., addr: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., req_id: _Optional[str] = ..., transfer_key: _Optional[str] = ..., src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
+    src_layer_start: int
+    dst_layer_start: int
+    num_layers: int
+    def __init__(self, cluster_id: _Optional[int] = ..., addr: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., req_id: _Optional[str] = ..., transfer_key: _Optional[str] = ..., src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ..., src_layer_start: _Optional[int] = ..., dst_layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class PushKVCacheRequest(_message.Message):
-    __slots__ = ("cluster_id", "addr", "src_blocks", "dst_blocks", "req_id", "transfer_key", "src_head_start", "dst_head_start", "num_heads")
+    __slots__ = ("cluster_id", "addr", "src_blocks", "dst_blocks", "req_id", "transfer_key", "src_head_start", "dst_head_start", "num_heads", "src_layer_start", "dst_layer_start", "num_layers")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -602,6 +608,9 @@ class PushKVCacheRequest(_message.Message):
     SRC_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     DST_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    SRC_LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    DST_LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: int
     addr: str
     src_blocks: _containers.RepeatedScalarFieldContainer[int]
@@ -611,7 +620,10 @@ class PushKVCacheRequest(_message.Message):
     src_head_start: int
     dst_head_start: int
     num_heads: int
-    def __init__(self, cluster_id: _Optional[int] = ..., addr: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., req_id: _Optional[str] = ..., transfer_key: _Optional[str] = ..., src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
+    src_layer_start: int
+    dst_layer_start: int
+    num_layers: int
+    def __init__(self, cluster_id: _Optional[int] = ..., addr: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., req_id: _Optional[str] = ..., transfer_key: _Optional[str] = ..., src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ..., src_layer_start: _Optional[int] = ..., dst_layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class ClusterLink(_message.Message):
     __slots__ = ("cluster_ids", "addrs", "meta")

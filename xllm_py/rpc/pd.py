@@ -187,16 +187,17 @@ def migration_kv_from_proto(item: pb.MultiGenerationsRequest) -> HandOver:
 
 
 # ---------------------------------------------------------------- the KV worker
-def pull_to_proto(move: KVMove, heads: tuple[int, int, int] | None = None
+def pull_to_proto(move: KVMove, heads: tuple[int, ...] | None = None
                   ) -> pb.PullKVCacheRequest:
-    """``heads`` (src_start, dst_start, count): only those KV heads (TP pairs)."""
+    """``heads`` (src_start, dst_start, count[, src_layer, dst_layer, layers]): only those
+    KV heads (TP pairs) and layers (pipeline stages)."""
     return pb.PullKVCacheRequest(cluster_id=move.cluster_id, addr=move.addr,
                                  src_blocks=move.src_blocks, dst_blocks=move.dst_blocks,
                                  req_id=move.request_id, transfer_key=move.transfer_key,
                                  **_head_fields(heads))
 
 
-def push_to_proto(move: KVMove, heads: tuple[int, int, int] | None = None
+def push_to_proto(move: KVMove, heads: tuple[int, ...] | None = None
                   ) -> pb.PushKVCacheRequest:
     return pb.PushKVCacheRequest(cluster_id=move.cluster_id, addr=move.addr,
                                  src_blocks=move.src_blocks, dst_blocks=move.dst_blocks,
@@ -204,10 +205,13 @@ def push_to_proto(move: KVMove, heads: tuple[int, int, int] | None = None
                                  **_head_fields(heads))
 
 
-def _head_fields(heads: tuple[int, int, int] | None) -> dict[str, int]:
+def _head_fields(heads: tuple[int, ...] | None) -> dict[str, int]:
     if heads is None:
         return {}
-    return {"src_head_start": heads[0], "dst_head_start": heads[1], "num_heads": heads[2]}
+    fields = {"src_head_start": heads[0], "dst_head_start": heads[1], "num_heads": heads[2]}
+    if len(heads) == 6:
+        fields.update(src_layer_start=heads[3], dst_layer_start=heads[4], num_layers=heads[5])
+    return fields
 
 
 # ---------------------------------------------------------------- SendPullSignal

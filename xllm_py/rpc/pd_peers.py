@@ -90,10 +90,10 @@ class GrpcWorkerClient:
     def _worker(self) -> pb_grpc.WorkerServiceStub:
         return pb_grpc.WorkerServiceStub(self._channels.get(self.worker_rpc_addr))
 
-    async def push_kv(self, move: KVMove, heads: tuple[int, int, int] | None = None) -> None:
+    async def push_kv(self, move: KVMove, heads: tuple[int, ...] | None = None) -> None:
         await self._transfer("push", self._worker().PushKVCache, wire.push_to_proto(move, heads))
 
-    async def pull_kv(self, move: KVMove, heads: tuple[int, int, int] | None = None) -> None:
+    async def pull_kv(self, move: KVMove, heads: tuple[int, ...] | None = None) -> None:
         await self._transfer("pull", self._worker().PullKVCache, wire.pull_to_proto(move, heads))
 
     async def _transfer(self, op: str, rpc, msg) -> None:

@@ -24,8 +24,9 @@ class WorkerTransfer:
     req_id: str
     transfer_key: str = dataclasses.field(default="", repr=False)
     # a KV head slice (src_head_start, dst_head_start, num_heads) between instances of
-    # different TP; None: whole blocks
-    heads: tuple[int, int, int] | None = None
+    # different TP, + (src_layer_start, dst_layer_start, num_layers) between pipeline
+    # stages (kv_transfer/head_slices.py); None: whole blocks
+    heads: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +43,17 @@ def transfer_from_proto(msg: pb.PullKVCacheRequest | pb.PushKVCacheRequest) -> W
     return WorkerTransfer(addr=msg.addr, src_blocks=list(msg.src_blocks),
                           dst_blocks=list(msg.dst_blocks), req_id=msg.req_id,
                           transfer_key=msg.transfer_key,
-                          heads=((msg.src_head_start, msg.dst_head_start, msg.num_heads)
-                                 if msg.num_heads else None))
+                          heads=_slice_from_proto(msg))
+
+
+def _slice_from_proto(msg: pb.PullKVCacheRequest | pb.PushKVCacheRequest
+                      ) -> tuple[int, ...] | None:
+    if not msg.num_heads:
+        return None
+    heads = (msg.src_head_start, msg.dst_head_start, msg.num_heads)
+    if msg.num_layers:
+        return (*heads, msg.src_layer_start, msg.dst_layer_start, msg.num_layers)
+    return heads
 
 
 def peer_meta_from_proto(m: pb.InstanceMetaInfo) -> PeerMeta:

@@ -1,9 +1,9 @@
 """WorkerServicer: a KVWorker (kv_transfer/kv_worker.py) behind xLLM's WorkerService.
 
-RPCs: PullKVCache, PushKVCache (``num_heads``: one KV head slice), LinkCluster (with the
-peer's meta and transfer keys), UnlinkCluster, GetCacheInfo, GetTransferMetrics (this
-worker's transfer counters: rank 0 of a TP instance renders every rank's on its /metrics,
-parallel/rank_metrics.py).
+RPCs: PullKVCache, PushKVCache (``num_heads``: one KV head slice, ``num_layers``: of those
+layers only), LinkCluster (with the peer's meta and transfer keys), UnlinkCluster,
+GetCacheInfo, GetTransferMetrics (this worker's transfer counters: rank 0 of a TP
+instance renders every rank's on its /metrics, parallel/rank_metrics.py).
 
 Status mapping: bad arguments (length mismatch, out-of-range ids on either side, a move
 larger than the pool) -> INVALID_ARGUMENT; an incompatible peer -> FAILED_PRECONDITION;

@@ -96,15 +96,27 @@ def test_request_carries_heads() -> None:
 def test_refusal_rules() -> None:
     from xllm_py.kv_transfer.ucx.slices import parse_heads, refusal
 
-    assert refusal(None, 4, 4, 0) is None and refusal(None, 4, None, 1) is None
-    assert "whole KV blocks cannot move between pools of 4 and 2" in refusal(None, 4, 2, 0)
-    assert refusal((2, 0, 2), 4, 2, 0) is None and refusal((2, 0, 2), 2, 4, 1) is None
-    assert "outside this pool's 4 KV heads" in refusal((3, 0, 2), 4, 2, 0)
-    assert "outside the peer's 2 KV heads" in refusal((2, 1, 2), 4, 2, 0)
-    assert "outside this pool's" in refusal((0, 0, 0), 4, 2, 0)  # empty slice
-    assert "outside this pool's" in refusal((-1, 0, 1), 4, 2, 0)
+    h4, h2 = (4, 3), (2, 3)  # (KV heads, layers)
+    assert refusal(None, h4, h4, 0) is None and refusal(None, h4, None, 1) is None
+    assert "whole KV blocks cannot move between pools of 4 KV heads x 3 layers and 2 x 3" in \
+        refusal(None, h4, h2, 0)
+    assert refusal((2, 0, 2), h4, h2, 0) is None and refusal((2, 0, 2), h2, h4, 1) is None
+    assert "outside this pool's 4 KV heads" in refusal((3, 0, 2), h4, h2, 0)
+    assert "outside the peer's 2 KV heads" in refusal((2, 1, 2), h4, h2, 0)
+    assert "outside this pool's" in refusal((0, 0, 0), h4, h2, 0)  # empty slice
+    assert "outside this pool's" in refusal((-1, 0, 1), h4, h2, 0)
+    # pipeline stages: pools of other layers exchange layer slices only
+    assert "whole KV blocks cannot move" in refusal(None, (2, 3), (2, 1), 0)
+    assert "every layer of a block cannot move between pools of 3 and 1" in \
+        refusal((0, 0, 2), (2, 3), (2, 1), 0)
+    assert refusal((0, 0, 2, 2, 0, 1), (2, 3), (2, 1), 0) is None
+    assert "layer slice [2, 4) outside this pool's 3 layers" in \
+        refusal((0, 0, 2, 2, 0, 2), (2, 3), (2, 4), 0)
+    assert "layer slice [3, 5) outside the peer's 4 layers" in \
+        refusal((0, 0, 2, 0, 3, 2), (2, 3), (2, 4), 0)
     assert parse_heads(None) is None and parse_heads([1, 0, 2]) == (1, 0, 2)
-    for bad in ([1, 2], "abc", [1.0, 0, 1], [1, 0, True], {"a": 1}):
+    assert parse_heads([1, 0, 2, 0, 1, 1]) == (1, 0, 2, 0, 1, 1)
+    for bad in ([1, 2], "abc", [1.0, 0, 1], [1, 0, True], {"a": 1}, [1, 0, 2, 0]):
         assert "bad head slice" in parse_heads(bad)
 
 
@@ -148,7 +160,7 @@ async def test_whole_blocks_and_bad_head_ranges_are_refused(path: str, mode: str
     async with linked(a, b, mode) as (ba, bb):
         a0, b0 = a.kv.clone(), b.kv.clone()
         for op in (bb.pull, bb.push):
-            with pytest.raises(TransferError, match="whole KV blocks cannot move between pools of 2 and 4") as e:
+            with pytest.raises(TransferError, match="whole KV blocks cannot move between pools of 2 KV heads x 3 layers and 4 x 3") as e:
                 await op(ba.address, [1, 2], [3, 4], timeout=10)
             assert e.value.invalid_argument
         with pytest.raises(TransferError, match=r"head slice \[3, 5\) outside the peer's 4 KV heads"):
@@ -178,6 +190,42 @@ async def test_whole_blocks_and_bad_head_ranges_are_refused(path: str, mode: str
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("path,mode,mappable", PATHS)
+async def test_layer_slices_between_pipeline_stages_move_exactly_their_layers(
+        path: str, mode: str, mappable: bool) -> None:
+    """A stage's pool (1 layer, 2 heads) and a whole pool (3 layers, 4 heads): the stage's
+    layer and heads land in layer 2 of the whole pool's head range and back; whole blocks
+    and every-layer slices between them are refused."""
+    a = storage(4, 300, seed=13, mappable=mappable)  # 3 layers
+    b = storage(2, 300, seed=14, mappable=mappable, num_layers=1)
+    async with linked(a, b, mode) as (ba, bb):
+        assert bb._peers[ba.address].path == path and bb._peers[ba.address].shape == (4, 3)
+        rng = np.random.default_rng(5)
+        for n, heads in ((3, (1, 0, 2, 2, 0, 1)), (250, (0, 1, 1, 0, 0, 1))):
+            src, dst = _lists(rng, n, a.num_blocks, b.num_blocks)
+            before = b.kv.clone()
+            r = await bb.pull(ba.address, src, dst, timeout=10, heads=heads)
+            assert r.path == path and r.num_bytes == n * slice_block_bytes(b, heads[2], 1)
+            l0 = heads[3]
+            assert torch.equal(b.kv[:, :, dst, :, heads[1]:heads[1] + heads[2]],
+                               a.kv[:, l0:l0 + 1, src, :, heads[0]:heads[0] + heads[2]])
+            mask = torch.ones(b.kv.shape, dtype=torch.bool)
+            mask[:, :, dst, :, heads[1]:heads[1] + heads[2]] = False
+            assert torch.equal(b.kv[mask], before[mask])
+        before = a.kv.clone()  # push: the stage's layer into layer 1 of the whole pool
+        r = await bb.push(ba.address, [4, 5], [40, 41], timeout=10, heads=(0, 2, 2, 0, 1, 1))
+        assert torch.equal(a.kv[:, 1:2, [40, 41], :, 2:4], b.kv[:, :, [4, 5]])
+        mask = torch.ones(a.kv.shape, dtype=torch.bool)
+        mask[:, 1, [40, 41], :, 2:4] = False
+        assert torch.equal(a.kv[mask], before[mask])
+        for heads, message in ((None, "whole KV blocks cannot move"),
+                               ((0, 0, 2), "every layer of a block cannot move"),
+                               ((0, 0, 2, 3, 0, 1), r"layer slice \[3, 4\) outside the peer's 3")):
+            with pytest.raises(TransferError, match=message):
+                await bb.pull(ba.address, [1], [1], timeout=10, heads=heads)
+
+
+@pytest.mark.integration
 async def test_a_malformed_iov_request_is_dropped_not_fatal() -> None:
     from xllm_py.kv_transfer.ucx.iov_protocol import OP_PULL, encode_request
 
@@ -196,7 +244,7 @@ async def test_link_accepts_other_kv_heads_only(caplog) -> None:
     a, b = storage(4, 64, seed=8), storage(1, 64, seed=9)
     with caplog.at_level("WARNING"):
         async with linked(a, b, "iov") as (ba, bb):
-            assert bb._peers[ba.address].num_kv_heads == 4
+            assert bb._peers[ba.address].shape == (4, 3)
             await wait_until(lambda: ba.stats()["served"] >= bb.config.warmup_pulls, 5, 0.01)
     assert not [r for r in caplog.records if "warm-up" in r.getMessage()]
     c = storage(4, 64, seed=10, head_dim=16)

@@ -72,12 +72,27 @@ def test_rank_moves_of_each_pd_pair():
     assert moves(1, 2, 1) == [RankMove(0, 0, None)]  # a replicated head: one rank's whole pool
 
 
-def test_rank_moves_refuse_a_plan_that_splits_layers():
-    from xllm_py.model.kv_layout import TransferPlanError, kv_layout, transfer_plan
-    from xllm_py.parallel.instance_peers import rank_moves
+def test_rank_moves_between_pipeline_stages_take_the_layers_both_hold():
+    """Moves between workers in process order (rank 0 runs the last stage), each a slice
+    (src_head, dst_head, heads, src_layer, dst_layer, layers) in the two pools' indices."""
+    from xllm_py.model.kv_layout import kv_layout, transfer_plan
+    from xllm_py.parallel.instance_peers import RankMove, rank_moves
 
-    with pytest.raises(TransferPlanError, match="whole layers only"):
-        rank_moves(transfer_plan(kv_layout(4, 2, 2), kv_layout(4, 2, pp=2)))
+    def moves(src, dst):
+        return rank_moves(transfer_plan(kv_layout(4, 2, *src), kv_layout(4, 2, *dst)))
+
+    # P PP 2 -> D TP 1: stage 0 (worker 1) fills layers 0-1, stage 1 (worker 0) layers 2-3
+    assert moves((1, 2), (1, 1)) == [RankMove(1, 0, (0, 0, 2, 0, 0, 2)),
+                                     RankMove(0, 0, (0, 0, 2, 0, 2, 2))]
+    assert moves((1, 2), (2, 1)) == [  # D TP 2: each decode rank its head of every stage
+        RankMove(1, 0, (0, 0, 1, 0, 0, 2)), RankMove(0, 0, (0, 0, 1, 0, 2, 2)),
+        RankMove(1, 1, (1, 0, 1, 0, 0, 2)), RankMove(0, 1, (1, 0, 1, 0, 2, 2))]
+    assert moves((1, 1), (1, 2, (3, 1))) == [  # D PP 2 uneven: each stage its layers
+        RankMove(0, 1, (0, 0, 2, 0, 0, 3)), RankMove(0, 0, (0, 0, 2, 3, 0, 1))]
+    assert moves((1, 2), (1, 2)) == [RankMove(1, 1, None), RankMove(0, 0, None)]
+    assert moves((1, 2, (1, 3)), (1, 2, (3, 1))) == [
+        RankMove(1, 1, (0, 0, 2, 0, 0, 1)), RankMove(0, 1, (0, 0, 2, 0, 1, 2)),
+        RankMove(0, 0, (0, 0, 2, 2, 0, 1))]
 
 
 def test_executor_refuses_an_unsplittable_model_before_starting_ranks():

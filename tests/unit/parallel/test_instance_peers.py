@@ -103,16 +103,45 @@ async def test_a_tp_move_from_an_unlinked_peer_is_bad_gateway() -> None:
     assert workers[0].calls == workers[1].calls == []
 
 
-async def test_a_layout_the_moves_cannot_serve_is_refused_at_link_before_any_worker_links() -> None:
-    workers = [Worker(), Worker()]
-    decode = meta("d", InstanceRole.DECODE, 1)
-    decode.pp_size, decode.tp_size = 2, 1
-    decode.rank_kv = [[0, 2, 0, 2], [2, 4, 0, 2]]  # two pipeline stages
-    peers = InstancePeers(decode, Engines(), workers)
+def pp2(name: str, role: InstanceRole, stages: list[list[int]]) -> InstanceMeta:
+    """A PP 2 instance whose stages hold ``stages`` (rank_kv, stage order); its workers
+    are registered in process order: worker 0 (the engine) runs the last stage."""
+    m = meta(name, role, 2)
+    m.pp_size, m.tp_size, m.rank_kv = 2, 1, stages
+    return m
+
+
+async def test_a_pp2_decode_pulls_each_stages_layers_into_that_stages_worker() -> None:
+    workers = [Worker(), Worker()]  # worker 0: stage 1 (layers 2-3), worker 1: stage 0
+    peers = InstancePeers(pp2("d", InstanceRole.DECODE, [[0, 2, 0, 2], [2, 4, 0, 2]]),
+                          Engines(), workers)
     prefill = meta("p", InstanceRole.PREFILL, 2)
-    prefill.rank_kv = [[0, 4, 0, 1], [0, 4, 1, 2]]
+    prefill.rank_kv = [[0, 4, 0, 1], [0, 4, 1, 2]]  # TP 2: a KV head each
+    await peers.link_cluster(PeerLink("p", prefill.cluster_ids, prefill.addrs, prefill))
+    for w in workers:  # each stage reads both prefill ranks; the pools' layers not compared
+        (op, link), = w.calls
+        assert (op, link.addrs, link.meta.transfer_keys) == ("link", ["p-t0", "p-t1"],
+                                                              ["p-k0", "p-k1"])
+        assert link.meta.num_layers == link.meta.num_kv_heads == 0
+        w.calls.clear()
+    await peers.pull_kv(KVMove("r4", 200, "p-t0", [1, 2], [5, 6]))
+    # (src_head, dst_head, heads, src_layer, dst_layer, layers): the prefill pools hold
+    # every layer, each stage's pool starts at its first
+    assert sorted((m.addr, heads) for _, m, heads in workers[1].calls) == [
+        ("p-t0", (0, 0, 1, 0, 0, 2)), ("p-t1", (0, 1, 1, 0, 0, 2))]
+    assert sorted((m.addr, heads) for _, m, heads in workers[0].calls) == [
+        ("p-t0", (0, 0, 1, 2, 0, 2)), ("p-t1", (0, 1, 1, 2, 0, 2))]
+
+
+async def test_a_layout_that_cannot_be_planned_is_refused_at_link_before_any_worker_links(
+        ) -> None:
+    workers = [Worker(), Worker()]
+    peers = InstancePeers(pp2("d", InstanceRole.DECODE, [[0, 2, 0, 2], [2, 4, 0, 2]]),
+                          Engines(), workers)
+    prefill = pp2("p", InstanceRole.PREFILL, [[0, 2, 0, 2], [2, 3, 0, 2]])  # 3 layers
     with pytest.raises(StatusError) as err:
         await peers.link_cluster(PeerLink("p", prefill.cluster_ids, prefill.addrs, prefill))
     assert err.value.status is Status.FAILED_PRECONDITION
-    assert "whole layers only" in err.value.message
+    assert "no KV hand-over from p to d" in err.value.message
+    assert "different layer counts: prefill 3, decode 4" in err.value.message
     assert workers[0].calls == workers[1].calls == []

@@ -19,8 +19,9 @@ endpoint, error handling: detects a dead peer):
 Linked host peers skip the event loop: ``submit_pull`` / ``submit_push`` start the
 transfer from the calling thread (~0.2 ms each way saved here).
 
-Peers of different TP (pools that differ only in ``num_kv_heads``) link too; between them
-only head slices move (every path: slices.py), a whole-block transfer is refused.
+Peers of different TP or pipeline stages (pools that differ in ``num_kv_heads`` or
+``num_layers``) link too; between them only slices move (every path: slices.py), a
+whole-block transfer is refused.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ logger = logging.getLogger(__name__)
 class UcxKVTransferBackend(KVTransferBackend):
     name = "ucx"
     supports_head_slices = True
+    supports_layer_slices = True
 
     def __init__(self, storage: KVCacheStorage, default_timeout_s: float = 30.0,
                  listen_host: str = "127.0.0.1", listen_port: int = 0, mode: str = "auto",
@@ -113,7 +115,8 @@ class UcxKVTransferBackend(KVTransferBackend):
                 "pool": self._mapped.pool_export() if self._mapped is not None else None}
 
     def _check_meta(self, d: dict, peer: str) -> KVCacheMeta:
-        """The peer's pool layout; it may differ from ours in its KV heads only (another TP)."""
+        """The peer's pool layout; it may differ from ours in its KV heads and layers only
+        (another TP or pipeline stage)."""
         theirs = KVCacheMeta.from_dict(d)
         if slices.link_shape_key(theirs) != slices.link_shape_key(self.storage.meta):
             raise TransferError(f"ucx: peer {peer} has an incompatible KV block layout: "
@@ -169,8 +172,9 @@ class UcxKVTransferBackend(KVTransferBackend):
             iov_key = None
             if self._iov is not None and hello.get("iov_addr") and not err:
                 iov_key = await self._iov_path.connect(("in", int(hello["token"])), hello["iov_addr"],
-                                                       meta.num_kv_heads)
-            peer = Peer(ep, data, iov_key, self._iov, num_kv_heads=None if meta is None else meta.num_kv_heads)
+                                                       slices.shape_of(meta))
+            peer = Peer(ep, data, iov_key, self._iov,
+                        shape=None if meta is None else slices.shape_of(meta))
             self._server_eps.add(peer)
             reply = self._hello()
             if iov_key is None:
@@ -232,13 +236,14 @@ class UcxKVTransferBackend(KVTransferBackend):
             data = await self._create_data_ep(rep["worker_addr"])
             iov_key = None
             if self._iov is not None and rep.get("iov_addr"):
-                iov_key = await self._iov_path.connect(("out", peer_addr), rep["iov_addr"], meta.num_kv_heads)
+                iov_key = await self._iov_path.connect(("out", peer_addr), rep["iov_addr"],
+                                                       slices.shape_of(meta))
             mapped = None
             if iov_key is not None and rep.get("pool") and self.mode == "auto":
                 mapped = await self._mapped.map_peer(iov_key, rep["pool"], meta, peer_addr)
             if iov_key is not None and mapped is None:
                 await self._iov_path.warmup(iov_key, meta.num_blocks, peer_addr)
-            return Peer(ctrl, data, iov_key, self._iov, mapped, meta.num_kv_heads)
+            return Peer(ctrl, data, iov_key, self._iov, mapped, slices.shape_of(meta))
         except BaseException:
             abort_endpoints(ctrl, data)
             raise
@@ -275,7 +280,8 @@ class UcxKVTransferBackend(KVTransferBackend):
     def _refusal(self, p: Peer, op: str, heads: Heads | None) -> TransferError | None:
         """Our check of a transfer with ``p`` (the owner checks again): whole blocks only
         between pools of equal KV heads, a head slice inside both pools."""
-        err = slices.refusal(heads, self.storage.num_kv_heads, p.num_kv_heads, 1 if op == "pull" else 0)
+        err = slices.refusal(heads, slices.shape_of(self.storage.meta), p.shape,
+                             1 if op == "pull" else 0)
         return None if err is None else TransferError(f"ucx: {err}", invalid_argument=True)
 
     def _linked_host_peer(self, peer_addr: str) -> Peer | None:

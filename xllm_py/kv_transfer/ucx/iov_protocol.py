@@ -13,7 +13,8 @@ push, R sends its blocks into O's:
   DATA receive, replies STATUS; R sends DATA; O replies DONE once every byte is in place.
 
 REQ = header ``<QQdQB`` (req id, requester token, timeout, number of runs, op) + runs as
-int64 [n, 3] (+ with ``OP_HEADS`` set in op: the head slice, int64 [3]). The token names
+int64 [n, 3] (+ with ``OP_HEADS`` set in op: the head slice, int64 [3]; with
+``OP_LAYERS`` too: its layer range, int64 [3] more). The token names
 the requester's endpoint on the owner (set up at link time). Both sides build their own
 iov lists from their own pool: wire order is run-major, then K/V, then layer; slice
 ``kv[k, l, start:start + n]`` is contiguous in memory; a head slice cuts each of those
@@ -35,6 +36,7 @@ from xllm_py.kv_transfer.ucx.iov_task import KIND_DATA, KIND_DONE, KIND_REQ, KIN
 
 OP_PULL, OP_PUSH = 1, 2
 OP_HEADS = 0x80  # flag: a head slice follows the runs
+OP_LAYERS = 0x40  # flag (with OP_HEADS): the slice has a layer range
 _HDR = struct.Struct("<QQdQB")
 _STATUS_MAX = 4096
 
@@ -47,7 +49,7 @@ class IovLayout:
     """
 
     __slots__ = ("num_blocks", "num_slices", "slice_bytes", "block_bytes", "_base", "block_size",
-                 "num_kv_heads", "head_bytes", "row_bytes")
+                 "num_kv_heads", "head_bytes", "row_bytes", "shape")
 
     def __init__(self, storage: KVCacheStorage) -> None:
         self._init(storage.kv.data_ptr(), storage.meta)
@@ -64,6 +66,7 @@ class IovLayout:
         self.num_blocks, self.num_slices, self.slice_bytes = B, 2 * L, sb
         self.block_bytes = 2 * L * sb
         self.block_size, self.num_kv_heads = meta.block_size, meta.num_kv_heads
+        self.shape = (meta.num_kv_heads, L)  # slices.PoolShape
         self.row_bytes = sb // meta.block_size  # one token slot: every head
         self.head_bytes = self.row_bytes // meta.num_kv_heads
         # int64 addresses (user space < 2**63), viewed as uint64 for UCX
@@ -81,7 +84,8 @@ class IovLayout:
 def encode_request(op: int, req_id: int, token: int, timeout: float, runs: np.ndarray | list[Run],
                    heads: Heads | None = None) -> bytes:
     r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
-    msg = _HDR.pack(req_id, token, timeout, r.shape[0], op | (OP_HEADS if heads else 0)) + r.tobytes()
+    flags = 0 if not heads else OP_HEADS | (OP_LAYERS if len(heads) == 6 else 0)
+    msg = _HDR.pack(req_id, token, timeout, r.shape[0], op | flags) + r.tobytes()
     return msg if heads is None else msg + np.asarray(heads, dtype=np.int64).tobytes()
 
 
@@ -92,8 +96,10 @@ def decode_request(data: bytes) -> tuple[int, int, int, float, np.ndarray, Heads
     runs = np.frombuffer(data, dtype=np.int64, count=3 * n, offset=_HDR.size).reshape(n, 3)
     heads = None
     if op & OP_HEADS:
-        h = np.frombuffer(data, dtype=np.int64, count=3, offset=_HDR.size + 24 * n).tolist()
-        heads, op = (h[0], h[1], h[2]), op & ~OP_HEADS
+        count = 6 if op & OP_LAYERS else 3
+        heads = tuple(np.frombuffer(data, dtype=np.int64, count=count,
+                                    offset=_HDR.size + 24 * n).tolist())
+        op &= ~(OP_HEADS | OP_LAYERS)
     return op, req_id, token, timeout, runs, heads
 
 
@@ -160,8 +166,9 @@ class IovRequest:
             self.chunks = layout.chunks(runs, side)
             self.nbytes = int(runs[:, 2].sum()) * layout.block_bytes
         else:
-            self.chunks = slices.head_chunks(layout, runs, side, heads[side], heads[2], merge=True)
-            self.nbytes = int(runs[:, 2].sum()) * slices.slice_bytes_per_block(layout, heads[2])
+            self.chunks = slices.head_chunks(layout, runs, side, heads[side], heads[2], merge=True,
+                                             layers=slices.slice_layers(heads, side))
+            self.nbytes = int(runs[:, 2].sum()) * slices.heads_bytes_per_block(layout, heads)
         self.keep: object = None  # a buffer the posted receive points into, besides the cache
 
     @classmethod
@@ -238,12 +245,12 @@ TASKS = {OP_PULL: pull_task, OP_PUSH: push_task}
 def serve_task(track: list[ffi.Op], worker: int, ep: int, layout: IovLayout, op: int, req_id: int,
                runs: np.ndarray, check: Callable[[list[Run], str], object],
                on_served: Callable[[], None], heads: Heads | None = None,
-               peer_heads: int | None = None) -> TaskGen:
+               peer_shape: slices.PoolShape | None = None) -> TaskGen:
     """Owner side of a request; ``check(runs, side)`` returns an error string or the validated
-    ids. ``peer_heads``: the requester's pool's KV heads (None: not known)."""
+    ids. ``peer_shape``: the requester's pool's (KV heads, layers) (None: not known)."""
     side = 0 if op == OP_PULL else 1  # ours
     checked: object = f"unknown op {op}" if op not in (OP_PULL, OP_PUSH) else (
-        slices.refusal(heads, layout.num_kv_heads, peer_heads, side))
+        slices.refusal(heads, layout.shape, peer_shape, side))
     if checked is not None:
         checked = f"peer refused: {checked}"
     else:
@@ -253,7 +260,8 @@ def serve_task(track: list[ffi.Op], worker: int, ep: int, layout: IovLayout, op:
         yield [_t(track, ffi.tag_send_bytes(ep, checked.encode()[:_STATUS_MAX], tag(KIND_STATUS, req_id)))]
         return
     chunks = (layout.chunks(runs, side) if heads is None
-              else slices.head_chunks(layout, runs, side, heads[side], heads[2], merge=True))
+              else slices.head_chunks(layout, runs, side, heads[side], heads[2], merge=True,
+                                      layers=slices.slice_layers(heads, side)))
     if op == OP_PULL:
         yield [_t(track, ffi.tag_send_iov(ep, chunks, tag(KIND_DATA, req_id)))]
     else:

@@ -11,7 +11,7 @@ its transports cannot reach it), ``warmup`` (a few scratch pulls), then ``start`
 or push (prepared on the caller's thread, run on the IovWorker thread); the owner serves
 requests in ``on_request`` (on its IovWorker thread); ``drop`` at unlink.
 
-Head slices (peers of different TP) go as one iov message too, one entry per token slot
+Slices (peers of different TP or PP) go as one iov message too, one entry per token slot
 of each (run, kv, layer) on the side that holds more heads than the slice (slices.py).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 from xllm_py.config import UCXConfig
 from xllm_py.kv_transfer.base import Run, TransferError
 from xllm_py.kv_transfer.head_slices import Heads
-from xllm_py.kv_transfer.ucx import iov_protocol
+from xllm_py.kv_transfer.ucx import iov_protocol, slices
 from xllm_py.kv_transfer.ucx.iov_worker import IovWorker
 from xllm_py.kv_transfer.ucx.path_tag import CheckRuns
 from xllm_py.kv_transfer.ucx.peer import Peer
@@ -47,17 +47,18 @@ class IovPath:
         self.config = config
         self._stats = stats
         self._check_runs = check_runs
-        self._peer_heads: dict[Any, int] = {}  # link key -> the KV heads of that peer's pool
+        # link key -> (KV heads, layers) of that peer's pool
+        self._peer_shapes: dict[Any, slices.PoolShape] = {}
 
     # ------------------------------------------------------------------ links
 
-    async def connect(self, key: Any, hex_addr: str, peer_heads: int) -> Any:
-        """Endpoint on our IovWorker to the peer's (whose pool has ``peer_heads`` KV heads);
+    async def connect(self, key: Any, hex_addr: str, peer_shape: slices.PoolShape) -> Any:
+        """Endpoint on our IovWorker to the peer's (whose pool has ``peer_shape``);
         None when its transports cannot reach it (e.g. shared memory only, peer on another
         host): that peer then uses the tag path."""
         try:
             await asyncio.wrap_future(self.worker.connect(key, bytes.fromhex(hex_addr)))
-            self._peer_heads[key] = peer_heads
+            self._peer_shapes[key] = peer_shape
             return key
         except Exception as e:  # noqa: BLE001
             logger.info("ucx: no iov data path to %s (%s: %s); using the tag path", key, type(e).__name__, e)
@@ -65,17 +66,18 @@ class IovPath:
 
     def drop(self, peer: Peer) -> None:
         if peer.iov_key is not None:
-            self._peer_heads.pop(peer.iov_key, None)
+            self._peer_shapes.pop(peer.iov_key, None)
             self.worker.disconnect(peer.iov_key)
 
     async def warmup(self, key: Any, peer_blocks: int, peer_addr: str) -> None:
         """``warmup_pulls`` pulls of ~``warmup_bytes`` of the peer's first blocks into one
         scratch buffer (read-only for the peer, which counts them as served; UCXConfig has the
-        measurements; a peer of other KV heads: slices of the heads both pools have). A failure
+        measurements; a peer of other KV heads or layers: slices of those both pools have). A failure
         only ends the warm-up: the link is used as it is, and a real transfer reports any problem."""
         cfg, layout = self.config, self.layout
-        theirs = self._peer_heads.get(key, layout.num_kv_heads)
-        heads = None if theirs == layout.num_kv_heads else (0, 0, min(theirs, layout.num_kv_heads))
+        theirs = self._peer_shapes.get(key, layout.shape)
+        heads = None if theirs == layout.shape else (
+            0, 0, min(theirs[0], layout.num_kv_heads), 0, 0, min(theirs[1], layout.shape[1]))
         n = max(1, min(cfg.warmup_bytes // layout.block_bytes, peer_blocks // 2))
         shapes = (np.array([[0, 0, n]], dtype=np.int64),
                   np.array([[2 * i, i, 1] for i in range(n)], dtype=np.int64))
@@ -142,6 +144,6 @@ class IovPath:
 
         def make(track: list) -> Any:
             return iov_protocol.serve_task(track, iov.handle, ep, self.layout, op, req_id, runs,
-                                           self._check_runs, served, heads, self._peer_heads.get(key))
+                                           self._check_runs, served, heads, self._peer_shapes.get(key))
 
         return make, timeout, key, f"serving op {op} (req {req_id:x}, {len(runs)} runs)"

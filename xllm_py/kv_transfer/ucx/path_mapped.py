@@ -7,8 +7,8 @@ once). A pull or push then checks the peer's side of every run against its pool 
 peer takes no part) and runs one native memcpy call (``start``). Where mapping is not
 possible (another host or IPC namespace, a private pool, ``UCXConfig.map_peer_pools`` off)
 the link takes the iov path. The mapping is released with the iov endpoint (unlink).
-A head slice (peers of different TP) is the same one call, one row per token slot of each
-(run, kv, layer) (slices.py).
+A slice (peers of different TP or PP) is the same one call, one row per token slot of
+each (run, kv, layer) of its layers (slices.py).
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class MappedPath:
         m = p.mapped
         arr = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
         theirs = 0 if what == "pull" else 1
-        err = slices.refusal(heads, self.layout.num_kv_heads, m.layout.num_kv_heads, 1 - theirs)
+        err = slices.refusal(heads, self.layout.shape, m.layout.shape, 1 - theirs)
         if err is not None:
             err = f"ucx: {err}"
         else:
@@ -115,15 +115,16 @@ class MappedPath:
                 if heads is None:
                     ours, other = self.layout.chunks(arr, 1 - theirs), m.layout.chunks(arr, theirs)
                 else:  # (row for row on both sides: copy_chunks pairs equal lengths)
-                    ours = slices.head_chunks(self.layout, arr, 1 - theirs, heads[1 - theirs], heads[2])
-                    other = slices.head_chunks(m.layout, arr, theirs, heads[theirs], heads[2])
+                    ours = slices.head_chunks(self.layout, arr, 1 - theirs, heads[1 - theirs],
+                                              heads[2], layers=slices.slice_layers(heads, 1 - theirs))
+                    other = slices.head_chunks(m.layout, arr, theirs, heads[theirs], heads[2],
+                                               layers=slices.slice_layers(heads, theirs))
                 shared_memory.copy_chunks(ours, other) if what == "pull" else shared_memory.copy_chunks(other, ours)
             finally:
                 m.pool.release()
             self._stats["mapped"] += 1
 
-        block_bytes = (self.storage.block_bytes if heads is None
-                       else slices.slice_bytes_per_block(self.layout, heads[2]))
+        block_bytes = slices.heads_bytes_per_block(self.layout, heads)
         if int(arr[:, 2].sum()) * block_bytes <= self.config.inline_copy_bytes:
             f = concurrent.futures.Future()
             try:

@@ -17,8 +17,8 @@ Stages of a pull (requester R, owner O):
    fragmented lists). A refusal completes R's receives with empty messages.
 Push: R -> O {op: push}; O validates dst ids, posts receives, replies ok; R sends data;
 O replies done once all bytes are in place.
-A head slice (peers of different TP; ``heads`` in the request, checked by O against its
-pool) always goes ``gather``: ``gather_heads`` on the sender, ``scatter_heads`` on the receiver.
+A slice (peers of different TP or PP; ``heads`` in the request, checked by O against its
+pool) always goes ``gather``: ``gather_slice`` on the sender, ``scatter_slice`` on the receiver.
 """
 from __future__ import annotations
 
@@ -32,8 +32,7 @@ import torch
 
 from xllm_py.config import UCXConfig
 from xllm_py.kv_transfer.base import Run, TransferError, runs_to_ids
-from xllm_py.kv_transfer.head_slices import (Heads, gather_heads, scatter_heads,
-                                             slice_block_bytes)
+from xllm_py.kv_transfer.head_slices import Heads, gather_slice, scatter_slice, slice_bytes
 from xllm_py.kv_transfer.kv_storage import KVCacheStorage, StagingPool
 from xllm_py.kv_transfer.ucx import slices
 from xllm_py.kv_transfer.ucx.framing import MAX_MSGS, new_req, recv_ctrl, send_ctrl, ucx_buffer
@@ -71,7 +70,7 @@ class TagPath:
         tag, mode = new_req(), self.choose_mode(runs, heads)
         data, commit = self._post_recv_blocks(p.ctrl, tag, runs, mode,
                                               runs_to_ids(runs)[1] if mode == "gather" else None,
-                                              None if heads is None else heads[1:])
+                                              heads)
         try:
             await self._request(p, "pull", tag, runs, mode, timeout, heads)
         except TransferError as e:
@@ -86,7 +85,7 @@ class TagPath:
         await self._request(p, "push", tag, runs, mode, timeout, heads)
         done = asyncio.ensure_future(recv_ctrl(p.ctrl, tag=tag))
         await p.guard(self._send_blocks(p.data, tag, runs, mode, runs_to_ids(runs)[0] if mode == "gather" else None,
-                                        None if heads is None else (heads[0], heads[2])),
+                                        heads),
                       "push data")
         rep = await p.guard(done, "push completion")
         if not rep.get("ok"):
@@ -112,7 +111,7 @@ class TagPath:
         try:
             heads = slices.parse_heads(req.get("heads"))
             refused = heads if isinstance(heads, str) else slices.refusal(
-                heads, self.storage.num_kv_heads, peer.num_kv_heads, 0 if op == "pull" else 1)
+                heads, slices.shape_of(self.storage.meta), peer.shape, 0 if op == "pull" else 1)
             checked = (f"peer refused: {refused}" if refused
                        else self._check_runs(runs, "src" if op == "pull" else "dst"))
             if op not in ("pull", "push"):
@@ -126,11 +125,10 @@ class TagPath:
                 # status and data go out together: the requester pre-posted its receives
                 await wait_for(asyncio.gather(send_ctrl(peer.ctrl, {"ok": True}, tag=tag),
                                               self._send_blocks(peer.data, tag, runs, req["mode"], checked[0],
-                                                                None if heads is None else (heads[0], heads[2]))),
+                                                                heads)),
                                timeout)
             else:
-                recv = self._recv_blocks(peer.ctrl, tag, runs, req["mode"], checked[1],
-                                         None if heads is None else heads[1:])
+                recv = self._recv_blocks(peer.ctrl, tag, runs, req["mode"], checked[1], heads)
                 task = asyncio.ensure_future(recv)
                 await send_ctrl(peer.ctrl, {"ok": True}, tag=tag)
                 await wait_for(task, timeout)
@@ -171,10 +169,10 @@ class TagPath:
         return out
 
     async def _send_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, src_ids: Any,
-                           heads: tuple[int, int] | None = None) -> None:
-        """``heads``: (start, count) of our blocks' heads: gathered into one message."""
+                           heads: Heads | None = None) -> None:
+        """``heads``: a slice, whose source side (ours) is gathered into one message."""
         if heads is not None:
-            buf = gather_heads(self.storage, src_ids, heads[0], heads[1]).view(-1).view(torch.uint8)
+            buf = gather_slice(self.storage, src_ids, heads).view(-1).view(torch.uint8)
             await ep.send(ucx_buffer(buf), tag=tag, force_tag=True)
         elif mode == "direct":
             slices = self._slices(runs, side=0)
@@ -189,17 +187,17 @@ class TagPath:
                 self._pool.release(buf)
 
     def _post_recv_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, dst_ids: Any,
-                          heads: tuple[int, int] | None = None) -> tuple[asyncio.Future, Any]:
+                          heads: Heads | None = None) -> tuple[asyncio.Future, Any]:
         """Post the data receives now; returns (completion, commit). ``commit()`` scatters the
-        gather staging buffer into the cache (``heads``: (start, count), into those of our
-        heads): call it only after the peer said ok (a refusal completes the receives with
+        gather staging buffer into the cache (``heads``: into the destination side (ours)
+        of that slice): call it only after the peer said ok (a refusal completes the receives with
         empty messages, see ``_release_recvs``)."""
         if mode == "direct":
             slices = self._slices(runs, side=1)
             fut = asyncio.gather(*(ep.recv(ucx_buffer(s), tag=tag | i, force_tag=True)
                                    for i, s in enumerate(slices)))
             return fut, lambda: None
-        block_bytes = self.storage.block_bytes if heads is None else slice_block_bytes(self.storage, heads[1])
+        block_bytes = slice_bytes(self.storage, heads)
         staging = self._pool.acquire(len(dst_ids) * block_bytes)
         fut = asyncio.ensure_future(ep.recv(ucx_buffer(staging), tag=tag, force_tag=True))
 
@@ -207,7 +205,7 @@ class TagPath:
             if heads is None:
                 self.storage.write_blocks(dst_ids, staging)
             else:
-                scatter_heads(self.storage, dst_ids, heads[0], heads[1], staging)
+                scatter_slice(self.storage, dst_ids, heads, staging)
             # Back to the pool only after a completed receive: after a failure UCX may still
             # hold the buffer (the pending request keeps it alive), so it must not be reused.
             self._pool.release(staging)
@@ -215,7 +213,7 @@ class TagPath:
         return fut, commit
 
     async def _recv_blocks(self, ep: Any, tag: int, runs: list[Run], mode: str, dst_ids: Any,
-                           heads: tuple[int, int] | None = None) -> None:
+                           heads: Heads | None = None) -> None:
         fut, commit = self._post_recv_blocks(ep, tag, runs, mode, dst_ids, heads)
         await fut
         commit()

@@ -52,10 +52,13 @@ class HostPath(DataPath, Protocol):
 
 class Peer:
     def __init__(self, ctrl: Any, data: Any, iov_key: Any = None, iov: IovWorker | None = None,
-                 mapped: MappedPool | None = None, num_kv_heads: int | None = None) -> None:
+                 mapped: MappedPool | None = None,
+                 shape: tuple[int, int] | None = None) -> None:
         self.ctrl = ctrl
         self.data = data
-        self.num_kv_heads = num_kv_heads  # of the peer's pool (differs from ours: another TP)
+        # (KV heads, layers) of the peer's pool (None: not known); it differs from ours
+        # between instances of other TP or pipeline stages
+        self.shape = shape
         self.iov_key = iov_key  # key of this peer's endpoint on our IovWorker (None: tag path)
         self.mapped = mapped  # the peer's pool mapped here (closed with the iov endpoint)
         self.path = "tag" if iov_key is None else "mapped" if mapped is not None else "iov"

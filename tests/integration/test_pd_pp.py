@@ -1,0 +1,129 @@
+"""PD with pipeline stages (service + PREFILL + DECODE processes, real etcd, tcp and ucx
+transfer; ucx between engines of one host: the mapped path):
+a PREFILL of PP 2 hands over to a DECODE of TP 1 and of TP 2, PULL and PUSH, and a DECODE
+of PP 2 takes over from a PREFILL of TP 1, TP 2 and PP 2, and stages of other bounds pair
+(tiny, 4 layers: P PP 3 split 2,1,1 -> D PP 2 split 1,3): every decode rank gets the layers
+and KV heads it holds from the stages that hold them (``rank_moves``). The greedy tokens
+are transformers' (random Llama, tp_models.py) or a MIX engine's (tiny); a PP 2 prefill
+streams the finished chunks of long prompts during the prefill (PUSH) as a TP 1 one does;
+the side that moves the KV counts
+on /metrics (``xllm_kv_transfer_bytes_total``, every rank) exactly the bytes of the
+blocks handed over, once (as a TP 1 pair does), the other side none; every pool ends
+empty."""
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+import torch
+
+from tests.integration.cluster_harness import Harness, client, metric, wait_drained
+from tests.integration.test_pd_kv_stream import _HANDED, CHUNK, MIN_TOKENS, PROMPTS, _mix_reference
+from tests.integration.test_tensor_parallel import MAX_TOKENS, _generate_tiny, _hf_greedy
+from tests.integration.test_tp_metrics import _rank_samples
+from tests.integration.tp_models import VOCAB, build_hf_model
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+BLOCK = 8
+MODEL = "random"
+# llama-bias: 2 layers, 2 KV heads of 16, float32: one block of every layer and head, K and V
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4
+_TOOK = re.compile(r"PD decode took over request \S+ from \S+: (\d+) blocks")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pd-pp-llama")
+    hf = build_hf_model(transformers, "llama-bias", path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 23, 33)]
+    return path, [(p, _hf_greedy(hf, p)[0]) for p in prompts]
+
+
+CASES = [(["--pp", "2"], [], m, "tcp") for m in ("PULL", "PUSH")]
+CASES += [(["--pp", "2"], ["--tp", "2"], m, "tcp") for m in ("PULL", "PUSH")]
+CASES += [([], ["--pp", "2"], m, "tcp") for m in ("PULL", "PUSH")]
+CASES += [(["--pp", "2"], ["--pp", "2"], "PUSH", "tcp"), (["--tp", "2"], ["--pp", "2"], "PULL", "tcp")]
+CASES += [(["--pp", "2"], [], "PULL", "ucx"), ([], ["--pp", "2"], "PUSH", "ucx")]
+
+
+@pytest.mark.parametrize("p_flags,d_flags,mode,backend", CASES)
+def test_pd_with_pipeline_stages_equals_transformers(llama, etcd_server, tmp_path, p_flags,
+                                                     d_flags, mode, backend):
+    path, cases = llama
+    name = f"pd-pp-{''.join(p_flags)}-{''.join(d_flags)}-{mode}-{backend}/".replace("--", "")
+    _check_pair(Harness(etcd_server.endpoint, name, tmp_path), mode, backend, cases,
+                BLOCK_BYTES, str(path), MODEL, (p_flags, {}), (d_flags, {}))
+
+
+def test_stages_of_other_bounds_pair(etcd_server, tmp_path):
+    prompts = [[7 + i] * 3 + list(range(100 + 40 * i, 100 + 40 * i + n))
+               for i, n in enumerate((5, 9, 23, 33))]  # distinct first tokens: no prefix hits
+    cases = [(p, tokens) for p, (tokens, _) in zip(prompts, _generate_tiny(prompts)[0])]
+    tiny_block = 2 * 4 * BLOCK * 2 * 64 * 4  # 4 layers, 2 KV heads of 64, float32
+    _check_pair(Harness(etcd_server.endpoint, "pd-pp3-pp2/", tmp_path), "PULL", "tcp", cases,
+                tiny_block, None, "tiny", (["--pp", "3"], {"pp_layer_partition": "2,1,1"}),
+                (["--pp", "2"], {"pp_layer_partition": "1,3"}))
+
+
+def test_a_pp2_prefill_streams_finished_chunks(etcd_server, tmp_path):
+    cases = list(zip(PROMPTS, _mix_reference()))  # (tiny, chunked as the prefill chunks)
+    steps = ["--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8"]
+    prefill, _ = _check_pair(
+        Harness(etcd_server.endpoint, "pd-pp-stream/", tmp_path), "PUSH", "tcp", cases,
+        2 * 4 * BLOCK * 2 * 64 * 4, None, "tiny",
+        (["--pp", "2", *steps], {"kv_stream_min_tokens": MIN_TOKENS}), (steps, {}))
+    handed = _HANDED.findall(prefill.log_path.read_text(errors="replace"))
+    streamed = sorted((int(n), int(s)) for _, n, s in handed)
+    print(f"\nPP 2 prefill: (blocks handed, streamed before the first token) {streamed}")
+    assert len(streamed) == len(PROMPTS)
+    for (n, s), prompt in zip(streamed, sorted(PROMPTS, key=len)):
+        assert 0 < s < n if len(prompt) >= MIN_TOKENS else s == 0
+
+
+def _check_pair(h: Harness, mode: str, backend: str, cases, block_bytes: int,
+                model_dir: str | None, model: str, p_side: tuple[list[str], dict],
+                d_side: tuple[list[str], dict]) -> tuple:
+    """A service, a PREFILL and a DECODE (``model_dir`` None: the default model; each side's
+    flags and settings): the greedy tokens of ``cases``, the bytes moved, the pools
+    emptied (module doc); -> (prefill, decode), stopped."""
+    p_flags, d_flags = p_side[0], d_side[0]
+    chosen = ["--model", model_dir] if model_dir else []
+    common = [*chosen, "--block-size", str(BLOCK), "--num-blocks", "64",
+              "--kv-cache-transfer-mode", mode, "--kv-transfer-backend", backend]
+    try:
+        svc = h.service(extra=[*chosen, "--served-model-name", model] if model_dir else None)
+        prefill = h.engine("PREFILL", "prefill", extra=[*common, *p_flags], settings=p_side[1])
+        decode = h.engine("DECODE", "decode", extra=[*common, *d_flags], settings=d_side[1])
+        for p in (prefill, decode):
+            p.wait_ready(240)
+        svc.wait_ready(60, path="/readiness")
+        c = client(svc)
+        for prompt, tokens in cases:
+            r = c.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                     temperature=0,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert r.choices[0].model_extra["token_ids"] == tokens, f"{len(prompt)} tokens"
+        asyncio.run(wait_drained([prefill.http_url, decode.http_url], timeout_s=20))
+        blocks = sum(int(b) for b in _TOOK.findall(decode.log_path.read_text(errors="replace")))
+        assert blocks == sum((len(p) + BLOCK - 1) // BLOCK for p, _ in cases)
+        mover, other, op = (decode, prefill, "pull") if mode == "PULL" else (prefill, decode, "push")
+        moved = _rank_samples(mover.http_url, "xllm_kv_transfer_bytes_total")
+        print(f"\n{mode} P {p_flags} + D {d_flags}: {blocks} blocks handed over; {op} bytes "
+              f"per rank {moved}")
+        assert {o for o, _ in moved} == {op}
+        assert sum(moved.values()) == blocks * block_bytes  # the prompt's KV, once
+        assert _rank_samples(other.http_url, "xllm_kv_transfer_bytes_total") == {}
+        assert _rank_samples(mover.http_url, "xllm_kv_transfer_failures_total") == {}
+        if backend == "ucx":  # engines on one host: the peer's pool mapped, every move a memcpy
+            paths = re.findall(r"kv (?:pull|push) req=\S* .* path=(\w+)",
+                               mover.log_path.read_text(errors="replace"))
+            assert len(paths) >= len(cases) and set(paths) == {"mapped"}
+        for e in (prefill, decode):
+            assert metric(e.http_url, "xllm_kv_cache_blocks_used") == 0
+        return prefill, decode
+    finally:
+        h.stop()
