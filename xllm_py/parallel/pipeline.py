@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xllm_py.config import EngineConfig, InstanceRole
+from xllm_py.config import EngineConfig
 from xllm_py.model.attention import AttentionMetadata, plan_attention
 from xllm_py.model.config import ModelConfig
 from xllm_py.model.kv_layout import pp_layer_ranges
@@ -55,8 +55,6 @@ def pp_error(config: EngineConfig, mc: ModelConfig) -> str | None:
     pp = config.pipeline_parallel_size
     if pp == 1:
         return None
-    if config.role != InstanceRole.MIX and any(mc.layer_window(i) for i in range(mc.num_layers)):
-        return "PD roles do not hand a hybrid model's KV over from pipeline stages yet"
     try:
         pp_layer_ranges(mc.num_layers, pp, config.pp_layer_partition)
     except ValueError as e:

@@ -150,6 +150,9 @@ def test_handover_lists_full_prompt_and_sliding_window():
     # a 21-token prompt: the decode's first token (at 21) reads 16..20: blocks 4, 5
     assert kv.handover_block_ids(tables, 0, 21) == [10, 11, 12, 13, 14, 15, 24, 25, 34, 35]
     assert kv.handover_block_ids(tables, 20, 21) == [15, 25, 35]
+    # each group's share of the list, in order (a hand-over split by group: KVMove)
+    assert kv.handover_group_sizes(0, 21) == [6, 2, 2]
+    assert kv.handover_group_sizes(20, 21) == [1, 1, 1]
 
 
 def test_decode_allocates_only_the_window_for_a_remote_prompt():
