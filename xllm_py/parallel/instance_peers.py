@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 
 from xllm_py.cluster.instance_meta import InstanceMeta, pair_layouts
@@ -228,11 +229,7 @@ def _group_parts(move: KVMove) -> list[tuple[int, int]]:
     if sum(sizes) != len(move.src_blocks) or min(sizes, default=0) < 0:
         raise StatusError(Status.INTERNAL, f"KV move of {move.request_id}: group sizes "
                           f"{list(sizes)} for {len(move.src_blocks)} blocks")
-    parts, start = [], 0
-    for n in sizes:
-        parts.append((start, start + n))
-        start += n
-    return parts
+    return [(end - n, end) for n, end in zip(sizes, itertools.accumulate(sizes))]
 
 
 def _key(peer: InstanceMeta, rank: int) -> str:
