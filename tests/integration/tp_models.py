@@ -3,7 +3,9 @@
 Each has 4 attention heads (split over 2 or 4 ranks) and non-trivial norms and biases, so
 a weight put in the wrong rank or added twice shows. ``qwen2-kv1`` has one KV head:
 replicated on every rank at TP 2. ``llama-bias`` has o_proj and down_proj biases (added
-by rank 0 only). ``gemma3-kv1``: Gemma 3 with one KV head and a 6-token sliding window.
+by rank 0 only). ``gemma3-kv1``: Gemma 3 with one KV head and a 6-token sliding window;
+``gemma3-6l`` the same with 6 layers (sliding, sliding, full, ...: KV groups of 2 slots),
+for pipeline stages of sliding layers, full ones, or both.
 """
 from __future__ import annotations
 
@@ -29,6 +31,11 @@ def _configs(transformers) -> dict:
         "gemma3-kv1": lambda: transformers.Gemma3TextConfig(
             **{**_COMMON, "num_key_value_heads": 1}, head_dim=16, sliding_window=6,
             layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+            tie_word_embeddings=True),
+        "gemma3-6l": lambda: transformers.Gemma3TextConfig(
+            **{**_COMMON, "num_key_value_heads": 1, "num_hidden_layers": 6}, head_dim=16,
+            sliding_window=6, layer_types=["sliding_attention"] * 2 + ["full_attention"]
+            + ["sliding_attention"] * 2 + ["full_attention"], query_pre_attn_scalar=16,
             tie_word_embeddings=True),
     }
 

@@ -120,9 +120,10 @@ class ClusterNode:
             ports=[int(a.rsplit(":", 1)[1]) for a in transfer_addrs],
             dp_size=1, model=self.backend.model_name, block_size=cfg.cache.block_size,
             kv_layout=KV_LAYOUT, kv_dtype=cfg.dtype, tp_size=cfg.tensor_parallel_size,
-            # KV pool tensors (kv_groups.py); pipeline stages: all of theirs (rank_kv)
-            num_layers=(self.engine.storage.meta.num_layers
-                        if cfg.pipeline_parallel_size == 1 else mc.num_layers),
+            # the model's KV pool tensors (kv_groups.py), whatever a pipeline stage's pool
+            # holds of them (rank_kv: the stages' layers)
+            num_layers=(self.engine.kv_groups.num_slots if self.engine.kv_groups is not None
+                        else self.engine.storage.meta.num_layers),
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             num_blocks=self.engine.storage.num_blocks,
             http_address=f"{self.addr_host}:{cfg.port}",
@@ -149,7 +150,8 @@ class ClusterNode:
                      for a in self.meta.worker_rpc_addrs[1:]]
             peers = InstancePeers(self.meta, PDServiceClient(cfg.rpc_timeout_s,
                                                              self._client_credentials),
-                                  [local, *ranks])
+                                  [local, *ranks],
+                                  tuple(mc.layer_window(i) for i in range(mc.num_layers)))
             self.pd = PDRole(self.engine, cfg, self.meta, self.reporter, peers,
                              self.metas.get, self._list_decodes, pd_config=cfg.pd,
                              registry=self.backend.metrics_registry,

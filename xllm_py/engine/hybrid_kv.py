@@ -87,6 +87,11 @@ class HybridKVCacheManager(KVCacheManager):
             n = cap + (usable - (nf + ns) * cap) // nf
         return n * bs
 
+    def handover_group_sizes(self, num_cached: int, num_prompt: int) -> list[int]:
+        first, last = num_cached // self.block_size, cdiv(num_prompt, self.block_size)
+        return [max(0, last - max(first, self.first_kept_block(j, num_prompt)))
+                for j in range(len(self.group_windows))]
+
     def handover_block_ids(self, tables: Sequence[Sequence[int]], num_cached: int,
                            num_prompt: int) -> list[int]:
         first, last = num_cached // self.block_size, cdiv(num_prompt, self.block_size)

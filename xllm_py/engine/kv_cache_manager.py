@@ -135,6 +135,10 @@ class KVCacheManager:
         """The blocks of `tables` a peer lacks: prompt positions [num_cached, num_prompt)."""
         return tables[0][num_cached // self.block_size:cdiv(num_prompt, self.block_size)]
 
+    def handover_group_sizes(self, num_cached: int, num_prompt: int) -> list[int]:
+        """Per KV group, how many of handover_block_ids' blocks are its (in that order)."""
+        return [max(0, cdiv(num_prompt, self.block_size) - num_cached // self.block_size)]
+
     def trim(self, request: Request, first_pos: int) -> None:
         """Release blocks no token from `first_pos` on reads (none here)."""
 

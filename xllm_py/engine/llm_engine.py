@@ -210,6 +210,10 @@ class LLMEngine:
         """The blocks a PD decode lacks (KVCacheManager.handover_block_ids; pure)."""
         return self.scheduler.kv.handover_block_ids(tables, num_cached, num_prompt)
 
+    def handover_group_sizes(self, num_cached: int, num_prompt: int) -> tuple[int, ...]:
+        """Per KV group, its share of handover_block_ids' blocks (KVMove.group_blocks)."""
+        return tuple(self.scheduler.kv.handover_group_sizes(num_cached, num_prompt))
+
     def _run(self) -> None:
         while not self._stopped.is_set():
             idle = not self.scheduler.has_schedulable_requests()

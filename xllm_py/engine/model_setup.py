@@ -41,7 +41,7 @@ class LoadedModel:
     runner: Any  # execute_step(seqs) -> StepLogits (ModelRunner; simulated: SimulatedRunner)
     sampler: Callable  # sampler(logits, rows, masks=None) -> SamplerOutput
     num_blocks: int
-    kv_groups: KVGroups | None = None  # the pool's layer groups (None: simulated)
+    kv_groups: KVGroups | None = None  # the model's KV groups (None: simulated)
     model: Any = None  # the torch module (None: simulated)
     tp: TPExecutor | None = None  # TP > 1: the other ranks, behind `model`
     # What a step is timed by for the latency profile (self_profile.py): the engine
@@ -88,8 +88,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
         if config.pack_weights:
             pack_linears(model, weight_dtype=config.weight_dtype)
     tokenizer = Tokenizer.from_dir(model_dir)
-    layers = tp.layers if tp else (0, mc.num_layers)  # (a pipeline stage: its layers')
-    groups = kv_groups([mc.layer_window(i) for i in range(*layers)])
+    # the scheduler's tables are the model's groups; a pipeline stage's pool holds the
+    # slots of its layers only
+    groups = kv_groups([mc.layer_window(i) for i in range(mc.num_layers)])
+    pool = groups.stage(*tp.layers) if tp else groups
     block_size = config.cache.block_size
     num_blocks = config.cache.num_blocks
     dtype = parse_dtype(config.dtype)
@@ -97,15 +99,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if num_blocks is None:
         free = (torch.cuda.mem_get_info(torch.device(config.device))[0]
                 if str(config.device).startswith("cuda") else None)
-        block_bytes = (2 * groups.num_slots * block_size * num_kv_heads * mc.head_dim
+        block_bytes = (2 * pool.num_slots * block_size * num_kv_heads * mc.head_dim
                        * torch.finfo(dtype).bits // 8)
         num_blocks = max(2, kv_pool_bytes(config.cache, free) // block_bytes)
-    storage = KVCacheStorage(groups.num_slots, num_blocks, block_size, num_kv_heads,
+    storage = KVCacheStorage(pool.num_slots, num_blocks, block_size, num_kv_heads,
                              mc.head_dim, dtype, device=config.device,
                              allocator=pool_allocator(config))
     if tp:
         tp.init_kv(num_blocks)
-    runner = ModelRunner(model, groups.layer_caches(storage.layer_caches()), block_size,
+    runner = ModelRunner(model, pool.layer_caches(storage.layer_caches()), block_size,
                          config.device)
     alone = (str(config.device).startswith("cpu") and torch.get_num_threads() == 1
              and tp is None)  # (a core of its own: CPU time, which other load does not move)

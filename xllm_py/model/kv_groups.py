@@ -25,6 +25,9 @@ class KVGroups:
     group_windows: tuple[int, ...]  # per group: 0 = full attention, W = sliding window
     layer_group: tuple[int, ...]  # per model layer: its group (group 0: Request.block_ids)
     layer_slot: tuple[int, ...]  # per model layer: its cache tensor
+    # per cache tensor, the model's slot it holds (a pipeline stage's pool: ``stage``);
+    # () for the whole model's pool, where tensor s is slot s
+    slots: tuple[int, ...] = ()
 
     @property
     def num_groups(self) -> int:
@@ -33,6 +36,18 @@ class KVGroups:
     @property
     def hybrid(self) -> bool:
         return len(self.group_windows) > 1
+
+    def stage(self, start: int, end: int) -> "KVGroups":
+        """The view of a pipeline stage holding model layers [start, end): the model's
+        groups (the scheduler's block tables are the model's), ``layer_*`` per stage
+        layer, a pool of only the slots those layers use (``slots``: which). A stage of
+        sliding layers alone still reads its groups' tables; a block of a group none of
+        the stage's layers belong to is simply not written there."""
+        used = sorted({self.layer_slot[i] for i in range(start, end)})
+        index = {s: k for k, s in enumerate(used)}
+        return KVGroups(len(used), self.group_windows, self.layer_group[start:end],
+                        tuple(index[self.layer_slot[i]] for i in range(start, end)),
+                        tuple(used))
 
     def layer_caches(self, slot_caches: Sequence) -> list:
         """Per model layer, the (K, V) of its slot (``slot_caches``: one per slot)."""

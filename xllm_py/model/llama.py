@@ -139,8 +139,7 @@ class LlamaForCausalLM(nn.Module):
         # per layer its KV group (hybrid models: sliding and full layers have block tables
         # of their own, AttentionMetadata.for_group)
         self.kv_groups = kv_groups(self.windows)
-        self._layer_keys = list(zip(self.windows, self.kv_groups.layer_group))
-        self._plan_keys = sorted(set(self._layer_keys))
+        self.layer_keys = list(zip(self.windows, self.kv_groups.layer_group))
         self.rotary_local = None
         if config.layer_types and SLIDING in config.layer_types and config.rope_local_theta:
             self.rotary_local = RotaryEmbedding(config.head_dim, config.rope_local_theta,
@@ -206,22 +205,9 @@ class LlamaForCausalLM(nn.Module):
         done = fused.run(hidden, cos_sin, kv_caches, plan) if fused is not None else None
         rows = rows_plan = None
         if done is None:
-            # a plan per (attention type, KV group) (sliding layers: their window) and a
-            # RoPE table per attention type
-            # (without the groups' tables, e.g. a warm-up step, every group reads group 0's)
-            grouped = attn_metadata.group_slots is not None
-            plans: dict[tuple[int, int], AttentionPlan] = {}
-            for w, g in self._plan_keys:
-                src = (w, g if grouped else 0)
-                if src not in plans:  # another group of this window: its plan re-tabled
-                    same = next((plans[k] for k in plans if k[0] == w), None)
-                    md = attn_metadata.for_group(src[1])
-                    plans[src] = (plan if src == (0, 0) else plan_attention(md, block_size, w)
-                                  if same is None else retable(same, md, block_size))
-                plans[w, g] = plans[src]
+            plans = self.layer_plans(attn_metadata, plan, block_size, self.layer_keys)
             groups = self.kv_groups.layer_group
-            local = None if self.rotary_local is None else self.rotary_local.cos_sin(
-                positions, attn_metadata.max_seq_len, hidden.dtype)
+            local = self.local_cos_sin(positions, attn_metadata.max_seq_len, hidden.dtype)
             last = len(self.model.layers) - 1
             if (keep_rows is not None and plan.prefill is not None
                     and keep_rows.numel() < plan.num_tokens):
@@ -234,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
             if runner is not None:  # Gemma 3 decode steps: the same kernels, less Python
                 # (its plans and RoPE tables per layer key: (window, KV group))
                 done = runner.run(hidden, {k: local if k[0] and local is not None else cos_sin
-                                           for k in plans}, kv_caches, plans, self._layer_keys)
+                                           for k in plans}, kv_caches, plans, self.layer_keys)
         if done is None:
             residual = None
             for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
@@ -249,6 +235,31 @@ class LlamaForCausalLM(nn.Module):
         if logits is None:
             return HeadRows(out, self.lm_head, self.compute_logits, self.config.vocab_size)
         return self.compute_logits(out) if logits else out
+
+    def layer_plans(self, attn_metadata: AttentionMetadata, plan: AttentionPlan,
+                    block_size: int, keys: list[tuple[int, int]]
+                    ) -> dict[tuple[int, int], AttentionPlan]:
+        """A plan per (window, KV group) in ``keys`` (sliding layers: their window; ``plan``
+        is plan_attention's of the step, full attention, group 0). Without the groups'
+        tables (e.g. a warm-up step) every group reads group 0's."""
+        grouped = attn_metadata.group_slots is not None
+        plans: dict[tuple[int, int], AttentionPlan] = {}
+        for w, g in sorted(set(keys)):
+            src = (w, g if grouped else 0)
+            if src not in plans:  # another group of this window: its plan re-tabled
+                same = next((plans[k] for k in plans if k[0] == w), None)
+                md = attn_metadata.for_group(src[1])
+                plans[src] = (plan if src == (0, 0) else plan_attention(md, block_size, w)
+                              if same is None else retable(same, md, block_size))
+            plans[w, g] = plans[src]
+        return plans
+
+    def local_cos_sin(self, positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The RoPE table of the sliding layers where they have their own base, else None."""
+        if self.rotary_local is None:
+            return None
+        return self.rotary_local.cos_sin(positions, max_seq_len, dtype)
 
     def _fused_decoder(self) -> FusedDecoder | None:
         """Built on first use and again when the layers' linears are replaced (packing)."""

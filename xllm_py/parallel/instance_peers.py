@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 
 from xllm_py.cluster.instance_meta import InstanceMeta, pair_layouts
 from xllm_py.kv_transfer.kv_worker import KVWorkerClient
+from xllm_py.model.kv_groups import KVGroups, kv_groups
 from xllm_py.model.kv_layout import TransferPlan, TransferPlanError, transfer_plan, worker_rank
 from xllm_py.pd_messages import HandOver, KVMove, OfflinePull, PeerLink, Placement
 from xllm_py.rpc.convert import EngineRequestSpec
@@ -44,13 +46,22 @@ class RankMove:
     src_rank: int  # the prefill's worker that has the KV (registration index)
     dst_rank: int  # the decode's worker that receives it
     heads: Heads | None  # the KV slice (kv_transfer/head_slices.py); None: whole blocks
+    # a hybrid model's stages: per KV group (its index, its slice); the move of each
+    # takes the hand-over's blocks of that group only (KVMove.group_blocks)
+    groups: tuple[tuple[int, Heads], ...] = ()
 
 
 def rank_moves(plan: TransferPlan) -> list[RankMove]:
     """The transfers of a hand-over under ``plan``: one per (prefill rank, decode rank, head
     slice), covering the layers both hold; whole blocks where that is each rank's whole
     pool, a head slice where it is every layer of both, else a slice of heads and layers
-    (pool indices: a stage's pool starts at its first layer)."""
+    (pool indices: a stage's pool starts at its first layer). A hybrid model's pools hold
+    KV group slots, not layers (model/kv_groups.py): between stages of other bounds, a
+    slice per group of the slots its layers both hold use."""
+    windows = plan.src.layer_windows or plan.dst.layer_windows
+    groups = kv_groups(windows) if windows else None
+    if groups is not None and not groups.hybrid:
+        groups = None  # (one group: the slots are the layers)
     spans: dict[tuple[int, int, tuple[int, int, int]], list[tuple[int, int]]] = {}
     for p in plan.pieces:
         spans.setdefault((p.src_rank, p.dst_rank, p.head_move), []).append(p.layers)
@@ -61,21 +72,44 @@ def rank_moves(plan: TransferPlan) -> list[RankMove]:
             raise TransferPlanError(f"prefill rank {s} -> decode rank {d}: layers {layers} "
                                     "are not one range")
         src, dst = plan.src.ranks[s], plan.dst.ranks[d]
+        per_group: tuple[tuple[int, Heads], ...] = ()
         if src.layers == dst.layers == (lo, hi):
             whole = src.heads == dst.heads and heads[2] == src.heads[1] - src.heads[0]
             kv = None if whole else heads
+        elif groups is not None:
+            kv, per_group = None, _group_slices(groups, src.layers, dst.layers, lo, hi, heads)
         else:
             kv = (*heads, lo - src.layers[0], lo - dst.layers[0], hi - lo)
-        moves.append(RankMove(worker_rank(plan.src, s), worker_rank(plan.dst, d), kv))
+        moves.append(RankMove(worker_rank(plan.src, s), worker_rank(plan.dst, d), kv,
+                              per_group))
     return moves
+
+
+def _group_slices(groups: KVGroups, src_layers: tuple[int, int], dst_layers: tuple[int, int],
+                  lo: int, hi: int, heads: tuple[int, int, int]
+                  ) -> tuple[tuple[int, Heads], ...]:
+    """Per KV group with layers in [lo, hi): the slice of their slots in the two stages'
+    pools. A group's layers take its slots in layer order, so those in a range of layers
+    hold consecutive slots, at consecutive indices of a pool holding them all."""
+    src, dst = groups.stage(*src_layers), groups.stage(*dst_layers)
+    out = []
+    for j in range(groups.num_groups):
+        slots = [groups.layer_slot[i] for i in range(lo, hi) if groups.layer_group[i] == j]
+        if slots:
+            out.append((j, (*heads, src.slots.index(slots[0]), dst.slots.index(slots[0]),
+                            len(slots))))
+    return tuple(out)
 
 
 class InstancePeers:
     def __init__(self, meta: InstanceMeta, engines: PDServiceClient,
-                 workers: list[KVWorkerClient]) -> None:
+                 workers: list[KVWorkerClient], layer_windows: tuple[int, ...] = ()) -> None:
         self.meta = meta
         self.engines = engines
         self.workers = workers  # one per rank, rank 0 first
+        # per model layer its window (0 full attention): a hybrid model's stages hold KV
+        # group slots; both sides run one model, so ours are the peer's (() = not known)
+        self.layer_windows = tuple(layer_windows)
         # rank 0's cluster id -> (linked peer, the moves of a hand-over with it)
         self._peers: dict[int, tuple[InstanceMeta, list[RankMove]]] = {}
 
@@ -147,9 +181,18 @@ class InstancePeers:
         plan = []
         for m in moves:
             ours, theirs = (m.src_rank, m.dst_rank) if we_send else (m.dst_rank, m.src_rank)
-            plan.append((ours, dataclasses.replace(
-                move, cluster_id=peer.cluster_ids[theirs], addr=peer.addrs[theirs],
-                transfer_key=_key(peer, theirs)), m.heads))
+            to = dataclasses.replace(move, cluster_id=peer.cluster_ids[theirs],
+                                     addr=peer.addrs[theirs], transfer_key=_key(peer, theirs))
+            if not m.groups:
+                plan.append((ours, to, m.heads))
+                continue
+            parts = _group_parts(move)
+            for j, heads in m.groups:
+                lo, hi = parts[j] if j < len(parts) else (0, 0)
+                if hi > lo:
+                    plan.append((ours, dataclasses.replace(
+                        to, src_blocks=move.src_blocks[lo:hi],
+                        dst_blocks=move.dst_blocks[lo:hi]), heads))
         return plan
 
     def _remember(self, peer: InstanceMeta | None, we_send: bool) -> list[RankMove]:
@@ -162,7 +205,11 @@ class InstancePeers:
         else:
             src, dst = (self.meta, peer) if we_send else (peer, self.meta)
             try:
-                moves = rank_moves(transfer_plan(*pair_layouts(src, dst)))
+                layouts = pair_layouts(src, dst)
+                if all(x.num_layers == len(self.layer_windows) for x in layouts):
+                    layouts = tuple(dataclasses.replace(x, layer_windows=self.layer_windows)
+                                    for x in layouts)
+                moves = rank_moves(transfer_plan(*layouts))
             except TransferPlanError as e:
                 raise StatusError(Status.FAILED_PRECONDITION,
                                   f"no KV hand-over from {src.name} to {dst.name}: {e}") from e
@@ -173,6 +220,16 @@ class InstancePeers:
         """More than one rank on either side: moves go through the plan."""
         return (self.meta.tp_size * self.meta.pp_size > 1
                 or (peer is not None and peer.tp_size * peer.pp_size > 1))
+
+
+def _group_parts(move: KVMove) -> list[tuple[int, int]]:
+    """Per KV group, the [start, end) of its blocks in ``move``'s lists (groups past
+    ``group_blocks`` have none: a push of streamed full-attention blocks)."""
+    sizes = move.group_blocks
+    if sum(sizes) != len(move.src_blocks) or min(sizes, default=0) < 0:
+        raise StatusError(Status.INTERNAL, f"KV move of {move.request_id}: group sizes "
+                          f"{list(sizes)} for {len(move.src_blocks)} blocks")
+    return [(end - n, end) for n, end in zip(sizes, itertools.accumulate(sizes))]
 
 
 def _key(peer: InstanceMeta, rank: int) -> str:

@@ -9,8 +9,14 @@ it (gloo recv of ``[2, T, hidden]``: the last layer's output and the residual, s
 layer adds them as it would in one process), runs its layers on it and sends it on; the
 last stage normalises, keeps the rows that need logits and computes them. Stages run one
 after the other (no micro-batches): correct first. Plain attention path (no fused decode
-kernels); hybrid (sliding-window) models are refused: a stage's KV groups would differ
-from the scheduler's.
+kernels).
+
+A hybrid model (Gemma 3, model/kv_groups.py): the scheduler's block tables are the whole
+model's KV groups; each stage attends per layer with the plan of its (window, group) and
+the RoPE table of its attention type, and its pool holds only the group slots its layers
+use (KVGroups.stage: a stage of sliding layers alone, full ones alone, or both). The
+sandwich norms are the layers' own; the embedding scale is stage 0's, the final norm the
+last stage's, as in one process.
 """
 from __future__ import annotations
 
@@ -49,8 +55,6 @@ def pp_error(config: EngineConfig, mc: ModelConfig) -> str | None:
     pp = config.pipeline_parallel_size
     if pp == 1:
         return None
-    if any(mc.layer_window(i) for i in range(mc.num_layers)) or mc.sandwich_norm:
-        return "pipeline parallelism does not run hybrid (sliding-window) models yet"
     try:
         pp_layer_ranges(mc.num_layers, pp, config.pp_layer_partition)
     except ValueError as e:
@@ -74,6 +78,9 @@ class StageModel(nn.Module):
         self.pp = pp
         # only this stage's layers stay: the others' weights are freed
         model.model.layers = nn.ModuleList(list(model.model.layers)[layers[0]:layers[1]])
+        # per stage layer its (window, KV group) in the whole model: the block tables of
+        # the model's groups are the scheduler's (kv_groups.KVGroups.stage)
+        self.keys = model.layer_keys[layers[0]:layers[1]]
         self.config = model.config
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -96,7 +103,9 @@ class StageModel(nn.Module):
         if len(kv_caches) != len(layers):
             raise ValueError(f"stage {self.stage}: expected {len(layers)} (K, V) caches, "
                              f"got {len(kv_caches)}")
-        plan = plan_attention(meta, int(kv_caches[0][0].shape[1]))
+        block_size = int(kv_caches[0][0].shape[1])
+        plans = self.full.layer_plans(meta, plan_attention(meta, block_size), block_size,
+                                      self.keys)
         dtype = self.full.model.embed_tokens.weight.dtype
         if self.first:
             hidden = self.full.model.embed_tokens(input_ids)
@@ -109,8 +118,10 @@ class StageModel(nn.Module):
             self._exchange(stream, send=False)
             hidden, residual = stream[0], stream[1]
         cos_sin = self.full.rotary_emb.cos_sin(positions, meta.max_seq_len, dtype)
-        for layer, cache in zip(layers, kv_caches):
-            hidden, residual = layer(hidden, residual, cos_sin, cache, plan, None, None)
+        local = self.full.local_cos_sin(positions, meta.max_seq_len, dtype)
+        for layer, cache, key in zip(layers, kv_caches, self.keys):
+            cs = local if key[0] and local is not None else cos_sin
+            hidden, residual = layer(hidden, residual, cs, cache, plans[key], None, None)
         if not self.last:
             stream = torch.stack([hidden, residual])
             self._exchange(stream, send=True)

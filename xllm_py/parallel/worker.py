@@ -82,7 +82,9 @@ def make_storage(config: EngineConfig, mc: ModelConfig, shard: TPShard, num_bloc
 
 
 def _groups(config: EngineConfig, mc: ModelConfig, rank: int) -> KVGroups:
-    return kv_groups([mc.layer_window(i) for i in range(*rank_layers(config, mc, rank))])
+    """The model's KV groups as the rank's pool holds them (a stage: its layers' slots)."""
+    model = kv_groups([mc.layer_window(i) for i in range(mc.num_layers)])
+    return model.stage(*rank_layers(config, mc, rank))
 
 
 def serve(config: EngineConfig, model: torch.nn.Module, mc: ModelConfig, shard: TPShard,

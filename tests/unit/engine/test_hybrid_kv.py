@@ -44,6 +44,21 @@ def test_groups_of_gemma3_270m_and_of_one_type():
     assert plain.layer_caches("abcd") == list("abcd")
 
 
+def test_a_pipeline_stage_pools_only_the_slots_of_its_layers():
+    windows = [512 if (i + 1) % 6 else 0 for i in range(18)]  # gemma-3-270m
+    model = kv_groups(windows)
+    sliding = model.stage(0, 2)  # layers 0, 1: sliding, group 1's slots 0 and 1
+    assert (sliding.num_slots, sliding.slots, sliding.layer_slot) == (2, (0, 1), (0, 1))
+    assert sliding.layer_group == (1, 1) and sliding.group_windows == model.group_windows
+    full = model.stage(17, 18)  # the last full layer: slot 2 alone
+    assert (full.num_slots, full.slots, full.layer_slot, full.layer_group) == (1, (2,), (0,), (0,))
+    both = model.stage(4, 12)  # sliding groups 1..3 and full layers 5, 11
+    assert both.slots == (0, 1, 2) and both.layer_group == model.layer_group[4:12]
+    assert both.layer_caches("abc") == [("abc")[model.layer_slot[i]] for i in range(4, 12)]
+    plain = kv_groups([0] * 4).stage(1, 3)  # one type: the stage's layers, in order
+    assert (plain.num_slots, plain.slots, plain.layer_slot) == (2, (1, 2), (0, 1))
+
+
 def test_sliding_groups_keep_only_the_window_while_running():
     kv = _manager()
     r = _req("a", 20)
@@ -135,6 +150,9 @@ def test_handover_lists_full_prompt_and_sliding_window():
     # a 21-token prompt: the decode's first token (at 21) reads 16..20: blocks 4, 5
     assert kv.handover_block_ids(tables, 0, 21) == [10, 11, 12, 13, 14, 15, 24, 25, 34, 35]
     assert kv.handover_block_ids(tables, 20, 21) == [15, 25, 35]
+    # each group's share of the list, in order (a hand-over split by group: KVMove)
+    assert kv.handover_group_sizes(0, 21) == [6, 2, 2]
+    assert kv.handover_group_sizes(20, 21) == [1, 1, 1]
 
 
 def test_decode_allocates_only_the_window_for_a_remote_prompt():

@@ -95,6 +95,33 @@ def test_rank_moves_between_pipeline_stages_take_the_layers_both_hold():
         RankMove(0, 0, (0, 0, 2, 2, 0, 1))]
 
 
+def test_rank_moves_of_a_hybrid_model_slice_each_kv_groups_slots():
+    """Gemma 3 style, 6 layers: sliding 0, 1 (group 1), full 2, 5 (group 0), sliding 3, 4
+    (group 2); two slots a group. Between stages of other bounds a move is a slice per
+    group, in the slot indices of each stage's pool (the slots its layers use)."""
+    from xllm_py.model.kv_layout import kv_layout, transfer_plan
+    from xllm_py.parallel.instance_peers import RankMove, rank_moves
+
+    windows = (6, 6, 0, 6, 6, 0)
+
+    def moves(src, dst):
+        return rank_moves(transfer_plan(kv_layout(6, 1, *src, layer_windows=windows),
+                                        kv_layout(6, 1, *dst, layer_windows=windows)))
+
+    # P PP 3 (3, 2, 1) -> D TP 1: stage 0 (worker 1) its full layer 2 (slot 0) and group
+    # 1; stage 1 (worker 2) group 2; stage 2 (worker 0) layer 5: slot 1, its pool's only
+    assert moves((1, 3, (3, 2, 1)), (1, 1)) == [
+        RankMove(1, 0, None, ((0, (0, 0, 1, 0, 0, 1)), (1, (0, 0, 1, 0, 0, 2)))),
+        RankMove(2, 0, None, ((2, (0, 0, 1, 0, 0, 2)),)),
+        RankMove(0, 0, None, ((0, (0, 0, 1, 0, 1, 1)),))]
+    # P TP 1 -> D PP 2 (1, 5): stage 0 holds slot 0 of group 1 only
+    assert moves((1, 1), (1, 2, (1, 5))) == [
+        RankMove(0, 1, None, ((1, (0, 0, 1, 0, 0, 1)),)),
+        RankMove(0, 0, None, ((0, (0, 0, 1, 0, 0, 2)), (1, (0, 0, 1, 1, 1, 1)),
+                              (2, (0, 0, 1, 0, 0, 2))))]
+    assert moves((1, 2), (1, 2)) == [RankMove(1, 1, None), RankMove(0, 0, None)]  # same pools
+
+
 def test_executor_refuses_an_unsplittable_model_before_starting_ranks():
     from xllm_py.config import EngineConfig
     from xllm_py.model.tiny import ensure_tiny_model

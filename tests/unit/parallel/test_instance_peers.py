@@ -145,3 +145,31 @@ async def test_a_layout_that_cannot_be_planned_is_refused_at_link_before_any_wor
     assert "no KV hand-over from p to d" in err.value.message
     assert "different layer counts: prefill 3, decode 4" in err.value.message
     assert workers[0].calls == workers[1].calls == []
+
+
+async def test_a_hybrid_models_stages_pull_each_kv_groups_blocks_into_their_slots() -> None:
+    """6 layers (sliding 0, 1: group 1; full 2, 5: group 0; sliding 3, 4: group 2), D PP 2
+    (3, 3) from a TP 1 prefill: each stage a move per group it holds layers of, with that
+    group's blocks of the hand-over (KVMove.group_blocks) and its pool's slots."""
+    workers = [Worker(), Worker()]
+    decode = pp2("d", InstanceRole.DECODE, [[0, 3, 0, 2], [3, 6, 0, 2]])
+    peers = InstancePeers(decode, Engines(), workers, layer_windows=(6, 6, 0, 6, 6, 0))
+    prefill = meta("p", InstanceRole.PREFILL, 1)
+    prefill.rank_kv = [[0, 6, 0, 2]]
+    await peers.link_cluster(PeerLink("p", prefill.cluster_ids, prefill.addrs, prefill))
+    for w in workers:
+        w.calls.clear()
+    await peers.pull_kv(KVMove("r5", 100, "p-t0", [1, 2, 3, 4, 5], [11, 12, 13, 14, 15],
+                               group_blocks=(3, 1, 1)))
+    got = [[(m.src_blocks, m.dst_blocks, heads) for _, m, heads in w.calls] for w in workers]
+    assert got[1] == [([1, 2, 3], [11, 12, 13], (0, 0, 2, 0, 0, 1)),  # layer 2: slot 0
+                      ([4], [14], (0, 0, 2, 0, 0, 2))]  # layers 0, 1
+    assert got[0] == [([1, 2, 3], [11, 12, 13], (0, 0, 2, 1, 1, 1)),  # layer 5: slot 1
+                      ([5], [15], (0, 0, 2, 0, 0, 2))]  # layers 3, 4
+    for w in workers:
+        w.calls.clear()
+    await peers.pull_kv(KVMove("r6", 100, "p-t0", [7], [17], group_blocks=(1,)))  # group 0's
+    assert [len(w.calls) for w in workers] == [1, 1]
+    with pytest.raises(StatusError) as err:  # which blocks are whose is not known
+        await peers.pull_kv(KVMove("r7", 100, "p-t0", [1, 2], [3, 4]))
+    assert err.value.status is Status.INTERNAL and "group sizes" in err.value.message

@@ -194,8 +194,11 @@ class DecodeSide:
     async def _pull(self, h: HandOver, rec: DecodeRequest) -> None:
         if not rec.new_block_ids:
             return
+        groups = self.engine.handover_group_sizes(rec.num_cached_tokens,
+                                                  len(rec.spec.prompt_token_ids))
         await self.peers.pull_kv(KVMove(rec.request_id, h.cluster_ids[0] if h.cluster_ids else 0,
-                                        h.addrs[0], h.block_ids, rec.new_block_ids))
+                                        h.addrs[0], h.block_ids, rec.new_block_ids,
+                                        group_blocks=groups))
 
     # ------------------------------------------------------------------ migration with KV
     async def resume_with_kv(self, item, r: Resumption) -> str:

@@ -4,12 +4,11 @@ Stages of a request (its PrefillPhase, see phases.py):
   add_request -> QUEUED (online queue, kept by the side's PrefillPacer, prefill_pacing.py,
   taken in `prefill_order` (xllm_py/cluster/prefill_order.py: deadline order by the
   request's TTFT target, the most on time and short prompts first where there is time,
-  or FCFS), or offline
-  (offline_queue.py: handed only to a decode that pulls, SendPullSignal, after every online
-  one, in arrival order); taken while the prompts placed on decodes and not
-  handed over yet hold fewer than `max_placed_prompt_tokens`: a decode sets blocks aside
-  for a request only shortly before its prompt is computed, not for the whole time it
-  queues here)
+  or FCFS), or offline (offline_queue.py: handed only to a decode that pulls,
+  SendPullSignal, after every online one, in arrival order); taken while the prompts
+  placed on decodes and not handed over yet hold fewer than `max_placed_prompt_tokens`:
+  a decode sets blocks aside for a request only shortly before its prompt is computed,
+  not for the whole time it queues here)
   -> DISPATCHING: the service's decode first, then the master's list (round robin), up
   to `max_decodes_per_request`: link it (links.py), AddNewRequests (RESOURCE_EXHAUSTED:
   bounded retry with backoff, then the next decode; a refusal or an incompatible decode
@@ -336,7 +335,7 @@ class PrefillSide:
                     if rec.stream is not None:
                         streamed = await rec.stream.finish(src)
                     if streamed < len(src):  # streamed: only the last chunk's blocks are left
-                        await self._push(rec, src[streamed:], dst[streamed:])
+                        await self._push(rec, src[streamed:], dst[streamed:], streamed)
             except StatusError as exc:  # decode must still hear of it to free its blocks
                 error = exc
                 handover.failed, handover.status_msg = True, exc.message
@@ -387,14 +386,18 @@ class PrefillSide:
         handover.worker_rpc_addrs = list(self.meta.worker_rpc_addrs)
         handover.block_ids = src
 
-    async def _push(self, rec: PrefillRequest, src: list[int], dst: list[int]) -> None:
+    async def _push(self, rec: PrefillRequest, src: list[int], dst: list[int],
+                    streamed: int | None = None) -> None:
+        """``streamed``: the hand-over's rest after it; None: a stream's (group 0's) blocks."""
         decode = rec.decode
         if not decode.addrs:
             raise StatusError(Status.BAD_GATEWAY,
                               f"decode {decode.name} publishes no transfer address")
+        n = (len(src),) if streamed is None else self.engine.handover_group_sizes(
+            rec.num_cached_on_decode, len(rec.spec.prompt_token_ids))
         await self.peers.push_kv(KVMove(
             rec.request_id, decode.cluster_ids[0] if decode.cluster_ids else 0,
-            decode.addrs[0], src, dst,
+            decode.addrs[0], src, dst, group_blocks=(n[0] - (streamed or 0), *n[1:]),
             transfer_key=decode.transfer_keys[0] if decode.transfer_keys else ""))
 
     def _report_error(self, spec: EngineRequestSpec, status: Status, message: str,
