@@ -128,7 +128,8 @@ def test_speculation_is_exact_per_family(family, tmp_path):
 
 @pytest.mark.parametrize("family,parallel", [
     ("llama-bias", {"tensor_parallel_size": 2}), ("gemma3-kv1", {"tensor_parallel_size": 2}),
-    ("llama-bias", {"pipeline_parallel_size": 2})])
+    ("llama-bias", {"pipeline_parallel_size": 2}),
+    ("gemma3-kv1", {"pipeline_parallel_size": 2})])
 def test_speculation_is_exact_across_ranks(family, parallel, tmp_path):
     """TP 2 (each rank its heads: the verify rows' all-reduce sums per row, as a decode
     step's) and PP 2 (the rows pass stage to stage): the tokens and logprobs of TP 1
