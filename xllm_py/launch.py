@@ -23,7 +23,7 @@ import tempfile
 import time
 
 from xllm_py.model.catalog import DEFAULT_MODEL
-from xllm_py.utils.cli import DefaultsHelpFormatter, add_flag, setup_logging
+from xllm_py.utils.cli import DefaultsHelpFormatter, add_flag, etcd_endpoints, setup_logging
 from xllm_py.utils.procs import ChildProcess, engine_args, free_port, spawn
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
              help="tensor-parallel size of each PREFILL engine (--tensor-parallel-size)")
     add_flag(p, "--decode-tp", type=int, default=1, help="tensor-parallel size of each DECODE engine")
     add_flag(p, "--mix-tp", type=int, default=1, help="tensor-parallel size of each MIX engine")
-    add_flag(p, "--etcd", default=None,
-             help="use this etcd HOST:PORT (default: start one, embedded)")
+    add_flag(p, "--etcd", default=None, type=etcd_endpoints,
+             help="use this etcd HOST:PORT, or an etcd cluster's HOST:PORT,HOST:PORT,... "
+                  "(default: start one, embedded)")
     add_flag(p, "--host", default="127.0.0.1",
              help="address every process listens on (loopback: this machine only)")
     add_flag(p, "--http-port", type=int, default=8888, help="the service's OpenAI API port")
@@ -312,9 +313,20 @@ def child_flags_error(a: argparse.Namespace) -> str | None:
     return None
 
 
+def etcd_members_error(endpoints: str) -> str | None:
+    """None when one member of --etcd answers (it reaches the others); else why the
+    first does not."""
+    from xllm_py.utils.preflight import reachable_error
+
+    errors = [reachable_error(member, "--etcd", "etcd",
+                              hint="start it, or leave --etcd out to start one")
+              for member in endpoints.split(",")]
+    return None if any(e is None for e in errors) else errors[0]
+
+
 def preflight(a: argparse.Namespace) -> str | None:
     """The first reason the cluster cannot start, found before anything starts."""
-    from xllm_py.utils.preflight import model_error, port_error, reachable_error
+    from xllm_py.utils.preflight import model_error, port_error
 
     if a.mix < 0 or (not a.mix and min(a.prefill, a.decode) < 1):
         return "a PD cluster needs --prefill >= 1 and --decode >= 1 (or --mix K: K MIX engines)"
@@ -323,8 +335,7 @@ def preflight(a: argparse.Namespace) -> str | None:
         lambda: model_error(a.model),
         lambda: port_error(a.host, a.http_port, "--http-port"),
         lambda: port_error(a.host, a.rpc_port, "--rpc-port"),
-        lambda: a.etcd and reachable_error(
-            a.etcd, "--etcd", "etcd", hint="start it, or leave --etcd out to start one"),
+        lambda: a.etcd and etcd_members_error(a.etcd),
         lambda: log_dir_error(a.log_dir),
         lambda: child_flags_error(a),
     )

@@ -10,7 +10,7 @@ from xllm_py.api.response_store import ResponseStoreLimits
 from xllm_service.config import (ElasticConfig, RegistryConfig, RelayConfig, RouterConfig,
                                  ServiceConfig)
 from xllm_py.model.catalog import DEFAULT_MODEL
-from xllm_py.utils.cli import add_flag
+from xllm_py.utils.cli import add_flag, etcd_endpoints
 from xllm_py.utils.config_file import SettingsParser
 from xllm_py.utils.security_cli import add_security_flags, security_from_args
 
@@ -23,7 +23,8 @@ def build_parser() -> SettingsParser:
         description="xllm_service: registry (etcd), master election, routing and the "
                     "OpenAI-compatible front door of an xllm-py cluster. Flags also accept "
                     "underscore spellings (--http_port, ...).")
-    add_flag(p, "--etcd", "--etcd-addr", required=True, help="etcd HOST:PORT")
+    add_flag(p, "--etcd", "--etcd-addr", required=True, type=etcd_endpoints,
+             help="etcd HOST:PORT, or the members of an etcd cluster: HOST:PORT,HOST:PORT,...")
     add_flag(p, "--etcd-namespace", default="", help="prefix for every etcd key")
     add_flag(p, "--etcd-ttl", type=float, default=3.0, help="lease TTL (s) of service keys")
     add_flag(p, "--host", default="127.0.0.1", help="address to bind")

@@ -21,7 +21,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError, LeasedKey, service_key
+from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError, service_key
+from xllm_py.cluster.leased_key import LeasedKey
 from xllm_py.utils.aio import cancel_and_wait, wait_for
 
 logger = logging.getLogger(__name__)

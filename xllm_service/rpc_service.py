@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, LeasedKey, instance_key
+from xllm_py.cluster.etcd_client import EtcdClient, EtcdError, instance_key
+from xllm_py.cluster.leased_key import LeasedKey
 from xllm_py.cluster.instance_meta import InstanceMeta, InstanceMetaError, new_incarnation_id, now_ms
 from xllm_py.config import InstanceRole
 from xllm_py.proto import xllm_pb2, xllm_pb2_grpc

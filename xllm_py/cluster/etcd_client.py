@@ -7,7 +7,14 @@ un-namespaced keys back):
     XLLM:SERVICE:MASTER     the master service; value = its rpc address; create-if-absent
 
 Every call carries a deadline (`timeout_s`). Failures surface as `EtcdError`.
-`LeasedKey` keeps one key alive on a lease and puts it back when it disappears.
+`LeasedKey` (cluster/leased_key.py) keeps one key alive on a lease.
+
+Members: the endpoint may list several members of one etcd cluster (`h1:p1,h2:p2`). The
+client talks to one at a time; a call that finds its member unreachable (refused,
+unavailable, past its deadline) moves to the next member and tries again while the call's
+deadline lasts, so one dead member (the leader included) takes nothing down. Leases and
+revisions are cluster-wide: a keep-alive goes on through the new member, and a watch
+resumes on it from the revision after the last event it delivered.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import math
 from collections.abc import AsyncIterator
 
 import aetcd
+import aetcd.client
 import aetcd.exceptions
 import aetcd.rpc
 import aetcd.watcher
@@ -26,7 +34,8 @@ import grpc
 
 from xllm_py.config import InstanceRole, etcd_credentials_from_env
 from xllm_py.tls import EtcdTLSConfig, TLSConfig, etcd_channel_credentials
-from xllm_py.utils.aio import cancel_and_wait, wait_for
+from xllm_py.utils.aio import wait_for
+from xllm_py.utils.cli import parse_etcd_endpoints
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +87,19 @@ class WatchEvent:
     key: str
     value: bytes  # empty for DELETE
     revision: int
+
+
+# aetcd errors that say "this member did not answer": another member may.
+_UNREACHABLE = (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError,
+                aetcd.exceptions.WatchTimeoutError, asyncio.TimeoutError)
+
+
+def _describe(error: BaseException) -> str:
+    return "no answer within the deadline" if isinstance(error, asyncio.TimeoutError) else repr(error)
+
+
+# Compare/put/get builders for transactions (what aetcd.Client.transactions holds).
+_TX = aetcd.client.Transactions()
 
 
 def lease_ttl_seconds(ttl_s: float) -> int:
@@ -135,26 +157,57 @@ class EtcdClient:
         timeout_s: float = 2.0,
         tls: EtcdTLSConfig | TLSConfig | None = None,
     ) -> None:
-        host, sep, port = endpoint.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"etcd endpoint must be host:port, got {endpoint!r}")
-        host = host.removeprefix("http://").removeprefix("https://")
-        self.endpoint = endpoint
+        """`endpoint`: one member `host:port` or several, comma-separated."""
+        self.endpoints = parse_etcd_endpoints(endpoint)
         self.namespace = namespace
         self.timeout_s = timeout_s
         if credentials is None:
             credentials = etcd_credentials_from_env()
-        user, password = credentials if credentials else (None, None)
+        self._credentials = credentials if credentials else (None, None)
+        self._channel_credentials = None if tls is None else etcd_channel_credentials(tls)
+        # One aetcd client per member, made on first use: a watch stays on the client it
+        # was opened on while calls move on, and at most one client per member exists.
+        self._clients: list[aetcd.Client | None] = [None] * len(self.endpoints)
+        self._current = 0
+        self.num_rotations = 0
+
+    @property
+    def endpoint(self) -> str:
+        """The member calls go to now (error messages name it)."""
+        return self.endpoints[self._current]
+
+    def _make_client(self, endpoint: str) -> aetcd.Client:
+        host, _, port = endpoint.removeprefix("http://").removeprefix("https://").rpartition(":")
+        user, password = self._credentials
         kwargs = dict(
             host=host,
             port=int(port),
             username=user,
             password=password,
-            timeout=timeout_s,  # aetcd passes it as the deadline of every unary call
-            connect_wait_timeout=max(1, math.ceil(timeout_s)),
+            timeout=self.timeout_s,  # aetcd passes it as the deadline of every unary call
+            connect_wait_timeout=max(1, math.ceil(self.timeout_s)),
         )
-        self._client = (aetcd.Client(**kwargs) if tls is None
-                        else _TLSClient(etcd_channel_credentials(tls), **kwargs))
+        return (aetcd.Client(**kwargs) if self._channel_credentials is None
+                else _TLSClient(self._channel_credentials, **kwargs))
+
+    @property
+    def _client(self) -> aetcd.Client:
+        client = self._clients[self._current]
+        if client is None:
+            client = self._clients[self._current] = self._make_client(self.endpoint)
+        return client
+
+    def _rotate(self, failed: aetcd.Client) -> bool:
+        """Move to the next member if `failed` is still the current client (two calls
+        failing together move once). False with a single member: nowhere to go."""
+        if len(self.endpoints) == 1:
+            return False
+        if self._clients[self._current] is failed:
+            before = self.endpoint
+            self._current = (self._current + 1) % len(self.endpoints)
+            self.num_rotations += 1
+            logger.warning("etcd member %s unreachable; moving to %s", before, self.endpoint)
+        return True
 
     # ------------------------------------------------------------------ keys
 
@@ -168,13 +221,17 @@ class EtcdClient:
     # ------------------------------------------------------------------ lifecycle
 
     async def connect(self) -> None:
-        await self._call(self._client.connect())
+        await self._call(lambda c: c.connect())
 
     async def close(self) -> None:
-        try:
-            await wait_for(self._client.close(), self.timeout_s)
-        except Exception as e:  # closing must not raise out of shutdown paths
-            logger.warning("closing etcd client %s: %r", self.endpoint, e)
+        clients, self._clients = self._clients, [None] * len(self.endpoints)
+        for endpoint, client in zip(self.endpoints, clients):
+            if client is None:
+                continue
+            try:
+                await wait_for(client.close(), self.timeout_s)
+            except Exception as e:  # closing must not raise out of shutdown paths
+                logger.warning("closing etcd client %s: %r", endpoint, e)
 
     async def __aenter__(self) -> "EtcdClient":
         await self.connect()
@@ -183,25 +240,38 @@ class EtcdClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, coro):  # type: ignore[no-untyped-def]
-        """Await an aetcd call under an outer deadline; map its errors to EtcdError."""
-        try:
-            return await wait_for(coro, self.timeout_s + 0.5)
-        except asyncio.TimeoutError as e:
-            raise EtcdError(f"etcd {self.endpoint}: deadline of {self.timeout_s}s exceeded") from e
-        except aetcd.exceptions.ClientError as e:
-            raise EtcdError(f"etcd {self.endpoint}: {type(e).__name__}: {e}") from e
+    async def _call(self, call):  # type: ignore[no-untyped-def]
+        """`call(aetcd_client)` under one outer deadline for the whole call; a member
+        that does not answer hands the rest of the deadline to the next member (each
+        member tried at most once). aetcd errors map to EtcdError."""
+        deadline = asyncio.get_running_loop().time() + self.timeout_s + 0.5
+        for _ in range(len(self.endpoints)):
+            client = self._client
+            endpoint = self.endpoint
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                return await wait_for(call(client), max(0.05, remaining))
+            except _UNREACHABLE as e:
+                error = e
+                if not self._rotate(client) or deadline - asyncio.get_running_loop().time() < 0.05:
+                    break
+                logger.info("etcd %s: %s; retrying on %s", endpoint, _describe(e), self.endpoint)
+            except aetcd.exceptions.ClientError as e:
+                raise EtcdError(f"etcd {endpoint}: {type(e).__name__}: {e}") from e
+        if isinstance(error, asyncio.TimeoutError):
+            raise EtcdError(f"etcd {endpoint}: deadline of {self.timeout_s}s exceeded") from error
+        raise EtcdError(f"etcd {endpoint}: {type(error).__name__}: {error}") from error
 
     # ------------------------------------------------------------------ kv
 
     async def put(self, key: str, value: str | bytes, lease_id: int | None = None) -> int:
         """Returns the revision of the write."""
         data = value.encode() if isinstance(value, str) else value
-        resp = await self._call(self._client.put(self._k(key), data, lease=lease_id))
+        resp = await self._call(lambda c: c.put(self._k(key), data, lease=lease_id))
         return resp.header.revision
 
     async def get(self, key: str) -> KeyValue | None:
-        resp = await self._call(self._client.get(self._k(key)))
+        resp = await self._call(lambda c: c.get(self._k(key)))
         if resp is None:
             return None
         return KeyValue(key, resp.value, resp.mod_revision, resp.lease)
@@ -209,18 +279,18 @@ class EtcdClient:
     async def get_prefix(self, prefix: str, keys_only: bool = False) -> tuple[list[KeyValue], int]:
         """All keys under `prefix` and the store revision they were read at
         (`keys_only`: values left empty)."""
-        resp = await self._call(self._client.get_prefix(self._k(prefix), keys_only=keys_only))
+        resp = await self._call(lambda c: c.get_prefix(self._k(prefix), keys_only=keys_only))
         kvs = [KeyValue(self._strip(kv.key), kv.value, kv.mod_revision, kv.lease) for kv in resp.kvs]
         return kvs, resp.header.revision
 
     async def store_identity(self) -> tuple[int, int]:
         """(cluster_id, current revision): a wiped or replaced etcd shows a new cluster id
         or a revision that went backwards, which an open watch never reports."""
-        resp = await self._call(self._client.get_prefix(self._k("\x00xllm-identity"), keys_only=True))
+        resp = await self._call(lambda c: c.get_prefix(self._k("\x00xllm-identity"), keys_only=True))
         return resp.header.cluster_id, resp.header.revision
 
     async def delete(self, key: str) -> bool:
-        resp = await self._call(self._client.delete(self._k(key)))
+        resp = await self._call(lambda c: c.delete(self._k(key)))
         return bool(resp and resp.deleted)
 
     async def put_if_absent(self, key: str, value: str | bytes, lease_id: int | None = None) -> tuple[bool, bytes | None]:
@@ -230,9 +300,9 @@ class EtcdClient:
         """
         data = value.encode() if isinstance(value, str) else value
         k = self._k(key)
-        tx = self._client.transactions
+        tx = _TX
         succeeded, responses = await self._call(
-            self._client.transaction(
+            lambda c: c.transaction(
                 compare=[tx.version(k) == 0],
                 success=[tx.put(k, data, lease=lease_id)],
                 failure=[tx.get(k)],
@@ -247,26 +317,26 @@ class EtcdClient:
         """Delete `key` only while it still holds `value` (a master resigning)."""
         data = value.encode() if isinstance(value, str) else value
         k = self._k(key)
-        tx = self._client.transactions
+        tx = _TX
         succeeded, _ = await self._call(
-            self._client.transaction(compare=[tx.value(k) == data], success=[tx.delete(k)], failure=[])
+            lambda c: c.transaction(compare=[tx.value(k) == data], success=[tx.delete(k)], failure=[])
         )
         return bool(succeeded)
 
     # ------------------------------------------------------------------ leases
 
     async def grant_lease(self, ttl_s: float) -> int:
-        lease = await self._call(self._client.lease(lease_ttl_seconds(ttl_s)))
+        lease = await self._call(lambda c: c.lease(lease_ttl_seconds(ttl_s)))
         return lease.id
 
     async def refresh_lease(self, lease_id: int) -> int:
         """One keepalive; returns the remaining TTL in seconds, <= 0 if the lease is gone."""
-        reply = await self._call(self._client.refresh_lease(lease_id))
+        reply = await self._call(lambda c: c.refresh_lease(lease_id))
         return int(reply.TTL) if reply is not None else 0
 
     async def revoke_lease(self, lease_id: int) -> None:
         try:
-            await self._call(self._client.revoke_lease(lease_id))
+            await self._call(lambda c: c.revoke_lease(lease_id))
         except EtcdError as e:
             if "not found" not in str(e):
                 raise
@@ -276,124 +346,55 @@ class EtcdClient:
     async def watch_prefix(self, prefix: str, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
         """PUT/DELETE events under `prefix` from `start_revision` (inclusive).
 
-        Runs until the caller stops iterating; raises EtcdError when the stream breaks
-        (etcd gone, revision compacted): the caller resyncs with get_prefix and watches
-        again from the new revision.
+        Runs until the caller stops iterating. A stream that breaks because its member is
+        gone reopens on the next member from the revision after the last event delivered
+        (each member at most once between two events). Raises EtcdError when that does
+        not mend it (every member gone, revision compacted): the caller resyncs with
+        get_prefix and watches again from the new revision.
         """
-        watch = await self._call(self._client.watch_prefix(self._k(prefix), start_revision=start_revision))
-        try:
-            async for ev in watch:
-                kind = EventKind.PUT if ev.kind == "PUT" else EventKind.DELETE
-                yield WatchEvent(
-                    kind=kind,
-                    key=self._strip(ev.kv.key),
-                    value=ev.kv.value if kind is EventKind.PUT else b"",
-                    revision=ev.kv.mod_revision,
-                )
-        except aetcd.exceptions.ClientError as e:
-            raise EtcdError(f"etcd {self.endpoint}: watch on {prefix!r} broke: {e}") from e
-        except Exception as e:  # aetcd delivers raw grpc errors into the iterator
-            if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
-                raise
-            raise EtcdError(f"etcd {self.endpoint}: watch on {prefix!r} broke: {e!r}") from e
-        finally:
-            try:
-                await wait_for(watch.cancel(), self.timeout_s)
-            except Exception:  # the stream may already be gone
-                pass
-        # The iterator ends without an error only when the client shuts down.
-        raise EtcdError(f"etcd {self.endpoint}: watch on {prefix!r} ended")
-
-
-class LeasedKey:
-    """Keeps `key = value` alive on its own lease; puts it back when it disappears.
-
-    Each tick (every `interval_s`): refresh the lease; if the lease is gone (expired,
-    etcd restarted without its data) grant a new one and put the key; if the key is gone
-    or changed (deleted by hand) put it back. `stop()` deletes the key and revokes the
-    lease. `stop(delete=False)` only stops refreshing (the key expires with the lease).
-    """
-
-    def __init__(
-        self,
-        client: EtcdClient,
-        key: str,
-        value: str | bytes,
-        ttl_s: float,
-        interval_s: float | None = None,
-    ) -> None:
-        self.client = client
-        self.key = key
-        self._value = value.encode() if isinstance(value, str) else value
-        self.ttl_s = ttl_s
-        self.interval_s = interval_s if interval_s is not None else max(0.1, ttl_s / 3)
-        self.lease_id: int | None = None
-        self.num_reputs = 0
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-
-    @property
-    def value(self) -> bytes:
-        return self._value
-
-    def set_value(self, value: str | bytes) -> None:
-        """Change the value; written on the next tick (call `await ensure()` to write now)."""
-        self._value = value.encode() if isinstance(value, str) else value
-        self._wake.set()
-
-    async def start(self) -> None:
-        """Write the key once (raises EtcdError if etcd is unreachable), then keep it alive."""
-        await self.ensure()
-        self._task = asyncio.create_task(self._loop(), name=f"leased-key {self.key}")
-
-    def start_background(self) -> None:
-        """Keep the key alive without a first synchronous write (etcd may be down now)."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name=f"leased-key {self.key}")
-
-    async def ensure(self) -> None:
-        """One tick: make sure the lease is alive and the key holds our value on it."""
-        if self.lease_id is not None:
-            ttl = await self.client.refresh_lease(self.lease_id)
-            if ttl <= 0:
-                logger.warning("lease %x of %s expired; registering again", self.lease_id, self.key)
-                self.lease_id = None
-        if self.lease_id is None:
-            self.lease_id = await self.client.grant_lease(self.ttl_s)
-            await self.client.put(self.key, self._value, self.lease_id)
-            self.num_reputs += 1
-            return
-        current = await self.client.get(self.key)
-        if current is None or current.value != self._value or current.lease != self.lease_id:
-            if current is None:
-                logger.warning("key %s disappeared; putting it back", self.key)
-            await self.client.put(self.key, self._value, self.lease_id)
-            self.num_reputs += 1
-
-    async def _loop(self) -> None:
+        next_revision = start_revision
+        reopens = 0
         while True:
+            watch = await self._call(
+                lambda c: c.watch_prefix(self._k(prefix), start_revision=next_revision))
+            # The member the stream opened on (_call may have moved on to open it).
+            client, endpoint = self._client, self.endpoint
             try:
-                await wait_for(self._wake.wait(), self.interval_s)
-            except asyncio.TimeoutError:
-                pass
-            self._wake.clear()
-            try:
-                await self.ensure()
-            except EtcdError as e:
-                logger.warning("keeping %s alive failed (will retry): %s", self.key, e)
-            except Exception:
-                logger.exception("keeping %s alive failed unexpectedly (will retry)", self.key)
+                async for ev in watch:
+                    kind = EventKind.PUT if ev.kind == "PUT" else EventKind.DELETE
+                    next_revision = ev.kv.mod_revision + 1
+                    reopens = 0
+                    yield WatchEvent(
+                        kind=kind,
+                        key=self._strip(ev.kv.key),
+                        value=ev.kv.value if kind is EventKind.PUT else b"",
+                        revision=ev.kv.mod_revision,
+                    )
+                # The iterator ends without an error only when the client shuts down.
+                error: BaseException = EtcdError(f"etcd {endpoint}: watch on {prefix!r} ended")
+            except _UNREACHABLE as e:
+                error = e
+            except aetcd.exceptions.ClientError as e:
+                raise EtcdError(f"etcd {endpoint}: watch on {prefix!r} broke: {e}") from e
+            except Exception as e:  # aetcd delivers raw grpc errors into the iterator
+                if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+                    raise
+                error = e
+            finally:
+                try:
+                    await wait_for(watch.cancel(), self.timeout_s)
+                except Exception:  # the stream may already be gone
+                    pass
+            # Reopen only where a member was given up on, and only while one is left untried.
+            reopens += 1
+            if (not isinstance(error, _UNREACHABLE) and not _grpc_unavailable(error)) \
+                    or not self._rotate(client) or reopens >= len(self.endpoints):
+                raise EtcdError(f"etcd {endpoint}: watch on {prefix!r} broke: {error!r}") from error
+            logger.info("etcd %s: watch on %r broke (%r); reopening on %s from revision %s",
+                        endpoint, prefix, error, self.endpoint, next_revision)
 
-    async def stop(self, delete: bool = True) -> None:
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
-        if not delete:
-            return
-        lease_id, self.lease_id = self.lease_id, None
-        try:
-            await self.client.delete(self.key)
-            if lease_id is not None:
-                await self.client.revoke_lease(lease_id)
-        except EtcdError as e:
-            logger.warning("removing %s on stop failed (it expires with its lease): %s", self.key, e)
 
+def _grpc_unavailable(error: BaseException) -> bool:
+    """A raw grpc error the watcher delivered that says the member is gone."""
+    return isinstance(error, grpc.aio.AioRpcError) and error.code() in (
+        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

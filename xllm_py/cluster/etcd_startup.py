@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 from xllm_py.cluster.etcd_client import EtcdClient, EtcdError
@@ -67,10 +68,12 @@ async def check_etcd(client: EtcdClient, tls: bool, wait_s: float = STARTUP_WAIT
             await client.store_identity()
             return
         except EtcdError as e:
-            error = str(e).removeprefix(f"etcd {client.endpoint}: ")
+            # (the error names the member that answered last: with several, any of them)
+            error = re.sub(r"^etcd \S+: ", "", str(e))
+            endpoints = ",".join(client.endpoints)
             if _permanent(error) or time.monotonic() + delay > deadline:
-                raise EtcdStartupError(describe(client.endpoint, tls, error)) from None
-            logger.info("etcd %s not answering yet (%s); retrying", client.endpoint, error)
+                raise EtcdStartupError(describe(endpoints, tls, error)) from None
+            logger.info("etcd %s not answering yet (%s); retrying", endpoints, error)
         await asyncio.sleep(delay)
         delay = min(1.0, delay * 2)
 

@@ -17,7 +17,7 @@ from xllm_py.config import (PREFILL_ORDERS, CacheConfig, EngineConfig, InstanceR
                             TransferConfig, UCXConfig)
 from xllm_py.model.catalog import DEFAULT_MODEL
 from xllm_py.speculative_config import DEFAULT as SPEC_DEFAULT, SpeculativeConfig
-from xllm_py.utils.cli import add_flag, parse_bool
+from xllm_py.utils.cli import add_flag, etcd_endpoints, parse_bool
 from xllm_py.utils.config_file import SettingsParser
 from xllm_py.utils.security_cli import add_security_flags, security_from_args
 
@@ -89,8 +89,9 @@ def build_parser() -> SettingsParser:
              help="the Mooncake Store's master: KV blocks shared by every instance (default "
                   "off; python -m xllm_py.launch starts one)")
     g = p.add_argument_group("cluster")
-    add_flag(g, "--etcd", "--etcd-addr", default=None,
-             help="etcd HOST:PORT; registers the instance and serves requests from xllm_service")
+    add_flag(g, "--etcd", "--etcd-addr", default=None, type=etcd_endpoints,
+             help="etcd HOST:PORT (or an etcd cluster's members, comma-separated); registers "
+                  "the instance and serves requests from xllm_service")
     add_flag(g, "--etcd-namespace", default="", help="prefix for every etcd key")
     add_flag(g, "--instance-name", default=None, help="registry name (default host:port)")
     add_flag(g, "--disagg-pd-port", type=int, default=0, help="DisaggPDService gRPC port (0: free)")

@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 import grpc
 
-from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError, LeasedKey, instance_key
+from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError, instance_key
+from xllm_py.cluster.leased_key import LeasedKey
 from xllm_py.cluster.instance_meta import InstanceMeta, new_incarnation_id, now_ms
 from xllm_py.proto import xllm_pb2_grpc
 from xllm_py.rpc import cluster as wire

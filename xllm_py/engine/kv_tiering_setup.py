@@ -127,7 +127,8 @@ def _store(config: EngineConfig, keyspace: TierKeyspace) -> MooncakeStore | None
                            "HTTP metadata URL); %s", "the cluster's etcd uses TLS"
                            if config.etcd_addr else "this engine has no etcd")
             return None
-        metadata = f"etcd://{config.etcd_addr}"
+        # The store takes one etcd: the first member of a cluster (a cache: a miss while it is down)
+        metadata = f"etcd://{config.etcd_addr.split(',')[0]}"
     store = MooncakeStore(tc.store, metadata, advertised_host(config.host, config.advertise_host),
                           segment_bytes=tc.store_segment_bytes, timeout_s=tc.store_timeout_s)
     return store if store.connect() else None

@@ -29,6 +29,27 @@ def parse_bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {value!r}")
 
 
+def parse_etcd_endpoints(text: str) -> list[str]:
+    """`host:port[,host:port...]` (members of one etcd cluster; an `http://`/`https://`
+    prefix allowed) -> the members; ValueError with one line naming the bad item."""
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise ValueError(f"etcd endpoints must be host:port[,host:port...], got {text!r}")
+    for item in items:
+        host, sep, port = item.removeprefix("http://").removeprefix("https://").rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"etcd endpoint must be host:port, got {item!r} in {text!r}")
+    return items
+
+
+def etcd_endpoints(text: str) -> str:
+    """argparse type of --etcd: the members, checked, joined by commas."""
+    try:
+        return ",".join(parse_etcd_endpoints(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows each flag's default, except where there is none to show (None, an
     off switch, an empty list) or its help already says it."""

@@ -63,6 +63,14 @@ def test_unreachable_etcd(capsys, tmp_path, closed_port):
     assert "leave --etcd out" in err
 
 
+def test_etcd_members_one_answering_is_enough(taken_port, closed_port):
+    from xllm_py.launch import etcd_members_error
+
+    assert etcd_members_error(f"127.0.0.1:{closed_port},127.0.0.1:{taken_port}") is None
+    error = etcd_members_error(f"127.0.0.1:{closed_port},127.0.0.1:{closed_port}")
+    assert f"cannot reach etcd at 127.0.0.1:{closed_port} (--etcd)" in error
+
+
 def test_bad_engine_and_service_flags_found_by_their_own_parsers(capsys, tmp_path):
     err = _refused(capsys, tmp_path, "--engine-arg=--blok-size=32")
     assert "unrecognized arguments: --blok-size=32" in err and "--engine-arg" in err

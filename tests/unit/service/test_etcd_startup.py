@@ -38,3 +38,31 @@ def test_the_start_up_line_names_what_to_check():
     assert "ETCD_USERNAME" in describe(ep, False, "AuthenticationFailed: invalid password")
     line = describe(ep, False, "Failed to connect to remote host: Connection refused")
     assert line.startswith(f"cannot use etcd at {ep}: is etcd running") and "\n" not in line
+
+
+def test_etcd_takes_a_cluster_s_members_and_a_bad_one_is_a_one_line_error(capsys):
+    members = "10.0.0.1:2379, 10.0.0.2:2379,10.0.0.3:2379"
+    assert service_config(service_parser().parse_args(["--etcd", members])).etcd_addr \
+        == "10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379"
+    assert engine_config(engine_parser().parse_args(["--etcd", members])).etcd_addr \
+        == "10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379"
+    for parser in (service_parser(), engine_parser()):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--etcd", "10.0.0.1:2379,10.0.0.2"])
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert error.endswith("etcd endpoint must be host:port, got '10.0.0.2' in "
+                              "'10.0.0.1:2379,10.0.0.2'")
+
+
+async def test_the_start_up_check_names_every_member_when_none_answers():
+    from xllm_py.cluster.etcd_client import EtcdClient
+    from xllm_py.cluster.etcd_startup import EtcdStartupError, check_etcd
+    from xllm_py.utils.procs import free_port
+
+    members = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    client = EtcdClient(members, timeout_s=0.5)
+    try:
+        with pytest.raises(EtcdStartupError, match=f"cannot use etcd at {members}: is etcd running"):
+            await check_etcd(client, tls=False, wait_s=0.3)
+    finally:
+        await client.close()
