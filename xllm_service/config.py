@@ -100,7 +100,8 @@ class ElasticConfig:
     min_dwell_s: float = 30.0    # between two flips of one instance
     warmup_s: float = 5.0        # an instance this young, a master this new: no evidence
     min_samples: int = 20        # requests in the demand window before a flip
-    max_step: int = 2            # instances moved in one decision
+    max_step: int = 4            # instances moved in one round
+    utilization: float = 0.85    # of a side's capacity within its target, what it plans on
     window_s: float = 10.0       # the demand window
 
 
