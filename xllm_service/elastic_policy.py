@@ -22,7 +22,8 @@ The decision (`decide`), one round:
     assigned at once, to the split predicted best (no load yet: half and half);
   - otherwise, while the current split keeps the load (load <= 1), nothing moves
     (hysteresis: a stable load does not flap). When it does not, the target is the
-    nearest split that does (the fewest flips), else the one with the least load; when
+    nearest split that does (the fewest flips), else the nearest within the margin of
+    the least load; when
     its attainment beats the current one's by the factor 1 + `margin` in every round
     for `hold_s` (a burst must last that long to be acted on), up to `max_step`
     instances move toward it per round, each round on while the gain holds;
@@ -192,13 +193,13 @@ class ElasticPolicy:
                            decodes_prefill, self.config.utilization)
 
         def target(lo: int, hi: int, around: float) -> tuple[int, Prediction]:
-            """The split nearest `around` that keeps the load, else the least loaded
-            (ties: the nearest: no flip without a gain)."""
+            """The split nearest `around` that keeps the load, else nearest within the
+            margin of the least load (an overloaded fleet's loads differ little across
+            splits: no run to an extreme for a noise-sized gain)."""
             options = [(p, score(p)) for p in range(lo, hi + 1)]
-            keeping = [o for o in options if o[1].load <= 1.0]
-            return min(keeping or options,
-                       key=lambda o: (0.0 if keeping else round(o[1].load, 6),
-                                      abs(o[0] - around)))
+            bound = max(1.0, min(o[1].load for o in options) * (1 + self.config.margin))
+            return min((o for o in options if o[1].load <= bound),
+                       key=lambda o: (abs(o[0] - around), o[1].load))
 
         if unassigned:
             return self._initial(views, unassigned, n, target)
