@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import math
 import time
@@ -49,15 +50,25 @@ class DemandWindow:
         self._samples.append((self.clock(), prompt_tokens, output_tokens))
 
     def snapshot(self) -> Demand:
+        """The whole window's demand, its last `RECENT_SHARE` in `recent`."""
         now = self.clock()
         while self._samples and self._samples[0][0] < now - self.window_s:
             self._samples.popleft()
-        n = len(self._samples)
-        if n == 0:
-            return Demand()
-        return Demand(rate=n / self.window_s,
-                      prompt_tokens=sum(s[1] for s in self._samples) / n,
-                      output_tokens=sum(s[2] for s in self._samples) / n, samples=n)
+        span = self.window_s * RECENT_SHARE
+        recent = _demand([s for s in self._samples if s[0] >= now - span], span)
+        return dataclasses.replace(_demand(self._samples, self.window_s), recent=recent)
+
+
+RECENT_SHARE = 0.5
+
+
+def _demand(samples: Sequence[tuple[float, int, int]], span_s: float) -> Demand:
+    n = len(samples)
+    if n == 0:
+        return Demand()
+    return Demand(rate=n / span_s, prompt_tokens=sum(s[1] for s in samples) / n,
+                  output_tokens=sum(s[2] for s in samples) / n, samples=n,
+                  prompt_sq_tokens=sum(s[1] * s[1] for s in samples) / n)
 
 
 class ElasticMetrics:

@@ -6,7 +6,8 @@ instances under the demand the master measured (arrival rate, mean prompt and ou
 tokens), from the instances' registered (and corrected) latency profiles, averaged:
   - each side's work in instances: prefill, the rate times one prompt's time; decode,
     the output tokens per second over what one decode delivers within the TPOT target
-    (the most streams whose step stays within it, over that step);
+    (the most streams whose step stays within it, over that step); each the larger of
+    the whole window's and its recent part's (a rising load is seen early);
   - each side's load: its work over its instances times the utilisation it can run at
     within its target (decode: `utilization`; prefill: also where the M/D/1 wait keeps
     TTFT within its target); the decodes' spare time counts at half as prompt servers
@@ -73,6 +74,10 @@ class Demand:
     prompt_tokens: float = 512.0    # mean
     output_tokens: float = 128.0    # mean (max_tokens asked)
     samples: int = 0
+    prompt_sq_tokens: float = 0.0   # mean of the squares (attention; 0: the mean's square)
+    # The last part of the window alone: each side is sized for the larger of the two,
+    # so a load that rises is acted on before the window has filled with it.
+    recent: "Demand | None" = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +123,33 @@ def _prefill_utilization(per_prompt_ms: float, ttft_target_ms: float, cap: float
     return min(cap, 2 * k / (1 + 2 * k))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    prefill: float          # instances busy computing the prompts, all the time
+    decode: float           # decodes running the streams at the TPOT target, all the time
+    per_prompt_ms: float
+
+
+def _work(profiles: Sequence[LatencyProfile], demand: Demand, tpot_target: float) -> _Work:
+    lp, lo = max(1, round(demand.prompt_tokens)), max(1.0, demand.output_tokens)
+    # A decode step costs a + c * b for b streams; the most streams whose step meets the
+    # TPOT target deliver b_max / (a + c * b_max) tokens per ms.
+    a, c = _step_cost(profiles, lp + lo / 2)
+    b_max = max(1.0, (tpot_target - a) / c) if tpot_target > 0 and c > 0 else 64.0
+    per_decode = b_max / (a + c * b_max)
+    # a prompt's attention grows with its square: the spread of lengths adds to the mean's
+    spread = max(0.0, demand.prompt_sq_tokens - lp * lp) / 2 / 1000
+    per_prompt = _mean(profiles, lambda p: p.prefill_ms(lp) + p.prefill_ms_per_kpair * spread)
+    return _Work(demand.rate * per_prompt / 1000, demand.rate * lo / 1000 / per_decode,
+                 per_prompt)
+
+
+def _step_cost(profiles: Sequence[LatencyProfile], ctx: float) -> tuple[float, float]:
+    """(a, c) of a decode step of b streams of `ctx` tokens of context: a + c * b ms."""
+    return (_mean(profiles, lambda p: p.decode_base_ms),
+            _mean(profiles, lambda p: p.decode_ms_per_seq + p.decode_ms_per_ctx_token * ctx))
+
+
 def predict(prefills: int, decodes: int, profiles: Sequence[LatencyProfile], demand: Demand,
             queued: int, streams: int, targets: tuple[float, float],
             decodes_prefill: bool = True, utilization: float = 0.85) -> Prediction:
@@ -128,27 +160,23 @@ def predict(prefills: int, decodes: int, profiles: Sequence[LatencyProfile], dem
     if prefills <= 0 or decodes <= 0 or not profiles:
         return Prediction(math.inf, math.inf, 0.0, math.inf)
     ttft_target, tpot_target = targets
-    lp, lo = max(1, round(demand.prompt_tokens)), max(1.0, demand.output_tokens)
-    ctx = lp + lo / 2
-    # A decode step costs a + c * b for b streams.
-    a = _mean(profiles, lambda p: p.decode_base_ms)
-    c = _mean(profiles, lambda p: p.decode_ms_per_seq + p.decode_ms_per_ctx_token * ctx)
-    # Decode capacity: the most streams whose step meets the TPOT target, in tokens per
-    # ms; the decodes' work, in instances, is the demand's tokens per ms over it.
-    b_max = max(1.0, (tpot_target - a) / c) if tpot_target > 0 and c > 0 else 64.0
-    per_decode = b_max / (a + c * b_max)
-    rho_d = demand.rate * lo / 1000 / per_decode / decodes
-    per_prompt = _mean(profiles, lambda p: p.prefill_ms(lp))
+    works = [_work(profiles, d, tpot_target) for d in (demand, demand.recent) if d is not None]
+    work = _Work(max(w.prefill for w in works), max(w.decode for w in works),
+                 max(w.per_prompt_ms for w in works))
+    rho_d = work.decode / decodes
     spare = max(0.0, 1.0 - rho_d / utilization)
     servers = prefills + (decodes * spare * DECODE_PROMPT_SHARE if decodes_prefill else 0.0)
-    rho_p = demand.rate * per_prompt / 1000 / servers
-    load = max(rho_p / _prefill_utilization(per_prompt, ttft_target, utilization),
+    rho_p = work.prefill / servers
+    load = max(rho_p / _prefill_utilization(work.per_prompt_ms, ttft_target, utilization),
                rho_d / utilization)
     # TTFT, TPOT (the log): the queue now shared over the servers, then the M/D/1 wait;
     # the streams per decode by Little's law at x tokens per ms each decode owes,
     # b = x * (a + c * b), or those running now where more.
+    per_prompt = works[0].per_prompt_ms
     wait = per_prompt * rho_p / (2 * max(1.0 - rho_p, 0.02))
     ttft = queued * per_prompt / servers + per_prompt + wait
+    lo = max(1.0, demand.output_tokens)
+    a, c = _step_cost(profiles, demand.prompt_tokens + lo / 2)
     x = demand.rate * lo / 1000 / decodes
     b = max(x * a / max(1.0 - x * c, 0.02), streams / decodes, 1.0)
     attainment = 1.0 if load <= 1.0 else 1.0 / load

@@ -178,3 +178,16 @@ def test_an_impossible_load_moves_toward_the_least_loaded_split():
     flood = Demand(rate=200.0, prompt_tokens=2048, output_tokens=16, samples=2000)
     views, _ = converge(ElasticPolicy(CONFIG), fleet(P, P, D, D), [flood], 10.0, 60.0)
     assert split_of(views) == (3, 1)
+
+
+def test_a_rising_load_is_sized_from_the_recent_part_of_the_window():
+    # the window still holds the prefill-heavy load; its last part is decode-heavy
+    mixed = dataclasses.replace(PREFILL_HEAVY, recent=dataclasses.replace(DECODE_HEAVY, rate=5.0))
+    alone = predict(3, 1, [PROFILE], PREFILL_HEAVY, 0, 0, TARGETS, False)
+    both = predict(3, 1, [PROFILE], mixed, 0, 0, TARGETS, False)
+    assert alone.load <= 1.0 < both.load
+    # the spread of prompt lengths costs attention on top of the mean's
+    profile = dataclasses.replace(PROFILE, prefill_ms_per_kpair=0.5)
+    spread = dataclasses.replace(PREFILL_HEAVY, prompt_sq_tokens=2 * 2048 ** 2)
+    assert (predict(3, 1, [profile], spread, 0, 0, TARGETS, False).load
+            > predict(3, 1, [profile], PREFILL_HEAVY, 0, 0, TARGETS, False).load)

@@ -94,6 +94,13 @@ def test_demand_window_and_role_seconds():
         window.add(100 + i, 16)
     d = window.snapshot()
     assert d.samples == 20 and d.rate == 2.0 and d.prompt_tokens == 109.5
+    assert d.prompt_sq_tokens == sum((100 + i) ** 2 for i in range(20)) / 20
+    # a load that rises: the last half window alone shows it
+    for i in range(30):
+        now[0] = 10.0 + i / 10
+        window.add(64, 512)
+    d = window.snapshot()
+    assert d.recent.rate > 1.5 * d.rate > 0 and d.recent.output_tokens > d.output_tokens + 50
     now[0] = 30.0
     assert window.snapshot().samples == 0
     etcd, clock = MemoryEtcd(), [0.0]
