@@ -106,8 +106,11 @@ class RoleAssigner:
                  stated_targets: Callable[[], tuple[float, float] | None],
                  policy: ElasticPolicy, metrics: ElasticMetrics,
                  clock: Callable[[], float] = time.monotonic,
-                 decodes_prefill: Callable[[], bool] = lambda: True) -> None:
-        """`decodes_prefill()`: the router sends prompts to decodes too (conditional)."""
+                 decodes_prefill: Callable[[], bool] = lambda: True,
+                 measured_scale: Callable[[str, str], float] = lambda name, what: 1.0) -> None:
+        """`decodes_prefill()`: the router sends prompts to decodes too (conditional);
+        `measured_scale(name, "ttft" | "tpot")`: the router's measured over predicted
+        times of an instance (its profile corrected by them)."""
         self.etcd = etcd
         self.instances = instances
         self.is_master = is_master
@@ -117,6 +120,7 @@ class RoleAssigner:
         self.metrics = metrics
         self.clock = clock
         self.decodes_prefill = decodes_prefill
+        self.measured_scale = measured_scale
         self.assignments: dict[str, RoleAssignment] = {}
         self.last_flip_s: dict[str, float] = {}
         self._in_office = False
@@ -165,7 +169,9 @@ class RoleAssigner:
                 info.name, role, meta.elastic, profile, info.load.waiting, info.load.running,
                 age_s=now - info.registered_s,
                 pinned=assignment is not None and assignment.pinned, pending=pending,
-                last_flip_s=self.last_flip_s.get(info.name, -math.inf)))
+                last_flip_s=self.last_flip_s.get(info.name, -math.inf),
+                ttft_scale=self.measured_scale(info.name, "ttft"),
+                tpot_scale=self.measured_scale(info.name, "tpot")))
         return out
 
     async def round(self) -> list[Flip]:

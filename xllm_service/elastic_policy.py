@@ -3,7 +3,8 @@ no etcd, no clock; every call takes `now`, so the unit tests drive it with a fak
 
 The prediction (`predict`), for a split of P prefill-capable and D decode-capable
 instances under the demand the master measured (arrival rate, mean prompt and output
-tokens), from the instances' registered (and corrected) latency profiles, averaged:
+tokens), from the instances' registered latency profiles corrected by the router's
+measured over predicted times (at most SCALE_MAX either way), averaged:
   - each side's work in instances: prefill, the rate times one prompt's time; decode,
     the output tokens per second over what one decode delivers within the TPOT target
     (the most streams whose step stays within it, over that step); each the larger of
@@ -24,9 +25,9 @@ The decision (`decide`), one round:
   - otherwise, while the current split keeps the load (load <= 1), nothing moves
     (hysteresis: a stable load does not flap). When it does not, the target is the
     nearest split that does (the fewest flips), else the nearest within the margin of
-    the least load; when
-    its attainment beats the current one's by the factor 1 + `margin` in every round
-    for `hold_s` (a burst must last that long to be acted on), up to `max_step`
+    the least load; when its attainment beats the current one's by the factor
+    1 + `margin` in every round for `hold_s` over the current load (a burst must last
+    that long to be acted on; the larger the overload, the shorter), up to `max_step`
     instances move toward it per round, each round on while the gain holds;
   - never: an instance without a profile (its costs are unknown), a pinned one, one
     whose last assignment it has not acknowledged yet, one flipped less than
@@ -47,6 +48,7 @@ from xllm_py.config import InstanceRole
 from xllm_service.config import ElasticConfig
 
 P, D, M = InstanceRole.PREFILL, InstanceRole.DECODE, InstanceRole.MIX
+SCALE_MAX = 3.0  # the most a measured correction scales a profile, either way
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,23 @@ class InstanceView:
     pinned: bool = False
     pending: bool = False       # assigned, not acknowledged yet
     last_flip_s: float = -math.inf
+    ttft_scale: float = 1.0     # measured over predicted prompt times (the router's)
+    tpot_scale: float = 1.0     # ... decode steps
+
+    @property
+    def corrected(self) -> LatencyProfile | None:
+        """The profile with its prompt and step costs scaled by what was measured
+        (bounded: one slow request does not resize the fleet)."""
+        if self.profile is None:
+            return None
+        t = min(SCALE_MAX, max(1 / SCALE_MAX, self.ttft_scale))
+        d = min(SCALE_MAX, max(1 / SCALE_MAX, self.tpot_scale))
+        p = self.profile
+        return dataclasses.replace(
+            p, prefill_base_ms=p.prefill_base_ms * t, prefill_ms_per_token=p.prefill_ms_per_token * t,
+            prefill_ms_per_kpair=p.prefill_ms_per_kpair * t, decode_base_ms=p.decode_base_ms * d,
+            decode_ms_per_seq=p.decode_ms_per_seq * d,
+            decode_ms_per_ctx_token=p.decode_ms_per_ctx_token * d)
 
     @property
     def movable(self) -> bool:
@@ -203,8 +222,8 @@ class ElasticPolicy:
                decodes_prefill: bool = True) -> list[Flip]:
         """The flips of one round at `now`; `decodes_prefill`: the router sends prompts to
         decodes too (predict)."""
-        profiles = [v.profile for v in views if v.profile is not None and v.role in (P, D)]
-        profiles = profiles or [v.profile for v in views if v.profile is not None]
+        profiles = [v.corrected for v in views if v.profile is not None and v.role in (P, D)]
+        profiles = profiles or [v.corrected for v in views if v.profile is not None]
         if not profiles:
             return []
         targets = self.targets(views, stated)
@@ -247,8 +266,10 @@ class ElasticPolicy:
         sign = 1 if target_p > cur_p else -1
         if self._better_since is None or self._better_since[0] != sign:
             self._better_since = (sign, now)
-        # (held once: the rounds after keep moving while the gain holds)
-        if now - self._better_since[1] < self.config.hold_s:
+        # Held once (the rounds after keep moving while the gain holds), for less the
+        # larger the overload: a load twice what the split serves is no noise, and each
+        # second of it leaves streams that miss their TPOT to the end.
+        if now - self._better_since[1] < self.config.hold_s / max(1.0, current.load):
             return []
         old, new = (D, P) if sign > 0 else (P, D)
         ready = sorted((v for v in movable if v.role is old and not v.pending

@@ -3,6 +3,7 @@ hysteresis, dwell, cold start, the one-of-each floor, and what it never moves.""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.config import InstanceRole
@@ -153,8 +154,9 @@ def test_the_split_follows_the_demand_in_bounded_steps_and_then_holds():
         between = range(6, prefills) if prefills > 6 else range(prefills + 1, 7)
         assert all(predict(p, 12 - p, [PROFILE], demand, 0, 0, TARGETS, False).load > 1.0
                    for p in between)
-        # held once (hold_s), then up to max_step a round, in consecutive rounds
-        assert moves[0][0] == 10.0 + config.hold_s
+        # held once (hold_s over the load), then up to max_step a round, each round
+        load = predict(6, 6, [PROFILE], demand, 0, 0, TARGETS, False).load
+        assert load > 1.0 and moves[0][0] == 10.0 + math.ceil(config.hold_s / load)
         assert all(n <= config.max_step for _, n in moves)
         assert [t for t, _ in moves] == [moves[0][0] + i for i in range(len(moves))]
         # a stable load, its rate jittering by 8%: no flip at all
@@ -191,3 +193,15 @@ def test_a_rising_load_is_sized_from_the_recent_part_of_the_window():
     spread = dataclasses.replace(PREFILL_HEAVY, prompt_sq_tokens=2 * 2048 ** 2)
     assert (predict(3, 1, [profile], spread, 0, 0, TARGETS, False).load
             > predict(3, 1, [profile], PREFILL_HEAVY, 0, 0, TARGETS, False).load)
+
+
+def test_measured_times_correct_the_profiles():
+    # a decode measured twice as slow as its profile holds half the streams: the same
+    # demand needs more decodes
+    demand = Demand(rate=7.0, prompt_tokens=64, output_tokens=512, samples=70)
+    fast, _ = converge(ElasticPolicy(CONFIG), fleet(*[P] * 4, *[D] * 4), [demand], 10.0, 60.0)
+    slow, _ = converge(ElasticPolicy(CONFIG), fleet(*[P] * 4, *[D] * 4, tpot_scale=2.0),
+                       [demand], 10.0, 60.0)
+    assert split_of(fast)[1] < split_of(slow)[1]
+    # a correction is bounded: one slow request does not resize the fleet
+    assert view("x", D, tpot_scale=1000.0).corrected.decode_base_ms == 3 * PROFILE.decode_base_ms
