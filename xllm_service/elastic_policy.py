@@ -77,7 +77,8 @@ class InstanceView:
         d = min(SCALE_MAX, max(1 / SCALE_MAX, self.tpot_scale))
         p = self.profile
         return dataclasses.replace(
-            p, prefill_base_ms=p.prefill_base_ms * t, prefill_ms_per_token=p.prefill_ms_per_token * t,
+            p, prefill_base_ms=p.prefill_base_ms * t,
+            prefill_ms_per_token=p.prefill_ms_per_token * t,
             prefill_ms_per_kpair=p.prefill_ms_per_kpair * t, decode_base_ms=p.decode_base_ms * d,
             decode_ms_per_seq=p.decode_ms_per_seq * d,
             decode_ms_per_ctx_token=p.decode_ms_per_ctx_token * d)

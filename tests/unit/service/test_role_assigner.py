@@ -114,3 +114,13 @@ def test_demand_window_and_role_seconds():
     assert a.metrics.role_seconds == {"PREFILL": 2.0, "DECODE": 2.0}
     text = "".join(str(m) for m in a.metrics.collect())
     assert "xllm_service_role_flips" in text
+
+
+def test_views_carry_the_routers_measured_correction():
+    a = RoleAssigner(MemoryEtcd(), lambda: [info("a", "DECODE", 1)], lambda: True,
+                     DemandWindow(), lambda: (500.0, 50.0), ElasticPolicy(ElasticConfig()),
+                     ElasticMetrics(),
+                     measured_scale=lambda name, what: 2.0 if what == "tpot" else 1.5)
+    [v] = a.views(0.0)
+    assert (v.ttft_scale, v.tpot_scale) == (1.5, 2.0)
+    assert v.corrected.decode_base_ms == 2 * PROFILE.decode_base_ms
