@@ -35,6 +35,9 @@ from xllm_service.instance_table import InstanceInfo
 logger = logging.getLogger(__name__)
 
 DIRECTIONS = ("decode_to_prefill", "prefill_to_decode")
+# The part of the demand window also reported alone (`Demand.recent`): a load that rises
+# shows there first.
+RECENT_SHARE = 0.5
 
 
 class DemandWindow:
@@ -57,9 +60,6 @@ class DemandWindow:
         span = self.window_s * RECENT_SHARE
         recent = _demand([s for s in self._samples if s[0] >= now - span], span)
         return dataclasses.replace(_demand(self._samples, self.window_s), recent=recent)
-
-
-RECENT_SHARE = 0.5
 
 
 def _demand(samples: Sequence[tuple[float, int, int]], span_s: float) -> Demand:
