@@ -32,7 +32,8 @@ The decision (`decide`), one round:
   - never: an instance without a profile (its costs are unknown), a pinned one, one
     whose last assignment it has not acknowledged yet, one flipped less than
     `min_dwell_s` ago, one registered less than `warmup_s` ago; nor below one
-    prefill-capable and one decode-capable instance; nor on a demand of fewer than
+    prefill-capable and one decode-capable instance, nor below `min_share` of the fleet
+    on a side (a reserve for the next turn of the load); nor on a demand of fewer than
     `min_samples` requests, or measured in the first `warmup_s` after the policy
     started (cold-start samples: a new master, instances just up).
 """
@@ -256,7 +257,10 @@ class ElasticPolicy:
         if cur_p + cur_d != n or cur_p == 0 or cur_d == 0:
             return []
         current = score(cur_p)
-        lo, hi = max(1, fixed_p), n - max(1, fixed_d)
+        floor = max(1, int(n * self.config.min_share))
+        lo, hi = max(floor, fixed_p), n - max(floor, fixed_d)
+        if hi < lo:  # (the fixed instances leave no room for the reserve)
+            lo, hi = max(1, fixed_p), n - max(1, fixed_d)
         target_p, predicted = (cur_p, current) if current.load <= 1.0 else target(lo, hi, cur_p)
         self.last = (current, predicted)
         if (target_p == cur_p or not self._gains(current, predicted)
@@ -296,8 +300,10 @@ class ElasticPolicy:
         serve, choose the split predicted best for the rest."""
         assigned_p = sum(1 for v in views if v.role is P)
         assigned_d = sum(1 for v in views if v.role is D)
-        lo = max(1, assigned_p)
-        hi = n - max(1, assigned_d)
+        floor = max(1, int(n * self.config.min_share))
+        lo, hi = max(floor, assigned_p), n - max(floor, assigned_d)
+        if hi < lo:
+            lo, hi = max(1, assigned_p), n - max(1, assigned_d)
         if hi < lo:
             return []
         target_p, predicted = target(lo, hi, n / 2)

@@ -205,3 +205,15 @@ def test_measured_times_correct_the_profiles():
     assert split_of(fast)[1] < split_of(slow)[1]
     # a correction is bounded: one slow request does not resize the fleet
     assert view("x", D, tpot_scale=1000.0).corrected.decode_base_ms == 3 * PROFILE.decode_base_ms
+
+
+def test_each_side_keeps_a_reserve_share_of_the_fleet():
+    # a prefill flood on 8 instances: as many prefills as the reserve of 2 decodes allows
+    flood = Demand(rate=200.0, prompt_tokens=2048, output_tokens=16, samples=2000)
+    views, _ = converge(ElasticPolicy(CONFIG), fleet(*[P] * 4, *[D] * 4), [flood], 10.0, 60.0)
+    assert split_of(views) == (6, 2)
+    # fixed decodes that leave no room for the reserve: the elastic ones may still move
+    views = [view("e", D), view("p", P, elastic=False)] + [
+        view(f"d{i}", D, elastic=False) for i in range(6)]
+    _, flips = run(ElasticPolicy(CONFIG), views, flood, 10.0, 60.0)
+    assert [(f.name, f.new) for f in flips] == [("e", P)]
