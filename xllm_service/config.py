@@ -100,7 +100,12 @@ class ElasticConfig:
     min_dwell_s: float = 30.0    # between two flips of one instance
     warmup_s: float = 5.0        # an instance this young, a master this new: no evidence
     min_samples: int = 20        # requests in the demand window before a flip
-    max_step: int = 2            # instances moved in one decision
+    max_step: int = 4            # instances moved in one round
+    utilization: float = 0.85    # of a side's capacity within its target, what it plans on
+    # Of the fleet, the least share on each side: when the load turns, what arrives before
+    # the split follows lands there, and a flood on a few decodes leaves streams that
+    # miss TPOT to their end (they cannot move).
+    min_share: float = 0.25
     window_s: float = 10.0       # the demand window
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import math
 import time
@@ -34,6 +35,9 @@ from xllm_service.instance_table import InstanceInfo
 logger = logging.getLogger(__name__)
 
 DIRECTIONS = ("decode_to_prefill", "prefill_to_decode")
+# The part of the demand window also reported alone (`Demand.recent`): a load that rises
+# shows there first.
+RECENT_SHARE = 0.5
 
 
 class DemandWindow:
@@ -49,15 +53,22 @@ class DemandWindow:
         self._samples.append((self.clock(), prompt_tokens, output_tokens))
 
     def snapshot(self) -> Demand:
+        """The whole window's demand, its last `RECENT_SHARE` in `recent`."""
         now = self.clock()
         while self._samples and self._samples[0][0] < now - self.window_s:
             self._samples.popleft()
-        n = len(self._samples)
-        if n == 0:
-            return Demand()
-        return Demand(rate=n / self.window_s,
-                      prompt_tokens=sum(s[1] for s in self._samples) / n,
-                      output_tokens=sum(s[2] for s in self._samples) / n, samples=n)
+        span = self.window_s * RECENT_SHARE
+        recent = _demand([s for s in self._samples if s[0] >= now - span], span)
+        return dataclasses.replace(_demand(self._samples, self.window_s), recent=recent)
+
+
+def _demand(samples: Sequence[tuple[float, int, int]], span_s: float) -> Demand:
+    n = len(samples)
+    if n == 0:
+        return Demand()
+    return Demand(rate=n / span_s, prompt_tokens=sum(s[1] for s in samples) / n,
+                  output_tokens=sum(s[2] for s in samples) / n, samples=n,
+                  prompt_sq_tokens=sum(s[1] * s[1] for s in samples) / n)
 
 
 class ElasticMetrics:
@@ -95,8 +106,11 @@ class RoleAssigner:
                  stated_targets: Callable[[], tuple[float, float] | None],
                  policy: ElasticPolicy, metrics: ElasticMetrics,
                  clock: Callable[[], float] = time.monotonic,
-                 decodes_prefill: Callable[[], bool] = lambda: True) -> None:
-        """`decodes_prefill()`: the router sends prompts to decodes too (conditional)."""
+                 decodes_prefill: Callable[[], bool] = lambda: True,
+                 measured_scale: Callable[[str, str], float] = lambda name, what: 1.0) -> None:
+        """`decodes_prefill()`: the router sends prompts to decodes too (conditional);
+        `measured_scale(name, "ttft" | "tpot")`: the router's measured over predicted
+        times of an instance (its profile corrected by them)."""
         self.etcd = etcd
         self.instances = instances
         self.is_master = is_master
@@ -106,6 +120,7 @@ class RoleAssigner:
         self.metrics = metrics
         self.clock = clock
         self.decodes_prefill = decodes_prefill
+        self.measured_scale = measured_scale
         self.assignments: dict[str, RoleAssignment] = {}
         self.last_flip_s: dict[str, float] = {}
         self._in_office = False
@@ -154,7 +169,9 @@ class RoleAssigner:
                 info.name, role, meta.elastic, profile, info.load.waiting, info.load.running,
                 age_s=now - info.registered_s,
                 pinned=assignment is not None and assignment.pinned, pending=pending,
-                last_flip_s=self.last_flip_s.get(info.name, -math.inf)))
+                last_flip_s=self.last_flip_s.get(info.name, -math.inf),
+                ttft_scale=self.measured_scale(info.name, "ttft"),
+                tpot_scale=self.measured_scale(info.name, "tpot")))
         return out
 
     async def round(self) -> list[Flip]:

@@ -235,6 +235,11 @@ class Router:
         prefills, decodes, _ = self._candidates(())
         return self.slo.stated(prefills, decodes)
 
+    def measured_scale(self, name: str, what: str) -> float:
+        """SLO_AWARE: measured over predicted `what` ("ttft" or "tpot") on instance `name`
+        (a moving average; 1.0: no measurement, or no SLO routing)."""
+        return self.slo.predictor.scale(name, what) if self.slo is not None else 1.0
+
     def observe(self, route: Route, ttft_ms: float | None, tpot_ms: float | None) -> None:
         """A request's measured TTFT/TPOT (SLO_AWARE corrects its predictions by them)."""
         if self.slo is not None and route.predicted is not None:

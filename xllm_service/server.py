@@ -87,7 +87,8 @@ async def run_service(config: ServiceConfig) -> None:
         metrics.registry.register(elastic_metrics)
         assigner = RoleAssigner(etcd, registry.all, lambda: election.is_master, demand,
                                 router.stated_targets, ElasticPolicy(config.elastic),
-                                elastic_metrics, decodes_prefill=lambda: router.conditional)
+                                elastic_metrics, decodes_prefill=lambda: router.conditional,
+                                measured_scale=router.measured_scale)
         elastic_task = asyncio.create_task(assigner.run(config.elastic.interval_s))
 
     app = build_app(backend, served_model_name=config.model_name,

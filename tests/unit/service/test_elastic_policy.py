@@ -3,6 +3,7 @@ hysteresis, dwell, cold start, the one-of-each floor, and what it never moves.""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.config import InstanceRole
@@ -112,4 +113,107 @@ def test_never_below_one_prefill_and_one_decode():
     # a fixed decode counts as the decode: the elastic one may turn prefill
     views = [view("e", D), view("p", P, elastic=False), view("d", D, elastic=False)]
     _, flips = run(ElasticPolicy(CONFIG), views, PREFILL_HEAVY, 10.0, 60.0)
+    assert [(f.name, f.new) for f in flips] == [("e", P)]
+
+
+def converge(policy: ElasticPolicy, views: list[InstanceView], demands, t0: float,
+             t1: float) -> tuple[list[InstanceView], list[tuple[float, int]]]:
+    """Rounds each second from t0 to t1 (the demand of round k: demands[k % len]), every
+    flip acknowledged at once; the views at the end and (time, flips) of each round
+    that flipped."""
+    moves, t, k = [], t0, 0
+    while t <= t1:
+        flips = policy.decide(t, views, demands[k % len(demands)], TARGETS,
+                              decodes_prefill=False)
+        new = {f.name: f.new for f in flips}
+        views = [dataclasses.replace(v, role=new[v.name], last_flip_s=t) if v.name in new
+                 else v for v in views]
+        if flips:
+            moves.append((t, len(flips)))
+        t, k = t + 1.0, k + 1
+    return views, moves
+
+
+def split_of(views) -> tuple[int, int]:
+    return sum(v.role is P for v in views), sum(v.role is D for v in views)
+
+
+def test_the_split_follows_the_demand_in_bounded_steps_and_then_holds():
+    config = dataclasses.replace(CONFIG, max_step=2, min_dwell_s=10.0)
+    prefill_heavy = Demand(rate=30.0, prompt_tokens=2048, output_tokens=16, samples=300)
+    decode_heavy = Demand(rate=14.0, prompt_tokens=64, output_tokens=512, samples=140)
+    ends = {}
+    for name, demand in (("prefill", prefill_heavy), ("decode", decode_heavy)):
+        policy = ElasticPolicy(config)
+        views, moves = converge(policy, fleet(*[P] * 6, *[D] * 6), [demand], 10.0, 120.0)
+        prefills, decodes = split_of(views)
+        ends[name] = prefills
+        # the split it reached keeps the load, and it is the nearest such split
+        now = predict(prefills, decodes, [PROFILE], demand, 0, 0, TARGETS, False)
+        assert now.load <= 1.0
+        between = range(6, prefills) if prefills > 6 else range(prefills + 1, 7)
+        assert all(predict(p, 12 - p, [PROFILE], demand, 0, 0, TARGETS, False).load > 1.0
+                   for p in between)
+        # held once (hold_s over the load), then up to max_step a round, each round
+        load = predict(6, 6, [PROFILE], demand, 0, 0, TARGETS, False).load
+        assert load > 1.0 and moves[0][0] == 10.0 + math.ceil(config.hold_s / load)
+        assert all(n <= config.max_step for _, n in moves)
+        assert [t for t, _ in moves] == [moves[0][0] + i for i in range(len(moves))]
+        # a stable load, its rate jittering by 8%: no flip at all
+        jitter = [dataclasses.replace(demand, rate=demand.rate * f) for f in (0.92, 1.08)]
+        assert converge(policy, views, jitter, 121.0, 400.0)[1] == []
+    assert ends["prefill"] >= 9 > 3 >= ends["decode"]
+
+
+def test_a_split_that_keeps_the_load_is_not_moved_for_a_better_one():
+    # 4P4D keeps a light prefill-heavy load; 6P2D would be less loaded still
+    light = Demand(rate=10.0, prompt_tokens=2048, output_tokens=16, samples=100)
+    assert predict(4, 4, [PROFILE], light, 0, 0, TARGETS, False).load <= 1.0
+    assert (predict(6, 2, [PROFILE], light, 0, 0, TARGETS, False).load
+            < predict(4, 4, [PROFILE], light, 0, 0, TARGETS, False).load)
+    views = fleet(P, P, P, P, D, D, D, D)
+    assert run(ElasticPolicy(CONFIG), views, light, 10.0, 100.0)[1] == []
+
+
+def test_an_impossible_load_moves_toward_the_least_loaded_split():
+    # more prefill work than the whole fleet serves: as many prefills as it may have
+    flood = Demand(rate=200.0, prompt_tokens=2048, output_tokens=16, samples=2000)
+    views, _ = converge(ElasticPolicy(CONFIG), fleet(P, P, D, D), [flood], 10.0, 60.0)
+    assert split_of(views) == (3, 1)
+
+
+def test_a_rising_load_is_sized_from_the_recent_part_of_the_window():
+    # the window still holds the prefill-heavy load; its last part is decode-heavy
+    mixed = dataclasses.replace(PREFILL_HEAVY, recent=dataclasses.replace(DECODE_HEAVY, rate=5.0))
+    alone = predict(3, 1, [PROFILE], PREFILL_HEAVY, 0, 0, TARGETS, False)
+    both = predict(3, 1, [PROFILE], mixed, 0, 0, TARGETS, False)
+    assert alone.load <= 1.0 < both.load
+    # the spread of prompt lengths costs attention on top of the mean's
+    profile = dataclasses.replace(PROFILE, prefill_ms_per_kpair=0.5)
+    spread = dataclasses.replace(PREFILL_HEAVY, prompt_sq_tokens=2 * 2048 ** 2)
+    assert (predict(3, 1, [profile], spread, 0, 0, TARGETS, False).load
+            > predict(3, 1, [profile], PREFILL_HEAVY, 0, 0, TARGETS, False).load)
+
+
+def test_measured_times_correct_the_profiles():
+    # a decode measured twice as slow as its profile holds half the streams: the same
+    # demand needs more decodes
+    demand = Demand(rate=7.0, prompt_tokens=64, output_tokens=512, samples=70)
+    fast, _ = converge(ElasticPolicy(CONFIG), fleet(*[P] * 4, *[D] * 4), [demand], 10.0, 60.0)
+    slow, _ = converge(ElasticPolicy(CONFIG), fleet(*[P] * 4, *[D] * 4, tpot_scale=2.0),
+                       [demand], 10.0, 60.0)
+    assert split_of(fast)[1] < split_of(slow)[1]
+    # a correction is bounded: one slow request does not resize the fleet
+    assert view("x", D, tpot_scale=1000.0).corrected.decode_base_ms == 3 * PROFILE.decode_base_ms
+
+
+def test_each_side_keeps_a_reserve_share_of_the_fleet():
+    # a prefill flood on 8 instances: as many prefills as the reserve of 2 decodes allows
+    flood = Demand(rate=200.0, prompt_tokens=2048, output_tokens=16, samples=2000)
+    views, _ = converge(ElasticPolicy(CONFIG), fleet(*[P] * 4, *[D] * 4), [flood], 10.0, 60.0)
+    assert split_of(views) == (6, 2)
+    # fixed decodes that leave no room for the reserve: the elastic ones may still move
+    views = [view("e", D), view("p", P, elastic=False)] + [
+        view(f"d{i}", D, elastic=False) for i in range(6)]
+    _, flips = run(ElasticPolicy(CONFIG), views, flood, 10.0, 60.0)
     assert [(f.name, f.new) for f in flips] == [("e", P)]

@@ -94,6 +94,13 @@ def test_demand_window_and_role_seconds():
         window.add(100 + i, 16)
     d = window.snapshot()
     assert d.samples == 20 and d.rate == 2.0 and d.prompt_tokens == 109.5
+    assert d.prompt_sq_tokens == sum((100 + i) ** 2 for i in range(20)) / 20
+    # a load that rises: the last half window alone shows it
+    for i in range(30):
+        now[0] = 10.0 + i / 10
+        window.add(64, 512)
+    d = window.snapshot()
+    assert d.recent.rate > 1.5 * d.rate > 0 and d.recent.output_tokens > d.output_tokens + 50
     now[0] = 30.0
     assert window.snapshot().samples == 0
     etcd, clock = MemoryEtcd(), [0.0]
@@ -107,3 +114,13 @@ def test_demand_window_and_role_seconds():
     assert a.metrics.role_seconds == {"PREFILL": 2.0, "DECODE": 2.0}
     text = "".join(str(m) for m in a.metrics.collect())
     assert "xllm_service_role_flips" in text
+
+
+def test_views_carry_the_routers_measured_correction():
+    a = RoleAssigner(MemoryEtcd(), lambda: [info("a", "DECODE", 1)], lambda: True,
+                     DemandWindow(), lambda: (500.0, 50.0), ElasticPolicy(ElasticConfig()),
+                     ElasticMetrics(),
+                     measured_scale=lambda name, what: 2.0 if what == "tpot" else 1.5)
+    [v] = a.views(0.0)
+    assert (v.ttft_scale, v.tpot_scale) == (1.5, 2.0)
+    assert v.corrected.decode_base_ms == 2 * PROFILE.decode_base_ms
