@@ -176,6 +176,7 @@ def _row(runs: dict[str, list[dict]]) -> dict:
         pairs = [s[key] / max(b[key], 1e-9) for b, s in zip(runs["bulk"], runs["stream"])]
         row[f"{name}_ratio"] = row["stream"][key] / max(row["bulk"][key], 1e-9)
         row[f"{name}_ratio_range"] = [min(pairs), max(pairs)]
+        row[f"{name}_ratio_rounds"] = pairs
     return row
 
 

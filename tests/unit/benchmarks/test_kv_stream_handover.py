@@ -19,6 +19,7 @@ def test_ratios_are_of_the_medians_and_the_spread_of_each_rounds_pair():
     assert row["ttft_ratio"] == pytest.approx(150 / 200)
     assert row["handover_ratio_range"] == pytest.approx([0.1, 0.5])   # 20/200, 50/100
     assert row["ttft_ratio_range"] == pytest.approx([0.5, 2.0])       # 150/300, 400/200
+    assert row["ttft_ratio_rounds"] == pytest.approx([1.0, 0.5, 2.0])
     assert "0.20x, rounds 0.10-0.50" in _line("200 Mbit/s", 1024, row)
 
 
