@@ -18,7 +18,7 @@ import time
 
 import httpx
 
-from tests.integration.netns_lab import NetLab
+from benchmarks.netns_lab import NetLab
 from xllm_py.utils.config_file import write_settings
 from xllm_py.utils.procs import ChildProcess
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.integration.netns_cluster import GRACE_S, TTL_S, Load, NetCluster, prompts
-from tests.integration.netns_lab import NetLab, unavailable_reason
+from benchmarks.netns_lab import NetLab, unavailable_reason
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(unavailable_reason() is not None,

@@ -52,23 +52,46 @@ _BULK = 256 << 10  # payloads above this move in a worker thread with a blocking
 
 
 def _blocking_recv_into(sock: socket.socket, mv: memoryview, timeout: float) -> None:
-    sock.settimeout(timeout)
+    # MSG_WAITALL on a blocking socket: one system call for the whole payload, not one
+    # GIL hand-off per arriving piece (see _blocking_sendall); SO_RCVTIMEO bounds a wait
+    # without data.
+    sock.setblocking(True)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
     try:
         while len(mv):
-            n = sock.recv_into(mv)
+            try:
+                n = sock.recv_into(mv, 0, socket.MSG_WAITALL)
+            except BlockingIOError as exc:  # (SO_RCVTIMEO ran out with nothing received)
+                raise TimeoutError(f"tcp: nothing received in {timeout:.1f} s") from exc
             if n == 0:
                 raise ConnectionError("peer closed the connection")
             mv = mv[n:]
     finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))
         sock.setblocking(False)
 
 
 def _blocking_sendall(sock: socket.socket, mv: memoryview, timeout: float) -> None:
-    sock.settimeout(timeout)
+    # A blocking send() waits in the kernel until the socket buffer took all of ``mv``: one
+    # system call for the whole payload. With a Python timeout instead, sendall polls and
+    # sends whatever fits each time the buffer drains: on a slow link hundreds of wake-ups a
+    # push, each taking the GIL from the engine's compute thread (a streamed push runs
+    # while the prompt's next chunk computes). SO_SNDTIMEO bounds a send without progress.
+    sock.setblocking(True)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
     try:
         sock.sendall(mv)
+    except BlockingIOError as exc:  # (SO_SNDTIMEO ran out with nothing sent)
+        raise TimeoutError(f"tcp: no send progress in {timeout:.1f} s") from exc
     finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))
         sock.setblocking(False)
+
+
+def _timeval(seconds: float) -> bytes:
+    """A struct timeval for SO_SNDTIMEO / SO_RCVTIMEO (0: no limit)."""
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))
 
 
 async def bulk_recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, mv: memoryview,

@@ -1,5 +1,7 @@
 """Hosts of our own on this machine: network namespaces joined by bridges, with links that
-can be cut or slowed (../shared/reference/NETWORK.md).
+can be cut or slowed (../shared/reference/NETWORK.md). The fault tests
+(tests/integration/test_netns_faults.py) and the throttled KV hand-over bench
+(kv_stream_handover.py --rate-mbit) build their hosts with it.
 
 Topology (one per test module, names unique to this run so leftovers cannot collide):
 
@@ -161,13 +163,16 @@ class NetLab:
         # the default route went with the link
         _run("ip", "-n", ns, "route", "replace", "default", "via", self.addr(subnet, 1))
 
-    def slow(self, host: str, rate: str = "4mbit") -> None:
-        """A token bucket on the host's egress (what it sends: a PULL prefill's KV)."""
-        _run("ip", "netns", "exec", self.ns(host), "tc", "qdisc", "replace", "dev", "eth0",
-             "root", "tbf", "rate", rate, "burst", "16kb", "latency", "400ms")
+    def slow(self, host: str, rate: str = "4mbit", burst: str = "16kb",
+             dev: str = "eth0") -> None:
+        """A token bucket on the host's egress (what it sends: a prefill's KV, pushed or
+        pulled; ``dev`` "eth1" of ctl: whatever it forwards into subnet B). A fast rate
+        needs a bigger ``burst`` to reach it (the bucket refills once per wake-up)."""
+        _run("ip", "netns", "exec", self.ns(host), "tc", "qdisc", "replace", "dev", dev,
+             "root", "tbf", "rate", rate, "burst", burst, "latency", "400ms")
 
-    def unslow(self, host: str) -> None:
-        _run("ip", "netns", "exec", self.ns(host), "tc", "qdisc", "del", "dev", "eth0", "root",
+    def unslow(self, host: str, dev: str = "eth0") -> None:
+        _run("ip", "netns", "exec", self.ns(host), "tc", "qdisc", "del", "dev", dev, "root",
              check=False)
 
     def partition(self, on: bool = True) -> None:
