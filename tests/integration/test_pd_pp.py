@@ -149,11 +149,13 @@ def test_a_pp2_prefill_streams_finished_chunks(etcd_server, tmp_path):
 
 def _check_pair(h: Harness, mode: str, backend: str, cases, block_bytes: int,
                 model_dir: str | None, model: str, p_side: tuple[list[str], dict],
-                d_side: tuple[list[str], dict], windows: tuple[int, ...] = (0,)) -> tuple:
+                d_side: tuple[list[str], dict], windows: tuple[int, ...] = (0,),
+                record: list | None = None) -> tuple:
     """A service, a PREFILL and a DECODE (``model_dir`` None: the default model; each side's
     flags and settings): the greedy tokens of ``cases``, the bytes moved, the pools
     emptied (module doc); -> (prefill, decode), stopped. ``windows``: the model's KV
-    groups' (a sliding group hands over the blocks of its window only)."""
+    groups' (a sliding group hands over the blocks of its window only). ``record``: gets
+    (blocks handed, bytes moved per rank) appended once every check passed."""
     p_flags, d_flags = p_side[0], d_side[0]
     chosen = ["--model", model_dir] if model_dir else []
     common = [*chosen, "--block-size", str(BLOCK), "--num-blocks", "64",
@@ -190,6 +192,8 @@ def _check_pair(h: Harness, mode: str, backend: str, cases, block_bytes: int,
             assert len(paths) >= len(cases) and set(paths) == {"mapped"}
         for e in (prefill, decode):
             assert metric(e.http_url, "xllm_kv_cache_blocks_used") == 0
+        if record is not None:
+            record.append((blocks, moved))
         return prefill, decode
     finally:
         h.stop()
