@@ -11,7 +11,7 @@ is sent from one replica), every pool ends empty (``_check_pair``). A prefill of
 The whole matrix is marked ``matrix`` (skipped unless ``-m`` names it, tests/conftest.py);
 two pairings no other file covers run in the default suite. The whole run, with the bytes
 table printed at the end (and written to pd_matrix_bytes.md under pytest's base temp):
-    scripts/test.sh -m "integration or matrix" tests/integration/test_pd_matrix.py -s
+  scripts/test.sh -m "integration or matrix" tests/integration/test_pd_matrix.py -s
 """
 from __future__ import annotations
 
@@ -91,8 +91,8 @@ def test_pd_matrix(request, table, etcd_server, tmp_path, model, p, d, mode):
     row = f"| {ref['name']} | {p} | {d} | {mode} |"
     try:
         _check_pair(h, mode, "tcp", ref["cases"], copies * ref["block_bytes"],
-                    ref["model_dir"], ref["model"], _side(PREFILLS[p], model), _side(DECODES[d], model),
-                    windows=ref["windows"], record=record)
+                    ref["model_dir"], ref["model"], _side(PREFILLS[p], model),
+                    _side(DECODES[d], model), windows=ref["windows"], record=record)
     except BaseException as e:
         first = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
         table.append(f"{row} | | | | | FAILED: {first.replace('|', '/')} |")
