@@ -7,7 +7,7 @@ side's ranks count on /metrics exactly the handed blocks x the model's whole blo
 x the decode's copies of a KV head (gemma-3-270m's one head at decode TP 2: 2, else 1):
 one figure per model and decode copy whatever the layouts (a head the prefill replicates
 is sent from one replica), every pool ends empty (``_check_pair``). An engine of TP x PP
-is refused (engine/cli.py): no TP 2 x PP 2 prefill.
+is refused (docs/DESIGN.md): no TP 2 x PP 2 prefill.
 
 The whole matrix is marked ``matrix`` (skipped unless ``-m`` names it, tests/conftest.py);
 two pairings no other file covers run in the default suite. The whole run, with the bytes
