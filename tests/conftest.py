@@ -33,7 +33,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     if "matrix" not in (config.option.markexpr or ""):  # the long run is asked for by name
-        skip_matrix = pytest.mark.skip(reason="the PD matrix: run it with -m matrix")
+        skip_matrix = pytest.mark.skip(
+            reason='the PD matrix: -m must name it, e.g. -m "integration or matrix"')
         for item in items:
             if item.get_closest_marker("matrix"):
                 item.add_marker(skip_matrix)
