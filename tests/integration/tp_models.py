@@ -3,7 +3,8 @@
 Each has 4 attention heads (split over 2 or 4 ranks) and non-trivial norms and biases, so
 a weight put in the wrong rank or added twice shows. ``qwen2-kv1`` has one KV head:
 replicated on every rank at TP 2. ``llama-bias`` has o_proj and down_proj biases (added
-by rank 0 only). ``gemma3-kv1``: Gemma 3 with one KV head and a 6-token sliding window;
+by rank 0 only; ``llama-bias-4l`` the same with 4 layers, for 3 uneven pipeline stages).
+``gemma3-kv1``: Gemma 3 with one KV head and a 6-token sliding window;
 ``gemma3-6l`` the same with 6 layers (sliding, sliding, full, ...: KV groups of 2 slots),
 for pipeline stages of sliding layers, full ones, or both.
 """
@@ -24,6 +25,9 @@ def _configs(transformers) -> dict:
     return {
         "llama-bias": lambda: transformers.LlamaConfig(
             **_COMMON, attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+        "llama-bias-4l": lambda: transformers.LlamaConfig(
+            **{**_COMMON, "num_hidden_layers": 4}, attention_bias=True, mlp_bias=True,
+            tie_word_embeddings=False),
         "qwen2-kv1": lambda: transformers.Qwen2Config(
             **{**_COMMON, "num_key_value_heads": 1}, tie_word_embeddings=True),
         "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=16,
