@@ -56,8 +56,8 @@ def rank_moves(plan: TransferPlan) -> list[RankMove]:
     slice), covering the layers both hold; whole blocks where that is each rank's whole
     pool, a head slice where it is every layer of both, else a slice of heads and layers
     (pool indices: a stage's pool starts at its first layer). A hybrid model's pools hold
-    KV group slots, not layers (model/kv_groups.py): between stages of other bounds, a
-    slice per group of the slots its layers both hold use."""
+    KV group slots, not layers (model/kv_groups.py): between stages, a slice per group of
+    the slots the layers both hold use."""
     windows = plan.src.layer_windows or plan.dst.layer_windows
     groups = kv_groups(windows) if windows else None
     if groups is not None and not groups.hybrid:
@@ -73,7 +73,10 @@ def rank_moves(plan: TransferPlan) -> list[RankMove]:
                                     "are not one range")
         src, dst = plan.src.ranks[s], plan.dst.ranks[d]
         per_group: tuple[tuple[int, Heads], ...] = ()
-        if src.layers == dst.layers == (lo, hi):
+        # (a hybrid model's stage pools a slot where any of its layers uses it, so a block
+        # of a stage carries slots of other stages' layers: moved per group instead)
+        if src.layers == dst.layers == (lo, hi) and (groups is None or lo == 0
+                                                     and hi == len(windows)):
             whole = src.heads == dst.heads and heads[2] == src.heads[1] - src.heads[0]
             kv = None if whole else heads
         elif groups is not None:

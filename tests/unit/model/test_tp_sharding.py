@@ -97,8 +97,8 @@ def test_rank_moves_between_pipeline_stages_take_the_layers_both_hold():
 
 def test_rank_moves_of_a_hybrid_model_slice_each_kv_groups_slots():
     """Gemma 3 style, 6 layers: sliding 0, 1 (group 1), full 2, 5 (group 0), sliding 3, 4
-    (group 2); two slots a group. Between stages of other bounds a move is a slice per
-    group, in the slot indices of each stage's pool (the slots its layers use)."""
+    (group 2); two slots a group. Between stages a move is a slice per group, in the slot
+    indices of each stage's pool (the slots its layers use)."""
     from xllm_py.model.kv_layout import kv_layout, transfer_plan
     from xllm_py.parallel.instance_peers import RankMove, rank_moves
 
@@ -119,7 +119,12 @@ def test_rank_moves_of_a_hybrid_model_slice_each_kv_groups_slots():
         RankMove(0, 1, None, ((1, (0, 0, 1, 0, 0, 1)),)),
         RankMove(0, 0, None, ((0, (0, 0, 1, 0, 0, 2)), (1, (0, 0, 1, 1, 1, 1)),
                               (2, (0, 0, 1, 0, 0, 2))))]
-    assert moves((1, 2), (1, 2)) == [RankMove(1, 1, None), RankMove(0, 0, None)]  # same pools
+    # PP 2 -> PP 2, the same bounds: a stage pools slot 1 of group 0 for the other
+    # stage's layer 5 (group 1 uses both slots): each group's own slots, not whole blocks
+    assert moves((1, 2), (1, 2)) == [
+        RankMove(1, 1, None, ((0, (0, 0, 1, 0, 0, 1)), (1, (0, 0, 1, 0, 0, 2)))),
+        RankMove(0, 0, None, ((0, (0, 0, 1, 1, 1, 1)), (2, (0, 0, 1, 0, 0, 2))))]
+    assert moves((1, 1), (1, 1)) == [RankMove(0, 0, None)]  # every layer: whole blocks
 
 
 def test_executor_refuses_an_unsplittable_model_before_starting_ranks():
