@@ -149,7 +149,7 @@ class Speculator:
                 state.rest_left -= 1
                 continue
             probe = state.rested
-            if price is not None and state.rate <= bar and not probe:
+            if price is not None and state.rate <= bar and not probe and not predicted:
                 state.rest(0.0)  # (not worth a row now; a probe after the rest tells)
                 continue
             state.rested = False
@@ -159,13 +159,17 @@ class Speculator:
                 drafts = drafts[:request.grammar.num_guessable(drafts)]
             if drafts and probe:  # (first and short: it tells a rate the price hid)
                 drafts = drafts[:PROBE_TOKENS]
-            if drafts:
+            if drafts:  # (a prediction the client sent is verified, whatever the price)
                 drafted[request.request_id] = drafts
-                candidates.append((request.request_id, len(drafts), 1.0 if probe else state.rate))
-        if price is None or not drafted:
+                if not predicted:
+                    candidates.append((request.request_id, len(drafts),
+                                       1.0 if probe else state.rate))
+        if price is None or not candidates:
             return drafted
         counts = plan_guesses(candidates, len(decodes), *price)
-        return {rid: drafted[rid][:n] for rid, n in counts.items()}
+        priced = {rid for rid, _, _ in candidates}
+        return {rid: drafts[:counts[rid]] if rid in priced else drafts
+                for rid, drafts in drafted.items() if rid not in priced or rid in counts}
 
     def settle(self, request: Request, num_drafts: int, num_emitted: int, kv) -> None:
         """After a verify step that appended `num_emitted` tokens for `num_drafts` guesses:
@@ -209,7 +213,8 @@ class Speculator:
             else:
                 method, proposer = cfg.method, NgramIndex(cfg.prompt_lookup_min,
                                                           cfg.prompt_lookup_max)
-            stats = self.stats.get(method)
+            # (a prediction is the request's own text: other requests' say nothing of it)
+            stats = self.stats.get(method) if method != PREDICTION else None
             state = _SeqState(method, proposer, stats.rate if stats else PRIOR_RATE)
             self._seqs[request] = state
         return state
