@@ -167,9 +167,13 @@ class Speculator:
         if price is None or not candidates:
             return drafted
         counts = plan_guesses(candidates, len(decodes), *price)
-        priced = {rid for rid, _, _ in candidates}
-        return {rid: drafts[:counts[rid]] if rid in priced else drafts
-                for rid, drafts in drafted.items() if rid not in priced or rid in counts}
+        for rid, _, _ in candidates:  # (a priced sequence keeps what the plan gives it)
+            n = counts.get(rid, 0)
+            if n:
+                drafted[rid] = drafted[rid][:n]
+            else:
+                del drafted[rid]
+        return drafted
 
     def settle(self, request: Request, num_drafts: int, num_emitted: int, kv) -> None:
         """After a verify step that appended `num_emitted` tokens for `num_drafts` guesses:
