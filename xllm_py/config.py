@@ -382,10 +382,9 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        pp = self.pipeline_parallel_size
-        if pp < 1 or pp > 1 and self.tensor_parallel_size > 1:
-            raise ValueError(f"pipeline_parallel_size {pp}: at least 1; above 1 with tensor "
-                             "parallel size 1 only")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:

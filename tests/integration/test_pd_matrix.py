@@ -1,13 +1,13 @@
 """The PD parity matrix (service + PREFILL + DECODE processes, real etcd, tcp transfer):
-prefill {TP 1, TP 2, PP 2, PP 3 uneven} x decode {TP 1, TP 2, PP 2} x PULL and PUSH, on a
+prefill {TP 1, TP 2, PP 2, PP 3 uneven, TP 2 x PP 2} x decode {TP 1, TP 2, PP 2} x PULL
+and PUSH, on a
 random Llama (llama-bias-4l: 4 layers, 2 KV heads; transformers' greedy tokens) and on
 gemma-3-270m (hybrid: a full group and five sliding ones, one KV head, replicated at TP 2;
 a MIX engine's tokens). Every pairing: the greedy tokens equal the reference's, the moving
 side's ranks count on /metrics exactly the handed blocks x the model's whole block bytes
 x the decode's copies of a KV head (gemma-3-270m's one head at decode TP 2: 2, else 1):
 one figure per model and decode copy whatever the layouts (a head the prefill replicates
-is sent from one replica), every pool ends empty (``_check_pair``). An engine of TP x PP
-is refused (docs/DESIGN.md): no TP 2 x PP 2 prefill.
+is sent from one replica), every pool ends empty (``_check_pair``).
 
 The whole matrix is marked ``matrix`` (skipped unless ``-m`` names it, tests/conftest.py);
 two pairings no other file covers run in the default suite. The whole run, with the bytes
@@ -27,10 +27,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 LLAMA_BLOCK_BYTES = 2 * 4 * BLOCK * 2 * 16 * 4
 PREFILLS = {"TP1": ([], {}), "TP2": (["--tp", "2"], {}), "PP2": (["--pp", "2"], {}),
             "PP3": (["--pp", "3"], {"pp_layer_partition": {"llama": "2,1,1",
-                                                            "gemma": "7,6,5"}})}
+                                                            "gemma": "7,6,5"}}),
+            "TP2PP2": (["--tp", "2", "--pp", "2"], {})}
 DECODES = {"TP1": ([], {}), "TP2": (["--tp", "2"], {}), "PP2": (["--pp", "2"], {})}
 # (model, prefill, decode, mode) run by default: pairings test_pd_pp and test_pd_tp leave out
-DEFAULT = {("llama", "PP3", "TP2", "PUSH"), ("gemma", "TP2", "PP2", "PULL")}
+DEFAULT = {("llama", "PP3", "TP2", "PUSH"), ("gemma", "TP2", "PP2", "PULL"),
+           ("llama", "TP2PP2", "TP1", "PULL"), ("gemma", "TP2PP2", "TP2", "PUSH")}
 _ROWS: list[str] = []
 
 

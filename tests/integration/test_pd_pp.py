@@ -1,7 +1,8 @@
 """PD with pipeline stages (service + PREFILL + DECODE processes, real etcd, tcp and ucx
 transfer; ucx between engines of one host: the mapped path):
 a PREFILL of PP 2 hands over to a DECODE of TP 1 and of TP 2, PULL and PUSH, and a DECODE
-of PP 2 takes over from a PREFILL of TP 1, TP 2 and PP 2, and stages of other bounds pair
+of PP 2 takes over from a PREFILL of TP 1, TP 2, PP 2 and TP 2 x PP 2, and stages of other
+bounds pair
 (tiny, 4 layers: P PP 3 split 2,1,1 -> D PP 2 split 1,3): every decode rank gets the layers
 and KV heads it holds from the stages that hold them (``rank_moves``). The greedy tokens
 are transformers' (random Llama, tp_models.py) or a MIX engine's (tiny); a PP 2 prefill
@@ -57,6 +58,7 @@ CASES += [(["--pp", "2"], ["--tp", "2"], m, "tcp") for m in ("PULL", "PUSH")]
 CASES += [([], ["--pp", "2"], m, "tcp") for m in ("PULL", "PUSH")]
 CASES += [(["--pp", "2"], ["--pp", "2"], "PUSH", "tcp"), (["--tp", "2"], ["--pp", "2"], "PULL", "tcp")]
 CASES += [(["--pp", "2"], [], "PULL", "ucx"), ([], ["--pp", "2"], "PUSH", "ucx")]
+CASES += [(["--tp", "2", "--pp", "2"], ["--pp", "2"], "PUSH", "ucx")]  # TP x PP prefill
 
 
 @pytest.mark.parametrize("p_flags,d_flags,mode,backend", CASES)

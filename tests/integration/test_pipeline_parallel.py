@@ -3,8 +3,9 @@ uneven split give the greedy tokens (and logprobs) of PP 1, on the Qwen and the 
 family, with prompt chunks and decodes in the same steps; rank 0's KV pool holds only its
 stage's layers; the same on the hybrid Gemma 3 family (stages of sliding layers only,
 full ones only, or both; a pool of the KV group slots the stage's layers use) and on
-gemma-3-270m at one short prompt; TP x PP
-and a split that does not fit are refused with the reason (PD roles: test_pd_pp.py)."""
+gemma-3-270m at one short prompt; TP 2 x PP 2 (four processes, each stage's two TP ranks
+all-reducing among themselves) the same; a split that does not fit is refused with the
+reason (PD roles: test_pd_pp.py)."""
 from __future__ import annotations
 
 import pytest
@@ -19,15 +20,18 @@ pytestmark = pytest.mark.integration
 PROMPTS = [list(range(40, 40 + n)) for n in (5, 8, 9, 23, 33)]
 
 
-def _run(model: str, pp: int, partition=None) -> tuple[list, int]:
+def _run(model: str, pp: int, partition=None, tp: int = 1) -> tuple[list, int]:
     engine = LLMEngine(EngineConfig(
         model=model, pipeline_parallel_size=pp, pp_layer_partition=partition, num_threads=1,
+        tensor_parallel_size=tp,
         cache=CacheConfig(block_size=8),
         scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8)))
     engine.start()
     try:
         sinks = _submit_all(engine, PROMPTS, f"pp{pp}-")
-        return [(s.token_ids, s.logprobs) for s in sinks], engine.storage.num_layers
+        return ([(s.token_ids, s.logprobs) for s in sinks],
+                engine.storage.num_layers if tp == 1 else (engine.storage.num_layers,
+                                                           engine.storage.meta.num_kv_heads))
     finally:
         engine.stop()
 
@@ -83,9 +87,26 @@ def test_gemma_3_270m_in_three_stages_equals_one_process():
     assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-4
 
 
-def test_what_pipeline_parallelism_does_not_run_is_refused():
-    with pytest.raises(ValueError, match="tensor parallel size 1"):
-        EngineConfig(model="tiny", pipeline_parallel_size=2, tensor_parallel_size=2)
+@pytest.mark.parametrize("family,rank0_pool", [("tiny", (2, 1)), ("gemma3-6l", (2, 1))])
+def test_tensor_parallel_stages_equal_one_process(family, rank0_pool, tmp_path):
+    """TP 2 x PP 2: rank 0 (the last stage's first TP rank) pools its stage's layers (a
+    hybrid model: its KV group slots) and its TP share of the KV heads; tokens and
+    logprobs as one process."""
+    model = family
+    if family != "tiny":
+        from tests.integration.tp_models import build_hf_model
+
+        build_hf_model(pytest.importorskip("transformers"), family, tmp_path)
+        model = str(tmp_path)
+    ref, _ = _run(model, 1)
+    got, pool = _run(model, 2, None, tp=2)
+    assert pool == rank0_pool
+    for (tokens, logprobs), (want, want_lp) in zip(got, ref):
+        assert tokens == want
+        assert max(abs(a - b) for a, b in zip(logprobs, want_lp)) < 1e-4
+
+
+def test_a_split_that_does_not_fit_is_refused():
     with pytest.raises(ValueError, match="does not split 4 layers"):
         LLMEngine(EngineConfig(model="tiny", pipeline_parallel_size=2,
                                pp_layer_partition=(1, 1)))

@@ -64,7 +64,8 @@ def build_parser() -> SettingsParser:
                   "(heads and MLP columns) and of the KV cache (xLLM: the number of --devices)")
     add_flag(g, "--pipeline-parallel-size", "--pp", type=int, default=1,
              help="processes of this instance, each with a contiguous range of the "
-                  "layers and their KV cache; activations go stage to stage")
+                  "layers and their KV cache; activations go stage to stage (with --tp N: "
+                  "N processes a stage)")
     g = p.add_argument_group("serving")
     add_flag(g, "--instance-role", default="MIX", type=InstanceRole.parse,
              help="MIX (whole requests), PREFILL or DECODE (PD disaggregation)")

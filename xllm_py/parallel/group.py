@@ -53,6 +53,13 @@ class TPGroup:
         else:
             self.device_group = self.cpu_group
 
+    def subgroup(self, name: str, rank: int, world_size: int) -> "TPGroup":
+        """A group of some of this group's ranks (a pipeline stage's TP ranks), each
+        calling this with the same ``name``, its rank in it and its size: its own
+        process groups, rendezvous under ``name`` in this group's store."""
+        return TPGroup(dist.PrefixStore(name, self.store), rank, world_size, self.device,
+                       self.step_timeout.total_seconds(), self.wait_timeout.total_seconds())
+
     @staticmethod
     def listen(world_size: int, timeout_s: float = 120.0) -> dist.TCPStore:
         """Rank 0: the rendezvous store, on a free loopback port (``store.port``)."""

@@ -3,7 +3,11 @@ the model's layers (model/kv_layout.pp_layer_ranges) and the KV pool of those la
 
 Rank 0, the engine, runs the last stage: it alone has the final norm and the LM head, so
 it samples as a TP 1 engine does. Rank r >= 1 runs stage r - 1; stage 0 embeds the
-tokens. A step (the executor's, parallel/executor.py, unchanged): rank 0 broadcasts the
+tokens. With tensor parallelism too (TP x PP), a stage is TP ranks: rank
+``(stage + 1) % pp * tp + tp_rank`` (model/kv_layout.worker_rank), each loading its TP
+shard of the stage's layers and all-reducing in a group of its stage's ranks alone; after
+the all-reduce every TP rank holds the whole stream, so each sends it to the rank of its
+own TP index in the next stage. A step (the executor's, parallel/executor.py, unchanged): rank 0 broadcasts the
 step's inputs to every rank, each stage waits for the residual stream of the stage before
 it (gloo recv of ``[2, T, hidden]``: the last layer's output and the residual, so the next
 layer adds them as it would in one process), runs its layers on it and sends it on; the
@@ -33,13 +37,14 @@ from xllm_py.parallel.group import TPGroup
 STREAM_TAG = 7
 
 
-def stage_of(rank: int, pp: int) -> int:
-    """The stage rank ``rank`` runs: rank 0 the last, rank r the (r-1)-th."""
-    return pp - 1 if rank == 0 else rank - 1
+def stage_of(rank: int, pp: int, tp: int = 1) -> int:
+    """The stage rank ``rank`` runs: ranks 0..tp-1 the last, the next tp the first, ..."""
+    return (rank // tp - 1) % pp
 
 
-def rank_of(stage: int, pp: int) -> int:
-    return 0 if stage == pp - 1 else stage + 1
+def rank_of(stage: int, pp: int, tp: int = 1, tp_rank: int = 0) -> int:
+    """The process rank of TP index ``tp_rank`` of ``stage`` (the inverse of stage_of)."""
+    return (stage + 1) % pp * tp + tp_rank
 
 
 def rank_layers(config: EngineConfig, mc: ModelConfig, rank: int) -> tuple[int, int]:
@@ -47,7 +52,8 @@ def rank_layers(config: EngineConfig, mc: ModelConfig, rank: int) -> tuple[int, 
     pp = config.pipeline_parallel_size
     if pp == 1:
         return 0, mc.num_layers
-    return pp_layer_ranges(mc.num_layers, pp, config.pp_layer_partition)[stage_of(rank, pp)]
+    stage = stage_of(rank, pp, config.tensor_parallel_size)
+    return pp_layer_ranges(mc.num_layers, pp, config.pp_layer_partition)[stage]
 
 
 def pp_error(config: EngineConfig, mc: ModelConfig) -> str | None:
@@ -68,14 +74,14 @@ class StageModel(nn.Module):
     the stage and sends the stream on (and returns it)."""
 
     def __init__(self, model: nn.Module, layers: tuple[int, int], group: TPGroup,
-                 pp: int) -> None:
+                 pp: int, tp: int = 1) -> None:
         super().__init__()
         self.full = model
         self.layers = layers
-        self.stage = stage_of(group.rank, pp)
+        self.stage = stage_of(group.rank, pp, tp)
         self.first, self.last = self.stage == 0, self.stage == pp - 1
-        self.group = group
-        self.pp = pp
+        self.group = group  # every rank of the instance: the stream goes between stages
+        self.pp, self.tp, self.tp_rank = pp, tp, group.rank % tp
         # only this stage's layers stay: the others' weights are freed
         model.model.layers = nn.ModuleList(list(model.model.layers)[layers[0]:layers[1]])
         # per stage layer its (window, KV group) in the whole model: the block tables of
@@ -136,8 +142,9 @@ class StageModel(nn.Module):
         pg = self.group.cpu_group
         buf = stream if stream.device.type == "cpu" else stream.cpu()
         if send:
-            pg.send([buf.contiguous()], rank_of(self.stage + 1, self.pp), STREAM_TAG).wait()
+            peer = rank_of(self.stage + 1, self.pp, self.tp, self.tp_rank)
+            pg.send([buf.contiguous()], peer, STREAM_TAG).wait()
             return
-        pg.recv([buf], rank_of(self.stage - 1, self.pp), STREAM_TAG).wait()
+        pg.recv([buf], rank_of(self.stage - 1, self.pp, self.tp, self.tp_rank), STREAM_TAG).wait()
         if buf is not stream:
             stream.copy_(buf)

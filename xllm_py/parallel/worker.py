@@ -29,7 +29,7 @@ from xllm_py.model.packed import pack_linears
 from xllm_py.parallel.group import TPGroup
 from xllm_py.parallel.kv_workers import RankKVWorkerHost, serve_start_request
 from xllm_py.parallel.loader import load_model_shard
-from xllm_py.parallel.pipeline import StageModel, rank_layers
+from xllm_py.parallel.pipeline import StageModel, rank_layers, stage_of
 from xllm_py.parallel.protocol import HEADER_LEN, Command, decode_step, payload_len
 from xllm_py.model.loader import load_model
 from xllm_py.model.sharding import TPShard, shard_for
@@ -58,11 +58,17 @@ def load_rank(config: EngineConfig, model_dir: str, group: TPGroup
               ) -> tuple[torch.nn.Module, ModelConfig, TPShard]:
     """The rank's shard (a pipeline stage: its layers), packed like the TP 1 engine's
     model."""
-    if config.pipeline_parallel_size > 1:  # every head, the stage's layers only
-        model, mc = load_model(model_dir, dtype=config.dtype, device=group.device)
-        model = StageModel(model, rank_layers(config, mc, group.rank), group,
-                           config.pipeline_parallel_size)
-        shard = shard_for(mc, 0, 1)
+    pp, tp = config.pipeline_parallel_size, config.tensor_parallel_size
+    if pp > 1:  # the stage's layers only: every head, or its TP shard's
+        if tp > 1:
+            stage_group = group.subgroup(f"stage{stage_of(group.rank, pp, tp)}",
+                                         group.rank % tp, tp)
+            model, mc, shard = load_model_shard(model_dir, stage_group, dtype=config.dtype,
+                                                device=group.device)
+        else:
+            model, mc = load_model(model_dir, dtype=config.dtype, device=group.device)
+            shard = shard_for(mc, 0, 1)
+        model = StageModel(model, rank_layers(config, mc, group.rank), group, pp, tp)
     else:
         model, mc, shard = load_model_shard(model_dir, group, dtype=config.dtype,
                                             device=group.device)
