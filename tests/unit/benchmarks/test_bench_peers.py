@@ -10,10 +10,11 @@ import sys
 
 import pytest
 
-from benchmarks.bench_peers import (build_parser, format_table, hf_vocab_and_bos, make_prompts,
+from benchmarks.bench_peers import (build_parser, format_table, make_prompts,
                                     requests_for, setting_seed, summarize_servers,
                                     summarize_setting, tokens_of, tpot_s)
 from benchmarks.common import RequestResult
+from benchmarks.peer_models import hf_vocab_and_bos
 from benchmarks.peer_servers import (SERVERS, TCMALLOC, descendants, find_llama_server,
                                      find_vllm_python, llama_command, skip_reason,
                                      tree_rss_bytes, vllm_command, xllm_command)
