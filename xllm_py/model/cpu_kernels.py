@@ -78,6 +78,7 @@ _SIGNATURES = {  # name: (argtypes, restype)
     "xllm_linear_large_i8": (["p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
     "xllm_dequant_panels_kq": (["i32", "p", "p", "p", "p", "p", "i32", "i32", "p"], "int"),
     "xllm_head_argmax": (["i32", "p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
+    "xllm_head_argmax_vnni": (["p", "p", "p", "p", "p", "p", "i32", "i32", "i32"], "int"),
     "xllm_sample_rows_f32": (["p", "i64", "i32", "i32", "p", "p", "p", "p", "p", "p"], "int"),
 }
 _CTYPES = {"p": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32,
@@ -167,6 +168,12 @@ def linear_available() -> bool:
     and the fused step is not built at all (its symbol tells the two builds apart)."""
     lib = _load()
     return lib is not None and hasattr(lib, "xllm_decode_stack_f32")
+
+
+def vnni_available() -> bool:
+    """Whether csrc/head_vnni.c's integer pass runs here: the native linears, and a CPU
+    with AVX512-VNNI (the function is built for it whatever the library's ISA)."""
+    return linear_available() and {"avx512_vnni", *kernel_build.AVX512} <= kernel_build.cpu_flags()
 
 
 def unavailable_reason() -> str:

@@ -70,3 +70,16 @@ class PanelEmbedding(torch.nn.Module):
         head = self.head[0]
         return unpack_rows(head._panels, head._scales, ids.reshape(-1)).view(
             *ids.shape, self.embedding_dim)
+
+
+def vnni_tables(panels: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What csrc/head_vnni.c reads beside the panels: the weights as uint8 ``q + 128`` in
+    VNNI order [np, K/4, 16, 4] (four consecutive k of a column in one 32-bit lane), and
+    per block and column the bound's weight ``|scale| * sum |q|`` [np, K/32, 16], rounded
+    up to float32 so the bound it gives is never below the true one."""
+    num, k, _ = panels.shape
+    v = (panels.view(num, k // 4, 4, 16).transpose(2, 3).to(torch.int16) + 128)
+    sums = panels.view(num, k // BLOCK, BLOCK, 16).abs().sum(2, dtype=torch.int32)
+    sa = (scales.double().abs() * sums.double()).float()
+    sa = torch.nextafter(sa, torch.full_like(sa, float("inf")))
+    return v.to(torch.uint8).contiguous(), sa.contiguous()

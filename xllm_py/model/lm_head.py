@@ -7,7 +7,9 @@ without logprobs, logit processors or a grammar) runs the head's panel kernel wi
 running max per row (csrc/head_argmax.c: the same sums as the logits, the first index on
 a tie, as torch.argmax), ``logits`` computes the full float32 rows of the others. Where
 the native argmax does not apply (no kernels, K-quant or oneDNN weights, more rows than
-the panel kernel takes) it is the argmax of ``logits``: the same tokens.
+the panel kernel takes) it is the argmax of ``logits``: the same tokens. int8 panels on a
+CPU with AVX512-VNNI take an integer pass first (csrc/head_vnni.c: bounded approximate
+sums, then the exact sums of the few columns that can still win; the same index).
 
 ``sample_rows`` is the sampler's native draw (csrc/sample.c): temperature, top-k, top-p
 and min-p by selection, not a sort of the whole row.
@@ -41,6 +43,12 @@ def head_argmax(head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         panels.dtype)
     if kind is None:
         return None
+    if kind == 2 and bias is None and cpu_kernels.vnni_available():
+        tables, sa = head.vnni_tables()
+        if lib.xllm_head_argmax_vnni(x.data_ptr(), tables.data_ptr(), head._scales.data_ptr(),
+                                     sa.data_ptr(), panels.data_ptr(), ids.data_ptr(),
+                                     m, n, k) == 0:
+            return ids
     rc = lib.xllm_head_argmax(kind, x.data_ptr(), panels.data_ptr(),
                               0 if head._scales is None else head._scales.data_ptr(), b,
                               ids.data_ptr(), m, n, k)

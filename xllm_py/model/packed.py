@@ -42,7 +42,7 @@ from torch import nn
 
 from xllm_py.model import cpu_kernels, kquant_panels
 from xllm_py.model.int8_panels import (PanelEmbedding, dequantize_panels, int8_blocks,
-                                       pack_int8_panels)
+                                       pack_int8_panels, vnni_tables)
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class PackedLinear(nn.Module):
         # bfloat16 panels: the kernels widen them exactly (module docstring)
         self._scales = None  # int8 panels: their float32 scales [np, K / 32, 16]
         self._kq = None  # GGUF Q4_K / Q6_K panels (kquant_panels.py); _panels: their values
+        self._vnni = None  # int8 panels' tables for the head's integer argmax, on first use
         if kquant is not None and cpu_kernels.linear_available():
             self._kq = kquant
             self._panels = kquant.q
@@ -118,6 +119,16 @@ class PackedLinear(nn.Module):
         if y is None:  # the kernels declined (disabled, out of memory, other dtype...)
             y = self._linear_from_panels(x2)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def vnni_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """int8 panels' tables for csrc/head_vnni.c (int8_panels.vnni_tables), built on
+        first use: only an LM head asked for greedy argmaxes needs them. None: no int8
+        panels."""
+        if self._scales is None:
+            return None
+        if self._vnni is None:
+            self._vnni = vnni_tables(self._panels, self._scales)
+        return self._vnni
 
     def _linear_from_panels(self, x2: torch.Tensor) -> torch.Tensor:
         """The same product in torch, reading the panels in place: [M, K] @ [np, K, 16] is a
@@ -190,6 +201,9 @@ def pack_linears(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT,
                        num_rounded, count)
     if num_int8:
         _embed_from_int8_head(model)
+        head = getattr(model, "lm_head", None)
+        if isinstance(head, PackedLinear) and cpu_kernels.vnni_available():
+            head.vnni_tables()  # at load, not in the first greedy step (~1 s at 262,144 rows)
     if panels:
         logger.info("packed %d linear layers as panels for the native kernels (%d in GGUF "
                     "Q4_K/Q6_K, %d in int8, %d in bfloat16, %d in float32)", count, num_kq,

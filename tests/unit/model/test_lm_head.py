@@ -86,6 +86,72 @@ def test_head_argmax_declines_what_it_does_not_handle() -> None:
     assert rows.argmax() == rows.logits().argmax(-1).tolist()  # (the logits' argmax)
 
 
+needs_vnni = pytest.mark.skipif(not cpu_kernels.vnni_available(),
+                                reason="needs AVX512-VNNI (csrc/head_vnni.c)")
+
+
+def _vnni(head: PackedLinear, x: torch.Tensor) -> list[int] | None:
+    """csrc/head_vnni.c's answer for x on int8 ``head`` (None: it declined)."""
+    tables, sa = head.vnni_tables()
+    x = x.contiguous()
+    ids = torch.empty(x.shape[0], dtype=torch.int64)
+    rc = cpu_kernels._load().xllm_head_argmax_vnni(
+        x.data_ptr(), tables.data_ptr(), head._scales.data_ptr(), sa.data_ptr(),
+        head._panels.data_ptr(), ids.data_ptr(), x.shape[0], head.out_features,
+        head.in_features)
+    return ids.tolist() if rc == 0 else None
+
+
+def _int8_head(q: torch.Tensor, s: torch.Tensor) -> PackedLinear:
+    n, k = q.shape
+    lin = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_((q.float().view(n, -1, 32) * s.unsqueeze(2)).view(n, k))
+    return PackedLinear(lin, int8=(q, s))
+
+
+@needs_vnni
+def test_integer_pass_gives_the_logits_argmax() -> None:
+    """Random heads and rows (some with a large outlier, as real hidden states have),
+    every row count, a partial last panel: the index of the logits' argmax."""
+    for n in (1000, 16 * 97 + 5, 20000):
+        head = _head(n, 640, "int8", False, seed=n)
+        for m in (1, 3, 4, 5, 32, 96):
+            g = torch.Generator().manual_seed(m)
+            x = torch.randn(m, 640, generator=g)
+            x[:, 7] *= 40.0
+            assert _vnni(head, x) == head(x).argmax(-1).tolist(), (n, m)
+
+
+@needs_vnni
+def test_integer_pass_keeps_exact_ties_and_near_ties() -> None:
+    """Columns equal but for one weight step (logits a few ulps apart, far inside the
+    integer pass's error): the exact sums decide; equal columns: the first index."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-100, 100, (4096, 64), generator=g, dtype=torch.int8)
+    s = torch.full((4096, 2), 1 / 64)
+    for i in (10, 1500, 3000, 4090):
+        q[i] = 100
+    q[3000, 63] = 101  # 3000 > 10 = 1500 = 4090 where x[63] > 0
+    head = _int8_head(q, s)
+    x = torch.ones(2, 64)
+    x[1, 63] = -1.0  # row 1: 3000 is below the other three
+    assert _vnni(head, x) == head(x).argmax(-1).tolist() == [3000, 10]
+
+
+@needs_vnni
+def test_integer_pass_declines_what_it_cannot_bound() -> None:
+    """Every column equal (more candidates than it keeps) or a non-finite row: -1, and
+    head_argmax still answers with the float kernel's index."""
+    q = torch.full((4096, 64), 3, dtype=torch.int8)
+    head = _int8_head(q, torch.full((4096, 2), 0.5))
+    x = torch.randn(2, 64)
+    assert _vnni(head, x) is None
+    assert lm_head.head_argmax(head, x).tolist() == [0, 0]
+    x[1, 5] = float("inf")
+    assert _vnni(head, x) is None
+
+
 def _reference_draw(logits: torch.Tensor, row, u: float) -> int:
     """compute_probs, then the inverse CDF in float64 (the draw's definition)."""
     p = compute_probs(logits.unsqueeze(0), [row])[0].double()

@@ -827,6 +827,7 @@ int xllm_linear_panels_bf16(const float *x, const uint16_t *P, const float *b, f
 #include "kquant.c"
 #include "linear_large.c"
 #include "head_argmax.c"
+#include "head_vnni.c"
 #else
 int xllm_linear_large_i8(const float *x, const int8_t *P, const float *S, const float *b,
                          float *y, int32_t M, int32_t N, int32_t K) {
@@ -880,6 +881,11 @@ int xllm_linear_large_bf16(const float *x, const uint16_t *P, const float *b, fl
 int xllm_head_argmax(int32_t kind, const float *x, const void *P, const float *S,
                      const float *b, int64_t *ids, int32_t M, int32_t N, int32_t K) {
     (void)kind; (void)x; (void)P; (void)S; (void)b; (void)ids; (void)M; (void)N; (void)K;
+    return -1;
+}
+int xllm_head_argmax_vnni(const float *x, const uint8_t *V, const float *S, const float *SA,
+                          const int8_t *P, int64_t *ids, int32_t M, int32_t N, int32_t K) {
+    (void)x; (void)V; (void)S; (void)SA; (void)P; (void)ids; (void)M; (void)N; (void)K;
     return -1;
 }
 #endif
