@@ -5,13 +5,12 @@ none, on the served model.
                                     [--concurrency 1 4 16] [--sets repetitive open]
                                     [--methods ngram suffix prediction] [--prompts N]
                                     [--logprobs N] [--threads N] [--json]
-                                    [--peers vllm llama.cpp]
+                                    [--peers vllm vllm-ngram llama.cpp llama.cpp-ngram]
 
-Engine processes (``python -m xllm_py.engine``, MIX, prefix cache off so every round
-computes its prompts again): ``--speculative-config off``, ``NGRAM`` below and the default
-(suffix decoding, ``SpeculativeConfig`` DEFAULT),
-all up at once and driven in turn (round r: off, then each method, per set and
-concurrency), so a drift of the shared machine's speed falls on all. ``prediction``: the
+Engine processes (``python -m xllm_py.engine``, MIX, prefix cache off):
+``--speculative-config off``, ``NGRAM`` below and the default (suffix decoding,
+``SpeculativeConfig`` DEFAULT), all up at once and driven in turn (off, then each method),
+so a drift of the shared machine's speed falls on all. ``prediction``: the
 engine without a method, each edit prompt sent with the text it edits as its
 ``prediction`` (OpenAI's Predicted Outputs; only in sets with such prompts). Streamed
 ``/v1/completions``, greedy, EOS ignored, ``--max-tokens`` each; the first ``--prompts``
@@ -27,14 +26,15 @@ Reported per set, concurrency and method: output tok/s and TPOT p50 (a request's
 its first token over its tokens after the first), the method / off ratio of each (median
 over rounds of the round's ratio), and the mean acceptance length (tokens a verify step
 emits per sequence: 1 + accepted / verifying sequence-steps, from the engine's Prometheus
-counters). The greedy tokens of every method must be off's (``same_tokens``). From round 2
-on, the suffix engine's cache holds the earlier rounds' answers to the same prompts (what
-a client repeating a request sees): its first round's ratio is reported apart.
+counters), and the ratio's range over rounds. The greedy tokens of every method must be
+off's (``same_tokens``). Every set, concurrency and round gets engines started afresh,
+warmed up on prompts of no set: the suffix engine's cache holds no earlier answer to a
+prompt it is measured on (a client repeating a request would see its answer replayed).
 
 ``--peers``: vLLM and llama.cpp's server (benchmarks/peer_servers.py, installed by
-scripts/install_peers.sh) on the same weights, up beside the engines and driven in the
-same turn, the same prompts as text, their speculation off (neither CPU build proposes
-without a draft model); a peer row's ratio is its tok/s over off's, and
+scripts/install_peers.sh) on the same weights, up for the whole run and driven in the same
+turn, the same prompts as text; each with its speculation off, or (``-ngram``) with its
+model-free n-gram lookup (``PEERS``). A peer row's ratio is its tok/s over off's, and
 ``default_vs_peer`` the engine default's over the peer's (median over rounds).
 """
 from __future__ import annotations
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -138,6 +139,8 @@ OPEN = [
     "The recipe my grandmother never wrote down goes like this:",
 ]
 SETS = {"repetitive": REPETITIVE, "open": OPEN}
+# warm-up (kernels, first steps), in no set: an engine's suffix cache starts without answers
+WARMUP = ["The weather report for tomorrow:", "Three facts about volcanoes:"]
 # Predicted Outputs: per prompt of a set, the text its answer edits (None: no prediction).
 PREDICTIONS = {"repetitive": [_FUNCTION, None, _PASSAGE, _PASSAGE]}
 
@@ -172,29 +175,87 @@ def cycled(items: list, n: int) -> list:
     return [items[i % len(items)] for i in range(n)]
 
 
+# The peers, each a server and its extra arguments: speculation off, or their model-free
+# n-gram lookup sized as NGRAM (a 2-4 token match; llama.cpp's takes one size: 3), 4 guesses.
+PEERS = {
+    "vllm": ("vllm", []),
+    "vllm-ngram": ("vllm", ["--speculative-config", NGRAM]),
+    "llama.cpp": ("llama.cpp", []),
+    "llama.cpp-ngram": ("llama.cpp", ["--spec-type", "ngram-simple",
+                                      "--spec-ngram-simple-size-n", "3",
+                                      "--spec-ngram-simple-size-m", "4"]),
+}
+
+
 def start_peers(stack: contextlib.ExitStack, names: list[str], model: str,
                 concurrency: int, slot_tokens: int) -> dict[str, Server]:
-    """Each peer of ``names`` that is installed, started on ``model`` and ready (stopped
-    when ``stack`` closes); a missing one is skipped with a message."""
+    """Each peer of ``names`` (PEERS) that is installed, started on ``model`` and ready
+    (stopped when ``stack`` closes); a missing one is skipped with a message."""
     from xllm_py.utils.procs import free_port
 
     paths = {"vllm": find_vllm_python(None), "llama.cpp": find_llama_server(None)}
-    plan = peer_plan(model, need_hf_dir="vllm" in names and paths["vllm"] is not None)
+    vllm = any(PEERS[n][0] == "vllm" for n in names)
+    plan = peer_plan(model, need_hf_dir=vllm and paths["vllm"] is not None)
     log_dir = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-spec-")))
     servers = {}
     for name in names:
-        why = skip_reason(name, hf_dir=plan["hf_dir"] is not None, gguf=plan["gguf"] is not None,
+        kind, extra = PEERS[name]
+        why = skip_reason(kind, hf_dir=plan["hf_dir"] is not None, gguf=plan["gguf"] is not None,
                           vllm_python=paths["vllm"], llama_server=paths["llama.cpp"])
         if why:
             print(f"skipping {name}: {why}", file=sys.stderr)
             continue
         port = free_port()
-        server = Server(server_command(name, plan, paths, port, slots=max(4, concurrency),
-                                       slot_tokens=slot_tokens), port, log_dir / f"{name}.log")
+        cmd = server_command(kind, plan, paths, port, slots=max(4, concurrency),
+                             slot_tokens=slot_tokens)
+        cmd = dataclasses.replace(cmd, name=name, argv=[*cmd.argv, *extra])
+        server = Server(cmd, port, log_dir / f"{name}.log")
         stack.callback(server.stop)
         server.wait_ready()
         servers[name] = server
     return servers
+
+
+def start_engines(stack: contextlib.ExitStack, args: argparse.Namespace
+                  ) -> tuple[dict[str, str], str]:
+    """The engines of ``args.methods`` up (off's serves ``prediction``): their URLs by
+    method, and the model id they serve."""
+    common = {"enable_prefix_cache": False, "batch_window_ms": 0}
+    configs = {"off": "off", "ngram": NGRAM, "suffix": SUFFIX}
+    urls = {name: stack.enter_context(engine_process(
+                args.model, num_threads=args.threads,
+                settings={**common, **({"speculative_config": configs[name]}
+                                       if configs[name] else {})})).http_url
+            for name in ["off", *[m for m in args.methods if m in configs]]}
+    servers = {"off": urls["off"], **{m: urls.get(m, urls["off"]) for m in args.methods}}
+    return servers, asyncio.run(get_model_id(urls["off"]))
+
+
+def run_cell(cells: dict, r: int, set_name: str, c: int, servers: dict[str, str], model: str,
+             peers: dict[str, Server], load, args: argparse.Namespace) -> None:
+    """Round ``r`` of one set at concurrency ``c``: every mode in turn, into ``cells``."""
+    modes = [m for m in servers if m != "prediction" or set_name in PREDICTIONS]
+    prompts = cycled(SETS[set_name], max(args.prompts, c))
+    cell = cells.setdefault(f"{set_name} c={c}", {
+        "tok_s": {k: [] for k in modes}, "tpot_ms": {k: [] for k in modes},
+        "tokens": {}, "accept": {k: [] for k in modes}})
+    for name in modes:
+        url = servers[name]
+        counted = name not in peers
+        before = spec_counters(url, name) if counted else (0.0, 0.0)
+        results, wall = load(url, model, prompts, c, per_prompt(name, set_name, len(prompts)))
+        bad = [x.error for x in results if not x.ok]
+        if bad:
+            raise SystemExit(f"{name} {set_name} c={c}: {bad[0]}")
+        gen = sum(x.num_completion_tokens for x in results)
+        cell["tok_s"][name].append(gen / wall)
+        cell["tpot_ms"][name].append(1000 * tpot_p50(results))
+        cell["tokens"].setdefault(name, [x.token_ids for x in results])
+        after = spec_counters(url, name) if counted else (0.0, 0.0)
+        steps = after[1] - before[1]
+        cell["accept"][name].append(1 + (after[0] - before[0]) / steps if steps else 1.0)
+    print(f"round {r + 1} {set_name} c={c}: "
+          + ", ".join(f"{k} {cell['tok_s'][k][-1]:.1f} tok/s" for k in modes), file=sys.stderr)
 
 
 def main() -> None:
@@ -210,26 +271,15 @@ def main() -> None:
     ap.add_argument("--logprobs", type=int, default=None, help="ask for logprobs, top N")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--peers", nargs="*", choices=["vllm", "llama.cpp"], default=[],
+    ap.add_argument("--peers", nargs="*", choices=list(PEERS), default=[],
                     help="race these peer servers on the same prompts")
     args = ap.parse_args()
-    common = {"enable_prefix_cache": False, "batch_window_ms": 0}
-    configs = {"off": "off", "ngram": NGRAM, "suffix": SUFFIX}
+    extra = {} if args.logprobs is None else {"logprobs": args.logprobs}
     with contextlib.ExitStack() as stack:
-        urls = {name: stack.enter_context(engine_process(
-                    args.model, num_threads=args.threads,
-                    settings={**common, **({"speculative_config": configs[name]}
-                                           if configs[name] else {})})).http_url
-                for name in ["off", *[m for m in args.methods if m in configs]]}
-        servers = {"off": urls["off"], **{m: urls.get(m, urls["off"]) for m in args.methods}}
-        model = asyncio.run(get_model_id(urls["off"]))
         peers = start_peers(stack, args.peers, args.model, max(args.concurrency),
                             slot_tokens=1024 + args.max_tokens)
-        servers.update({name: peer.url for name, peer in peers.items()})
 
-        extra = {} if args.logprobs is None else {"logprobs": args.logprobs}
-
-        def load(url: str, prompts: list[str], c: int, fields=None):
+        def load(url: str, model: str, prompts: list[str], c: int, fields=None):
             peer = next((p for p in peers.values() if p.url == url), None)
             if peer is not None:  # the text it sends back is all a peer is asked for
                 return asyncio.run(run_load(url, peer.cmd.model_id, prompts, args.max_tokens, c,
@@ -237,36 +287,18 @@ def main() -> None:
             return asyncio.run(run_load(url, model, prompts, args.max_tokens, c, stream=True,
                                         return_token_ids=True, per_prompt=fields, **extra))
 
-        for url in set(servers.values()):  # warm-up (kernels, first steps)
-            load(url, OPEN[:2], 2)
+        for peer in peers.values():  # warm-up (first steps)
+            load(peer.url, "", WARMUP, 2)
         cells: dict = {}
         for r in range(args.rounds):
             for set_name in args.sets:
-                modes = [m for m in servers if m != "prediction" or set_name in PREDICTIONS]
                 for c in args.concurrency:
-                    prompts = cycled(SETS[set_name], max(args.prompts, c))
-                    cell = cells.setdefault(f"{set_name} c={c}", {
-                        "tok_s": {k: [] for k in modes}, "tpot_ms": {k: [] for k in modes},
-                        "tokens": {}, "accept": {k: [] for k in modes}})
-                    for name in modes:
-                        url = servers[name]
-                        counted = name not in peers
-                        before = spec_counters(url, name) if counted else (0.0, 0.0)
-                        results, wall = load(url, prompts, c,
-                                             per_prompt(name, set_name, len(prompts)))
-                        bad = [x.error for x in results if not x.ok]
-                        if bad:
-                            raise SystemExit(f"{name} {set_name} c={c}: {bad[0]}")
-                        gen = sum(x.num_completion_tokens for x in results)
-                        cell["tok_s"][name].append(gen / wall)
-                        cell["tpot_ms"][name].append(1000 * tpot_p50(results))
-                        cell["tokens"].setdefault(name, [x.token_ids for x in results])
-                        after = spec_counters(url, name) if counted else (0.0, 0.0)
-                        steps = after[1] - before[1]
-                        cell["accept"][name].append(1 + (after[0] - before[0]) / steps if steps else 1.0)
-                    print(f"round {r + 1} {set_name} c={c}: "
-                          + ", ".join(f"{k} {cell['tok_s'][k][-1]:.1f} tok/s" for k in modes),
-                          file=sys.stderr)
+                    with contextlib.ExitStack() as fresh:  # engines that have seen no answer
+                        servers, model = start_engines(fresh, args)
+                        for url in set(servers.values()):
+                            load(url, model, WARMUP, 2)
+                        servers.update({name: peer.url for name, peer in peers.items()})
+                        run_cell(cells, r, set_name, c, servers, model, peers, load, args)
     rows = {}
     for key, cell in cells.items():
         t, p = cell["tok_s"], cell["tpot_ms"]
@@ -275,7 +307,8 @@ def main() -> None:
         for m in [k for k in t if k != "off"]:
             row[m] = {
                 "tok_s": median(t[m]), "tok_s_ratio": median([b / a for a, b in zip(t["off"], t[m])]),
-                "first_round_ratio": t[m][0] / t["off"][0],
+                "ratio_range": (min(b / a for a, b in zip(t["off"], t[m])),
+                                max(b / a for a, b in zip(t["off"], t[m]))),
                 "tpot_ms": median(p[m]), "tpot_ratio": median([b / a for a, b in zip(p["off"], p[m])]),
                 "acceptance_length": median(cell["accept"][m]),
                 "same_tokens": cell["tokens"]["off"] == cell["tokens"][m]}
@@ -289,17 +322,18 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{'set':<16}{'method':<11}{'tok/s':>8}{'ratio':>7}{'1st rnd':>8}{'TPOT ms':>9}"
+    print(f"{'set':<16}{'method':<16}{'tok/s':>8}{'ratio':>7}{'min-max':>11}{'TPOT ms':>9}"
           f"{'ratio':>7}{'accept':>8}  same")
     for key, row in rows.items():
-        print(f"{key:<16}{'off':<11}{row['off_tok_s']:>8.1f}{'':>7}{'':>8}{row['off_tpot_ms']:>9.2f}")
+        print(f"{key:<16}{'off':<16}{row['off_tok_s']:>8.1f}{'':>7}{'':>11}{row['off_tpot_ms']:>9.2f}")
         for m, v in row.items():
             if isinstance(v, dict):
                 accept = "-" if v["acceptance_length"] is None else f"{v['acceptance_length']:.2f}"
                 same = (f"default {v['default_vs_peer']:.2f}x" if "default_vs_peer" in v
                         else v["same_tokens"])
-                print(f"{'':<16}{m:<11}{v['tok_s']:>8.1f}{v['tok_s_ratio']:>7.2f}"
-                      f"{v['first_round_ratio']:>8.2f}{v['tpot_ms']:>9.2f}{v['tpot_ratio']:>7.2f}"
+                print(f"{'':<16}{m:<16}{v['tok_s']:>8.1f}{v['tok_s_ratio']:>7.2f}"
+                      f"{v['ratio_range'][0]:>6.2f}-{v['ratio_range'][1]:<4.2f}"
+                      f"{v['tpot_ms']:>9.2f}{v['tpot_ratio']:>7.2f}"
                       f"{accept:>8}  {same}")
 
 
