@@ -58,7 +58,10 @@ class DemandWindow:
         while self._samples and self._samples[0][0] < now - self.window_s:
             self._samples.popleft()
         span = self.window_s * RECENT_SHARE
-        recent = _demand([s for s in self._samples if s[0] >= now - span], span)
+        last = [s for s in self._samples if s[0] >= now - span]
+        # A lull in the last part is no demand there: an empty Demand() would carry the
+        # dataclass's default prompt length into the prediction.
+        recent = _demand(last, span) if last else None
         return dataclasses.replace(_demand(self._samples, self.window_s), recent=recent)
 
 

@@ -12,7 +12,7 @@ from xllm_py.cluster.role_assignment import RoleAssignment, role_key
 from xllm_py.config import InstanceRole
 from xllm_service.config import ElasticConfig
 from xllm_service.elastic import DemandWindow, ElasticMetrics, RoleAssigner
-from xllm_service.elastic_policy import ElasticPolicy
+from xllm_service.elastic_policy import ElasticPolicy, predict
 from xllm_service.instance_table import InstanceInfo, InstanceState
 
 P, D, M = InstanceRole.PREFILL, InstanceRole.DECODE, InstanceRole.MIX
@@ -114,6 +114,21 @@ def test_demand_window_and_role_seconds():
     assert a.metrics.role_seconds == {"PREFILL": 2.0, "DECODE": 2.0}
     text = "".join(str(m) for m in a.metrics.collect())
     assert "xllm_service_role_flips" in text
+
+
+def test_a_lull_in_the_recent_half_adds_no_demand():
+    now = [0.0]
+    window = DemandWindow(window_s=10.0, clock=lambda: now[0])
+    for i in range(40):
+        now[0] = i * 0.1
+        window.add(64, 128)
+    now[0] = 9.0    # nothing in the last 5 s, the whole window still holds them all
+    d = dataclasses.replace(window.snapshot(), rate=20.0)
+    assert d.samples == 40
+    slow = dataclasses.replace(PROFILE, prefill_ms_per_token=0.8)
+    without_recent = dataclasses.replace(d, recent=None)
+    assert (predict(2, 2, [slow], d, 0, 0, (500.0, 50.0)).load
+            == predict(2, 2, [slow], without_recent, 0, 0, (500.0, 50.0)).load)
 
 
 def test_views_carry_the_routers_measured_correction():
