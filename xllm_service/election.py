@@ -113,7 +113,17 @@ class MasterElection:
 
     async def _campaign(self) -> None:
         lease_id = await self.etcd.grant_lease(self.ttl_s)
-        created, current = await self.etcd.put_if_absent(MASTER_KEY, self.my_addr, lease_id)
+        try:
+            created, current = await self.etcd.put_if_absent(MASTER_KEY, self.my_addr, lease_id)
+        except EtcdError:
+            # The member may have written the key before it failed to answer: revoking
+            # the lease takes such a key with it, so the next round can win at once
+            # instead of finding a key nobody holds until its lease runs out.
+            try:
+                await self.etcd.revoke_lease(lease_id)
+            except EtcdError:
+                pass  # then the key goes when the lease expires
+            raise
         if created:
             self._lease_id = lease_id
             self._last_refresh_ok = time.monotonic()

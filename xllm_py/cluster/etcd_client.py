@@ -12,7 +12,9 @@ Every call carries a deadline (`timeout_s`). Failures surface as `EtcdError`.
 Members: the endpoint may list several members of one etcd cluster (`h1:p1,h2:p2`). The
 client talks to one at a time; a call that finds its member unreachable (refused,
 unavailable, past its deadline) moves to the next member and tries again while the call's
-deadline lasts, so one dead member (the leader included) takes nothing down. Leases and
+deadline lasts, so one dead member (the leader included) takes nothing down. A write that
+is not idempotent (a transaction, a lease grant) is sent again only where its member
+refused it: a member that went silent may have committed it first. Leases and
 revisions are cluster-wide: a keep-alive goes on through the new member, and a watch
 resumes on it from the revision after the last event it delivered.
 """
@@ -240,10 +242,14 @@ class EtcdClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, call):  # type: ignore[no-untyped-def]
+    async def _call(self, call, idempotent: bool = True):  # type: ignore[no-untyped-def]
         """`call(aetcd_client)` under one outer deadline for the whole call; a member
         that does not answer hands the rest of the deadline to the next member (each
-        member tried at most once). aetcd errors map to EtcdError."""
+        member tried at most once). aetcd errors map to EtcdError.
+
+        `idempotent=False` (a transaction, a lease grant): a member that went silent may
+        have committed before it did, so the call is not sent again elsewhere; only a
+        refused connection moves it on."""
         deadline = asyncio.get_running_loop().time() + self.timeout_s + 0.5
         for _ in range(len(self.endpoints)):
             client = self._client
@@ -253,7 +259,8 @@ class EtcdClient:
                 return await wait_for(call(client), max(0.05, remaining))
             except _UNREACHABLE as e:
                 error = e
-                if not self._rotate(client) or deadline - asyncio.get_running_loop().time() < 0.05:
+                if (not self._rotate(client) or deadline - asyncio.get_running_loop().time() < 0.05
+                        or not idempotent and not isinstance(e, aetcd.exceptions.ConnectionFailedError)):
                     break
                 logger.info("etcd %s: %s; retrying on %s", endpoint, _describe(e), self.endpoint)
             except aetcd.exceptions.ClientError as e:
@@ -297,6 +304,8 @@ class EtcdClient:
         """Create `key` only if it does not exist (one transaction).
 
         Returns (created, current value): the value just written or the one that won.
+        A key that already holds this value on this lease counts as created: a member
+        that committed and then lost its reply leaves exactly that for the next try.
         """
         data = value.encode() if isinstance(value, str) else value
         k = self._k(key)
@@ -306,12 +315,15 @@ class EtcdClient:
                 compare=[tx.version(k) == 0],
                 success=[tx.put(k, data, lease=lease_id)],
                 failure=[tx.get(k)],
-            )
+            ),
+            idempotent=False,
         )
         if succeeded:
             return True, data
-        current = responses[0][0][0] if responses and responses[0] else None
-        return False, current
+        if not responses or not responses[0]:
+            return False, None
+        current, kv = responses[0][0]
+        return current == data and kv.lease == (lease_id or 0), current
 
     async def delete_if_value(self, key: str, value: str | bytes) -> bool:
         """Delete `key` only while it still holds `value` (a master resigning)."""
@@ -319,14 +331,15 @@ class EtcdClient:
         k = self._k(key)
         tx = _TX
         succeeded, _ = await self._call(
-            lambda c: c.transaction(compare=[tx.value(k) == data], success=[tx.delete(k)], failure=[])
+            lambda c: c.transaction(compare=[tx.value(k) == data], success=[tx.delete(k)], failure=[]),
+            idempotent=False,
         )
         return bool(succeeded)
 
     # ------------------------------------------------------------------ leases
 
     async def grant_lease(self, ttl_s: float) -> int:
-        lease = await self._call(lambda c: c.lease(lease_ttl_seconds(ttl_s)))
+        lease = await self._call(lambda c: c.lease(lease_ttl_seconds(ttl_s)), idempotent=False)
         return lease.id
 
     async def refresh_lease(self, lease_id: int) -> int:

@@ -9,23 +9,32 @@ import asyncio
 import types
 
 import aetcd.exceptions
+import aetcd.rpc
+import aetcd.transactions
 import pytest
 
-from xllm_py.cluster.etcd_client import EtcdClient, EtcdError
+from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError
 from xllm_py.utils.cli import parse_etcd_endpoints
+from xllm_service.election import MasterElection
 
 
 class FakeMember:
     """What EtcdClient asks of aetcd.Client, for one member that is up or down."""
 
-    def __init__(self, endpoint: str, store: dict[bytes, bytes], log: list[str]) -> None:
+    def __init__(self, endpoint: str, store: dict[bytes, bytes], log: list[str],
+                 leases: dict[bytes, int]) -> None:
         self.endpoint = endpoint
         self.store = store
+        self.leases = leases    # key -> its lease (shared, like the store)
         self.log = log
         self.down = False
         self.hang = False
+        # "transaction" / "lease": the write commits, then this is raised instead of
+        # its reply (the member died or the deadline passed after the commit).
+        self.lost_reply: dict[str, BaseException] = {}
         self.watch_events: asyncio.Queue | None = None
         self.watch_starts: list[int | None] = []
+        self.granted: list[int] = []
         self.closed = False
 
     async def _answer(self) -> None:
@@ -41,16 +50,58 @@ class FakeMember:
     async def close(self) -> None:
         self.closed = True
 
+    def _reply(self, call: str) -> None:
+        if call in self.lost_reply:
+            raise self.lost_reply[call]
+
     async def put(self, key: bytes, value: bytes, lease=None):  # noqa: ANN001
         await self._answer()
         self.store[key] = value
+        self.leases[key] = lease or 0
         return types.SimpleNamespace(header=types.SimpleNamespace(revision=len(self.store)))
 
     async def get(self, key: bytes):  # noqa: ANN201
         await self._answer()
         if key not in self.store:
             return None
-        return types.SimpleNamespace(value=self.store[key], mod_revision=1, lease=0)
+        return types.SimpleNamespace(value=self.store[key], mod_revision=1, lease=self.leases[key])
+
+    async def transaction(self, compare, success=None, failure=None):  # noqa: ANN001, ANN201
+        """Equality compares on a key's version (present or not) or value; puts, gets."""
+        await self._answer()
+
+        def holds(c) -> bool:  # noqa: ANN001
+            assert c.op == aetcd.rpc.Compare.EQUAL
+            if isinstance(c, aetcd.transactions.Version):
+                return int(c.key in self.store) == c.value
+            return self.store.get(c.key) == c.value
+
+        succeeded = all(holds(c) for c in compare)
+        responses = []
+        for op in (success if succeeded else failure) or []:
+            if isinstance(op, aetcd.transactions.Put):
+                self.store[op.key], self.leases[op.key] = op.value, op.lease or 0
+                responses.append(None)
+            elif isinstance(op, aetcd.transactions.Delete):
+                self.store.pop(op.key, None)
+                responses.append(None)
+            else:
+                kv = types.SimpleNamespace(lease=self.leases.get(op.key))
+                responses.append([(self.store[op.key], kv)] if op.key in self.store else [])
+        self._reply("transaction")
+        return succeeded, responses
+
+    async def lease(self, ttl: int):  # noqa: ANN201
+        await self._answer()
+        lease = types.SimpleNamespace(id=100 + len(self.log))  # unique across members
+        self.granted.append(lease.id)
+        self._reply("lease")
+        return lease
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        await self._answer()
+        for key in [k for k, lease in self.leases.items() if lease == lease_id]:
+            del self.store[key], self.leases[key]
 
     async def refresh_lease(self, lease_id: int):  # noqa: ANN201
         await self._answer()
@@ -91,11 +142,12 @@ def _event(key: bytes, rev: int) -> types.SimpleNamespace:
 @pytest.fixture
 def cluster(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     store: dict[bytes, bytes] = {}
+    leases: dict[bytes, int] = {}
     log: list[str] = []
     members: dict[str, FakeMember] = {}
 
     for endpoint in ENDPOINTS.split(","):
-        members[endpoint] = FakeMember(endpoint, store, log)
+        members[endpoint] = FakeMember(endpoint, store, log, leases)
     monkeypatch.setattr(EtcdClient, "_make_client", lambda self, endpoint: members[endpoint])
     return types.SimpleNamespace(members=members, log=log, store=store)
 
@@ -135,6 +187,46 @@ async def test_a_hung_member_spends_the_deadline_and_the_next_call_moves_on(clus
     assert client.endpoint == "127.0.0.1:2"
     await client.put("k", "v")
     assert cluster.log[-1] == "127.0.0.1:2" and cluster.store == {b"k": b"v"}
+
+
+async def test_a_write_is_not_sent_again_after_its_member_went_silent(cluster) -> None:  # noqa: ANN001
+    client = EtcdClient(ENDPOINTS, timeout_s=0.5)
+    silent = aetcd.exceptions.ConnectionTimeoutError("deadline exceeded")
+    for member in cluster.members.values():
+        member.lost_reply = {"transaction": silent, "lease": silent}
+    with pytest.raises(EtcdError, match="ConnectionTimeoutError"):
+        await client.grant_lease(3)
+    with pytest.raises(EtcdError, match="ConnectionTimeoutError"):
+        await client.put_if_absent("k", "v", 7)
+    # each committed once on the member that went silent, never sent again: the next
+    # call went to the next member
+    assert cluster.log == ["127.0.0.1:1", "127.0.0.1:2"]
+    assert [len(m.granted) for m in cluster.members.values()] == [1, 0, 0]
+    assert cluster.store == {b"k": b"v"}
+
+
+async def test_put_if_absent_that_finds_its_own_write_has_created_the_key(cluster) -> None:  # noqa: ANN001
+    client = EtcdClient(ENDPOINTS, timeout_s=0.5)
+    cluster.members["127.0.0.1:1"].lost_reply = {
+        "transaction": aetcd.exceptions.ConnectionFailedError("reset")}
+    assert await client.put_if_absent("k", "me", 7) == (True, b"me")  # sent again on member 2
+    assert client.endpoint == "127.0.0.1:2"
+    # the same value on another lease, or another value, is somebody else's key
+    assert await client.put_if_absent("k", "me", 8) == (False, b"me")
+    assert await client.put_if_absent("k", "you", 7) == (False, b"me")
+
+
+async def test_a_campaign_whose_write_went_unanswered_wins_the_next_round(cluster) -> None:  # noqa: ANN001
+    client = EtcdClient(ENDPOINTS, timeout_s=0.5)
+    election = MasterElection(client, "me:1", ttl_s=3.0)
+    first = cluster.members["127.0.0.1:1"]
+    first.lost_reply = {"transaction": aetcd.exceptions.ConnectionTimeoutError("deadline")}
+    with pytest.raises(EtcdError):
+        await election._campaign()
+    # the key written under the unanswered transaction went with its lease
+    assert MASTER_KEY.encode() not in cluster.store and not election.is_master
+    await election._campaign()
+    assert election.is_master and cluster.store[MASTER_KEY.encode()] == b"me:1"
 
 
 async def test_every_member_down_fails_once_round_within_the_deadline(cluster) -> None:  # noqa: ANN001
