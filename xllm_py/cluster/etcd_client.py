@@ -11,8 +11,8 @@ Every call carries a deadline (`timeout_s`). Failures surface as `EtcdError`.
 
 Members: the endpoint may list several members of one etcd cluster (`h1:p1,h2:p2`). The
 client talks to one at a time; a call that finds its member unreachable (refused,
-unavailable, past its deadline) moves to the next member and tries again while the call's
-deadline lasts, so one dead member (the leader included) takes nothing down. A write that
+unavailable, past its share of the deadline) moves to the next member and tries again while
+the call's deadline lasts, so one dead member (the leader included) takes nothing down. A write that
 is not idempotent (a transaction, a lease grant) is sent again only where its member
 refused it: a member that went silent may have committed it first. Leases and
 revisions are cluster-wide: a keep-alive goes on through the new member, and a watch
@@ -251,10 +251,16 @@ class EtcdClient:
         have committed before it did, so the call is not sent again elsewhere; only a
         refused connection moves it on."""
         deadline = asyncio.get_running_loop().time() + self.timeout_s + 0.5
-        for _ in range(len(self.endpoints)):
+        # A member that hangs (a host gone without refusing) keeps only its share, so the
+        # next one still has time to answer; the last one tried keeps what is left, and
+        # so does a call that is not sent again.
+        share = max(0.5, self.timeout_s / len(self.endpoints))
+        for attempt in range(len(self.endpoints)):
             client = self._client
             endpoint = self.endpoint
             remaining = deadline - asyncio.get_running_loop().time()
+            if idempotent and attempt < len(self.endpoints) - 1:
+                remaining = min(share, remaining)
             try:
                 return await wait_for(call(client), max(0.05, remaining))
             except _UNREACHABLE as e:
