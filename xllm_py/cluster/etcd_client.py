@@ -170,6 +170,7 @@ class EtcdClient:
         # One aetcd client per member, made on first use: a watch stays on the client it
         # was opened on while calls move on, and at most one client per member exists.
         self._clients: list[aetcd.Client | None] = [None] * len(self.endpoints)
+        self._closed = False
         self._current = 0
         self.num_rotations = 0
 
@@ -194,6 +195,10 @@ class EtcdClient:
 
     @property
     def _client(self) -> aetcd.Client:
+        if self._closed:
+            # A task still running through shutdown would otherwise open a channel
+            # nobody closes.
+            raise EtcdError(f"etcd {self.endpoint}: client closed")
         client = self._clients[self._current]
         if client is None:
             client = self._clients[self._current] = self._make_client(self.endpoint)
@@ -226,6 +231,8 @@ class EtcdClient:
         await self._call(lambda c: c.connect())
 
     async def close(self) -> None:
+        """Final: later calls raise EtcdError."""
+        self._closed = True
         clients, self._clients = self._clients, [None] * len(self.endpoints)
         for endpoint, client in zip(self.endpoints, clients):
             if client is None:

@@ -235,6 +235,16 @@ async def test_a_campaign_whose_write_went_unanswered_wins_the_next_round(cluste
     assert election.is_master and cluster.store[MASTER_KEY.encode()] == b"me:1"
 
 
+async def test_a_call_after_close_fails_and_opens_no_client(cluster) -> None:  # noqa: ANN001
+    client = EtcdClient(ENDPOINTS, timeout_s=0.5)
+    await client.put("k", "v")
+    await client.close()
+    assert cluster.members["127.0.0.1:1"].closed
+    with pytest.raises(EtcdError, match="closed"):
+        await client.get("k")
+    assert cluster.log == ["127.0.0.1:1"]
+
+
 async def test_every_member_down_fails_once_round_within_the_deadline(cluster) -> None:  # noqa: ANN001
     client = EtcdClient(ENDPOINTS, timeout_s=0.5)
     for member in cluster.members.values():
