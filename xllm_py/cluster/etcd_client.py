@@ -180,7 +180,7 @@ class EtcdClient:
         return self.endpoints[self._current]
 
     def _make_client(self, endpoint: str) -> aetcd.Client:
-        host, _, port = endpoint.removeprefix("http://").removeprefix("https://").rpartition(":")
+        host, _, port = endpoint.rpartition(":")
         user, password = self._credentials
         kwargs = dict(
             host=host,

@@ -31,15 +31,20 @@ def parse_bool(value: str) -> bool:
 
 def parse_etcd_endpoints(text: str) -> list[str]:
     """`host:port[,host:port...]` (members of one etcd cluster; an `http://`/`https://`
-    prefix allowed) -> the members; ValueError with one line naming the bad item."""
+    prefix allowed) -> the members as bare `host:port` (TLS is its own setting, and the
+    launcher's reachability check and the store's etcd:// URL take host:port); ValueError
+    with one line naming the bad item."""
     items = [item.strip() for item in text.split(",")]
     if not text.strip() or any(not item for item in items):
         raise ValueError(f"etcd endpoints must be host:port[,host:port...], got {text!r}")
+    members = []
     for item in items:
-        host, sep, port = item.removeprefix("http://").removeprefix("https://").rpartition(":")
+        member = item.removeprefix("http://").removeprefix("https://")
+        host, sep, port = member.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"etcd endpoint must be host:port, got {item!r} in {text!r}")
-    return items
+        members.append(member)
+    return members
 
 
 def etcd_endpoints(text: str) -> str:

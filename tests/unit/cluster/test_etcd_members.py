@@ -157,7 +157,7 @@ ENDPOINTS = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"
 
 def test_parse_endpoints() -> None:
     assert parse_etcd_endpoints("a:1") == ["a:1"]
-    assert parse_etcd_endpoints("a:1, b:2,http://c:3") == ["a:1", "b:2", "http://c:3"]
+    assert parse_etcd_endpoints("a:1, b:2,http://c:3,https://d:4") == ["a:1", "b:2", "c:3", "d:4"]
     for bad in ("", "a:1,", "a:1,b", "a:1,:2", "a:x", "a:70000"):
         with pytest.raises(ValueError, match="host:port"):
             parse_etcd_endpoints(bad)

@@ -71,6 +71,15 @@ def test_etcd_members_one_answering_is_enough(taken_port, closed_port):
     assert f"cannot reach etcd at 127.0.0.1:{closed_port} (--etcd)" in error
 
 
+def test_an_etcd_url_is_taken_as_its_host_and_port(capsys, tmp_path, taken_port, closed_port):
+    args = build_parser().parse_args(
+        ["--etcd", f"http://127.0.0.1:{closed_port},https://127.0.0.1:{taken_port}"])
+    assert args.etcd == f"127.0.0.1:{closed_port},127.0.0.1:{taken_port}"
+    assert launch.etcd_members_error(args.etcd) is None
+    err = _refused(capsys, tmp_path, "--etcd", f"http://127.0.0.1:{closed_port}")
+    assert f"cannot reach etcd at 127.0.0.1:{closed_port} (--etcd)" in err
+
+
 def test_bad_engine_and_service_flags_found_by_their_own_parsers(capsys, tmp_path):
     err = _refused(capsys, tmp_path, "--engine-arg=--blok-size=32")
     assert "unrecognized arguments: --blok-size=32" in err and "--engine-arg" in err
