@@ -16,6 +16,7 @@ import pytest
 from xllm_py.cluster.etcd_client import MASTER_KEY, EtcdClient, EtcdError
 from xllm_py.utils.cli import parse_etcd_endpoints
 from xllm_service.election import MasterElection
+from tests.waiting import wait_until
 
 
 class FakeMember:
@@ -273,19 +274,18 @@ async def test_a_watch_resumes_on_the_next_member_after_the_last_event(cluster) 
             seen.append(ev.revision)
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.05)
-    first = cluster.members["127.0.0.1:1"]
+    first, second = cluster.members["127.0.0.1:1"], cluster.members["127.0.0.1:2"]
+    await wait_until(lambda: first.watch_starts, 2.0)
     assert first.watch_starts == [5]
     first.watch_events.put_nowait(_event(b"XLLM:MIX:a", 5))
     first.watch_events.put_nowait(_event(b"XLLM:MIX:b", 6))
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: len(seen) == 2, 2.0)
     first.down = True
     first.watch_events.put_nowait(aetcd.exceptions.ConnectionFailedError("gone"))
-    await asyncio.sleep(0.05)
-    second = cluster.members["127.0.0.1:2"]
+    await wait_until(lambda: second.watch_starts, 2.0)
     assert second.watch_starts == [7]  # from the revision after the last one delivered
     second.watch_events.put_nowait(_event(b"XLLM:MIX:c", 7))
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: len(seen) == 3, 2.0)
     assert seen == [5, 6, 7] and not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -297,8 +297,7 @@ async def test_a_watch_gives_up_after_every_member_broke(cluster) -> None:  # no
     it = client.watch_prefix("XLLM:", start_revision=1).__aiter__()
     nxt = asyncio.ensure_future(it.__anext__())
     for endpoint in ENDPOINTS.split(","):
-        while cluster.members[endpoint].watch_events is None:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: cluster.members[endpoint].watch_events is not None, 2.0)
         cluster.members[endpoint].watch_events.put_nowait(aetcd.exceptions.ConnectionFailedError("gone"))
     with pytest.raises(EtcdError, match="watch on 'XLLM:' broke"):
         await nxt
@@ -308,8 +307,9 @@ async def test_a_compacted_watch_is_not_reopened(cluster) -> None:  # noqa: ANN0
     client = EtcdClient(ENDPOINTS, timeout_s=1.0)
     it = client.watch_prefix("XLLM:", start_revision=1).__aiter__()
     nxt = asyncio.ensure_future(it.__anext__())
-    await asyncio.sleep(0.05)
-    cluster.members["127.0.0.1:1"].watch_events.put_nowait(aetcd.exceptions.RevisionCompactedError(9))
+    first = cluster.members["127.0.0.1:1"]
+    await wait_until(lambda: first.watch_events is not None, 2.0)
+    first.watch_events.put_nowait(aetcd.exceptions.RevisionCompactedError(9))
     with pytest.raises(EtcdError, match="compacted"):
         await nxt
     assert client.num_rotations == 0
