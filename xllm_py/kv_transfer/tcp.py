@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import socket
 import struct
 
@@ -67,7 +68,7 @@ def _blocking_recv_into(sock: socket.socket, mv: memoryview, timeout: float) -> 
                 raise ConnectionError("peer closed the connection")
             mv = mv[n:]
     finally:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _NO_LIMIT)
         sock.setblocking(False)
 
 
@@ -84,12 +85,20 @@ def _blocking_sendall(sock: socket.socket, mv: memoryview, timeout: float) -> No
     except BlockingIOError as exc:  # (SO_SNDTIMEO ran out with nothing sent)
         raise TimeoutError(f"tcp: no send progress in {timeout:.1f} s") from exc
     finally:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _NO_LIMIT)
         sock.setblocking(False)
 
 
+# SO_SNDTIMEO / SO_RCVTIMEO take a struct timeval; {0, 0} means no limit at all.
+_NO_LIMIT = struct.pack("@ll", 0, 0)
+_MIN_TIMEOUT_S = 0.001
+
+
 def _timeval(seconds: float) -> bytes:
-    """A struct timeval for SO_SNDTIMEO / SO_RCVTIMEO (0: no limit)."""
+    """The struct timeval bounding a wait to `seconds`. A deadline already spent (a gRPC
+    call's remaining time can be) still gets 1 ms: under 1 us packs as {0, 0}, no limit,
+    and a negative one is refused by setsockopt."""
+    seconds = max(seconds, _MIN_TIMEOUT_S)
     whole = int(seconds)
     return struct.pack("@ll", whole, int((seconds - whole) * 1e6))
 
@@ -109,6 +118,15 @@ async def bulk_sendall(loop: asyncio.AbstractEventLoop, sock: socket.socket, mv:
         await loop.sock_sendall(sock, mv)
     else:
         await loop.run_in_executor(None, _blocking_sendall, sock, mv, timeout)
+
+
+def _request_timeout(req: dict, default: float) -> float | None:
+    """A request's timeout in seconds; None where it is not a positive finite number."""
+    try:
+        timeout = float(req.get("timeout", default))
+    except (TypeError, ValueError):
+        return None
+    return timeout if 0 < timeout < math.inf else None
 
 
 async def send_msg(loop: asyncio.AbstractEventLoop, sock: socket.socket, obj: dict) -> None:
@@ -208,6 +226,11 @@ class TcpKVTransferBackend(KVTransferBackend):
                     except ValueError as e:
                         await send_msg(loop, sock, {"ok": False, "error": f"peer refused: {e}"})
                         continue
+                timeout = _request_timeout(req, self.default_timeout_s)
+                if timeout is None:
+                    await send_msg(loop, sock, {"ok": False, "error": "peer refused: timeout must be "
+                                                f"a positive number of seconds, got {req.get('timeout')!r}"})
+                    continue
                 if op == "pull":
                     checked = self._check_remote_runs(runs, side="src")
                     if isinstance(checked, str):
@@ -218,7 +241,7 @@ class TcpKVTransferBackend(KVTransferBackend):
                     try:
                         mv = tensor_bytes(buf)
                         await send_msg(loop, sock, {"ok": True, "nbytes": len(mv)})
-                        await bulk_sendall(loop, sock, mv, float(req.get("timeout", self.default_timeout_s)))
+                        await bulk_sendall(loop, sock, mv, timeout)
                     finally:
                         if heads is None:
                             self._pool.release(buf)
@@ -235,8 +258,7 @@ class TcpKVTransferBackend(KVTransferBackend):
                     staging = self._pool.acquire(nbytes)
                     try:
                         await send_msg(loop, sock, {"ok": True})
-                        await bulk_recv_into(loop, sock, tensor_bytes(staging),
-                                             float(req.get("timeout", self.default_timeout_s)))
+                        await bulk_recv_into(loop, sock, tensor_bytes(staging), timeout)
                         self._write(checked[1], staging, heads)
                     finally:
                         self._pool.release(staging)
