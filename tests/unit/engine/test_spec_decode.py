@@ -141,11 +141,40 @@ def test_a_compute_bound_step_verifies_no_guesses_and_probes_later():
     batch = [_req(f"r{i}", REPEATING) for i in range(16)]
     # One sequence (9 ms): 0.8 * 9 > 4 * 1, 0.64 * 13 > 4 * 1.8, not 0.512 * 17 > 4 * 2.44
     assert len(spec.propose(batch[:1], 256)["r0"]) == 2
-    assert spec.propose(batch, 256) == {}  # bar 64 / 69: a rate of 0.8 is not
-    for _ in range(spec_mod.FIRST_REST_STEPS):
-        assert spec.propose(batch, 256) == {}
-    probes = spec.propose(batch, 256)  # after the rest: each verifies a short probe
+    for _ in range(spec_mod.PRICED_OUT_STEPS):
+        assert spec.propose(batch, 256) == {}  # bar 64 / 69: a rate of 0.8 is not
+    probes = spec.propose(batch, 256)  # then each verifies a short probe
     assert len(probes) == 16 and {len(g) for g in probes.values()} == {spec_mod.PROBE_TOKENS}
+
+
+def test_a_sequence_left_alone_after_a_large_batch_guesses_at_once():
+    spec = Speculator(K4)
+    for rows in (8, 12, 16, 24, 8, 16):  # 5 ms + 4 ms a row
+        spec.step_cost.add(rows, 5.0 + 4.0 * rows)
+    batch = [_req(f"r{i}", REPEATING) for i in range(16)]
+    probing_steps = sum(bool(spec.propose(batch, 256)) for _ in range(100))
+    # priced out all along, but for a probe every PRICED_OUT_STEPS + 1 steps
+    assert probing_steps == 100 // (spec_mod.PRICED_OUT_STEPS + 1)
+    # the batch drains: alone, the survivor's guesses pay (bar 4 / 9) and it guesses now
+    assert len(spec.propose(batch[:1], 256)["r0"]) == 2
+
+
+def test_a_fully_kept_verify_makes_the_next_rest_short_again():
+    spec = Speculator(K4)
+    req, kv = _req("a", REPEATING), _FakeKV()
+
+    def rest_after_rejections() -> int:
+        while "a" in spec.propose([req], 256):
+            spec.settle(req, 4, 1, kv)  # every guess rejected
+        rested = 1
+        while "a" not in spec.propose([req], 256):
+            rested += 1
+        return rested
+
+    first = spec_mod.FIRST_REST_STEPS
+    assert [rest_after_rejections() for _ in range(3)] == [first, 2 * first, 4 * first]
+    spec.settle(req, 2, 3, kv)  # the probe after the rest: both guesses kept
+    assert rest_after_rejections() == spec_mod.FIRST_REST_STEPS
 
 
 def test_the_latency_profile_prices_a_step_until_the_fit_does():

@@ -15,7 +15,11 @@ decode but a PD prefill's hand-over (each guess row is sampled as a one-token st
 sample that position: verify.py), at most as many guesses as max_tokens and the context
 leave room for, under a grammar only those it accepts (cut at the first it refuses or
 that completes it), and none while its rate has fallen below MIN_ACCEPTANCE: it rests,
-then tries again, each rest twice as long as the last, up to MAX_REST_STEPS.
+then tries again, each rest twice as long as the last, up to MAX_REST_STEPS (back to
+FIRST_REST_STEPS once a verify keeps every guess). A sequence the step's price leaves
+out does not rest: the price changes with the batch, so it asks again the next step, and
+after PRICED_OUT_STEPS in a row it verifies a short probe (its rate may be better than
+the one the price hid).
 
 After the verify step (`settle`): the accepted tokens were appended; KV is valid up to
 the last of them, the rejected guesses' slots are rolled back (num_computed_tokens, the
@@ -48,6 +52,7 @@ EWMA_WEIGHT = 0.3
 FIRST_REST_STEPS = 4
 MAX_REST_STEPS = 64
 PROBE_TOKENS = 2  # guesses of the step after a rest (at most)
+PRICED_OUT_STEPS = FIRST_REST_STEPS
 # Guesses a step from a prediction: an edit's prediction is mostly kept, so more pay than
 # the lookup methods' default (within SpeculativeConfig.MAX_TOKENS).
 PREDICTION_TOKENS = 8
@@ -62,6 +67,7 @@ class _SeqState:
     rest_left: int = 0  # steps without proposing
     rest_next: int = FIRST_REST_STEPS
     rested: bool = False  # a rest ended: the next proposal is verified whatever its rate
+    priced_out: int = 0  # steps in a row the step's price left it out
     # guessed tokens kept and not kept (a prediction's: the request's usage reports them)
     accepted: int = 0
     rejected: int = 0
@@ -150,8 +156,14 @@ class Speculator:
                 continue
             probe = state.rested
             if price is not None and state.rate <= bar and not probe and not predicted:
-                state.rest(0.0)  # (not worth a row now; a probe after the rest tells)
-                continue
+                # (not worth a row at this step's price: no rest, which would outlast
+                # the batch that priced it out; skipping costs nothing, as it comes
+                # before proposing)
+                state.priced_out += 1
+                if state.priced_out <= PRICED_OUT_STEPS:
+                    continue
+                probe = True
+            state.priced_out = 0
             state.rested = False
             drafts = state.proposer.propose(
                 request.output_token_ids if predicted else request.all_token_ids, k)
@@ -191,6 +203,8 @@ class Speculator:
         state.accepted += accepted
         state.rejected += num_drafts - accepted
         state.rate += EWMA_WEIGHT * (accepted / (accepted + refused) - state.rate)
+        if not refused:  # (its guesses are good again: a later rest starts short)
+            state.rest_next = FIRST_REST_STEPS
         if state.rate < MIN_ACCEPTANCE:
             state.rest(MIN_ACCEPTANCE)
         request.num_computed_tokens = request.num_tokens - 1
