@@ -348,11 +348,13 @@ class ContinuousScheduler:
             updates.append(RequestUpdate(request.request_id, [], True, "error",
                                          num_cached_tokens=cached))
             return
-        tokens, status = append_until_stop(
-            request, [token_id, *(accepted or {}).get(seq.request_id, ())], self.max_model_len)
+        # (the verify's tokens after the first: as many as the guesses the model kept)
+        verified = (accepted or {}).get(seq.request_id, ())
+        tokens, status = append_until_stop(request, [token_id, *verified], self.max_model_len)
         predicted = None
         if seq.spec_token_ids:
-            self.speculator.settle(request, len(seq.spec_token_ids), len(tokens), self.kv)
+            self.speculator.settle(request, len(seq.spec_token_ids), len(verified), len(tokens),
+                                   self.kv)
             predicted = self.speculator.prediction_usage(request)
         if status is not None:
             self._end(request, status)

@@ -165,7 +165,7 @@ def test_a_fully_kept_verify_makes_the_next_rest_short_again():
 
     def rest_after_rejections() -> int:
         while "a" in spec.propose([req], 256):
-            spec.settle(req, 4, 1, kv)  # every guess rejected
+            spec.settle(req, 4, 0, 1, kv)  # every guess rejected
         rested = 1
         while "a" not in spec.propose([req], 256):
             rested += 1
@@ -173,7 +173,7 @@ def test_a_fully_kept_verify_makes_the_next_rest_short_again():
 
     first = spec_mod.FIRST_REST_STEPS
     assert [rest_after_rejections() for _ in range(3)] == [first, 2 * first, 4 * first]
-    spec.settle(req, 2, 3, kv)  # the probe after the rest: both guesses kept
+    spec.settle(req, 2, 2, 3, kv)  # the probe after the rest: both guesses kept
     assert rest_after_rejections() == spec_mod.FIRST_REST_STEPS
 
 
@@ -196,7 +196,7 @@ def test_a_sequence_whose_guesses_fail_rests_then_tries_again():
     for _ in range(3):
         steps = 0
         while "a" in spec.propose([req], 256):
-            spec.settle(req, 4, 1, kv)  # every guess rejected
+            spec.settle(req, 4, 0, 1, kv)  # every guess rejected
             steps += 1
         rested = 1  # (the call that ended the loop above)
         while "a" not in spec.propose([req], 256):
@@ -278,6 +278,9 @@ def test_verify_step_never_passes_max_tokens_and_stops_at_a_stop_token():
     [upd] = sched.update_from_output(out, {"b": 4}, {"b": [5, 6, 7, 8]})
     assert upd.finished and upd.new_token_ids == [4, 5] and upd.stop_reason == 5
     assert sched.kv.block_pool.num_used_blocks == 0
+    # every guess was kept both times: the stop and the cap refused none
+    stats = sched.speculator.stats["ngram"]
+    assert stats.rejections == 0 and stats.accepted == 2 + 4 and stats.rate == 1.0
 
 
 def test_guesses_never_preempt():
@@ -307,9 +310,9 @@ def test_prometheus_counters_per_method():
     spec = Speculator(K4)
     req = _req("a", REPEATING)
     spec.propose([req], 256)
-    spec.settle(req, 4, 3, _FakeKV())  # 4 guessed, 2 kept
+    spec.settle(req, 4, 2, 3, _FakeKV())  # 4 guessed, 2 kept
     spec.propose([req], 256)
-    spec.settle(req, 4, 5, _FakeKV())  # 4 guessed, all kept
+    spec.settle(req, 4, 4, 5, _FakeKV())  # 4 guessed, all kept
     samples = {}
     scheduler = SimpleNamespace(kv=SimpleNamespace(held_blocks=dict))
     for engine in (SimpleNamespace(stats=dict, scheduler=scheduler, speculator=spec),

@@ -80,6 +80,12 @@ def test_verify_step_reports_the_predictions_kept_and_rejected_guesses():
     assert sched.speculator.stats["prediction"].proposed == 8
     assert "ngram" not in sched.speculator.stats
     sched.abort_request("a")
+    stopped = _req("b", [1, 2, 3, 4, 5], prediction_token_ids=PREDICTION, stop_token_ids=[12])
+    sched.add_request(stopped)
+    sched.update_from_output(sched.schedule(), {"b": 10})
+    # The model agrees with 11, 12 and 13, but 12 ends the output: 2 of it in the output.
+    [upd] = sched.update_from_output(sched.schedule(), {"b": 11}, {"b": [12, 13, 40]})
+    assert upd.new_token_ids == [11, 12] and upd.finished and upd.predicted == (2, 6)
     assert sched.kv.block_pool.num_used_blocks == 0
 
 

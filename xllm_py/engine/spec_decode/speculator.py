@@ -187,11 +187,14 @@ class Speculator:
                 del drafted[rid]
         return drafted
 
-    def settle(self, request: Request, num_drafts: int, num_emitted: int, kv) -> None:
-        """After a verify step that appended `num_emitted` tokens for `num_drafts` guesses:
-        count them, keep KV up to the last token before the newest, roll back the rest
-        (`kv`: the scheduler's KVCacheManager), before the request may end."""
-        accepted = num_emitted - 1
+    def settle(self, request: Request, num_drafts: int, num_kept: int, num_emitted: int,
+               kv) -> None:
+        """After a verify step in which the model kept `num_kept` of `num_drafts` guesses
+        and `num_emitted` tokens were appended (fewer than num_kept + 1 where a stop token
+        or the length cap came first, which refuses no guess): count them, keep KV up to
+        the last token before the newest, roll back the rest (`kv`: the scheduler's
+        KVCacheManager), before the request may end."""
+        accepted = num_kept
         refused = int(accepted < num_drafts)
         state = self._seqs[request]
         stats = self.stats.setdefault(state.method, SpecStats())
@@ -200,8 +203,9 @@ class Speculator:
         stats.rejections += refused
         stats.verify_steps += 1
         stats.acceptance_lengths[accepted] = stats.acceptance_lengths.get(accepted, 0) + 1
-        state.accepted += accepted
-        state.rejected += num_drafts - accepted
+        shown = min(accepted, num_emitted)  # (the guesses in the output, for its usage)
+        state.accepted += shown
+        state.rejected += num_drafts - shown
         state.rate += EWMA_WEIGHT * (accepted / (accepted + refused) - state.rate)
         if not refused:  # (its guesses are good again: a later rest starts short)
             state.rest_next = FIRST_REST_STEPS
