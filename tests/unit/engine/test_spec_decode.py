@@ -177,6 +177,26 @@ def test_a_fully_kept_verify_makes_the_next_rest_short_again():
     assert rest_after_rejections() == spec_mod.FIRST_REST_STEPS
 
 
+def test_lookup_guesses_are_priced_with_the_predictions_rows_in_the_step():
+    spec = Speculator(K4)
+    for rows in (8, 12, 16, 24, 8, 16):  # 5 ms + 2 ms a row
+        spec.step_cost.add(rows, 5.0 + 2.0 * rows)
+    predicted = _req("p", [1, 2, 3], prediction_token_ids=list(range(10, 30)))
+    predicted.append_output_token(10)
+    drafted = spec.propose([predicted, _req("a", REPEATING)], 256)
+    rows = len(drafted["p"])  # verified whatever the price
+    rate = spec_mod.PRIOR_RATE
+
+    def tokens_per_ms(guesses: int) -> float:
+        """The step's expected tokens per ms with `guesses` lookup guesses beside them."""
+        tokens = 2 + sum(rate ** j for j in range(1, rows + 1)) + sum(
+            rate ** j for j in range(1, guesses + 1))
+        return tokens / (5.0 + 2.0 * (2 + rows + guesses))
+
+    assert rows == spec_mod.PREDICTION_TOKENS
+    assert len(drafted["a"]) == max(range(5), key=tokens_per_ms)
+
+
 def test_the_latency_profile_prices_a_step_until_the_fit_does():
     # A decode step of 20 ms + 1 ms a sequence; a guess costs like a prompt token, 2 ms.
     profile = LatencyProfile(prefill_base_ms=5, prefill_ms_per_token=2, decode_base_ms=20,
