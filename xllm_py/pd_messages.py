@@ -69,8 +69,9 @@ class KVMove:
     src_blocks: list[int]
     dst_blocks: list[int]
     transfer_key: str = dataclasses.field(default="", repr=False)
-    # per KV group in order, how many of the blocks are its (hybrid models; () = all of
-    # group 0): where pipeline stages move each group's layers apart (instance_peers.py)
+    # per KV group in order, how many of the blocks are its (hybrid models; () = not
+    # known, refused where pipeline stages move each group's layers apart:
+    # instance_peers.py)
     group_blocks: tuple[int, ...] = ()
 
 

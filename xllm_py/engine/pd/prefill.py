@@ -235,7 +235,7 @@ class PrefillSide:
         rec.num_cached_on_decode = placement.num_cached_tokens
         if self.streams and len(rec.spec.prompt_token_ids) >= self.config.transfer.stream_min_tokens:
             rec.stream = KVStream(
-                rec.request_id, lambda src, dst, rec=rec: self._push(rec, src, dst),
+                rec.request_id, lambda src, dst, rec=rec: self._push(rec, src, dst, (len(src),)),
                 rec.decode_blocks, rec.num_cached_on_decode // self.engine.storage.block_size,
                 self.engine.storage.block_size, self._stream_slots, self.spawn)
         rec.transition(P.PREFILLING)
@@ -335,7 +335,9 @@ class PrefillSide:
                     if rec.stream is not None:
                         streamed = await rec.stream.finish(src)
                     if streamed < len(src):  # streamed: only the last chunk's blocks are left
-                        await self._push(rec, src[streamed:], dst[streamed:], streamed)
+                        n = self.engine.handover_group_sizes(
+                            rec.num_cached_on_decode, len(rec.spec.prompt_token_ids))
+                        await self._push(rec, src[streamed:], dst[streamed:], (n[0] - streamed, *n[1:]))
             except StatusError as exc:  # decode must still hear of it to free its blocks
                 error = exc
                 handover.failed, handover.status_msg = True, exc.message
@@ -387,17 +389,15 @@ class PrefillSide:
         handover.block_ids = src
 
     async def _push(self, rec: PrefillRequest, src: list[int], dst: list[int],
-                    streamed: int | None = None) -> None:
-        """``streamed``: the hand-over's rest after it; None: a stream's (group 0's) blocks."""
+                    group_blocks: tuple[int, ...]) -> None:
+        """``group_blocks``: per KV group, its count of the blocks (a stream's: group 0's)."""
         decode = rec.decode
         if not decode.addrs:
             raise StatusError(Status.BAD_GATEWAY,
                               f"decode {decode.name} publishes no transfer address")
-        n = (len(src),) if streamed is None else self.engine.handover_group_sizes(
-            rec.num_cached_on_decode, len(rec.spec.prompt_token_ids))
         await self.peers.push_kv(KVMove(
             rec.request_id, decode.cluster_ids[0] if decode.cluster_ids else 0,
-            decode.addrs[0], src, dst, group_blocks=(n[0] - (streamed or 0), *n[1:]),
+            decode.addrs[0], src, dst, group_blocks=group_blocks,
             transfer_key=decode.transfer_keys[0] if decode.transfer_keys else ""))
 
     def _report_error(self, spec: EngineRequestSpec, status: Status, message: str,
