@@ -105,6 +105,12 @@ async def test_a_layer_range_outside_a_pool_is_refused(backend):
                 num_layers=2), timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "layer slice [1, 3) outside" in e.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as e:  # a layer range needs heads
+            await decode[0].stub.PullKVCache(xllm_pb2.PullKVCacheRequest(
+                addr=prefill[0].addr, src_blocks=[1], dst_blocks=[1], src_layer_start=2,
+                num_layers=2), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "needs num_heads" in e.value.details()
         assert not decode[0].storage.kv.any()
     finally:
         for r in prefill + decode:

@@ -48,7 +48,12 @@ def transfer_from_proto(msg: pb.PullKVCacheRequest | pb.PushKVCacheRequest) -> W
 
 def _slice_from_proto(msg: pb.PullKVCacheRequest | pb.PushKVCacheRequest
                       ) -> tuple[int, ...] | None:
+    """The move's heads (and layers) slice; None: whole blocks. ValueError for a layer
+    range without heads: moved as whole blocks it could pass every size check between
+    pools of one shape and copy the wrong layers."""
     if not msg.num_heads:
+        if msg.num_layers or msg.src_layer_start or msg.dst_layer_start:
+            raise ValueError("a layer range (num_layers, src/dst_layer_start) needs num_heads > 0")
         return None
     heads = (msg.src_head_start, msg.dst_head_start, msg.num_heads)
     if msg.num_layers:

@@ -68,8 +68,8 @@ class WorkerServicer(xllm_pb2_grpc.WorkerServiceServicer):
 
     async def _move(self, move, request, context: grpc.aio.ServicerContext) -> xllm_pb2.Status:
         """A pull or push (`move`: the worker's) of the blocks `request` names."""
-        t = wire.transfer_from_proto(request)
         try:
+            t = wire.transfer_from_proto(request)
             self._check_move(t)
             await move(t.addr, t.src_blocks, t.dst_blocks, t.req_id, self._timeout(context),
                        t.transfer_key, t.heads)

@@ -2,6 +2,8 @@
 what the engine side (rpc/pd.py) builds."""
 from __future__ import annotations
 
+import pytest
+
 from xllm_py.cluster.instance_meta import InstanceMeta
 from xllm_py.config import InstanceRole
 from xllm_py.pd_messages import KVMove, PeerLink
@@ -17,6 +19,14 @@ def test_pull_and_push_read_back():
         t = wire.transfer_from_proto(type(msg).FromString(msg.SerializeToString()))
         assert t == wire.WorkerTransfer("10.0.0.1:5", [1, 2], [3, 4], "r1", "secret-key")
         assert "secret-key" not in repr(t)
+
+
+def test_a_layer_range_without_heads_is_refused():
+    for fields in ({"num_layers": 2}, {"src_layer_start": 1}, {"dst_layer_start": 1}):
+        for msg in (pb.PullKVCacheRequest(src_blocks=[1], dst_blocks=[1], **fields),
+                    pb.PushKVCacheRequest(src_blocks=[1], dst_blocks=[1], **fields)):
+            with pytest.raises(ValueError, match="layer range .* needs num_heads"):
+                wire.transfer_from_proto(msg)
 
 
 def test_link_with_and_without_meta():
