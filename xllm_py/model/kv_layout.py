@@ -87,12 +87,24 @@ class KVLayout:
         return None
 
 
+def rank_of(stage: int, pp: int, tp: int = 1, tp_rank: int = 0) -> int:
+    """The process rank of TP index ``tp_rank`` of pipeline stage ``stage``: rank 0, the
+    engine, runs the last stage (it samples) and the next ranks the stages from the first,
+    each stage's TP ranks in order. The one mapping both the stages' processes
+    (parallel/pipeline.py) and the KV moves addressed to their workers use."""
+    return (stage + 1) % pp * tp + tp_rank
+
+
+def stage_of(rank: int, pp: int, tp: int = 1) -> int:
+    """The stage process rank ``rank`` runs (the inverse of rank_of)."""
+    return (rank // tp - 1) % pp
+
+
 def worker_rank(layout: KVLayout, index: int) -> int:
     """The registered worker (its index in cluster_ids / addrs: the process rank) that
-    holds ``layout.ranks[index]``: rank 0, the engine, runs the last stage and rank r >= 1
-    stage r - 1 (parallel/pipeline.py), each stage's TP ranks in order."""
+    holds ``layout.ranks[index]`` (``rank_of``)."""
     stage, tp_rank = divmod(index, layout.tp_size)
-    return (stage + 1) % layout.pp_size * layout.tp_size + tp_rank
+    return rank_of(stage, layout.pp_size, layout.tp_size, tp_rank)
 
 
 def pp_layer_ranges(num_layers: int, pp: int,

@@ -4,7 +4,7 @@ the model's layers (model/kv_layout.pp_layer_ranges) and the KV pool of those la
 Rank 0, the engine, runs the last stage: it alone has the final norm and the LM head, so
 it samples as a TP 1 engine does. Rank r >= 1 runs stage r - 1; stage 0 embeds the
 tokens. With tensor parallelism too (TP x PP), a stage is TP ranks: rank
-``(stage + 1) % pp * tp + tp_rank`` (model/kv_layout.worker_rank), each loading its TP
+``(stage + 1) % pp * tp + tp_rank`` (model/kv_layout.rank_of), each loading its TP
 shard of the stage's layers and all-reducing in a group of its stage's ranks alone; after
 the all-reduce every TP rank holds the whole stream, so each sends it to the rank of its
 own TP index in the next stage. A step (the executor's, parallel/executor.py, unchanged): rank 0 broadcasts the
@@ -30,21 +30,11 @@ from torch import nn
 from xllm_py.config import EngineConfig
 from xllm_py.model.attention import AttentionMetadata, plan_attention
 from xllm_py.model.config import ModelConfig
-from xllm_py.model.kv_layout import pp_layer_ranges
+from xllm_py.model.kv_layout import pp_layer_ranges, rank_of, stage_of
 from xllm_py.parallel.group import TPGroup
 
 # The tag of the stage-to-stage sends (the group's broadcasts carry no tag).
 STREAM_TAG = 7
-
-
-def stage_of(rank: int, pp: int, tp: int = 1) -> int:
-    """The stage rank ``rank`` runs: ranks 0..tp-1 the last, the next tp the first, ..."""
-    return (rank // tp - 1) % pp
-
-
-def rank_of(stage: int, pp: int, tp: int = 1, tp_rank: int = 0) -> int:
-    """The process rank of TP index ``tp_rank`` of ``stage`` (the inverse of stage_of)."""
-    return (stage + 1) % pp * tp + tp_rank
 
 
 def rank_layers(config: EngineConfig, mc: ModelConfig, rank: int) -> tuple[int, int]:
