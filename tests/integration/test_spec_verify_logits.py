@@ -1,12 +1,13 @@
 """Why speculation is exact under greedy (docs/DESIGN.md, the CPU fast path): a verify
 step's logits are bit for bit those one-token decode steps give, on every family of
-tp_models.py. The verify rows (the last token and the guesses, a chunk under 16 tokens)
-go through the prompt path (the paged attention kernel per query row, the linear layers
-over all the step's rows) while a decode-only step may take the fused one-call path; a
-plain decode beside a verify chunk takes the prompt path too; one row alone takes the
+tp_models.py. A step of decodes and verify chunks runs as decode rows (model_runner's
+_decode_rows: each token of the chunk a one-token decode at its position, on the decode
+path, the fused one where it applies), alone or beside a plain decode; beside a prompt
+chunk the step takes the prompt path (the paged attention kernel per query row, the linear
+layers over all the step's rows: over 96 rows the large-M kernel). One row alone takes the
 one-row linear kernels, which sum as a tile row does. Compared with torch.equal, not a
-tolerance; and the argmax a greedy verify row takes inside the LM head (model/lm_head.py)
-is the decode step's token."""
+tolerance; and the argmax a greedy verify row takes inside the LM head (model/lm_head.py
+HeadRows: every family here has forward_head) is the decode step's token."""
 from __future__ import annotations
 
 import pytest
@@ -76,14 +77,11 @@ def _check(model: str) -> None:
         out = runner.execute_step([verify, *others])
         [(index, spec_rows)] = out.spec
         assert index == 0 and spec_rows.shape[0] == K
+        assert isinstance(spec_rows, HeadRows)  # (the rows before the head: forward_head)
         sample = out.sample_logits()
-        a_rows = torch.cat([sample[:1], _logits(spec_rows)])
+        a_rows = torch.cat([sample[:1], spec_rows.logits()])
         assert torch.equal(a_rows, torch.stack(decode_logits["a"]))
-        if isinstance(spec_rows, HeadRows):  # (the argmax inside the head: the same tokens)
-            assert spec_rows.argmax() == [int(x.argmax()) for x in decode_logits["a"][1:]]
+        # the argmax inside the head: the same tokens
+        assert spec_rows.argmax() == [int(x.argmax()) for x in decode_logits["a"][1:]]
         if others:
             assert torch.equal(sample[1], decode_logits["b"][0])
-
-
-def _logits(rows) -> torch.Tensor:
-    return rows.logits() if isinstance(rows, HeadRows) else rows
