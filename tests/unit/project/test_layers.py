@@ -147,6 +147,17 @@ def test_nothing_imports_an_entry_point():
             if b in {e.removeprefix("xllm_py.") for e in ENTRY_POINTS}] == []
 
 
+def test_benchmarks_and_tests_sit_above_the_packages():
+    """tests/ may import benchmarks/ (the benchmarks' own tests, the netns lab both use);
+    benchmarks/ never imports tests/, and the packages import neither."""
+    def importing(paths: list[pathlib.Path], tops: set[str]) -> list[str]:
+        return sorted(f"{p.relative_to(ROOT)} imports {m}" for p in paths
+                      for m in _imported(ROOT, p) if m.split(".")[0] in tops)
+
+    assert importing(sources(ROOT), {"benchmarks", "tests"}) == []
+    assert importing(sorted((ROOT / "benchmarks").rglob("*.py")), {"tests"}) == []
+
+
 def _tree(root: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
     for rel, text in files.items():
         path = root / rel
