@@ -43,7 +43,9 @@ def head_argmax(head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         panels.dtype)
     if kind is None:
         return None
-    if kind == 2 and bias is None and cpu_kernels.vnni_available():
+    # one row streams the weights once whatever the arithmetic: the integer pass pays
+    # where the head is compute-bound, from two rows on
+    if kind == 2 and bias is None and m >= 2 and cpu_kernels.vnni_available():
         tables, sa = head.vnni_tables()
         if lib.xllm_head_argmax_vnni(x.data_ptr(), tables.data_ptr(), head._scales.data_ptr(),
                                      sa.data_ptr(), panels.data_ptr(), ids.data_ptr(),

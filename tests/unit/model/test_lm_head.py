@@ -140,14 +140,26 @@ def test_integer_pass_keeps_exact_ties_and_near_ties() -> None:
 
 
 @needs_vnni
-def test_integer_pass_declines_what_it_cannot_bound() -> None:
-    """Every column equal (more candidates than it keeps) or a non-finite row: -1, and
-    head_argmax still answers with the float kernel's index."""
-    q = torch.full((4096, 64), 3, dtype=torch.int8)
-    head = _int8_head(q, torch.full((4096, 2), 0.5))
+def test_integer_pass_on_rows_too_flat_to_bound() -> None:
+    """Every column equal or nearly (more candidates than a thread keeps): the exact sums
+    over every panel, the first index on a tie; the others keep their integer pass."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.full((40000, 64), 3, dtype=torch.int8)
+    q[31000, 0] = 4  # above the rest where x[0] > 0
+    rand = torch.randint(-3, 4, (40000, 64), generator=g, dtype=torch.int8)
+    head = _int8_head(torch.cat([q, rand]), torch.full((80000, 2), 0.5))
+    x = torch.rand(3, 64, generator=g) + 0.1
+    x[1, 0] = -1.0  # row 1: every column of the first half ties but 31000, below them
+    x[2] = -x[2]  # row 2: the first half lowest, a column of the random half wins
+    want = head(x).argmax(-1).tolist()
+    assert want[:2] == [31000, 0] and want[2] >= 40000
+    assert _vnni(head, x) == want
+
+
+@needs_vnni
+def test_integer_pass_declines_a_row_that_is_not_finite() -> None:
+    head = _head(1000, 64, "int8", False)
     x = torch.randn(2, 64)
-    assert _vnni(head, x) is None
-    assert lm_head.head_argmax(head, x).tolist() == [0, 0]
     x[1, 5] = float("inf")
     assert _vnni(head, x) is None
 

@@ -13,29 +13,36 @@
  * 1e-4. SA = |s_b| * sum |q| per block and column is precomputed (rounded up), so the
  * bound costs one FMA per block and row. A column whose approx + bound is below some
  * column's approx - bound cannot be the argmax; the others (a handful for a real model's
- * hidden state) get the exact sum the float kernels compute: k in order, one fused
- * multiply-add each with the widened weight q * s_b (exact in float32). So the index is
- * the one the logits' argmax gives, the first on a tie. -1 (the caller takes the float
- * path): a non-finite x, more candidates than a buffer holds, no memory. A head with a
- * bias is not taken (its rounding would need a bound of its own).
+ * hidden state; hundreds for a flat one, after a random prompt) get the exact sums the
+ * float kernels compute, a panel at a time: k in order, one fused multiply-add each with
+ * the widened weight q * s_b (exact in float32). So the index is the one the logits'
+ * argmax gives, the first on a tie. A row with more candidates than a thread keeps goes
+ * exact over that thread's panels. -1 (the caller takes the float path): a non-finite x,
+ * no memory. A head with a bias is not taken (its rounding would need a bound of its own).
  *
  * V: the weights as u8 q + 128 in VNNI order [np][K/4][16][4] (x is the signed operand;
  * the +128 comes off as 128 * sum xq per block and row); S: the scales [np][K/32][16];
  * P: the int8 panels [np][K][16] of the exact sums. */
 
-#define XLLM_VNNI_CAP 256 /* candidates kept per row and thread before a compaction */
+#define XLLM_VNNI_CAP 4096 /* candidates kept per row and thread before a compaction */
 #define XLLM_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
 
-/* the exact sum of column n (panel p = n / 16, lane j) for row x, as linear_panels_i8 */
-static float vnni_exact(const float *x, const int8_t *P, const float *S, int32_t n,
-                        int32_t K) {
-    const int32_t p = n / 16, j = n % 16;
-    const int8_t *q = P + (int64_t)p * K * 16 + j;
-    const float *s = S + (int64_t)p * (K / 32) * 16 + j;
-    float acc = 0.0f;
-    for (int32_t k = 0; k < K; k++)
-        acc = fmaf(x[k], (float)q[(int64_t)k * 16] * s[(int64_t)(k / 32) * 16], acc);
-    return acc;
+/* out[16] = the exact sums of panel p's columns for row x, as linear_panels_i8 computes
+ * each (panel_one_row_i8: k in order, one fused multiply-add of x[k] and the widened weight
+ * q * s, exact in float32), so the values are bit for bit the logits' */
+XLLM_VNNI_TARGET
+static void vnni_exact_panel(const float *x, const int8_t *P, const float *S, int32_t p,
+                             int32_t K, float *out) {
+    const int8_t *q = P + (int64_t)p * K * 16;
+    const float *s = S + (int64_t)p * (K / 32) * 16;
+    __m512 acc = _mm512_setzero_ps();
+    for (int32_t k = 0; k < K; k++) {
+        const __m512 w = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + (int64_t)k * 16)))),
+            _mm512_loadu_ps(s + (int64_t)(k / 32) * 16));
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), w, acc);
+    }
+    _mm512_storeu_ps(out, acc);
 }
 
 typedef struct {
@@ -138,26 +145,34 @@ int xllm_head_argmax_vnni(const float *x, const uint8_t *V, const float *S, cons
             xm[m * nb + bk] = mx;
             corr[m * nb + bk] = 128 * sum;
         }
-    int used = 1, overflow = 0;
+    float *tbest = malloc(sizeof(float) * (size_t)nt * M);
+    int64_t *tidx = malloc(sizeof(int64_t) * (size_t)nt * M);
+    ok = ok && tbest != NULL && tidx != NULL;
+    int used = 1;
     if (ok) {
-#pragma omp parallel reduction(| : overflow)
+#pragma omp parallel
         {
             const int t = omp_get_thread_num();
 #pragma omp single
             used = omp_get_num_threads();
+            /* each thread one run of panels, the threads in panel order (the merge) */
+            const int32_t chunk = (np + used - 1) / used;
+            const int32_t p0 = t * chunk < np ? t * chunk : np;
+            const int32_t p1 = p0 + chunk < np ? p0 + chunk : np;
             vnni_cands *mine = cands + (int64_t)t * M;
             float *floor = floors + (int64_t)t * M;
+            /* per row: whether its candidates overflowed (then every panel goes exact), and
+             * the running lane-wise max of approx - bound: a lower bound of the row's
+             * floor, so a column below it is out already */
+            char full[XLLM_PANEL_MAX_ROWS];
+            __m512 lanes[XLLM_PANEL_MAX_ROWS];
             for (int32_t m = 0; m < M; m++) {
                 mine[m].n = 0;
                 floor[m] = -INFINITY;
-            }
-            /* per row, the running lane-wise max of approx - bound: a lower bound of the
-             * row's final floor, so a column below it is out already */
-            __m512 lanes[XLLM_PANEL_MAX_ROWS];
-            for (int32_t m = 0; m < M; m++)
+                full[m] = 0;
                 lanes[m] = _mm512_set1_ps(-INFINITY);
-#pragma omp for schedule(static)
-            for (int32_t p = 0; p < np; p++) {
+            }
+            for (int32_t p = p0; p < p1; p++) {
                 const uint8_t *vp = V + (int64_t)p * K * 16;
                 const float *sp = S + (int64_t)p * nb * 16, *ap = SA + (int64_t)p * nb * 16;
                 __m512 accs[XLLM_VNNI_ROWS], bounds[XLLM_VNNI_ROWS];
@@ -174,77 +189,87 @@ int xllm_head_argmax_vnni(const float *x, const uint8_t *V, const float *S, cons
                         default: vnni_tile(vp, sp, ap, &rw, accs, bounds, 4); break;
                         }
                     }
-                    const __m512 acc = accs[r];
-                    __m512 bound = bounds[r];
-                    bound = _mm512_mul_ps(bound, _mm512_set1_ps(C));
+                    if (full[m])
+                        continue;
                     vnni_cands *c = mine + m;
+                    const __m512 bound = _mm512_mul_ps(bounds[r], _mm512_set1_ps(C));
+                    const __m512 lo = _mm512_sub_ps(accs[r], bound);
+                    const __m512 hi = _mm512_add_ps(accs[r], bound);
+                    __mmask16 in;
                     if (p >= whole) { /* the partial last panel: its columns all go exact */
-                        for (int32_t n = p * 16; n < N; n++) {
-                            if (c->n == XLLM_VNNI_CAP && vnni_compact(c, floor[m]) != 0) {
-                                overflow = 1;
-                                break;
-                            }
-                            c->idx[c->n] = n;
-                            c->hi[c->n++] = INFINITY;
-                        }
-                        continue;
+                        in = (__mmask16)((1u << (N - p * 16)) - 1);
+                    } else {
+                        lanes[m] = _mm512_max_ps(lanes[m], lo);
+                        in = _mm512_cmp_ps_mask(hi, _mm512_set1_ps(floor[m]), _CMP_GE_OQ);
+                        if (!in)
+                            continue;
+                        /* a column that may be in: tighten the floor, keep what passes */
+                        floor[m] = vnni_hmax(lanes[m]);
+                        in = _mm512_mask_cmp_ps_mask(in, hi, _mm512_set1_ps(floor[m]),
+                                                     _CMP_GE_OQ);
                     }
-                    const __m512 lo = _mm512_sub_ps(acc, bound), hi = _mm512_add_ps(acc, bound);
-                    lanes[m] = _mm512_max_ps(lanes[m], lo);
-                    __mmask16 in = _mm512_cmp_ps_mask(hi, _mm512_set1_ps(floor[m]), _CMP_GE_OQ);
-                    if (!in)
-                        continue;
-                    /* a column that may be in: tighten the floor, then keep what passes */
-                    floor[m] = vnni_hmax(lanes[m]);
-                    in = _mm512_mask_cmp_ps_mask(in, hi, _mm512_set1_ps(floor[m]), _CMP_GE_OQ);
                     float his[16];
                     _mm512_storeu_ps(his, hi);
                     for (int j = 0; in; j++, in >>= 1) {
                         if (!(in & 1))
                             continue;
                         if (c->n == XLLM_VNNI_CAP && vnni_compact(c, floor[m]) != 0) {
-                            overflow = 1;
+                            full[m] = 1; /* too flat a row to bound: exact throughout */
                             break;
                         }
                         c->idx[c->n] = p * 16 + j;
-                        c->hi[c->n++] = his[j];
+                        c->hi[c->n++] = p >= whole ? INFINITY : his[j];
                     }
                 }
             }
-            for (int32_t m = 0; m < M; m++)
-                floor[m] = vnni_hmax(lanes[m]);
+            /* this thread's exact winner per row, over its candidates above its floor (the
+             * row's winner is among them where it lies in this thread's panels) */
+            for (int32_t m = 0; m < M; m++) {
+                const float *xr = x + (int64_t)m * K;
+                const float top = vnni_hmax(lanes[m]);
+                const vnni_cands *c = mine + m;
+                float best = -INFINITY, sums[16];
+                int64_t at = -1;
+                int32_t have = -1; /* the panel whose sums are in ``sums`` */
+                const int32_t n_all = full[m] ? (p1 - p0) * 16 : c->n;
+                for (int32_t i = 0; i < n_all; i++) {
+                    const int32_t n = full[m] ? p0 * 16 + i : c->idx[i];
+                    if (n >= N || (!full[m] && c->hi[i] < top))
+                        continue;
+                    if (n / 16 != have) {
+                        have = n / 16;
+                        vnni_exact_panel(xr, P, S, have, K, sums);
+                    }
+                    if (at < 0 || sums[n % 16] > best) {
+                        best = sums[n % 16];
+                        at = n;
+                    }
+                }
+                tbest[(int64_t)t * M + m] = best;
+                tidx[(int64_t)t * M + m] = at;
+            }
         }
-    }
-    if (ok && !overflow) {
-        for (int32_t m = 0; m < M; m++) {
-            float top = -INFINITY; /* the row's floor: the best approx - bound of any column */
-            for (int t = 0; t < used && t < nt; t++)
-                top = floors[(int64_t)t * M + m] > top ? floors[(int64_t)t * M + m] : top;
+        for (int32_t m = 0; m < M; m++) { /* threads in panel order: the first on a tie */
             float best = -INFINITY;
             int64_t at = -1;
-            /* threads hold panels in order, each its candidates in column order */
             for (int t = 0; t < used && t < nt; t++) {
-                const vnni_cands *c = cands + (int64_t)t * M + m;
-                for (int32_t i = 0; i < c->n; i++) {
-                    if (c->hi[i] < top)
-                        continue;
-                    const float v = vnni_exact(x + (int64_t)m * K, P, S, c->idx[i], K);
-                    if (at < 0 || v > best) {
-                        best = v;
-                        at = c->idx[i];
-                    }
+                const int64_t i = tidx[(int64_t)t * M + m];
+                if (i >= 0 && (at < 0 || tbest[(int64_t)t * M + m] > best)) {
+                    best = tbest[(int64_t)t * M + m];
+                    at = i;
                 }
             }
-            if (at < 0 || best != best)
-                ok = 0;
+            ok = ok && at >= 0;
             ids[m] = at;
         }
     }
+    free(tbest);
+    free(tidx);
     free(xq);
     free(sx);
     free(xm);
     free(corr);
     free(cands);
     free(floors);
-    return ok && !overflow ? 0 : -1;
+    return ok ? 0 : -1;
 }
