@@ -8,8 +8,8 @@ none, on the served model.
                                     [--peers vllm vllm-ngram llama.cpp llama.cpp-ngram]
 
 Engine processes (``python -m xllm_py.engine``, MIX, prefix cache off):
-``--speculative-config off``, ``NGRAM`` below and the default (suffix decoding,
-``SpeculativeConfig`` DEFAULT), all up at once and driven in turn (off, then each method),
+``--speculative-config off``, ``NGRAM`` below (the engine's default, ``SpeculativeConfig``
+DEFAULT) and ``SUFFIX``, all up at once and driven in turn (off, then each method),
 so a drift of the shared machine's speed falls on all. ``prediction``: the
 engine without a method, each edit prompt sent with the text it edits as its
 ``prediction`` (OpenAI's Predicted Outputs; only in sets with such prompts). Streamed
@@ -62,7 +62,8 @@ from benchmarks.peer_servers import (Server, find_llama_server, find_vllm_python
 
 NGRAM = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
          '"prompt_lookup_min": 2}')
-SUFFIX = None  # the engine's default (xllm_py/speculative_config.py DEFAULT)
+SUFFIX = '{"method": "suffix", "num_speculative_tokens": 8}'
+DEFAULT_METHOD = "ngram"  # NGRAM is the engine's default (speculative_config.py DEFAULT)
 
 _FUNCTION = '''def process_items(items, threshold=10, verbose=False):
     """Split items into small and large ones and count their kinds."""
@@ -303,7 +304,7 @@ def main() -> None:
     for key, cell in cells.items():
         t, p = cell["tok_s"], cell["tpot_ms"]
         row = {"off_tok_s": median(t["off"]), "off_tpot_ms": median(p["off"])}
-        default = "suffix" if "suffix" in t else "off"
+        default = DEFAULT_METHOD if DEFAULT_METHOD in t else "off"
         for m in [k for k in t if k != "off"]:
             row[m] = {
                 "tok_s": median(t[m]), "tok_s_ratio": median([b / a for a, b in zip(t["off"], t[m])]),

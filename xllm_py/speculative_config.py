@@ -65,7 +65,10 @@ class SpeculativeConfig:
         return cls(**fields)
 
 
-# What an engine process speculates with unless told otherwise: suffix decoding, up to 8
-# guesses, priced per step (benchmarks/bench_spec.py: faster than none at concurrency 1 to
-# 16 on repetitive and open text; where a guess does not pay, none is verified).
-DEFAULT = SpeculativeConfig(method="suffix", num_speculative_tokens=8)
+# What an engine process speculates with unless told otherwise: n-gram prompt lookup (a
+# 2-4 token match, 4 guesses), priced per step. benchmarks/bench_spec.py, each engine fresh:
+# no slower than none at concurrency 1 to 16 on repetitive and open text (where a guess
+# does not pay, none is verified); suffix decoding, as fast at 1 to 4, fell below none on
+# repetitive text at 16 (its tree's upkeep on the step's thread).
+DEFAULT = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4,
+                            prompt_lookup_min=2)

@@ -57,8 +57,9 @@ def build_parser() -> SettingsParser:
                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\', '
                   '\'{"method": "suffix", "suffix_decoding_max_tree_depth": 24, '
                   '"suffix_decoding_max_cached_requests": 1000, '
-                  '"suffix_decoding_min_token_prob": 0.1}\' or off (default: suffix, 8 '
-                  'guesses, as many verified as the step\'s price says pay)')
+                  '"suffix_decoding_min_token_prob": 0.1}\' or off (default: ngram, 4 '
+                  'guesses from a 2-4 token match, as many verified as the step\'s price '
+                  'says pay)')
     add_flag(g, "--tensor-parallel-size", "--tp", type=int, default=1,
              help="worker processes of this instance, each with its shard of the model "
                   "(heads and MLP columns) and of the KV cache (xLLM: the number of --devices)")

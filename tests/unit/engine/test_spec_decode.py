@@ -366,7 +366,8 @@ def test_engine_settings_take_the_speculative_config(tmp_path):
             write_settings(tmp_path / "s.yaml", {"speculative_config": value}))
 
     default = config_from_args(build_parser().parse_args([])).speculative
-    assert default == SpeculativeConfig(method="suffix", num_speculative_tokens=8)
+    assert default == SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                        prompt_lookup_max=4, prompt_lookup_min=2)
     assert default.cost_aware
     assert config_from_args(parse("off")).speculative is None
     on = parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
