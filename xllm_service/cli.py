@@ -94,6 +94,13 @@ def _add_file_settings(p: SettingsParser) -> None:
     p.add_file_setting("--elastic-margin", type=float, default=e.margin,
                        help="--elastic-pd: a flip must raise the predicted SLO attainment by this "
                             "fraction")
+    p.add_file_setting("--elastic-utilization", type=float, default=e.utilization,
+                       help="--elastic-pd: the share of a side's capacity the split plans to "
+                            "use (the rest absorbs bursts)")
+    p.add_file_setting("--elastic-max-step", type=int, default=e.max_step,
+                       help="--elastic-pd: instances flipped in one decision round, at most")
+    p.add_file_setting("--elastic-min-share", type=float, default=e.min_share,
+                       help="--elastic-pd: each side keeps at least this share of the fleet")
     p.add_file_setting("--evict-grace-s", type=float, default=RegistryConfig().evict_grace_s,
                        help="seconds a dead instance stays SUSPECT before it is evicted")
     r = RelayConfig()
@@ -127,7 +134,10 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                           idle_timeout_s=args.request_idle_timeout),
         elastic=ElasticConfig(enabled=args.elastic_pd == "on", hold_s=args.elastic_hold_s,
                               min_dwell_s=args.elastic_min_dwell_s,
-                              margin=args.elastic_margin),
+                              margin=args.elastic_margin,
+                              utilization=args.elastic_utilization,
+                              max_step=args.elastic_max_step,
+                              min_share=args.elastic_min_share),
         security=security_from_args(args),
         api=limits_from_args(args), batch_dir=args.batch_dir,
         responses=ResponseStoreLimits(max_responses=args.responses_max,

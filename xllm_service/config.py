@@ -108,6 +108,16 @@ class ElasticConfig:
     min_share: float = 0.25
     window_s: float = 10.0       # the demand window
 
+    def __post_init__(self) -> None:
+        checks = ((0.0 < self.utilization <= 1.0, "utilization must be in (0, 1]"),
+                  (self.max_step >= 1, "max_step must be >= 1"),
+                  (0.0 <= self.min_share < 0.5, "min_share must be in [0, 0.5)"),
+                  (min(self.hold_s, self.min_dwell_s, self.margin) >= 0,
+                   "hold_s, min_dwell_s and margin must be >= 0"))
+        for ok, why in checks:
+            if not ok:
+                raise ValueError(f"elastic: {why}")
+
 
 @dataclasses.dataclass(frozen=True)
 class RelayConfig:

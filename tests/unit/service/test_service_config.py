@@ -65,7 +65,17 @@ def test_a_bad_value_is_a_usage_error(tmp_path, capsys):
     assert e.value.code == 2 and "rpc_timeout_s must be > 0" in capsys.readouterr().err
 
 
-def test_elastic_pd_flag_and_its_settings():
+def test_elastic_pd_flag_and_its_settings(tmp_path):
     cfg = config_from_args(build_parser().parse_args(["--etcd", "e:1", "--elastic-pd", "ON"]))
     assert cfg.elastic.enabled
+    cfg = config_from_args(build_parser().parse_args(["--etcd", "e:1", *write_settings(
+        tmp_path / "e.yaml", {"elastic_utilization": 0.7, "elastic_max_step": 2,
+                              "elastic_min_share": 0.125})]))
+    assert (cfg.elastic.utilization, cfg.elastic.max_step, cfg.elastic.min_share) == (
+        0.7, 2, 0.125)
+    for bad in ({"elastic_utilization": 1.5}, {"elastic_max_step": 0},
+                {"elastic_min_share": 0.5}):
+        with pytest.raises(ValueError, match="elastic: "):
+            config_from_args(build_parser().parse_args(
+                ["--etcd", "e:1", *write_settings(tmp_path / "bad.yaml", bad)]))
     assert not config_from_args(build_parser().parse_args(["--etcd", "e:1"])).elastic.enabled
