@@ -63,6 +63,21 @@ static int vnni_compact(vnni_cands *c, float floor) {
     return kept < XLLM_VNNI_CAP ? 0 : -1;
 }
 
+/* the calling thread's candidate lists, kept between calls: 32 KB a row and thread, of
+ * which a call touches a few lines (a fresh allocation each step would page-fault) */
+static vnni_cands *vnni_cands_buffer(size_t n) {
+    static __thread vnni_cands *buf = NULL;
+    static __thread size_t cap = 0;
+    if (n > cap) {
+        vnni_cands *grown = realloc(buf, sizeof(vnni_cands) * n);
+        if (grown == NULL)
+            return NULL;
+        buf = grown;
+        cap = n;
+    }
+    return buf;
+}
+
 XLLM_VNNI_TARGET
 static float vnni_hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
 
@@ -121,7 +136,7 @@ int xllm_head_argmax_vnni(const float *x, const uint8_t *V, const float *S, cons
     float *xm = malloc(sizeof(float) * (size_t)M * nb);
     int32_t *corr = malloc(sizeof(int32_t) * (size_t)M * nb);
     const int nt = omp_get_max_threads();
-    vnni_cands *cands = malloc(sizeof(vnni_cands) * (size_t)nt * M);
+    vnni_cands *cands = vnni_cands_buffer((size_t)nt * M);
     float *floors = malloc(sizeof(float) * (size_t)nt * M);
     int ok = xq != NULL && sx != NULL && xm != NULL && corr != NULL && cands != NULL &&
              floors != NULL;
@@ -269,7 +284,6 @@ int xllm_head_argmax_vnni(const float *x, const uint8_t *V, const float *S, cons
     free(sx);
     free(xm);
     free(corr);
-    free(cands);
     free(floors);
     return ok ? 0 : -1;
 }
