@@ -87,17 +87,21 @@ class HybridKVCacheManager(KVCacheManager):
             n = cap + (usable - (nf + ns) * cap) // nf
         return n * bs
 
-    def handover_group_sizes(self, num_cached: int, num_prompt: int) -> list[int]:
+    def _handover_ranges(self, num_cached: int, num_prompt: int) -> list[tuple[int, int]]:
+        """Per group, the [lo, hi) of its table a hand-over of the prompt's uncached
+        blocks moves (sliding groups: only the blocks the window still holds)."""
         first, last = num_cached // self.block_size, cdiv(num_prompt, self.block_size)
-        return [max(0, last - max(first, self.first_kept_block(j, num_prompt)))
+        return [(max(first, self.first_kept_block(j, num_prompt)), last)
                 for j in range(len(self.group_windows))]
+
+    def handover_group_sizes(self, num_cached: int, num_prompt: int) -> list[int]:
+        return [max(0, hi - lo) for lo, hi in self._handover_ranges(num_cached, num_prompt)]
 
     def handover_block_ids(self, tables: Sequence[Sequence[int]], num_cached: int,
                            num_prompt: int) -> list[int]:
-        first, last = num_cached // self.block_size, cdiv(num_prompt, self.block_size)
         out: list[int] = []
-        for j, table in enumerate(tables):
-            out.extend(table[max(first, self.first_kept_block(j, num_prompt)):last])
+        for table, (lo, hi) in zip(tables, self._handover_ranges(num_cached, num_prompt)):
+            out.extend(table[lo:hi])
         return out
 
     # -- prefix hits -------------------------------------------------------------------

@@ -35,12 +35,15 @@ def has_layers(heads: Heads | None) -> bool:
     return heads is not None and len(heads) == 6 and heads[5] > 0
 
 
+def layer_span(heads: Heads, side: int) -> Span | None:
+    """(start, count) of the pool layers the slice covers on ``side`` (0 the source, 1 the
+    destination); None: every layer."""
+    return (int(heads[3 + side]), int(heads[5])) if has_layers(heads) else None
+
+
 def slice_layers(storage: KVCacheStorage, heads: Heads, side: int) -> Span:
-    """(start, count) of ``storage``'s layers the slice covers on ``side`` (0 the source,
-    1 the destination)."""
-    if has_layers(heads):
-        return int(heads[3 + side]), int(heads[5])
-    return 0, storage.num_layers
+    """``layer_span``, with every layer spelled out as ``(0, num_layers)``."""
+    return layer_span(heads, side) or (0, storage.num_layers)
 
 
 def slice_block_bytes(storage: KVCacheStorage, count: int, num_layers: int = 0) -> int:
@@ -116,11 +119,11 @@ def gather_slice(storage: KVCacheStorage, ids: Sequence[int] | np.ndarray,
                  heads: Heads) -> torch.Tensor:
     """The source side of ``heads`` (its heads and layers) of blocks ``ids``."""
     return gather_heads(storage, ids, heads[0], heads[2],
-                        slice_layers(storage, heads, 0) if has_layers(heads) else None)
+                        layer_span(heads, 0))
 
 
 def scatter_slice(storage: KVCacheStorage, ids: Sequence[int] | np.ndarray, heads: Heads,
                   buf: torch.Tensor) -> None:
     """``buf`` (from ``gather_slice``) into the destination side of ``heads``."""
     scatter_heads(storage, ids, heads[1], heads[2], buf,
-                  slice_layers(storage, heads, 1) if has_layers(heads) else None)
+                  layer_span(heads, 1))

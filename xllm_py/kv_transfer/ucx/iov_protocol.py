@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 
 from xllm_py.kv_transfer.base import Run, TransferError
-from xllm_py.kv_transfer.head_slices import Heads
+from xllm_py.kv_transfer.head_slices import Heads, layer_span
 from xllm_py.kv_transfer.kv_storage import SMALL_LIST, KVCacheMeta, KVCacheStorage
 from xllm_py.kv_transfer.ucx import slices
 from xllm_py.kv_transfer.ucx import ucp_ffi as ffi
@@ -167,7 +167,7 @@ class IovRequest:
             self.nbytes = int(runs[:, 2].sum()) * layout.block_bytes
         else:
             self.chunks = slices.head_chunks(layout, runs, side, heads[side], heads[2], merge=True,
-                                             layers=slices.slice_layers(heads, side))
+                                             layers=layer_span(heads, side))
             self.nbytes = int(runs[:, 2].sum()) * slices.heads_bytes_per_block(layout, heads)
         self.keep: object = None  # a buffer the posted receive points into, besides the cache
 
@@ -261,7 +261,7 @@ def serve_task(track: list[ffi.Op], worker: int, ep: int, layout: IovLayout, op:
         return
     chunks = (layout.chunks(runs, side) if heads is None
               else slices.head_chunks(layout, runs, side, heads[side], heads[2], merge=True,
-                                      layers=slices.slice_layers(heads, side)))
+                                      layers=layer_span(heads, side)))
     if op == OP_PULL:
         yield [_t(track, ffi.tag_send_iov(ep, chunks, tag(KIND_DATA, req_id)))]
     else:

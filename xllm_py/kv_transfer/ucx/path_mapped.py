@@ -22,7 +22,7 @@ import numpy as np
 
 from xllm_py.config import UCXConfig
 from xllm_py.kv_transfer.base import Run, TransferError, runs_to_ids
-from xllm_py.kv_transfer.head_slices import Heads
+from xllm_py.kv_transfer.head_slices import Heads, layer_span
 from xllm_py.kv_transfer.kv_storage import KVCacheMeta, KVCacheStorage, prefault_pages
 from xllm_py.kv_transfer.ucx import iov_protocol, shared_memory, slices
 from xllm_py.kv_transfer.ucx.iov_worker import IovWorker
@@ -116,9 +116,9 @@ class MappedPath:
                     ours, other = self.layout.chunks(arr, 1 - theirs), m.layout.chunks(arr, theirs)
                 else:  # (row for row on both sides: copy_chunks pairs equal lengths)
                     ours = slices.head_chunks(self.layout, arr, 1 - theirs, heads[1 - theirs],
-                                              heads[2], layers=slices.slice_layers(heads, 1 - theirs))
+                                              heads[2], layers=layer_span(heads, 1 - theirs))
                     other = slices.head_chunks(m.layout, arr, theirs, heads[theirs], heads[2],
-                                               layers=slices.slice_layers(heads, theirs))
+                                               layers=layer_span(heads, theirs))
                 shared_memory.copy_chunks(ours, other) if what == "pull" else shared_memory.copy_chunks(other, ours)
             finally:
                 m.pool.release()

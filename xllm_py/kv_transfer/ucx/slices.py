@@ -50,11 +50,6 @@ def shape_of(meta: KVCacheMeta) -> PoolShape:
     return meta.num_kv_heads, meta.num_layers
 
 
-def slice_layers(heads: Heads, side: int) -> tuple[int, int] | None:
-    """(start, count) of the pool layers of ``heads`` on ``side``; None: every layer."""
-    return (int(heads[3 + side]), int(heads[5])) if has_layers(heads) else None
-
-
 def head_chunks(layout: IovLayout, runs: np.ndarray, side: int, start: int, count: int,
                 merge: bool = False, layers: tuple[int, int] | None = None) -> np.ndarray:
     """uint64 [rows, 2] (address, length) of heads ``[start, start + count)`` of pool
