@@ -46,6 +46,10 @@ from xllm_service.router import NoInstanceError, Path, Route, Router
 from xllm_service.sub_request import SubPhase, SubRequest, SubRequests
 
 logger = logging.getLogger(__name__)
+
+# Tokens a stream relays after its second output, at least, for its pace to correct the
+# decode's TPOT prediction (SloPredictor.observe).
+MIN_PACED_TOKENS = 8
 # A latency target travels as an int32 of ms (DisaggRequest.ttft_slo / tpot_slo).
 SLO_MAX_MS = 2**31 - 1
 
@@ -276,11 +280,17 @@ class ServiceBackend:
         n = sum(len(o.token_ids) for o in out.outputs)
         if n:
             now = time.monotonic()
-            sub.first_s = sub.first_s or now
+            if sub.first_s is None:
+                sub.first_s = now
+            elif sub.paced_s is None:
+                sub.paced_s, sub.paced_tokens = now, sub.num_tokens + n
             sub.last_s, sub.num_tokens = now, sub.num_tokens + n
         if out.finished and sub.first_s is not None and not out.failed:
-            tpot = ((sub.last_s - sub.first_s) * 1000 / (sub.num_tokens - 1)
-                    if sub.num_tokens > 1 else None)
+            # (a short stream tells no pace, its TTFT still corrects: its few tokens may
+            # come in one or two reports, a step apart or together)
+            paced = sub.num_tokens - sub.paced_tokens
+            tpot = ((sub.last_s - sub.paced_s) * 1000 / paced
+                    if sub.paced_s is not None and paced >= MIN_PACED_TOKENS else None)
             self.router.observe(sub.route, (sub.first_s - sub.sent_s) * 1000, tpot)
 
     def _fail(self, sub: SubRequest, message: str) -> None:

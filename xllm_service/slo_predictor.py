@@ -20,9 +20,14 @@ from xllm_service.instance_table import InstanceInfo
 from xllm_service.router import Route
 from xllm_service.sub_request import InstanceWork
 
-# Measured/predicted correction: weight of a new observation, and its bounds (1/x .. x).
+# Measured/predicted correction: weight of a new observation, and its bounds. A profile is
+# what the instance measured of itself on a core of its own: a shared machine runs it
+# slower, by any factor, but nothing runs it much faster. A measure under the prediction
+# says the prediction counted work that did not come (streams, prompts sent after it); a
+# scale taught by that would call the instance fast, and every stream would go there.
 SCALE_ALPHA = 0.2
 SCALE_MAX = 50.0
+SCALE_MIN = 0.5
 
 # Prompt tokens the service sent to a decode to compute over this many seconds give the
 # rate at which it will likely get more while a new stream runs there (a burst of short
@@ -94,7 +99,7 @@ class SloPredictor:
             if meas is None or pred <= 0:
                 continue
             ratio = meas / (pred / self.scale(name, what))  # against the raw profile
-            ratio = min(SCALE_MAX, max(1.0 / SCALE_MAX, ratio))  # (a measured 0: the floor)
+            ratio = min(SCALE_MAX, max(SCALE_MIN, ratio))  # (a measured 0: the floor)
             old = self._scale.get((name, what))
             self._scale[(name, what)] = ratio if old is None else (
                 old + SCALE_ALPHA * (ratio - old))

@@ -96,6 +96,11 @@ class SubRequest:
     first_s: float | None = None
     last_s: float | None = None
     num_tokens: int = 0  # tokens relayed (all sequences)
+    # the second output relayed: its time and the tokens relayed with it. The decode's pace
+    # is measured from there: on the PD path the gap before it is the hand-over (the KV
+    # pull, the decode's admission), not a step of the decode.
+    paced_s: float | None = None
+    paced_tokens: int = 0
 
     def transition(self, phase: SubPhase) -> None:
         if phase not in _ALLOWED[self.phase]:

@@ -18,7 +18,8 @@ from xllm_py.engine.block_pool import hash_block_tokens
 from xllm_py.engine.cache_events import hash_to_bytes
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.sampling_params import SamplingParams
-from xllm_service.backend import ServiceBackend
+from xllm_service.backend import MIN_PACED_TOKENS, ServiceBackend
+from xllm_service.slo_predictor import SCALE_MIN
 from xllm_service.instance_table import InstanceInfo, InstanceState, LoadInfo
 from xllm_service.pd_decision import (PDDecider, PrefixCache, SloPredictor, SloRouter,
                                       build_router)
@@ -554,10 +555,38 @@ async def test_the_backend_reports_what_a_request_measured():
     (rid,) = engines.sent
     await feed(b, gen(rid, [1]))
     await take(first)
-    await feed(b, gen(rid, [2, 3], finished=True))
+    await feed(b, gen(rid, [2]))  # (the pace is timed from the second output on)
+    await asyncio.wait_for(anext(stream), 1)
+    await feed(b, gen(rid, list(range(3, 3 + MIN_PACED_TOKENS)), finished=True))
     await asyncio.wait_for(anext(stream), 1)
     (path, ttft, tpot), = seen
     assert path is Path.DECODE and ttft >= 0 and tpot >= 0
+
+
+async def test_a_short_stream_corrects_no_tpot():
+    """A few tokens come in one or two reports: their spacing is no pace."""
+    b, engines = cond_backend()
+    seen = []
+    b.router.observe = lambda route, ttft, tpot: seen.append((route.path, ttft, tpot))
+    stream, first = await started(b, engines, [5, 6, 7])
+    (rid,) = engines.sent
+    await feed(b, gen(rid, [1]))
+    await take(first)
+    await feed(b, gen(rid, [2, 3, 4], finished=True))
+    await asyncio.wait_for(anext(stream), 1)
+    (path, ttft, tpot), = seen
+    assert ttft >= 0 and tpot is None
+
+
+def test_a_measure_under_the_prediction_floors_the_scale():
+    """An instance is not faster than the profile it measured of itself: a stream that
+    ran quicker than predicted met fewer neighbours than the prediction counted."""
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    pred = SloPredictor(RouterConfig(pd_overhead_ms=0), no_work)
+    first = pred.predict(Route(p, d), 100, 100, 10)
+    for _ in range(30):
+        pred.observe(first.route, None, 0.0)
+    assert pred.scale("d", "tpot") == pytest.approx(SCALE_MIN)
 
 
 def test_a_decode_whose_tpot_guard_binds_takes_a_long_prompt_only_within_its_hold_limit():
