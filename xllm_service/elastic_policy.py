@@ -149,6 +149,7 @@ class _Work:
     prefill: float          # instances busy computing the prompts, all the time
     decode: float           # decodes running the streams at the TPOT target, all the time
     per_prompt_ms: float
+    step: tuple[float, float] = (0.0, 0.0)  # (a, c): a decode step of b streams, a + c b ms
 
 
 def _work(profiles: Sequence[LatencyProfile], demand: Demand, tpot_target: float) -> _Work:
@@ -162,7 +163,7 @@ def _work(profiles: Sequence[LatencyProfile], demand: Demand, tpot_target: float
     spread = max(0.0, demand.prompt_sq_tokens - lp * lp) / 2 / 1000
     per_prompt = _mean(profiles, lambda p: p.prefill_ms(lp) + p.prefill_ms_per_kpair * spread)
     return _Work(demand.rate * per_prompt / 1000, demand.rate * lo / 1000 / per_decode,
-                 per_prompt)
+                 per_prompt, (a, c))
 
 
 def _step_cost(profiles: Sequence[LatencyProfile], ctx: float) -> tuple[float, float]:
@@ -197,7 +198,7 @@ def predict(prefills: int, decodes: int, profiles: Sequence[LatencyProfile], dem
     wait = per_prompt * rho_p / (2 * max(1.0 - rho_p, 0.02))
     ttft = queued * per_prompt / servers + per_prompt + wait
     lo = max(1.0, demand.output_tokens)
-    a, c = _step_cost(profiles, demand.prompt_tokens + lo / 2)
+    a, c = works[0].step
     x = demand.rate * lo / 1000 / decodes
     b = max(x * a / max(1.0 - x * c, 0.02), streams / decodes, 1.0)
     attainment = 1.0 if load <= 1.0 else 1.0 / load
