@@ -136,6 +136,9 @@ class Route:
     # prompts queued on the decode (a prompt arriving with a long one there: a scale
     # taught by that wait sends no prompt there again, so nothing would ever correct it)
     corrects_ttft: bool = True
+    # SLO_AWARE: the (TTFT, TPOT) scales `predicted` was computed with (they fade: the
+    # measure is held against the prediction as it was made)
+    scales: tuple[float, float] = (1.0, 1.0)
 
     @property
     def is_pd(self) -> bool:

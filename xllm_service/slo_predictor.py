@@ -28,6 +28,11 @@ from xllm_service.sub_request import InstanceWork
 SCALE_ALPHA = 0.2
 SCALE_MAX = 50.0
 SCALE_MIN = 0.5
+# A scale fades back to 1 with this half-life while nothing new is measured. A measure over
+# the prediction may also say the prediction missed load (streams sent there after it): a
+# scale taught by a flood sends nothing there any more, so no measure would correct it. A
+# machine that is slow stays corrected: each stream that ends there measures it again.
+SCALE_HALF_LIFE_S = 20.0
 
 # Prompt tokens the service sent to a decode to compute over this many seconds give the
 # rate at which it will likely get more while a new stream runs there (a burst of short
@@ -69,11 +74,15 @@ class SloPredictor:
         # name -> what `_registered` returns
         self._profiles: dict[str, tuple] = {}
         # (instance, "ttft" | "tpot") -> measured / predicted, a moving average
-        self._scale: dict[tuple[str, str], float] = {}
+        self._scale: dict[tuple[str, str], tuple[float, float]] = {}  # (value, when)
         self._pairs_seen: set[tuple[str, str]] = set()  # (prefill, decode) that handed over
 
     def scale(self, name: str, what: str) -> float:
-        return self._scale.get((name, what), 1.0)
+        entry = self._scale.get((name, what))
+        if entry is None:
+            return 1.0
+        value, when = entry
+        return 1.0 + (value - 1.0) * 0.5 ** (max(0.0, self.clock() - when) / SCALE_HALF_LIFE_S)
 
     def observe(self, route: Route, ttft_ms: float | None, tpot_ms: float | None) -> None:
         """Correct the instances' predictions by what a request measured: the profile is
@@ -94,15 +103,16 @@ class SloPredictor:
         if route.is_pd and ttft_ms is not None:  # the overhead is not the profile's to scale
             overhead = self.config.pd_overhead_ms
             pred_ttft, ttft_ms = pred_ttft - overhead, max(0.0, ttft_ms - overhead)
-        for name, what, pred, meas in ((route.target.name, "ttft", pred_ttft, ttft_ms),
-                                       (route.serving.name, "tpot", pred_tpot, tpot_ms)):
+        for name, what, pred, meas, used in (
+                (route.target.name, "ttft", pred_ttft, ttft_ms, route.scales[0]),
+                (route.serving.name, "tpot", pred_tpot, tpot_ms, route.scales[1])):
             if meas is None or pred <= 0:
                 continue
-            ratio = meas / (pred / self.scale(name, what))  # against the raw profile
+            ratio = meas / (pred / used)  # against the raw profile
             ratio = min(SCALE_MAX, max(SCALE_MIN, ratio))  # (a measured 0: the floor)
-            old = self._scale.get((name, what))
-            self._scale[(name, what)] = ratio if old is None else (
-                old + SCALE_ALPHA * (ratio - old))
+            old = self.scale(name, what) if (name, what) in self._scale else None
+            self._scale[(name, what)] = (ratio if old is None else
+                                         old + SCALE_ALPHA * (ratio - old), self.clock())
 
     def note_local(self, decode: str, tokens: int) -> None:
         """The service sent `tokens` prompt tokens to `decode` to compute itself."""
@@ -226,7 +236,8 @@ class SloPredictor:
         if not route.is_pd and seqs_d:
             work = per_token * local * self.scale(route.target.name, "ttft")
             ttft, tpot = _guarded(pd, ttft, tpot, step * self.scale(decode.name, "tpot"), work)
-        return Prediction(dataclasses.replace(route, predicted=(ttft, tpot),
+        scales = (self.scale(route.target.name, "ttft"), self.scale(decode.name, "tpot"))
+        return Prediction(dataclasses.replace(route, predicted=(ttft, tpot), scales=scales,
                                               corrects_ttft=not waited), ttft, tpot)
 
 

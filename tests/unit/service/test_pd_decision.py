@@ -19,7 +19,7 @@ from xllm_py.engine.cache_events import hash_to_bytes
 from xllm_py.proto import xllm_pb2 as pb
 from xllm_py.sampling_params import SamplingParams
 from xllm_service.backend import MIN_PACED_TOKENS, ServiceBackend
-from xllm_service.slo_predictor import SCALE_MIN
+from xllm_service.slo_predictor import SCALE_HALF_LIFE_S, SCALE_MIN
 from xllm_service.instance_table import InstanceInfo, InstanceState, LoadInfo
 from xllm_service.pd_decision import (PDDecider, PrefixCache, SloPredictor, SloRouter,
                                       build_router)
@@ -486,7 +486,7 @@ async def test_a_request_prefilled_on_a_decode_migrates_to_another_decode():
 
 def test_measured_latencies_correct_the_predictions_per_instance():
     p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
-    pred = SloPredictor(RouterConfig(pd_overhead_ms=0), no_work)
+    pred = SloPredictor(RouterConfig(pd_overhead_ms=0), no_work, clock=lambda: 0.0)
     first = pred.predict(Route(p, d), 100, 100, 10)
     assert first.route.predicted == (first.ttft_ms, first.tpot_ms) == (pytest.approx(11), 3)
     pred.observe(first.route, 500.0, None)  # the pair's first hand-over: links set up
@@ -576,6 +576,26 @@ async def test_a_short_stream_corrects_no_tpot():
     await asyncio.wait_for(anext(stream), 1)
     (path, ttft, tpot), = seen
     assert ttft >= 0 and tpot is None
+
+
+def test_a_scale_fades_back_to_one_while_nothing_measures_it():
+    """A flood the prediction did not count teaches a high scale; with no stream sent
+    there any more, only time can take it back."""
+    p, d = inst("p", InstanceRole.PREFILL), inst("d", InstanceRole.DECODE)
+    now = [0.0]
+    pred = SloPredictor(RouterConfig(pd_overhead_ms=0), no_work, clock=lambda: now[0])
+    first = pred.predict(Route(p, d), 100, 100, 10)
+    pred.observe(first.route, None, 9 * first.tpot_ms)
+    assert pred.scale("d", "tpot") == pytest.approx(9)
+    now[0] = SCALE_HALF_LIFE_S
+    assert pred.scale("d", "tpot") == pytest.approx(5)
+    scaled = pred.predict(Route(p, d), 100, 100, 10)
+    assert scaled.tpot_ms == pytest.approx(5 * first.tpot_ms)
+    # measured as predicted then: the raw profile held (the scale the prediction used)
+    pred.observe(scaled.route, None, scaled.tpot_ms)
+    assert pred.scale("d", "tpot") == pytest.approx(5 + 0.2 * (5 - 5))
+    now[0] = 10 * SCALE_HALF_LIFE_S
+    assert pred.scale("d", "tpot") == pytest.approx(1, abs=0.01)
 
 
 def test_a_measure_under_the_prediction_floors_the_scale():
