@@ -547,34 +547,31 @@ def test_the_pd_overhead_is_added_after_the_correction_and_left_out_of_it():
     assert pred.predict(Route(p, d), 100, 100, 10).ttft_ms == pytest.approx(2 * 11 + 20)
 
 
-async def test_the_backend_reports_what_a_request_measured():
+async def measured(*outputs: list[int]) -> list[tuple]:
+    """(path, TTFT, TPOT) the backend reports of a request whose engine sends `outputs`
+    (the last one finishes it), each relayed to the client before the next."""
     b, engines = cond_backend()
     seen = []
     b.router.observe = lambda route, ttft, tpot: seen.append((route.path, ttft, tpot))
     stream, first = await started(b, engines, [5, 6, 7])
     (rid,) = engines.sent
-    await feed(b, gen(rid, [1]))
+    await feed(b, gen(rid, outputs[0]))
     await take(first)
-    await feed(b, gen(rid, [2]))  # (the pace is timed from the second output on)
-    await asyncio.wait_for(anext(stream), 1)
-    await feed(b, gen(rid, list(range(3, 3 + MIN_PACED_TOKENS)), finished=True))
-    await asyncio.wait_for(anext(stream), 1)
-    (path, ttft, tpot), = seen
+    for i, tokens in enumerate(outputs[1:], 2):
+        await feed(b, gen(rid, tokens, finished=i == len(outputs)))
+        await asyncio.wait_for(anext(stream), 1)
+    return seen
+
+
+async def test_the_backend_reports_what_a_request_measured():
+    # (the pace is timed from the second output on)
+    (path, ttft, tpot), = await measured([1], [2], list(range(3, 3 + MIN_PACED_TOKENS)))
     assert path is Path.DECODE and ttft >= 0 and tpot >= 0
 
 
 async def test_a_short_stream_corrects_no_tpot():
     """A few tokens come in one or two reports: their spacing is no pace."""
-    b, engines = cond_backend()
-    seen = []
-    b.router.observe = lambda route, ttft, tpot: seen.append((route.path, ttft, tpot))
-    stream, first = await started(b, engines, [5, 6, 7])
-    (rid,) = engines.sent
-    await feed(b, gen(rid, [1]))
-    await take(first)
-    await feed(b, gen(rid, [2, 3, 4], finished=True))
-    await asyncio.wait_for(anext(stream), 1)
-    (path, ttft, tpot), = seen
+    (_, ttft, tpot), = await measured([1], [2, 3, 4])
     assert ttft >= 0 and tpot is None
 
 
