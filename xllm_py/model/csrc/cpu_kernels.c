@@ -630,20 +630,26 @@ static inline __attribute__((always_inline)) void panel_tile_rows(
     XLLM_TILE_ROWS_SWITCH(rows, panel_tile, xt, pp, k0, kn, acc, pf)
 }
 
-/* x packed by tiles, xt[tile][K][XLLM_TILE_ROWS] (rows past M zero): the
- * calling thread's buffer, kept between calls (a fresh large malloc is an mmap that page
- * faults on every call). NULL when memory runs out. */
-static float *panel_pack_buffer(size_t need) {
-    static __thread float *buf = NULL;
-    static __thread size_t cap = 0;
-    if (need > cap) {
-        float *grown = realloc(buf, sizeof(float) * need);
+/* *buf grown to at least `bytes` (kept, with *cap, in the caller's thread-local
+ * variables: a buffer kept between calls, where a fresh large malloc is an mmap that page
+ * faults on every call). NULL when memory runs out (*buf then as it was). */
+static void *thread_buffer(void **buf, size_t *cap, size_t bytes) {
+    if (bytes > *cap) {
+        void *grown = realloc(*buf, bytes);
         if (grown == NULL)
             return NULL;
-        buf = grown;
-        cap = need;
+        *buf = grown;
+        *cap = bytes;
     }
-    return buf;
+    return *buf;
+}
+
+/* x packed by tiles, xt[tile][K][XLLM_TILE_ROWS] (rows past M zero): the calling thread's
+ * buffer (thread_buffer). */
+static float *panel_pack_buffer(size_t need) {
+    static __thread void *buf = NULL;
+    static __thread size_t cap = 0;
+    return thread_buffer(&buf, &cap, sizeof(float) * need);
 }
 
 static size_t panel_pack_floats(int32_t M, int32_t K) {

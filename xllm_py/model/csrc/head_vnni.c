@@ -66,16 +66,9 @@ static int vnni_compact(vnni_cands *c, float floor) {
 /* the calling thread's candidate lists, kept between calls: 32 KB a row and thread, of
  * which a call touches a few lines (a fresh allocation each step would page-fault) */
 static vnni_cands *vnni_cands_buffer(size_t n) {
-    static __thread vnni_cands *buf = NULL;
+    static __thread void *buf = NULL;
     static __thread size_t cap = 0;
-    if (n > cap) {
-        vnni_cands *grown = realloc(buf, sizeof(vnni_cands) * n);
-        if (grown == NULL)
-            return NULL;
-        buf = grown;
-        cap = n;
-    }
-    return buf;
+    return thread_buffer(&buf, &cap, sizeof(vnni_cands) * n);
 }
 
 XLLM_VNNI_TARGET
