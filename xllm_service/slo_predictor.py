@@ -172,12 +172,12 @@ class SloPredictor:
         ctx += others * (ctx // seqs if seqs else DEFAULT_CTX_PER_SEQ)
         return w, seqs + others, ctx
 
-    def _prefill_ttft_ms(self, info: InstanceInfo, profile: LatencyProfile, work: InstanceWork,
-                         uncached: int, own_pairs: int, ttft_slo_ms: float) -> float:
-        """TTFT of a prompt sent now to prefill instance `info`, which takes its queue in
-        deadline order (xllm_py/cluster/prefill_order.py; the service's prompts there, each
-        whole as if not started): an on-time prompt does not wait behind late ones."""
-        scale = self.scale(info.name, "ttft")
+    def _prefill_ttft_ms(self, profile: LatencyProfile, work: InstanceWork, uncached: int,
+                         own_pairs: int, ttft_slo_ms: float, scale: float) -> float:
+        """TTFT of a prompt sent now to the prefill instance of `profile` and `work`, its
+        times scaled by `scale`, which takes its queue in deadline order
+        (xllm_py/cluster/prefill_order.py; the service's prompts there, each whole as if
+        not started): an on-time prompt does not wait behind late ones."""
         now = self.clock()
 
         def queued(sent_s: float, tokens: int, slo_ms: float, pairs: int | None = None) -> Queued:
@@ -199,6 +199,9 @@ class SloPredictor:
         if pd is None or pp is None:
             return None
         work_d, seqs_d, ctx_d = self._state(decode)
+        # (each read once: a scale fades with the clock, and the route keeps what was used)
+        ttft_scale = self.scale(route.target.name, "ttft")
+        tpot_scale = self.scale(decode.name, "tpot")
         queued_d = work_d.pending_prefill_tokens
         own_pairs = attn_pairs(prompt_len - uncached, uncached)
         # whether this prompt waits behind others where it is computed (its TTFT then
@@ -206,8 +209,8 @@ class SloPredictor:
         if route.is_pd:
             work_p = self.work(route.target.name)
             waited = bool(work_p.pending_prompts)
-            ttft = self._prefill_ttft_ms(route.target, pp, work_p, uncached, own_pairs,
-                                         ttft_slo_ms)
+            ttft = self._prefill_ttft_ms(pp, work_p, uncached, own_pairs, ttft_slo_ms,
+                                         ttft_scale)
             local, local_pairs = queued_d, work_d.pending_prefill_pairs
         else:
             local_pairs = work_d.pending_prefill_pairs + own_pairs
@@ -222,7 +225,7 @@ class SloPredictor:
         per_token = (pd.prefill_ms_per_token
                      + pd.prefill_ms_per_kpair * local_pairs / max(1, local) / 1000)
         step = pd.decode_step_ms(seqs_d + 1, ctx_d + prompt_len)
-        life_s = max_tokens * step * self.scale(decode.name, "tpot") / 1000.0
+        life_s = max_tokens * step * tpot_scale / 1000.0
         coming = self.recent_local_rate(decode.name) * life_s
         stall = per_token * min((local + coming) / max(1, max_tokens // 2),
                                 pd.prompt_chunk(seqs_d + 1))
@@ -230,14 +233,14 @@ class SloPredictor:
         if route.is_pd:  # (scaled in the queue's order)
             ttft += self.config.pd_overhead_ms
         else:
-            ttft *= self.scale(route.target.name, "ttft")
+            ttft *= ttft_scale
         ttft += load_ms
-        tpot *= self.scale(decode.name, "tpot")
+        tpot *= tpot_scale
         if not route.is_pd and seqs_d:
-            work = per_token * local * self.scale(route.target.name, "ttft")
-            ttft, tpot = _guarded(pd, ttft, tpot, step * self.scale(decode.name, "tpot"), work)
-        scales = (self.scale(route.target.name, "ttft"), self.scale(decode.name, "tpot"))
-        return Prediction(dataclasses.replace(route, predicted=(ttft, tpot), scales=scales,
+            work = per_token * local * ttft_scale
+            ttft, tpot = _guarded(pd, ttft, tpot, step * tpot_scale, work)
+        return Prediction(dataclasses.replace(route, predicted=(ttft, tpot),
+                                              scales=(ttft_scale, tpot_scale),
                                               corrects_ttft=not waited), ttft, tpot)
 
 
