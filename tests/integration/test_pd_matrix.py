@@ -1,6 +1,6 @@
-"""The PD parity matrix (service + PREFILL + DECODE processes, real etcd, tcp transfer):
-prefill {TP 1, TP 2, PP 2, PP 3 uneven, TP 2 x PP 2} x decode {TP 1, TP 2, PP 2} x PULL
-and PUSH, on a
+"""The PD parity matrix (service + PREFILL + DECODE processes, real etcd): prefill {TP 1,
+TP 2, PP 2, PP 3 uneven, TP 2 x PP 2} x decode {TP 1, TP 2, PP 2} x PULL and PUSH x the
+tcp and ucx transfer backends, on a
 random Llama (llama-bias-4l: 4 layers, 2 KV heads; transformers' greedy tokens) and on
 gemma-3-270m (hybrid: a full group and five sliding ones, one KV head, replicated at TP 2;
 a MIX engine's tokens). Every pairing: the greedy tokens equal the reference's, the moving
@@ -11,8 +11,10 @@ is sent from one replica), every pool ends empty (``_check_pair``).
 
 The whole matrix is marked ``matrix`` (skipped unless ``-m`` names it, tests/conftest.py);
 two pairings no other file covers run in the default suite. The whole run, with the bytes
-table printed at the end (and written to pd_matrix_bytes.md under pytest's base temp):
-  scripts/test.sh -m "integration or matrix" tests/integration/test_pd_matrix.py -s
+table printed at the end (and written to pd_matrix_bytes.md under pytest's base temp),
+one backend at a time:
+  scripts/test.sh -m "integration or matrix" tests/integration/test_pd_matrix.py -s -k tcp
+  scripts/test.sh -m "integration or matrix" tests/integration/test_pd_matrix.py -s -k ucx
 """
 from __future__ import annotations
 
@@ -30,9 +32,11 @@ PREFILLS = {"TP1": ([], {}), "TP2": (["--tp", "2"], {}), "PP2": (["--pp", "2"], 
                                                             "gemma": "7,6,5"}}),
             "TP2PP2": (["--tp", "2", "--pp", "2"], {})}
 DECODES = {"TP1": ([], {}), "TP2": (["--tp", "2"], {}), "PP2": (["--pp", "2"], {})}
-# (model, prefill, decode, mode) run by default: pairings test_pd_pp and test_pd_tp leave out
-DEFAULT = {("llama", "PP3", "TP2", "PUSH"), ("gemma", "TP2", "PP2", "PULL"),
-           ("llama", "TP2PP2", "TP1", "PULL"), ("gemma", "TP2PP2", "TP2", "PUSH")}
+# (model, prefill, decode, mode, backend) run by default: pairings test_pd_pp and
+# test_pd_tp leave out
+DEFAULT = {("llama", "PP3", "TP2", "PUSH", "tcp"), ("gemma", "TP2", "PP2", "PULL", "tcp"),
+           ("llama", "TP2PP2", "TP1", "PULL", "tcp"), ("gemma", "TP2PP2", "TP2", "PUSH", "tcp"),
+           ("gemma", "PP3", "TP2", "PULL", "ucx")}
 _ROWS: list[str] = []
 
 
@@ -41,9 +45,11 @@ def _cases():
         for p in PREFILLS:
             for d in DECODES:
                 for mode in ("PULL", "PUSH"):
-                    marks = [] if (model, p, d, mode) in DEFAULT else [pytest.mark.matrix]
-                    yield pytest.param(model, p, d, mode, marks=marks,
-                                       id=f"{model}-{p}to{d}-{mode}")
+                    for backend in ("tcp", "ucx"):
+                        case = (model, p, d, mode, backend)
+                        marks = [] if case in DEFAULT else [pytest.mark.matrix]
+                        yield pytest.param(*case, marks=marks,
+                                           id=f"{model}-{p}to{d}-{mode}-{backend}")
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +58,9 @@ def table(tmp_path_factory):
     yield _ROWS
     if not _ROWS:
         return
-    head = ("| model | prefill | decode | mode | blocks handed | bytes moved (sum of ranks) "
+    head = ("| model | prefill | decode | mode | backend | blocks handed | bytes moved (sum of ranks) "
             "| per rank | decode copies of a head | = blocks x block bytes x copies "
-            "| tokens equal |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "| tokens equal |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     text = head + "\n".join(_ROWS) + "\n"
     out = tmp_path_factory.getbasetemp() / "pd_matrix_bytes.md"
     out.write_text(text)
@@ -83,17 +89,17 @@ def _side(spec: tuple[list[str], dict], model: str) -> tuple[list[str], dict]:
     return flags, {k: v[model] for k, v in settings.items()}
 
 
-@pytest.mark.parametrize("model,p,d,mode", list(_cases()))
-def test_pd_matrix(request, table, etcd_server, tmp_path, model, p, d, mode):
+@pytest.mark.parametrize("model,p,d,mode,backend", list(_cases()))
+def test_pd_matrix(request, table, etcd_server, tmp_path, model, p, d, mode, backend):
     ref = request.getfixturevalue(model)
-    h = Harness(etcd_server.endpoint, f"pd-matrix-{model}-{p}-{d}-{mode}/", tmp_path)
+    h = Harness(etcd_server.endpoint, f"pd-matrix-{model}-{p}-{d}-{mode}-{backend}/", tmp_path)
     record: list = []
     # a decode of more TP ranks than KV heads holds a copy of a head per replica: each copy
     # gets the prompt's KV (one source replica per head, whatever the prefill's layout)
     copies = max(1, (int(d[2:]) if d.startswith("TP") else 1) // ref["kv_heads"])
-    row = f"| {ref['name']} | {p} | {d} | {mode} |"
+    row = f"| {ref['name']} | {p} | {d} | {mode} | {backend} |"
     try:
-        _check_pair(h, mode, "tcp", ref["cases"], copies * ref["block_bytes"],
+        _check_pair(h, mode, backend, ref["cases"], copies * ref["block_bytes"],
                     ref["model_dir"], ref["model"], _side(PREFILLS[p], model),
                     _side(DECODES[d], model), windows=ref["windows"], record=record)
     except BaseException as e:
