@@ -38,11 +38,22 @@ DIRECTIONS = ("decode_to_prefill", "prefill_to_decode")
 # The part of the demand window also reported alone (`Demand.recent`): a load that rises
 # shows there first.
 RECENT_SHARE = 0.5
+# Requests enough to measure a demand alone: a Poisson count of n has a relative error of
+# 1 / sqrt(n), 10% here. Where the recent part holds this many, the shortest trailing span
+# that does (at least RECENT_MIN_S) is the demand: a load that turns is then seen whole
+# within a second or two, on both sides (the side it left too, whose old demand in the
+# longer window would hold its instances there; the streams running on a decode that
+# flips finish on it, so none needs to stay a decode for them). With fewer, the longer
+# window smooths.
+RECENT_SAMPLES = 100
+RECENT_MIN_S = 1.0
 
 
 class DemandWindow:
     """The requests this service routed in the last `window_s`: their rate, mean prompt
-    and asked output tokens."""
+    and asked output tokens; at a rate that gives RECENT_SAMPLES requests within less
+    than half the window, those of the shortest trailing span (at least RECENT_MIN_S)
+    that holds that many."""
 
     def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
@@ -53,12 +64,16 @@ class DemandWindow:
         self._samples.append((self.clock(), prompt_tokens, output_tokens))
 
     def snapshot(self) -> Demand:
-        """The whole window's demand, its last `RECENT_SHARE` in `recent`."""
+        """The whole window's demand, its last `RECENT_SHARE` in `recent`; or the recent
+        requests' alone where they are enough (class doc)."""
         now = self.clock()
         while self._samples and self._samples[0][0] < now - self.window_s:
             self._samples.popleft()
         span = self.window_s * RECENT_SHARE
         last = [s for s in self._samples if s[0] >= now - span]
+        if len(last) >= RECENT_SAMPLES:
+            t = min(last[-RECENT_SAMPLES][0], now - RECENT_MIN_S)
+            return _demand([s for s in last if s[0] >= t], now - t)
         # A lull in the last part is no demand there: an empty Demand() would carry the
         # dataclass's default prompt length into the prediction.
         recent = _demand(last, span) if last else None

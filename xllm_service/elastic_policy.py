@@ -8,7 +8,8 @@ measured over predicted times (at most SCALE_MAX either way), averaged:
   - each side's work in instances: prefill, the rate times one prompt's time; decode,
     the output tokens per second over what one decode delivers within the TPOT target
     (the most streams whose step stays within it, over that step); each the larger of
-    the whole window's and its recent part's (a rising load is seen early);
+    the whole window's and its recent part's (a rising load is seen early), or the
+    recent requests' alone where they are enough to measure it (elastic.DemandWindow);
   - each side's load: its work over its instances times the utilisation it can run at
     within its target (decode: `utilization`; prefill: also where the M/D/1 wait keeps
     TTFT within its target); the decodes' spare time counts at half as prompt servers

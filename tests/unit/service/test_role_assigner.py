@@ -11,7 +11,7 @@ from xllm_py.cluster.latency_profile import LatencyProfile
 from xllm_py.cluster.role_assignment import RoleAssignment, role_key
 from xllm_py.config import InstanceRole
 from xllm_service.config import ElasticConfig
-from xllm_service.elastic import DemandWindow, ElasticMetrics, RoleAssigner
+from xllm_service.elastic import RECENT_SAMPLES, DemandWindow, ElasticMetrics, RoleAssigner
 from xllm_service.elastic_policy import ElasticPolicy, predict
 from xllm_service.instance_table import InstanceInfo, InstanceState
 
@@ -114,6 +114,37 @@ def test_demand_window_and_role_seconds():
     assert a.metrics.role_seconds == {"PREFILL": 2.0, "DECODE": 2.0}
     text = "".join(str(m) for m in a.metrics.collect())
     assert "xllm_service_role_flips" in text
+
+
+def test_enough_recent_requests_are_the_demand_alone():
+    """At a rate that gives RECENT_SAMPLES requests in under half the window, a turn of
+    the load is the demand after RECENT_MIN_S, on both sides: the window's older requests
+    neither hold the side the load left nor dilute the side it went to."""
+    now = [0.0]
+    window = DemandWindow(window_s=10.0, clock=lambda: now[0])
+    for i in range(800):  # 8 s of long prompts with short answers, 100 a second
+        now[0] = i / 100
+        window.add(1024, 4)
+    for i in range(120):  # then short prompts with long answers
+        now[0] = 8.0 + i / 100
+        window.add(64, 128)
+    d = window.snapshot()
+    assert d.recent is None and (d.prompt_tokens, d.output_tokens) == (64, 128)
+    assert 95 <= d.rate <= 105 and d.samples >= RECENT_SAMPLES
+    # 30 a second: the trailing span that holds RECENT_SAMPLES requests (3.3 s)
+    window = DemandWindow(window_s=10.0, clock=lambda: now[0])
+    for i in range(240):
+        now[0] = 20.0 + i / 30
+        window.add(256, 16)
+    d = window.snapshot()
+    assert d.recent is None and d.samples == RECENT_SAMPLES and 28 <= d.rate <= 32
+    # 15 a second: fewer than RECENT_SAMPLES in half the window, the pair as before
+    window = DemandWindow(window_s=10.0, clock=lambda: now[0])
+    for i in range(150):
+        now[0] = 40.0 + i / 15
+        window.add(256, 16)
+    d = window.snapshot()
+    assert d.recent is not None and d.samples == 150 and d.recent.samples < RECENT_SAMPLES
 
 
 def test_a_lull_in_the_recent_half_adds_no_demand():
