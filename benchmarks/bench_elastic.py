@@ -15,7 +15,8 @@ after a phase change the split stopped moving.
     python benchmarks/bench_elastic.py --profile PROFILE.json --phase-s 40 --json out.json
 
 Every arm runs on the same engines (elastic ones pinned for the fixed splits: the same
-code, settings and pools), one after another on one machine.
+code, settings and pools), one after another on one machine, a demand window apart (the
+elastic arm does not start from the last arm's load).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from xllm_py.config import InstanceRole  # noqa: E402
 from xllm_py.sim.engine import sim_model_dir  # noqa: E402
 from xllm_py.sim.fleet import Fleet  # noqa: E402
 from xllm_py.utils.config_file import write_settings  # noqa: E402
+from xllm_service.config import ElasticConfig  # noqa: E402
 
 P, D = InstanceRole.PREFILL, InstanceRole.DECODE
 
@@ -226,7 +228,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         fleet.add_engines("MIX", args.instances)
         await fleet.wait_all_active(240)
         names = [f"mix-{i}" for i in range(args.instances)]
-        for arm in args.arms.split(","):
+        for i, arm in enumerate(args.arms.split(",")):
+            if i:  # the last arm's requests leave the master's demand window: no arm
+                await asyncio.sleep(ElasticConfig().window_s + 1)  # starts informed
             row = await run_arm(fleet, names, arm, trace, args, (ttft_ms, tpot_ms))
             result["arms"].append(row)
             print(json.dumps(row), flush=True)

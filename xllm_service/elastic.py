@@ -39,13 +39,14 @@ DIRECTIONS = ("decode_to_prefill", "prefill_to_decode")
 # shows there first.
 RECENT_SHARE = 0.5
 # Requests enough to measure a demand alone: a Poisson count of n has a relative error of
-# 1 / sqrt(n), 10% here. Where the recent part holds this many, the shortest trailing span
-# that does (at least RECENT_MIN_S) is the demand: a load that turns is then seen whole
-# within a second or two, on both sides (the side it left too, whose old demand in the
-# longer window would hold its instances there; the streams running on a decode that
-# flips finish on it, so none needs to stay a decode for them). With fewer, the longer
-# window smooths.
-RECENT_SAMPLES = 100
+# 1 / sqrt(n), 18% here, within what the decision's hysteresis absorbs (nothing moves
+# while the split keeps the load, a gain must hold for `hold_s`). Where the recent part
+# holds this many, the shortest trailing span that does (at least RECENT_MIN_S) is the
+# demand: a load that turns is then seen within a few seconds on both sides (the side it
+# left too, whose old demand in the longer window would hold its instances there for the
+# whole window; the streams running on a decode that flips finish on it, so none needs to
+# stay a decode for them). With fewer, the longer window smooths.
+RECENT_SAMPLES = 30
 RECENT_MIN_S = 1.0
 
 
