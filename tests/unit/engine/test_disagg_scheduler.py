@@ -484,6 +484,29 @@ async def test_an_add_new_requests_that_comes_after_its_drop_is_refused(make_nod
     assert pd.decode.num_open() == 1
 
 
+async def test_a_drop_that_comes_while_the_engine_admits_frees_the_blocks(make_node):
+    """The drop came after its AddNewRequests reached the decode but before the engine
+    had set the blocks aside (no record yet): the admission's blocks are freed and the
+    call refused, not held until the orphan reaper."""
+    engine, pd, peers = await make_node(DECODE)
+    gate = threading.Event()
+    busy = engine.call(lambda: gate.wait(10))  # the engine thread held: the admission waits
+    try:
+        add = asyncio.create_task(pd.decode.add_new_requests("prefill:1", [_spec("r7")]))
+        await asyncio.sleep(0.05)
+        assert not add.done()
+        drop = HandOver("r7", prefill_name="prefill:1", failed=True, status_msg="cancelled")
+        [problem] = await pd.decode.first_generation([drop])
+        assert "unknown request" in problem
+    finally:
+        gate.set()
+    await asyncio.wrap_future(busy)
+    [placement] = await add
+    assert placement.status is Status.INVALID_ARGUMENT and "dropped" in placement.message
+    assert pd.decode.num_open() == 0
+    await until_free(engine)
+
+
 async def _take_over_with_a_held_pull(pd: PDRole, peers: FakePeers):
     """Request r1 placed on decode and its FirstGeneration in flight, its pull running
     until the test sets peers.transfer_gate. Returns (blocks, the FirstGeneration task)."""

@@ -10,7 +10,8 @@ Stages of a request (its record's status, named by DecodePhase, see phases.py):
   later token goes to the service through Generations.
   A failed pull ends it FAILED (RecvFailed: never decode on KV that did not arrive); a
   FirstGeneration that says `failed` DROPs it (one for an id not known yet makes that id's
-  AddNewRequests refused if it comes later: delayed by the network past its deadline);
+  AddNewRequests refused if it comes later, delayed by the network past its deadline, or
+  frees what it set aside if it came while the engine admitted it);
   one that never comes FAILs it after `orphan_timeout_s` so its blocks cannot leak.
 Cancel (the service's): ALLOCATED -> DROPPED at once in PULL mode (nothing but our own
 pull writes into its blocks); PUSH: -> CANCELLED, freed when FirstGeneration comes (a
@@ -99,15 +100,20 @@ class DecodeSide:
                                          message="duplicate request id"))
                 continue
             if self._dropped_early.pop(rid, None) is not None:
-                replies.append(Placement(rid, Status.INVALID_ARGUMENT,
-                                         message="the prefill dropped this request"))
+                replies.append(_dropped_placement(rid))
                 continue
             try:
                 alloc = await self._admit(spec)
             except Exception as exc:  # nothing stays allocated: add_remote frees on failure
                 logger.exception("request %s: admitting it on decode failed", rid)
                 alloc = f"request refused ({type(exc).__name__})"
-            if isinstance(alloc, str):
+            if self._dropped_early.pop(rid, None) is not None:
+                # The drop came while the engine admitted it (the record did not exist
+                # yet): free what the admission set aside, or it is held until the reaper.
+                if alloc is not None and not isinstance(alloc, str):
+                    await self.connector.drop(rid)
+                replies.append(_dropped_placement(rid))
+            elif isinstance(alloc, str):
                 replies.append(Placement(rid, Status.INVALID_ARGUMENT, message=alloc))
             elif alloc is None:
                 replies.append(Placement(rid, Status.RESOURCE_EXHAUSTED,
@@ -267,6 +273,10 @@ class DecodeSide:
         elif rec.phase is D.PULLING:
             rec.transition(D.GONE)
         return True
+
+
+def _dropped_placement(request_id: str) -> Placement:
+    return Placement(request_id, Status.INVALID_ARGUMENT, message="the prefill dropped this request")
 
 
 def handover_problem(h: HandOver, num_blocks: int, vocab_size: int) -> str:
