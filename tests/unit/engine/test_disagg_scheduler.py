@@ -507,6 +507,29 @@ async def test_a_drop_that_comes_while_the_engine_admits_frees_the_blocks(make_n
     await until_free(engine)
 
 
+async def test_an_add_new_requests_given_up_during_the_admission_frees_the_blocks(make_node):
+    """The AddNewRequests call was cancelled (its deadline passed; a call a partition held
+    back arrives with its cancel behind it) while the engine admitted it: the blocks the
+    admission set aside have no record, and are freed when the engine answers."""
+    engine, pd, peers = await make_node(DECODE)
+    gate = threading.Event()
+    busy = engine.call(lambda: gate.wait(10))  # the engine thread held: the admission waits
+    try:
+        add = asyncio.create_task(pd.decode.add_new_requests("prefill:1", [_spec("r8")]))
+        await asyncio.sleep(0.05)
+        assert not add.done()
+        add.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await add
+    finally:
+        gate.set()
+    await asyncio.wrap_future(busy)
+    assert pd.decode.num_open() == 0
+    await until_free(engine)
+    await _add_on_decode(pd, "r8")  # the id is not held: placed again as new
+    assert pd.decode.num_open() == 1
+
+
 async def _take_over_with_a_held_pull(pd: PDRole, peers: FakePeers):
     """Request r1 placed on decode and its FirstGeneration in flight, its pull running
     until the test sets peers.transfer_gate. Returns (blocks, the FirstGeneration task)."""

@@ -99,8 +99,10 @@ class PDConnector(KVConnector):
                               seq.start_pos + len(seq.token_ids))
 
     # ---------------------------------------------------------------- event loop: decode
-    async def admit_remote(self, req: EngineRequest) -> RemoteAllocation | str | None:
-        return await self._to_engine(AdmitRemote(req))
+    def admit_remote(self, req: EngineRequest) -> asyncio.Future:
+        """Resolves to a RemoteAllocation, a reason it cannot be served, or None (no KV
+        space now). The engine admits it even if the caller stops waiting."""
+        return self._to_engine(AdmitRemote(req))
 
     async def recv_done(self, parent_id: str, token_ids: list[int],
                         logprobs: list[TokenLogprob | None]) -> None:

@@ -12,7 +12,8 @@ Stages of a request (its record's status, named by DecodePhase, see phases.py):
   FirstGeneration that says `failed` DROPs it (one for an id not known yet makes that id's
   AddNewRequests refused if it comes later, delayed by the network past its deadline, or
   frees what it set aside if it came while the engine admitted it);
-  one that never comes FAILs it after `orphan_timeout_s` so its blocks cannot leak.
+  one that never comes FAILs it after `orphan_timeout_s` so its blocks cannot leak; an
+  AddNewRequests given up while the engine admits it drops what the admission set aside.
 Cancel (the service's): ALLOCATED -> DROPPED at once in PULL mode (nothing but our own
 pull writes into its blocks); PUSH: -> CANCELLED, freed when FirstGeneration comes (a
 PUSH may be writing into its blocks until then) or after `cancel_grace_s`; PULLING ->
@@ -132,10 +133,25 @@ class DecodeSide:
         """The engine admits it (AdmitRemote), with a sink to the service."""
         sink = self.reporter.sink(spec.source_xservice_addr, spec.service_request_id,
                                   spec.request_id)
-        return await self.connector.admit_remote(EngineRequest(
+        admitted = self.connector.admit_remote(EngineRequest(
             spec.request_id, spec.prompt_token_ids, spec.params, sink, arrival_time=0.0,
             usage_prompt_tokens=usage_prompt_tokens, generated_offset=generated_offset,
             num_unread=num_unread, offline=spec.offline, tpot_slo_ms=spec.tpot_slo_ms))
+        try:
+            return await asyncio.shield(admitted)
+        except asyncio.CancelledError:
+            # The call was given up (its deadline, a client that hung up: a call delayed
+            # by a partition arrives with its cancel right behind it) while the engine
+            # admits it: no record will hold what the admission sets aside, so it is
+            # dropped when the engine answers.
+            admitted.add_done_callback(lambda f: self._drop_unrecorded(f, spec.request_id))
+            raise
+
+    def _drop_unrecorded(self, admitted: asyncio.Future, request_id: str) -> None:
+        if admitted.cancelled() or admitted.exception() is not None:
+            return  # nothing was set aside
+        if isinstance(admitted.result(), RemoteAllocation):
+            self.connector.drop(request_id)
 
     # ------------------------------------------------------------------ FirstGeneration
     async def first_generation(self, handovers: list[HandOver]) -> list[str]:
