@@ -1,5 +1,5 @@
 """KVConnector: where the engine's step meets KV that lives elsewhere (PD), the scheduler
-role of vLLM's KV connector (docs/DESIGN.md section 4). Pure Python: no torch, no gRPC.
+role of vLLM's KV connector (docs/DESIGN.md section 3). Pure Python: no torch, no gRPC.
 
 The engine owns one connector (MIX: `NoConnector`) and calls it on the engine thread only:
 

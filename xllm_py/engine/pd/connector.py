@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from xllm_py.engine.engine_request import EngineRequest
 from xllm_py.engine.kv_connector import (AdmitRemote, Drop, Event, KVConnector, OfflineRoom,
-                                         RecvDone, RecvFailed, RemoteAllocation, SendDone)
+                                         RecvDone, RecvFailed, SendDone)
 from xllm_py.outputs import TokenLogprob
 
 logger = logging.getLogger(__name__)
