@@ -44,6 +44,21 @@ class InstanceState(str, enum.Enum):
         return self in (InstanceState.ACTIVE, InstanceState.LEASE_LOST)
 
 
+# The moves `_set_state` makes (the module doc says which event makes each). EVICTED is
+# no state of a live entry: an evicted or replaced entry leaves the table, and the
+# snapshot handed to callbacks carries it.
+_ALLOWED: dict[InstanceState, frozenset[InstanceState]] = {
+    InstanceState.ACTIVE: frozenset({InstanceState.SUSPECT}),
+    InstanceState.SUSPECT: frozenset({InstanceState.LEASE_LOST, InstanceState.ACTIVE}),
+    InstanceState.LEASE_LOST: frozenset({InstanceState.SUSPECT, InstanceState.ACTIVE}),
+    InstanceState.EVICTED: frozenset(),
+}
+
+
+class InvalidInstanceTransition(RuntimeError):
+    pass
+
+
 class ChangeKind(str, enum.Enum):
     ADDED = "ADDED"          # a new name
     UPDATED = "UPDATED"      # same incarnation, meta rewritten
@@ -157,6 +172,9 @@ class InstanceTable:
     def _set_state(self, info: InstanceInfo, state: InstanceState, now: float) -> list[Change]:
         if info.state is state:
             return []
+        if state not in _ALLOWED[info.state]:
+            raise InvalidInstanceTransition(
+                f"instance {info.name}: {info.state.value} -> {state.value}")
         old = info.state
         info.state = state
         info.state_since_s = now

@@ -7,6 +7,7 @@ from xllm_service.instance_table import (
     ChangeKind,
     InstanceState,
     InstanceTable,
+    InvalidInstanceTransition,
     LoadInfo,
 )
 
@@ -249,3 +250,11 @@ def test_a_draining_instance_takes_no_new_requests_but_stays_registered():
     assert t.counts() == {"ACTIVE": 1, "LEASE_LOST": 0, "SUSPECT": 0, "DRAINING": 1}
     t.key_deleted("d1:1", 2.0)  # drained and gone
     assert t.counts() == {"ACTIVE": 1, "LEASE_LOST": 0, "SUSPECT": 1, "DRAINING": 0}
+
+
+def test_a_move_outside_the_transition_table_raises():
+    t = table_with(meta())
+    info = t.get("d1:1")
+    with pytest.raises(InvalidInstanceTransition, match="ACTIVE -> LEASE_LOST"):
+        t._set_state(info, InstanceState.LEASE_LOST, 1.0)  # (alive without a lost key)
+    assert info.state is InstanceState.ACTIVE
