@@ -177,24 +177,21 @@ def test_a_fully_kept_verify_makes_the_next_rest_short_again():
     assert rest_after_rejections() == spec_mod.FIRST_REST_STEPS
 
 
-def test_lookup_guesses_are_priced_with_the_predictions_rows_in_the_step():
+def test_a_predictions_guesses_are_priced_like_the_others():
+    """A prediction's rows pay their way like the lookup's: alone, some; in a compute-bound
+    step (a row costs more than the step's share of a token) none, the lookup's neither."""
     spec = Speculator(K4)
     for rows in (8, 12, 16, 24, 8, 16):  # 5 ms + 2 ms a row
         spec.step_cost.add(rows, 5.0 + 2.0 * rows)
-    predicted = _req("p", [1, 2, 3], prediction_token_ids=list(range(10, 30)))
-    predicted.append_output_token(10)
-    drafted = spec.propose([predicted, _req("a", REPEATING)], 256)
-    rows = len(drafted["p"])  # verified whatever the price
-    rate = spec_mod.PRIOR_RATE
 
-    def tokens_per_ms(guesses: int) -> float:
-        """The step's expected tokens per ms with `guesses` lookup guesses beside them."""
-        tokens = 2 + sum(rate ** j for j in range(1, rows + 1)) + sum(
-            rate ** j for j in range(1, guesses + 1))
-        return tokens / (5.0 + 2.0 * (2 + rows + guesses))
+    def predicted(rid: str) -> Request:
+        r = _req(rid, [1, 2, 3], prediction_token_ids=list(range(10, 30)))
+        r.append_output_token(10)
+        return r
 
-    assert rows == spec_mod.PREDICTION_TOKENS
-    assert len(drafted["a"]) == max(range(5), key=tokens_per_ms)
+    assert 0 < len(spec.propose([predicted("alone")], 256)["alone"]) <= spec_mod.PREDICTION_TOKENS
+    batch = [predicted(f"p{i}") for i in range(24)] + [_req(f"a{i}", REPEATING) for i in range(8)]
+    assert spec.propose(batch, 256) == {}
 
 
 def test_the_latency_profile_prices_a_step_until_the_fit_does():

@@ -9,10 +9,10 @@ requests that end here), or not at all.
 Per step (`propose`): each sequence's guesses are worth what its running rate of kept
 guesses says and cost what the engine's decode steps say a row costs (step_cost.py:
 fitted from its own steps; before that the latency profile; with neither, every guess
-is verified); `plan_guesses` keeps the rows that raise the step's expected tokens per ms
-(a prediction's rows, always verified, counted in the step), so a compute-bound step (a
-large batch) verifies few guesses or none. Per sequence: any
-decode but a PD prefill's hand-over (each guess row is sampled as a one-token step would
+is verified); `plan_guesses` keeps the rows that raise the step's expected tokens per ms,
+so a compute-bound step (a large batch) verifies few guesses or none, a prediction's too
+(the client asked for speed: rows that cost more than they emit would slow it).
+Per sequence: any decode but a PD prefill's hand-over (each guess row is sampled as a one-token step would
 sample that position: verify.py), at most as many guesses as max_tokens and the context
 leave room for, under a grammar only those it accepts (cut at the first it refuses or
 that completes it), and none while its rate has fallen below MIN_ACCEPTANCE: it rests,
@@ -140,7 +140,6 @@ class Speculator:
         bar = price[1] * len(decodes) / price[0] if price and price[0] > 0 else 0.0
         drafted: dict[str, list[int]] = {}
         candidates: list[tuple[str, int, float]] = []
-        fixed_rows, fixed_tokens = 0, 0.0  # a prediction's guesses: in the step whatever the price
         for request in decodes:
             predicted = bool(request.sampling_params.prediction_token_ids)
             if not (predicted or self.config) or not speculates(request):
@@ -157,7 +156,7 @@ class Speculator:
                 state.rest_left -= 1
                 continue
             probe = state.rested
-            if price is not None and state.rate <= bar and not probe and not predicted:
+            if price is not None and state.rate <= bar and not probe:
                 # (not worth a row at this step's price: no rest, which would outlast
                 # the batch that priced it out; skipping costs nothing, as it comes
                 # before proposing)
@@ -173,20 +172,14 @@ class Speculator:
                 drafts = drafts[:request.grammar.num_guessable(drafts)]
             if drafts and probe:  # (first and short: it tells a rate the price hid)
                 drafts = drafts[:PROBE_TOKENS]
-            if drafts:  # (a prediction the client sent is verified, whatever the price)
+            if drafts:
                 drafted[request.request_id] = drafts
-                if predicted:
-                    fixed_rows += len(drafts)
-                    fixed_tokens += sum(state.rate ** j for j in range(1, len(drafts) + 1))
-                else:
-                    candidates.append((request.request_id, len(drafts),
-                                       1.0 if probe else state.rate))
+                candidates.append((request.request_id, len(drafts),
+                                   1.0 if probe else state.rate))
         if price is None or not candidates:
             return drafted
-        # the others priced against the step as it runs: with the prediction's rows
         base_ms, per_row = price
-        counts = plan_guesses(candidates, len(decodes) + fixed_tokens,
-                              base_ms + per_row * fixed_rows, per_row)
+        counts = plan_guesses(candidates, len(decodes), base_ms, per_row)
         for rid, _, _ in candidates:  # (a priced sequence keeps what the plan gives it)
             n = counts.get(rid, 0)
             if n:
