@@ -197,9 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-output", type=int, default=128)
     p.add_argument("--short-output", type=int, default=4)
     p.add_argument("--max-inflight", type=int, default=400)
-    p.add_argument("--hold-s", type=float, default=3.0, help="the master's elastic_hold_s")
-    p.add_argument("--min-dwell-s", type=float, default=10.0,
-                   help="the master's elastic_min_dwell_s")
+    p.add_argument("--hold-s", type=float, default=None,
+                   help="the master's elastic_hold_s (default: the master's default)")
+    p.add_argument("--min-dwell-s", type=float, default=None,
+                   help="the master's elastic_min_dwell_s (default: the master's default)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--json", default=None)
     return p
@@ -216,8 +217,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     ttft_ms = slo_defaults.ttft_target_ms([profile])
     tpot_ms = slo_defaults.tpot_target_ms([profile])
     trace = phases(profile, args.instances, ttft_ms, tpot_ms, args)
-    settings = write_settings(log_dir / "service.yaml", {
-        "elastic_hold_s": args.hold_s, "elastic_min_dwell_s": args.min_dwell_s})
+    overrides = {"elastic_hold_s": args.hold_s, "elastic_min_dwell_s": args.min_dwell_s}
+    settings = write_settings(log_dir / "service.yaml",
+                              {k: v for k, v in overrides.items() if v is not None})
     fleet = Fleet(profile_path, sim_model_dir("tiny"), log_dir,
                   service_args=["--elastic-pd", "on", *settings])
     result: dict[str, Any] = {"args": vars(args), "targets_ms": [ttft_ms, tpot_ms],

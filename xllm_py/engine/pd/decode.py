@@ -151,6 +151,8 @@ class DecodeSide:
         if admitted.cancelled() or admitted.exception() is not None:
             return  # nothing was set aside
         if isinstance(admitted.result(), RemoteAllocation):
+            logger.info("request %s: AddNewRequests given up during its admission; "
+                        "freeing its blocks", request_id)
             self.connector.drop(request_id)
 
     # ------------------------------------------------------------------ FirstGeneration
