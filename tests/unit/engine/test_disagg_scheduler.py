@@ -6,6 +6,7 @@ decode is linked afresh. Only public methods and the PDPeers interface are used.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import threading
@@ -484,23 +485,31 @@ async def test_an_add_new_requests_that_comes_after_its_drop_is_refused(make_nod
     assert pd.decode.num_open() == 1
 
 
+@contextlib.asynccontextmanager
+async def _admitting(engine: LLMEngine, pd: PDRole, rid: str):
+    """An AddNewRequests of `rid` under way while the engine thread is held (the
+    admission waits for it until the block ends). Yields the call's task."""
+    gate = threading.Event()
+    busy = engine.call(lambda: gate.wait(10))
+    try:
+        add = asyncio.create_task(pd.decode.add_new_requests("prefill:1", [_spec(rid)]))
+        await asyncio.sleep(0.05)
+        assert not add.done()
+        yield add
+    finally:
+        gate.set()
+        await asyncio.wrap_future(busy)
+
+
 async def test_a_drop_that_comes_while_the_engine_admits_frees_the_blocks(make_node):
     """The drop came after its AddNewRequests reached the decode but before the engine
     had set the blocks aside (no record yet): the admission's blocks are freed and the
     call refused, not held until the orphan reaper."""
     engine, pd, peers = await make_node(DECODE)
-    gate = threading.Event()
-    busy = engine.call(lambda: gate.wait(10))  # the engine thread held: the admission waits
-    try:
-        add = asyncio.create_task(pd.decode.add_new_requests("prefill:1", [_spec("r7")]))
-        await asyncio.sleep(0.05)
-        assert not add.done()
+    async with _admitting(engine, pd, "r7") as add:
         drop = HandOver("r7", prefill_name="prefill:1", failed=True, status_msg="cancelled")
         [problem] = await pd.decode.first_generation([drop])
         assert "unknown request" in problem
-    finally:
-        gate.set()
-    await asyncio.wrap_future(busy)
     [placement] = await add
     assert placement.status is Status.INVALID_ARGUMENT and "dropped" in placement.message
     assert pd.decode.num_open() == 0
@@ -512,18 +521,10 @@ async def test_an_add_new_requests_given_up_during_the_admission_frees_the_block
     back arrives with its cancel behind it) while the engine admitted it: the blocks the
     admission set aside have no record, and are freed when the engine answers."""
     engine, pd, peers = await make_node(DECODE)
-    gate = threading.Event()
-    busy = engine.call(lambda: gate.wait(10))  # the engine thread held: the admission waits
-    try:
-        add = asyncio.create_task(pd.decode.add_new_requests("prefill:1", [_spec("r8")]))
-        await asyncio.sleep(0.05)
-        assert not add.done()
+    async with _admitting(engine, pd, "r8") as add:
         add.cancel()
         with pytest.raises(asyncio.CancelledError):
             await add
-    finally:
-        gate.set()
-    await asyncio.wrap_future(busy)
     assert pd.decode.num_open() == 0
     await until_free(engine)
     await _add_on_decode(pd, "r8")  # the id is not held: placed again as new
