@@ -12,11 +12,13 @@ set from the profile so that about 3/4 of the fleet is needed on the phase's hea
 service states, per second), SLO attainment, failures; for elastic the flips and how long
 after a phase change the split stopped moving.
 
-    python benchmarks/bench_elastic.py --profile PROFILE.json --phase-s 40 --json out.json
+    python benchmarks/bench_elastic.py [--profile PROFILE.json] [--phase-s 180] [--json out.json]
 
 Every arm runs on the same engines (elastic ones pinned for the fixed splits: the same
 code, settings and pools), one after another on one machine, a demand window apart (the
-elastic arm does not start from the last arm's load).
+elastic arm does not start from the last arm's load). A phase's requests all end before
+the next phase starts. The master decides with its default settings unless `--hold-s` or
+`--min-dwell-s` say otherwise.
 """
 from __future__ import annotations
 
@@ -189,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time-model JSON (default: measure the default model now)")
     p.add_argument("--instances", type=int, default=16)
     p.add_argument("--arms", default="4P12D,8P8D,12P4D,elastic")
-    p.add_argument("--phase-s", type=float, default=40.0, help="seconds of each phase")
+    p.add_argument("--phase-s", type=float, default=180.0,
+                   help="seconds of each phase (a phase's requests then finish)")
     p.add_argument("--heavy-share", type=float, default=0.7,
                    help="of the instances, the share a phase's heavy side needs")
     p.add_argument("--long-prompt", type=int, default=1024)

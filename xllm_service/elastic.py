@@ -56,9 +56,13 @@ class DemandWindow:
     than half the window, those of the shortest trailing span (at least RECENT_MIN_S)
     that holds that many."""
 
-    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 local_prompt_max_tokens: int | None = None) -> None:
+        """`local_prompt_max_tokens`: the router's local_prefill_max_tokens (None: every
+        prompt may be computed on a decode), for Demand.local_share."""
         self.window_s = window_s
         self.clock = clock
+        self.local_prompt_max_tokens = local_prompt_max_tokens
         self._samples: collections.deque[tuple[float, int, int]] = collections.deque()
 
     def add(self, prompt_tokens: int, output_tokens: int) -> None:
@@ -74,20 +78,23 @@ class DemandWindow:
         last = [s for s in self._samples if s[0] >= now - span]
         if len(last) >= RECENT_SAMPLES:
             t = min(last[-RECENT_SAMPLES][0], now - RECENT_MIN_S)
-            return _demand([s for s in last if s[0] >= t], now - t)
+            return self._demand([s for s in last if s[0] >= t], now - t)
         # A lull in the last part is no demand there: an empty Demand() would carry the
         # dataclass's default prompt length into the prediction.
-        recent = _demand(last, span) if last else None
-        return dataclasses.replace(_demand(self._samples, self.window_s), recent=recent)
+        recent = self._demand(last, span) if last else None
+        return dataclasses.replace(self._demand(self._samples, self.window_s), recent=recent)
 
-
-def _demand(samples: Sequence[tuple[float, int, int]], span_s: float) -> Demand:
-    n = len(samples)
-    if n == 0:
-        return Demand()
-    return Demand(rate=n / span_s, prompt_tokens=sum(s[1] for s in samples) / n,
-                  output_tokens=sum(s[2] for s in samples) / n, samples=n,
-                  prompt_sq_tokens=sum(s[1] * s[1] for s in samples) / n)
+    def _demand(self, samples: Sequence[tuple[float, int, int]], span_s: float) -> Demand:
+        n = len(samples)
+        if n == 0:
+            return Demand()
+        tokens = sum(s[1] for s in samples)
+        limit = self.local_prompt_max_tokens
+        short = tokens if limit is None else sum(s[1] for s in samples if s[1] <= limit)
+        return Demand(rate=n / span_s, prompt_tokens=tokens / n,
+                      output_tokens=sum(s[2] for s in samples) / n, samples=n,
+                      prompt_sq_tokens=sum(s[1] * s[1] for s in samples) / n,
+                      local_share=short / tokens if tokens else 1.0)
 
 
 class ElasticMetrics:

@@ -13,7 +13,8 @@ measured over predicted times (at most SCALE_MAX either way), averaged:
   - each side's load: its work over its instances times the utilisation it can run at
     within its target (decode: `utilization`; prefill: also where the M/D/1 wait keeps
     TTFT within its target); the decodes' spare time counts at half as prompt servers
-    where the service sends prompts to decodes (conditional disaggregation);
+    where the service sends prompts to decodes (conditional disaggregation), for no
+    more than the short prompts' share of the work (Demand.local_share);
   - attainment: 1 while the busier side's load is within 1, else 1 / load (the share of
     the demand the bottleneck serves in time). TTFT and TPOT are predicted too, for the
     log: TTFT with the prompts queued now, TPOT with the streams running now.
@@ -97,6 +98,10 @@ class Demand:
     output_tokens: float = 128.0    # mean (max_tokens asked)
     samples: int = 0
     prompt_sq_tokens: float = 0.0   # mean of the squares (attention; 0: the mean's square)
+    # Of the prompt tokens, the share in prompts short enough for the router to compute on
+    # a decode with room (its local_prefill_max_tokens): only those a decode's spare time
+    # serves (a longer one goes to a decode only when every prefill is behind).
+    local_share: float = 1.0
     # The last part of the window alone: each side is sized for the larger of the two,
     # so a load that rises is acted on before the window has filled with it.
     recent: "Demand | None" = None
@@ -188,7 +193,13 @@ def predict(prefills: int, decodes: int, profiles: Sequence[LatencyProfile], dem
                  max(w.per_prompt_ms for w in works))
     rho_d = work.decode / decodes
     spare = max(0.0, 1.0 - rho_d / utilization)
-    servers = prefills + (decodes * spare * DECODE_PROMPT_SHARE if decodes_prefill else 0.0)
+    credit = decodes * spare * DECODE_PROMPT_SHARE if decodes_prefill else 0.0
+    # The servers share the prompts in proportion: the decodes' part must stay within the
+    # short prompts' share of the work, credit / (prefills + credit) <= share.
+    share = min((d.local_share for d in (demand, demand.recent) if d is not None), default=1.0)
+    if share < 1.0:
+        credit = min(credit, prefills * share / (1.0 - share))
+    servers = prefills + credit
     rho_p = work.prefill / servers
     load = max(rho_p / _prefill_utilization(work.per_prompt_ms, ttft_target, utilization),
                rho_d / utilization)

@@ -66,7 +66,9 @@ async def run_service(config: ServiceConfig) -> None:
                           prefix_index)
     metrics = ServiceMetrics(subs.inflight_by_instance, prefix_index.sizes, registry.counts,
                              router.stated_targets)
-    demand = DemandWindow(config.elastic.window_s) if config.elastic.enabled else None
+    demand = (DemandWindow(config.elastic.window_s,
+                           local_prompt_max_tokens=config.router.local_prefill_max_tokens)
+              if config.elastic.enabled else None)
     backend = ServiceBackend(tokenizer, config.model_name, max_len, router,
                              EngineClient(config.relay, channel_credentials(tls) if tls is not None else None), rpc_addr, config.relay, subs, metrics,
                              demand=demand)

@@ -217,3 +217,17 @@ def test_each_side_keeps_a_reserve_share_of_the_fleet():
         view(f"d{i}", D, elastic=False) for i in range(6)]
     _, flips = run(ElasticPolicy(CONFIG), views, flood, 10.0, 60.0)
     assert [(f.name, f.new) for f in flips] == [("e", P)]
+
+
+def test_decodes_serve_only_the_prompts_the_router_gives_them():
+    """The decodes' spare time counts as prompt servers for the short prompts' share of
+    the work (those within the router's local_prefill_max_tokens), no more."""
+    long_only = dataclasses.replace(PREFILL_HEAVY, local_share=0.0)
+    alone = predict(2, 2, [PROFILE], PREFILL_HEAVY, 0, 0, TARGETS, decodes_prefill=False)
+    assert predict(2, 2, [PROFILE], long_only, 0, 0, TARGETS) == alone
+    shared = predict(2, 2, [PROFILE], PREFILL_HEAVY, 0, 0, TARGETS)
+    some = predict(2, 2, [PROFILE], dataclasses.replace(PREFILL_HEAVY, local_share=0.2), 0, 0,
+                   TARGETS)
+    # 2 prefills and 0.5 decode servers: a fifth of the work on the decodes
+    assert shared.load < some.load < alone.load
+    assert math.isclose(some.load, alone.load * 2 / 2.5)

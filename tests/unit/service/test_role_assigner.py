@@ -171,3 +171,14 @@ def test_views_carry_the_routers_measured_correction():
     [v] = a.views(0.0)
     assert (v.ttft_scale, v.tpot_scale) == (1.5, 2.0)
     assert v.corrected.decode_base_ms == 2 * PROFILE.decode_base_ms
+
+
+def test_the_window_measures_the_short_prompts_share():
+    """Of the prompt tokens, the share in prompts within the router's local limit."""
+    now = [0.0]
+    window = DemandWindow(window_s=10.0, clock=lambda: now[0], local_prompt_max_tokens=256)
+    for i in range(20):
+        now[0] = i / 10
+        window.add(1024 if i % 2 else 256, 16)
+    assert window.snapshot().local_share == 256 / (256 + 1024)
+    assert DemandWindow(window_s=10.0).snapshot().local_share == 1.0  # (no requests)
