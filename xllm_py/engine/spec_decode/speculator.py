@@ -12,15 +12,15 @@ fitted from its own steps; before that the latency profile; with neither, every 
 is verified); `plan_guesses` keeps the rows that raise the step's expected tokens per ms,
 so a compute-bound step (a large batch) verifies few guesses or none, a prediction's too
 (the client asked for speed: rows that cost more than they emit would slow it).
-Per sequence: any decode but a PD prefill's hand-over (each guess row is sampled as a one-token step would
-sample that position: verify.py), at most as many guesses as max_tokens and the context
-leave room for, under a grammar only those it accepts (cut at the first it refuses or
-that completes it), and none while its rate has fallen below MIN_ACCEPTANCE: it rests,
-then tries again, each rest twice as long as the last, up to MAX_REST_STEPS (back to
-FIRST_REST_STEPS once a verify keeps every guess). A sequence the step's price leaves
-out does not rest: the price changes with the batch, so it asks again the next step, and
-after PRICED_OUT_STEPS in a row it verifies a short probe (its rate may be better than
-the one the price hid).
+Per sequence: any decode but a PD prefill's hand-over (each guess row is sampled as a
+one-token step would sample that position: verify.py), at most as many guesses as
+max_tokens and the context leave room for, under a grammar only those it accepts (cut
+at the first it refuses or that completes it), and none while its rate has fallen below
+MIN_ACCEPTANCE: it rests, then tries again, each rest twice as long as the last, up to
+MAX_REST_STEPS (back to FIRST_REST_STEPS once a verify keeps every guess). A sequence
+the step's price leaves out does not rest: the price changes with the batch, so it asks
+again the next step, and after PRICED_OUT_STEPS in a row it verifies a short probe (its
+rate may be better than the one the price hid).
 
 After the verify step (`settle`): the accepted tokens were appended; KV is valid up to
 the last of them, the rejected guesses' slots are rolled back (num_computed_tokens, the
